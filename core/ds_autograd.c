@@ -1,0 +1,240 @@
+#include "ds_autograd.h"
+#include "ds_error.h"
+#include "ds_ops.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+static _Thread_local bool grad_disabled;
+
+bool ds_grad_enabled(void) { return !grad_disabled; }
+
+bool ds_set_grad_enabled(bool on) {
+    bool prev = !grad_disabled;
+    grad_disabled = !on;
+    return prev;
+}
+
+ds_node *ds_autograd_record(const char *name, ds_backward_fn fn, int n_inputs,
+                            ds_tensor *const *inputs, ds_tensor *out) {
+    if (grad_disabled) return NULL;
+    bool any = false;
+    for (int k = 0; k < n_inputs; k++)
+        if (inputs[k] && inputs[k]->requires_grad) any = true;
+    if (!any) return NULL;
+    ds_node *n = calloc(1, sizeof *n);
+    if (!n) return NULL;    /* out of memory: the op still works, without history */
+    atomic_init(&n->refcount, 1);
+    n->name = name;
+    n->backward = fn;
+    n->n_inputs = n_inputs;
+    for (int k = 0; k < n_inputs; k++) {
+        ds_tensor *in = inputs[k];
+        ds_edge *e = &n->next[k];
+        if (!in) continue;
+        e->ndim = in->ndim;
+        memcpy(e->shape, in->shape, sizeof e->shape);
+        e->dtype = in->dtype;
+        if (!in->requires_grad) continue;
+        if (in->grad_fn) {
+            e->node = in->grad_fn;
+            atomic_fetch_add(&e->node->refcount, 1);
+        } else {
+            e->leaf = in;
+            ds_tensor_retain(in);
+        }
+    }
+    out->grad_fn = n;
+    out->requires_grad = true;
+    if (out->storage->category == DS_MEM_OTHER) ds_tensor_set_category(out, DS_MEM_ACT);
+    return n;
+}
+
+int ds_node_save(ds_node *n, int slot, ds_tensor *t) {
+    ds_tensor *alias = ds_tensor_view_of(t, t->ndim, t->shape, t->stride, t->offset);
+    if (!alias) return -1;
+    ds_tensor_release(n->saved[slot]);
+    n->saved[slot] = alias;
+    return 0;
+}
+
+static void node_free_saved(ds_node *n) {
+    for (int k = 0; k < DS_NODE_MAX_SAVED; k++) {
+        ds_tensor_release(n->saved[k]);
+        n->saved[k] = NULL;
+    }
+}
+
+/* Iterative, so a graph thousands of nodes deep cannot overflow the C stack. */
+void ds_node_release(ds_node *n) {
+    ds_node **stack = NULL;
+    size_t len = 0, cap = 0;
+    while (n) {
+        if (atomic_fetch_sub(&n->refcount, 1) == 1) {
+            node_free_saved(n);
+            ds_tensor_release(n->grad);
+            for (int k = 0; k < n->n_inputs; k++) {
+                ds_tensor_release(n->next[k].leaf);
+                if (!n->next[k].node) continue;
+                if (len == cap) {
+                    cap = cap ? cap * 2 : 16;
+                    ds_node **grown = realloc(stack, cap * sizeof *stack);
+                    if (!grown) abort();   /* cannot report from a destructor */
+                    stack = grown;
+                }
+                stack[len++] = n->next[k].node;
+            }
+            free(n);
+        }
+        n = len ? stack[--len] : NULL;
+    }
+    free(stack);
+}
+
+/* Adds g into *slot: the first gradient is taken as is, later ones summed. */
+static int accumulate(ds_tensor **slot, ds_tensor *g) {
+    if (!*slot) {
+        ds_tensor_retain(g);
+        *slot = g;
+        return 0;
+    }
+    ds_tensor *sum = ds_add(*slot, g);
+    if (!sum) return -1;
+    ds_tensor_release(*slot);
+    *slot = sum;
+    return 0;
+}
+
+/* A leaf's .grad must be its own buffer (never an alias of another
+ * gradient) since optimizers and accumulation write it in place. */
+static int accumulate_leaf(ds_tensor *leaf, ds_tensor *g) {
+    if (g->dtype != leaf->dtype) {
+        ds_tensor *cast = ds_to_dtype(g, leaf->dtype);
+        if (!cast) return -1;
+        int rc = accumulate_leaf(leaf, cast);
+        ds_tensor_release(cast);
+        return rc;
+    }
+    if (leaf->grad) return ds_add_(leaf->grad, g);
+    ds_tensor *own = ds_clone(g);
+    if (!own) return -1;
+    ds_tensor_set_category(own, DS_MEM_GRAD);
+    leaf->grad = own;
+    return 0;
+}
+
+typedef struct { ds_node **items; size_t len, cap; } node_list;
+
+static int list_push(node_list *l, ds_node *n) {
+    if (l->len == l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 64;
+        ds_node **grown = realloc(l->items, cap * sizeof *grown);
+        if (!grown) { ds_fail(DS_ERR_NOMEM, "backward: out of memory"); return -1; }
+        l->items = grown;
+        l->cap = cap;
+    }
+    l->items[l->len++] = n;
+    return 0;
+}
+
+/* Counts, for every node reachable from root, how many edges lead to it;
+ * a node runs once all of them have delivered their gradient. */
+static int count_dependencies(ds_node *root, node_list *seen) {
+    static _Atomic uint32_t visits;
+    uint32_t visit = atomic_fetch_add(&visits, 1) + 1;
+    node_list stack = {0};
+    root->visit = visit;
+    int rc = list_push(&stack, root);
+    root->pending = 0;
+    if (rc == 0) rc = list_push(seen, root);
+    while (rc == 0 && stack.len) {
+        ds_node *n = stack.items[--stack.len];
+        for (int k = 0; k < n->n_inputs && rc == 0; k++) {
+            ds_node *m = n->next[k].node;
+            if (!m) continue;
+            if (m->visit != visit) {
+                m->visit = visit;
+                m->pending = 0;
+                rc = list_push(seen, m);
+                if (rc == 0) rc = list_push(&stack, m);
+            }
+            m->pending++;
+        }
+    }
+    free(stack.items);
+    return rc;
+}
+
+static int run_node(ds_node *n, bool retain_graph, node_list *ready) {
+    ds_tensor *gin[DS_NODE_MAX_INPUTS] = {0};
+    ds_tensor *g = n->grad;
+    n->grad = NULL;
+    int rc = n->backward(n, g, gin);
+    if (rc != 0) {
+        char msg[1024];
+        strncpy(msg, ds_error_message(), sizeof msg - 1);
+        msg[sizeof msg - 1] = 0;
+        ds_fail(DS_ERR_STATE, "backward of %s: %s", n->name, msg);
+    }
+    ds_tensor_release(g);
+    if (!retain_graph) node_free_saved(n);
+    for (int k = 0; k < n->n_inputs; k++) {
+        ds_edge *e = &n->next[k];
+        if (rc == 0 && gin[k]) {
+            if (e->leaf) rc = accumulate_leaf(e->leaf, gin[k]);
+            else if (e->node) rc = accumulate(&e->node->grad, gin[k]);
+        }
+        if (e->node && --e->node->pending == 0 && rc == 0) rc = list_push(ready, e->node);
+        ds_tensor_release(gin[k]);
+    }
+    return rc;
+}
+
+int ds_backward(ds_tensor *root, ds_tensor *grad, bool retain_graph) {
+    char s[96];
+    if (!root->requires_grad)
+        return ds_fail(DS_ERR_ARG, "backward: tensor does not require grad"), -1;
+    if (!grad && ds_tensor_numel(root) != 1)
+        return ds_fail(DS_ERR_ARG, "backward: grad can be omitted only for one-element tensors, got shape %s",
+                       ds_shape_str(root, s, sizeof s)), -1;
+    if (grad && !ds_tensor_same_shape(grad, root))
+        return ds_fail(DS_ERR_ARG, "backward: grad shape %s does not match tensor", ds_shape_str(grad, s, sizeof s)), -1;
+    bool was = ds_set_grad_enabled(false);
+    ds_tensor *g = grad ? (ds_tensor_retain(grad), grad)
+                        : ds_tensor_full(root->ndim, root->shape, root->dtype, ds_tensor_device(root), 1.0);
+    int rc = g ? 0 : -1;
+    if (rc == 0 && !root->grad_fn) {
+        rc = accumulate_leaf(root, g);
+    } else if (rc == 0) {
+        node_list seen = {0}, ready = {0};
+        ds_node *top = root->grad_fn;
+        rc = count_dependencies(top, &seen);
+        if (rc == 0) rc = accumulate(&top->grad, g);
+        if (rc == 0) rc = list_push(&ready, top);
+        while (rc == 0 && ready.len) rc = run_node(ready.items[--ready.len], retain_graph, &ready);
+        for (size_t j = 0; j < seen.len; j++) {   /* drop partial sums after an error */
+            ds_tensor_release(seen.items[j]->grad);
+            seen.items[j]->grad = NULL;
+        }
+        free(seen.items);
+        free(ready.items);
+    }
+    ds_tensor_release(g);
+    ds_set_grad_enabled(was);
+    return rc;
+}
+
+ds_tensor *ds_sum_to_shape(ds_tensor *g, int ndim, const int64_t *shape) {
+    int lead = g->ndim - ndim;
+    int64_t dims[DS_MAX_DIMS];
+    int nd = 0;
+    for (int d = 0; d < g->ndim; d++)
+        if (d < lead || (shape[d - lead] == 1 && g->shape[d] != 1)) dims[nd++] = d;
+    if (nd == 0 && lead == 0) { ds_tensor_retain(g); return g; }
+    ds_tensor *s = ds_sum(g, nd, dims, true);
+    if (!s) return NULL;
+    ds_tensor *r = ds_reshape(s, ndim, shape);
+    ds_tensor_release(s);
+    return r;
+}

@@ -1,0 +1,66 @@
+/* Reverse-mode autograd over coarse ops.
+ *
+ * An op that produces a tensor from inputs needing grad records a node: its
+ * backward function, edges to where each input's gradient goes (the input's
+ * own node, or the leaf tensor that accumulates it), the input shapes and
+ * whatever it saved. The output owns the node; nodes own their edges, never
+ * their outputs, so the graph has no cycles. Backward walks the nodes in
+ * reverse topological order and drops each node's saved tensors as soon as
+ * it has run, so activations are freed during backward, not after. */
+#ifndef DS_AUTOGRAD_H
+#define DS_AUTOGRAD_H
+
+#include "ds_tensor.h"
+
+#define DS_NODE_MAX_INPUTS 4
+#define DS_NODE_MAX_SAVED 6
+
+/* Fills grad_in[i] (new references, or NULL where an input needs none).
+ * Returns 0, or -1 with the error set. Runs with grad mode off. */
+typedef int (*ds_backward_fn)(ds_node *node, ds_tensor *grad_out, ds_tensor **grad_in);
+
+typedef struct {
+    ds_node *node;        /* input made by an op: send the gradient there */
+    ds_tensor *leaf;      /* leaf input needing grad: accumulate into ->grad */
+    int ndim;
+    int64_t shape[DS_MAX_DIMS];
+    ds_dtype dtype;
+} ds_edge;
+
+struct ds_node {
+    _Atomic int refcount;
+    const char *name;
+    ds_backward_fn backward;
+    int n_inputs;
+    ds_edge next[DS_NODE_MAX_INPUTS];
+    ds_tensor *saved[DS_NODE_MAX_SAVED];
+    double f[4];          /* op parameters (eps, p, scale, ...) */
+    int64_t i[8];         /* op parameters (dims, flags, ...) */
+    /* during backward */
+    ds_tensor *grad;
+    int pending;
+    uint32_t visit;       /* which backward pass last counted this node */
+};
+
+bool ds_grad_enabled(void);
+bool ds_set_grad_enabled(bool on);      /* returns the previous mode */
+
+/* Records a node for `out` if grad mode is on and any input requires grad;
+ * returns it (borrowed, owned by out) so the op can save tensors and
+ * parameters, or NULL when nothing is recorded. Inputs may be NULL. */
+ds_node *ds_autograd_record(const char *name, ds_backward_fn fn, int n_inputs,
+                            ds_tensor *const *inputs, ds_tensor *out);
+/* Keeps t's data for backward. Pass the op's own output too: the node keeps
+ * an alias without history, which avoids a reference cycle. */
+int ds_node_save(ds_node *n, int slot, ds_tensor *t);
+void ds_node_release(ds_node *n);
+
+/* Backpropagates from `root`; grad NULL means ones (root must then hold one
+ * element). Frees the graph's saved tensors unless retain_graph. */
+int ds_backward(ds_tensor *root, ds_tensor *grad, bool retain_graph);
+
+/* Gradient `g` (shaped like an op's broadcast output) summed down to the
+ * shape an input had: the inverse of broadcasting. New reference. */
+ds_tensor *ds_sum_to_shape(ds_tensor *g, int ndim, const int64_t *shape);
+
+#endif

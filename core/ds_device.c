@@ -1,0 +1,46 @@
+#include "ds_device.h"
+#include "ds_error.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern const ds_kernels ds_cpu_kernels;
+
+static ds_backend backends[DS_NDEVICE_TYPES] = {
+    [DS_DEV_CPU] = { &ds_cpu_kernels, &ds_cpu_allocator, 1 },
+};
+
+void ds_backend_register(ds_device_type type, const ds_backend *b) { backends[type] = *b; }
+
+const ds_backend *ds_backend_get(ds_device dev) {
+    const ds_backend *b = &backends[dev.type];
+    if (!b->kernels || dev.index < 0 || dev.index >= b->count) return NULL;
+    return b;
+}
+
+bool ds_device_equal(ds_device a, ds_device b) { return a.type == b.type && a.index == b.index; }
+
+int ds_device_parse(const char *s, ds_device *out) {
+    if (strcmp(s, "cpu") == 0) { *out = DS_CPU_DEVICE; return 0; }
+    if (strncmp(s, "cuda", 4) == 0) {
+        const char *rest = s + 4;
+        int idx = 0;
+        if (*rest == ':') {
+            char *end;
+            long v = strtol(rest + 1, &end, 10);
+            if (end == rest + 1 || *end || v < 0) goto bad;
+            idx = (int)v;
+        } else if (*rest) goto bad;
+        *out = (ds_device){ DS_DEV_CUDA, idx };
+        return 0;
+    }
+bad:
+    ds_fail(DS_ERR_ARG, "unknown device '%s' (expected 'cpu', 'cuda' or 'cuda:N')", s);
+    return -1;
+}
+
+void ds_device_name(ds_device d, char *buf, size_t n) {
+    if (d.type == DS_DEV_CPU) snprintf(buf, n, "cpu");
+    else snprintf(buf, n, "cuda:%d", d.index);
+}

@@ -1,0 +1,13 @@
+/* The public op API: every op a model can call, forward with its backward
+ * recorded on the autograd tape. One header per op family. */
+#ifndef DS_OPS_H
+#define DS_OPS_H
+
+#include "ds_tensor.h"
+#include "ds_autograd.h"
+#include "ds_op_elementwise.h"
+#include "ds_op_shape.h"
+#include "ds_op_reduce.h"
+#include "ds_rng.h"
+
+#endif

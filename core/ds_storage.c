@@ -1,0 +1,36 @@
+#include "ds_storage.h"
+#include "ds_error.h"
+
+#include <stdatomic.h>
+#include <stdlib.h>
+
+ds_storage *ds_storage_new(size_t nbytes, ds_device dev, ds_mem_category cat) {
+    const ds_backend *b = ds_backend_get(dev);
+    if (!b) {
+        char name[32];
+        ds_device_name(dev, name, sizeof name);
+        return ds_fail(DS_ERR_ARG, "device %s is not available", name);
+    }
+    ds_storage *s = malloc(sizeof *s);
+    if (!s) return ds_fail(DS_ERR_NOMEM, "out of memory for a storage header");
+    s->data = ds_mem_alloc(b->allocator, nbytes, cat);
+    if (!s->data) { free(s); return NULL; }
+    atomic_init(&s->refcount, 1);
+    s->nbytes = nbytes;
+    s->device = dev;
+    s->category = cat;
+    return s;
+}
+
+void ds_storage_retain(ds_storage *s) { atomic_fetch_add(&s->refcount, 1); }
+
+void ds_storage_release(ds_storage *s) {
+    if (!s || atomic_fetch_sub(&s->refcount, 1) != 1) return;
+    ds_mem_free(ds_backend_get(s->device)->allocator, s->data, s->nbytes, s->category);
+    free(s);
+}
+
+void ds_storage_set_category(ds_storage *s, ds_mem_category cat) {
+    ds_mem_recategorize(s->nbytes, s->category, cat);
+    s->category = cat;
+}

@@ -1,0 +1,20 @@
+/* A refcounted block of device memory, counted under one memory category. */
+#ifndef DS_STORAGE_H
+#define DS_STORAGE_H
+
+#include "ds_device.h"
+
+typedef struct ds_storage {
+    _Atomic int refcount;
+    void *data;
+    size_t nbytes;
+    ds_device device;
+    ds_mem_category category;
+} ds_storage;
+
+ds_storage *ds_storage_new(size_t nbytes, ds_device dev, ds_mem_category cat);
+void ds_storage_retain(ds_storage *s);
+void ds_storage_release(ds_storage *s);
+void ds_storage_set_category(ds_storage *s, ds_mem_category cat);
+
+#endif

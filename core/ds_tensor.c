@@ -1,0 +1,176 @@
+#include "ds_tensor.h"
+#include "ds_autograd.h"
+#include "ds_error.h"
+#include "../kernels/ds_half.h"
+
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static const char *const dtype_names[DS_NDTYPES] = {
+    "f32", "f64", "bf16", "f16", "i32", "i64", "u8", "bool"
+};
+
+const char *ds_dtype_name(ds_dtype t) { return dtype_names[t]; }
+
+int ds_dtype_parse(const char *name) {
+    static const struct { const char *alias; ds_dtype t; } aliases[] = {
+        {"float32", DS_F32}, {"float", DS_F32}, {"float64", DS_F64}, {"double", DS_F64},
+        {"bfloat16", DS_BF16}, {"float16", DS_F16}, {"half", DS_F16},
+        {"int32", DS_I32}, {"int", DS_I32}, {"int64", DS_I64}, {"long", DS_I64},
+        {"uint8", DS_U8}, {"byte", DS_U8},
+    };
+    for (int i = 0; i < DS_NDTYPES; i++)
+        if (strcmp(name, dtype_names[i]) == 0) return i;
+    for (size_t i = 0; i < sizeof aliases / sizeof *aliases; i++)
+        if (strcmp(name, aliases[i].alias) == 0) return aliases[i].t;
+    return -1;
+}
+
+static ds_tensor *tensor_alloc(void) {
+    ds_tensor *t = calloc(1, sizeof *t);
+    if (!t) return ds_fail(DS_ERR_NOMEM, "out of memory for a tensor header");
+    atomic_init(&t->refcount, 1);
+    return t;
+}
+
+static bool shape_ok(int ndim, const int64_t *shape) {
+    if (ndim < 0 || ndim > DS_MAX_DIMS) {
+        ds_fail(DS_ERR_ARG, "tensors have at most %d dims, got %d", DS_MAX_DIMS, ndim);
+        return false;
+    }
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0) {
+            ds_fail(DS_ERR_ARG, "negative size %lld in dim %d", (long long)shape[i], i);
+            return false;
+        }
+    return true;
+}
+
+ds_tensor *ds_tensor_new(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev) {
+    if (!shape_ok(ndim, shape)) return NULL;
+    ds_tensor *t = tensor_alloc();
+    if (!t) return NULL;
+    t->dtype = dtype;
+    t->ndim = ndim;
+    int64_t n = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        t->shape[i] = shape[i];
+        t->stride[i] = n;
+        n *= shape[i];
+    }
+    t->storage = ds_storage_new((size_t)n * ds_dtype_size(dtype), dev, DS_MEM_OTHER);
+    if (!t->storage) { free(t); return NULL; }
+    return t;
+}
+
+ds_tensor *ds_tensor_new_like(const ds_tensor *t) {
+    return ds_tensor_new(t->ndim, t->shape, t->dtype, ds_tensor_device(t));
+}
+
+ds_tensor *ds_tensor_full(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev, double v) {
+    ds_tensor *t = ds_tensor_new(ndim, shape, dtype, dev);
+    if (t && ds_tensor_kernels(t)->core->fill(ds_tensor_kview(t), v) != 0) {
+        ds_tensor_release(t);
+        return ds_fail(DS_ERR_STATE, "fill: %s", ds_kernel_error());
+    }
+    return t;
+}
+
+ds_tensor *ds_tensor_view_of(const ds_tensor *src, int ndim, const int64_t *shape,
+                             const int64_t *stride, int64_t offset) {
+    if (!shape_ok(ndim, shape)) return NULL;
+    ds_tensor *t = tensor_alloc();
+    if (!t) return NULL;
+    t->dtype = src->dtype;
+    t->ndim = ndim;
+    memcpy(t->shape, shape, sizeof(int64_t) * (size_t)ndim);
+    memcpy(t->stride, stride, sizeof(int64_t) * (size_t)ndim);
+    t->offset = offset;
+    t->storage = src->storage;
+    ds_storage_retain(t->storage);
+    return t;
+}
+
+void ds_tensor_retain(ds_tensor *t) { atomic_fetch_add(&t->refcount, 1); }
+
+void ds_tensor_release(ds_tensor *t) {
+    if (!t || atomic_fetch_sub(&t->refcount, 1) != 1) return;
+    ds_tensor_release(t->grad);
+    ds_node_release(t->grad_fn);
+    ds_storage_release(t->storage);
+    free(t);
+}
+
+int64_t ds_tensor_numel(const ds_tensor *t) {
+    int64_t n = 1;
+    for (int i = 0; i < t->ndim; i++) n *= t->shape[i];
+    return n;
+}
+
+bool ds_tensor_is_contiguous(const ds_tensor *t) {
+    ds_kview v = ds_tensor_kview(t);
+    return ds_kview_is_contiguous(&v);
+}
+
+ds_device ds_tensor_device(const ds_tensor *t) { return t->storage->device; }
+
+void *ds_tensor_data(const ds_tensor *t) {
+    return (char *)t->storage->data + t->offset * (int64_t)ds_dtype_size(t->dtype);
+}
+
+ds_kview ds_tensor_kview(const ds_tensor *t) {
+    ds_kview v;
+    v.data = ds_tensor_data(t);
+    v.dtype = t->dtype;
+    v.ndim = t->ndim;
+    memcpy(v.shape, t->shape, sizeof v.shape);
+    memcpy(v.stride, t->stride, sizeof v.stride);
+    return v;
+}
+
+const ds_kernels *ds_tensor_kernels(const ds_tensor *t) {
+    return ds_backend_get(t->storage->device)->kernels;
+}
+
+const char *ds_shape_str(const ds_tensor *t, char *buf, size_t n) {
+    size_t used = (size_t)snprintf(buf, n, "[");
+    for (int i = 0; i < t->ndim && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, i ? ",%lld" : "%lld", (long long)t->shape[i]);
+    if (used < n) snprintf(buf + used, n - used, "]");
+    return buf;
+}
+
+bool ds_tensor_same_shape(const ds_tensor *a, const ds_tensor *b) {
+    if (a->ndim != b->ndim) return false;
+    for (int i = 0; i < a->ndim; i++)
+        if (a->shape[i] != b->shape[i]) return false;
+    return true;
+}
+
+int ds_tensor_dim(const ds_tensor *t, const char *op, int64_t dim) {
+    int64_t nd = t->ndim ? t->ndim : 1;
+    int64_t d = dim < 0 ? dim + nd : dim;
+    if (d < 0 || d >= nd) {
+        char s[96];
+        ds_fail(DS_ERR_ARG, "%s: dim %lld out of range for shape %s", op, (long long)dim,
+                ds_shape_str(t, s, sizeof s));
+        return -1;
+    }
+    return (int)d;
+}
+
+double ds_tensor_get(const ds_tensor *t, int64_t i) {
+    ds_kview v = ds_tensor_kview(t);
+    return ds_load(t->dtype, v.data, ds_kview_offset(&v, i));
+}
+
+void ds_tensor_set(ds_tensor *t, int64_t i, double value) {
+    ds_kview v = ds_tensor_kview(t);
+    ds_store(t->dtype, v.data, ds_kview_offset(&v, i), value);
+}
+
+void ds_tensor_set_category(ds_tensor *t, ds_mem_category cat) {
+    ds_storage_set_category(t->storage, cat);
+}

@@ -1,0 +1,61 @@
+/* Tensors: a strided, typed view of a storage, plus what autograd needs.
+ *
+ * Ownership: every function returning ds_tensor* returns a new reference
+ * (refcount already counted for the caller) or NULL with the error set.
+ * Arguments are borrowed. Release what you own with ds_tensor_release. */
+#ifndef DS_TENSOR_H
+#define DS_TENSOR_H
+
+#include "ds_storage.h"
+#include "../kernels/ds_kview.h"
+
+#include <stdbool.h>
+
+typedef struct ds_node ds_node;
+
+typedef struct ds_tensor {
+    _Atomic int refcount;
+    ds_storage *storage;
+    int64_t offset;                 /* in elements */
+    ds_dtype dtype;
+    int ndim;
+    int64_t shape[DS_MAX_DIMS];
+    int64_t stride[DS_MAX_DIMS];    /* in elements */
+    bool requires_grad;
+    struct ds_tensor *grad;         /* accumulated gradient of a leaf */
+    ds_node *grad_fn;               /* the op that made it; NULL for leaves */
+} ds_tensor;
+
+const char *ds_dtype_name(ds_dtype t);
+int ds_dtype_parse(const char *name);      /* -1 if unknown */
+
+/* Contiguous, uninitialised. */
+ds_tensor *ds_tensor_new(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev);
+ds_tensor *ds_tensor_new_like(const ds_tensor *t);
+ds_tensor *ds_tensor_full(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev, double v);
+/* A view sharing t's storage with new geometry; no autograd history. */
+ds_tensor *ds_tensor_view_of(const ds_tensor *t, int ndim, const int64_t *shape,
+                             const int64_t *stride, int64_t offset);
+
+void ds_tensor_retain(ds_tensor *t);
+void ds_tensor_release(ds_tensor *t);
+
+int64_t ds_tensor_numel(const ds_tensor *t);
+bool ds_tensor_is_contiguous(const ds_tensor *t);
+ds_device ds_tensor_device(const ds_tensor *t);
+ds_kview ds_tensor_kview(const ds_tensor *t);
+const ds_kernels *ds_tensor_kernels(const ds_tensor *t);
+void *ds_tensor_data(const ds_tensor *t);    /* element 0, CPU address */
+/* "[3,4]" into buf, for error messages */
+const char *ds_shape_str(const ds_tensor *t, char *buf, size_t n);
+bool ds_tensor_same_shape(const ds_tensor *a, const ds_tensor *b);
+/* Normalises a possibly negative dim; -1 and the error if out of range. */
+int ds_tensor_dim(const ds_tensor *t, const char *op, int64_t dim);
+
+/* Raw element access for small tensors (printing, item, tests). */
+double ds_tensor_get(const ds_tensor *t, int64_t flat_index);
+void ds_tensor_set(ds_tensor *t, int64_t flat_index, double v);
+
+void ds_tensor_set_category(ds_tensor *t, ds_mem_category cat);
+
+#endif

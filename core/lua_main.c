@@ -1,0 +1,164 @@
+/* The dslua executable: `dslua [options] [script [args]]`, behaving like
+ * the `lua` interpreter (arg table, varargs, -e, -l, -i) with dslua built
+ * in, and a REPL when started alone on a terminal. */
+#include "lua_module.h"
+#include "lua_repl.h"
+#include "ds_threads.h"
+
+#include <lauxlib.h>
+#include <lualib.h>
+#include <luajit.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static const char usage[] =
+    "usage: dslua [options] [script [args...]]\n"
+    "  -e code        run the Lua code\n"
+    "  -l name        require library 'name' (as a global of that name)\n"
+    "  -i             enter the REPL after running the script\n"
+    "  -v, --version  print the version\n"
+    "  -h, --help     print this help\n"
+    "  --             stop handling options\n"
+    "  -              run standard input as a script\n"
+    "With no script on a terminal, dslua starts a REPL with `ds` loaded.\n"
+    "Environment: DSLUA_NUM_THREADS (else OMP_NUM_THREADS) sets CPU threads;\n"
+    "DSLUA_HISTORY names the REPL history file (default ~/.dslua_history).\n";
+
+static int traceback(lua_State *L) {
+    const char *msg = lua_tostring(L, 1);
+    if (!msg) {
+        if (luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)) return 1;
+        msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
+    }
+    luaL_traceback(L, L, msg, 1);
+    return 1;
+}
+
+int dsL_pcall(lua_State *L, int nargs, int nresults) {
+    int base = lua_gettop(L) - nargs;
+    lua_pushcfunction(L, traceback);
+    lua_insert(L, base);
+    int rc = lua_pcall(L, nargs, nresults, base);
+    lua_remove(L, base);
+    return rc;
+}
+
+static int report(lua_State *L, int rc) {
+    if (rc != 0) {
+        fprintf(stderr, "dslua: %s\n", lua_tostring(L, -1) ? lua_tostring(L, -1) : "(error)");
+        lua_pop(L, 1);
+    }
+    return rc;
+}
+
+/* The stack holds the loaded chunk (or its load error) and nargs arguments. */
+static int run_chunk(lua_State *L, int loadrc, int nargs) {
+    if (loadrc != 0) return report(L, loadrc);
+    return report(L, dsL_pcall(L, nargs, 0));
+}
+
+/* The global `arg`: arg[0] is the script, arg[1..] its arguments, and the
+ * interpreter and options at negative indices, as `lua` sets it. */
+static void set_arg_table(lua_State *L, char **argv, int argc, int script) {
+    lua_createtable(L, argc - script, script + 1);
+    for (int i = 0; i < argc; i++) {
+        lua_pushstring(L, argv[i]);
+        lua_rawseti(L, -2, i - script);
+    }
+    lua_setglobal(L, "arg");
+}
+
+/* Files next to the script are found by require, before package.path. */
+static void add_script_dir(lua_State *L, const char *script) {
+    const char *slash = strrchr(script, '/');
+    if (!slash) return;
+    lua_getglobal(L, "package");
+    lua_pushlstring(L, script, (size_t)(slash - script));
+    lua_pushvalue(L, -1);
+    lua_pushfstring(L, "%s/?.lua;%s/?/init.lua;", lua_tostring(L, -2), lua_tostring(L, -1));
+    lua_getfield(L, -4, "path");
+    lua_concat(L, 2);
+    lua_setfield(L, -4, "path");
+    lua_pop(L, 3);
+}
+
+static int run_script(lua_State *L, char **argv, int argc, int script) {
+    const char *fname = argv[script];
+    bool from_stdin = strcmp(fname, "-") == 0;
+    set_arg_table(L, argv, argc, script);
+    if (!from_stdin) add_script_dir(L, fname);
+    if (luaL_loadfile(L, from_stdin ? NULL : fname) != 0) return report(L, 1);
+    int nargs = argc - script - 1;
+    luaL_checkstack(L, nargs + 3, "too many arguments");
+    for (int i = script + 1; i < argc; i++) lua_pushstring(L, argv[i]);
+    return run_chunk(L, 0, nargs);
+}
+
+static int require_global(lua_State *L, const char *name) {
+    lua_getglobal(L, "require");
+    lua_pushstring(L, name);
+    int rc = report(L, dsL_pcall(L, 1, 1));
+    if (rc == 0) lua_setglobal(L, name);
+    return rc;
+}
+
+int main(int argc, char **argv) {
+    ds_threads_init();
+    lua_State *L = luaL_newstate();
+    if (!L) { fprintf(stderr, "dslua: cannot create a Lua state\n"); return 1; }
+    luaL_openlibs(L);
+    dsL_install(L);
+
+    bool interactive = false, ran = false;
+    int i = 1, rc = 0;
+    for (; i < argc && rc == 0; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-v") == 0 || strcmp(a, "--version") == 0) {
+            printf("dslua %s (%s)\n", DSLUA_VERSION, LUAJIT_VERSION);
+            ran = true;
+        } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
+            fputs(usage, stdout);
+            lua_close(L);
+            return 0;
+        } else if (strcmp(a, "-i") == 0) {
+            interactive = true;
+        } else if (strcmp(a, "-e") == 0 || strcmp(a, "-l") == 0) {
+            if (i + 1 >= argc) { fprintf(stderr, "dslua: '%s' needs an argument\n%s", a, usage); return 1; }
+            const char *v = argv[++i];
+            if (a[1] == 'e') {
+                set_arg_table(L, argv, argc, i + 1 < argc ? i + 1 : argc - 1);
+                rc = run_chunk(L, luaL_loadbuffer(L, v, strlen(v), "=(command line)"), 0);
+            } else {
+                rc = require_global(L, v);
+            }
+            ran = true;
+        } else if (strcmp(a, "--") == 0) {
+            i++;
+            break;
+        } else if (a[0] == '-' && a[1]) {
+            fprintf(stderr, "dslua: unknown option '%s'\n%s", a, usage);
+            lua_close(L);
+            return 1;
+        } else {
+            break;
+        }
+    }
+    if (rc == 0 && i < argc) {
+        rc = run_script(L, argv, argc, i);
+        ran = true;
+    }
+    if (rc == 0 && (interactive || !ran)) {
+        if (interactive || isatty(STDIN_FILENO)) {
+            set_arg_table(L, argv, argc, 0);
+            dsL_repl(L);
+        } else {
+            set_arg_table(L, argv, argc, 0);
+            rc = run_chunk(L, luaL_loadfile(L, NULL), 0);
+        }
+    }
+    lua_close(L);
+    return rc ? 1 : 0;
+}

@@ -1,0 +1,60 @@
+#include "lua_module.h"
+#include "lua_tensor.h"
+#include "ds_threads.h"
+
+#include <lauxlib.h>
+#include <string.h>
+
+typedef struct { const char *name, *chunk, *src; size_t len; } embedded_module;
+extern const embedded_module dsL_embedded[];
+
+static int l_num_threads(lua_State *L) {
+    if (!lua_isnoneornil(L, 1)) {
+        lua_Integer n = luaL_checkinteger(L, 1);
+        luaL_argcheck(L, n >= 1, 1, "thread count must be >= 1");
+        ds_set_num_threads((int)n);
+    }
+    lua_pushinteger(L, ds_get_num_threads());
+    return 1;
+}
+
+int luaopen_dslua_core(lua_State *L) {
+    lua_newtable(L);
+    dsL_open_tensor(L);
+    dsL_open_ops(L);
+    lua_pushcfunction(L, l_num_threads);
+    lua_setfield(L, -2, "num_threads");
+    lua_pushstring(L, DSLUA_VERSION);
+    lua_setfield(L, -2, "version");
+    return 1;
+}
+
+/* package.loaders entry: embedded modules, looked up before the file
+ * system so the library always matches the binary. */
+static int search_embedded(lua_State *L) {
+    const char *name = luaL_checkstring(L, 1);
+    for (const embedded_module *m = dsL_embedded; m->name; m++) {
+        if (strcmp(m->name, name) != 0) continue;
+        if (luaL_loadbuffer(L, m->src, m->len, m->chunk) != 0) return lua_error(L);
+        return 1;
+    }
+    lua_pushfstring(L, "\n\tno embedded module '%s'", name);
+    return 1;
+}
+
+void dsL_install(lua_State *L) {
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "preload");
+    lua_pushcfunction(L, luaopen_dslua_core);
+    lua_setfield(L, -2, "dslua.core");
+    lua_pop(L, 1);
+    lua_getfield(L, -1, "loaders");
+    int n = (int)lua_objlen(L, -1);
+    for (int i = n; i >= 2; i--) {         /* shift to make room after preload */
+        lua_rawgeti(L, -1, i);
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_pushcfunction(L, search_embedded);
+    lua_rawseti(L, -2, 2);
+    lua_pop(L, 2);
+}

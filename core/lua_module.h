@@ -1,0 +1,13 @@
+/* Installing dslua into a lua_State: the C module `dslua.core` and the
+ * searcher that finds the embedded Lua library. */
+#ifndef LUA_MODULE_H
+#define LUA_MODULE_H
+
+#include <lua.h>
+
+#define DSLUA_VERSION "0.1.0"
+
+int luaopen_dslua_core(lua_State *L);
+void dsL_install(lua_State *L);
+
+#endif

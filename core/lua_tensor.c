@@ -1,0 +1,468 @@
+/* The tensor type in Lua: construction, fields, conversions, memory. */
+#include "lua_tensor.h"
+#include "ds_error.h"
+
+#include <math.h>
+#include <string.h>
+
+static lua_State *main_state;
+static int64_t gc_threshold = 64 << 20;
+
+/* The Lua GC sees only the small userdata, not the native bytes behind
+ * it, so once live native memory has doubled since the last collection
+ * we collect: garbage tensors cannot pile up between Lua's own cycles. */
+static void gc_pressure(lua_State *L) {
+    int64_t live = ds_mem_live_bytes();
+    if (live <= gc_threshold) return;
+    lua_gc(L, LUA_GCCOLLECT, 0);
+    live = ds_mem_live_bytes();
+    gc_threshold = live * 2 > (64 << 20) ? live * 2 : (64 << 20);
+}
+
+static void collect_on_oom(void *ud) {
+    (void)ud;
+    if (main_state) lua_gc(main_state, LUA_GCCOLLECT, 0);
+}
+
+int dsL_error(lua_State *L) {
+    return luaL_error(L, "%s", ds_error_message());
+}
+
+ds_tensor *dsL_totensor(lua_State *L, int idx) {
+    ds_tensor **p = luaL_testudata(L, idx, DSL_TENSOR_MT);
+    return p ? *p : NULL;
+}
+
+ds_tensor *dsL_checktensor(lua_State *L, int idx) {
+    ds_tensor *t = dsL_totensor(L, idx);
+    if (!t) luaL_typerror(L, idx, "tensor");
+    return t;
+}
+
+ds_tensor *dsL_checkoperand(lua_State *L, int idx, const ds_tensor *like, bool *owned) {
+    *owned = false;
+    if (lua_type(L, idx) == LUA_TNUMBER || lua_type(L, idx) == LUA_TBOOLEAN) {
+        double v = lua_isboolean(L, idx) ? lua_toboolean(L, idx) : lua_tonumber(L, idx);
+        ds_tensor *s = ds_scalar_like(like, v);
+        if (!s) dsL_error(L);
+        *owned = true;
+        return s;
+    }
+    return dsL_checktensor(L, idx);
+}
+
+int dsL_pushtensor(lua_State *L, ds_tensor *t) {
+    if (!t) return dsL_error(L);
+    ds_tensor **p = lua_newuserdata(L, sizeof *p);
+    *p = t;
+    luaL_getmetatable(L, DSL_TENSOR_MT);
+    lua_setmetatable(L, -2);
+    gc_pressure(L);
+    return 1;
+}
+
+int64_t dsL_checkdim(lua_State *L, int idx, const ds_tensor *t) {
+    lua_Integer d = luaL_checkinteger(L, idx);
+    int nd = t->ndim ? t->ndim : 1;
+    if (d == 0 || d > nd || d < -nd)
+        luaL_argerror(L, idx, lua_pushfstring(L, "dim %d out of range for a %d-dim tensor (dims are 1-based; -1 is the last)",
+                                               (int)d, t->ndim));
+    return d > 0 ? d - 1 : d;
+}
+
+int dsL_checkshape(lua_State *L, int idx, int64_t *shape) {
+    int nd = 0;
+    if (lua_istable(L, idx)) {
+        nd = (int)lua_objlen(L, idx);
+        if (nd > DS_MAX_DIMS) luaL_argerror(L, idx, "too many dims");
+        for (int i = 0; i < nd; i++) {
+            lua_rawgeti(L, idx, i + 1);
+            if (!lua_isnumber(L, -1)) luaL_argerror(L, idx, "shape entries must be integers");
+            shape[i] = (int64_t)lua_tointeger(L, -1);
+            lua_pop(L, 1);
+        }
+        return nd;
+    }
+    int top = lua_gettop(L);
+    for (int i = idx; i <= top && lua_isnumber(L, i); i++) {
+        if (nd == DS_MAX_DIMS) luaL_argerror(L, i, "too many dims");
+        shape[nd++] = (int64_t)lua_tointeger(L, i);
+    }
+    return nd;
+}
+
+int dsL_checkdims(lua_State *L, int idx, const ds_tensor *t, int64_t *dims) {
+    if (lua_isnoneornil(L, idx)) return -1;
+    if (lua_isnumber(L, idx)) { dims[0] = dsL_checkdim(L, idx, t); return 1; }
+    luaL_checktype(L, idx, LUA_TTABLE);
+    int n = (int)lua_objlen(L, idx);
+    if (n > DS_MAX_DIMS) luaL_argerror(L, idx, "too many dims");
+    for (int i = 0; i < n; i++) {
+        lua_rawgeti(L, idx, i + 1);
+        dims[i] = dsL_checkdim(L, lua_gettop(L), t);
+        lua_pop(L, 1);
+    }
+    return n;
+}
+
+ds_dtype dsL_checkdtype(lua_State *L, int idx, ds_dtype def) {
+    if (lua_isnoneornil(L, idx)) return def;
+    const char *name = luaL_checkstring(L, idx);
+    int t = ds_dtype_parse(name);
+    if (t < 0)
+        luaL_argerror(L, idx, lua_pushfstring(L, "unknown dtype '%s' (f32, f64, bf16, f16, i32, i64, u8, bool)", name));
+    return (ds_dtype)t;
+}
+
+static ds_device checkdevice(lua_State *L, int idx) {
+    ds_device d = DS_CPU_DEVICE;
+    if (!lua_isnoneornil(L, idx) && ds_device_parse(luaL_checkstring(L, idx), &d)) dsL_error(L);
+    return d;
+}
+
+void dsL_register(lua_State *L, const luaL_Reg *fns, bool as_methods) {
+    luaL_getmetatable(L, DSL_TENSOR_MT);
+    lua_getfield(L, -1, "methods");
+    for (const luaL_Reg *f = fns; f->name; f++) {
+        lua_pushcfunction(L, f->func);
+        lua_pushvalue(L, -1);
+        lua_setfield(L, -5, f->name);
+        if (as_methods) lua_setfield(L, -2, f->name);
+        else lua_pop(L, 1);
+    }
+    lua_pop(L, 2);
+}
+
+/* ---- construction from nested Lua tables ---- */
+
+static void nested_shape(lua_State *L, int idx, int depth, int *ndim, int64_t *shape) {
+    if (!lua_istable(L, idx)) { *ndim = depth; return; }
+    if (depth == DS_MAX_DIMS) luaL_error(L, "tensor: nested deeper than %d dims", DS_MAX_DIMS);
+    shape[depth] = (int64_t)lua_objlen(L, idx);
+    if (shape[depth] == 0) { *ndim = depth + 1; return; }
+    lua_rawgeti(L, idx, 1);
+    nested_shape(L, lua_gettop(L), depth + 1, ndim, shape);
+    lua_pop(L, 1);
+}
+
+static void nested_fill(lua_State *L, int idx, int depth, int ndim, const int64_t *shape,
+                        ds_tensor *t, int64_t *pos) {
+    if (depth == ndim) {
+        if (lua_type(L, idx) != LUA_TNUMBER && lua_type(L, idx) != LUA_TBOOLEAN)
+            luaL_error(L, "tensor: expected a number at depth %d, got %s", depth, luaL_typename(L, idx));
+        double v = lua_isboolean(L, idx) ? lua_toboolean(L, idx) : lua_tonumber(L, idx);
+        ds_tensor_set(t, (*pos)++, v);
+        return;
+    }
+    if (!lua_istable(L, idx) || (int64_t)lua_objlen(L, idx) != shape[depth])
+        luaL_error(L, "tensor: ragged nested table at depth %d (expected %d elements, got %s %d)",
+                   depth + 1, (int)shape[depth], luaL_typename(L, idx),
+                   lua_istable(L, idx) ? (int)lua_objlen(L, idx) : 1);
+    for (int64_t i = 0; i < shape[depth]; i++) {
+        lua_rawgeti(L, idx, (int)i + 1);
+        nested_fill(L, lua_gettop(L), depth + 1, ndim, shape, t, pos);
+        lua_pop(L, 1);
+    }
+}
+
+/* ds.tensor(data [, dtype]): data is a number or nested tables */
+static int l_tensor(lua_State *L) {
+    luaL_argcheck(L, lua_istable(L, 1) || lua_isnumber(L, 1) || lua_isboolean(L, 1), 1,
+                  "expected a number or a nested table of numbers");
+    ds_dtype dt = dsL_checkdtype(L, 2, DS_F32);
+    int nd = 0;
+    int64_t shape[DS_MAX_DIMS];
+    nested_shape(L, 1, 0, &nd, shape);
+    ds_tensor *t = ds_tensor_new(nd, shape, dt, DS_CPU_DEVICE);
+    if (!t) return dsL_error(L);
+    dsL_pushtensor(L, t);     /* owned by Lua first, so an error below cannot leak it */
+    int64_t pos = 0;
+    nested_fill(L, 1, 0, nd, shape, t, &pos);
+    return 1;
+}
+
+/* zeros/ones/rand/randn(shape..., [dtype]) where shape is a table or ints */
+static int make_filled(lua_State *L, int kind) {
+    int64_t shape[DS_MAX_DIMS];
+    int nd = dsL_checkshape(L, 1, shape);
+    int dt_idx = lua_istable(L, 1) ? 2 : nd + 1;
+    ds_dtype dt = dsL_checkdtype(L, dt_idx, DS_F32);
+    ds_device dev = checkdevice(L, dt_idx + 1);
+    switch (kind) {
+    case 0: return dsL_pushtensor(L, ds_tensor_full(nd, shape, dt, dev, 0));
+    case 1: return dsL_pushtensor(L, ds_tensor_full(nd, shape, dt, dev, 1));
+    case 2: return dsL_pushtensor(L, ds_rand(nd, shape, dt, dev, NULL));
+    default: return dsL_pushtensor(L, ds_randn(nd, shape, dt, dev, NULL));
+    }
+}
+
+static int l_zeros(lua_State *L) { return make_filled(L, 0); }
+static int l_ones(lua_State *L) { return make_filled(L, 1); }
+static int l_rand(lua_State *L) { return make_filled(L, 2); }
+static int l_randn(lua_State *L) { return make_filled(L, 3); }
+
+static int l_full(lua_State *L) {
+    int64_t shape[DS_MAX_DIMS];
+    luaL_checktype(L, 1, LUA_TTABLE);
+    int nd = dsL_checkshape(L, 1, shape);
+    double v = luaL_checknumber(L, 2);
+    return dsL_pushtensor(L, ds_tensor_full(nd, shape, dsL_checkdtype(L, 3, DS_F32), checkdevice(L, 4), v));
+}
+
+/* arange(end) or arange(start, end [, step [, dtype]]) */
+static int l_arange(lua_State *L) {
+    double start = 0, end, step = 1;
+    int dt_idx;
+    if (lua_isnumber(L, 2)) {
+        start = luaL_checknumber(L, 1);
+        end = luaL_checknumber(L, 2);
+        step = luaL_optnumber(L, 3, 1);
+        dt_idx = 4;
+    } else {
+        end = luaL_checknumber(L, 1);
+        dt_idx = 2;
+    }
+    bool whole = start == floor(start) && end == floor(end) && step == floor(step);
+    ds_dtype dt = dsL_checkdtype(L, dt_idx, whole ? DS_I64 : DS_F32);
+    return dsL_pushtensor(L, ds_arange(start, end, step, dt, checkdevice(L, dt_idx + 1)));
+}
+
+static int l_manual_seed(lua_State *L) {
+    lua_Number s = luaL_checknumber(L, 1);
+    luaL_argcheck(L, s >= 0 && s == floor(s), 1, "seed must be a non-negative integer");
+    ds_manual_seed((uint64_t)s);
+    return 0;
+}
+
+/* ---- fields and conversions ---- */
+
+static int l_gc(lua_State *L) {
+    ds_tensor **p = luaL_checkudata(L, 1, DSL_TENSOR_MT);
+    ds_tensor_release(*p);
+    *p = NULL;
+    return 0;
+}
+
+static int l_size(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    if (!lua_isnoneornil(L, 2)) {
+        int64_t d = dsL_checkdim(L, 2, t);
+        lua_pushinteger(L, t->ndim ? (lua_Integer)t->shape[d < 0 ? d + t->ndim : d] : 1);
+        return 1;
+    }
+    lua_createtable(L, t->ndim, 0);
+    for (int i = 0; i < t->ndim; i++) {
+        lua_pushinteger(L, (lua_Integer)t->shape[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int l_stride(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    lua_createtable(L, t->ndim, 0);
+    for (int i = 0; i < t->ndim; i++) {
+        lua_pushinteger(L, (lua_Integer)t->stride[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int l_dim(lua_State *L) { lua_pushinteger(L, dsL_checktensor(L, 1)->ndim); return 1; }
+static int l_numel(lua_State *L) { lua_pushnumber(L, (lua_Number)ds_tensor_numel(dsL_checktensor(L, 1))); return 1; }
+static int l_len(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    lua_pushinteger(L, t->ndim ? (lua_Integer)t->shape[0] : 0);
+    return 1;
+}
+static int l_dtype(lua_State *L) { lua_pushstring(L, ds_dtype_name(dsL_checktensor(L, 1)->dtype)); return 1; }
+static int l_is_contiguous(lua_State *L) { lua_pushboolean(L, ds_tensor_is_contiguous(dsL_checktensor(L, 1))); return 1; }
+
+static int l_device(lua_State *L) {
+    char name[16];
+    ds_device_name(ds_tensor_device(dsL_checktensor(L, 1)), name, sizeof name);
+    lua_pushstring(L, name);
+    return 1;
+}
+
+static int l_item(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    char s[96];
+    if (ds_tensor_numel(t) != 1)
+        return luaL_error(L, "item: tensor of shape %s has %d elements, not one", ds_shape_str(t, s, sizeof s),
+                          (int)ds_tensor_numel(t));
+    double v = ds_tensor_get(t, 0);
+    if (t->dtype == DS_BOOL) lua_pushboolean(L, v != 0);
+    else lua_pushnumber(L, v);
+    return 1;
+}
+
+static void push_nested(lua_State *L, const ds_tensor *t, int depth, int64_t *pos) {
+    if (depth == t->ndim) {
+        double v = ds_tensor_get(t, (*pos)++);
+        if (t->dtype == DS_BOOL) lua_pushboolean(L, v != 0);
+        else lua_pushnumber(L, v);
+        return;
+    }
+    lua_createtable(L, (int)t->shape[depth], 0);
+    for (int64_t i = 0; i < t->shape[depth]; i++) {
+        push_nested(L, t, depth + 1, pos);
+        lua_rawseti(L, -2, (int)i + 1);
+    }
+}
+
+static int l_totable(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    luaL_argcheck(L, ds_tensor_numel(t) <= (1 << 26), 1, "tensor too large for a Lua table");
+    int64_t pos = 0;
+    luaL_checkstack(L, t->ndim + 4, "nested tensor");
+    push_nested(L, t, 0, &pos);
+    return 1;
+}
+
+static int l_backward(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    ds_tensor *g = lua_isnoneornil(L, 2) ? NULL : dsL_checktensor(L, 2);
+    if (ds_backward(t, g, lua_toboolean(L, 3))) return dsL_error(L);
+    return 0;
+}
+
+static int l_requires_grad_(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    bool on = lua_isnoneornil(L, 2) ? true : lua_toboolean(L, 2);
+    if (on && !ds_dtype_is_float(t->dtype))
+        return luaL_error(L, "requires_grad: only floating point tensors can require grad, got %s", ds_dtype_name(t->dtype));
+    if (t->grad_fn && !on)
+        return luaL_error(L, "requires_grad: cannot turn off on a non-leaf tensor; use detach()");
+    t->requires_grad = on;
+    lua_settop(L, 1);
+    return 1;
+}
+
+static int l_set_category(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    const char *name = luaL_checkstring(L, 2);
+    int c = ds_mem_category_parse(name);
+    if (c < 0)
+        return luaL_argerror(L, 2, lua_pushfstring(L, "unknown memory category '%s' (parameters, gradients, optimizer_state, activations, other)", name));
+    ds_tensor_set_category(t, (ds_mem_category)c);
+    lua_settop(L, 1);
+    return 1;
+}
+
+/* t.grad, t.requires_grad, t.is_leaf, t.grad_fn, then the method table */
+static int l_index(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    lua_getmetatable(L, 1);
+    lua_getfield(L, -1, "methods");
+    lua_pushvalue(L, 2);
+    lua_rawget(L, -2);
+    if (!lua_isnil(L, -1)) return 1;
+    const char *k = lua_tostring(L, 2);
+    if (!k) return 0;
+    if (strcmp(k, "grad") == 0) {
+        if (!t->grad) return 0;
+        ds_tensor_retain(t->grad);
+        return dsL_pushtensor(L, t->grad);
+    }
+    if (strcmp(k, "requires_grad") == 0) { lua_pushboolean(L, t->requires_grad); return 1; }
+    if (strcmp(k, "is_leaf") == 0) { lua_pushboolean(L, t->grad_fn == NULL); return 1; }
+    if (strcmp(k, "grad_fn") == 0) {
+        if (!t->grad_fn) return 0;
+        lua_pushstring(L, t->grad_fn->name);
+        return 1;
+    }
+    return 0;
+}
+
+static int l_newindex(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    const char *k = luaL_checkstring(L, 2);
+    if (strcmp(k, "requires_grad") == 0) {
+        lua_settop(L, 3);
+        lua_remove(L, 2);
+        return l_requires_grad_(L);
+    }
+    if (strcmp(k, "grad") == 0) {
+        ds_tensor *g = lua_isnil(L, 3) ? NULL : dsL_checktensor(L, 3);
+        char s1[96], s2[96];
+        if (g && (!ds_tensor_same_shape(g, t) || g->dtype != t->dtype))
+            return luaL_error(L, "grad: assigned %s %s to a tensor of %s %s", ds_dtype_name(g->dtype),
+                              ds_shape_str(g, s1, sizeof s1), ds_dtype_name(t->dtype), ds_shape_str(t, s2, sizeof s2));
+        if (g) ds_tensor_retain(g);
+        ds_tensor_release(t->grad);
+        t->grad = g;
+        return 0;
+    }
+    return luaL_error(L, "tensor has no settable field '%s'", k);
+}
+
+static int l_is_tensor(lua_State *L) { lua_pushboolean(L, dsL_totensor(L, 1) != NULL); return 1; }
+
+static int l_set_grad_enabled(lua_State *L) {
+    lua_pushboolean(L, ds_set_grad_enabled(lua_toboolean(L, 1)));
+    return 1;
+}
+
+static int l_is_grad_enabled(lua_State *L) { lua_pushboolean(L, ds_grad_enabled()); return 1; }
+
+static void push_category_table(lua_State *L, const int64_t *v, int64_t total) {
+    lua_createtable(L, 0, DS_MEM_NCATEGORIES + 1);
+    for (int i = 0; i < DS_MEM_NCATEGORIES; i++) {
+        lua_pushnumber(L, (lua_Number)v[i]);
+        lua_setfield(L, -2, ds_mem_category_name((ds_mem_category)i));
+    }
+    lua_pushnumber(L, (lua_Number)total);
+    lua_setfield(L, -2, "total");
+}
+
+static int l_memory_stats(lua_State *L) {
+    ds_mem_stats s;
+    ds_mem_get_stats(&s);
+    lua_createtable(L, 0, 2);
+    push_category_table(L, s.current, s.total_current);
+    lua_setfield(L, -2, "current");
+    push_category_table(L, s.peak, s.total_peak);
+    lua_setfield(L, -2, "peak");
+    return 1;
+}
+
+static int l_reset_peak_memory(lua_State *L) { (void)L; ds_mem_reset_peak(); return 0; }
+
+static const luaL_Reg tensor_methods[] = {
+    {"size", l_size}, {"stride", l_stride}, {"dim", l_dim}, {"numel", l_numel},
+    {"dtype", l_dtype}, {"device", l_device}, {"is_contiguous", l_is_contiguous},
+    {"item", l_item}, {"totable", l_totable}, {"backward", l_backward},
+    {"requires_grad_", l_requires_grad_}, {"set_category", l_set_category},
+    {NULL, NULL}
+};
+
+static const luaL_Reg module_functions[] = {
+    {"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones}, {"full", l_full},
+    {"rand", l_rand}, {"randn", l_randn}, {"arange", l_arange},
+    {"manual_seed", l_manual_seed}, {"is_tensor", l_is_tensor},
+    {"set_grad_enabled", l_set_grad_enabled}, {"is_grad_enabled", l_is_grad_enabled},
+    {"memory_stats", l_memory_stats}, {"reset_peak_memory", l_reset_peak_memory},
+    {NULL, NULL}
+};
+
+void dsL_open_tensor(lua_State *L) {
+    main_state = L;
+    ds_mem_set_oom_handler(collect_on_oom, NULL);
+    luaL_newmetatable(L, DSL_TENSOR_MT);
+    lua_newtable(L);
+    lua_setfield(L, -2, "methods");
+    lua_pushcfunction(L, l_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_pushcfunction(L, l_index);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_newindex);
+    lua_setfield(L, -2, "__newindex");
+    lua_pushcfunction(L, l_len);
+    lua_setfield(L, -2, "__len");
+    lua_pushvalue(L, -1);
+    lua_setfield(L, -3, "Tensor");    /* the metatable, for Lua-side methods */
+    lua_pop(L, 1);
+    dsL_register(L, tensor_methods, true);
+    dsL_register(L, module_functions, false);
+}

@@ -1,0 +1,43 @@
+/* The binding layer's tensor helpers: how a ds_tensor lives in Lua.
+ *
+ * A Lua tensor is a full userdata holding one reference to a ds_tensor;
+ * __gc drops it. Every bound function checks its arguments with these
+ * helpers and raises a Lua error (never crashes) when they are wrong. */
+#ifndef LUA_TENSOR_H
+#define LUA_TENSOR_H
+
+#include "ds_ops.h"
+
+#include <lua.h>
+#include <lauxlib.h>
+
+#define DSL_TENSOR_MT "dslua.Tensor"
+
+ds_tensor *dsL_checktensor(lua_State *L, int idx);
+ds_tensor *dsL_totensor(lua_State *L, int idx);          /* NULL if not a tensor */
+/* A tensor argument, or a number turned into a 0-dim tensor like `like`.
+ * *owned is set when the caller must release the result. */
+ds_tensor *dsL_checkoperand(lua_State *L, int idx, const ds_tensor *like, bool *owned);
+/* Pushes t, taking over the caller's reference. A NULL t raises the core
+ * error instead, prefixed with nothing: core messages already name the op. */
+int dsL_pushtensor(lua_State *L, ds_tensor *t);
+/* Raises the pending core error as a Lua error. */
+int dsL_error(lua_State *L);
+/* A 1-based (or negative) Lua dim, returned 0-based for t; raises on 0. */
+int64_t dsL_checkdim(lua_State *L, int idx, const ds_tensor *t);
+/* A shape from a table {2,3} or from the integers at idx.. (varargs);
+ * returns ndim. */
+int dsL_checkshape(lua_State *L, int idx, int64_t *shape);
+/* dims from nil (all: returns -1), an integer, or a table of integers. */
+int dsL_checkdims(lua_State *L, int idx, const ds_tensor *t, int64_t *dims);
+ds_dtype dsL_checkdtype(lua_State *L, int idx, ds_dtype def);
+
+/* Registers fns into the module table at -1 and, with as_methods, into
+ * the tensor method table as well. */
+void dsL_register(lua_State *L, const luaL_Reg *fns, bool as_methods);
+
+/* Opens the tensor type and every op family into the table at -1. */
+void dsL_open_tensor(lua_State *L);
+void dsL_open_ops(lua_State *L);
+
+#endif

@@ -1,0 +1,103 @@
+/* Copies, fills and random numbers on the CPU. */
+#include "cpu_kernels.h"
+#include "cpu_iter.h"
+#include "../ds_half.h"
+#include "../ds_philox.h"
+
+#include <math.h>
+#include <string.h>
+
+static int cpu_copy(ds_kview dst, ds_kview src) {
+    ds_kview *v[2] = { &dst, &src };
+    cpu_coalesce(v, 2);
+    int64_t n = ds_kview_numel(&dst), cols = cpu_cols(&dst), rows = n / (cols ? cols : 1);
+    if (n == 0) return 0;
+    int64_t sd = cpu_col_stride(&dst), ss = cpu_col_stride(&src);
+    if (dst.dtype == src.dtype && rows == 1 && sd == 1 && ss == 1) {
+        memcpy(dst.data, src.data, (size_t)n * ds_dtype_size(dst.dtype));
+        return 0;
+    }
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t od = cpu_row_offset(&dst, r), os = cpu_row_offset(&src, r);
+        if (dst.dtype == DS_BF16 && src.dtype == DS_F32 && sd == 1 && ss == 1) {
+            uint16_t *d = (uint16_t *)dst.data + od;
+            const float *s = (const float *)src.data + os;
+            for (int64_t c = 0; c < cols; c++) d[c] = ds_f32_to_bf16(s[c]);
+        } else if (dst.dtype == DS_F32 && src.dtype == DS_BF16 && sd == 1 && ss == 1) {
+            float *d = (float *)dst.data + od;
+            const uint16_t *s = (const uint16_t *)src.data + os;
+            for (int64_t c = 0; c < cols; c++) d[c] = ds_bf16_to_f32(s[c]);
+        } else if (dst.dtype == src.dtype && dst.dtype == DS_F32) {
+            float *d = (float *)dst.data + od;
+            const float *s = (const float *)src.data + os;
+            for (int64_t c = 0; c < cols; c++) d[c * sd] = s[c * ss];
+        } else {
+            for (int64_t c = 0; c < cols; c++)
+                ds_store(dst.dtype, dst.data, od + c * sd, ds_load(src.dtype, src.data, os + c * ss));
+        }
+    }
+    return 0;
+}
+
+static int cpu_fill(ds_kview dst, double value) {
+    ds_kview *v[1] = { &dst };
+    cpu_coalesce(v, 1);
+    int64_t n = ds_kview_numel(&dst), cols = cpu_cols(&dst), rows = n / (cols ? cols : 1);
+    int64_t sd = cpu_col_stride(&dst);
+    if (n == 0) return 0;
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t od = cpu_row_offset(&dst, r);
+        if (dst.dtype == DS_F32) {
+            float *d = (float *)dst.data + od, f = (float)value;
+            for (int64_t c = 0; c < cols; c++) d[c * sd] = f;
+        } else {
+            for (int64_t c = 0; c < cols; c++) ds_store(dst.dtype, dst.data, od + c * sd, value);
+        }
+    }
+    return 0;
+}
+
+/* dst must be contiguous: element i is start + i * step. */
+static int cpu_arange(ds_kview dst, double start, double step) {
+    int64_t n = ds_kview_numel(&dst);
+    for (int64_t i = 0; i < n; i++) ds_store(dst.dtype, dst.data, i, start + (double)i * step);
+    return 0;
+}
+
+/* Element i takes word i%4 of Philox block offset + i/4: the same numbers
+ * whatever the thread split. dst must be contiguous. */
+static int cpu_uniform(ds_kview dst, uint64_t seed, uint64_t offset, double lo, double hi) {
+    int64_t n = ds_kview_numel(&dst);
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t b = 0; b < (n + 3) / 4; b++) {
+        ds_philox4 r = ds_philox_block(seed, offset + (uint64_t)b);
+        for (int j = 0; j < 4 && b * 4 + j < n; j++)
+            ds_store(dst.dtype, dst.data, b * 4 + j, lo + (hi - lo) * (double)ds_u32_to_unit(r.v[j]));
+    }
+    return 0;
+}
+
+/* Box-Muller on word pairs: block b yields elements 4b..4b+3. */
+static int cpu_normal(ds_kview dst, uint64_t seed, uint64_t offset, double mean, double std) {
+    int64_t n = ds_kview_numel(&dst);
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t b = 0; b < (n + 3) / 4; b++) {
+        ds_philox4 r = ds_philox_block(seed, offset + (uint64_t)b);
+        double z[4];
+        for (int j = 0; j < 4; j += 2) {
+            double rad = sqrt(-2.0 * log((double)ds_u32_to_unit(r.v[j])));
+            double th = 6.283185307179586 * (double)ds_u32_to_unit(r.v[j + 1]);
+            z[j] = rad * cos(th);
+            z[j + 1] = rad * sin(th);
+        }
+        for (int j = 0; j < 4 && b * 4 + j < n; j++)
+            ds_store(dst.dtype, dst.data, b * 4 + j, mean + std * z[j]);
+    }
+    return 0;
+}
+
+const ds_kernels_core ds_cpu_core = {
+    cpu_copy, cpu_fill, cpu_arange, cpu_uniform, cpu_normal,
+};

@@ -1,0 +1,12 @@
+/* The CPU backend's kernel families, assembled into ds_cpu_kernels. */
+#ifndef CPU_KERNELS_H
+#define CPU_KERNELS_H
+
+#include "../ds_kernels.h"
+
+extern const ds_kernels_core ds_cpu_core;
+extern const ds_kernels_elementwise ds_cpu_elementwise;
+extern const ds_kernels_reduce ds_cpu_reduce;
+extern const ds_kernels ds_cpu_kernels;
+
+#endif

@@ -1,0 +1,113 @@
+/* Per-element math shared by the CPU and CUDA kernels: one definition of
+ * each function and of its derivative. */
+#ifndef DS_ELEM_H
+#define DS_ELEM_H
+
+#include "ds_kernels.h"
+#include <math.h>
+
+#define DS_SQRT_2_OVER_PI 0.7978845608028654
+#define DS_INV_SQRT_2 0.7071067811865476
+#define DS_INV_SQRT_2PI 0.3989422804014327
+
+DS_HOSTDEV double ds_sigmoid(double x) { return 1.0 / (1.0 + exp(-x)); }
+
+DS_HOSTDEV double ds_binary_apply(ds_binary_op op, double a, double b) {
+    switch (op) {
+    case DS_BIN_ADD: return a + b;
+    case DS_BIN_SUB: return a - b;
+    case DS_BIN_MUL: return a * b;
+    case DS_BIN_DIV: return a / b;
+    case DS_BIN_POW: return pow(a, b);
+    case DS_BIN_MAX: return a > b || a != a ? a : b;   /* NaN propagates */
+    case DS_BIN_MIN: return a < b || a != a ? a : b;
+    case DS_BIN_EQ: return a == b;
+    case DS_BIN_NE: return a != b;
+    case DS_BIN_LT: return a < b;
+    case DS_BIN_LE: return a <= b;
+    case DS_BIN_GT: return a > b;
+    case DS_BIN_GE: return a >= b;
+    default: return 0;
+    }
+}
+
+/* float versions of the same, for the fast f32 loops */
+DS_HOSTDEV float ds_binary_apply_f(ds_binary_op op, float a, float b) {
+    switch (op) {
+    case DS_BIN_ADD: return a + b;
+    case DS_BIN_SUB: return a - b;
+    case DS_BIN_MUL: return a * b;
+    case DS_BIN_DIV: return a / b;
+    default: return (float)ds_binary_apply(op, a, b);
+    }
+}
+
+DS_HOSTDEV double ds_unary_apply(ds_unary_op op, double x, double p) {
+    switch (op) {
+    case DS_UN_NEG: return -x;
+    case DS_UN_EXP: return exp(x);
+    case DS_UN_LOG: return log(x);
+    case DS_UN_SQRT: return sqrt(x);
+    case DS_UN_RSQRT: return 1.0 / sqrt(x);
+    case DS_UN_TANH: return tanh(x);
+    case DS_UN_SIGMOID: return ds_sigmoid(x);
+    case DS_UN_ABS: return fabs(x);
+    case DS_UN_POW_SCALAR: return pow(x, p);
+    case DS_UN_RELU: return x > 0 ? x : 0;
+    case DS_UN_GELU_TANH: return 0.5 * x * (1.0 + tanh(DS_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)));
+    case DS_UN_GELU_ERF: return 0.5 * x * (1.0 + erf(x * DS_INV_SQRT_2));
+    case DS_UN_SILU: return x * ds_sigmoid(x);
+    default: return 0;
+    }
+}
+
+DS_HOSTDEV float ds_unary_apply_f(ds_unary_op op, float x, float p) {
+    switch (op) {
+    case DS_UN_NEG: return -x;
+    case DS_UN_EXP: return expf(x);
+    case DS_UN_LOG: return logf(x);
+    case DS_UN_SQRT: return sqrtf(x);
+    case DS_UN_RSQRT: return 1.0f / sqrtf(x);
+    case DS_UN_TANH: return tanhf(x);
+    case DS_UN_SIGMOID: return 1.0f / (1.0f + expf(-x));
+    case DS_UN_ABS: return fabsf(x);
+    case DS_UN_POW_SCALAR: return powf(x, p);
+    case DS_UN_RELU: return x > 0 ? x : 0;
+    case DS_UN_GELU_TANH:
+        return 0.5f * x * (1.0f + tanhf(0.7978845608f * (x + 0.044715f * x * x * x)));
+    case DS_UN_GELU_ERF: return 0.5f * x * (1.0f + erff(x * 0.70710678f));
+    case DS_UN_SILU: return x / (1.0f + expf(-x));
+    default: return 0;
+    }
+}
+
+/* d op(x)/dx, given x and y = op(x) */
+DS_HOSTDEV double ds_unary_derivative(ds_unary_op op, double x, double y, double p) {
+    switch (op) {
+    case DS_UN_NEG: return -1;
+    case DS_UN_EXP: return y;
+    case DS_UN_LOG: return 1.0 / x;
+    case DS_UN_SQRT: return 0.5 / y;
+    case DS_UN_RSQRT: return -0.5 * y * y * y;
+    case DS_UN_TANH: return 1.0 - y * y;
+    case DS_UN_SIGMOID: return y * (1.0 - y);
+    case DS_UN_ABS: return x > 0 ? 1 : x < 0 ? -1 : 0;
+    case DS_UN_POW_SCALAR: return p == 0 ? 0 : p * pow(x, p - 1);
+    case DS_UN_RELU: return x > 0 ? 1 : 0;
+    case DS_UN_GELU_TANH: {
+        double u = DS_SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);
+        double t = tanh(u);
+        double du = DS_SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044715 * x * x);
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * du;
+    }
+    case DS_UN_GELU_ERF:
+        return 0.5 * (1.0 + erf(x * DS_INV_SQRT_2)) + x * DS_INV_SQRT_2PI * exp(-0.5 * x * x);
+    case DS_UN_SILU: {
+        double s = ds_sigmoid(x);
+        return s * (1.0 + x * (1.0 - s));
+    }
+    default: return 0;
+    }
+}
+
+#endif

@@ -1,0 +1,75 @@
+/* bf16 and f16 <-> f32 conversions, round-to-nearest-even, NaN kept quiet.
+ * Bit-level so gcc and nvcc give identical results. */
+#ifndef DS_HALF_H
+#define DS_HALF_H
+
+#include "ds_kview.h"
+#include <string.h>
+
+DS_HOSTDEV uint32_t ds_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+DS_HOSTDEV float ds_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+DS_HOSTDEV uint16_t ds_f32_to_bf16(float f) {
+    uint32_t u = ds_f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);          /* ties go to the even mantissa */
+    return (uint16_t)(u >> 16);
+}
+
+DS_HOSTDEV float ds_bf16_to_f32(uint16_t h) { return ds_bits_f32((uint32_t)h << 16); }
+
+DS_HOSTDEV uint16_t ds_f32_to_f16(float f) {
+    uint32_t u = ds_f32_bits(f);
+    uint32_t sign = (u >> 16) & 0x8000u;
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);          /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);         /* rounds to inf */
+    if (a < 0x38800000u) {                                           /* f16 subnormal or zero */
+        /* Adding 0.5 makes the FPU do the round-to-nearest-even shift for us. */
+        float r = ds_bits_f32(a) + 0.5f;
+        return (uint16_t)(sign | (ds_f32_bits(r) - 0x3f000000u));
+    }
+    uint32_t mant_odd = (a >> 13) & 1u;
+    a += 0xc8000fffu + mant_odd;             /* rebias exponent (-112<<23) and round */
+    return (uint16_t)(sign | (a >> 13));
+}
+
+DS_HOSTDEV float ds_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1f) return ds_bits_f32(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {                         /* subnormal: value is m * 2^-24 */
+        float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return ds_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/* Load and store any dtype as double: the slow, universal path. */
+DS_HOSTDEV double ds_load(ds_dtype t, const void *p, int64_t i) {
+    switch (t) {
+    case DS_F32: return ((const float *)p)[i];
+    case DS_F64: return ((const double *)p)[i];
+    case DS_BF16: return ds_bf16_to_f32(((const uint16_t *)p)[i]);
+    case DS_F16: return ds_f16_to_f32(((const uint16_t *)p)[i]);
+    case DS_I32: return ((const int32_t *)p)[i];
+    case DS_I64: return (double)((const int64_t *)p)[i];
+    case DS_U8: return ((const uint8_t *)p)[i];
+    default: return ((const uint8_t *)p)[i] != 0;
+    }
+}
+
+DS_HOSTDEV void ds_store(ds_dtype t, void *p, int64_t i, double v) {
+    switch (t) {
+    case DS_F32: ((float *)p)[i] = (float)v; break;
+    case DS_F64: ((double *)p)[i] = v; break;
+    case DS_BF16: ((uint16_t *)p)[i] = ds_f32_to_bf16((float)v); break;
+    case DS_F16: ((uint16_t *)p)[i] = ds_f32_to_f16((float)v); break;
+    case DS_I32: ((int32_t *)p)[i] = (int32_t)v; break;
+    case DS_I64: ((int64_t *)p)[i] = (int64_t)v; break;
+    case DS_U8: ((uint8_t *)p)[i] = (uint8_t)(int64_t)v; break;
+    default: ((uint8_t *)p)[i] = v != 0; break;
+    }
+}
+
+#endif

@@ -1,0 +1,28 @@
+-- dslua: tensors and autograd from the C core, with the Lua conveniences
+-- on top. `local ds = require 'dslua'`.
+local C = require 'dslua.core'
+
+local ds = {}
+for k, v in pairs(C) do ds[k] = v end
+
+require('dslua.tensor').install(C)
+
+-- Runs fn(...) with autograd off and returns its results; the previous
+-- mode comes back even when fn raises.
+function ds.no_grad(fn, ...)
+  local prev = C.set_grad_enabled(false)
+  local res = { pcall(fn, ...) }
+  C.set_grad_enabled(prev)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+function ds.enable_grad(fn, ...)
+  local prev = C.set_grad_enabled(true)
+  local res = { pcall(fn, ...) }
+  C.set_grad_enabled(prev)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+return ds
