@@ -1,0 +1,115 @@
+-- Shared spec helpers: closeness with a useful message, finite-difference
+-- gradient checks, and PyTorch fixtures.
+local ds = require 'dslua'
+
+local H = { ds = ds }
+
+-- Tolerances per dtype, against references computed in float64 or by
+-- PyTorch in the same dtype (which sums in another order).
+H.tol = {
+  f64 = { rtol = 1e-9, atol = 1e-10 },
+  f32 = { rtol = 1e-4, atol = 1e-5 },
+  bf16 = { rtol = 1.6e-2, atol = 1e-2 },
+  f16 = { rtol = 2e-3, atol = 1e-3 },
+}
+
+local function flatten(v, out)
+  if type(v) == 'table' then for i = 1, #v do flatten(v[i], out) end
+  else out[#out + 1] = v end
+  return out
+end
+
+local function values(x)
+  if ds.is_tensor(x) then
+    if x:dim() == 0 then return { x:item() } end
+    return flatten(x:totable(), {})
+  end
+  if type(x) == 'table' then return flatten(x, {}) end
+  return { x }
+end
+
+-- Asserts every element of actual is within atol + rtol*|expected|;
+-- the message names the first element that is not.
+function H.assert_close(actual, expected, tol, what)
+  tol = tol or H.tol[ds.is_tensor(actual) and actual:dtype() or 'f32'] or H.tol.f32
+  if ds.is_tensor(actual) and ds.is_tensor(expected) then
+    assert(table.concat(actual:size(), 'x') == table.concat(expected:size(), 'x'),
+           string.format('%sshape %s, expected %s', what and (what .. ': ') or '',
+                         table.concat(actual:size(), 'x'), table.concat(expected:size(), 'x')))
+  end
+  local a, e = values(actual), values(expected)
+  assert(#a == #e, string.format('%s%d elements, expected %d', what and (what .. ': ') or '', #a, #e))
+  for i = 1, #a do
+    local x, y = tonumber(a[i]) or (a[i] and 1 or 0), tonumber(e[i]) or (e[i] and 1 or 0)
+    local ok = (x == y) or (x ~= x and y ~= y) or math.abs(x - y) <= tol.atol + tol.rtol * math.abs(y)
+    if not ok then
+      error(string.format('%selement %d is %.9g, expected %.9g (atol %g, rtol %g)',
+                          what and (what .. ': ') or '', i, x, y, tol.atol, tol.rtol), 2)
+    end
+  end
+  return true
+end
+
+-- Checks the gradients of fn(inputs...) against central differences, in
+-- f64. The output is projected on fixed random weights, so every output
+-- element's gradient matters. inputs: f64 tensors; those that should be
+-- checked have requires_grad set.
+function H.gradcheck(fn, inputs, opts)
+  opts = opts or {}
+  local eps, rtol, atol = opts.eps or 1e-6, opts.rtol or 1e-5, opts.atol or 1e-7
+  local out = fn(unpack(inputs))
+  local w = ds.randn(out:size(), 'f64')
+  local function objective()
+    return ds.no_grad(function() return (fn(unpack(inputs)) * w):sum():item() end)
+  end
+  for _, x in ipairs(inputs) do if ds.is_tensor(x) then x.grad = nil end end
+  ;(fn(unpack(inputs)) * w):sum():backward()
+  for k, x in ipairs(inputs) do
+    if ds.is_tensor(x) and x.requires_grad then
+      local analytic = x.grad and values(x.grad) or {}
+      for i = 1, x:numel() do
+        local flat = x:view(-1)
+        local orig = flat:narrow(1, i, 1):item()
+        ds.no_grad(function() flat:narrow(1, i, 1):fill_(orig + eps) end)
+        local up = objective()
+        ds.no_grad(function() flat:narrow(1, i, 1):fill_(orig - eps) end)
+        local down = objective()
+        ds.no_grad(function() flat:narrow(1, i, 1):fill_(orig) end)
+        local numeric = (up - down) / (2 * eps)
+        local got = analytic[i] or 0
+        if math.abs(got - numeric) > atol + rtol * math.abs(numeric) then
+          error(string.format('gradcheck: input %d element %d: analytic %.9g, numeric %.9g', k, i, got, numeric), 2)
+        end
+      end
+    end
+  end
+  return true
+end
+
+-- A tensor from a fixture record {shape=..., dtype=..., data=...}.
+function H.tensor(rec)
+  local t = ds.tensor(rec.data, rec.dtype == 'bool' and 'u8' or rec.dtype)
+  if rec.dtype == 'bool' then t = t:to('bool') end
+  return t:reshape(rec.shape)
+end
+
+-- Loads spec/fixtures/<name>.lua, written by spec/fixtures/gen_<name>.py.
+function H.fixture(name)
+  local path = 'spec/fixtures/' .. name .. '.lua'
+  local chunk = assert(loadfile(path), 'missing fixture ' .. path .. ' (run spec/fixtures/generate.sh)')
+  return chunk()
+end
+
+-- The folder of shared data sets, or nil with a line saying why specs skip.
+function H.shared_data(sub)
+  local dir = os.getenv('DSLUA_DATA') or '../shared/data'
+  local f = io.open(dir .. '/' .. sub, 'rb')
+  if not f then
+    print(string.format('skipping: %s/%s is absent', dir, sub))
+    return nil
+  end
+  f:close()
+  return dir
+end
+
+return H
