@@ -4,6 +4,8 @@
 
 #include <lauxlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 typedef struct { const char *name, *chunk, *src; size_t len; } embedded_module;
 extern const embedded_module dsL_embedded[];
@@ -18,10 +20,28 @@ static int l_num_threads(lua_State *L) {
     return 1;
 }
 
+/* isatty(fd): progress output draws a bar on a terminal, plain lines in a pipe */
+static int l_isatty(lua_State *L) {
+    lua_pushboolean(L, isatty((int)luaL_optinteger(L, 1, 1)));
+    return 1;
+}
+
+/* wall_time(): monotonic seconds, for rates and timers */
+static int l_wall_time(lua_State *L) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    lua_pushnumber(L, (lua_Number)ts.tv_sec + (lua_Number)ts.tv_nsec * 1e-9);
+    return 1;
+}
+
 int luaopen_dslua_core(lua_State *L) {
     lua_newtable(L);
     dsL_open_tensor(L);
     dsL_open_ops(L);
+    lua_pushcfunction(L, l_wall_time);
+    lua_setfield(L, -2, "wall_time");
+    lua_pushcfunction(L, l_isatty);
+    lua_setfield(L, -2, "isatty");
     lua_pushcfunction(L, l_num_threads);
     lua_setfield(L, -2, "num_threads");
     lua_pushstring(L, DSLUA_VERSION);

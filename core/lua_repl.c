@@ -9,11 +9,20 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static lua_State *repl_state;
+static volatile sig_atomic_t prompt_interrupted;
 
-/* Ctrl-C while code runs: a hook raises an error at the next instruction,
- * so a runaway loop stops and the prompt comes back. */
+/* Ctrl-C at the prompt drops the line being typed, as shells do. */
+static void on_prompt_sigint(int sig) {
+    (void)sig;
+    prompt_interrupted = 1;
+}
+
+/* Ctrl-C while code runs: a hook raises an error at the next call or
+ * instruction count, so a runaway loop stops and the prompt comes back.
+ * JIT-compiled loops run no hooks, so a second Ctrl-C quits for good. */
 static void stop_hook(lua_State *L, lua_Debug *ar) {
     (void)ar;
     lua_sethook(L, NULL, 0, 0);
@@ -21,7 +30,9 @@ static void stop_hook(lua_State *L, lua_Debug *ar) {
 }
 
 static void on_sigint(int sig) {
-    (void)sig;
+    static const char hint[] = "\n(interrupting; Ctrl-C again quits)\n";
+    signal(sig, SIG_DFL);
+    if (write(STDERR_FILENO, hint, sizeof hint - 1) < 0) return;
     lua_sethook(repl_state, stop_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
 }
 
@@ -92,8 +103,19 @@ void dsL_repl(lua_State *L) {
         lua_pop(L, 1);
     }
     char *buffer = NULL;
+    struct sigaction at_prompt = {0};
+    at_prompt.sa_handler = on_prompt_sigint;
     for (;;) {
+        sigaction(SIGINT, &at_prompt, NULL);
+        prompt_interrupted = 0;
         char *line = readline(buffer ? ".. " : "ds> ");
+        if (prompt_interrupted) {
+            free(line);
+            free(buffer);
+            buffer = NULL;
+            putchar('\n');
+            continue;
+        }
         if (!line) break;
         size_t old = buffer ? strlen(buffer) : 0;
         char *joined = realloc(buffer, old + strlen(line) + 2);

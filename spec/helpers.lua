@@ -100,6 +100,23 @@ function H.fixture(name)
   return chunk()
 end
 
+-- The dslua binary running these specs (absolute path), for specs that
+-- start child processes: $DSLUA_BIN, else the interpreter busted runs in.
+function H.bin()
+  local b = os.getenv('DSLUA_BIN') or arg[-1]
+  if b:sub(1, 1) ~= '/' then b = os.getenv('PWD') .. '/' .. b end
+  return b
+end
+
+-- Runs a shell command; returns its output and exit status.
+function H.run(cmd)
+  local f = io.popen(cmd .. ' 2>&1; echo "exit:$?"')
+  local out = f:read('*a')
+  f:close()
+  local status = tonumber(out:match('exit:(%d+)%s*$'))
+  return out:gsub('exit:%d+%s*$', ''), status
+end
+
 -- The folder of shared data sets, or nil with a line saying why specs skip.
 function H.shared_data(sub)
   local dir = os.getenv('DSLUA_DATA') or '../shared/data'

@@ -2,6 +2,8 @@
 -- results print), run with a traceback, print results, complete names.
 local M = {}
 
+M.print = print   -- where results go; specs replace it to capture them
+
 local function pack(...) return { n = select('#', ...), ... } end
 
 local function show(v)
@@ -10,14 +12,25 @@ local function show(v)
   if ds and ds.is_tensor(v) then return tostring(v) end
   if type(v) ~= 'table' or getmetatable(v) then return tostring(v) end
   local parts, n = {}, 0
+  local function item(x) return type(x) == 'string' and string.format('%q', x) or tostring(x) end
+  if #v > 0 and next(v, #v) == nil then          -- a plain list
+    for i = 1, math.min(#v, 20) do parts[i] = item(v[i]) end
+    if #v > 20 then parts[#parts + 1] = '... (' .. #v .. ' items)' end
+    return '{' .. table.concat(parts, ', ') .. '}'
+  end
   for k, x in pairs(v) do
     n = n + 1
     if n > 12 then parts[#parts + 1] = '...'; break end
     local key = type(k) == 'string' and k or ('[' .. tostring(k) .. ']')
-    local val = type(x) == 'string' and string.format('%q', x) or tostring(x)
-    parts[#parts + 1] = key .. ' = ' .. val
+    parts[#parts + 1] = key .. ' = ' .. item(x)
   end
   return '{' .. table.concat(parts, ', ') .. '}'
+end
+
+-- The traceback of an error in user code, without the REPL's own frames.
+local function traceback(e)
+  local tb = debug.traceback(tostring(e), 2)
+  return (tb:gsub("\n%s*%[C%]: in function 'xpcall'.*$", ''))
 end
 
 function M.init()
@@ -36,11 +49,11 @@ function M.step(src)
     io.stderr:write(err, '\n')
     return false
   end
-  local res = pack(xpcall(fn, debug.traceback))
+  local res = pack(xpcall(fn, traceback))
   if not res[1] then
     io.stderr:write(tostring(res[2]), '\n')
   elseif not quiet then
-    for i = 2, res.n do print(show(res[i])) end
+    for i = 2, res.n do M.print(show(res[i])) end
   end
   return false
 end
