@@ -2,6 +2,7 @@
 #include "ds_error.h"
 
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,6 +18,7 @@ static const char *const category_names[DS_MEM_NCATEGORIES] = {
 static void *cpu_alloc(ds_allocator *self, size_t nbytes) {
     (void)self;
     void *p = NULL;
+    if (nbytes > SIZE_MAX - 63) return NULL;     /* rounding up would wrap to 0 */
     size_t rounded = (nbytes + 63) & ~(size_t)63;
     if (posix_memalign(&p, 64, rounded ? rounded : 64) != 0) return NULL;
     return p;

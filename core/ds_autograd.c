@@ -3,6 +3,7 @@
 #include "ds_ops.h"
 
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -47,7 +48,10 @@ ds_node *ds_autograd_record(const char *name, ds_backward_fn fn, int n_inputs,
     }
     out->grad_fn = n;
     out->requires_grad = true;
-    if (out->storage->category == DS_MEM_OTHER) ds_tensor_set_category(out, DS_MEM_ACT);
+    /* a fresh output is an activation; a view shares its base's storage
+     * (refcount > 1) and must not relabel the base's bytes */
+    if (out->storage->category == DS_MEM_OTHER && atomic_load(&out->storage->refcount) == 1)
+        ds_tensor_set_category(out, DS_MEM_ACT);
     return n;
 }
 
@@ -166,6 +170,29 @@ static int count_dependencies(ds_node *root, node_list *seen) {
     return rc;
 }
 
+/* Stands in for the backward of a node whose saved tensors are gone, so a
+ * second pass over the graph fails with a reason instead of reading NULLs. */
+static int freed_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    (void)n; (void)g; (void)gin;
+    ds_fail(DS_ERR_STATE, "its saved tensors were freed by an earlier backward; "
+            "pass retain_graph=true to that backward to run it again");
+    return -1;
+}
+
+/* A gradient must have its input's shape: a wrong one accumulated into a
+ * leaf would send optimizers past the end of the parameter. */
+static int check_grad_shape(const ds_node *n, int k, const ds_tensor *g) {
+    const ds_edge *e = &n->next[k];
+    if (g->ndim == e->ndim && memcmp(g->shape, e->shape, sizeof(int64_t) * (size_t)e->ndim) == 0) return 0;
+    char gs[96], want[96] = "[";
+    for (int i = 0; i < e->ndim; i++)
+        snprintf(want + strlen(want), sizeof want - strlen(want), i ? ",%lld" : "%lld", (long long)e->shape[i]);
+    strncat(want, "]", sizeof want - strlen(want) - 1);
+    ds_fail(DS_ERR_STATE, "backward of %s: gradient of input %d has shape %s, the input %s", n->name, k + 1,
+            ds_shape_str(g, gs, sizeof gs), want);
+    return -1;
+}
+
 static int run_node(ds_node *n, bool retain_graph, node_list *ready) {
     ds_tensor *gin[DS_NODE_MAX_INPUTS] = {0};
     ds_tensor *g = n->grad;
@@ -178,9 +205,14 @@ static int run_node(ds_node *n, bool retain_graph, node_list *ready) {
         ds_fail(DS_ERR_STATE, "backward of %s: %s", n->name, msg);
     }
     ds_tensor_release(g);
-    if (!retain_graph) node_free_saved(n);
+    if (!retain_graph) {
+        for (int k = 0; k < DS_NODE_MAX_SAVED; k++)
+            if (n->saved[k]) n->backward = freed_backward;    /* nodes that saved nothing may rerun */
+        node_free_saved(n);
+    }
     for (int k = 0; k < n->n_inputs; k++) {
         ds_edge *e = &n->next[k];
+        if (rc == 0 && gin[k] && (e->leaf || e->node)) rc = check_grad_shape(n, k, gin[k]);
         if (rc == 0 && gin[k]) {
             if (e->leaf) rc = accumulate_leaf(e->leaf, gin[k]);
             else if (e->node) rc = accumulate(&e->node->grad, gin[k]);
@@ -201,7 +233,8 @@ int ds_backward(ds_tensor *root, ds_tensor *grad, bool retain_graph) {
     if (grad && !ds_tensor_same_shape(grad, root))
         return ds_fail(DS_ERR_ARG, "backward: grad shape %s does not match tensor", ds_shape_str(grad, s, sizeof s)), -1;
     bool was = ds_set_grad_enabled(false);
-    ds_tensor *g = grad ? (ds_tensor_retain(grad), grad)
+    /* a grad of another dtype is cast to the root's, as PyTorch does */
+    ds_tensor *g = grad ? ds_to_dtype(grad, root->dtype)
                         : ds_tensor_full(root->ndim, root->shape, root->dtype, ds_tensor_device(root), 1.0);
     int rc = g ? 0 : -1;
     if (rc == 0 && !root->grad_fn) {

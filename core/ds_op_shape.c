@@ -21,6 +21,7 @@ static int reshape_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 static int infer_shape(const char *op, ds_tensor *t, int ndim, const int64_t *in, int64_t *out) {
     int64_t known = 1;
     int infer = -1;
+    bool wrapped = false;     /* sizes whose product overflows could wrap onto numel */
     char s[96];
     if (ndim > DS_MAX_DIMS) return ds_fail(DS_ERR_ARG, "%s: at most %d dims", op, DS_MAX_DIMS), -1;
     for (int i = 0; i < ndim; i++) {
@@ -30,13 +31,14 @@ static int infer_shape(const char *op, ds_tensor *t, int ndim, const int64_t *in
             infer = i;
         } else if (in[i] < 0) {
             return ds_fail(DS_ERR_ARG, "%s: invalid size %lld in dim %d", op, (long long)in[i], i), -1;
-        } else known *= in[i];
+        } else wrapped |= __builtin_mul_overflow(known, in[i], &known);
     }
     int64_t numel = ds_tensor_numel(t);
     if (infer >= 0 && known != 0 && numel % known == 0) out[infer] = numel / known;
     int64_t total = 1;
-    for (int i = 0; i < ndim; i++) total *= out[i];
-    if (total != numel || (infer >= 0 && known == 0)) {
+    for (int i = 0; i < ndim; i++) wrapped |= __builtin_mul_overflow(total, out[i], &total);
+    for (int i = 0; i < ndim; i++) if (out[i] == 0) { total = 0; wrapped = false; }
+    if (wrapped || total != numel || (infer >= 0 && known == 0)) {
         char want[96] = "[";
         for (int i = 0; i < ndim; i++)
             snprintf(want + strlen(want), sizeof want - strlen(want), i ? ",%lld" : "%lld", (long long)in[i]);
@@ -160,7 +162,7 @@ ds_tensor *ds_narrow(ds_tensor *t, int64_t dim, int64_t start, int64_t length) {
     if (t->ndim == 0) return ds_fail(DS_ERR_ARG, "narrow: cannot narrow a 0-dim tensor");
     int64_t size = t->shape[d];
     if (start < 0) start += size;
-    if (start < 0 || length < 0 || start + length > size) {
+    if (start < 0 || start > size || length < 0 || length > size - start) {
         char s[96];
         return ds_fail(DS_ERR_ARG, "narrow: start %lld length %lld out of range for dim %d of shape %s",
                        (long long)start, (long long)length, d, ds_shape_str(t, s, sizeof s));

@@ -8,6 +8,11 @@
 #include "ds_op_elementwise.h"
 #include "ds_op_shape.h"
 #include "ds_op_reduce.h"
+#include "ds_op_linalg.h"
+#include "ds_op_conv.h"
+#include "ds_op_nn.h"
+#include "ds_op_index.h"
+#include "ds_op_attention.h"
 #include "ds_rng.h"
 
 #endif

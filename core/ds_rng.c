@@ -46,6 +46,8 @@ ds_tensor *ds_arange(double start, double end, double step, ds_dtype dtype, ds_d
     if (step == 0 || !isfinite(start) || !isfinite(end) || !isfinite(step))
         return ds_fail(DS_ERR_ARG, "arange: invalid range start=%g end=%g step=%g", start, end, step);
     double count = ceil((end - start) / step);
+    if (!(count < 0x1p60))      /* also inf: converting it to int64 is undefined */
+        return ds_fail(DS_ERR_ARG, "arange: start=%g end=%g step=%g gives too many elements", start, end, step);
     int64_t n = count > 0 ? (int64_t)count : 0;
     ds_tensor *t = ds_tensor_new(1, &n, dtype, dev);
     if (t && ds_tensor_kernels(t)->core->arange(ds_tensor_kview(t), start, step)) {

@@ -40,11 +40,24 @@ static bool shape_ok(int ndim, const int64_t *shape) {
         ds_fail(DS_ERR_ARG, "tensors have at most %d dims, got %d", DS_MAX_DIMS, ndim);
         return false;
     }
-    for (int i = 0; i < ndim; i++)
+    int64_t n = 1;
+    bool huge = false, empty = false;
+    for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) {
             ds_fail(DS_ERR_ARG, "negative size %lld in dim %d", (long long)shape[i], i);
             return false;
         }
+        huge |= __builtin_mul_overflow(n, shape[i], &n);
+        empty |= shape[i] == 0;
+    }
+    /* the byte count of any dtype must fit, or sizes wrap to a small buffer */
+    if (!empty && (huge || n > INT64_MAX / 8)) {
+        char s[200] = "";
+        for (int i = 0; i < ndim; i++)
+            snprintf(s + strlen(s), sizeof s - strlen(s), i ? ",%lld" : "%lld", (long long)shape[i]);
+        ds_fail(DS_ERR_ARG, "tensor of shape [%s] is too large (more than 2^60 elements)", s);
+        return false;
+    }
     return true;
 }
 

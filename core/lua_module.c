@@ -38,6 +38,10 @@ int luaopen_dslua_core(lua_State *L) {
     lua_newtable(L);
     dsL_open_tensor(L);
     dsL_open_ops(L);
+    dsL_open_linalg(L);
+    dsL_open_nn(L);
+    dsL_open_index(L);
+    dsL_open_attention(L);
     lua_pushcfunction(L, l_wall_time);
     lua_setfield(L, -2, "wall_time");
     lua_pushcfunction(L, l_isatty);

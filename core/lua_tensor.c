@@ -6,6 +6,7 @@
 #include <string.h>
 
 static lua_State *main_state;
+static _Thread_local bool on_lua_thread;    /* the thread that owns main_state */
 static int64_t gc_threshold = 64 << 20;
 
 /* The Lua GC sees only the small userdata, not the native bytes behind
@@ -19,9 +20,11 @@ static void gc_pressure(lua_State *L) {
     gc_threshold = live * 2 > (64 << 20) ? live * 2 : (64 << 20);
 }
 
+/* Only the Lua thread may collect: a loader or OpenMP thread that runs
+ * out of memory just fails its allocation. */
 static void collect_on_oom(void *ud) {
     (void)ud;
-    if (main_state) lua_gc(main_state, LUA_GCCOLLECT, 0);
+    if (main_state && on_lua_thread) lua_gc(main_state, LUA_GCCOLLECT, 0);
 }
 
 int dsL_error(lua_State *L) {
@@ -154,10 +157,12 @@ static void nested_fill(lua_State *L, int idx, int depth, int ndim, const int64_
         ds_tensor_set(t, (*pos)++, v);
         return;
     }
-    if (!lua_istable(L, idx) || (int64_t)lua_objlen(L, idx) != shape[depth])
-        luaL_error(L, "tensor: ragged nested table at depth %d (expected %d elements, got %s %d)",
-                   depth + 1, (int)shape[depth], luaL_typename(L, idx),
-                   lua_istable(L, idx) ? (int)lua_objlen(L, idx) : 1);
+    if (!lua_istable(L, idx))
+        luaL_error(L, "tensor: ragged nested table at depth %d (expected a table of %d elements, got a %s)",
+                   depth + 1, (int)shape[depth], luaL_typename(L, idx));
+    if ((int64_t)lua_objlen(L, idx) != shape[depth])
+        luaL_error(L, "tensor: ragged nested table at depth %d (expected %d elements, got %d)",
+                   depth + 1, (int)shape[depth], (int)lua_objlen(L, idx));
     for (int64_t i = 0; i < shape[depth]; i++) {
         lua_rawgeti(L, idx, (int)i + 1);
         nested_fill(L, lua_gettop(L), depth + 1, ndim, shape, t, pos);
@@ -229,7 +234,7 @@ static int l_arange(lua_State *L) {
 
 static int l_manual_seed(lua_State *L) {
     lua_Number s = luaL_checknumber(L, 1);
-    luaL_argcheck(L, s >= 0 && s == floor(s), 1, "seed must be a non-negative integer");
+    luaL_argcheck(L, s >= 0 && s == floor(s) && s < 0x1p64, 1, "seed must be a non-negative integer below 2^64");
     ds_manual_seed((uint64_t)s);
     return 0;
 }
@@ -448,6 +453,7 @@ static const luaL_Reg module_functions[] = {
 
 void dsL_open_tensor(lua_State *L) {
     main_state = L;
+    on_lua_thread = true;
     ds_mem_set_oom_handler(collect_on_oom, NULL);
     luaL_newmetatable(L, DSL_TENSOR_MT);
     lua_newtable(L);

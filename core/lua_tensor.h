@@ -39,5 +39,9 @@ void dsL_register(lua_State *L, const luaL_Reg *fns, bool as_methods);
 /* Opens the tensor type and every op family into the table at -1. */
 void dsL_open_tensor(lua_State *L);
 void dsL_open_ops(lua_State *L);
+void dsL_open_linalg(lua_State *L);
+void dsL_open_nn(lua_State *L);
+void dsL_open_index(lua_State *L);
+void dsL_open_attention(lua_State *L);
 
 #endif

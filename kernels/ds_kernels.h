@@ -57,11 +57,114 @@ typedef struct ds_kernels_reduce {
                   double param);
 } ds_kernels_reduce;
 
+/* Indexing. Index views are i64 or i32 and hold 0-based values that core
+ * has already checked with check_index, so the others never read out of
+ * bounds. x, src and dst share one dtype. */
+typedef struct ds_kernels_index {
+    /* The first row-major position of idx whose value is outside
+     * [0, limit) into bad_pos (-1 if none) and that value into bad_value. */
+    int (*check_index)(ds_kview idx, int64_t limit, int64_t *bad_pos, int64_t *bad_value);
+    /* x contiguous [outer, n, inner], idx 1-D [m], out contiguous
+     * [outer, m, inner]: out[o, j, :] = x[o, idx[j], :]. Any dtype. */
+    int (*index_select)(ds_kview out, ds_kview x, ds_kview idx, int64_t outer, int64_t n, int64_t inner);
+    /* The reverse, accumulating: dst[o, idx[j], :] += src[o, j, :];
+     * dst and src contiguous, duplicate indices sum. */
+    int (*index_add)(ds_kview dst, ds_kview src, ds_kview idx, int64_t outer, int64_t n, int64_t inner);
+    /* out and idx share a shape; out[p] = x[p with coordinate dim
+     * replaced by idx[p]]. Any strides. */
+    int (*gather)(ds_kview out, ds_kview x, ds_kview idx, int dim);
+    /* dst[p with coordinate dim replaced by idx[p]] += src[p] for every
+     * position p of idx (src may be larger than idx). Any strides. */
+    int (*scatter_add)(ds_kview dst, ds_kview src, ds_kview idx, int dim);
+} ds_kernels_index;
+
+/* Fused scaled dot-product attention, flash style (the Tq x Tk scores never
+ * exist in memory). q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv] share one
+ * float dtype, any strides. forward writes out [B,H,Tq,Dv] (that dtype)
+ * and lse [B,H,Tq], the log-sum-exp of each query row's scaled scores (f64
+ * for f64 inputs, else f32). Causal hides key j from query i when j > i.
+ * backward recomputes the probabilities from q, k and lse and writes dq,
+ * dk, dv, shaped and typed like q, k, v; dout is shaped like out. */
+typedef struct ds_kernels_attention {
+    int (*forward)(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale, int causal);
+    int (*backward)(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
+                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal);
+} ds_kernels_attention;
+
+/* Fused row ops of neural networks. Tensors arrive contiguous; rows are
+ * computed in f32 for f32 data and in f64 otherwise (bf16/f16 included).
+ * Saved statistics (lse, mean, rstd) are f64 for f64 inputs, else f32. */
+typedef struct ds_kernels_nn {
+    /* softmax (log_softmax when as_log) over the middle axis of
+     * [outer, n, inner]; backward from the saved output y. */
+    int (*softmax)(ds_kview y, ds_kview x, int64_t outer, int64_t n, int64_t inner, int as_log);
+    int (*softmax_backward)(ds_kview dx, ds_kview g, ds_kview y, int64_t outer, int64_t n, int64_t inner,
+                            int as_log);
+    /* logits [rows, C], target (rows elements) i64 or i32 class ids.
+     * Writes each row's loss (0 where target == ignore_index) and
+     * log-sum-exp, and the number of rows not ignored into *count. A target
+     * outside [0, C) fails, naming it and its row, before anything else. */
+    int (*cross_entropy)(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
+                         int64_t ignore_index, double smoothing, int64_t *count);
+    /* dlogits = dloss[r] scale (softmax - (1-smoothing) onehot - smoothing/C),
+     * 0 on ignored rows; dloss is 1-D [rows], stride 0 for a reduced loss. */
+    int (*cross_entropy_backward)(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
+                                  ds_kview target, int64_t rows, int64_t C, int64_t ignore_index,
+                                  double smoothing, double scale);
+    /* x, y, g, dx [rows, n]; w, b [n] with data NULL when absent; mean and
+     * rstd [rows]. dw, db with data NULL are not computed. */
+    int (*layer_norm)(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
+                      int64_t rows, int64_t n, double eps);
+    int (*layer_norm_backward)(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
+                               ds_kview mean, ds_kview rstd, int64_t rows, int64_t n);
+    int (*rms_norm)(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps);
+    int (*rms_norm_backward)(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
+                             int64_t rows, int64_t n);
+    /* y = x keep / (1 - p) with keep from Philox (seed, offset) per element
+     * (ds_dropout_keep); the backward is the same call on the gradient. */
+    int (*dropout)(ds_kview y, ds_kview x, uint64_t seed, uint64_t offset, double p);
+} ds_kernels_nn;
+
+/* Batched matrix products. */
+typedef struct ds_kernels_blas {
+    /* c = alpha * a @ b + beta * c with a [batch..., m, k], b [batch..., k, n],
+     * c [batch..., m, n]: one float dtype, one ndim >= 2, equal batch sizes.
+     * Strides are free: a transposed operand is a view with swapped strides
+     * and becomes the BLAS transpose flag, not a copy. a and b may repeat a
+     * matrix over batch dims (stride 0); batch dims where c has stride 0 are
+     * summed into c (beta applies once), which is how a backward reduces
+     * broadcast dims. c's matrices need a unit stride in one of their dims. */
+    int (*gemm)(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta);
+} ds_kernels_blas;
+
+/* 2-D convolution and pooling over contiguous NCHW tensors (PyTorch's
+ * layouts and output sizes, floor mode). */
+typedef struct { int64_t stride[2], padding[2], dilation[2], groups; } ds_conv2d_params;
+typedef struct { int64_t kernel[2], stride[2], padding[2]; int count_include_pad; } ds_pool2d_params;
+
+typedef struct ds_kernels_conv {
+    /* y [N,O,OH,OW] = x [N,C,H,W] (*) w [O,C/groups,kh,kw] + bias [O]; no bias when bias.data is NULL */
+    int (*conv2d)(ds_kview y, ds_kview x, ds_kview w, ds_kview bias, const ds_conv2d_params *p);
+    int (*conv2d_backward_data)(ds_kview dx, ds_kview dy, ds_kview w, const ds_conv2d_params *p);
+    /* dw, and db unless db.data is NULL */
+    int (*conv2d_backward_weight)(ds_kview dw, ds_kview db, ds_kview dy, ds_kview x, const ds_conv2d_params *p);
+    /* indices (i64, h*W+w within each plane, as PyTorch) unless indices.data is NULL */
+    int (*max_pool2d)(ds_kview y, ds_kview indices, ds_kview x, const ds_pool2d_params *p);
+    int (*max_pool2d_backward)(ds_kview dx, ds_kview dy, ds_kview indices);
+    int (*avg_pool2d)(ds_kview y, ds_kview x, const ds_pool2d_params *p);
+    int (*avg_pool2d_backward)(ds_kview dx, ds_kview dy, const ds_pool2d_params *p);
+} ds_kernels_conv;
+
 typedef struct ds_kernels {
     const char *name;
     const ds_kernels_core *core;
     const ds_kernels_elementwise *elementwise;
     const ds_kernels_reduce *reduce;
+    const ds_kernels_blas *blas;
+    const ds_kernels_conv *conv;
+    const ds_kernels_attention *attention;
+    const ds_kernels_index *index;
+    const ds_kernels_nn *nn;
 } ds_kernels;
 
 /* Kernel-side error reporting; core turns it into the op's error. */

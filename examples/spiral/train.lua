@@ -4,7 +4,7 @@
 local ds = require 'dslua'
 local progress = require 'dslua.progress'
 
-local opts = { steps = 1500, hidden = 128, lr = 0.1, momentum = 0.9, points = 1000, seed = 0 }
+local opts = { steps = 1000, hidden = 128, lr = 0.1, momentum = 0.9, points = 1000, seed = 0 }
 local i = 1
 while arg[i] do
   local key = arg[i]:match('^%-%-([%w_]+)$')

@@ -14,7 +14,9 @@ static int cpu_copy(ds_kview dst, ds_kview src) {
     if (n == 0) return 0;
     int64_t sd = cpu_col_stride(&dst), ss = cpu_col_stride(&src);
     if (dst.dtype == src.dtype && rows == 1 && sd == 1 && ss == 1) {
-        memcpy(dst.data, src.data, (size_t)n * ds_dtype_size(dst.dtype));
+        /* memmove: a copy_ between overlapping slices of one storage
+         * (t:narrow(1,1,n):copy_(t:narrow(1,2,n))) stays well defined */
+        memmove(dst.data, src.data, (size_t)n * ds_dtype_size(dst.dtype));
         return 0;
     }
     #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)

@@ -5,100 +5,182 @@
 #include "../ds_elem.h"
 #include "../ds_half.h"
 
-static int all_f32(const ds_kview *const *v, int k) {
-    for (int j = 0; j < k; j++)
-        if (v[j]->dtype != DS_F32) return 0;
-    return 1;
+/* Rows are cut into tiles of at most CPU_TILE columns and the tiles shared
+ * among threads, so a contiguous tensor (one long row once coalesced) still
+ * uses every thread. Small tensors run the tiles on the calling thread
+ * without entering OpenMP at all: `parallel for if (0)` still goes through
+ * libgomp, whose team setup (a futex wake) costs more than a 16-element add. */
+#define CPU_TILE 8192
+
+static int64_t tile_count(const ds_kview *v) {
+    int64_t cols = cpu_cols(v), n = ds_kview_numel(v);
+    return cols ? n / cols * ((cols + CPU_TILE - 1) / CPU_TILE) : 0;
+}
+
+/* Row r and columns [c0, c1) of tile t. */
+static void tile_at(const ds_kview *v, int64_t t, int64_t *r, int64_t *c0, int64_t *c1) {
+    int64_t cols = cpu_cols(v), per_row = (cols + CPU_TILE - 1) / CPU_TILE;
+    *r = t / per_row;
+    *c0 = t % per_row * CPU_TILE;
+    *c1 = *c0 + CPU_TILE < cols ? *c0 + CPU_TILE : cols;
+}
+
+/* e^x in f32 as 2^n e^r, |r| <= ln2/2, Cody-Waite reduction and Cephes'
+ * polynomial (about 1 ulp). Plain arithmetic, so `omp simd` loops that call
+ * it vectorise, which they do not around libm's expf. x is clamped to
+ * [-87, 88], where the result is a normal float. */
+static inline float cpu_expf(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    /* adding 1.5 * 2^23 rounds x log2(e) to the integer n, which then sits
+     * in the low mantissa bits of t */
+    union { float f; uint32_t u; } t = { x * 1.44269504f + 12582912.0f };
+    float n = t.f - 12582912.0f;
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale = { (t.u + 127u) << 23 };   /* 2^n */
+    return p * scale.f;
+}
+
+/* GELU, tanh form: 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + e^(-2u)),
+ * one exp and no cancellation where x is very negative. Below x = -10 the
+ * result is under 1e-36 in size and is flushed to -0 (so -inf gives -0). */
+static inline float cpu_gelu_tanh_f(float x) {
+    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    float y = x / (1.0f + cpu_expf(-2.0f * u));
+    return x < -10.0f ? -0.0f : y;
+}
+
+static void binary_tile(ds_binary_op op, const ds_kview *out, const ds_kview *a, const ds_kview *b, int64_t t) {
+    int64_t r, c0, c1;
+    tile_at(out, t, &r, &c0, &c1);
+    int64_t so = cpu_col_stride(out), sa = cpu_col_stride(a), sb = cpu_col_stride(b);
+    int64_t oo = cpu_row_offset(out, r), oa = cpu_row_offset(a, r), ob = cpu_row_offset(b, r);
+    int fast = out->dtype == DS_F32 && a->dtype == DS_F32 && b->dtype == DS_F32 && so == 1 && sa == 1;
+    float *o = fast ? (float *)out->data + oo : NULL;
+    const float *x = fast ? (const float *)a->data + oa : NULL, *y = fast ? (const float *)b->data + ob : NULL;
+    if (fast && sb == 1 && op == DS_BIN_ADD) {
+        /* the hottest case, kept free of the op switch */
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; c++) o[c] = x[c] + y[c];
+    } else if (fast && sb == 1) {
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; c++) o[c] = ds_binary_apply_f(op, x[c], y[c]);
+    } else if (fast && sb == 0) {
+        float yv = y[0];
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; c++) o[c] = ds_binary_apply_f(op, x[c], yv);
+    } else {
+        for (int64_t c = c0; c < c1; c++) {
+            double xv = ds_load(a->dtype, a->data, oa + c * sa), yv = ds_load(b->dtype, b->data, ob + c * sb);
+            ds_store(out->dtype, out->data, oo + c * so, ds_binary_apply(op, xv, yv));
+        }
+    }
 }
 
 static int cpu_binary(ds_binary_op op, ds_kview out, ds_kview a, ds_kview b) {
     ds_kview *v[3] = { &out, &a, &b };
     cpu_coalesce(v, 3);
-    int64_t n = ds_kview_numel(&out), cols = cpu_cols(&out), rows = cols ? n / cols : 0;
-    int64_t so = cpu_col_stride(&out), sa = cpu_col_stride(&a), sb = cpu_col_stride(&b);
-    int fast = all_f32((const ds_kview *const *)v, 3) && so == 1;
-    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t oo = cpu_row_offset(&out, r), oa = cpu_row_offset(&a, r), ob = cpu_row_offset(&b, r);
-        if (fast && sa == 1 && sb == 1) {
-            float *o = (float *)out.data + oo;
-            const float *x = (const float *)a.data + oa, *y = (const float *)b.data + ob;
-            #pragma omp simd
-            for (int64_t c = 0; c < cols; c++) o[c] = ds_binary_apply_f(op, x[c], y[c]);
-        } else if (fast && sa == 1 && sb == 0) {
-            float *o = (float *)out.data + oo;
-            const float *x = (const float *)a.data + oa;
-            float y = ((const float *)b.data)[ob];
-            #pragma omp simd
-            for (int64_t c = 0; c < cols; c++) o[c] = ds_binary_apply_f(op, x[c], y);
-        } else {
-            for (int64_t c = 0; c < cols; c++) {
-                double x = ds_load(a.dtype, a.data, oa + c * sa), y = ds_load(b.dtype, b.data, ob + c * sb);
-                ds_store(out.dtype, out.data, oo + c * so, ds_binary_apply(op, x, y));
-            }
-        }
+    int64_t tiles = tile_count(&out);
+    if (ds_kview_numel(&out) <= CPU_PARALLEL_MIN) {
+        for (int64_t t = 0; t < tiles; t++) binary_tile(op, &out, &a, &b, t);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) binary_tile(op, &out, &a, &b, t);
     }
     return 0;
+}
+
+static void unary_tile(ds_unary_op op, const ds_kview *out, const ds_kview *x, double param, int64_t t) {
+    int64_t r, c0, c1;
+    tile_at(out, t, &r, &c0, &c1);
+    int64_t so = cpu_col_stride(out), sx = cpu_col_stride(x);
+    int64_t oo = cpu_row_offset(out, r), ox = cpu_row_offset(x, r);
+    int fast = out->dtype == DS_F32 && x->dtype == DS_F32 && so == 1 && sx == 1;
+    float *o = fast ? (float *)out->data + oo : NULL, pf = (float)param;
+    const float *in = fast ? (const float *)x->data + ox : NULL;
+    if (fast && op == DS_UN_GELU_TANH) {
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; c++) o[c] = cpu_gelu_tanh_f(in[c]);
+    } else if (fast) {
+        #pragma omp simd
+        for (int64_t c = c0; c < c1; c++) o[c] = ds_unary_apply_f(op, in[c], pf);
+    } else {
+        for (int64_t c = c0; c < c1; c++)
+            ds_store(out->dtype, out->data, oo + c * so,
+                     ds_unary_apply(op, ds_load(x->dtype, x->data, ox + c * sx), param));
+    }
 }
 
 static int cpu_unary(ds_unary_op op, ds_kview out, ds_kview x, double param) {
     ds_kview *v[2] = { &out, &x };
     cpu_coalesce(v, 2);
-    int64_t n = ds_kview_numel(&out), cols = cpu_cols(&out), rows = cols ? n / cols : 0;
-    int64_t so = cpu_col_stride(&out), sx = cpu_col_stride(&x);
-    int fast = out.dtype == DS_F32 && x.dtype == DS_F32 && so == 1 && sx == 1;
-    float pf = (float)param;
-    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN / 4)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t oo = cpu_row_offset(&out, r), ox = cpu_row_offset(&x, r);
-        if (fast) {
-            float *o = (float *)out.data + oo;
-            const float *in = (const float *)x.data + ox;
-            #pragma omp simd
-            for (int64_t c = 0; c < cols; c++) o[c] = ds_unary_apply_f(op, in[c], pf);
-        } else {
-            for (int64_t c = 0; c < cols; c++)
-                ds_store(out.dtype, out.data, oo + c * so,
-                         ds_unary_apply(op, ds_load(x.dtype, x.data, ox + c * sx), param));
-        }
+    int64_t tiles = tile_count(&out);
+    if (ds_kview_numel(&out) <= CPU_PARALLEL_MIN / 4) {
+        for (int64_t t = 0; t < tiles; t++) unary_tile(op, &out, &x, param, t);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) unary_tile(op, &out, &x, param, t);
     }
     return 0;
+}
+
+static void unary_backward_tile(ds_unary_op op, const ds_kview *dx, const ds_kview *g, const ds_kview *x,
+                                const ds_kview *y, double param, int64_t t) {
+    int64_t r, c0, c1;
+    tile_at(dx, t, &r, &c0, &c1);
+    int64_t sd = cpu_col_stride(dx), sg = cpu_col_stride(g), sx = cpu_col_stride(x), sy = cpu_col_stride(y);
+    int64_t od = cpu_row_offset(dx, r), og = cpu_row_offset(g, r);
+    int64_t ox = cpu_row_offset(x, r), oy = cpu_row_offset(y, r);
+    for (int64_t c = c0; c < c1; c++) {
+        double xv = ds_load(x->dtype, x->data, ox + c * sx);
+        double yv = ds_load(y->dtype, y->data, oy + c * sy);
+        double gv = ds_load(g->dtype, g->data, og + c * sg);
+        ds_store(dx->dtype, dx->data, od + c * sd, gv * ds_unary_derivative(op, xv, yv, param));
+    }
 }
 
 static int cpu_unary_backward(ds_unary_op op, ds_kview dx, ds_kview g, ds_kview x, ds_kview y, double param) {
     ds_kview *v[4] = { &dx, &g, &x, &y };
     cpu_coalesce(v, 4);
-    int64_t n = ds_kview_numel(&dx), cols = cpu_cols(&dx), rows = cols ? n / cols : 0;
-    int64_t sd = cpu_col_stride(&dx), sg = cpu_col_stride(&g), sx = cpu_col_stride(&x), sy = cpu_col_stride(&y);
-    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN / 4)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t od = cpu_row_offset(&dx, r), og = cpu_row_offset(&g, r);
-        int64_t ox = cpu_row_offset(&x, r), oy = cpu_row_offset(&y, r);
-        for (int64_t c = 0; c < cols; c++) {
-            double xv = ds_load(x.dtype, x.data, ox + c * sx);
-            double yv = ds_load(y.dtype, y.data, oy + c * sy);
-            double gv = ds_load(g.dtype, g.data, og + c * sg);
-            ds_store(dx.dtype, dx.data, od + c * sd, gv * ds_unary_derivative(op, xv, yv, param));
-        }
+    int64_t tiles = tile_count(&dx);
+    if (ds_kview_numel(&dx) <= CPU_PARALLEL_MIN / 4) {
+        for (int64_t t = 0; t < tiles; t++) unary_backward_tile(op, &dx, &g, &x, &y, param, t);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) unary_backward_tile(op, &dx, &g, &x, &y, param, t);
     }
     return 0;
+}
+
+static void where_tile(const ds_kview *out, const ds_kview *cond, const ds_kview *a, const ds_kview *b, int64_t t) {
+    int64_t r, c0, c1;
+    tile_at(out, t, &r, &c0, &c1);
+    int64_t so = cpu_col_stride(out), sc = cpu_col_stride(cond);
+    int64_t sa = cpu_col_stride(a), sb = cpu_col_stride(b);
+    int64_t oo = cpu_row_offset(out, r), oc = cpu_row_offset(cond, r);
+    int64_t oa = cpu_row_offset(a, r), ob = cpu_row_offset(b, r);
+    for (int64_t c = c0; c < c1; c++) {
+        double v = ds_load(cond->dtype, cond->data, oc + c * sc) != 0
+                   ? ds_load(a->dtype, a->data, oa + c * sa) : ds_load(b->dtype, b->data, ob + c * sb);
+        ds_store(out->dtype, out->data, oo + c * so, v);
+    }
 }
 
 static int cpu_where(ds_kview out, ds_kview cond, ds_kview a, ds_kview b) {
     ds_kview *v[4] = { &out, &cond, &a, &b };
     cpu_coalesce(v, 4);
-    int64_t n = ds_kview_numel(&out), cols = cpu_cols(&out), rows = cols ? n / cols : 0;
-    int64_t so = cpu_col_stride(&out), sc = cpu_col_stride(&cond);
-    int64_t sa = cpu_col_stride(&a), sb = cpu_col_stride(&b);
-    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t oo = cpu_row_offset(&out, r), oc = cpu_row_offset(&cond, r);
-        int64_t oa = cpu_row_offset(&a, r), ob = cpu_row_offset(&b, r);
-        for (int64_t c = 0; c < cols; c++) {
-            double v2 = ds_load(cond.dtype, cond.data, oc + c * sc) != 0
-                        ? ds_load(a.dtype, a.data, oa + c * sa) : ds_load(b.dtype, b.data, ob + c * sb);
-            ds_store(out.dtype, out.data, oo + c * so, v2);
-        }
+    int64_t tiles = tile_count(&out);
+    if (ds_kview_numel(&out) <= CPU_PARALLEL_MIN) {
+        for (int64_t t = 0; t < tiles; t++) where_tile(&out, &cond, &a, &b, t);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) where_tile(&out, &cond, &a, &b, t);
     }
     return 0;
 }

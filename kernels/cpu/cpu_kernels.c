@@ -5,4 +5,9 @@ const ds_kernels ds_cpu_kernels = {
     .core = &ds_cpu_core,
     .elementwise = &ds_cpu_elementwise,
     .reduce = &ds_cpu_reduce,
+    .blas = &ds_cpu_blas,
+    .conv = &ds_cpu_conv,
+    .nn = &ds_cpu_nn,
+    .attention = &ds_cpu_attention,
+    .index = &ds_cpu_index,
 };

@@ -7,6 +7,11 @@
 extern const ds_kernels_core ds_cpu_core;
 extern const ds_kernels_elementwise ds_cpu_elementwise;
 extern const ds_kernels_reduce ds_cpu_reduce;
+extern const ds_kernels_nn ds_cpu_nn;
+extern const ds_kernels_blas ds_cpu_blas;
+extern const ds_kernels_conv ds_cpu_conv;
+extern const ds_kernels_attention ds_cpu_attention;
+extern const ds_kernels_index ds_cpu_index;
 extern const ds_kernels ds_cpu_kernels;
 
 #endif

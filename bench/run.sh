@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Builds dslua if needed, runs every benchmark on one thread count and
+# prints one table of ratios against references measured in the same run:
+# raw OpenBLAS sgemm for matmul, PyTorch (/usr/bin/python3) for the rest.
+set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: bench/run.sh [-t THREADS] [-r ROUNDS] [-b BUILD_DIR] [-o RESULTS] [-q]
+  -t THREADS    threads for dslua, OpenBLAS and PyTorch (default: nproc)
+  -r ROUNDS     run the three programs in turn this many times and keep each
+                row's best round, which filters out other load (default: 3)
+  -b BUILD_DIR  a Release build of dslua, configured here if absent (default: build)
+  -o RESULTS    also keep the raw result lines in this file
+  -q            quick: fewer and shorter samples (a smoke test, not a measurement)
+EOF
+}
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+threads=$(nproc)
+build=$root/build
+rounds=3
+results=
+quick=
+while getopts "t:r:b:o:qh" opt; do
+    case $opt in
+    t) threads=$OPTARG ;;
+    r) rounds=$OPTARG ;;
+    b) build=$(realpath -m "$OPTARG") ;;
+    o) results=$OPTARG ;;
+    q) quick=quick ;;
+    h) usage; exit 0 ;;
+    *) usage >&2; exit 2 ;;
+    esac
+done
+if ! [[ $threads =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ ]]; then
+    echo "bench/run.sh: -t and -r want whole numbers >= 1 (got '$threads', '$rounds')" >&2
+    exit 2
+fi
+export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
+
+# Timings of a Debug build mean nothing: refuse one rather than reconfigure it.
+if [[ -f $build/CMakeCache.txt ]]; then
+    type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt")
+    if [[ $type != Release ]]; then
+        echo "bench/run.sh: $build is a '$type' build; point -b at a Release build (or a new dir)" >&2
+        exit 1
+    fi
+else
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+fi
+log=$(mktemp)
+raw=$(mktemp)
+trap 'rm -f "$log" "$raw"' EXIT
+if ! cmake --build "$build" --target dslua -j"$(nproc)" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "bench/run.sh: building dslua failed" >&2
+    exit 1
+fi
+gemm=$build/bench_gemm_ref
+if [[ ! -x $gemm || $root/bench/gemm_ref.c -nt $gemm ]]; then
+    # shellcheck disable=SC2046  # pkg-config prints several words on purpose
+    cc -O2 -std=gnu11 -Wall -Wextra $(pkg-config --cflags openblas) "$root/bench/gemm_ref.c" \
+        $(pkg-config --libs openblas) -o "$gemm"
+fi
+
+torch=1
+if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
+    echo "bench/run.sh: no PyTorch in /usr/bin/python3; torch rows show n/a" >&2
+    torch=
+fi
+
+# One program at a time, so none of them shares the cores with another.
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+for ((round = 1; round <= rounds; round++)); do
+    echo "bench/run.sh: round $round of $rounds" >&2
+    "$gemm" "$threads" >>"$raw"
+    "$build/dslua" "$root/bench/ops.lua" $quick >>"$raw"
+    [[ -n $torch ]] && /usr/bin/python3 "$root/bench/ops_torch.py" "$threads" $quick >>"$raw"
+done
+[[ -n $results ]] && cp "$raw" "$results"
+
+commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+echo "dslua bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
+echo "cpu: $cpu, $(nproc) cores online; load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "best of $rounds round(s); ratio = reference time / dslua time (> 1: dslua faster)"
+"$build/dslua" "$root/bench/table.lua" "$raw"

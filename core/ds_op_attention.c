@@ -1,0 +1,85 @@
+#include "ds_ops.h"
+#include "ds_error.h"
+
+#include <math.h>
+
+#define OP "scaled_dot_product_attention"
+
+static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal) {
+    char sq[96], sk[96], sv[96];
+    ds_shape_str(q, sq, sizeof sq);
+    ds_shape_str(k, sk, sizeof sk);
+    ds_shape_str(v, sv, sizeof sv);
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4)
+        return ds_fail(DS_ERR_ARG, "%s: q, k, v must be [B,H,T,D], got q %s, k %s, v %s", OP, sq, sk, sv), -1;
+    if (q->dtype != k->dtype || q->dtype != v->dtype || !ds_dtype_is_float(q->dtype))
+        return ds_fail(DS_ERR_ARG, "%s: q, k, v must share one floating point dtype, got %s, %s, %s", OP,
+                       ds_dtype_name(q->dtype), ds_dtype_name(k->dtype), ds_dtype_name(v->dtype)), -1;
+    if (!ds_device_equal(ds_tensor_device(q), ds_tensor_device(k)) ||
+        !ds_device_equal(ds_tensor_device(q), ds_tensor_device(v)))
+        return ds_fail(DS_ERR_ARG, "%s: q, k, v must be on one device", OP), -1;
+    if (k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || k->shape[1] != q->shape[1] ||
+        v->shape[1] != q->shape[1] || k->shape[3] != q->shape[3] || v->shape[2] != k->shape[2])
+        return ds_fail(DS_ERR_ARG, "%s: shapes q %s, k %s, v %s do not fit q [B,H,Tq,D], k [B,H,Tk,D], "
+                       "v [B,H,Tk,Dv]", OP, sq, sk, sv), -1;
+    if (causal && q->shape[2] != k->shape[2])
+        return ds_fail(DS_ERR_ARG, "%s: causal attention needs as many queries as keys, got q %s and k %s "
+                       "(pass causal = false for cross attention)", OP, sq, sk), -1;
+    if (q->shape[3] == 0 || (k->shape[2] == 0 && q->shape[2] > 0))
+        return ds_fail(DS_ERR_ARG, "%s: needs a head dim and at least one key, got q %s and k %s", OP, sq, sk), -1;
+    if (!ds_tensor_kernels(q)->attention)
+        return ds_fail(DS_ERR_ARG, "%s: not available on this device", OP), -1;
+    return 0;
+}
+
+static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *out = n->saved[3], *lse = n->saved[4];
+    ds_tensor *gc = g->dtype == q->dtype ? (ds_tensor_retain(g), g) : ds_to_dtype(g, q->dtype);
+    ds_tensor *dq = ds_tensor_new_like(q), *dk = ds_tensor_new_like(k), *dv = ds_tensor_new_like(v);
+    int rc = gc && dq && dk && dv ? 0 : -1;
+    if (rc == 0 && ds_tensor_kernels(q)->attention->backward(
+            ds_tensor_kview(dq), ds_tensor_kview(dk), ds_tensor_kview(dv), ds_tensor_kview(gc),
+            ds_tensor_kview(q), ds_tensor_kview(k), ds_tensor_kview(v), ds_tensor_kview(out),
+            ds_tensor_kview(lse), n->f[0], (int)n->i[0])) {
+        ds_fail(DS_ERR_STATE, "%s: %s", OP, ds_kernel_error());
+        rc = -1;
+    }
+    ds_tensor_release(gc);
+    if (rc) {
+        ds_tensor_release(dq); ds_tensor_release(dk); ds_tensor_release(dv);
+        return -1;
+    }
+    gin[0] = dq; gin[1] = dk; gin[2] = dv;
+    return 0;
+}
+
+ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale) {
+    if (check_args(q, k, v, causal)) return NULL;
+    if (isnan(scale)) scale = 1.0 / sqrt((double)q->shape[3]);
+    int64_t shape[4] = { q->shape[0], q->shape[1], q->shape[2], v->shape[3] };
+    ds_device dev = ds_tensor_device(q);
+    ds_tensor *out = ds_tensor_new(4, shape, q->dtype, dev);
+    ds_tensor *lse = ds_tensor_new(3, shape, q->dtype == DS_F64 ? DS_F64 : DS_F32, dev);
+    if (!out || !lse) {
+        ds_tensor_release(out); ds_tensor_release(lse);
+        return NULL;
+    }
+    if (ds_tensor_kernels(q)->attention->forward(ds_tensor_kview(out), ds_tensor_kview(lse), ds_tensor_kview(q),
+                                                 ds_tensor_kview(k), ds_tensor_kview(v), scale, causal)) {
+        ds_tensor_release(out); ds_tensor_release(lse);
+        return ds_fail(DS_ERR_STATE, "%s: %s", OP, ds_kernel_error());
+    }
+    ds_tensor *in[3] = { q, k, v };
+    ds_node *n = ds_autograd_record(OP, attention_backward, 3, in, out);
+    if (n) {
+        n->f[0] = scale;
+        n->i[0] = causal;
+        if (ds_node_save(n, 0, q) || ds_node_save(n, 1, k) || ds_node_save(n, 2, v) || ds_node_save(n, 3, out) ||
+            ds_node_save(n, 4, lse)) {
+            ds_tensor_release(out); ds_tensor_release(lse);
+            return NULL;
+        }
+    }
+    ds_tensor_release(lse);    /* the node keeps its own reference */
+    return out;
+}

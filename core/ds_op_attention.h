@@ -1,0 +1,16 @@
+/* Scaled dot-product attention as one fused op:
+ * softmax(q k^T * scale [+ causal mask]) v, without ever holding the
+ * Tq x Tk scores. Backward recomputes them block-wise from the saved
+ * per-row log-sum-exp. */
+#ifndef DS_OP_ATTENTION_H
+#define DS_OP_ATTENTION_H
+
+#include "ds_tensor.h"
+
+/* q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv], one float dtype, any strides;
+ * returns [B,H,Tq,Dv] in that dtype (bf16/f16 compute in f32). causal hides
+ * key j from query i when j > i and needs Tq == Tk. scale NAN means
+ * 1/sqrt(D), as torch's scaled_dot_product_attention. */
+ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale);
+
+#endif

@@ -1,0 +1,412 @@
+#include "ds_ops.h"
+#include "ds_error.h"
+
+#include <float.h>
+#include <math.h>
+#include <string.h>
+
+int ds_nn_reduction_parse(const char *name) {
+    if (strcmp(name, "none") == 0) return DS_NN_NONE;
+    if (strcmp(name, "mean") == 0) return DS_NN_MEAN;
+    if (strcmp(name, "sum") == 0) return DS_NN_SUM;
+    return -1;
+}
+
+static ds_tensor *kernel_failed(ds_tensor *out, const char *op) {
+    ds_tensor_release(out);
+    return ds_fail(DS_ERR_ARG, "%s: %s", op, ds_kernel_error());
+}
+
+/* Internal copies carry no history: the op records its own node. */
+static ds_tensor *contiguous_nograd(ds_tensor *t) {
+    bool prev = ds_set_grad_enabled(false);
+    ds_tensor *c = ds_contiguous(t);
+    ds_set_grad_enabled(prev);
+    return c;
+}
+
+/* Statistics (lse, mean, rstd) keep f64 for f64 data, f32 for the rest. */
+static ds_dtype stat_dtype(ds_dtype t) { return t == DS_F64 ? DS_F64 : DS_F32; }
+
+static int need_float(const char *op, const char *what, const ds_tensor *t) {
+    if (ds_dtype_is_float(t->dtype)) return 0;
+    ds_fail(DS_ERR_ARG, "%s: %s must be a floating point tensor, got %s", op, what, ds_dtype_name(t->dtype));
+    return -1;
+}
+
+static int same_device(const char *op, const ds_tensor *a, const ds_tensor *b) {
+    if (!b || ds_device_equal(ds_tensor_device(a), ds_tensor_device(b))) return 0;
+    char da[16], db[16];
+    ds_device_name(ds_tensor_device(a), da, sizeof da);
+    ds_device_name(ds_tensor_device(b), db, sizeof db);
+    ds_fail(DS_ERR_ARG, "%s: tensors on different devices (%s and %s)", op, da, db);
+    return -1;
+}
+
+static bool wants_grad(const ds_node *n, int k) { return n->next[k].node || n->next[k].leaf; }
+
+/* ---- softmax, log_softmax ---- */
+
+static int softmax_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *y = n->saved[0];
+    ds_tensor *gc = ds_contiguous(g);
+    ds_tensor *dx = gc ? ds_tensor_new(y->ndim, y->shape, y->dtype, ds_tensor_device(y)) : NULL;
+    if (!dx) { ds_tensor_release(gc); return -1; }
+    int rc = ds_tensor_kernels(y)->nn->softmax_backward(ds_tensor_kview(dx), ds_tensor_kview(gc), ds_tensor_kview(y),
+                                                         n->i[0], n->i[1], n->i[2], (int)n->i[3]);
+    ds_tensor_release(gc);
+    if (rc) { kernel_failed(dx, n->name); return -1; }
+    gin[0] = dx;
+    return 0;
+}
+
+static ds_tensor *softmax_op(ds_tensor *x, int64_t dim, int as_log) {
+    const char *name = as_log ? "log_softmax" : "softmax";
+    if (need_float(name, "input", x)) return NULL;
+    int d = ds_tensor_dim(x, name, dim);
+    if (d < 0) return NULL;
+    int64_t outer = 1, n = x->ndim ? x->shape[d] : 1, inner = 1;
+    for (int i = 0; i < x->ndim; i++) {
+        if (i < d) outer *= x->shape[i];
+        else if (i > d) inner *= x->shape[i];
+    }
+    ds_tensor *xc = contiguous_nograd(x);
+    ds_tensor *out = xc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
+    if (!out) { ds_tensor_release(xc); return NULL; }
+    int rc = ds_tensor_kernels(x)->nn->softmax(ds_tensor_kview(out), ds_tensor_kview(xc), outer, n, inner, as_log);
+    ds_tensor_release(xc);
+    if (rc) return kernel_failed(out, name);
+    ds_node *node = ds_autograd_record(name, softmax_backward, 1, &x, out);
+    if (node) {
+        node->i[0] = outer;
+        node->i[1] = n;
+        node->i[2] = inner;
+        node->i[3] = as_log;
+        if (ds_node_save(node, 0, out)) { ds_tensor_release(out); return NULL; }
+    }
+    return out;
+}
+
+ds_tensor *ds_softmax(ds_tensor *x, int64_t dim) { return softmax_op(x, dim, 0); }
+ds_tensor *ds_log_softmax(ds_tensor *x, int64_t dim) { return softmax_op(x, dim, 1); }
+
+/* ---- cross-entropy ---- */
+
+enum { CE_LOGITS, CE_LSE, CE_TARGET };
+
+static int cross_entropy_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *logits = n->saved[CE_LOGITS], *lse = n->saved[CE_LSE], *target = n->saved[CE_TARGET];
+    int64_t rows = n->i[1], C = n->i[2];
+    ds_tensor *gc = ds_contiguous(g);
+    ds_tensor *dl = gc ? ds_tensor_new(logits->ndim, logits->shape, logits->dtype, ds_tensor_device(logits)) : NULL;
+    if (!dl) { ds_tensor_release(gc); return -1; }
+    /* the loss gradient as one value per row: a reduced loss repeats its one value */
+    ds_kview gv = ds_tensor_kview(gc);
+    gv.ndim = 1;
+    gv.shape[0] = rows;
+    gv.stride[0] = n->i[3] == DS_NN_NONE ? 1 : 0;
+    int rc = ds_tensor_kernels(logits)->nn->cross_entropy_backward(ds_tensor_kview(dl), gv, ds_tensor_kview(logits),
+                                                                    ds_tensor_kview(lse), ds_tensor_kview(target),
+                                                                    rows, C, n->i[0], n->f[0], n->f[1]);
+    ds_tensor_release(gc);
+    if (rc) { kernel_failed(dl, "cross_entropy"); return -1; }
+    gin[0] = dl;
+    return 0;
+}
+
+static int check_cross_entropy(ds_tensor *logits, ds_tensor *target, double smoothing) {
+    char s1[96], s2[96];
+    if (need_float("cross_entropy", "logits", logits) || same_device("cross_entropy", logits, target)) return -1;
+    if (target->dtype != DS_I64 && target->dtype != DS_I32) {
+        ds_fail(DS_ERR_ARG, "cross_entropy: target must hold i64 or i32 class ids, got %s",
+                ds_dtype_name(target->dtype));
+        return -1;
+    }
+    if (logits->ndim == 0) {
+        ds_fail(DS_ERR_ARG, "cross_entropy: logits need a class dim (the last), got shape []");
+        return -1;
+    }
+    bool ok = target->ndim == logits->ndim - 1;
+    for (int i = 0; ok && i < target->ndim; i++) ok = target->shape[i] == logits->shape[i];
+    if (!ok) {
+        ds_fail(DS_ERR_ARG, "cross_entropy: logits %s and target %s do not match: target must be logits' shape "
+                "without the last (class) dim", ds_shape_str(logits, s1, sizeof s1), ds_shape_str(target, s2, sizeof s2));
+        return -1;
+    }
+    if (!(smoothing >= 0 && smoothing <= 1)) {
+        ds_fail(DS_ERR_ARG, "cross_entropy: label_smoothing must be in [0, 1], got %g", smoothing);
+        return -1;
+    }
+    return 0;
+}
+
+/* The per-row losses reduced as asked, in the logits' dtype. */
+static ds_tensor *reduce_loss(ds_tensor *loss, ds_tensor *target, ds_dtype dtype, ds_nn_reduction red, int64_t count) {
+    ds_tensor *r;
+    if (red == DS_NN_NONE) {
+        r = ds_reshape(loss, target->ndim, target->shape);
+    } else {
+        ds_tensor *s = ds_sum(loss, -1, NULL, false);
+        r = s && red == DS_NN_MEAN ? ds_mul_scalar(s, 1.0 / (double)count) : s;
+        if (r != s) ds_tensor_release(s);
+    }
+    ds_tensor *out = r ? ds_to_dtype(r, dtype) : NULL;
+    ds_tensor_release(r);
+    return out;
+}
+
+ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore_index, double smoothing,
+                            ds_nn_reduction red) {
+    if (check_cross_entropy(logits, target, smoothing)) return NULL;
+    int64_t C = logits->shape[logits->ndim - 1], rows = ds_tensor_numel(target), count = 0;
+    ds_device dev = ds_tensor_device(logits);
+    ds_dtype st = stat_dtype(logits->dtype);
+    bool prev = ds_set_grad_enabled(false);
+    ds_tensor *lc = ds_contiguous(logits), *tc = ds_contiguous(target);
+    ds_tensor *loss = ds_tensor_new(1, &rows, st, dev), *lse = ds_tensor_new(1, &rows, st, dev);
+    ds_tensor *out = NULL;
+    int rc = -1;
+    if (lc && tc && loss && lse) {
+        rc = ds_tensor_kernels(logits)->nn->cross_entropy(ds_tensor_kview(loss), ds_tensor_kview(lse),
+                                                           ds_tensor_kview(lc), ds_tensor_kview(tc), rows, C,
+                                                           ignore_index, smoothing, &count);
+        if (rc) ds_fail(DS_ERR_ARG, "cross_entropy: %s", ds_kernel_error());
+        else out = reduce_loss(loss, target, logits->dtype, red, count);
+    }
+    ds_set_grad_enabled(prev);
+    ds_tensor_release(loss);
+    ds_node *n = out ? ds_autograd_record("cross_entropy", cross_entropy_backward, 1, &logits, out) : NULL;
+    if (n) {
+        n->i[0] = ignore_index;
+        n->i[1] = rows;
+        n->i[2] = C;
+        n->i[3] = red;
+        n->f[0] = smoothing;
+        n->f[1] = red == DS_NN_MEAN ? 1.0 / (double)count : 1.0;
+        if (ds_node_save(n, CE_LOGITS, lc) || ds_node_save(n, CE_LSE, lse) || ds_node_save(n, CE_TARGET, tc)) {
+            ds_tensor_release(out);
+            out = NULL;
+        }
+    }
+    ds_tensor_release(lc);
+    ds_tensor_release(tc);
+    ds_tensor_release(lse);
+    return out;
+}
+
+/* ---- mean squared error: composed, its gradient comes from sub and mul ---- */
+
+ds_tensor *ds_mse_loss(ds_tensor *input, ds_tensor *target, ds_nn_reduction red) {
+    int nd;
+    int64_t shape[DS_MAX_DIMS];
+    if (need_float("mse_loss", "input", input) || need_float("mse_loss", "target", target) ||
+        same_device("mse_loss", input, target) || ds_broadcast_shape("mse_loss", input, target, &nd, shape))
+        return NULL;
+    ds_tensor *d = ds_sub(input, target);
+    ds_tensor *sq = d ? ds_mul(d, d) : NULL;
+    ds_tensor_release(d);
+    if (!sq || red == DS_NN_NONE) return sq;
+    ds_tensor *out = red == DS_NN_MEAN ? ds_mean(sq, -1, NULL, false) : ds_sum(sq, -1, NULL, false);
+    ds_tensor_release(sq);
+    return out;
+}
+
+/* ---- layer norm, RMS norm ---- */
+
+/* Checks x against the normalised dims and a parameter shaped like them;
+ * sets rows and n (elements per row). */
+static int norm_shape(const char *op, ds_tensor *x, int norm_ndim, ds_tensor *p, const char *what, int64_t *rows,
+                      int64_t *n) {
+    char s1[96], s2[96];
+    if (need_float(op, "input", x)) return -1;
+    if (norm_ndim < 1 || norm_ndim > x->ndim) {
+        ds_fail(DS_ERR_ARG, "%s: cannot normalise the last %d dims of an input of shape %s", op, norm_ndim,
+                ds_shape_str(x, s1, sizeof s1));
+        return -1;
+    }
+    int lead = x->ndim - norm_ndim;
+    *n = 1;
+    *rows = 1;
+    for (int i = 0; i < x->ndim; i++) *(i < lead ? rows : n) *= x->shape[i];
+    if (!p) return 0;
+    if (need_float(op, what, p) || same_device(op, x, p)) return -1;
+    bool ok = p->ndim == norm_ndim;
+    for (int i = 0; ok && i < norm_ndim; i++) ok = p->shape[i] == x->shape[lead + i];
+    if (!ok) {
+        ds_fail(DS_ERR_ARG, "%s: %s of shape %s does not match the last dims of input %s", op, what,
+                ds_shape_str(p, s1, sizeof s1), ds_shape_str(x, s2, sizeof s2));
+        return -1;
+    }
+    return 0;
+}
+
+/* A kernel view of an optional parameter: data NULL when absent. */
+static ds_kview param_view(ds_tensor *p) {
+    if (p) return ds_tensor_kview(p);
+    ds_kview v;
+    memset(&v, 0, sizeof v);
+    return v;
+}
+
+/* The gradient buffer of input k, shaped and typed like it; NULL when the
+ * input needs none (check wants_grad to tell that from a failure). */
+static ds_tensor *new_input_grad(const ds_node *n, int k, ds_device dev) {
+    if (!wants_grad(n, k)) return NULL;
+    return ds_tensor_new(n->next[k].ndim, n->next[k].shape, n->next[k].dtype, dev);
+}
+
+enum { NORM_X, NORM_W, NORM_MEAN, NORM_RSTD };
+
+static int layer_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *x = n->saved[NORM_X], *w = n->saved[NORM_W];
+    ds_tensor *gc = ds_contiguous(g);
+    ds_tensor *dx = gc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
+    ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x)), *db = new_input_grad(n, 2, ds_tensor_device(x));
+    int rc = -1;
+    if (dx && (dw || !wants_grad(n, 1)) && (db || !wants_grad(n, 2))) {
+        rc = ds_tensor_kernels(x)->nn->layer_norm_backward(ds_tensor_kview(dx), param_view(dw), param_view(db),
+                                                            ds_tensor_kview(gc), ds_tensor_kview(x), param_view(w),
+                                                            ds_tensor_kview(n->saved[NORM_MEAN]),
+                                                            ds_tensor_kview(n->saved[NORM_RSTD]), n->i[0], n->i[1]);
+        if (rc) ds_fail(DS_ERR_ARG, "layer_norm: %s", ds_kernel_error());
+    }
+    ds_tensor_release(gc);
+    if (rc) {
+        ds_tensor_release(dx);
+        ds_tensor_release(dw);
+        ds_tensor_release(db);
+        return -1;
+    }
+    gin[0] = dx;
+    gin[1] = dw;
+    gin[2] = db;
+    return 0;
+}
+
+ds_tensor *ds_layer_norm(ds_tensor *x, int norm_ndim, ds_tensor *w, ds_tensor *b, double eps) {
+    int64_t rows, n;
+    if (norm_shape("layer_norm", x, norm_ndim, w, "weight", &rows, &n) ||
+        norm_shape("layer_norm", x, norm_ndim, b, "bias", &rows, &n))
+        return NULL;
+    if (!(eps >= 0)) return ds_fail(DS_ERR_ARG, "layer_norm: eps must be >= 0, got %g", eps);
+    ds_device dev = ds_tensor_device(x);
+    ds_dtype st = stat_dtype(x->dtype);
+    bool prev = ds_set_grad_enabled(false);
+    ds_tensor *xc = ds_contiguous(x), *wc = w ? ds_contiguous(w) : NULL, *bc = b ? ds_contiguous(b) : NULL;
+    ds_set_grad_enabled(prev);
+    ds_tensor *out = ds_tensor_new(x->ndim, x->shape, x->dtype, dev);
+    ds_tensor *mean = ds_tensor_new(1, &rows, st, dev), *rstd = ds_tensor_new(1, &rows, st, dev);
+    int rc = -1;
+    if (xc && (wc || !w) && (bc || !b) && out && mean && rstd) {
+        rc = ds_tensor_kernels(x)->nn->layer_norm(ds_tensor_kview(out), ds_tensor_kview(mean), ds_tensor_kview(rstd),
+                                                  ds_tensor_kview(xc), param_view(wc), param_view(bc), rows, n, eps);
+        if (rc) ds_fail(DS_ERR_ARG, "layer_norm: %s", ds_kernel_error());
+    }
+    ds_tensor *in[3] = { x, w, b };
+    ds_node *node = rc == 0 ? ds_autograd_record("layer_norm", layer_norm_backward, 3, in, out) : NULL;
+    if (node) {
+        node->i[0] = rows;
+        node->i[1] = n;
+        if (ds_node_save(node, NORM_X, xc) || (wc && ds_node_save(node, NORM_W, wc)) ||
+            ds_node_save(node, NORM_MEAN, mean) || ds_node_save(node, NORM_RSTD, rstd))
+            rc = -1;
+    }
+    ds_tensor_release(xc);
+    ds_tensor_release(wc);
+    ds_tensor_release(bc);
+    ds_tensor_release(mean);
+    ds_tensor_release(rstd);
+    if (rc) { ds_tensor_release(out); return NULL; }
+    return out;
+}
+
+static int rms_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *x = n->saved[NORM_X], *w = n->saved[NORM_W];
+    ds_tensor *gc = ds_contiguous(g);
+    ds_tensor *dx = gc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
+    ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x));
+    int rc = -1;
+    if (dx && (dw || !wants_grad(n, 1))) {
+        rc = ds_tensor_kernels(x)->nn->rms_norm_backward(ds_tensor_kview(dx), param_view(dw), ds_tensor_kview(gc),
+                                                          ds_tensor_kview(x), param_view(w),
+                                                          ds_tensor_kview(n->saved[NORM_RSTD]), n->i[0], n->i[1]);
+        if (rc) ds_fail(DS_ERR_ARG, "rms_norm: %s", ds_kernel_error());
+    }
+    ds_tensor_release(gc);
+    if (rc) {
+        ds_tensor_release(dx);
+        ds_tensor_release(dw);
+        return -1;
+    }
+    gin[0] = dx;
+    gin[1] = dw;
+    return 0;
+}
+
+ds_tensor *ds_rms_norm(ds_tensor *x, int norm_ndim, ds_tensor *w, double eps) {
+    int64_t rows, n;
+    if (norm_shape("rms_norm", x, norm_ndim, w, "weight", &rows, &n)) return NULL;
+    if (isnan(eps)) eps = x->dtype == DS_F64 ? DBL_EPSILON : FLT_EPSILON;
+    if (!(eps >= 0)) return ds_fail(DS_ERR_ARG, "rms_norm: eps must be >= 0, got %g", eps);
+    ds_device dev = ds_tensor_device(x);
+    bool prev = ds_set_grad_enabled(false);
+    ds_tensor *xc = ds_contiguous(x), *wc = w ? ds_contiguous(w) : NULL;
+    ds_set_grad_enabled(prev);
+    ds_tensor *out = ds_tensor_new(x->ndim, x->shape, x->dtype, dev);
+    ds_tensor *rstd = ds_tensor_new(1, &rows, stat_dtype(x->dtype), dev);
+    int rc = -1;
+    if (xc && (wc || !w) && out && rstd) {
+        rc = ds_tensor_kernels(x)->nn->rms_norm(ds_tensor_kview(out), ds_tensor_kview(rstd), ds_tensor_kview(xc),
+                                                param_view(wc), rows, n, eps);
+        if (rc) ds_fail(DS_ERR_ARG, "rms_norm: %s", ds_kernel_error());
+    }
+    ds_tensor *in[2] = { x, w };
+    ds_node *node = rc == 0 ? ds_autograd_record("rms_norm", rms_norm_backward, 2, in, out) : NULL;
+    if (node) {
+        node->i[0] = rows;
+        node->i[1] = n;
+        if (ds_node_save(node, NORM_X, xc) || (wc && ds_node_save(node, NORM_W, wc)) ||
+            ds_node_save(node, NORM_RSTD, rstd))
+            rc = -1;
+    }
+    ds_tensor_release(xc);
+    ds_tensor_release(wc);
+    ds_tensor_release(rstd);
+    if (rc) { ds_tensor_release(out); return NULL; }
+    return out;
+}
+
+/* ---- dropout: the backward draws the same mask from the same counters ---- */
+
+static int dropout_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *gc = ds_contiguous(g);
+    ds_tensor *dx = gc ? ds_tensor_new(g->ndim, g->shape, n->next[0].dtype, ds_tensor_device(g)) : NULL;
+    if (!dx) { ds_tensor_release(gc); return -1; }
+    int rc = ds_tensor_kernels(dx)->nn->dropout(ds_tensor_kview(dx), ds_tensor_kview(gc), (uint64_t)n->i[0],
+                                                 (uint64_t)n->i[1], n->f[0]);
+    ds_tensor_release(gc);
+    if (rc) { kernel_failed(dx, "dropout"); return -1; }
+    gin[0] = dx;
+    return 0;
+}
+
+ds_tensor *ds_dropout(ds_tensor *x, double p, bool training, ds_generator *g) {
+    if (!(p >= 0 && p <= 1)) return ds_fail(DS_ERR_ARG, "dropout: probability must be in [0, 1], got %g", p);
+    if (need_float("dropout", "input", x)) return NULL;
+    if (!training || p == 0) { ds_tensor_retain(x); return x; }
+    ds_tensor *xc = contiguous_nograd(x);
+    ds_tensor *out = xc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
+    if (!out) { ds_tensor_release(xc); return NULL; }
+    if (!g) g = ds_default_generator();
+    uint64_t seed = g->seed, offset = ds_generator_reserve(g, ds_tensor_numel(x));
+    int rc = ds_tensor_kernels(x)->nn->dropout(ds_tensor_kview(out), ds_tensor_kview(xc), seed, offset, p);
+    ds_tensor_release(xc);
+    if (rc) return kernel_failed(out, "dropout");
+    ds_node *n = ds_autograd_record("dropout", dropout_backward, 1, &x, out);
+    if (n) {
+        n->i[0] = (int64_t)seed;
+        n->i[1] = (int64_t)offset;
+        n->f[0] = p;
+    }
+    return out;
+}

@@ -1,0 +1,349 @@
+/* Batched GEMM on the CPU. f32 and f64 go to OpenBLAS, bf16 and f16 to a
+ * oneDNN matmul that accumulates in f32; where oneDNN has no implementation
+ * for a type, each matrix is widened to f32 for OpenBLAS and rounded back.
+ * Operands are used in place whenever one of their matrix strides is 1. */
+#include "cpu_kernels.h"
+#include "cpu_dnnl.h"
+#include "../ds_half.h"
+
+#include <cblas.h>
+#include <limits.h>
+#include <stdbool.h>
+#include <stdlib.h>
+
+/* OpenBLAS runs GEMMs of up to 64^3 multiply-adds on one thread, so a batch
+ * of such small ones is spread over OpenMP threads instead. */
+#define BLAS_SMALL_MNK (64 * 64 * 64)
+
+/* How BLAS reads one strided matrix: row-major, or transposed, with a
+ * leading dimension. */
+typedef struct { bool trans; int ld; } blas_layout;
+
+/* Unit column stride reads as is, unit row stride as a transpose; false if
+ * neither holds. Dims of size 1 take any stride. */
+static bool layout_of(int64_t rows, int64_t cols, int64_t rs, int64_t cs, blas_layout *l) {
+    if (cols == 1 || cs == 1) {
+        int64_t ld = rows == 1 ? cols : rs;
+        if (ld >= cols && ld <= INT_MAX) { l->trans = false; l->ld = (int)ld; return true; }
+    }
+    if (rows == 1 || rs == 1) {
+        int64_t ld = cols == 1 ? rows : cs;
+        if (ld >= rows && ld <= INT_MAX) { l->trans = true; l->ld = (int)ld; return true; }
+    }
+    return false;
+}
+
+static bool mat_layout(const ds_kview *v, blas_layout *l) {
+    int r = v->ndim - 2;
+    return layout_of(v->shape[r], v->shape[r + 1], v->stride[r], v->stride[r + 1], l);
+}
+
+static void swap64(int64_t *x, int64_t *y) { int64_t t = *x; *x = *y; *y = t; }
+
+static void transpose_mat(ds_kview *v) {
+    int r = v->ndim - 2;
+    swap64(&v->shape[r], &v->shape[r + 1]);
+    swap64(&v->stride[r], &v->stride[r + 1]);
+}
+
+/* Replaces v by a contiguous copy in *buf; batch dims that repeat one
+ * matrix (stride 0) still repeat it instead of being copied out. */
+static int compact(ds_kview *v, void **buf) {
+    int nb = v->ndim - 2;
+    ds_kview src = *v, dst = *v;
+    for (int d = 0; d < nb; d++)
+        if (v->stride[d] == 0) src.shape[d] = dst.shape[d] = 1;
+    int64_t n = 1;
+    for (int d = v->ndim - 1; d >= 0; d--) { dst.stride[d] = n; n *= dst.shape[d]; }
+    *buf = malloc((size_t)n * ds_dtype_size(v->dtype));
+    if (!*buf) return ds_kernel_fail("gemm: out of memory for a %lld-element operand copy", (long long)n);
+    dst.data = *buf;
+    if (ds_cpu_core.copy(dst, src)) return -1;
+    for (int d = 0; d < nb; d++)
+        if (v->stride[d] == 0) { dst.shape[d] = v->shape[d]; dst.stride[d] = 0; }
+    *v = dst;
+    return 0;
+}
+
+/* Merges batch dims that are contiguous in all three views and drops
+ * size-1 ones, so the batch loop and the folding below see few dims. */
+static void coalesce_batch(ds_kview *v[3]) {
+    int nb = v[0]->ndim - 2, out = 0;
+    for (int d = 0; d < nb; d++) {
+        if (v[0]->shape[d] == 1) continue;
+        bool merge = out > 0;
+        for (int j = 0; j < 3 && merge; j++)
+            if (v[j]->stride[out - 1] != v[j]->stride[d] * v[j]->shape[d]) merge = false;
+        for (int j = 0; j < 3; j++) {
+            if (merge) {
+                v[j]->shape[out - 1] *= v[j]->shape[d];
+                v[j]->stride[out - 1] = v[j]->stride[d];
+            } else {
+                v[j]->shape[out] = v[j]->shape[d];
+                v[j]->stride[out] = v[j]->stride[d];
+            }
+        }
+        if (!merge) out++;
+    }
+    for (int j = 0; j < 3; j++) {
+        for (int d = 0; d < 2; d++) {
+            v[j]->shape[out + d] = v[j]->shape[nb + d];
+            v[j]->stride[out + d] = v[j]->stride[nb + d];
+        }
+        v[j]->ndim = out + 2;
+    }
+}
+
+/* Does stepping the outer dim land where the inner dim would continue?
+ * A size-1 inner dim continues anywhere. */
+static bool continues(int64_t outer_stride, int64_t extent, int64_t inner_stride) {
+    return extent == 1 || outer_stride == extent * inner_stride;
+}
+
+/* Grows matrix dim m of v by the batch dim d folded into it. */
+static void fold_into(ds_kview *v, int d, int m) {
+    if (v->shape[m] == 1) v->stride[m] = v->stride[d];
+    v->shape[m] *= v->shape[d];
+}
+
+static void drop_dim(ds_kview *v, int d) {
+    for (int i = d; i < v->ndim - 1; i++) { v->shape[i] = v->shape[i + 1]; v->stride[i] = v->stride[i + 1]; }
+    v->ndim--;
+}
+
+/* Folds the innermost batch dim into a matrix dim where memory allows, so
+ * [B,M,K] @ [K,N] runs as one [B*M,K] @ [K,N] GEMM and its weight gradient
+ * (summed over B) as one [K,B*M] @ [B*M,N]: one big GEMM beats a loop of
+ * small ones. */
+static bool fold_batch(ds_kview *c, ds_kview *a, ds_kview *b) {
+    int d = c->ndim - 3, r = d + 1, k = d + 2;
+    if (d < 0) return false;
+    ds_kview c2 = *c, a2 = *a, b2 = *b;
+    if (b->stride[d] == 0 && c->stride[d] != 0 && continues(a->stride[d], a->shape[r], a->stride[r])
+        && continues(c->stride[d], c->shape[r], c->stride[r])) {
+        fold_into(&a2, d, r);        /* b repeats: rows of a and c run on */
+        fold_into(&c2, d, r);
+    } else if (c->stride[d] == 0 && continues(a->stride[d], a->shape[k], a->stride[k])
+               && continues(b->stride[d], b->shape[r], b->stride[r])) {
+        fold_into(&a2, d, k);        /* c sums over d: the inner dim runs on */
+        fold_into(&b2, d, r);
+    } else {
+        return false;
+    }
+    drop_dim(&a2, d);
+    drop_dim(&b2, d);
+    drop_dim(&c2, d);
+    blas_layout la, lb, lc;
+    if (!mat_layout(&a2, &la) || !mat_layout(&b2, &lb) || !mat_layout(&c2, &lc) || lc.trans) return false;
+    *c = c2; *a = a2; *b = b2;
+    return true;
+}
+
+typedef struct {
+    ds_dtype dtype;
+    bool ta, tb, widen;
+    int m, n, k, lda, ldb, ldc;
+    double alpha, beta;
+    dnnl_primitive_t prim[2];          /* oneDNN: with beta, and with beta 1 */
+    dnnl_memory_desc_t md[3];
+    float *wa, *wb, *wc;               /* widening: f32 copies of one GEMM's operands */
+} gemm_plan;
+
+/* One matrix as f32, row-major [rows, cols]; and back. */
+static void widen(float *dst, ds_dtype t, const void *src, int rows, int cols, int64_t rs, int64_t cs) {
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) dst[(int64_t)i * cols + j] = (float)ds_load(t, src, i * rs + j * cs);
+}
+
+static void narrow(void *dst, ds_dtype t, int ld, const float *src, int rows, int cols) {
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < cols; j++) ds_store(t, dst, (int64_t)i * ld + j, src[(int64_t)i * cols + j]);
+}
+
+/* C = alpha A B + beta C for one matrix of the batch; later visits of an
+ * accumulated C (first false) add with beta 1. */
+static int gemm_one(const gemm_plan *p, const void *A, const void *B, void *C, bool first) {
+    double beta = first ? p->beta : 1.0;
+    if (p->k == 0) {        /* nothing to multiply: C = beta C, which BLAS libraries treat unevenly */
+        if (beta == 1) return 0;
+        for (int i = 0; i < p->m; i++)
+            for (int j = 0; j < p->n; j++) {
+                int64_t at = (int64_t)i * p->ldc + j;
+                ds_store(p->dtype, C, at, beta == 0 ? 0.0 : beta * ds_load(p->dtype, C, at));
+            }
+        return 0;
+    }
+    enum CBLAS_TRANSPOSE ta = p->ta ? CblasTrans : CblasNoTrans, tb = p->tb ? CblasTrans : CblasNoTrans;
+    if (p->dtype == DS_F32) {
+        cblas_sgemm(CblasRowMajor, ta, tb, p->m, p->n, p->k, (float)p->alpha, A, p->lda, B, p->ldb, (float)beta,
+                    C, p->ldc);
+        return 0;
+    }
+    if (p->dtype == DS_F64) {
+        cblas_dgemm(CblasRowMajor, ta, tb, p->m, p->n, p->k, p->alpha, A, p->lda, B, p->ldb, beta, C, p->ldc);
+        return 0;
+    }
+    if (p->widen) {
+        widen(p->wa, p->dtype, A, p->m, p->k, p->ta ? 1 : p->lda, p->ta ? p->lda : 1);
+        widen(p->wb, p->dtype, B, p->k, p->n, p->tb ? 1 : p->ldb, p->tb ? p->ldb : 1);
+        if (beta != 0) widen(p->wc, p->dtype, C, p->m, p->n, p->ldc, 1);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p->m, p->n, p->k, (float)p->alpha, p->wa, p->k,
+                    p->wb, p->n, (float)beta, p->wc, p->n);
+        narrow(C, p->dtype, p->ldc, p->wc, p->m, p->n);
+        return 0;
+    }
+    cpu_dnnl_arg args[3] = {
+        { DNNL_ARG_SRC, &p->md[0], (void *)A },
+        { DNNL_ARG_WEIGHTS, &p->md[1], (void *)B },
+        { DNNL_ARG_DST, &p->md[2], C },
+    };
+    dnnl_status_t st = cpu_dnnl_exec(p->prim[first || p->beta == 1 ? 0 : 1], 3, args);
+    return st == dnnl_success ? 0 : cpu_dnnl_fail("matmul", st);
+}
+
+/* The oneDNN matmul for the plan's shapes: alpha as an output scale, beta
+ * as a sum post-op (left out for beta 0, so garbage in C never leaks). */
+static dnnl_status_t plan_dnnl(gemm_plan *p, bool accumulate) {
+    int64_t ad[2] = { p->m, p->k }, bd[2] = { p->k, p->n }, cd[2] = { p->m, p->n };
+    int64_t as[2] = { p->ta ? 1 : p->lda, p->ta ? p->lda : 1 };
+    int64_t bs[2] = { p->tb ? 1 : p->ldb, p->tb ? p->ldb : 1 };
+    int64_t cs[2] = { p->ldc, 1 };
+    dnnl_status_t st = cpu_dnnl_md(&p->md[0], 2, ad, as, p->dtype);
+    if (st == dnnl_success) st = cpu_dnnl_md(&p->md[1], 2, bd, bs, p->dtype);
+    if (st == dnnl_success) st = cpu_dnnl_md(&p->md[2], 2, cd, cs, p->dtype);
+    dnnl_matmul_desc_t desc;
+    if (st == dnnl_success) st = dnnl_matmul_desc_init(&desc, &p->md[0], &p->md[1], NULL, &p->md[2]);
+    int variants = accumulate && p->beta != 1 ? 2 : 1;
+    for (int v = 0; v < variants && st == dnnl_success; v++) {
+        double beta = v == 0 ? p->beta : 1.0;
+        float alpha = (float)p->alpha;
+        dnnl_primitive_attr_t attr = NULL;
+        dnnl_post_ops_t ops = NULL;
+        dnnl_primitive_desc_t pd = NULL;
+        st = dnnl_primitive_attr_create(&attr);
+        if (st == dnnl_success && alpha != 1) st = dnnl_primitive_attr_set_output_scales(attr, 1, 0, &alpha);
+        if (st == dnnl_success && beta != 0) {
+            st = dnnl_post_ops_create(&ops);
+            if (st == dnnl_success) st = dnnl_post_ops_append_sum(ops, (float)beta);
+            if (st == dnnl_success) st = dnnl_primitive_attr_set_post_ops(attr, ops);
+        }
+        if (st == dnnl_success) st = dnnl_primitive_desc_create(&pd, &desc, attr, cpu_dnnl_engine(), NULL);
+        if (st == dnnl_success) st = dnnl_primitive_create(&p->prim[v], pd);
+        if (pd) dnnl_primitive_desc_destroy(pd);
+        if (ops) dnnl_post_ops_destroy(ops);
+        if (attr) dnnl_primitive_attr_destroy(attr);
+    }
+    return st;
+}
+
+/* Plans bf16/f16: oneDNN where it has the type, f32 widening where not. */
+static int plan_half(gemm_plan *p, bool accumulate) {
+    dnnl_status_t st = cpu_dnnl_engine() ? plan_dnnl(p, accumulate) : dnnl_unimplemented;
+    if (st == dnnl_success) return 0;
+    if (st != dnnl_unimplemented) return cpu_dnnl_fail("matmul setup", st);
+    for (int v = 0; v < 2; v++)
+        if (p->prim[v]) { dnnl_primitive_destroy(p->prim[v]); p->prim[v] = NULL; }
+    p->widen = true;
+    p->wa = malloc(sizeof(float) * ((size_t)p->m * p->k + (size_t)p->k * p->n + (size_t)p->m * p->n));
+    if (!p->wa) return ds_kernel_fail("gemm: out of memory for f32 copies");
+    p->wb = p->wa + (size_t)p->m * p->k;
+    p->wc = p->wb + (size_t)p->k * p->n;
+    return 0;
+}
+
+static int64_t batch_offset(const ds_kview *v, int nb, int64_t i) {
+    int64_t off = 0;
+    for (int d = nb - 1; d >= 0; d--) {
+        off += (i % v->shape[d]) * v->stride[d];
+        i /= v->shape[d];
+    }
+    return off;
+}
+
+/* First visit of c's matrix for batch i: every summed (stride 0) index is 0. */
+static bool first_visit(const ds_kview *c, int nb, int64_t i) {
+    for (int d = nb - 1; d >= 0; d--) {
+        if (c->stride[d] == 0 && i % c->shape[d] != 0) return false;
+        i /= c->shape[d];
+    }
+    return true;
+}
+
+static int run_batch(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta) {
+    blas_layout la = { 0 }, lb = { 0 }, lc = { 0 };    /* a and b have none when k is 0 */
+    mat_layout(&a, &la);
+    mat_layout(&b, &lb);
+    mat_layout(&c, &lc);
+    int nb = c.ndim - 2;
+    gemm_plan p = {
+        .dtype = c.dtype, .ta = la.trans, .tb = lb.trans,
+        .m = (int)c.shape[nb], .n = (int)c.shape[nb + 1], .k = (int)a.shape[nb + 1],
+        .lda = la.ld, .ldb = lb.ld, .ldc = lc.ld, .alpha = alpha, .beta = beta,
+    };
+    int64_t batch = 1;
+    bool accumulate = false;
+    for (int d = 0; d < nb; d++) {
+        batch *= c.shape[d];
+        if (c.stride[d] == 0) accumulate = true;
+    }
+    if ((p.dtype == DS_BF16 || p.dtype == DS_F16) && p.k > 0 && plan_half(&p, accumulate)) return -1;
+    size_t es = ds_dtype_size(c.dtype);
+    bool spread = !accumulate && batch > 1 && (p.dtype == DS_F32 || p.dtype == DS_F64)
+                  && (int64_t)p.m * p.n * p.k <= BLAS_SMALL_MNK;
+    int err = 0;
+    #pragma omp parallel for schedule(static) if (spread) reduction(|:err)
+    for (int64_t i = 0; i < batch; i++) {
+        const char *A = (const char *)a.data + batch_offset(&a, nb, i) * (int64_t)es;
+        const char *B = (const char *)b.data + batch_offset(&b, nb, i) * (int64_t)es;
+        char *C = (char *)c.data + batch_offset(&c, nb, i) * (int64_t)es;
+        if (!err) err |= gemm_one(&p, A, B, C, first_visit(&c, nb, i)) != 0;
+    }
+    for (int v = 0; v < 2; v++)
+        if (p.prim[v]) dnnl_primitive_destroy(p.prim[v]);
+    free(p.wa);
+    return err ? -1 : 0;
+}
+
+static int cpu_gemm(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta) {
+    int nd = c.ndim;
+    if (nd < 2 || a.ndim != nd || b.ndim != nd)
+        return ds_kernel_fail("gemm: views need one ndim >= 2, got %d, %d, %d", c.ndim, a.ndim, b.ndim);
+    if (a.dtype != c.dtype || b.dtype != c.dtype || !ds_dtype_is_float(c.dtype))
+        return ds_kernel_fail("gemm: needs one float dtype for all operands");
+    for (int d = 0; d < nd - 2; d++)
+        if (a.shape[d] != c.shape[d] || b.shape[d] != c.shape[d])
+            return ds_kernel_fail("gemm: batch sizes differ in dim %d", d);
+    int64_t m = c.shape[nd - 2], n = c.shape[nd - 1], k = a.shape[nd - 1];
+    if (a.shape[nd - 2] != m || b.shape[nd - 2] != k || b.shape[nd - 1] != n)
+        return ds_kernel_fail("gemm: matrix sizes do not chain");
+    if (m > INT_MAX || n > INT_MAX || k > INT_MAX) return ds_kernel_fail("gemm: a matrix dim exceeds 2^31");
+    if (m == 0 || n == 0) return 0;
+    for (int d = 0; d < nd - 2; d++)
+        if (c.shape[d] == 0) return 0;
+    blas_layout lc;
+    if (!mat_layout(&c, &lc)) return ds_kernel_fail("gemm: the output's matrices need a unit stride");
+    if (lc.trans) {                    /* C^T = B^T A^T keeps C row-major for BLAS */
+        ds_kview t = a;
+        a = b;
+        b = t;
+        transpose_mat(&a);
+        transpose_mat(&b);
+        transpose_mat(&c);
+    }
+    void *buf[2] = { NULL, NULL };
+    blas_layout l;
+    int rc = 0;
+    if (k > 0 && !mat_layout(&a, &l)) rc = compact(&a, &buf[0]);
+    if (rc == 0 && k > 0 && !mat_layout(&b, &l)) rc = compact(&b, &buf[1]);
+    if (rc == 0) {
+        ds_kview *v[3] = { &c, &a, &b };
+        coalesce_batch(v);
+        while (k > 0 && fold_batch(&c, &a, &b)) {}
+        rc = run_batch(c, a, b, alpha, beta);
+    }
+    free(buf[0]);
+    free(buf[1]);
+    return rc;
+}
+
+const ds_kernels_blas ds_cpu_blas = { cpu_gemm };

@@ -1,0 +1,154 @@
+local H = require 'helpers'
+local ds = H.ds
+
+local F = H.fixture('attention')
+local sdpa = ds.scaled_dot_product_attention
+
+-- Runs a fixture case: q, k, v as stored, view maps them to [B,H,T,D];
+-- the output and the gradients of the output projected on w, vs PyTorch.
+local function against_torch(name, opts, view)
+  local c = F[name]
+  view = view or function(x) return x end
+  local q, k, v = H.tensor(c.q):requires_grad_(), H.tensor(c.k):requires_grad_(), H.tensor(c.v):requires_grad_()
+  local out = sdpa(view(q), view(k), view(v), opts)
+  H.assert_close(out, H.tensor(c.out), H.tol.f32, name .. ' forward')
+  ;(out * H.tensor(c.w)):sum():backward()
+  H.assert_close(q.grad, H.tensor(c.gq), H.tol.f32, name .. ' dq')
+  H.assert_close(k.grad, H.tensor(c.gk), H.tol.f32, name .. ' dk')
+  H.assert_close(v.grad, H.tensor(c.gv), H.tol.f32, name .. ' dv')
+end
+
+local function leaf(shape, dtype) return ds.randn(shape, dtype or 'f32'):requires_grad_() end
+
+-- Output and input gradients for a fixed projection of the output.
+local function run(q, k, v, opts, w)
+  for _, x in ipairs { q, k, v } do x.grad = nil end
+  local out = sdpa(q, k, v, opts)
+  ;(out * w):sum():backward()
+  return out, q.grad, k.grad, v.grad
+end
+
+describe('scaled_dot_product_attention', function()
+  it('matches PyTorch, causal, T not a multiple of the block', function()
+    against_torch('causal')
+  end)
+
+  it('matches PyTorch without the mask, Tq ~= Tk and Dv ~= D', function()
+    against_torch('cross', { causal = false })
+  end)
+
+  it('matches PyTorch with an explicit scale', function()
+    against_torch('full_scaled', { causal = false, scale = 0.3 })
+  end)
+
+  it('reads non-contiguous inputs: [B,T,H,D] transposed to [B,H,T,D]', function()
+    local q = H.tensor(F.transposed.q):transpose(2, 3)
+    assert.is_false(q:is_contiguous())
+    against_torch('transposed', nil, function(x) return x:transpose(2, 3) end)
+  end)
+
+  it('gradients match finite differences in f64', function()
+    H.gradcheck(function(q, k, v) return sdpa(q, k, v) end,
+                { leaf({ 1, 2, 5, 3 }, 'f64'), leaf({ 1, 2, 5, 3 }, 'f64'), leaf({ 1, 2, 5, 3 }, 'f64') })
+    H.gradcheck(function(q, k, v) return sdpa(q, k, v, { causal = false, scale = 0.7 }) end,
+                { leaf({ 2, 1, 3, 3 }, 'f64'), leaf({ 2, 1, 4, 3 }, 'f64'), leaf({ 2, 1, 4, 2 }, 'f64') })
+  end)
+
+  it('f32 tiles over several blocks agree with the f64 path', function()
+    for _, case in ipairs {
+      { q = { 1, 2, 150, 8 }, k = { 1, 2, 150, 8 }, v = { 1, 2, 150, 8 } },
+      { q = { 2, 1, 130, 8 }, k = { 2, 1, 200, 8 }, v = { 2, 1, 200, 5 }, opts = { causal = false } },
+    } do
+      local q, k, v = leaf(case.q), leaf(case.k), leaf(case.v)
+      local q64, k64, v64 = q:double():detach():requires_grad_(), k:double():detach():requires_grad_(),
+                            v:double():detach():requires_grad_()
+      local w = ds.randn(case.q[1], case.q[2], case.q[3], case.v[4])
+      local o, dq, dk, dv = run(q, k, v, case.opts, w)
+      local o64, dq64, dk64, dv64 = run(q64, k64, v64, case.opts, w:double())
+      H.assert_close(o, o64, H.tol.f32, 'out')
+      H.assert_close(dq, dq64, H.tol.f32, 'dq')
+      H.assert_close(dk, dk64, H.tol.f32, 'dk')
+      H.assert_close(dv, dv64, H.tol.f32, 'dv')
+    end
+  end)
+
+  it('is causal: future keys and values do not change earlier outputs', function()
+    local T, t = 70, 40
+    local q, k, v = ds.randn(2, 2, T, 4), ds.randn(2, 2, T, 4), ds.randn(2, 2, T, 4)
+    local k2, v2 = k:clone(), v:clone()
+    k2:narrow(3, t + 1, T - t):copy_(ds.randn(2, 2, T - t, 4))
+    v2:narrow(3, t + 1, T - t):fill_(100)
+    local a, b = sdpa(q, k, v), sdpa(q, k2, v2)
+    assert.are.same(a:narrow(3, 1, t):totable(), b:narrow(3, 1, t):totable())
+    assert.is_true((a:narrow(3, t + 1, 1) - b:narrow(3, t + 1, 1)):abs():amax():item() > 1)
+    -- without the mask they do
+    local c = sdpa(q, k, v2, { causal = false })
+    assert.is_true((c:narrow(3, 1, 1) - sdpa(q, k, v, { causal = false }):narrow(3, 1, 1)):abs():amax():item() > 1)
+  end)
+
+  it('bf16 and f16 compute in f32 and keep their dtype, gradients too', function()
+    for _, dt in ipairs { 'bf16', 'f16' } do
+      local q, k, v = leaf({ 1, 2, 20, 8 }, dt), leaf({ 1, 2, 20, 8 }, dt), leaf({ 1, 2, 20, 8 }, dt)
+      local qf, kf, vf = q:float():detach():requires_grad_(), k:float():detach():requires_grad_(),
+                         v:float():detach():requires_grad_()
+      local w = ds.randn(1, 2, 20, 8)
+      local o, dq, dk, dv = run(q, k, v, nil, w:to(dt))
+      local of, dqf, dkf, dvf = run(qf, kf, vf, nil, w:to(dt):float())
+      assert.are.equal(dt, o:dtype())
+      assert.are.equal(dt, dq:dtype())
+      local tol = { rtol = 2e-2, atol = 2e-2 }
+      H.assert_close(o:float(), of, tol, dt .. ' out')
+      H.assert_close(dq:float(), dqf, tol, dt .. ' dq')
+      H.assert_close(dk:float(), dkf, tol, dt .. ' dk')
+      H.assert_close(dv:float(), dvf, tol, dt .. ' dv')
+    end
+  end)
+
+  it('keeps peak memory for T = 1024 far below one T x T matrix', function()
+    local T = 1024
+    local q, k, v = leaf({ 1, 1, T, 16 }), leaf({ 1, 1, T, 16 }), leaf({ 1, 1, T, 16 })
+    collectgarbage()
+    collectgarbage()
+    local before = ds.memory_stats().current.total
+    ds.reset_peak_memory()
+    sdpa(q, k, v):sum():backward()
+    local used = ds.memory_stats().peak.total - before
+    local scores = T * T * 4
+    assert(used < scores / 4, string.format('peak %d bytes over the inputs, a T x T f32 matrix is %d', used, scores))
+    assert.are.same({ 1, 1, T, 16 }, q.grad:size())
+  end)
+
+  it('handles empty batches and query-free cross attention', function()
+    assert.are.same({ 0, 2, 4, 3 }, sdpa(ds.zeros(0, 2, 4, 3), ds.zeros(0, 2, 4, 3), ds.zeros(0, 2, 4, 3)):size())
+    assert.are.same({ 1, 1, 0, 5 }, sdpa(ds.zeros(1, 1, 0, 3), ds.zeros(1, 1, 2, 3), ds.zeros(1, 1, 2, 5),
+                                         { causal = false }):size())
+  end)
+
+  it('rejects bad inputs, naming the op, shapes and dtypes', function()
+    local function fails(pattern, ...)
+      local args = { ... }
+      local ok, err = pcall(function() return sdpa(unpack(args, 1, 4)) end)
+      assert.is_false(ok)
+      assert.matches(pattern, err)
+    end
+    local a = ds.zeros(2, 3, 5, 4)
+    fails('scaled_dot_product_attention: shapes q %[2,3,5,4%], k %[2,3,5,6%], v %[2,3,5,4%] do not fit',
+          a, ds.zeros(2, 3, 5, 6), a)
+    fails('shapes q %[2,3,5,4%], k %[2,3,5,4%], v %[2,2,5,4%]', a, a, ds.zeros(2, 2, 5, 4))
+    fails('shapes q %[2,3,5,4%], k %[2,3,5,4%], v %[2,3,6,4%]', a, a, ds.zeros(2, 3, 6, 4), { causal = false })
+    fails('scaled_dot_product_attention: causal attention needs as many queries as keys, got q %[2,3,5,4%] and k %[2,3,7,4%]',
+          a, ds.zeros(2, 3, 7, 4), ds.zeros(2, 3, 7, 4))
+    fails('scaled_dot_product_attention: q, k, v must share one floating point dtype, got f32, f64, f32',
+          a, a:double(), a)
+    fails('got i64, i64, i64', a:long(), a:long(), a:long())
+    fails('scaled_dot_product_attention: q, k, v must be %[B,H,T,D%], got q %[3,5,4%]',
+          ds.zeros(3, 5, 4), ds.zeros(3, 5, 4), ds.zeros(3, 5, 4))
+    fails('at least one key, got q %[1,1,2,3%] and k %[1,1,0,3%]', ds.zeros(1, 1, 2, 3), ds.zeros(1, 1, 0, 3),
+          ds.zeros(1, 1, 0, 3), { causal = false })
+    fails('head dim', ds.zeros(1, 1, 2, 0), ds.zeros(1, 1, 2, 0), ds.zeros(1, 1, 2, 3))
+    fails("unknown option 'casual'", a, a, a, { casual = false })
+    fails('causal must be a boolean, got number', a, a, a, { causal = 0 })
+    fails('scale must be a finite number', a, a, a, { scale = 'big' })
+    fails('tensor expected', a, a, nil)
+  end)
+end)

@@ -1,0 +1,54 @@
+-- The CPU elementwise kernels on tensors large enough to be cut into tiles
+-- and shared among threads, and the f32 GELU fast path against f64.
+local H = require 'helpers'
+local ds = H.ds
+
+-- Largest |a - b| over all elements, both read as f64.
+local function max_diff(a, b) return (a:double() - b:double()):abs():amax():item() end
+
+describe('cpu elementwise tiles', function()
+  it('a contiguous add (one long row of many tiles) is exact in f32', function()
+    local a, b = ds.randn(3, 70001), ds.randn(3, 70001)
+    assert.are.equal(0, max_diff(a + b, (a:double() + b:double()):float()))
+  end)
+
+  it('a broadcast row, a scalar and a transposed view give the f64 result', function()
+    local a, row = ds.randn(40, 9000), ds.randn(9000)
+    assert.are.equal(0, max_diff(a + row, (a:double() + row:double()):float()))
+    assert.are.equal(0, max_diff(a * 3, (a:double() * 3):float()))
+    local t = ds.randn(9000, 40):t()
+    assert.are.equal(0, max_diff(t - a, (t:double() - a:double()):float()))
+  end)
+
+  it('in-place add, unary, where and unary backward cover every element', function()
+    local a, b = ds.randn(5, 20000), ds.randn(5, 20000)
+    local want = (a:double() + b:double()):float()
+    local c = a:clone()
+    c:add_(b)
+    assert.are.equal(0, max_diff(c, want))
+    assert.are.equal(0, max_diff(ds.relu(a), ds.where(a:gt(0), a, ds.zeros(1))))
+    assert.are.equal(0, max_diff(ds.where(a:gt(b), a, b), ds.maximum(a, b)))
+    local x = ds.randn(5, 20000):requires_grad_()
+    ds.tanh(x):sum():backward()
+    local y = ds.tanh(x:detach())
+    assert.is_true(max_diff(x.grad, 1 - y * y) < 1e-6)
+  end)
+end)
+
+describe('cpu gelu tanh, f32 fast path', function()
+  it('is within 1e-6 of f64 over [-20, 20]', function()
+    local x = (ds.arange(-400000, 400000):to('f64') / 20000):float()
+    local got, want = x:gelu('tanh'), x:double():gelu('tanh')
+    assert.is_true(max_diff(got, want) < 1e-6)
+  end)
+
+  it('keeps inf, nan and signed zeros, and sends -inf to 0', function()
+    local y = ds.tensor({ 1 / 0, -1 / 0, 0 / 0, 0, -30, 3e38 }):gelu('tanh'):totable()
+    assert.are.equal(1 / 0, y[1])
+    assert.are.equal(0, y[2])
+    assert.is_true(y[3] ~= y[3])
+    assert.are.equal(0, y[4])
+    assert.are.equal(0, y[5])
+    assert.are.equal(ds.tensor({ 3e38 }):item(), y[6])
+  end)
+end)
