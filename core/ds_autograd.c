@@ -112,6 +112,13 @@ static int accumulate(ds_tensor **slot, ds_tensor *g) {
 
 /* A leaf's .grad must be its own buffer (never an alias of another
  * gradient) since optimizers and accumulation write it in place. */
+/* True when g is the only reference to the only view of its storage. */
+static bool sole_owner(ds_tensor *g) {
+    return atomic_load(&g->refcount) == 1 && atomic_load(&g->storage->refcount) == 1 && !g->grad_fn &&
+           g->offset == 0 && ds_tensor_is_contiguous(g) &&
+           g->storage->nbytes == (size_t)ds_tensor_numel(g) * ds_dtype_size(g->dtype);
+}
+
 static int accumulate_leaf(ds_tensor *leaf, ds_tensor *g) {
     if (g->dtype != leaf->dtype) {
         ds_tensor *cast = ds_to_dtype(g, leaf->dtype);
@@ -121,8 +128,13 @@ static int accumulate_leaf(ds_tensor *leaf, ds_tensor *g) {
         return rc;
     }
     if (leaf->grad) return ds_add_(leaf->grad, g);
-    ds_tensor *own = ds_clone(g);
-    if (!own) return -1;
+    ds_tensor *own;
+    if (sole_owner(g)) {      /* nobody else can see g: adopt it, no copy */
+        ds_tensor_retain(g);
+        own = g;
+    } else if (!(own = ds_clone(g))) {
+        return -1;
+    }
     ds_tensor_set_category(own, DS_MEM_GRAD);
     leaf->grad = own;
     return 0;

@@ -3,6 +3,7 @@
 #include "ds_threads.h"
 
 #include <lauxlib.h>
+#include <omp.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -12,8 +13,12 @@ extern const embedded_module dsL_embedded[];
 
 static int l_num_threads(lua_State *L) {
     if (!lua_isnoneornil(L, 1)) {
-        lua_Integer n = luaL_checkinteger(L, 1);
-        luaL_argcheck(L, n >= 1, 1, "thread count must be >= 1");
+        lua_Number n = luaL_checknumber(L, 1);
+        /* more threads than a few per core only thrashes, and libgomp aborts
+         * the process when it cannot create them */
+        int most = 4 * omp_get_num_procs();
+        if (!(n >= 1 && n <= most))
+            return luaL_error(L, "num_threads: thread count must be in [1, %d], got %f", most, n);
         ds_set_num_threads((int)n);
     }
     lua_pushinteger(L, ds_get_num_threads());

@@ -81,6 +81,12 @@ static int push_pieces(lua_State *L, ds_tensor *t, int64_t d, int64_t n, const i
     return 1;
 }
 
+/* Pieces become Lua table entries; more than a Lua table can index is an
+ * error before any buffer is sized from the count. */
+static void check_pieces(lua_State *L, const char *op, int64_t n) {
+    if (n > (1 << 26)) luaL_error(L, "%s: %f pieces is too many", op, (double)n);
+}
+
 /* split(size_or_sizes [, dim=1]): pieces of `size` (the last may be
  * smaller), or of the listed sizes, which must add up to the dim's size */
 static int l_split(lua_State *L) {
@@ -100,6 +106,7 @@ static int l_split(lua_State *L) {
         int64_t size = luaL_checkinteger(L, 2);
         n = ds_split_sizes(t, d, size, NULL);
         if (n < 0) return dsL_error(L);
+        check_pieces(L, "split", n);
         sizes = lua_newuserdata(L, sizeof *sizes * (size_t)n);
         ds_split_sizes(t, d, size, sizes);
     }
@@ -113,6 +120,7 @@ static int l_chunk(lua_State *L) {
     int64_t d = lua_isnoneornil(L, 3) ? 0 : dsL_checkdim(L, 3, t);
     int64_t n = ds_chunk_sizes(t, d, chunks, NULL);
     if (n < 0) return dsL_error(L);
+    check_pieces(L, "chunk", n);
     int64_t *sizes = lua_newuserdata(L, sizeof *sizes * (size_t)n);
     ds_chunk_sizes(t, d, chunks, sizes);
     return push_pieces(L, t, d, n, sizes);

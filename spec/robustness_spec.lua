@@ -16,14 +16,6 @@ local ds = require 'dslua'
 local C = require 'dslua.core'
 local verbose, first = tonumber(arg[1]) or 0, tonumber(arg[2]) or 1
 
--- Skipped, with the reason:
-local SKIP = {
-  -- sets the OpenMP pool size from its argument: a number like 2^40+1000
-  -- truncates to 1000 threads, legitimately slow; called below with
-  -- bounded counts instead
-  ['ds.num_threads'] = true,
-}
-
 local fns = {}
 for k, v in pairs(ds) do
   if type(v) == 'function' then fns[#fns + 1] = { name = 'ds.' .. k, fn = v } end
@@ -151,35 +143,26 @@ end
 local calls = 0
 for i = first, #fns do
   local f = fns[i]
-  if not SKIP[f.name] then
-    io.write('FN ', i, ' ', f.name, '\n')
-    io.flush()
-    local L = battery(tensors())
-    for _, args in ipairs(L) do
-      if verbose == i then io.write('CALL ', f.name, '(', describe_args(args), ')\n'); io.flush() end
-      local vals = {}
-      for k = 1, args.n do vals[k] = args[k].v end
-      local res = { pcall(f.fn, unpack(vals, 1, args.n)) }
-      calls = calls + 1
-      if not res[1] and type(res[2]) ~= 'string' then
-        io.write('BAD ', f.name, '(', describe_args(args), '): error value is a ', type(res[2]), '\n')
-      end
-      for k = 2, table.maxn(res) do touch(res[k]) end
-      C.set_grad_enabled(true)
+  io.write('FN ', i, ' ', f.name, '\n')
+  io.flush()
+  local L = battery(tensors())
+  for _, args in ipairs(L) do
+    if verbose == i then io.write('CALL ', f.name, '(', describe_args(args), ')\n'); io.flush() end
+    local vals = {}
+    for k = 1, args.n do vals[k] = args[k].v end
+    local res = { pcall(f.fn, unpack(vals, 1, args.n)) }
+    calls = calls + 1
+    if not res[1] and type(res[2]) ~= 'string' then
+      io.write('BAD ', f.name, '(', describe_args(args), '): error value is a ', type(res[2]), '\n')
     end
-    io.write('OK ', i, '\n')
-    io.flush()
-    collectgarbage()
+    for k = 2, table.maxn(res) do touch(res[k]) end
+    C.set_grad_enabled(true)
   end
+  io.write('OK ', i, '\n')
+  io.flush()
+  collectgarbage()
 end
 
--- bounded thread counts (see SKIP)
-local nt = ds.num_threads()
-for _, v in ipairs { 1, 2, 0, -1, 'x', {}, 1.5 } do
-  local ok, err = pcall(ds.num_threads, v)
-  if not ok and type(err) ~= 'string' then io.write('BAD ds.num_threads: non-string error\n') end
-end
-ds.num_threads(nt)
 io.write('DONE ', calls, '\n')
 ]==]
 
