@@ -9,18 +9,7 @@ static int64_t out_len(int64_t in, int64_t k, int64_t stride, int64_t pad, int64
 }
 
 static int check_same(const char *op, const ds_tensor *a, const ds_tensor *b) {
-    if (!ds_device_equal(ds_tensor_device(a), ds_tensor_device(b))) {
-        char da[16], db[16];
-        ds_device_name(ds_tensor_device(a), da, sizeof da);
-        ds_device_name(ds_tensor_device(b), db, sizeof db);
-        ds_fail(DS_ERR_ARG, "%s: tensors on different devices (%s and %s)", op, da, db);
-        return -1;
-    }
-    if (a->dtype != b->dtype) {
-        ds_fail(DS_ERR_ARG, "%s: dtypes %s and %s differ", op, ds_dtype_name(a->dtype), ds_dtype_name(b->dtype));
-        return -1;
-    }
-    return 0;
+    return ds_check_same_device(op, a, b) || ds_check_same_dtype(op, a, b) ? -1 : 0;
 }
 
 static int check_input(const char *op, const ds_tensor *x) {

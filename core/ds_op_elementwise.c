@@ -27,15 +27,6 @@ ds_dtype ds_promote(ds_dtype a, ds_dtype b) {
     return rank_of(a) >= rank_of(b) ? a : b;
 }
 
-static int check_same_device(const char *op, const ds_tensor *a, const ds_tensor *b) {
-    if (ds_device_equal(ds_tensor_device(a), ds_tensor_device(b))) return 0;
-    char da[16], db[16];
-    ds_device_name(ds_tensor_device(a), da, sizeof da);
-    ds_device_name(ds_tensor_device(b), db, sizeof db);
-    ds_fail(DS_ERR_ARG, "%s: tensors on different devices (%s and %s)", op, da, db);
-    return -1;
-}
-
 int ds_broadcast_shape(const char *op, const ds_tensor *a, const ds_tensor *b, int *ndim, int64_t *shape) {
     int nd = a->ndim > b->ndim ? a->ndim : b->ndim;
     for (int i = 0; i < nd; i++) {
@@ -84,7 +75,7 @@ static ds_tensor *binary_out(const char *name, ds_tensor *a, ds_tensor *b, ds_dt
                              ds_tensor **ea, ds_tensor **eb) {
     int nd;
     int64_t shape[DS_MAX_DIMS];
-    if (check_same_device(name, a, b) || ds_broadcast_shape(name, a, b, &nd, shape)) return NULL;
+    if (ds_check_same_device(name, a, b) || ds_broadcast_shape(name, a, b, &nd, shape)) return NULL;
     ds_tensor *out = ds_tensor_new(nd, shape, dt, ds_tensor_device(a));
     if (!out) return NULL;
     *ea = ds_expand(a, nd, shape);
@@ -191,7 +182,7 @@ ds_tensor *ds_mul_scalar(ds_tensor *a, double s) {
 }
 
 int ds_binary_(ds_binary_op op, ds_tensor *dst, ds_tensor *src) {
-    if (check_same_device(binary_names[op], dst, src)) return -1;
+    if (ds_check_same_device(binary_names[op], dst, src)) return -1;
     ds_tensor *e = ds_expand(src, dst->ndim, dst->shape);
     if (!e) return -1;
     int rc = ds_tensor_kernels(dst)->elementwise->binary(op, ds_tensor_kview(dst), ds_tensor_kview(dst),
@@ -253,7 +244,7 @@ static int where_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 ds_tensor *ds_where(ds_tensor *cond, ds_tensor *a, ds_tensor *b) {
     int nd1, nd;
     int64_t s1[DS_MAX_DIMS], shape[DS_MAX_DIMS];
-    if (check_same_device("where", cond, a) || check_same_device("where", a, b)) return NULL;
+    if (ds_check_same_device("where", cond, a) || ds_check_same_device("where", a, b)) return NULL;
     if (ds_broadcast_shape("where", a, b, &nd1, s1)) return NULL;
     ds_tensor tmp = { .ndim = nd1 };
     memcpy(tmp.shape, s1, sizeof s1);

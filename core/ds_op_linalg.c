@@ -53,17 +53,7 @@ static int run_gemm(const char *op, const ds_tensor *on, ds_kview c, ds_kview a,
 }
 
 static int check_pair(const char *op, const ds_tensor *a, const ds_tensor *b) {
-    if (!ds_device_equal(ds_tensor_device(a), ds_tensor_device(b))) {
-        char da[16], db[16];
-        ds_device_name(ds_tensor_device(a), da, sizeof da);
-        ds_device_name(ds_tensor_device(b), db, sizeof db);
-        ds_fail(DS_ERR_ARG, "%s: tensors on different devices (%s and %s)", op, da, db);
-        return -1;
-    }
-    if (a->dtype != b->dtype) {
-        ds_fail(DS_ERR_ARG, "%s: dtypes %s and %s differ", op, ds_dtype_name(a->dtype), ds_dtype_name(b->dtype));
-        return -1;
-    }
+    if (ds_check_same_device(op, a, b) || ds_check_same_dtype(op, a, b)) return -1;
     if (!ds_dtype_is_float(a->dtype)) {
         ds_fail(DS_ERR_ARG, "%s: needs floating point tensors, got %s", op, ds_dtype_name(a->dtype));
         return -1;

@@ -34,15 +34,6 @@ static int need_float(const char *op, const char *what, const ds_tensor *t) {
     return -1;
 }
 
-static int same_device(const char *op, const ds_tensor *a, const ds_tensor *b) {
-    if (!b || ds_device_equal(ds_tensor_device(a), ds_tensor_device(b))) return 0;
-    char da[16], db[16];
-    ds_device_name(ds_tensor_device(a), da, sizeof da);
-    ds_device_name(ds_tensor_device(b), db, sizeof db);
-    ds_fail(DS_ERR_ARG, "%s: tensors on different devices (%s and %s)", op, da, db);
-    return -1;
-}
-
 static bool wants_grad(const ds_node *n, int k) { return n->next[k].node || n->next[k].leaf; }
 
 /* ---- softmax, log_softmax ---- */
@@ -116,7 +107,7 @@ static int cross_entropy_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 
 static int check_cross_entropy(ds_tensor *logits, ds_tensor *target, double smoothing) {
     char s1[96], s2[96];
-    if (need_float("cross_entropy", "logits", logits) || same_device("cross_entropy", logits, target)) return -1;
+    if (need_float("cross_entropy", "logits", logits) || ds_check_same_device("cross_entropy", logits, target)) return -1;
     if (target->dtype != DS_I64 && target->dtype != DS_I32) {
         ds_fail(DS_ERR_ARG, "cross_entropy: target must hold i64 or i32 class ids, got %s",
                 ds_dtype_name(target->dtype));
@@ -200,7 +191,7 @@ ds_tensor *ds_mse_loss(ds_tensor *input, ds_tensor *target, ds_nn_reduction red)
     int nd;
     int64_t shape[DS_MAX_DIMS];
     if (need_float("mse_loss", "input", input) || need_float("mse_loss", "target", target) ||
-        same_device("mse_loss", input, target) || ds_broadcast_shape("mse_loss", input, target, &nd, shape))
+        ds_check_same_device("mse_loss", input, target) || ds_broadcast_shape("mse_loss", input, target, &nd, shape))
         return NULL;
     ds_tensor *d = ds_sub(input, target);
     ds_tensor *sq = d ? ds_mul(d, d) : NULL;
@@ -229,7 +220,7 @@ static int norm_shape(const char *op, ds_tensor *x, int norm_ndim, ds_tensor *p,
     *rows = 1;
     for (int i = 0; i < x->ndim; i++) *(i < lead ? rows : n) *= x->shape[i];
     if (!p) return 0;
-    if (need_float(op, what, p) || same_device(op, x, p)) return -1;
+    if (need_float(op, what, p) || ds_check_same_device(op, x, p)) return -1;
     bool ok = p->ndim == norm_ndim;
     for (int i = 0; ok && i < norm_ndim; i++) ok = p->shape[i] == x->shape[lead + i];
     if (!ok) {

@@ -187,3 +187,18 @@ void ds_tensor_set(ds_tensor *t, int64_t i, double value) {
 void ds_tensor_set_category(ds_tensor *t, ds_mem_category cat) {
     ds_storage_set_category(t->storage, cat);
 }
+
+int ds_check_same_device(const char *op, const ds_tensor *a, const ds_tensor *b) {
+    if (!b || ds_device_equal(ds_tensor_device(a), ds_tensor_device(b))) return 0;
+    char da[16], db[16];
+    ds_device_name(ds_tensor_device(a), da, sizeof da);
+    ds_device_name(ds_tensor_device(b), db, sizeof db);
+    ds_fail(DS_ERR_ARG, "%s: tensors on different devices (%s and %s)", op, da, db);
+    return -1;
+}
+
+int ds_check_same_dtype(const char *op, const ds_tensor *a, const ds_tensor *b) {
+    if (!b || a->dtype == b->dtype) return 0;
+    ds_fail(DS_ERR_ARG, "%s: dtypes %s and %s differ", op, ds_dtype_name(a->dtype), ds_dtype_name(b->dtype));
+    return -1;
+}

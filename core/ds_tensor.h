@@ -58,4 +58,9 @@ void ds_tensor_set(ds_tensor *t, int64_t flat_index, double v);
 
 void ds_tensor_set_category(ds_tensor *t, ds_mem_category cat);
 
+/* Argument checks shared by the ops: 0, or -1 with an error naming op.
+ * A NULL b (an optional argument left out) passes. */
+int ds_check_same_device(const char *op, const ds_tensor *a, const ds_tensor *b);
+int ds_check_same_dtype(const char *op, const ds_tensor *a, const ds_tensor *b);
+
 #endif

@@ -4,6 +4,7 @@
 #include "cpu_iter.h"
 #include "../ds_elem.h"
 #include "../ds_half.h"
+#include "../ds_rows.h"   /* ds_expf, the vectorisable f32 exp */
 
 /* Rows are cut into tiles of at most CPU_TILE columns and the tiles shared
  * among threads, so a contiguous tensor (one long row once coalesced) still
@@ -25,34 +26,13 @@ static void tile_at(const ds_kview *v, int64_t t, int64_t *r, int64_t *c0, int64
     *c1 = *c0 + CPU_TILE < cols ? *c0 + CPU_TILE : cols;
 }
 
-/* e^x in f32 as 2^n e^r, |r| <= ln2/2, Cody-Waite reduction and Cephes'
- * polynomial (about 1 ulp). Plain arithmetic, so `omp simd` loops that call
- * it vectorise, which they do not around libm's expf. x is clamped to
- * [-87, 88], where the result is a normal float. */
-static inline float cpu_expf(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    /* adding 1.5 * 2^23 rounds x log2(e) to the integer n, which then sits
-     * in the low mantissa bits of t */
-    union { float f; uint32_t u; } t = { x * 1.44269504f + 12582912.0f };
-    float n = t.f - 12582912.0f;
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale = { (t.u + 127u) << 23 };   /* 2^n */
-    return p * scale.f;
-}
-
 /* GELU, tanh form: 0.5 x (1 + tanh(u)) = x sigmoid(2u) = x / (1 + e^(-2u)),
- * one exp and no cancellation where x is very negative. Below x = -10 the
- * result is under 1e-36 in size and is flushed to -0 (so -inf gives -0). */
+ * one exp that vectorises (libm's tanhf does not) and no cancellation where
+ * x is very negative. Below x = -10 the result is under 1e-36 in size and
+ * is flushed to -0 (so -inf gives -0). */
 static inline float cpu_gelu_tanh_f(float x) {
     float u = 0.7978845608f * (x + 0.044715f * x * x * x);
-    float y = x / (1.0f + cpu_expf(-2.0f * u));
+    float y = x / (1.0f + ds_expf(-2.0f * u));
     return x < -10.0f ? -0.0f : y;
 }
 
