@@ -17,7 +17,8 @@ EOF
 }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-threads=$(nproc)
+cores=$(nproc --all)   # before OMP_NUM_THREADS is set: nproc obeys it
+threads=$cores
 build=$root/build
 rounds=3
 results=
@@ -52,7 +53,7 @@ fi
 log=$(mktemp)
 raw=$(mktemp)
 trap 'rm -f "$log" "$raw"' EXIT
-if ! cmake --build "$build" --target dslua -j"$(nproc)" >"$log" 2>&1; then
+if ! cmake --build "$build" --target dslua -j"$cores" >"$log" 2>&1; then
     cat "$log" >&2
     echo "bench/run.sh: building dslua failed" >&2
     exit 1
@@ -83,6 +84,6 @@ done
 commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
 echo "dslua bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $(nproc) cores online; load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "cpu: $cpu, $cores cores; load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "best of $rounds round(s); ratio = reference time / dslua time (> 1: dslua faster)"
 "$build/dslua" "$root/bench/table.lua" "$raw"

@@ -106,6 +106,31 @@ ds_tensor *ds_tensor_view_of(const ds_tensor *src, int ndim, const int64_t *shap
     return t;
 }
 
+int ds_tensor_reseat(ds_tensor *t, ds_storage *s, int64_t offset) {
+    int64_t n = ds_tensor_numel(t);
+    size_t esize = ds_dtype_size(t->dtype);
+    if (!ds_device_equal(s->device, ds_tensor_device(t)))
+        return ds_fail(DS_ERR_ARG, "reseat: the new storage is on another device"), -1;
+    if (offset < 0 || (size_t)(offset + n) * esize > s->nbytes)
+        return ds_fail(DS_ERR_ARG, "reseat: %lld elements at offset %lld do not fit in %zu bytes", (long long)n,
+                       (long long)offset, s->nbytes), -1;
+    ds_kview dst = ds_tensor_kview(t);
+    dst.data = (char *)s->data + offset * (int64_t)esize;
+    int64_t stride = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        dst.stride[i] = stride;
+        stride *= t->shape[i];
+    }
+    if (ds_tensor_kernels(t)->core->copy(dst, ds_tensor_kview(t)) != 0)
+        return ds_fail(DS_ERR_STATE, "reseat: %s", ds_kernel_error()), -1;
+    ds_storage_retain(s);
+    ds_storage_release(t->storage);
+    t->storage = s;
+    t->offset = offset;
+    memcpy(t->stride, dst.stride, sizeof t->stride);
+    return 0;
+}
+
 void ds_tensor_retain(ds_tensor *t) { atomic_fetch_add(&t->refcount, 1); }
 
 void ds_tensor_release(ds_tensor *t) {

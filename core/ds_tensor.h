@@ -36,6 +36,11 @@ ds_tensor *ds_tensor_full(int ndim, const int64_t *shape, ds_dtype dtype, ds_dev
 /* A view sharing t's storage with new geometry; no autograd history. */
 ds_tensor *ds_tensor_view_of(const ds_tensor *t, int ndim, const int64_t *shape,
                              const int64_t *stride, int64_t offset);
+/* Moves t's elements into storage s at element offset (contiguous, t's
+ * dtype) and makes t a view of them there: how an optimizer gathers its
+ * parameters into one flat buffer. Other views of t's old storage keep the
+ * old bytes. 0, or -1 with the error set. */
+int ds_tensor_reseat(ds_tensor *t, ds_storage *s, int64_t offset);
 
 void ds_tensor_retain(ds_tensor *t);
 void ds_tensor_release(ds_tensor *t);

@@ -21,6 +21,10 @@ static const char usage[] =
     "  -i             enter the REPL after running the script\n"
     "  -v, --version  print the version\n"
     "  -h, --help     print this help\n"
+    "  --check-config FILE [--world-size N]\n"
+    "                 print FILE's DeepSpeed config resolved (every default filled\n"
+    "                 in, the batch sizes for N ranks, default 1) or its errors,\n"
+    "                 and exit non-zero on errors\n"
     "  --             stop handling options\n"
     "  -              run standard input as a script\n"
     "With no script on a terminal, dslua starts a REPL with `ds` loaded.\n"
@@ -97,6 +101,27 @@ static int run_script(lua_State *L, char **argv, int argc, int script) {
     return run_chunk(L, 0, nargs);
 }
 
+/* `--name value` or `--name=value`: true when a is the option, with *value
+ * set to its inline value or NULL. */
+static bool valued_option(const char *a, const char *name, const char **value) {
+    size_t n = strlen(name);
+    if (strncmp(a, name, n) != 0 || (a[n] != '\0' && a[n] != '=')) return false;
+    *value = a[n] == '=' ? a + n + 1 : NULL;
+    return true;
+}
+
+/* require('dslua.config').check_cli(path, world_size): 0 when valid. */
+static int check_config(lua_State *L, const char *path, const char *world_size) {
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "dslua.config");
+    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    lua_getfield(L, -1, "check_cli");
+    lua_pushstring(L, path);
+    if (world_size) lua_pushstring(L, world_size); else lua_pushnil(L);
+    if (report(L, dsL_pcall(L, 2, 1))) return 1;
+    return lua_toboolean(L, -1) ? 0 : 1;
+}
+
 static int require_global(lua_State *L, const char *name) {
     lua_getglobal(L, "require");
     lua_pushstring(L, name);
@@ -113,6 +138,7 @@ int main(int argc, char **argv) {
     dsL_install(L);
 
     bool interactive = false, ran = false;
+    const char *check_path = NULL, *world_size = NULL, *value = NULL;
     int i = 1, rc = 0;
     for (; i < argc && rc == 0; i++) {
         const char *a = argv[i];
@@ -135,6 +161,10 @@ int main(int argc, char **argv) {
                 rc = require_global(L, v);
             }
             ran = true;
+        } else if (valued_option(a, "--check-config", &value) || valued_option(a, "--world-size", &value)) {
+            if (!value && i + 1 >= argc) { fprintf(stderr, "dslua: '%s' needs an argument\n%s", a, usage); return 1; }
+            if (!value) value = argv[++i];
+            if (a[2] == 'c') check_path = value; else world_size = value;
         } else if (strcmp(a, "--") == 0) {
             i++;
             break;
@@ -145,6 +175,17 @@ int main(int argc, char **argv) {
         } else {
             break;
         }
+    }
+    if (rc == 0 && (check_path || world_size)) {
+        if (!check_path || i < argc) {
+            fprintf(stderr, "dslua: %s\n%s", check_path ? "--check-config takes no script"
+                                                        : "--world-size goes with --check-config", usage);
+            rc = 1;
+        } else {
+            rc = check_config(L, check_path, world_size);
+        }
+        lua_close(L);
+        return rc;
     }
     if (rc == 0 && i < argc) {
         rc = run_script(L, argv, argc, i);

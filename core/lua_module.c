@@ -39,6 +39,16 @@ static int l_wall_time(lua_State *L) {
     return 1;
 }
 
+/* embedded_source(): the text of the Lua library this binary carries, a
+ * corpus that ships with dslua (the quickstart trains on it). */
+static int l_embedded_source(lua_State *L) {
+    luaL_Buffer b;
+    luaL_buffinit(L, &b);
+    for (const embedded_module *m = dsL_embedded; m->name; m++) luaL_addlstring(&b, m->src, m->len);
+    luaL_pushresult(&b);
+    return 1;
+}
+
 int luaopen_dslua_core(lua_State *L) {
     lua_newtable(L);
     dsL_open_tensor(L);
@@ -47,6 +57,12 @@ int luaopen_dslua_core(lua_State *L) {
     dsL_open_nn(L);
     dsL_open_index(L);
     dsL_open_attention(L);
+    dsL_open_optim(L);
+    dsL_open_data(L);
+    dsL_open_json(L);
+    dsL_open_lr(L);
+    lua_pushcfunction(L, l_embedded_source);
+    lua_setfield(L, -2, "embedded_source");
     lua_pushcfunction(L, l_wall_time);
     lua_setfield(L, -2, "wall_time");
     lua_pushcfunction(L, l_isatty);

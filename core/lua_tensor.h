@@ -43,5 +43,9 @@ void dsL_open_linalg(lua_State *L);
 void dsL_open_nn(lua_State *L);
 void dsL_open_index(lua_State *L);
 void dsL_open_attention(lua_State *L);
+void dsL_open_optim(lua_State *L);
+void dsL_open_data(lua_State *L);
+void dsL_open_json(lua_State *L);
+void dsL_open_lr(lua_State *L);
 
 #endif

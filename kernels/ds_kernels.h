@@ -155,6 +155,38 @@ typedef struct ds_kernels_conv {
     int (*avg_pool2d_backward)(ds_kview dx, ds_kview dy, const ds_pool2d_params *p);
 } ds_kernels_conv;
 
+/* Fused optimizer steps over flat buffers: p, g and every state buffer are
+ * contiguous 1-D f32 views of one length. One call updates a whole
+ * parameter group. Step-dependent factors come precomputed (ds_optim.h
+ * has the per-element math and says which library each one follows). */
+typedef struct { double lr, weight_decay, momentum, dampening; int nesterov, first; } ds_sgd_params;
+typedef struct {
+    double beta1, beta2, eps, weight_decay;
+    double decay;         /* 1 - lr wd, the decoupled (AdamW) factor */
+    double step_size;     /* lr / (1 - beta1^t), or lr without bias correction */
+    double sqrt_bc2;      /* sqrt(1 - beta2^t), or 1 */
+    int decoupled;
+} ds_adam_params;
+typedef struct { double clr, eps, weight_decay; } ds_adagrad_params;   /* clr: the decayed lr */
+typedef struct {
+    double step_size;     /* lr sqrt(1 - beta2^t) / (1 - beta1^t), or lr */
+    double beta1, beta2, eps, weight_decay, grad_scale, max_coeff, min_coeff;
+    int eps_inside_sqrt;
+} ds_lamb_params;
+typedef struct { double lr, beta1, beta2, decay; } ds_lion_params;   /* decay: 1 - lr wd */
+
+typedef struct ds_kernels_optim {
+    /* buf.data is NULL when momentum is 0; first starts the buffer */
+    int (*sgd)(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h);
+    int (*adam)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h);
+    int (*adagrad)(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h);
+    /* Parameter k is elements [seg[k], seg[k+1]) and gets its own trust
+     * ratio, written to coeff[k] (nseg entries, host memory). */
+    int (*lamb)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg, double *coeff,
+                const ds_lamb_params *h);
+    int (*lion)(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h);
+} ds_kernels_optim;
+
 typedef struct ds_kernels {
     const char *name;
     const ds_kernels_core *core;
@@ -165,6 +197,7 @@ typedef struct ds_kernels {
     const ds_kernels_attention *attention;
     const ds_kernels_index *index;
     const ds_kernels_nn *nn;
+    const ds_kernels_optim *optim;
 } ds_kernels;
 
 /* Kernel-side error reporting; core turns it into the op's error. */

@@ -10,4 +10,5 @@ const ds_kernels ds_cpu_kernels = {
     .nn = &ds_cpu_nn,
     .attention = &ds_cpu_attention,
     .index = &ds_cpu_index,
+    .optim = &ds_cpu_optim,
 };

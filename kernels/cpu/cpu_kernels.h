@@ -12,6 +12,7 @@ extern const ds_kernels_blas ds_cpu_blas;
 extern const ds_kernels_conv ds_cpu_conv;
 extern const ds_kernels_attention ds_cpu_attention;
 extern const ds_kernels_index ds_cpu_index;
+extern const ds_kernels_optim ds_cpu_optim;
 extern const ds_kernels ds_cpu_kernels;
 
 #endif

@@ -4,6 +4,8 @@ local C = require 'dslua.core'
 
 local ds = {}
 for k, v in pairs(C) do ds[k] = v end
+-- registered before the modules below load, so they may require 'dslua'
+package.loaded.dslua = ds
 
 require('dslua.tensor').install(C)
 
@@ -24,5 +26,15 @@ function ds.enable_grad(fn, ...)
   if not res[1] then error(res[2], 0) end
   return unpack(res, 2, table.maxn(res))
 end
+
+-- the library's modules
+ds.nn = require 'dslua.nn'
+ds.lr = require 'dslua.lr'
+ds.data = require 'dslua.data'
+ds.optim = require 'dslua.optim'
+ds.json = require 'dslua.json'
+ds.config = require 'dslua.config'
+ds.args = require 'dslua.args'
+ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds

@@ -1,0 +1,47 @@
+/* Dataset readers: MNIST IDX, CIFAR-10 binary batches, character-level
+ * text and llm.c token shards, each read whole into tensors.
+ *
+ * Files may be gzip-compressed or plain (zlib reads both). Errors name the
+ * file and what was expected against what was found. Every function
+ * returning ds_tensor* returns a new reference or NULL with the error set. */
+#ifndef DS_DATA_H
+#define DS_DATA_H
+
+#include "ds_tensor.h"
+
+#include <stddef.h>
+
+/* llm.c token shards: a header of 256 int32 (magic, version, token count)
+ * then the tokens as uint16. */
+#define DS_SHARD_MAGIC 20240520
+#define DS_SHARD_VERSION 1
+#define DS_SHARD_HEADER_INTS 256
+
+/* The whole file, decompressed when it is gzip, in malloc'd memory the
+ * caller frees. */
+unsigned char *ds_data_read_all(const char *path, size_t *n);
+
+/* Items [first, first + count) (0-based; count < 0: to the end) of an
+ * unsigned-byte IDX file of ndim dims, as a u8 tensor [count, dims...].
+ * *total (when given) receives the file's item count. */
+ds_tensor *ds_data_read_idx(const char *path, int ndim, int64_t first, int64_t count, int64_t *total);
+
+/* CIFAR-10 binary batches (records of one label byte and 3x32x32 pixel
+ * bytes), concatenated: *x u8 [N,3,32,32], *y i64 [N]. 0 or -1. */
+int ds_data_read_cifar10(int nfiles, const char *const *paths, ds_tensor **x, ds_tensor **y);
+
+/* Character-level tokens of n bytes: the vocabulary is the sorted
+ * distinct bytes (written to vocab, their count to *nvocab), a token is a
+ * byte's place in it. Returns i64 [n]. */
+ds_tensor *ds_data_char_tokens(const unsigned char *s, size_t n, unsigned char vocab[256], int *nvocab);
+/* s in the vocabulary's tokens, i64 [n]; a byte outside it is an error. */
+ds_tensor *ds_data_encode(const unsigned char *s, size_t n, const unsigned char *vocab, int nvocab);
+/* The bytes of integer tokens ids (any shape, row-major) into out, which
+ * holds numel(ids) bytes; an id outside the vocabulary is an error. */
+int ds_data_decode(const ds_tensor *ids, const unsigned char *vocab, int nvocab, unsigned char *out);
+
+/* Token shards concatenated into one i32 tensor; lengths[k] receives the
+ * token count of shard k. */
+ds_tensor *ds_data_read_shards(int nfiles, const char *const *paths, int64_t *lengths);
+
+#endif

@@ -1,0 +1,85 @@
+/* Fused optimizers over flat fp32 buffers.
+ *
+ * Adding a parameter group flattens it: one contiguous f32 buffer holds all
+ * its parameters and each parameter tensor is re-seated as a view into it;
+ * a matching gradient buffer is attached as the parameters' .grad views, so
+ * autograd accumulates straight into it; the state buffers (moments,
+ * momentum, sums) are flat too. A step is one kernel call per group. The
+ * flat buffers stay reachable for what comes later (mixed precision
+ * masters, ZeRO partitions) through the group struct. */
+#ifndef DS_OPTIM_H
+#define DS_OPTIM_H
+
+#include "ds_tensor.h"
+
+typedef enum {
+    DS_OPTIM_SGD, DS_OPTIM_ADAM, DS_OPTIM_ADAMW, DS_OPTIM_ADAGRAD, DS_OPTIM_LAMB, DS_OPTIM_LION,
+    DS_NOPTIM
+} ds_optim_kind;
+
+/* One group's hyperparameters, read afresh at every step so schedules can
+ * change them. Each kind reads the fields it names. */
+typedef struct {
+    double lr, weight_decay;
+    double momentum, dampening;                 /* SGD */
+    bool nesterov;                              /* SGD */
+    double beta1, beta2;                        /* Adam, AdamW, Lamb, Lion */
+    double eps;                                 /* Adam, AdamW, Lamb, Adagrad */
+    bool bias_correction;                       /* Adam, AdamW, Lamb */
+    double lr_decay, initial_accumulator_value; /* Adagrad */
+    double max_coeff, min_coeff;                /* Lamb */
+    bool eps_inside_sqrt;                       /* Lamb */
+} ds_optim_hparams;
+
+#define DS_OPTIM_MAX_STATE 2
+
+typedef struct {
+    int n_params;
+    ds_tensor **params;          /* re-seated into flat_params */
+    ds_tensor **grads;           /* the .grad views into flat_grads */
+    int64_t *offsets;            /* n_params + 1 element offsets */
+    ds_tensor *flat_params, *flat_grads;          /* 1-D f32 */
+    ds_tensor *state[DS_OPTIM_MAX_STATE];         /* 1-D f32; NULL while unused */
+    bool momentum_started;       /* SGD: the buffer holds a momentum */
+    int64_t step;
+    double *lamb_coeffs;         /* Lamb: each parameter's last trust ratio */
+} ds_optim_group;
+
+typedef struct ds_optim {
+    ds_optim_kind kind;
+    int n_groups;
+    ds_optim_group *groups;
+} ds_optim;
+
+const char *ds_optim_name(ds_optim_kind k);
+int ds_optim_parse(const char *name);                  /* -1 if unknown */
+int ds_optim_n_state(ds_optim_kind k);
+const char *ds_optim_state_name(ds_optim_kind k, int slot);
+int ds_optim_state_slot(ds_optim_kind k, const char *name);   /* -1 if none */
+
+/* 0, or -1 with an error naming the optimizer, the group (0-based here,
+ * 1-based in messages) and the bad value. */
+int ds_optim_check_hparams(ds_optim_kind k, const ds_optim_hparams *h, int group);
+
+ds_optim *ds_optim_new(ds_optim_kind kind);
+void ds_optim_free(ds_optim *o);
+/* Flattens params (borrowed; float32 leaves needing grad, all on one
+ * device, none already in this optimizer) into a new group. A grad they
+ * already have is kept (copied into the flat gradient buffer). */
+int ds_optim_add_group(ds_optim *o, int n, ds_tensor *const *params, const ds_optim_hparams *h);
+/* One update of group g. A parameter's .grad that was dropped counts as
+ * zero; one that was replaced by another tensor of its shape is copied in;
+ * both get the flat view back. */
+int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h);
+/* Zeros every group's flat gradients and re-attaches the .grad views. */
+int ds_optim_zero_grad(ds_optim *o);
+
+/* State of parameter i of group g in slot (a view shaped like the
+ * parameter), or NULL without an error when that slot holds nothing yet. */
+ds_tensor *ds_optim_state_view(ds_optim *o, int g, int i, int slot);
+/* Back to the state a new group has: step 0, fresh buffers. */
+int ds_optim_reset_state(ds_optim *o, int g, const ds_optim_hparams *h);
+/* Copies src (shaped like the parameter) into its slot. */
+int ds_optim_load_state(ds_optim *o, int g, int i, int slot, ds_tensor *src);
+
+#endif

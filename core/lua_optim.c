@@ -1,0 +1,295 @@
+/* The optimizer core in Lua: a handle over ds_optim that lua/dslua/optim.lua
+ * drives. Hyperparameters are read from the Lua param_groups tables at
+ * every step, so a schedule that edits them takes effect at once. */
+#include "lua_tensor.h"
+#include "ds_optim.h"
+#include "ds_error.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#define DSL_OPTIM_MT "dslua.Optim"
+
+static ds_optim *checkoptim(lua_State *L, int idx) {
+    ds_optim **p = luaL_checkudata(L, idx, DSL_OPTIM_MT);
+    if (!*p) luaL_error(L, "optim: optimizer already freed");
+    return *p;
+}
+
+/* A 1-based group index, checked. */
+static int checkgroup(lua_State *L, int idx, const ds_optim *o) {
+    lua_Integer g = luaL_checkinteger(L, idx);
+    if (g < 1 || g > o->n_groups)
+        luaL_error(L, "optim.%s: group %d out of range (%d groups)", ds_optim_name(o->kind), (int)g, o->n_groups);
+    return (int)g - 1;
+}
+
+static double num_field(lua_State *L, int t, const char *key, const ds_optim *o, int g) {
+    lua_getfield(L, t, key);
+    if (lua_type(L, -1) != LUA_TNUMBER)
+        luaL_error(L, "optim.%s: group %d: %s must be a number, got %s", ds_optim_name(o->kind), g + 1, key,
+                   luaL_typename(L, -1));
+    double v = lua_tonumber(L, -1);
+    lua_pop(L, 1);
+    return v;
+}
+
+static bool bool_field(lua_State *L, int t, const char *key, bool def, const ds_optim *o, int g) {
+    lua_getfield(L, t, key);
+    bool v = def;
+    if (lua_isboolean(L, -1)) v = lua_toboolean(L, -1);
+    else if (!lua_isnil(L, -1))
+        luaL_error(L, "optim.%s: group %d: %s must be a boolean, got %s", ds_optim_name(o->kind), g + 1, key,
+                   luaL_typename(L, -1));
+    lua_pop(L, 1);
+    return v;
+}
+
+static void betas_field(lua_State *L, int t, ds_optim_hparams *h, const ds_optim *o, int g) {
+    lua_getfield(L, t, "betas");
+    bool ok = lua_istable(L, -1) && lua_objlen(L, -1) == 2;
+    for (int i = 1; ok && i <= 2; i++) {
+        lua_rawgeti(L, -1, i);
+        ok = lua_type(L, -1) == LUA_TNUMBER;
+        if (ok) *(i == 1 ? &h->beta1 : &h->beta2) = lua_tonumber(L, -1);
+        lua_pop(L, 1);
+    }
+    if (!ok)
+        luaL_error(L, "optim.%s: group %d: betas must be a table of two numbers", ds_optim_name(o->kind), g + 1);
+    lua_pop(L, 1);
+}
+
+/* The hyperparameters this kind reads, from the group table at t. */
+static ds_optim_hparams read_hparams(lua_State *L, int t, const ds_optim *o, int g) {
+    ds_optim_hparams h;
+    memset(&h, 0, sizeof h);
+    h.lr = num_field(L, t, "lr", o, g);
+    h.weight_decay = num_field(L, t, "weight_decay", o, g);
+    switch (o->kind) {
+    case DS_OPTIM_SGD:
+        h.momentum = num_field(L, t, "momentum", o, g);
+        h.dampening = num_field(L, t, "dampening", o, g);
+        h.nesterov = bool_field(L, t, "nesterov", false, o, g);
+        break;
+    case DS_OPTIM_ADAGRAD:
+        h.eps = num_field(L, t, "eps", o, g);
+        h.lr_decay = num_field(L, t, "lr_decay", o, g);
+        h.initial_accumulator_value = num_field(L, t, "initial_accumulator_value", o, g);
+        break;
+    case DS_OPTIM_LION:
+        betas_field(L, t, &h, o, g);
+        break;
+    default:      /* Adam, AdamW, Lamb */
+        betas_field(L, t, &h, o, g);
+        h.eps = num_field(L, t, "eps", o, g);
+        h.bias_correction = bool_field(L, t, "bias_correction", true, o, g);
+        break;
+    }
+    if (o->kind == DS_OPTIM_LAMB) {
+        h.max_coeff = num_field(L, t, "max_coeff", o, g);
+        h.min_coeff = num_field(L, t, "min_coeff", o, g);
+        h.eps_inside_sqrt = bool_field(L, t, "eps_inside_sqrt", false, o, g);
+    }
+    return h;
+}
+
+/* optim_new(kind) -> handle */
+static int l_optim_new(lua_State *L) {
+    const char *name = luaL_checkstring(L, 1);
+    int kind = ds_optim_parse(name);
+    if (kind < 0) return luaL_error(L, "optim: unknown optimizer '%s' (SGD, Adam, AdamW, Adagrad, Lamb, Lion)", name);
+    ds_optim **p = lua_newuserdata(L, sizeof *p);
+    *p = NULL;
+    luaL_getmetatable(L, DSL_OPTIM_MT);
+    lua_setmetatable(L, -2);
+    if (!(*p = ds_optim_new((ds_optim_kind)kind))) return dsL_error(L);
+    return 1;
+}
+
+static int l_gc(lua_State *L) {
+    ds_optim **p = luaL_checkudata(L, 1, DSL_OPTIM_MT);
+    ds_optim_free(*p);
+    *p = NULL;
+    return 0;
+}
+
+/* h:add_group(group): group.params is a list of tensors; the other fields
+ * are the hyperparameters. */
+static int l_add_group(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    int g = o->n_groups;
+    ds_optim_hparams h = read_hparams(L, 2, o, g);
+    lua_getfield(L, 2, "params");
+    if (!lua_istable(L, -1))
+        return luaL_error(L, "optim.%s: group %d: params must be a list of tensors", ds_optim_name(o->kind), g + 1);
+    int n = (int)lua_objlen(L, -1);
+    ds_tensor **params = lua_newuserdata(L, sizeof *params * (size_t)(n + 1));   /* freed by the GC */
+    for (int i = 0; i < n; i++) {
+        lua_rawgeti(L, -2, i + 1);
+        if (!(params[i] = dsL_totensor(L, -1)))
+            return luaL_error(L, "optim.%s: parameter %d of group %d is a %s, not a tensor", ds_optim_name(o->kind),
+                              i + 1, g + 1, luaL_typename(L, -1));
+        lua_pop(L, 1);
+    }
+    if (ds_optim_add_group(o, n, params, &h)) return dsL_error(L);
+    return 0;
+}
+
+/* The Lua group's params list must be the one the group was built from. */
+static void check_params(lua_State *L, int t, const ds_optim *o, int g) {
+    const ds_optim_group *gr = &o->groups[g];
+    lua_getfield(L, t, "params");
+    bool same = lua_istable(L, -1) && (int)lua_objlen(L, -1) == gr->n_params;
+    for (int i = 0; same && i < gr->n_params; i++) {
+        lua_rawgeti(L, -1, i + 1);
+        same = dsL_totensor(L, -1) == gr->params[i];
+        lua_pop(L, 1);
+    }
+    if (!same)
+        luaL_error(L, "optim.%s: group %d: params differ from the %d the group was built with (use add_param_group "
+                   "for new ones)", ds_optim_name(o->kind), g + 1, gr->n_params);
+    lua_pop(L, 1);
+}
+
+/* h:step(param_groups): every group, hyperparameters read now */
+static int l_step(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    if ((int)lua_objlen(L, 2) != o->n_groups)
+        return luaL_error(L, "optim.%s: %d param_groups, the optimizer has %d", ds_optim_name(o->kind),
+                          (int)lua_objlen(L, 2), o->n_groups);
+    /* every group checked before any steps, so a bad value changes nothing */
+    ds_optim_hparams *h = lua_newuserdata(L, sizeof *h * (size_t)(o->n_groups + 1));
+    for (int g = 0; g < o->n_groups; g++) {
+        lua_rawgeti(L, 2, g + 1);
+        if (!lua_istable(L, -1)) return luaL_error(L, "optim.%s: group %d is not a table", ds_optim_name(o->kind), g + 1);
+        int t = lua_gettop(L);
+        check_params(L, t, o, g);
+        h[g] = read_hparams(L, t, o, g);
+        if (ds_optim_check_hparams(o->kind, &h[g], g)) return dsL_error(L);
+        lua_pop(L, 1);
+    }
+    for (int g = 0; g < o->n_groups; g++)
+        if (ds_optim_step(o, g, &h[g])) return dsL_error(L);
+    return 0;
+}
+
+static int l_zero_grad(lua_State *L) {
+    if (ds_optim_zero_grad(checkoptim(L, 1))) return dsL_error(L);
+    return 0;
+}
+
+/* h:flat(g, 'params' | 'grads' | state name) -> the flat 1-D buffer, or nil */
+static int l_flat(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    ds_optim_group *gr = &o->groups[checkgroup(L, 2, o)];
+    const char *which = luaL_checkstring(L, 3);
+    ds_tensor *t;
+    if (strcmp(which, "params") == 0) t = gr->flat_params;
+    else if (strcmp(which, "grads") == 0) t = gr->flat_grads;
+    else {
+        int slot = ds_optim_state_slot(o->kind, which);
+        if (slot < 0) return luaL_error(L, "optim.%s: no buffer '%s'", ds_optim_name(o->kind), which);
+        t = gr->state[slot];
+    }
+    if (!t) return 0;
+    ds_tensor_retain(t);
+    return dsL_pushtensor(L, t);
+}
+
+/* h:param_state(g, i) -> {name = clone, ...} of the slots that hold state */
+static int l_param_state(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    int g = checkgroup(L, 2, o);
+    lua_Integer i = luaL_checkinteger(L, 3);
+    luaL_argcheck(L, i >= 1 && i <= o->groups[g].n_params, 3, "parameter index out of range");
+    lua_newtable(L);
+    for (int s = 0; s < ds_optim_n_state(o->kind); s++) {
+        ds_tensor *view = ds_optim_state_view(o, g, (int)i - 1, s);
+        if (!view) continue;
+        ds_tensor *copy = ds_clone(view);
+        ds_tensor_release(view);
+        dsL_pushtensor(L, copy);
+        lua_setfield(L, -2, ds_optim_state_name(o->kind, s));
+    }
+    return 1;
+}
+
+/* h:load_state(g, i, name, tensor) */
+static int l_load_state(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    int g = checkgroup(L, 2, o);
+    lua_Integer i = luaL_checkinteger(L, 3);
+    luaL_argcheck(L, i >= 1 && i <= o->groups[g].n_params, 3, "parameter index out of range");
+    const char *name = luaL_checkstring(L, 4);
+    int slot = ds_optim_state_slot(o->kind, name);
+    if (slot < 0) return luaL_error(L, "optim.%s: load_state_dict: unknown state '%s'", ds_optim_name(o->kind), name);
+    if (ds_optim_load_state(o, g, (int)i - 1, slot, dsL_checktensor(L, 5))) return dsL_error(L);
+    return 0;
+}
+
+/* h:reset_state(g, group): step 0 and fresh buffers */
+static int l_reset_state(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    int g = checkgroup(L, 2, o);
+    luaL_checktype(L, 3, LUA_TTABLE);
+    ds_optim_hparams h = read_hparams(L, 3, o, g);
+    if (ds_optim_reset_state(o, g, &h)) return dsL_error(L);
+    return 0;
+}
+
+/* h:steps(g [, n]) -> the group's step count, set to n when given */
+static int l_steps(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    int g = checkgroup(L, 2, o);
+    if (!lua_isnoneornil(L, 3)) {
+        lua_Number n = luaL_checknumber(L, 3);
+        luaL_argcheck(L, n >= 0 && n == (lua_Number)(int64_t)n, 3, "step must be a non-negative integer");
+        o->groups[g].step = (int64_t)n;
+    }
+    lua_pushnumber(L, (lua_Number)o->groups[g].step);
+    return 1;
+}
+
+/* h:lamb_coeffs(g) -> each parameter's trust ratio at the last step */
+static int l_lamb_coeffs(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    ds_optim_group *gr = &o->groups[checkgroup(L, 2, o)];
+    lua_createtable(L, gr->n_params, 0);
+    for (int i = 0; i < gr->n_params; i++) {
+        lua_pushnumber(L, gr->lamb_coeffs[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+/* h:state_names() -> the state slots of this kind, in order */
+static int l_state_names(lua_State *L) {
+    ds_optim *o = checkoptim(L, 1);
+    lua_newtable(L);
+    for (int s = 0; s < ds_optim_n_state(o->kind); s++) {
+        lua_pushstring(L, ds_optim_state_name(o->kind, s));
+        lua_rawseti(L, -2, s + 1);
+    }
+    return 1;
+}
+
+static const luaL_Reg optim_methods[] = {
+    {"add_group", l_add_group}, {"step", l_step}, {"zero_grad", l_zero_grad}, {"flat", l_flat},
+    {"param_state", l_param_state}, {"load_state", l_load_state}, {"reset_state", l_reset_state},
+    {"steps", l_steps}, {"lamb_coeffs", l_lamb_coeffs}, {"state_names", l_state_names},
+    {NULL, NULL}
+};
+
+void dsL_open_optim(lua_State *L) {
+    luaL_newmetatable(L, DSL_OPTIM_MT);
+    lua_pushcfunction(L, l_gc);
+    lua_setfield(L, -2, "__gc");
+    lua_newtable(L);
+    luaL_register(L, NULL, optim_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pop(L, 1);
+    lua_pushcfunction(L, l_optim_new);
+    lua_setfield(L, -2, "optim_new");
+}

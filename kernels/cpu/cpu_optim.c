@@ -1,0 +1,199 @@
+/* Fused optimizer steps on the CPU: one pass over flat f32 buffers per
+ * parameter group, in loops the compiler vectorises, cut into chunks that
+ * threads share once a buffer is large enough to pay for the fork. */
+#include "cpu_kernels.h"
+#include "cpu_iter.h"
+#include "../ds_optim.h"
+
+#define CPU_OPTIM_CHUNK 16384
+
+/* The buffers the update reads and writes, and its f32 hyperparameters. */
+typedef struct {
+    float *p, *m, *v;
+    const float *g;
+    float lr, wd, beta1, beta2, eps, a, b, c;
+    int flag1, flag2;
+} optim_ctx;
+
+typedef void (*chunk_fn)(const optim_ctx *x, int64_t lo, int64_t hi);
+
+/* fn over [lo, hi): directly when small, else chunks spread over threads */
+static void run_chunks(chunk_fn fn, const optim_ctx *x, int64_t lo, int64_t hi) {
+    int64_t n = hi - lo;
+    if (n <= CPU_PARALLEL_MIN) {
+        fn(x, lo, hi);
+        return;
+    }
+    int64_t chunks = (n + CPU_OPTIM_CHUNK - 1) / CPU_OPTIM_CHUNK;
+    #pragma omp parallel for schedule(static)
+    for (int64_t k = 0; k < chunks; k++) {
+        int64_t a = lo + k * CPU_OPTIM_CHUNK;
+        fn(x, a, a + CPU_OPTIM_CHUNK < hi ? a + CPU_OPTIM_CHUNK : hi);
+    }
+}
+
+/* Every buffer contiguous f32 of p's length; NULL data means "absent". */
+static int check_buffers(const char *op, const ds_kview *v, int k) {
+    int64_t n = ds_kview_numel(&v[0]);
+    for (int i = 0; i < k; i++) {
+        if (!v[i].data && i > 1) continue;
+        if (v[i].dtype != DS_F32 || !ds_kview_is_contiguous(&v[i]) || ds_kview_numel(&v[i]) != n)
+            return ds_kernel_fail("%s: buffer %d is not a contiguous f32 buffer of %lld elements", op, i,
+                                  (long long)n);
+    }
+    return 0;
+}
+
+/* ---- SGD ---- */
+
+static void sgd_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+    float *restrict p = x->p, *restrict buf = x->m;
+    const float *restrict g = x->g;
+    float lr = x->lr, wd = x->wd, mom = x->a, damp = x->b;
+    int nesterov = x->flag1, first = x->flag2;
+    if (!buf) {
+        #pragma omp simd
+        for (int64_t i = lo; i < hi; i++) ds_sgd_elem(&p[i], g[i], lr, wd);
+        return;
+    }
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) ds_sgd_momentum_elem(&p[i], &buf[i], g[i], lr, wd, mom, damp, nesterov, first);
+}
+
+static int cpu_sgd(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h) {
+    ds_kview v[3] = { p, g, buf };
+    if (check_buffers("sgd", v, 3)) return -1;
+    optim_ctx x = { .p = p.data, .m = buf.data, .g = g.data, .lr = (float)h->lr, .wd = (float)h->weight_decay,
+                    .a = (float)h->momentum, .b = (float)h->dampening, .flag1 = h->nesterov, .flag2 = h->first };
+    run_chunks(sgd_chunk, &x, 0, ds_kview_numel(&p));
+    return 0;
+}
+
+/* ---- Adam, AdamW ---- */
+
+static void adam_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+    float *restrict p = x->p, *restrict m = x->m, *restrict v = x->v;
+    const float *restrict g = x->g;
+    float b1 = x->beta1, b2 = x->beta2, eps = x->eps, wd = x->wd, decay = x->a, step = x->b, sbc2 = x->c;
+    int decoupled = x->flag1;
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) ds_adam_elem(&p[i], &m[i], &v[i], g[i], b1, b2, eps, wd, decay, step, sbc2, decoupled);
+}
+
+static int cpu_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h) {
+    ds_kview b[4] = { p, g, m, v };
+    if (check_buffers("adam", b, 4)) return -1;
+    optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .g = g.data, .beta1 = (float)h->beta1,
+                    .beta2 = (float)h->beta2, .eps = (float)h->eps, .wd = (float)h->weight_decay,
+                    .a = (float)h->decay, .b = (float)h->step_size, .c = (float)h->sqrt_bc2,
+                    .flag1 = h->decoupled };
+    run_chunks(adam_chunk, &x, 0, ds_kview_numel(&p));
+    return 0;
+}
+
+/* ---- Adagrad ---- */
+
+static void adagrad_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+    float *restrict p = x->p, *restrict sum = x->m;
+    const float *restrict g = x->g;
+    float clr = x->lr, eps = x->eps, wd = x->wd;
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) ds_adagrad_elem(&p[i], &sum[i], g[i], clr, eps, wd);
+}
+
+static int cpu_adagrad(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h) {
+    ds_kview b[3] = { p, g, sum };
+    if (check_buffers("adagrad", b, 3)) return -1;
+    optim_ctx x = { .p = p.data, .m = sum.data, .g = g.data, .lr = (float)h->clr, .eps = (float)h->eps,
+                    .wd = (float)h->weight_decay };
+    run_chunks(adagrad_chunk, &x, 0, ds_kview_numel(&p));
+    return 0;
+}
+
+/* ---- Lamb: moments and norms per parameter, then the scaled update ---- */
+
+/* Updates the moments over [lo, hi) and adds |p|^2 and |u|^2 into w2, u2. */
+static void lamb_norms(const optim_ctx *x, int64_t lo, int64_t hi, double *w2, double *u2) {
+    float *restrict p = x->p, *restrict m = x->m, *restrict v = x->v;
+    const float *restrict g = x->g;
+    float b1 = x->beta1, b2 = x->beta2, eps = x->eps, wd = x->wd, scale = x->a;
+    int inside = x->flag1;
+    double w = 0, u = 0;
+    #pragma omp simd reduction(+:w, u)
+    for (int64_t i = lo; i < hi; i++) {
+        ds_lamb_moments(&m[i], &v[i], g[i], b1, b2, scale);
+        float up = ds_lamb_update(p[i], m[i], v[i], eps, wd, inside);
+        w += (double)p[i] * p[i];
+        u += (double)up * up;
+    }
+    *w2 += w;
+    *u2 += u;
+}
+
+/* x->lr carries step_size * trust ratio for this parameter */
+static void lamb_apply_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+    float *restrict p = x->p;
+    const float *restrict m = x->m, *restrict v = x->v;
+    float rate = x->lr, eps = x->eps, wd = x->wd;
+    int inside = x->flag1;
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) p[i] -= rate * ds_lamb_update(p[i], m[i], v[i], eps, wd, inside);
+}
+
+static int cpu_lamb(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg, double *coeff,
+                    const ds_lamb_params *h) {
+    ds_kview b[4] = { p, g, m, v };
+    if (check_buffers("lamb", b, 4)) return -1;
+    if (nseg > 0 && (seg[0] != 0 || seg[nseg] != ds_kview_numel(&p)))
+        return ds_kernel_fail("lamb: segments cover [%lld, %lld) of %lld elements", (long long)seg[0],
+                              (long long)seg[nseg], (long long)ds_kview_numel(&p));
+    optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .g = g.data, .beta1 = (float)h->beta1,
+                    .beta2 = (float)h->beta2, .eps = (float)h->eps, .wd = (float)h->weight_decay,
+                    .a = (float)h->grad_scale, .flag1 = h->eps_inside_sqrt };
+    for (int k = 0; k < nseg; k++) {
+        int64_t lo = seg[k], hi = seg[k + 1], n = hi - lo;
+        double w2 = 0, u2 = 0;
+        if (n <= CPU_PARALLEL_MIN) {
+            lamb_norms(&x, lo, hi, &w2, &u2);
+        } else {
+            int64_t chunks = (n + CPU_OPTIM_CHUNK - 1) / CPU_OPTIM_CHUNK;
+            #pragma omp parallel for schedule(static) reduction(+:w2, u2)
+            for (int64_t c = 0; c < chunks; c++) {
+                int64_t a = lo + c * CPU_OPTIM_CHUNK;
+                lamb_norms(&x, a, a + CPU_OPTIM_CHUNK < hi ? a + CPU_OPTIM_CHUNK : hi, &w2, &u2);
+            }
+        }
+        coeff[k] = ds_lamb_coeff(sqrt(w2), sqrt(u2), h->min_coeff, h->max_coeff);
+        optim_ctx y = x;
+        y.lr = (float)(h->step_size * coeff[k]);
+        run_chunks(lamb_apply_chunk, &y, lo, hi);
+    }
+    return 0;
+}
+
+/* ---- Lion ---- */
+
+static void lion_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+    float *restrict p = x->p, *restrict m = x->m;
+    const float *restrict g = x->g;
+    float lr = x->lr, b1 = x->beta1, b2 = x->beta2, decay = x->a;
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) ds_lion_elem(&p[i], &m[i], g[i], lr, b1, b2, decay);
+}
+
+static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h) {
+    ds_kview b[3] = { p, g, m };
+    if (check_buffers("lion", b, 3)) return -1;
+    optim_ctx x = { .p = p.data, .m = m.data, .g = g.data, .lr = (float)h->lr, .beta1 = (float)h->beta1,
+                    .beta2 = (float)h->beta2, .a = (float)h->decay };
+    run_chunks(lion_chunk, &x, 0, ds_kview_numel(&p));
+    return 0;
+}
+
+const ds_kernels_optim ds_cpu_optim = {
+    .sgd = cpu_sgd,
+    .adam = cpu_adam,
+    .adagrad = cpu_adagrad,
+    .lamb = cpu_lamb,
+    .lion = cpu_lion,
+};

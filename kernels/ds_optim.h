@@ -1,0 +1,80 @@
+/* Per-element optimizer updates, shared by the CPU and (later) CUDA
+ * kernels. Everything is f32 in registers, as in DeepSpeed's fused
+ * kernels; factors that depend only on the step (bias corrections, decayed
+ * learning rates) are computed once per step by the caller. */
+#ifndef DS_OPTIM_ELEM_H
+#define DS_OPTIM_ELEM_H
+
+#include "ds_kernels.h"
+#include <math.h>
+
+/* torch.optim.SGD without momentum: L2 decay folded into the gradient. */
+DS_HOSTDEV void ds_sgd_elem(float *p, float g, float lr, float wd) {
+    *p -= lr * (g + wd * *p);
+}
+
+/* torch.optim.SGD with momentum: the buffer starts as the first gradient
+ * (no dampening on that step); Nesterov looks one momentum step ahead. */
+DS_HOSTDEV void ds_sgd_momentum_elem(float *p, float *buf, float g, float lr, float wd, float momentum,
+                                     float dampening, int nesterov, int first) {
+    float d = g + wd * *p;
+    float b = first ? d : momentum * *buf + (1.0f - dampening) * d;
+    *buf = b;
+    *p -= lr * (nesterov ? d + momentum * b : b);
+}
+
+/* torch.optim.Adam / AdamW (= DeepSpeed's FusedAdam with adam_w_mode 0 /
+ * 1): decay is L2 on the gradient, or decoupled as p *= 1 - lr wd.
+ * step_size = lr / (1 - beta1^t), sqrt_bc2 = sqrt(1 - beta2^t). */
+DS_HOSTDEV void ds_adam_elem(float *p, float *m, float *v, float g, float beta1, float beta2, float eps, float wd,
+                             float decay, float step_size, float sqrt_bc2, int decoupled) {
+    float pv = *p;
+    g = decoupled ? g : g + wd * pv;
+    pv = decoupled ? pv * decay : pv;
+    float mv = beta1 * *m + (1.0f - beta1) * g;
+    float vv = beta2 * *v + (1.0f - beta2) * g * g;
+    *m = mv;
+    *v = vv;
+    *p = pv - step_size * (mv / (sqrtf(vv) / sqrt_bc2 + eps));
+}
+
+/* torch.optim.Adagrad; clr = lr / (1 + (t - 1) lr_decay). */
+DS_HOSTDEV void ds_adagrad_elem(float *p, float *sum, float g, float clr, float eps, float wd) {
+    g += wd * *p;
+    float s = *sum + g * g;
+    *sum = s;
+    *p -= clr * g / (sqrtf(s) + eps);
+}
+
+/* DeepSpeed's FusedLamb, first pass: the moments, without bias correction
+ * (it is folded into the step size). */
+DS_HOSTDEV void ds_lamb_moments(float *m, float *v, float g, float beta1, float beta2, float grad_scale) {
+    float sg = g / grad_scale;
+    *m = beta1 * *m + (1.0f - beta1) * sg;
+    *v = beta2 * *v + (1.0f - beta2) * sg * sg;
+}
+
+/* FusedLamb's update direction, before the trust ratio. */
+DS_HOSTDEV float ds_lamb_update(float p, float m, float v, float eps, float wd, int eps_inside_sqrt) {
+    float denom = eps_inside_sqrt ? sqrtf(v + eps) : sqrtf(v) + eps;
+    return m / denom + wd * p;
+}
+
+/* FusedLamb's trust ratio |w| / |u|, clipped to [min, max]; 1 when either
+ * norm is 0. */
+DS_HOSTDEV double ds_lamb_coeff(double w_norm, double u_norm, double min_coeff, double max_coeff) {
+    if (w_norm == 0 || u_norm == 0) return 1.0;
+    double c = w_norm / u_norm;
+    return c > max_coeff ? max_coeff : c < min_coeff ? min_coeff : c;
+}
+
+/* Lion (lion-pytorch): decoupled decay, the sign of the interpolated
+ * momentum (0 where it is 0), then the momentum update with beta2. */
+DS_HOSTDEV void ds_lion_elem(float *p, float *m, float g, float lr, float beta1, float beta2, float decay) {
+    float c = beta1 * *m + (1.0f - beta1) * g;
+    float s = (float)(c > 0.0f) - (float)(c < 0.0f);
+    *p = *p * decay - lr * s;
+    *m = beta2 * *m + (1.0f - beta2) * g;
+}
+
+#endif

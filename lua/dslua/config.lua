@@ -1,0 +1,855 @@
+-- ds.config: a DeepSpeed ds_config.json read with the meaning DeepSpeed's
+-- code gives it (deepspeed/runtime/config.py, constants.py, the pydantic
+-- models of precision_config.py, zero/config.py, zero/offload_config.py,
+-- comm/config.py), every default filled in under DeepSpeed's key names.
+-- Every problem is collected, each naming the file and the key path, and
+-- reported at once. dslua's own blocks (M.extension_keys) pass through.
+local json = require 'dslua.json'
+
+local M = {}
+
+-- dslua's own top-level blocks, DeepSpeed does not use them: accepted and
+-- passed through as given (the issues that give them meaning validate them).
+M.extension_keys = { 'sampler', 'reload', 'hooks' }
+
+-- DeepSpeed top-level keys for monitoring, profiling, I/O tuning and CUDA
+-- knobs that dslua accepts and does not act on (a note says so).
+M.ignored_keys = {
+  'activation_checkpointing', 'aio', 'autotuning', 'checkpoint', 'comet', 'communication_data_type',
+  'csv_monitor', 'data_types', 'dataloader_drop_last', 'disable_allgather', 'flops_profiler',
+  'memory_breakdown', 'sparse_gradients', 'tensorboard', 'vocabulary_size', 'wandb',
+  'zero_allow_untested_optimizer', 'zero_force_ds_cpu_optimizer',
+}
+
+-- DeepSpeed features dslua does not implement: accepted only switched off.
+M.unsupported_keys = {
+  'amp', 'compression_training', 'curriculum_learning', 'data_efficiency', 'eigenvalue', 'elasticity',
+  'hybrid_engine', 'pipeline', 'progressive_layer_drop', 'quantize_training', 'sparse_attention',
+  'torch_autocast',
+}
+
+------------------------------------------------------------------------
+-- Messages
+
+local function describe(v)
+  local t = type(v)
+  if v == json.null then return 'null' end
+  if t == 'string' then return json.encode(v) end
+  if t == 'number' then return json.number(v) or tostring(v) end
+  if t == 'boolean' then return tostring(v) end
+  if t == 'table' then
+    return (json.is_array(v) or (#v > 0 and next(v, #v) == nil)) and 'a list' or 'an object'
+  end
+  return 'a ' .. t
+end
+
+local function join(path, key)
+  if type(key) == 'number' then return path .. '[' .. key .. ']' end
+  return path == '' and key or path .. '.' .. key
+end
+
+-- Optimal string alignment distance (edits, adjacent swaps), case-blind.
+local function distance(a, b)
+  a, b = a:lower(), b:lower()
+  local d = {}
+  for i = 0, #a do d[i] = { [0] = i } end
+  for j = 0, #b do d[0][j] = j end
+  for i = 1, #a do
+    for j = 1, #b do
+      local cost = a:byte(i) == b:byte(j) and 0 or 1
+      local v = math.min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
+      if i > 1 and j > 1 and a:byte(i) == b:byte(j - 1) and a:byte(i - 1) == b:byte(j) then
+        v = math.min(v, d[i - 2][j - 2] + 1)
+      end
+      d[i][j] = v
+    end
+  end
+  return d[#a][#b]
+end
+
+local function words(s)
+  local set, n = {}, 0
+  for w in s:lower():gmatch('[^_]+') do set[w], n = true, n + 1 end
+  return set, n
+end
+
+-- What word most likely meant among candidates: the shortest candidate
+-- holding all of word's _-separated parts (warmup_steps: warmup_num_steps),
+-- else the nearest by edit distance when near enough, else the shortest
+-- candidate that contains word.
+function M.suggest(word, candidates)
+  local best, bd
+  local sorted = {}
+  for _, c in ipairs(candidates) do sorted[#sorted + 1] = c end
+  table.sort(sorted)
+  local mine, n = words(word)
+  if n >= 2 then
+    for _, c in ipairs(sorted) do
+      local theirs, all = words(c), true
+      for w in pairs(mine) do all = all and theirs[w] end
+      if all and c ~= word and (not best or #c < #best) then best = c end
+    end
+    if best then return best end
+  end
+  for _, c in ipairs(sorted) do
+    local dd = distance(word, c)
+    if not bd or dd < bd then best, bd = c, dd end
+  end
+  if bd and bd <= math.max(2, math.floor(#word / 3)) then return best end
+  if #word >= 4 then
+    best = nil
+    for _, c in ipairs(sorted) do
+      if c:lower():find(word:lower(), 1, true) and (not best or #c < #best) then best = c end
+    end
+    return best
+  end
+end
+
+local function unknown(word, candidates, what)
+  local s = M.suggest(word, candidates)
+  local msg = 'unknown ' .. (what and what .. ' ' .. describe(word) or 'key')
+  if s then return msg .. ", did you mean '" .. s .. "'?" end
+  if #candidates <= 12 then
+    local sorted = { unpack(candidates) }
+    table.sort(sorted)
+    return msg .. ' (expected one of: ' .. table.concat(sorted, ', ') .. ')'
+  end
+  return msg
+end
+
+local function problem(ctx, path, msg)
+  ctx.problems[#ctx.problems + 1] = { path = path, msg = msg }
+  ctx.bad[path] = true
+end
+
+local function note(ctx, path, msg)
+  ctx.notes[#ctx.notes + 1] = { path = path, msg = msg }
+end
+
+------------------------------------------------------------------------
+-- Fields: a kind, a default, and the checks DeepSpeed's types imply
+
+local function field(kind, default, opts)
+  local f = opts or {}
+  f.kind, f.default = kind, default
+  return f
+end
+local function bool(default, opts) return field('bool', default, opts) end
+local function int(default, min, opts)
+  local f = field('int', default, opts)
+  f.min = min
+  return f
+end
+local function num(default, min, opts)
+  local f = field('num', default, opts)
+  f.min = f.min or min
+  return f
+end
+local function enum(default, values, opts)
+  local f = field('enum', default, opts)
+  f.values = values
+  return f
+end
+local function str(opts) return field('str', nil, opts) end
+local function strlist() return field('strlist', function() return json.array({}) end) end
+local function any(opts) return field('any', nil, opts) end
+local function block(schema, opts)
+  local f = field('block', nil, opts)
+  f.schema = schema
+  return f
+end
+
+local function is_list(v)
+  if type(v) ~= 'table' then return false end
+  if json.is_array(v) then return true end
+  return next(v) == nil or (#v > 0 and next(v, #v) == nil)
+end
+
+local function is_object(v)
+  return type(v) == 'table' and not json.is_array(v) and (next(v) == nil or #v == 0)
+end
+
+local function copy(v)
+  if type(v) ~= 'table' then return v end
+  local c = {}
+  for k, x in pairs(v) do c[k] = copy(x) end
+  return setmetatable(c, getmetatable(v))
+end
+
+local function finite(v) return type(v) == 'number' and v == v and v ~= math.huge and v ~= -math.huge end
+
+local function in_range(ctx, path, v, f)
+  local lo, hi, above = f.min, f.max, f.above
+  local bad = (lo and v < lo) or (hi and v > hi) or (above and v <= above)
+  if not bad then return v end
+  local want
+  if f.range_msg then want = f.range_msg
+  elseif lo and hi then want = string.format('must be between %s and %s', json.number(lo), json.number(hi))
+  elseif above then want = 'must be > ' .. json.number(above)
+  elseif lo == 1 and f.kind == 'int' then want = 'must be a positive integer'
+  elseif lo then want = 'must be >= ' .. json.number(lo)
+  else want = 'must be <= ' .. json.number(hi) end
+  problem(ctx, path, want .. ', got ' .. describe(v))
+end
+
+local check_block
+
+-- The checked value, or nil after recording a problem.
+local function check_value(ctx, path, v, f)
+  local k = f.kind
+  if k == 'bool' then
+    if type(v) == 'boolean' then return v end
+    problem(ctx, path, 'must be true or false, got ' .. describe(v))
+  elseif k == 'int' then
+    if finite(v) and v == math.floor(v) then return in_range(ctx, path, v, f) end
+    problem(ctx, path, 'must be an integer, got ' .. describe(v))
+  elseif k == 'num' then
+    if finite(v) then return in_range(ctx, path, v, f) end
+    problem(ctx, path, 'must be a number, got ' .. describe(v))
+  elseif k == 'numlist' then    -- a number, or one per parameter group
+    if finite(v) then return in_range(ctx, path, v, f) end
+    if is_list(v) and #v > 0 then
+      local out = json.array({})
+      for i, x in ipairs(v) do
+        if not finite(x) then
+          return problem(ctx, join(path, i - 1), 'must be a number, got ' .. describe(x))
+        end
+        out[i] = in_range(ctx, join(path, i - 1), x, f)
+      end
+      return out
+    end
+    problem(ctx, path, 'must be a number or a list of numbers (one per parameter group), got ' .. describe(v))
+  elseif k == 'betas' then
+    if is_list(v) and #v == 2 and finite(v[1]) and finite(v[2]) then
+      for i = 1, 2 do
+        if v[i] < 0 or v[i] >= 1 then
+          return problem(ctx, path, string.format('Invalid beta parameter at index %d: %s (must be in [0, 1))',
+                                                  i - 1, json.number(v[i])))
+        end
+      end
+      return json.array({ v[1], v[2] })
+    end
+    problem(ctx, path, 'must be a list of two numbers [beta1, beta2], got ' .. describe(v))
+  elseif k == 'enum' then
+    for _, x in ipairs(f.values) do
+      if v == x then return v end
+    end
+    local shown = {}
+    for i, x in ipairs(f.values) do shown[i] = describe(x) end
+    local msg = 'must be ' .. table.concat(shown, ', ', 1, #shown - 1) .. ' or ' .. shown[#shown]
+                .. ', got ' .. describe(v)
+    if type(v) == 'string' then
+      local s = M.suggest(v, f.values)
+      if s then msg = msg .. ", did you mean '" .. s .. "'?" end
+    end
+    problem(ctx, path, msg)
+  elseif k == 'str' then
+    if type(v) == 'string' then return v end
+    problem(ctx, path, 'must be a string, got ' .. describe(v))
+  elseif k == 'strlist' then
+    if is_list(v) then
+      local out = json.array({})
+      for i, x in ipairs(v) do
+        if type(x) ~= 'string' then
+          return problem(ctx, join(path, i - 1), 'must be a string, got ' .. describe(x))
+        end
+        out[i] = x
+      end
+      return out
+    end
+    problem(ctx, path, 'must be a list of strings, got ' .. describe(v))
+  elseif k == 'object' then
+    if is_object(v) then return copy(v) end
+    problem(ctx, path, 'must be an object, got ' .. describe(v))
+  elseif k == 'any' then
+    return copy(v)
+  elseif k == 'block' then
+    if v == json.null or is_object(v) then return (check_block(ctx, path, v ~= json.null and v or nil, f.schema)) end
+    problem(ctx, path, 'must be an object, got ' .. describe(v))
+  elseif k == 'custom' then
+    return f.check(ctx, path, v)
+  end
+end
+
+local function sorted_keys(t)
+  local keys = {}
+  for k in pairs(t) do keys[#keys + 1] = k end
+  table.sort(keys, function(a, b) return tostring(a) < tostring(b) end)
+  return keys
+end
+
+-- Checks the object v (nil: absent) against schema = {fields = {name =
+-- field}, aliases = {other_name = name}, auto = true for DeepSpeed's
+-- pydantic models (they drop "auto" values, left for Hugging Face to fill),
+-- nofill = true to keep only the given keys, open = true to pass unknown keys
+-- through}. Returns the resolved table and {name = the key given}.
+check_block = function(ctx, path, v, schema)
+  local out, given = {}, {}
+  local fields, aliases = schema.fields, schema.aliases or {}
+  v = v or {}
+  for _, key in ipairs(sorted_keys(v)) do
+    local x, kp = v[key], join(path, tostring(key))
+    local name = aliases[key] or key
+    local f = type(key) == 'string' and fields[name]
+    if type(key) ~= 'string' then
+      problem(ctx, kp, 'keys must be strings, got ' .. describe(key))
+    elseif not f and schema.open then
+      out[key] = copy(x)
+    elseif not f then
+      local names = {}
+      for n in pairs(fields) do names[#names + 1] = n end
+      for a in pairs(aliases) do names[#names + 1] = a end
+      problem(ctx, kp, unknown(key, names))
+    elseif given[name] then
+      problem(ctx, kp, string.format("give only one of '%s' and '%s'", given[name], key))
+    else
+      given[name] = key
+      if not ((schema.auto and x == 'auto') or (x == json.null and f.nullable)) then
+        out[name] = check_value(ctx, kp, x, f)
+      end
+    end
+  end
+  for _, name in ipairs(sorted_keys(fields)) do
+    local f = fields[name]
+    if f.required and given[name] == nil then
+      problem(ctx, join(path, name), 'missing: required' .. (schema.what and ' by ' .. schema.what or ''))
+    end
+    if out[name] == nil and not schema.nofill then
+      if f.kind == 'block' and not f.nullable then out[name] = check_block(ctx, join(path, name), nil, f.schema)
+      elseif f.kind == 'custom' and f.fill then out[name] = f.check(ctx, join(path, name), nil)
+      elseif type(f.default) == 'function' then out[name] = f.default()   -- a fresh table
+      else out[name] = f.default end
+    end
+  end
+  return out, given
+end
+
+------------------------------------------------------------------------
+-- The blocks, as DeepSpeed's config classes define them
+
+-- precision_config.py DeepSpeedFP16Config
+local FP16 = { auto = true, fields = {
+  enabled = bool(false),
+  auto_cast = bool(false),
+  loss_scale = num(0, 0, { range_msg = 'must be >= 0 (0 enables dynamic loss scaling)' }),
+  initial_scale_power = int(16, 0),
+  loss_scale_window = int(1000, 1),
+  hysteresis = int(2, 1),
+  consecutive_hysteresis = bool(false),
+  min_loss_scale = int(1, 0),
+  fp16_master_weights_and_grads = bool(false),
+} }
+
+-- precision_config.py DeepSpeedBF16Config
+local BF16 = { auto = true, fields = {
+  enabled = bool(false),
+  immediate_grad_update = bool(false),
+  check_grad_overflow = bool(false),
+  bf16_master_weights_and_grads = bool(false),
+  bf16_optimizer_states = bool(false),
+} }
+
+-- comm/config.py CommsLoggerConfig, comm/constants.py defaults
+local COMMS = { fields = {
+  enabled = bool(false),
+  verbose = bool(false),
+  prof_all = bool(true),
+  debug = bool(false),
+  prof_ops = strlist(),
+} }
+
+-- zero/offload_config.py
+local DEVICES = { 'none', 'cpu', 'nvme' }
+local OFFLOAD_OPTIMIZER = { auto = true, fields = {
+  device = enum('none', DEVICES),
+  nvme_path = str({ nullable = true }),
+  buffer_count = int(4, 0),
+  pin_memory = bool(false),
+  pipeline_read = bool(false),
+  pipeline_write = bool(false),
+  fast_init = bool(false),
+  ratio = num(1.0, 0, { max = 1 }),
+} }
+local OFFLOAD_PARAM = { auto = true, fields = {
+  device = enum('none', DEVICES),
+  nvme_path = str({ nullable = true }),
+  buffer_count = int(5, 0),
+  buffer_size = int(1e8, 0),
+  max_in_cpu = int(1e9, 0),
+  pin_memory = bool(false),
+} }
+
+-- zero/config.py DeepSpeedZeroConfig; stage3_* are the aliases DeepSpeed
+-- documents, the resolved config uses them, the field names are accepted too.
+local ZERO = { auto = true, fields = {
+  stage = enum(0, { 0, 1, 2, 3 }),
+  contiguous_gradients = bool(true),
+  reduce_scatter = bool(true),
+  reduce_bucket_size = int(5e8, 0),
+  use_multi_rank_bucket_allreduce = bool(true),
+  allgather_partitions = bool(true),
+  allgather_bucket_size = int(5e8, 0),
+  overlap_comm = bool(nil, { nullable = true }),        -- nil: stage == 3
+  load_from_fp32_weights = bool(true),
+  elastic_checkpoint = bool(false),
+  offload_param = block(OFFLOAD_PARAM, { nullable = true }),
+  offload_optimizer = block(OFFLOAD_OPTIMIZER, { nullable = true }),
+  sub_group_size = int(1e9, 0),
+  stage3_prefetch_bucket_size = int(5e7, 0),
+  stage3_param_persistence_threshold = int(1e5, 0),
+  stage3_model_persistence_threshold = int(2 ^ 63 - 1, 0),   -- sys.maxsize
+  stage3_max_live_parameters = int(1e9, 0),
+  stage3_max_reuse_distance = int(1e9, 0),
+  stage3_gather_16bit_weights_on_model_save = bool(false),
+  stage3_module_granularity_threshold = int(0),
+  stage3_use_all_reduce_for_fetch_params = bool(false),
+  ignore_unused_parameters = bool(true),
+  legacy_stage1 = bool(false),
+  round_robin_gradients = bool(false),
+  zero_hpz_partition_size = int(1, 0),
+  zero_quantized_weights = bool(false),
+  zero_quantized_nontrainable_weights = bool(false),
+  zero_quantized_gradients = bool(false),
+  zeropp_loco_param = any({ nullable = true }),
+  mics_shard_size = int(-1),
+  mics_hierarchical_params_gather = bool(false),
+  memory_efficient_linear = bool(true),
+  pipeline_loading_checkpoint = bool(false),
+  override_module_apply = bool(true),
+  log_trace_cache_warnings = bool(false),
+  -- deprecated, mapped onto their replacements below
+  cpu_offload = bool(nil, { nullable = true }),
+  cpu_offload_param = bool(nil, { nullable = true }),
+  cpu_offload_use_pin_memory = bool(nil, { nullable = true }),
+  stage3_gather_fp16_weights_on_model_save = bool(nil, { nullable = true }),
+}, aliases = {
+  prefetch_bucket_size = 'stage3_prefetch_bucket_size',
+  param_persistence_threshold = 'stage3_param_persistence_threshold',
+  model_persistence_threshold = 'stage3_model_persistence_threshold',
+  max_live_parameters = 'stage3_max_live_parameters',
+  max_reuse_distance = 'stage3_max_reuse_distance',
+  gather_16bit_weights_on_model_save = 'stage3_gather_16bit_weights_on_model_save',
+  module_granularity_threshold = 'stage3_module_granularity_threshold',
+  use_all_reduce_for_fetch_params = 'stage3_use_all_reduce_for_fetch_params',
+} }
+
+-- DeepSpeedConfigModel._process_deprecated_field: the old key sets the new
+-- one, and giving both is an error.
+local DEPRECATED_ZERO = {
+  { 'cpu_offload', 'offload_optimizer', function(z) z.offload_optimizer.device = 'cpu' end },
+  { 'cpu_offload_param', 'offload_param', function(z) z.offload_param.device = 'cpu' end },
+  { 'stage3_gather_fp16_weights_on_model_save', 'stage3_gather_16bit_weights_on_model_save',
+    function(z, old) z.stage3_gather_16bit_weights_on_model_save = old end },
+}
+
+local function check_zero(ctx, path, v)
+  if type(v) == 'boolean' then        -- read_zero_config_deprecated
+    note(ctx, path, 'true/false is DeepSpeed\'s deprecated form, read as {"stage": ' .. (v and 1 or 0) .. '}')
+    v = { stage = v and 1 or 0 }
+  elseif v == json.null then
+    v = nil
+  elseif v ~= nil and not is_object(v) then
+    problem(ctx, path, 'must be an object, got ' .. describe(v))
+    v = nil
+  end
+  local z, given = check_block(ctx, path, v, ZERO)
+  for _, name in ipairs({ 'offload_param', 'offload_optimizer' }) do   -- None reads as device "none"
+    if z[name] == nil then z[name] = check_block(ctx, join(path, name), nil, ZERO.fields[name].schema) end
+  end
+  for _, d in ipairs(DEPRECATED_ZERO) do
+    local old, new, apply = d[1], d[2], d[3]
+    if given[old] then
+      if given[new] then
+        problem(ctx, join(path, old), string.format(
+          "Cannot provide deprecated parameter '%s' and replacing parameter '%s' together", old, new))
+      else
+        note(ctx, join(path, old), "deprecated, use '" .. new .. "' instead")
+        if z[old] then apply(z, z[old]) end
+      end
+    end
+    z[old] = nil
+  end
+  if given.cpu_offload_use_pin_memory then
+    note(ctx, join(path, 'cpu_offload_use_pin_memory'),
+         "deprecated and ignored, use 'pin_memory' of offload_param or offload_optimizer")
+  end
+  z.cpu_offload_use_pin_memory = nil
+  for _, name in ipairs({ 'offload_param', 'offload_optimizer' }) do
+    if z[name].device == 'nvme' and z[name].nvme_path == nil then
+      problem(ctx, join(join(path, name), 'nvme_path'), 'missing: required when device is "nvme"')
+    end
+  end
+  if z.overlap_comm == nil then z.overlap_comm = z.stage == 3 end
+  if z.offload_optimizer.ratio < 1 and z.stage ~= 3 then
+    problem(ctx, join(path, 'offload_optimizer.ratio'), 'Partial offloading only supported for ZeRO Stage 3.')
+  end
+  return z
+end
+
+-- Parameter names per optimizer: the keyword arguments of what DeepSpeed's
+-- engine._configure_basic_optimizer builds for the type (FusedAdam,
+-- torch.optim.SGD and Adagrad, FusedLamb, FusedLion), as dslua implements them.
+local lr, wd, eps = num(nil, 0), num(nil, 0), num(nil, 0)
+local betas = field('betas')
+local ADAM = { nofill = true, fields = {
+  lr = lr, betas = betas, eps = eps, weight_decay = wd, bias_correction = bool(), amsgrad = bool(),
+  adam_w_mode = bool(), torch_adam = bool(), set_grad_none = bool(),
+} }
+local OPTIMIZERS = {
+  adam = { name = 'Adam', schema = ADAM },
+  adamw = { name = 'AdamW', schema = ADAM },
+  sgd = { name = 'SGD', schema = { nofill = true, fields = {
+    lr = lr, momentum = num(nil, 0), dampening = num(), weight_decay = wd, nesterov = bool(),
+  } } },
+  adagrad = { name = 'Adagrad', schema = { nofill = true, fields = {
+    lr = lr, lr_decay = num(nil, 0), weight_decay = wd, initial_accumulator_value = num(nil, 0), eps = eps,
+  } } },
+  lamb = { name = 'Lamb', schema = { nofill = true, fields = {
+    lr = lr, betas = betas, eps = eps, weight_decay = wd, bias_correction = bool(), eps_inside_sqrt = bool(),
+    max_coeff = num(nil, 0), min_coeff = num(nil, 0), amsgrad = bool(),
+  } } },
+  lion = { name = 'Lion', schema = { nofill = true, fields = {
+    lr = lr, betas = betas, weight_decay = wd, set_grad_none = bool(),
+  } } },
+}
+local OPTIMIZER_NAMES = { 'Adam', 'AdamW', 'SGD', 'Adagrad', 'Lamb', 'Lion' }
+-- in DeepSpeed's DEEPSPEED_OPTIMIZERS, not in dslua
+local DEEPSPEED_ONLY = { onebitadam = true, zerooneadam = true, onebitlamb = true, muadam = true,
+                         muadamw = true, musgd = true, muon = true }
+
+local OPTIMIZER_BLOCK = { fields = {
+  type = str({ required = true }),
+  params = field('object', function() return {} end),
+  legacy_fusion = bool(nil),
+}, nofill = true }
+
+local function check_optimizer(ctx, path, v)
+  if v == json.null then return nil end
+  if not is_object(v) then return problem(ctx, path, 'must be an object, got ' .. describe(v)) end
+  local o = check_block(ctx, path, v, OPTIMIZER_BLOCK)
+  o.params = o.params or {}
+  if type(o.type) ~= 'string' then return o end
+  local spec = OPTIMIZERS[o.type:lower()]
+  if not spec then
+    problem(ctx, join(path, 'type'), DEEPSPEED_ONLY[o.type:lower()]
+            and describe(o.type) .. ' is a DeepSpeed optimizer dslua does not implement (dslua has '
+                .. table.concat(OPTIMIZER_NAMES, ', ') .. ')'
+            or unknown(o.type, OPTIMIZER_NAMES, 'optimizer'))
+    return o
+  end
+  local params = o.params
+  if params.max_grad_norm ~= nil then    -- raised by engine._configure_basic_optimizer
+    problem(ctx, join(path, 'params.max_grad_norm'), "'max_grad_norm' is not supported as an optimizer "
+            .. "parameter, please switch to using the deepspeed parameter 'gradient_clipping'")
+    params = copy(params)
+    params.max_grad_norm = nil
+  end
+  local pp = join(path, 'params')
+  o.params = check_block(ctx, pp, params, spec.schema)
+  if o.params.amsgrad then
+    problem(ctx, join(pp, 'amsgrad'), string.format('Fused%s does not support the AMSGrad variant.',
+                                                    spec.name == 'Lamb' and 'Lamb' or 'Adam'))
+  end
+  if o.params.nesterov and ((o.params.momentum or 0) <= 0 or (o.params.dampening or 0) ~= 0) then
+    problem(ctx, join(pp, 'nesterov'), 'Nesterov momentum requires a momentum and zero dampening')
+  end
+  return o
+end
+
+-- Parameter names per scheduler: the constructor arguments of
+-- deepspeed/runtime/lr_schedules.py; "lua" is dslua's own.
+local last = int(nil, -1)
+local warmup_type = enum(nil, { 'log', 'linear' })
+local warmup_steps = int(nil, 1)
+local function with(base, extra)
+  local t = { nofill = true, fields = {} }
+  for k, v in pairs(base.fields) do t.fields[k] = v end
+  for k, v in pairs(extra) do t.fields[k] = v end
+  return t
+end
+local WARMUP = { nofill = true, fields = {
+  warmup_min_lr = field('numlist', nil, { min = 0 }),
+  warmup_max_lr = field('numlist', nil, { min = 0, nullable = true }),
+  warmup_num_steps = warmup_steps, warmup_type = warmup_type, last_batch_iteration = last,
+} }
+local SCHEDULERS = {
+  LRRangeTest = { nofill = true, fields = {
+    lr_range_test_min_lr = field('numlist', nil, { min = 0 }),
+    lr_range_test_step_size = int(nil, 1),
+    lr_range_test_step_rate = num(),
+    lr_range_test_staircase = bool(),
+    last_batch_iteration = last,
+  } },
+  OneCycle = { nofill = true, fields = {
+    cycle_min_lr = num(nil, 0, { required = true }),
+    cycle_max_lr = num(nil, 0, { required = true }),
+    decay_lr_rate = num(),
+    cycle_first_step_size = num(nil, nil, { above = 0 }),
+    cycle_second_step_size = num(nil, nil, { above = 0, nullable = true }),
+    cycle_first_stair_count = int(),
+    cycle_second_stair_count = int(nil, nil, { nullable = true }),
+    decay_step_size = int(nil, 0),
+    cycle_momentum = bool(),
+    cycle_min_mom = num(),
+    cycle_max_mom = num(),
+    decay_mom_rate = num(),
+    last_batch_iteration = last,
+  } },
+  WarmupLR = WARMUP,
+  WarmupDecayLR = with(WARMUP, { total_num_steps = int(nil, 0, { required = true }) }),
+  WarmupCosineLR = { nofill = true, fields = {
+    total_num_steps = int(nil, 0, { required = true }),
+    warmup_min_ratio = num(),
+    warmup_num_steps = warmup_steps,
+    cos_min_ratio = num(),
+    warmup_type = warmup_type,
+    last_batch_iteration = last,
+  } },
+  lua = { nofill = true, open = true, fields = { path = str({ required = true }) } },
+}
+for name, schema in pairs(SCHEDULERS) do schema.what = name end
+local SCHEDULER_NAMES = { 'LRRangeTest', 'OneCycle', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'lua' }
+
+local SCHEDULER_BLOCK = { fields = {
+  type = str({ required = true }),
+  params = field('object', function() return {} end),
+}, nofill = true }
+
+local function check_scheduler(ctx, path, v)
+  if v == json.null then return nil end
+  if not is_object(v) then return problem(ctx, path, 'must be an object, got ' .. describe(v)) end
+  local s = check_block(ctx, path, v, SCHEDULER_BLOCK)
+  s.params = s.params or {}
+  if type(s.type) ~= 'string' then return s end
+  local schema = SCHEDULERS[s.type]
+  if not schema then          -- engine._scheduler_from_config's assertion
+    local sug = M.suggest(s.type, SCHEDULER_NAMES)
+    problem(ctx, join(path, 'type'), 'DeepSpeed does not recognize LR scheduler ' .. s.type
+            .. (sug and ", did you mean '" .. sug .. "'?" or ' (dslua has ' .. table.concat(SCHEDULER_NAMES, ', ') .. ')'))
+    return s
+  end
+  s.params = check_block(ctx, join(path, 'params'), s.params, schema)
+  return s
+end
+
+local function check_unsupported(ctx, path, v)
+  if is_object(v) and v.enabled == false then
+    note(ctx, path, 'a DeepSpeed feature dslua does not implement; accepted as it is off')
+    return copy(v)
+  end
+  problem(ctx, path, 'a DeepSpeed feature dslua does not implement (accepted only with "enabled": false)')
+end
+
+local function check_ignored(ctx, path, v)
+  note(ctx, path, 'a DeepSpeed setting dslua does not act on; passed through')
+  return copy(v)
+end
+
+-- Top level: runtime/config.py get_* helpers and constants.py defaults.
+-- The batch triple has no default: DeepSpeed fills it (resolve_batch).
+local TOP = { fields = {
+  train_batch_size = int(nil, nil, { nullable = true }),
+  train_micro_batch_size_per_gpu = int(nil, nil, { nullable = true }),
+  gradient_accumulation_steps = int(nil, nil, { nullable = true }),
+  steps_per_print = int(10, 1),
+  gradient_clipping = num(0, 0),
+  wall_clock_breakdown = bool(false),
+  dump_state = bool(false),
+  prescale_gradients = bool(false),
+  gradient_predivide_factor = num(1.0, nil, { above = 0 }),
+  fp16 = block(FP16),
+  bf16 = block(BF16),
+  comms_logger = block(COMMS),
+  zero_optimization = field('custom', nil, { check = check_zero, fill = true }),
+  optimizer = field('custom', nil, { check = check_optimizer }),
+  scheduler = field('custom', nil, { check = check_scheduler }),
+}, aliases = { bfloat16 = 'bf16' } }   -- precision_config.py BFLOAT16_OLD
+for _, k in ipairs(M.extension_keys) do TOP.fields[k] = any() end
+for _, k in ipairs(M.ignored_keys) do TOP.fields[k] = field('custom', nil, { check = check_ignored }) end
+for _, k in ipairs(M.unsupported_keys) do TOP.fields[k] = field('custom', nil, { check = check_unsupported }) end
+
+------------------------------------------------------------------------
+-- The batch triple: DeepSpeedConfig._set_batch_related_parameters, then
+-- _batch_assertion, with their messages.
+
+local function floordiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then q = q - 1 end
+  return q
+end
+
+local function resolve_batch(ctx, cfg, ws)
+  local tb, mb, ga = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+  -- a given value that is not positive fails _batch_assertion whatever the fill computes
+  local ok = true
+  if tb and tb <= 0 then
+    problem(ctx, 'train_batch_size', string.format('Train batch size: %d has to be greater than 0', tb))
+    ok = false
+  end
+  if mb and mb <= 0 then
+    problem(ctx, 'train_micro_batch_size_per_gpu',
+            string.format('Micro batch size per gpu: %d has to be greater than 0', mb))
+    ok = false
+  end
+  if ga and ga <= 0 then
+    problem(ctx, 'gradient_accumulation_steps',
+            string.format('Gradient accumulation steps: %d has to be greater than 0', ga))
+    ok = false
+  end
+  if not ok then return end
+  local how
+  if tb and mb and ga then
+    how = nil
+  elseif tb and mb then
+    ga = floordiv(floordiv(tb, mb), ws)
+    how = string.format('gradient_accumulation_steps = %d // %d // %d', tb, mb, ws)
+  elseif tb and ga then
+    mb = floordiv(floordiv(tb, ws), ga)
+    how = string.format('train_micro_batch_size_per_gpu = %d // %d // %d', tb, ws, ga)
+  elseif mb and ga then
+    tb = mb * ga * ws
+  elseif tb then
+    ga, mb = 1, floordiv(tb, ws)
+    how = string.format('gradient_accumulation_steps = 1, train_micro_batch_size_per_gpu = %d // %d', tb, ws)
+  elseif mb then
+    tb, ga = mb * ws, 1
+  else
+    return problem(ctx, 'train_batch_size', 'Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided')
+  end
+  local hint = how and ' (' .. how .. ', world_size ' .. ws .. ')' or ''
+  if mb <= 0 then
+    return problem(ctx, 'train_micro_batch_size_per_gpu',
+                   string.format('Micro batch size per gpu: %d has to be greater than 0', mb) .. hint)
+  end
+  if ga <= 0 then
+    return problem(ctx, 'gradient_accumulation_steps',
+                   string.format('Gradient accumulation steps: %d has to be greater than 0', ga) .. hint)
+  end
+  if tb ~= mb * ga * ws then
+    return problem(ctx, 'train_batch_size', string.format(
+      'Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * '
+      .. 'gradient_acc_step * world_size %d != %d * %d * %d', tb, mb, ga, ws) .. hint)
+  end
+  cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tb, mb, ga
+end
+
+-- DeepSpeedConfig._initialize_params and _do_error_check across blocks.
+local function cross_checks(ctx, cfg)
+  if cfg.fp16.enabled and cfg.bf16.enabled then
+    problem(ctx, 'fp16.enabled', 'bfloat16 and fp16 modes cannot be simultaneously enabled')
+  end
+  local stage = cfg.zero_optimization.stage
+  if cfg.fp16.fp16_master_weights_and_grads and stage == 0 then
+    problem(ctx, 'fp16.fp16_master_weights_and_grads',
+            'Fp16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3.')
+  end
+  if cfg.bf16.bf16_master_weights_and_grads and stage == 0 then
+    problem(ctx, 'bf16.bf16_master_weights_and_grads',
+            'Bf16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3.')
+  end
+  if cfg.bf16.bf16_optimizer_states then
+    if stage == 0 then
+      problem(ctx, 'bf16.bf16_optimizer_states', 'bf16_optimizer_states is only supported with ZeRO Stage 1, 2, or 3.')
+    elseif not cfg.bf16.bf16_master_weights_and_grads then
+      problem(ctx, 'bf16.bf16_optimizer_states',
+              'bf16_optimizer_states requires bf16_master_weights_and_grads to be enabled.')
+    end
+  end
+end
+
+------------------------------------------------------------------------
+-- Loading
+
+local function read_source(ctx, src)
+  if type(src) == 'table' then return src end
+  if type(src) ~= 'string' then
+    return problem(ctx, '', 'the config must be a file name or a table, got ' .. describe(src))
+  end
+  local f, err = io.open(src, 'rb')
+  if not f then
+    if err:sub(1, #src + 2) == src .. ': ' then err = err:sub(#src + 3) end
+    return problem(ctx, '', 'cannot read: ' .. err)
+  end
+  local text = f:read('*a')
+  f:close()
+  local ok, v, dups = pcall(json.decode, text, src, true)
+  if not ok then
+    ctx.raw_error = v
+    return nil
+  end
+  for _, d in ipairs(dups) do
+    local path, msg = d:match('^(.-): (.*)$')
+    problem(ctx, path, msg)
+  end
+  return v
+end
+
+local function render(ctx, list)
+  local lines = {}
+  for i, p in ipairs(list) do
+    lines[i] = ctx.source .. ': ' .. (p.path ~= '' and p.path .. ': ' or '') .. p.msg
+  end
+  return lines
+end
+
+-- check(path_or_table [, {world_size = 1, source = name}]) -> resolved or
+-- nil, problems (list of lines), notes (list of lines). Never raises.
+function M.check(src, opts)
+  opts = opts or {}
+  local ctx = { problems = {}, notes = {}, bad = {},
+                source = opts.source or (type(src) == 'string' and src) or 'config' }
+  local ws = opts.world_size or 1
+  if not (finite(ws) and ws >= 1 and ws == math.floor(ws)) then
+    problem(ctx, 'world_size', 'must be a positive integer, got ' .. describe(ws))
+    ws = 1
+  end
+  local raw = read_source(ctx, src)
+  if ctx.raw_error then return nil, { ctx.raw_error }, {} end
+  local cfg
+  if raw ~= nil then
+    if not is_object(raw) then
+      problem(ctx, '', 'the config must be a JSON object, got ' .. describe(raw))
+    else
+      cfg = check_block(ctx, '', raw, TOP)
+      if not (ctx.bad.train_batch_size or ctx.bad.train_micro_batch_size_per_gpu
+              or ctx.bad.gradient_accumulation_steps) then
+        resolve_batch(ctx, cfg, ws)
+      end
+      cross_checks(ctx, cfg)
+    end
+  end
+  if #ctx.problems > 0 then return nil, render(ctx, ctx.problems), render(ctx, ctx.notes) end
+  return cfg, {}, render(ctx, ctx.notes)
+end
+
+-- load(path_or_table [, {world_size = 1}]) -> resolved config, notes.
+-- Raises one error listing every problem, one per line.
+function M.load(src, opts)
+  local cfg, problems, notes = M.check(src, opts)
+  if not cfg then error(table.concat(problems, '\n'), 0) end
+  return cfg, notes
+end
+
+-- `dslua --check-config FILE [--world-size N]`: the resolved config as
+-- JSON on stdout (notes on stderr), or the problems on stderr. Returns
+-- whether the config is valid.
+function M.check_cli(path, world_size)
+  local ws = 1
+  if world_size ~= nil then
+    ws = tonumber(world_size)
+    if not (ws and ws >= 1 and ws == math.floor(ws)) then
+      io.stderr:write('dslua: --world-size must be a positive integer, got ', tostring(world_size), '\n')
+      return false
+    end
+  end
+  local cfg, problems, notes = M.check(path, { world_size = ws })
+  for _, n in ipairs(notes) do io.stderr:write('note: ', n, '\n') end
+  if not cfg then
+    for _, p in ipairs(problems) do io.stderr:write(p, '\n') end
+    return false
+  end
+  io.stdout:write(json.encode(cfg, 2), '\n')
+  return true
+end
+
+return M

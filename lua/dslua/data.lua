@@ -1,0 +1,554 @@
+-- Datasets and the loader: ds.data.
+--
+-- A dataset has #dataset and dataset:get(i) (i 1-based) -> sample table.
+-- The readers here (mnist, cifar10, text, shards, tensors) are C-backed:
+-- their data sits in tensors and dataset:batch(indices) gathers a whole
+-- batch in C, which is what the loader's prefetch threads run. Any Lua
+-- object with get (or a plain list of samples) works as a dataset too.
+--
+-- Batches are {x = tensor, y = tensor} with the batch dim first. Index
+-- values inside tensors are 0-based; Lua lists of indices are 1-based.
+local core = require 'dslua.core'
+local C = core.data_core
+
+local M = {}
+local fmt = string.format
+
+local function fail(fname, msg, ...)
+  error(fname .. ': ' .. fmt(msg, ...), 0)
+end
+
+-- Calls a core function, prefixing its error with the caller's name.
+local function try(fname, f, ...)
+  local res = { pcall(f, ...) }
+  if not res[1] then error(fname .. ': ' .. tostring(res[2]), 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+-- Objects that # works on: LuaJIT ignores __len on tables, so every
+-- dataset and loader is a proxy userdata whose fields live in a table.
+local function object(class, fields)
+  local p = newproxy(true)
+  local mt = getmetatable(p)
+  mt.__index = setmetatable(fields, { __index = class })
+  mt.__newindex = fields
+  mt.__len = class.__len
+  mt.__tostring = class.__tostring
+  return p
+end
+
+local function edit_distance(a, b)
+  local prev = {}
+  for j = 0, #b do prev[j] = j end
+  for i = 1, #a do
+    local cur = { [0] = i }
+    for j = 1, #b do
+      local cost = a:byte(i) == b:byte(j) and 0 or 1
+      cur[j] = math.min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
+    end
+    prev = cur
+  end
+  return prev[#b]
+end
+
+-- Unknown option keys are errors naming the key, the nearest valid one
+-- and all of them.
+local function check_opts(fname, opts, allowed)
+  if type(opts) ~= 'table' then fail(fname, 'expected a table of options, got a %s', type(opts)) end
+  local set = {}
+  for _, k in ipairs(allowed) do set[k] = true end
+  for k in pairs(opts) do
+    if not set[k] then
+      local key, best, bestd = tostring(k), nil, math.huge
+      for _, a in ipairs(allowed) do
+        local d = #key >= 3 and a:find(key, 1, true) and 0 or edit_distance(key, a)
+        if d < bestd then best, bestd = a, d end
+      end
+      local hint = bestd <= math.max(2, #key / 3) and fmt(" (did you mean '%s'?)", best) or ''
+      fail(fname, "unknown option '%s'%s; options are %s", key, hint, table.concat(allowed, ', '))
+    end
+  end
+end
+
+local function check_int(fname, opts, key, default, min)
+  local v = opts[key]
+  if v == nil then return default end
+  if type(v) ~= 'number' or v ~= math.floor(v) or v < min then
+    fail(fname, '%s must be an integer >= %d, got %s', key, min, tostring(v))
+  end
+  return v
+end
+
+local function check_type(fname, opts, key, want)
+  local v = opts[key]
+  if v ~= nil and type(v) ~= want then fail(fname, '%s must be a %s, got a %s', key, want, type(v)) end
+  return v
+end
+
+local function join(dir, name)
+  if name:sub(1, 1) == '/' then return name end
+  return dir .. '/' .. name
+end
+
+local function exists(path)
+  local f = io.open(path, 'rb')
+  if f then f:close() end
+  return f ~= nil and not C.is_dir(path)
+end
+
+---------------------------------------------------------------------------
+-- C-backed datasets
+
+local Dataset = {}
+
+function Dataset.__len(self) return C.len(self._c) end
+
+function Dataset.__tostring(self)
+  return fmt('%s dataset of %d samples', self.kind, C.len(self._c))
+end
+
+-- dataset:get(i) -> {x = ..., y = ...}, one sample without a batch dim.
+function Dataset:get(i) return C.get(self._c, i) end
+
+-- dataset:batch(indices) -> {x = ..., y = ...}: the samples of a Lua list
+-- of 1-based indices or of an integer tensor of 0-based ones, gathered in C.
+function Dataset:batch(indices) return C.gather(self._c, indices) end
+
+local function dataset(kind, c, fields)
+  fields.kind, fields._c = kind, c
+  return object(Dataset, fields)
+end
+
+-- The rows [first, first + count) of each tensor of fields (count nil: to the end).
+local function slice_rows(fname, fields, first, count)
+  local n = fields[next(fields)]:size(1)
+  if first > n + 1 or (count and first - 1 + count > n) then
+    fail(fname, 'first=%d count=%s is past the %d samples', first, tostring(count), n)
+  end
+  count = count or n - first + 1
+  if first == 1 and count == n then return fields end
+  local out = {}
+  for k, t in pairs(fields) do out[k] = t:narrow(1, first, count):contiguous() end
+  return out
+end
+
+local function rows_dataset(kind, fields)
+  local names, tensors = {}, {}
+  for k in pairs(fields) do names[#names + 1] = k end
+  table.sort(names)
+  for i, k in ipairs(names) do tensors[i] = fields[k] end
+  local c = try('ds.data.' .. kind, C.rows, names, tensors)
+  local f = {}
+  for k, t in pairs(fields) do f[k] = t end
+  return dataset(kind, c, f)
+end
+
+-- Pixels u8 -> f32 in [0, 1], then (x - mean) / std per channel when asked.
+local function to_unit(u8, mean, std)
+  local x = u8:to('f32') / 255
+  if not mean then return x end
+  local c = x:size(2)
+  local m = core.tensor(type(mean) == 'table' and mean or { mean }):reshape({ 1, type(mean) == 'table' and c or 1, 1, 1 })
+  local s = core.tensor(type(std) == 'table' and std or { std }):reshape({ 1, type(std) == 'table' and c or 1, 1, 1 })
+  return ((x - m) / s):contiguous()
+end
+
+local function normalisation(fname, v, mean, std)
+  if v == nil or v == false then return nil end
+  if v == true then return mean, std end
+  if type(v) == 'table' and v.mean and v.std then return v.mean, v.std end
+  fail(fname, 'normalize must be true, false or {mean = ..., std = ...}, got %s', tostring(v))
+end
+
+local MNIST_OPTS = { 'path', 'split', 'images', 'labels', 'first', 'count', 'normalize' }
+
+-- ds.data.mnist{path = dir or file prefix, split = 'train' | 'test',
+-- images = file, labels = file, first = 1, count = all, normalize = false}:
+-- x f32 [N,1,28,28] in [0,1] (normalize = true: (x - 0.1307) / 0.3081, or
+-- {mean=, std=}), y i64 [N]. In a folder the files are
+-- <train|t10k>-<images-idx3|labels-idx1>-ubyte[.gz]; split defaults to
+-- 'train' when its files are there, else 'test'. first/count pick a range
+-- of samples (first 1-based).
+function M.mnist(opts)
+  local fname = 'ds.data.mnist'
+  check_opts(fname, opts, MNIST_OPTS)
+  local path = check_type(fname, opts, 'path', 'string')
+  local split = check_type(fname, opts, 'split', 'string')
+  if split and split ~= 'train' and split ~= 'test' then
+    fail(fname, "split must be 'train' or 'test', got '%s'", split)
+  end
+  local first = check_int(fname, opts, 'first', 1, 1)
+  local count = check_int(fname, opts, 'count', nil, 0)
+  local function pick(base)
+    if exists(base .. '.gz') then return base .. '.gz' end
+    if exists(base) then return base end
+  end
+  local function file(explicit, what)
+    if explicit then return path and C.is_dir(path) and join(path, explicit) or explicit end
+    if not path then fail(fname, 'needs path (a folder or a file prefix) or images and labels') end
+    if not C.is_dir(path) then
+      local base = path .. '-' .. what
+      return pick(base) or base .. '.gz'
+    end
+    if not split then
+      split = pick(join(path, 'train-images-idx3-ubyte')) and 'train'
+              or pick(join(path, 't10k-images-idx3-ubyte')) and 'test' or 'train'
+    end
+    local base = join(path, (split == 'train' and 'train' or 't10k') .. '-' .. what)
+    return pick(base) or base .. '.gz'
+  end
+  local images = file(opts.images, 'images-idx3-ubyte')
+  local labels = file(opts.labels, 'labels-idx1-ubyte')
+  local mean, std = normalisation(fname, opts.normalize, 0.1307, 0.3081)
+  local px, n_images = try(fname, C.read_idx, images, 3, first - 1, count or -1)
+  local lab, n_labels = try(fname, C.read_idx, labels, 1, first - 1, count or -1)
+  if n_images ~= n_labels then
+    fail(fname, '%s has %d images, %s has %d labels', images, n_images, labels, n_labels)
+  end
+  local n, h, w = px:size(1), px:size(2), px:size(3)
+  local d = rows_dataset('mnist', {
+    x = to_unit(px:reshape({ n, 1, h, w }), mean, std),
+    y = lab:to('i64'),
+  })
+  d.files = { images = images, labels = labels }
+  return d
+end
+
+local CIFAR_OPTS = { 'path', 'files', 'split', 'first', 'count', 'normalize' }
+
+-- ds.data.cifar10{path = folder | files = {...}, split = 'train' | 'test',
+-- first, count, normalize}: x f32 [N,3,32,32] in [0,1] (normalize = true:
+-- per channel with CIFAR-10's mean and std), y i64 [N]. A folder holds
+-- data_batch_1..5.bin (train) and test_batch.bin (test), maybe .gz, maybe
+-- inside cifar-10-batches-bin/.
+function M.cifar10(opts)
+  local fname = 'ds.data.cifar10'
+  check_opts(fname, opts, CIFAR_OPTS)
+  local path = check_type(fname, opts, 'path', 'string')
+  local files = check_type(fname, opts, 'files', 'table')
+  local split = check_type(fname, opts, 'split', 'string')
+  if split and split ~= 'train' and split ~= 'test' then
+    fail(fname, "split must be 'train' or 'test', got '%s'", split)
+  end
+  local first = check_int(fname, opts, 'first', 1, 1)
+  local count = check_int(fname, opts, 'count', nil, 0)
+  if not files then
+    if not path then fail(fname, 'needs path (a folder) or files (a list of batch files)') end
+    if not C.is_dir(path) then
+      files = { path }
+    else
+      if C.is_dir(join(path, 'cifar-10-batches-bin')) then path = join(path, 'cifar-10-batches-bin') end
+      local function find(name)
+        if exists(join(path, name)) then return join(path, name) end
+        if exists(join(path, name .. '.gz')) then return join(path, name .. '.gz') end
+      end
+      split = split or (find('data_batch_1.bin') and 'train' or find('test_batch.bin') and 'test' or 'train')
+      local names = split == 'train' and { 'data_batch_1.bin', 'data_batch_2.bin', 'data_batch_3.bin',
+                                           'data_batch_4.bin', 'data_batch_5.bin' } or { 'test_batch.bin' }
+      files = {}
+      for i, name in ipairs(names) do files[i] = find(name) or join(path, name) end
+    end
+  elseif path then
+    local full = {}
+    for i, f in ipairs(files) do full[i] = join(path, f) end
+    files = full
+  end
+  local mean, std = normalisation(fname, opts.normalize, { 0.4914, 0.4822, 0.4465 }, { 0.2470, 0.2435, 0.2616 })
+  local px, lab = try(fname, C.read_cifar10, files)
+  local fields = slice_rows(fname, { x = px, y = lab }, first, count)
+  local d = rows_dataset('cifar10', { x = to_unit(fields.x, mean, std), y = fields.y })
+  d.files = files
+  return d
+end
+
+-- ds.data.tensors{x = tensor, y = tensor, ...}: sample i is row i of each
+-- (the same leading size). Fields are kept as given: dataset.x, dataset.y.
+function M.tensors(fields)
+  local fname = 'ds.data.tensors'
+  if type(fields) ~= 'table' or next(fields) == nil then fail(fname, 'expected a table of named tensors') end
+  for k, t in pairs(fields) do
+    if type(k) ~= 'string' then fail(fname, 'field names must be strings, got %s', tostring(k)) end
+    if not core.is_tensor(t) then fail(fname, "field '%s' is a %s, expected a tensor", k, type(t)) end
+  end
+  return rows_dataset('tensors', fields)
+end
+
+---------------------------------------------------------------------------
+-- Token datasets: windows of block_size tokens and their next tokens
+
+local function vocab_list(s)
+  local v = {}
+  for i = 1, #s do v[i] = s:sub(i, i) end
+  return v
+end
+
+-- dataset:encode(str) -> i64 tensor of token ids (0-based).
+function Dataset:encode(str)
+  if not self._vocab then fail('encode', 'a %s dataset has no vocabulary', self.kind) end
+  if type(str) ~= 'string' then fail('encode', 'expected a string, got a %s', type(str)) end
+  return C.encode(str, self._vocab)
+end
+
+-- dataset:decode(ids) -> string; ids a tensor or a list of 0-based ids.
+function Dataset:decode(ids)
+  if not self._vocab then fail('decode', 'a %s dataset has no vocabulary', self.kind) end
+  if core.is_tensor(ids) then return C.decode(ids, self._vocab) end
+  if type(ids) ~= 'table' then fail('decode', 'expected a tensor or a list of token ids, got a %s', type(ids)) end
+  local out = {}
+  for i, id in ipairs(ids) do
+    local c = self.vocab[(tonumber(id) or -1) + 1]
+    if not c or id ~= math.floor(id) then
+      fail('decode', 'token %s at position %d is outside the vocabulary [0, %d)', tostring(id), i, #self.vocab)
+    end
+    out[i] = c
+  end
+  return table.concat(out)
+end
+
+local TEXT_OPTS = { 'path', 'text', 'block_size', 'stride', 'vocab' }
+
+-- ds.data.text{path = file | text = string, block_size = T, stride = 1,
+-- vocab = another dataset's vocab}: character level (the vocabulary is the
+-- sorted distinct bytes, as nanoGPT's char example). Sample i (1-based) is
+-- x = tokens[s .. s+T-1], y = tokens[s+1 .. s+T] (i64) with s = (i-1)*stride.
+-- dataset.vocab (list of chars), vocab_size, tokens, encode, decode.
+function M.text(opts)
+  local fname = 'ds.data.text'
+  check_opts(fname, opts, TEXT_OPTS)
+  local path = check_type(fname, opts, 'path', 'string')
+  local text = check_type(fname, opts, 'text', 'string')
+  if (path == nil) == (text == nil) then fail(fname, 'needs exactly one of path (a file) and text (a string)') end
+  local T = check_int(fname, opts, 'block_size', nil, 1)
+  if not T then fail(fname, 'needs block_size (the context length)') end
+  local stride = check_int(fname, opts, 'stride', 1, 1)
+  if path then
+    local f, err = io.open(path, 'rb')
+    if not f or C.is_dir(path) then fail(fname, 'cannot open %s (%s)', path, err or 'is a directory') end
+    text = f:read('*a')
+    f:close()
+  end
+  local source = path or 'the text'
+  if #text < T + 1 then
+    fail(fname, 'block_size %d is larger than %s: %d characters, a sample needs block_size + 1 = %d', T, source,
+         #text, T + 1)
+  end
+  local tokens, vocab
+  if opts.vocab then
+    vocab = type(opts.vocab) == 'table' and table.concat(opts.vocab) or opts.vocab
+    if type(vocab) ~= 'string' then fail(fname, 'vocab must be a list of characters or a string') end
+    tokens = try(fname, C.encode, text, vocab)
+  else
+    tokens, vocab = C.char_tokens(text)
+  end
+  local c = try(fname, C.windows, tokens, { #text }, T, stride)
+  return dataset('text', c, {
+    tokens = tokens, block_size = T, stride = stride, path = path,
+    vocab = vocab_list(vocab), vocab_size = #vocab, _vocab = vocab,
+  })
+end
+
+local SHARD_OPTS = { 'paths', 'pattern', 'block_size', 'stride' }
+
+-- ds.data.shards{paths = {...} | pattern = 'dir/*_train_*.bin', block_size = T,
+-- stride = T}: llm.c token shards (256 int32 header: magic 20240520,
+-- version 1, token count; then uint16 tokens). Windows stay inside a shard;
+-- stride defaults to block_size (non-overlapping sequences, as llm.c reads
+-- them). dataset.tokens (i32), dataset.lengths, dataset.paths.
+function M.shards(opts)
+  local fname = 'ds.data.shards'
+  check_opts(fname, opts, SHARD_OPTS)
+  local paths = check_type(fname, opts, 'paths', 'table')
+  local pattern = check_type(fname, opts, 'pattern', 'string')
+  if (paths == nil) == (pattern == nil) then fail(fname, 'needs exactly one of paths (a list) and pattern (a glob)') end
+  local T = check_int(fname, opts, 'block_size', nil, 1)
+  if not T then fail(fname, 'needs block_size (the context length)') end
+  local stride = check_int(fname, opts, 'stride', T, 1)
+  if pattern then
+    paths = C.glob(pattern)
+    if #paths == 0 then fail(fname, "no file matches '%s'", pattern) end
+  elseif #paths == 0 then
+    fail(fname, 'paths is an empty list')
+  end
+  local tokens, lengths = try(fname, C.read_shards, paths)
+  local c = try(fname, C.windows, tokens, lengths, T, stride)
+  return dataset('shards', c, { tokens = tokens, lengths = lengths, paths = paths, block_size = T, stride = stride })
+end
+
+-- ds.data.permutation(n, seed) -> i64 tensor: a permutation of [0, n) that
+-- depends only on (n, seed) (Philox), as the loader shuffles.
+function M.permutation(n, seed) return C.permutation(n, seed) end
+
+---------------------------------------------------------------------------
+-- The loader
+
+local function dataset_len(d)
+  if type(d) == 'userdata' then return #d end
+  if type(d.len) == 'function' then return d:len() end
+  return #d
+end
+
+local function dataset_get(d, i)
+  if d.get then return d:get(i) end
+  return d[i]
+end
+
+-- Stacks samples into a batch: tensors stack along a new first dim,
+-- numbers become a tensor (i64 when all are integers), tables collate
+-- field by field.
+local function default_collate(samples)
+  local first = samples[1]
+  if core.is_tensor(first) then return core.stack(samples) end
+  if type(first) == 'number' then
+    local integral = true
+    for _, v in ipairs(samples) do integral = integral and v == math.floor(v) end
+    return core.tensor(samples, integral and 'i64' or 'f32')
+  end
+  if type(first) == 'table' then
+    local out = {}
+    for k in pairs(first) do
+      local col = {}
+      for i, s in ipairs(samples) do col[i] = s[k] end
+      out[k] = default_collate(col)
+    end
+    return out
+  end
+  error(fmt('ds.data.loader: cannot collate samples of type %s; pass collate_fn', type(first)), 0)
+end
+
+local Loader = {}
+
+local LOADER_OPTS = { 'batch_size', 'shuffle', 'seed', 'drop_last', 'collate_fn', 'num_workers', 'prefetch_factor' }
+
+-- #loader: batches per epoch.
+function Loader.__len(self)
+  local n, b = dataset_len(self.dataset), self.batch_size
+  if self.drop_last then return math.floor(n / b) end
+  return math.ceil(n / b)
+end
+
+function Loader.__tostring(self)
+  return fmt('loader: %d batches of %d%s, %d workers', #self, self.batch_size, self.shuffle and ', shuffled' or '',
+             self.num_workers)
+end
+
+-- loader:set_batch_size(n): later batches have n samples, from the next
+-- one on (batches already prefetched at the old size are dropped and
+-- gathered again).
+function Loader:set_batch_size(n)
+  if type(n) ~= 'number' or n ~= math.floor(n) or n < 1 then
+    fail('loader:set_batch_size', 'batch size must be an integer >= 1, got %s', tostring(n))
+  end
+  self.batch_size = n
+end
+
+-- Uses the C gatherer (and the workers) for C-backed datasets without a
+-- collate_fn; collate_fn runs on the main thread.
+function Loader:gathers_in_c()
+  return type(self.dataset) == 'userdata' and self.dataset._c ~= nil and self.collate_fn == nil
+end
+
+-- loader:close(): stops the worker threads now (they stop at collection
+-- otherwise); a later epoch starts them again.
+function Loader:close()
+  if self._c then C.close(self._c) end
+  self._c = nil
+end
+
+-- loader:epoch(e) -> iterator of (step, batch); step counts from 1 in the
+-- epoch. Shuffled by ds.data.permutation(#dataset, seed + e). e defaults to
+-- the epoch after the last one started (the first is 1).
+function Loader:epoch(e)
+  e = e or (self.current_epoch or 0) + 1
+  if type(e) ~= 'number' or e ~= math.floor(e) or e < 0 then
+    fail('loader:epoch', 'epoch must be a non-negative integer, got %s', tostring(e))
+  end
+  self.current_epoch = e
+  self._generation = self._generation + 1
+  local generation = self._generation
+  local d = self.dataset
+  local n = dataset_len(d)
+  local order = self.shuffle and n > 0 and C.permutation(n, self.seed + e) or nil
+  local pos, submitted, step, submit_size = 0, 0, 0, self.batch_size
+  local cd, ring, list
+
+  if self:gathers_in_c() then
+    cd = d._c
+    if not self._c then
+      self._c = C.loader(cd, self.num_workers, math.max(1, self.num_workers * self.prefetch_factor))
+    end
+    ring = self._c
+    C.drain(ring)            -- batches of an epoch left early
+  elseif order then
+    list = order:totable()
+  end
+
+  -- the size of the batch starting at position p, or nil when none is left
+  local function size_at(p, b)
+    local left = n - p
+    if left <= 0 or (self.drop_last and left < b) then return nil end
+    return math.min(b, left)
+  end
+
+  return function()
+    if generation ~= self._generation then
+      error('loader: this epoch was superseded by a later loader:epoch() call', 2)
+    end
+    local b = size_at(pos, self.batch_size)
+    if not b then return nil end
+    local batch
+    if ring then
+      if submit_size ~= self.batch_size then      -- set_batch_size mid-epoch
+        C.drain(ring)
+        submitted, submit_size = pos, self.batch_size
+      end
+      local depth = C.depth(ring)
+      while C.queued(ring) < depth do
+        local s = size_at(submitted, submit_size)
+        if not s then break end
+        C.submit(ring, cd, order, submitted, s)
+        submitted = submitted + s
+      end
+      batch = C.next(ring, cd)
+    else
+      local samples = {}
+      for k = 1, b do samples[k] = dataset_get(d, list and list[pos + k] + 1 or pos + k) end
+      batch = (self.collate_fn or default_collate)(samples)
+    end
+    pos = pos + b
+    step = step + 1
+    return step, batch
+  end
+end
+
+-- ds.data.loader(dataset, {batch_size = 1, shuffle = true, seed = 0,
+-- drop_last = false, collate_fn = nil, num_workers = 0, prefetch_factor = 2})
+-- num_workers > 0: that many C threads gather C-backed datasets' batches
+-- ahead, up to num_workers * prefetch_factor batches in flight. The
+-- batches are the same with or without workers.
+function M.loader(d, opts)
+  local fname = 'ds.data.loader'
+  opts = opts or {}
+  check_opts(fname, opts, LOADER_OPTS)
+  if type(d) ~= 'userdata' and type(d) ~= 'table' then fail(fname, 'expected a dataset, got a %s', type(d)) end
+  if type(d) == 'table' and not d.get and d[1] == nil and type(d.len) ~= 'function' then
+    fail(fname, 'expected a dataset (get and a length) or a list of samples')
+  end
+  local shuffle = opts.shuffle
+  if shuffle == nil then shuffle = true end
+  check_type(fname, opts, 'shuffle', 'boolean')
+  check_type(fname, opts, 'drop_last', 'boolean')
+  check_type(fname, opts, 'collate_fn', 'function')
+  return object(Loader, {
+    dataset = d,
+    batch_size = check_int(fname, opts, 'batch_size', 1, 1),
+    shuffle = shuffle,
+    seed = check_int(fname, opts, 'seed', 0, 0),
+    drop_last = opts.drop_last or false,
+    collate_fn = opts.collate_fn,
+    num_workers = check_int(fname, opts, 'num_workers', 0, 0),
+    prefetch_factor = check_int(fname, opts, 'prefetch_factor', 2, 1),
+    _generation = 0,
+  })
+end
+
+return M

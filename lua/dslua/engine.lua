@@ -1,0 +1,300 @@
+-- The training engine: DeepSpeed's initialize / forward / backward / step
+-- over a dslua model, optimizer, LR scheduler and loader, with DeepSpeed's
+-- config semantics and log lines.
+local ds = require 'dslua'
+local progress = require 'dslua.progress'
+
+local M = {}
+
+local Engine = {}
+Engine.__index = Engine
+
+local now = ds.wall_time
+
+-- log_dist as DeepSpeed prints it: rank 0 only, rank in the line.
+local function log(engine, fmt, ...)
+  if engine.rank ~= 0 then return end
+  io.stdout:write(string.format('[Rank %d] ' .. fmt .. '\n', engine.rank, ...))
+  io.stdout:flush()
+end
+
+-- Python's list repr of numbers (and of betas pairs as tuples), as in
+-- DeepSpeed's `lr=[0.001], mom=[(0.9, 0.999)]`.
+local function repr(v)
+  if type(v) == 'table' then
+    local parts = {}
+    for i, x in ipairs(v) do parts[i] = repr(x) end
+    return '(' .. table.concat(parts, ', ') .. ')'
+  end
+  if v == math.floor(v) and math.abs(v) < 1e15 then return string.format('%.1f', v) end
+  return string.format('%.10g', v)
+end
+
+local function list_repr(values)
+  local parts = {}
+  for i, v in ipairs(values) do parts[i] = repr(v) end
+  return '[' .. table.concat(parts, ', ') .. ']'
+end
+
+-- Wall-clock timers for wall_clock_breakdown: time summed per name since
+-- the last report, and the number of global steps it covers.
+local function timers()
+  return { total = {}, started = {} }
+end
+
+function Engine:_start(name)
+  if self.timers then self.timers.started[name] = now() end
+end
+
+function Engine:_stop(name)
+  local t = self.timers
+  if not t then return end
+  t.total[name] = (t.total[name] or 0) + (now() - t.started[name])
+end
+
+-- Everything the optimizer updates, for clipping.
+local function all_params(optimizer)
+  local out = {}
+  for _, g in ipairs(optimizer.param_groups) do
+    for _, p in ipairs(g.params) do out[#out + 1] = p end
+  end
+  return out
+end
+
+local function build_optimizer(opts, cfg, params)
+  local o = opts.optimizer
+  if type(o) == 'function' then o = o(params) end
+  if o ~= nil then
+    if type(o) ~= 'table' or type(o.step) ~= 'function' or type(o.param_groups) ~= 'table' then
+      error('initialize: optimizer must be a dslua optimizer (with step() and param_groups) or a function returning one', 3)
+    end
+    return o
+  end
+  if cfg.optimizer then return ds.optim.from_config(params, cfg.optimizer) end
+  error("initialize: no optimizer: pass `optimizer` or set an 'optimizer' block in the config", 3)
+end
+
+local function build_scheduler(opts, cfg, optimizer)
+  local s = opts.lr_scheduler
+  if type(s) == 'function' then return ds.lr.lambda(optimizer, s) end
+  if s ~= nil then
+    if type(s) ~= 'table' or type(s.step) ~= 'function' then
+      error('initialize: lr_scheduler must be a scheduler (with step()) or a function(step) -> lr', 3)
+    end
+    return s
+  end
+  if cfg.scheduler then return ds.lr.from_config(optimizer, cfg.scheduler) end
+  return nil
+end
+
+local KNOWN_OPTS = {
+  model = true, config = true, config_params = true, training_data = true, model_parameters = true,
+  optimizer = true, lr_scheduler = true, collate_fn = true, args = true,
+}
+
+-- ds.initialize{model, config, training_data, model_parameters, optimizer,
+-- lr_scheduler, collate_fn} -> engine, optimizer, loader, scheduler
+function M.initialize(opts)
+  if type(opts) ~= 'table' then error('initialize: expected a table of options', 2) end
+  for k in pairs(opts) do
+    if not KNOWN_OPTS[k] then error(string.format("initialize: unknown option '%s'", tostring(k)), 2) end
+  end
+  local model = opts.model
+  if type(model) ~= 'table' or type(model.parameters) ~= 'function' then
+    error('initialize: model must be a ds.nn module', 2)
+  end
+  local source = opts.config or opts.config_params or (opts.args and opts.args.config) or ds.args.config
+  if source == nil then
+    error('initialize: no config: pass `config` (a path or a table) or run with --config ds.json', 2)
+  end
+  local world_size = ds.comm and ds.comm.world_size() or 1
+  local cfg = ds.config.load(source, { world_size = world_size })
+
+  local params = opts.model_parameters or model:parameters()
+  local optimizer = build_optimizer(opts, cfg, params)
+  local scheduler = build_scheduler(opts, cfg, optimizer)
+
+  local self = setmetatable({
+    module = model, config = cfg, optimizer = optimizer, lr_scheduler = scheduler,
+    rank = ds.comm and ds.comm.rank() or 0, world_size = world_size,
+    micro_steps = 0, global_steps = 0, global_samples = 0, skipped_steps = 0,
+    timers = cfg.wall_clock_breakdown and timers() or nil,
+    init_time = now(),
+  }, Engine)
+
+  local loader
+  if opts.training_data ~= nil then
+    loader = ds.data.loader(opts.training_data, {
+      batch_size = cfg.train_micro_batch_size_per_gpu, shuffle = true, collate_fn = opts.collate_fn,
+    })
+    self:_watch_loader(loader)
+  end
+  self.training_dataloader = loader
+  self:train()
+  return self, optimizer, loader, scheduler
+end
+
+-- Each epoch of the engine's own loader gets a progress bar on a terminal.
+function Engine:_watch_loader(loader)
+  local epoch = loader.epoch
+  local engine = self
+  loader.epoch = function(l, e)
+    engine.epoch = e
+    local steps = math.floor(#l / engine:gradient_accumulation_steps())
+    if steps > 0 and engine.rank == 0 and ds.isatty(1) then
+      engine.bar = progress.new { total = steps, label = string.format('epoch %s', tostring(e)),
+                                  unit = 'samples', tty = true }
+      engine.bar_first_step = engine.global_steps
+      engine.bar_first_samples = engine.global_samples
+    else
+      engine.bar = nil
+    end
+    return epoch(l, e)
+  end
+end
+
+function Engine:train_batch_size() return self.config.train_batch_size end
+function Engine:train_micro_batch_size_per_gpu() return self.config.train_micro_batch_size_per_gpu end
+function Engine:gradient_accumulation_steps() return self.config.gradient_accumulation_steps end
+
+function Engine:train()
+  self.module:train()
+  self.training = true
+end
+
+function Engine:eval()
+  self.module:eval()
+  self.training = false
+end
+
+function Engine:forward(...)
+  self:_start('forward')
+  local out = self.module:forward(...)
+  self:_stop('forward')
+  return out
+end
+
+Engine.__call = Engine.forward
+
+-- The loss is divided by gradient_accumulation_steps, so the accumulated
+-- gradient is the mean over the global batch, as DeepSpeed scales it.
+function Engine:backward(loss)
+  if not ds.is_tensor(loss) then error('backward: expected the loss tensor, got ' .. type(loss), 2) end
+  self:_start('backward')
+  self.last_loss = loss:item()
+  local gas = self:gradient_accumulation_steps()
+  if gas > 1 then loss = loss / gas end
+  loss:backward()
+  self:_stop('backward')
+  return loss
+end
+
+function Engine:is_gradient_accumulation_boundary()
+  return (self.micro_steps + 1) % self:gradient_accumulation_steps() == 0
+end
+
+-- torch.nn.utils.clip_grad_norm_ as DeepSpeed applies it: scale every
+-- gradient by max_norm / (total_norm + 1e-6) when that is below 1.
+local function clip_grad_norm(params, max_norm)
+  local sq = 0
+  for _, p in ipairs(params) do
+    local g = p.grad
+    if g then
+      local n = g:norm():item()
+      sq = sq + n * n
+    end
+  end
+  local total = math.sqrt(sq)
+  local coef = max_norm / (total + 1e-6)
+  if coef < 1 then
+    ds.no_grad(function()
+      for _, p in ipairs(params) do
+        if p.grad then p.grad:mul_(coef) end
+      end
+    end)
+  end
+  return total
+end
+
+function Engine:get_lr()
+  local out = {}
+  for i, g in ipairs(self.optimizer.param_groups) do out[i] = g.lr end
+  return out
+end
+
+function Engine:get_mom()
+  local out = {}
+  for i, g in ipairs(self.optimizer.param_groups) do out[i] = g.betas or g.momentum or 0 end
+  return out
+end
+
+function Engine:step()
+  self:_start('step')
+  local boundary = self:is_gradient_accumulation_boundary()
+  if boundary then
+    local clip = self.config.gradient_clipping
+    if clip and clip > 0 then self.grad_norm = clip_grad_norm(all_params(self.optimizer), clip) end
+    self.optimizer:step()
+    if self.lr_scheduler then self.lr_scheduler:step() end
+    self.optimizer:zero_grad()
+    self.global_steps = self.global_steps + 1
+    self.global_samples = self.global_samples + self:train_batch_size()
+  end
+  self.micro_steps = self.micro_steps + 1
+  self:_stop('step')
+  if boundary then self:_report() end
+end
+
+-- DeepSpeed's logs at each steps_per_print boundary: the progress line, the
+-- throughput line and, with wall_clock_breakdown, the timers; on a
+-- terminal the epoch's progress bar as well.
+function Engine:_report()
+  local t = now()
+  if self.bar then
+    local fields = { loss = self.last_loss }
+    self.bar:update(self.global_steps - self.bar_first_step, fields, self.global_samples - self.bar_first_samples)
+    if self.global_steps - self.bar_first_step >= self.bar.total then self.bar:finish() end
+  end
+  local every = self.config.steps_per_print
+  if self.global_steps % every ~= 0 then return end
+  if self.bar then io.stdout:write('\n') end
+  log(self, 'step=%d, skipped=%d, lr=%s, mom=%s', self.global_steps, self.skipped_steps,
+      list_repr(self:get_lr()), list_repr(self:get_mom()))
+  local last = self.last_report or { t = self.init_time, samples = 0 }
+  local elapsed = t - last.t
+  local samples = self.global_samples - last.samples
+  self.run_samples = (self.run_samples or 0) + samples
+  self.run_time = (self.run_time or 0) + elapsed
+  log(self, 'epoch=%s/micro_step=%d/global_step=%d, RunningAvgSamplesPerSec=%.3f, CurrSamplesPerSec=%.3f, '
+          .. 'MemAllocated=%.2fGB, MaxMemAllocated=%.2fGB',
+      tostring(self.epoch or 0), self.micro_steps, self.global_steps, self.run_samples / self.run_time,
+      samples / elapsed, ds.memory_stats().current.total / 2^30, ds.memory_stats().peak.total / 2^30)
+  if self.timers then
+    local tt = self.timers.total
+    log(self, 'time (ms) | forward: %.2f | backward: %.2f | step: %.2f  (mean per global step over %d)',
+        1000 * (tt.forward or 0) / every, 1000 * (tt.backward or 0) / every, 1000 * (tt.step or 0) / every, every)
+    self.timers.total = {}
+  end
+  self.last_report = { t = t, samples = self.global_samples }
+end
+
+-- DeepSpeed's set_train_batch_size: the micro batch stays, the number of
+-- accumulation steps changes.
+function Engine:set_train_batch_size(n)
+  local mb = self:train_micro_batch_size_per_gpu()
+  if type(n) ~= 'number' or n < 1 or n % (mb * self.world_size) ~= 0 then
+    error('Train batch size must be divisible by micro-batch data parallelism', 2)
+  end
+  self.config.gradient_accumulation_steps = n / (mb * self.world_size)
+  self.config.train_batch_size = n
+end
+
+-- The checkpoint format (safetensors per rank, atomic writes, resharding)
+-- is its own piece of work; until it lands the call says so and writes nothing.
+function Engine:save_checkpoint(dir, tag)
+  log(self, 'save_checkpoint(%s, %s): checkpoint writing is not built yet; nothing was written',
+      tostring(dir), tostring(tag or ('global_step' .. self.global_steps)))
+  return false
+end
+
+return M

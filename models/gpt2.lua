@@ -1,0 +1,194 @@
+-- GPT-2 as nanoGPT builds it: token and position embeddings, pre-norm
+-- blocks (ln_1, causal self-attention, ln_2, MLP with tanh GELU), a final
+-- LayerNorm and an lm_head tied to the token embedding. Parameter names
+-- are nanoGPT's state_dict keys ("transformer.h.0.attn.c_attn.weight"), so
+-- its weights load as they are.
+--
+--   local GPT = require 'models.gpt2'
+--   local model = GPT 'gpt2'                                  -- 124M
+--   local model = GPT{ n_layer = 4, n_head = 4, n_embd = 128, vocab_size = 65, block_size = 128 }
+--   local loss = model{ x = ids, y = targets }                -- or model(ids, targets); logits without y
+--   local out = model:generate(ids, 100, { temperature = 0.8, top_k = 40 })
+local ds = require 'dslua'
+local nn = ds.nn
+
+local M = {}
+
+-- Named sizes: OpenAI's four GPT-2 models and minGPT's small ones.
+M.configs = {
+  ['gpt2'] = { n_layer = 12, n_head = 12, n_embd = 768 },          -- 124M
+  ['gpt2-medium'] = { n_layer = 24, n_head = 16, n_embd = 1024 },  -- 350M
+  ['gpt2-large'] = { n_layer = 36, n_head = 20, n_embd = 1280 },   -- 774M
+  ['gpt2-xl'] = { n_layer = 48, n_head = 25, n_embd = 1600 },      -- 1558M
+  ['gpt-mini'] = { n_layer = 6, n_head = 6, n_embd = 192 },
+  ['gpt-micro'] = { n_layer = 4, n_head = 4, n_embd = 128 },
+  ['gpt-nano'] = { n_layer = 3, n_head = 3, n_embd = 48 },
+}
+
+-- Every key a config may hold, with its default (GPT-2's).
+M.defaults = {
+  vocab_size = 50257, block_size = 1024, n_layer = 12, n_head = 12, n_embd = 768,
+  dropout = 0.0,        -- embedding, attention and residual dropout
+  bias = true,          -- biases in the Linears and LayerNorms
+  gelu = 'tanh',        -- GPT-2's approximation; 'none' for the erf form
+  dtype = 'f32', device = 'cpu',
+}
+
+local function names(t)
+  local out = {}
+  for k in pairs(t) do out[#out + 1] = k end
+  table.sort(out)
+  return table.concat(out, ', ')
+end
+
+-- The full config from a name ('gpt2'), or a table of overrides that may
+-- start from a named size (name = 'gpt2-medium').
+function M.config(cfg)
+  if type(cfg) == 'string' then cfg = { name = cfg } end
+  if cfg ~= nil and type(cfg) ~= 'table' then error('gpt2: config must be a table or a name, got ' .. type(cfg), 0) end
+  cfg = cfg or {}
+  local out = {}
+  for k, v in pairs(M.defaults) do out[k] = v end
+  if cfg.name ~= nil then
+    local base = M.configs[cfg.name]
+    if not base then
+      error(string.format("gpt2: unknown config '%s' (known: %s)", tostring(cfg.name), names(M.configs)), 0)
+    end
+    for k, v in pairs(base) do out[k] = v end
+  end
+  for k, v in pairs(cfg) do
+    if k ~= 'name' then
+      if M.defaults[k] == nil then
+        error(string.format("gpt2: unknown config key '%s' (expected name, %s)", tostring(k), names(M.defaults)), 0)
+      end
+      out[k] = v
+    end
+  end
+  out.name = cfg.name
+  for _, k in ipairs({ 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd' }) do
+    local v = out[k]
+    if type(v) ~= 'number' or v ~= math.floor(v) or v < 1 then
+      error(string.format('gpt2: %s must be a positive integer, got %s', k, tostring(v)), 0)
+    end
+  end
+  if out.n_embd % out.n_head ~= 0 then
+    error(string.format('gpt2: n_embd %d is not divisible by n_head %d', out.n_embd, out.n_head), 0)
+  end
+  return out
+end
+
+local MLP = nn.Module:extend('MLP')
+M.MLP = MLP
+
+function MLP:init(cfg)
+  local lin = { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device }
+  self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, lin)
+  self.gelu = nn.GELU(cfg.gelu)
+  self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, lin)
+  self.dropout = nn.Dropout(cfg.dropout)
+end
+
+function MLP:forward(x) return self.dropout(self.c_proj(self.gelu(self.c_fc(x)))) end
+
+local Block = nn.Module:extend('Block')
+M.Block = Block
+
+function Block:init(cfg)
+  local ln = { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device }
+  self.ln_1 = nn.LayerNorm(cfg.n_embd, ln)
+  self.attn = nn.CausalSelfAttention { n_embd = cfg.n_embd, n_head = cfg.n_head, bias = cfg.bias,
+                                       dropout = cfg.dropout, dtype = cfg.dtype, device = cfg.device }
+  self.ln_2 = nn.LayerNorm(cfg.n_embd, ln)
+  self.mlp = MLP(cfg)
+end
+
+function Block:forward(x)
+  x = x + self.attn(self.ln_1(x))
+  return x + self.mlp(self.ln_2(x))
+end
+
+local GPT = nn.Module:extend('GPT')
+M.GPT = GPT
+
+function GPT:init(cfg)
+  cfg = M.config(cfg)
+  self.config = cfg
+  nn.skip_init(self.build, self, cfg)
+  -- nanoGPT's _init_weights: N(0, 0.02) weights and embeddings, the
+  -- residual projections scaled by 1/sqrt(2 n_layer); biases stay zero.
+  for _, p in ipairs(self:named_parameters()) do
+    local name, t = p[1], p[2]
+    if t:dim() >= 2 then
+      nn.init.normal_(t, 0, name:match('c_proj%.weight$') and 0.02 / math.sqrt(2 * cfg.n_layer) or 0.02)
+    end
+  end
+end
+
+function GPT:build(cfg)
+  local where = { dtype = cfg.dtype, device = cfg.device }
+  local tr = nn.Module()
+  tr.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, where)
+  tr.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, where)
+  tr.drop = nn.Dropout(cfg.dropout)
+  local blocks = {}
+  for i = 1, cfg.n_layer do blocks[i] = Block(cfg) end
+  tr.h = nn.ModuleList(blocks)
+  tr.ln_f = nn.LayerNorm(cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
+  self.transformer = tr
+  self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, { bias = false, dtype = cfg.dtype, device = cfg.device })
+  self.lm_head.weight = tr.wte.weight
+end
+
+-- The final hidden states [B, T, n_embd] of token ids idx [B, T].
+function GPT:hidden(idx)
+  if not ds.is_tensor(idx) or idx:dim() ~= 2 then
+    error('GPT: expected token ids [B, T], got ' .. (ds.is_tensor(idx) and ('[' .. table.concat(idx:size(), 'x') .. ']')
+                                                    or type(idx)), 0)
+  end
+  local T = idx:size(2)
+  if T > self.config.block_size then
+    error(string.format('GPT: cannot forward sequence of length %d, block size is only %d', T, self.config.block_size), 0)
+  end
+  local tr = self.transformer
+  local pos = ds.arange(T, 'i64', idx:device())
+  local x = tr.drop(tr.wte(idx) + tr.wpe(pos))
+  for _, block in ipairs(tr.h) do x = block(x) end
+  return tr.ln_f(x)
+end
+
+-- forward(batch) with batch = {x = ids, y = targets}, or forward(ids [,
+-- targets]): the mean cross-entropy (targets -1 ignored, as nanoGPT) and
+-- the logits when targets are given, else the logits [B, T, vocab].
+function GPT:forward(idx, targets)
+  if type(idx) == 'table' then idx, targets = idx.x, idx.y end
+  local logits = self.lm_head(self:hidden(idx))
+  if targets == nil then return logits end
+  return ds.cross_entropy(logits, targets, { ignore_index = -1 }), logits
+end
+
+-- Logits [B, vocab] of the last position only: what sampling needs.
+function GPT:last_logits(idx)
+  local x = self:hidden(idx)
+  return self.lm_head(x:narrow(2, x:size(2), 1)):reshape({ idx:size(1), self.config.vocab_size })
+end
+
+-- generate(idx, max_new_tokens [, {temperature = 1, top_k}]) -> idx with
+-- the new tokens appended (see ds.nn.generate).
+function GPT:generate(idx, max_new_tokens, opts)
+  return nn.generate(self, idx, max_new_tokens, opts)
+end
+
+-- Parameter count; nanoGPT leaves the position embeddings out by default.
+function GPT:num_params(non_embedding)
+  local n = self:num_parameters()
+  if non_embedding ~= false then n = n - self.transformer.wpe.weight:numel() end
+  return n
+end
+
+function GPT:extra_repr()
+  local c = self.config
+  return string.format('n_layer=%d, n_head=%d, n_embd=%d, vocab_size=%d, block_size=%d', c.n_layer, c.n_head,
+                       c.n_embd, c.vocab_size, c.block_size)
+end
+
+return setmetatable(M, { __call = function(_, cfg) return GPT(cfg) end })

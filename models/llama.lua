@@ -1,0 +1,244 @@
+-- A Llama-style decoder as Hugging Face's LlamaForCausalLM lays it out:
+-- RMSNorm before attention and MLP, rotary position embeddings in the
+-- rotate_half convention (the first and second halves of each head are
+-- the pair rotated together), grouped-query attention (n_kv_head key/value
+-- heads shared by n_head query heads), a SwiGLU MLP, no biases, and an
+-- lm_head tied to the embedding or not. Parameter names are Hugging
+-- Face's ("model.layers.0.self_attn.q_proj.weight").
+--
+--   local Llama = require 'models.llama'
+--   local model = Llama{ n_layer = 4, n_head = 8, n_kv_head = 2, n_embd = 256, vocab_size = 65, block_size = 256 }
+--   local loss = model{ x = ids, y = targets }     -- targets -100 ignored; logits without y
+local ds = require 'dslua'
+local nn = ds.nn
+
+local M = {}
+
+M.configs = {
+  ['llama2-7b'] = { n_layer = 32, n_head = 32, n_kv_head = 32, n_embd = 4096, intermediate_size = 11008,
+                    vocab_size = 32000, block_size = 4096 },
+  ['tinyllama-1.1b'] = { n_layer = 22, n_head = 32, n_kv_head = 4, n_embd = 2048, intermediate_size = 5632,
+                         vocab_size = 32000, block_size = 2048 },
+  ['llama-micro'] = { n_layer = 4, n_head = 4, n_kv_head = 2, n_embd = 128 },
+}
+
+-- Every key a config may hold. n_kv_head defaults to n_head (plain
+-- multi-head attention); intermediate_size to Llama's rule, 2/3 of 4 x
+-- n_embd rounded up to a multiple of multiple_of.
+M.defaults = {
+  vocab_size = 32000, block_size = 2048, n_layer = 32, n_head = 32, n_kv_head = false, n_embd = 4096,
+  intermediate_size = false, multiple_of = 256, norm_eps = 1e-5, rope_theta = 10000.0,
+  tie_embeddings = false, initializer_range = 0.02, dtype = 'f32', device = 'cpu',
+}
+
+local function names(t)
+  local out = {}
+  for k in pairs(t) do out[#out + 1] = k end
+  table.sort(out)
+  return table.concat(out, ', ')
+end
+
+function M.config(cfg)
+  if type(cfg) == 'string' then cfg = { name = cfg } end
+  if cfg ~= nil and type(cfg) ~= 'table' then error('llama: config must be a table or a name, got ' .. type(cfg), 0) end
+  cfg = cfg or {}
+  local out = {}
+  for k, v in pairs(M.defaults) do out[k] = v end
+  if cfg.name ~= nil then
+    local base = M.configs[cfg.name]
+    if not base then
+      error(string.format("llama: unknown config '%s' (known: %s)", tostring(cfg.name), names(M.configs)), 0)
+    end
+    for k, v in pairs(base) do out[k] = v end
+  end
+  for k, v in pairs(cfg) do
+    if k ~= 'name' then
+      if M.defaults[k] == nil then
+        error(string.format("llama: unknown config key '%s' (expected name, %s)", tostring(k), names(M.defaults)), 0)
+      end
+      out[k] = v
+    end
+  end
+  out.name = cfg.name
+  out.n_kv_head = out.n_kv_head or out.n_head
+  if not out.intermediate_size then
+    local h = math.floor(2 * 4 * out.n_embd / 3)
+    out.intermediate_size = out.multiple_of * math.ceil(h / out.multiple_of)
+  end
+  for _, k in ipairs({ 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'intermediate_size' }) do
+    local v = out[k]
+    if type(v) ~= 'number' or v ~= math.floor(v) or v < 1 then
+      error(string.format('llama: %s must be a positive integer, got %s', k, tostring(v)), 0)
+    end
+  end
+  if out.n_embd % out.n_head ~= 0 or (out.n_embd / out.n_head) % 2 ~= 0 then
+    error(string.format('llama: n_embd %d must split into n_head %d heads of an even size', out.n_embd, out.n_head), 0)
+  end
+  if out.n_head % out.n_kv_head ~= 0 then
+    error(string.format('llama: n_head %d is not a multiple of n_kv_head %d', out.n_head, out.n_kv_head), 0)
+  end
+  return out
+end
+
+-- cos and sin [block_size, head_dim] of the rotary angles pos * theta^(-2i/d),
+-- each frequency twice (cat(freqs, freqs)), as Hugging Face builds them.
+local function rope_tables(cfg)
+  local d = cfg.n_embd / cfg.n_head
+  local cos, sin = {}, {}
+  for p = 0, cfg.block_size - 1 do
+    local row_c, row_s = {}, {}
+    for i = 0, d / 2 - 1 do
+      local a = p * cfg.rope_theta ^ (-2 * i / d)
+      row_c[i + 1], row_c[i + 1 + d / 2] = math.cos(a), math.cos(a)
+      row_s[i + 1], row_s[i + 1 + d / 2] = math.sin(a), math.sin(a)
+    end
+    cos[p + 1], sin[p + 1] = row_c, row_s
+  end
+  local function tensor(t)
+    local x = ds.tensor(t, cfg.dtype)
+    return cfg.device ~= 'cpu' and x:to(cfg.device) or x
+  end
+  return tensor(cos), tensor(sin)
+end
+
+-- x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) over
+-- the halves of the last dim.
+local function rope(x, cos, sin)
+  local h = x:split(x:size(4) / 2, 4)
+  return x * cos + ds.cat({ -h[2], h[1] }, 4) * sin
+end
+
+-- [B, KV, T, D] -> [B, KV * rep, T, D], each kv head repeated for the rep
+-- query heads that share it (Hugging Face's repeat_kv).
+local function repeat_kv(x, rep)
+  if rep == 1 then return x end
+  local B, KV, T, D = x:size(1), x:size(2), x:size(3), x:size(4)
+  local u = x:unsqueeze(3)
+  local copies = {}
+  for i = 1, rep do copies[i] = u end
+  return ds.cat(copies, 3):reshape({ B, KV * rep, T, D })
+end
+
+local Attention = nn.Module:extend('LlamaAttention')
+M.Attention = Attention
+
+function Attention:init(cfg)
+  local lin = { bias = false, dtype = cfg.dtype, device = cfg.device }
+  self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.n_embd / cfg.n_head
+  self.q_proj = nn.Linear(cfg.n_embd, cfg.n_head * self.head_dim, lin)
+  self.k_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, lin)
+  self.v_proj = nn.Linear(cfg.n_embd, cfg.n_kv_head * self.head_dim, lin)
+  self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, lin)
+end
+
+function Attention:forward(x, cos, sin)
+  local B, T = x:size(1), x:size(2)
+  local H, KV, D = self.n_head, self.n_kv_head, self.head_dim
+  local q = self.q_proj(x):view({ B, T, H, D }):transpose(2, 3)
+  local k = self.k_proj(x):view({ B, T, KV, D }):transpose(2, 3)
+  local v = self.v_proj(x):view({ B, T, KV, D }):transpose(2, 3)
+  q, k = rope(q, cos, sin), rope(k, cos, sin)
+  local y = ds.scaled_dot_product_attention(q, repeat_kv(k, H / KV), repeat_kv(v, H / KV))
+  return self.o_proj(y:transpose(2, 3):reshape({ B, T, H * D }))
+end
+
+local MLP = nn.Module:extend('LlamaMLP')
+M.MLP = MLP
+
+function MLP:init(cfg)
+  local lin = { bias = false, dtype = cfg.dtype, device = cfg.device }
+  self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, lin)
+  self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate_size, lin)
+  self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, lin)
+end
+
+function MLP:forward(x) return self.down_proj(ds.silu(self.gate_proj(x)) * self.up_proj(x)) end
+
+local Layer = nn.Module:extend('LlamaDecoderLayer')
+M.Layer = Layer
+
+function Layer:init(cfg)
+  local norm = { eps = cfg.norm_eps, dtype = cfg.dtype, device = cfg.device }
+  self.self_attn = Attention(cfg)
+  self.mlp = MLP(cfg)
+  self.input_layernorm = nn.RMSNorm(cfg.n_embd, norm)
+  self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, norm)
+end
+
+function Layer:forward(x, cos, sin)
+  x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+  return x + self.mlp(self.post_attention_layernorm(x))
+end
+
+local Llama = nn.Module:extend('Llama')
+M.Llama = Llama
+
+function Llama:init(cfg)
+  cfg = M.config(cfg)
+  self.config = cfg
+  nn.skip_init(self.build, self, cfg)
+  -- Hugging Face's _init_weights: N(0, initializer_range) for every
+  -- Linear and Embedding weight; the norms stay ones.
+  for _, p in ipairs(self:parameters()) do
+    if p:dim() >= 2 then nn.init.normal_(p, 0, cfg.initializer_range) end
+  end
+end
+
+function Llama:build(cfg)
+  local where = { dtype = cfg.dtype, device = cfg.device }
+  local model = nn.Module()
+  model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.n_embd, where)
+  local layers = {}
+  for i = 1, cfg.n_layer do layers[i] = Layer(cfg) end
+  model.layers = nn.ModuleList(layers)
+  model.norm = nn.RMSNorm(cfg.n_embd, { eps = cfg.norm_eps, dtype = cfg.dtype, device = cfg.device })
+  self.model = model
+  self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, { bias = false, dtype = cfg.dtype, device = cfg.device })
+  if cfg.tie_embeddings then self.lm_head.weight = model.embed_tokens.weight end
+  local cos, sin = rope_tables(cfg)
+  self:register_buffer('rope_cos', cos, false)
+  self:register_buffer('rope_sin', sin, false)
+end
+
+function Llama:hidden(idx)
+  if not ds.is_tensor(idx) or idx:dim() ~= 2 then
+    error('Llama: expected token ids [B, T], got ' .. (ds.is_tensor(idx) and ('[' .. table.concat(idx:size(), 'x') .. ']')
+                                                      or type(idx)), 0)
+  end
+  local T = idx:size(2)
+  if T > self.config.block_size then
+    error(string.format('Llama: cannot forward sequence of length %d, block size is only %d', T, self.config.block_size), 0)
+  end
+  local cos, sin = self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T)
+  local x = self.model.embed_tokens(idx)
+  for _, layer in ipairs(self.model.layers) do x = layer(x, cos, sin) end
+  return self.model.norm(x)
+end
+
+-- forward(batch) or forward(ids [, targets]): targets are the next tokens
+-- (already shifted, as the loaders make them; -100 ignored). Returns the
+-- mean cross-entropy and the logits, or the logits [B, T, vocab].
+function Llama:forward(idx, targets)
+  if type(idx) == 'table' then idx, targets = idx.x, idx.y end
+  local logits = self.lm_head(self:hidden(idx))
+  if targets == nil then return logits end
+  return ds.cross_entropy(logits, targets), logits
+end
+
+function Llama:last_logits(idx)
+  local x = self:hidden(idx)
+  return self.lm_head(x:narrow(2, x:size(2), 1)):reshape({ idx:size(1), self.config.vocab_size })
+end
+
+function Llama:generate(idx, max_new_tokens, opts)
+  return nn.generate(self, idx, max_new_tokens, opts)
+end
+
+function Llama:extra_repr()
+  local c = self.config
+  return string.format('n_layer=%d, n_head=%d, n_kv_head=%d, n_embd=%d, intermediate_size=%d, vocab_size=%d, '
+                       .. 'block_size=%d', c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.intermediate_size,
+                       c.vocab_size, c.block_size)
+end
+
+return setmetatable(M, { __call = function(_, cfg) return Llama(cfg) end })
