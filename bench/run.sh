@@ -17,7 +17,7 @@ EOF
 }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-cores=$(nproc --all)   # before OMP_NUM_THREADS is set: nproc obeys it
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)   # nproc obeys those two
 threads=$cores
 build=$root/build
 rounds=3

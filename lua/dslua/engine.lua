@@ -27,7 +27,11 @@ local function repr(v)
     return '(' .. table.concat(parts, ', ') .. ')'
   end
   if v == math.floor(v) and math.abs(v) < 1e15 then return string.format('%.1f', v) end
-  return string.format('%.10g', v)
+  for digits = 15, 16 do     -- the shortest text that reads back exactly, as Python's repr
+    local s = string.format('%.' .. digits .. 'g', v)
+    if tonumber(s) == v then return s end
+  end
+  return string.format('%.17g', v)
 end
 
 local function list_repr(values)

@@ -32,7 +32,10 @@ end
 -- are errors naming the module and the known keys.
 local function options(opts, who, defaults, bare_key)
   if opts == nil then opts = {} end
-  if type(opts) ~= 'table' then opts = { [bare_key] = opts } end
+  if type(opts) ~= 'table' then
+    if not bare_key then error(fmt('%s: expected an options table, got %s', who, type(opts)), 4) end
+    opts = { [bare_key] = opts }
+  end
   local out = {}
   for k, v in pairs(opts) do
     if defaults[k] == nil then
@@ -223,8 +226,9 @@ function Module:register_parameter(name, t)
   if t ~= nil and not ds.is_tensor(t) then
     error(fmt("%s: register_parameter '%s' expects a tensor or nil, got %s", self.__name, tostring(name), type(t)), 2)
   end
-  register(self, 'param', name, t and nn.parameter(t))
-  return t
+  local p = t and nn.parameter(t)
+  register(self, 'param', name, p)
+  return p
 end
 
 -- A tensor that moves with the module and, unless persistent is false,
@@ -282,16 +286,15 @@ end
 
 -- Tensors of one kind under this module as {name, tensor} pairs (also
 -- readable as .name/.tensor): each module's own tensors in registration
--- order, then its children's. unique drops a tensor seen before under
--- another name (a tied weight), as torch's named_parameters does.
-local function collect(self, list_key, unique, persistent_only)
+-- order, then its children's; a tensor seen before under another name (a
+-- tied weight) is left out, as torch's named_parameters does.
+local function collect(self, list_key)
   local out, seen = {}, {}
   for _, nm in ipairs(self:named_modules()) do
     local prefix, m = nm[1], nm[2]
-    local transient = rawget(m, '_transient')
     for _, k in ipairs(rawget(m, list_key)) do
       local t = rawget(m, k)
-      if t ~= nil and not (persistent_only and transient[k]) and not (unique and seen[t]) then
+      if t ~= nil and not seen[t] then
         seen[t] = true
         local name = prefix == '' and key_name(k) or (prefix .. '.' .. key_name(k))
         out[#out + 1] = { name, t, name = name, tensor = t }
@@ -301,8 +304,8 @@ local function collect(self, list_key, unique, persistent_only)
   return out
 end
 
-function Module:named_parameters() return collect(self, '_params', true) end
-function Module:named_buffers() return collect(self, '_buffers', true) end
+function Module:named_parameters() return collect(self, '_params') end
+function Module:named_buffers() return collect(self, '_buffers') end
 
 function Module:parameters()
   local out = {}
@@ -430,17 +433,16 @@ function Module:apply(fn)
 end
 
 -- Moves or converts every parameter and buffer (t:to(what): a dtype or a
--- device). Tied tensors stay tied; gradients are dropped.
+-- device). Converted tensors are new (gradients dropped); tensors already
+-- there are kept as they are; tied tensors stay tied.
 function Module:to(what)
   local done = {}
   local function convert(t, as_param)
     if done[t] == nil then
-      local c = ds.no_grad(function() return t:to(what) end)
-      if c == t then done[t] = t
+      if t:dtype() == what or t:device() == what then done[t] = t
       else
-        c = c:detach()
-        if as_param then c = nn.parameter(c) end
-        done[t] = c
+        local c = ds.no_grad(function() return t:to(what) end):detach()
+        done[t] = as_param and nn.parameter(c) or c
       end
     end
     return done[t]

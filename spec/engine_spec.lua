@@ -1,0 +1,202 @@
+local H = require 'helpers'
+local ds = H.ds
+
+-- A small regression problem: fixed data, a fixed initial MLP.
+local function problem(n)
+  ds.manual_seed(7)
+  local x = ds.randn(n, 6)
+  local y = ds.randn(n, 2)
+  return x, y
+end
+
+local Reg = ds.nn.Module:extend('Reg')
+function Reg:init()
+  self.fc1 = ds.nn.Linear(6, 8)
+  self.fc2 = ds.nn.Linear(8, 2)
+end
+function Reg:forward(batch)
+  local out = self.fc2(self.fc1(batch.x):tanh())
+  return ds.mse_loss(out, batch.y)
+end
+
+local function model_with(state)
+  ds.manual_seed(3)
+  local m = Reg()
+  if state then m:load_state_dict(state) end
+  return m
+end
+
+local function weights(m)
+  local out = {}
+  for _, p in ipairs(m:named_parameters()) do out[p[1]] = p[2]:clone() end
+  return out
+end
+
+local function config(extra)
+  local c = {
+    train_micro_batch_size_per_gpu = 4, gradient_accumulation_steps = 1, steps_per_print = 1000,
+    optimizer = { type = 'SGD', params = { lr = 0.1 } },
+  }
+  for k, v in pairs(extra or {}) do c[k] = v end
+  return c
+end
+
+describe('ds.initialize', function()
+  it('returns engine, optimizer, loader and scheduler, as DeepSpeed does', function()
+    local x, y = problem(16)
+    local engine, opt, loader, sched = ds.initialize {
+      model = model_with(), config = config { scheduler = { type = 'WarmupLR', params = { warmup_num_steps = 10 } } },
+      training_data = ds.data.tensors { x = x, y = y },
+    }
+    assert.is_table(engine)
+    assert.is_function(opt.step)
+    assert.are.equal(4, #loader)
+    assert.is_function(sched.step)
+    assert.are.equal(4, engine:train_batch_size())
+  end)
+
+  it('names what is wrong in its options', function()
+    local ok, err = pcall(ds.initialize, { model = model_with(), config = config(), bogus = 1 })
+    assert.is_false(ok)
+    assert.matches("unknown option 'bogus'", err)
+    ok, err = pcall(ds.initialize, { model = model_with(), config = { train_batch_size = 4 } })
+    assert.is_false(ok)
+    assert.matches('no optimizer', err)
+    ok, err = pcall(ds.initialize, { model = {}, config = config() })
+    assert.is_false(ok)
+    assert.matches('model must be a ds.nn module', err)
+    ok, err = pcall(ds.initialize, { model = model_with(), config = { train_batch_sizee = 4 } })
+    assert.is_false(ok)
+    assert.matches("did you mean 'train_batch_size'", err)
+  end)
+end)
+
+describe('engine steps', function()
+  it('accumulates micro batches into one step equal to the whole batch', function()
+    local x, y = problem(8)
+    local init = weights(model_with())
+    -- one micro batch of 8
+    local big = model_with(init)
+    local e1 = ds.initialize { model = big, config = config { train_micro_batch_size_per_gpu = 8 } }
+    e1:backward(e1:forward { x = x, y = y })
+    e1:step()
+    -- two micro batches of 4, gradient_accumulation_steps 2
+    local small = model_with(init)
+    local e2 = ds.initialize { model = small, config = config { gradient_accumulation_steps = 2 } }
+    local seen = {}
+    for k = 0, 1 do
+      local b = { x = x:narrow(1, 1 + 4 * k, 4), y = y:narrow(1, 1 + 4 * k, 4) }
+      seen[#seen + 1] = e2:is_gradient_accumulation_boundary()
+      e2:backward(e2(b))
+      e2:step()
+    end
+    assert.are.same({ false, true }, seen)
+    assert.are.equal(1, e2.global_steps)
+    assert.are.equal(8, e2.global_samples)
+    assert.are.equal(2, e2.micro_steps)
+    local w1, w2 = weights(big), weights(small)
+    for name, t in pairs(w1) do H.assert_close(w2[name], t, { rtol = 1e-5, atol = 1e-6 }, name) end
+  end)
+
+  it('clips by the global gradient norm with DeepSpeed\'s formula', function()
+    local x, y = problem(4)
+    local init = weights(model_with())
+    local clip = 1e-3
+    local m = model_with(init)
+    local e = ds.initialize { model = m, config = config { gradient_clipping = clip } }
+    -- the reference: gradients by plain autograd, scaled by clip / (norm + 1e-6)
+    local ref = model_with(init)
+    ref:forward({ x = x, y = y }):backward()
+    local sq = 0
+    for _, p in ipairs(ref:parameters()) do sq = sq + p.grad:norm():item() ^ 2 end
+    local coef = clip / (math.sqrt(sq) + 1e-6)
+    assert.is_true(coef < 1)
+    e:backward(e:forward { x = x, y = y })
+    e:step()
+    H.assert_close(e.grad_norm, math.sqrt(sq), { rtol = 1e-5, atol = 0 })
+    local got = weights(m)
+    for _, np in ipairs(ref:named_parameters()) do
+      local want = init[np[1]] - np[2].grad * (0.1 * coef)
+      H.assert_close(got[np[1]], want, { rtol = 1e-5, atol = 1e-7 }, np[1])
+    end
+  end)
+
+  it('steps the scheduler after the optimizer and takes a Lua schedule function', function()
+    local x, y = problem(4)
+    local e, opt = ds.initialize {
+      model = model_with(), config = config(),
+      lr_scheduler = function(step) return 0.5 / (step + 1) end,
+    }
+    local used = {}
+    for _ = 1, 3 do
+      used[#used + 1] = opt.param_groups[1].lr
+      e:backward(e:forward { x = x, y = y })
+      e:step()
+    end
+    assert.are.same({ 0.5, 0.25, 0.5 / 3 }, used)
+    assert.are.same({ 0.125 }, e:get_lr())
+  end)
+
+  it('takes an optimizer built in Lua in place of the config block', function()
+    local m = model_with()
+    local opt = ds.optim.AdamW(m:parameters(), { lr = 1e-3 })
+    local e, o = ds.initialize { model = m, optimizer = opt, config = { train_batch_size = 2 } }
+    assert.are.equal(opt, o)
+    assert.are.same({ { 0.9, 0.999 } }, e:get_mom())
+  end)
+
+  it('changes the batch size through gradient accumulation', function()
+    local e = ds.initialize { model = model_with(), config = config() }
+    e:set_train_batch_size(12)
+    assert.are.equal(3, e:gradient_accumulation_steps())
+    assert.are.equal(12, e:train_batch_size())
+    local ok, err = pcall(e.set_train_batch_size, e, 10)
+    assert.is_false(ok)
+    assert.matches('Train batch size must be divisible by micro%-batch data parallelism', err)
+  end)
+
+  it('switches the model between train and eval', function()
+    local m = model_with()
+    local e = ds.initialize { model = m, config = config() }
+    assert.is_true(m.training)
+    e:eval()
+    assert.is_false(m.training)
+    e:train()
+    assert.is_true(m.training)
+  end)
+end)
+
+describe('engine logs', function()
+  it('prints DeepSpeed\'s progress, throughput and timer lines', function()
+    local dir = os.tmpname()
+    os.remove(dir)
+    os.execute('mkdir -p ' .. dir)
+    local f = assert(io.open(dir .. '/run.lua', 'w'))
+    f:write([[
+      local ds = require 'dslua'
+      ds.manual_seed(0)
+      local model = require('models.mlp'){ input_size = 4, hidden = 8, num_classes = 3 }
+      local labels = {}
+      for i = 1, 32 do labels[i] = i % 3 end
+      local data = ds.data.tensors{ x = ds.randn(32, 4), y = ds.tensor(labels, 'i64') }
+      local engine, _, loader = ds.initialize{ model = model, training_data = data, config = {
+        train_batch_size = 8, train_micro_batch_size_per_gpu = 4, steps_per_print = 2,
+        wall_clock_breakdown = true,
+        optimizer = { type = 'Adam', params = { lr = 0.01 } } } }
+      for _, batch in loader:epoch(1) do
+        engine:backward(engine:forward(batch))
+        engine:step()
+      end
+      print('done', engine.global_steps, engine.global_samples)
+    ]])
+    f:close()
+    local out, status = H.run(H.bin() .. ' ' .. dir .. '/run.lua')
+    assert.are.equal(0, status, out)
+    assert.matches('%[Rank 0%] step=2, skipped=0, lr=%[0%.01%], mom=%[%(0%.9, 0%.999%)%]', out)
+    assert.matches('%[Rank 0%] step=4, skipped=0', out)
+    assert.matches('%[Rank 0%] epoch=1/micro_step=4/global_step=2, RunningAvgSamplesPerSec=[%d.]+, '
+                   .. 'CurrSamplesPerSec=[%d.]+, MemAllocated=[%d.]+GB, MaxMemAllocated=[%d.]+GB', out)
+    assert.matches('%[Rank 0%] time %(ms%) | forward: [%d.]+ | backward: [%d.]+ | step: [%d.]+', out)
+    assert.matches('done\t4\t32', out)
+  end)
+end)
