@@ -1,10 +1,13 @@
 #include "ds_alloc.h"
 #include "ds_error.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static _Atomic int64_t cur[DS_MEM_NCATEGORIES], peak[DS_MEM_NCATEGORIES];
 static _Atomic int64_t total_cur, total_peak;
@@ -15,17 +18,98 @@ static const char *const category_names[DS_MEM_NCATEGORIES] = {
     "parameters", "gradients", "optimizer_state", "activations", "other"
 };
 
+/* ---- the CPU block cache ----
+ * Large blocks come from mmap, so every fresh one costs a page fault and
+ * a zeroed page per 4 KiB, and every free an munmap: in a training step
+ * that re-allocates the same activation and gradient sizes each time, that
+ * was a fifth of the step. Freed blocks of CACHE_MIN bytes or more are kept
+ * by size (most recent first) and handed out again on an exact match;
+ * the oldest go back to the system once the cache would pass its bound
+ * (DSLUA_ALLOC_CACHE_MB, default min(2 GiB, RAM / 8); 0 turns it off). */
+#define CACHE_MIN ((size_t)256 << 10)
+#define CACHE_SLOTS 512
+
+static struct { void *ptr; size_t nbytes; } cache[CACHE_SLOTS];
+static int cache_n;
+static size_t cache_bytes, cache_cap = (size_t)-1;    /* -1: not read yet */
+static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static size_t cache_limit(void) {    /* caller holds the lock */
+    if (cache_cap != (size_t)-1) return cache_cap;
+    const char *v = getenv("DSLUA_ALLOC_CACHE_MB");
+    if (v && *v) {
+        long long mb = atoll(v);
+        cache_cap = mb > 0 ? (size_t)mb << 20 : 0;
+    } else {
+        long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+        size_t ram8 = pages > 0 && page > 0 ? (size_t)pages * (size_t)page / 8 : 0;
+        cache_cap = ram8 < ((size_t)2 << 30) ? ram8 : (size_t)2 << 30;
+    }
+    return cache_cap;
+}
+
+static void cache_drop(int i) {    /* caller holds the lock */
+    cache_bytes -= cache[i].nbytes;
+    memmove(&cache[i], &cache[i + 1], sizeof cache[0] * (size_t)(cache_n - i - 1));
+    cache_n--;
+}
+
+static void *cache_take(size_t rounded) {
+    void *p = NULL;
+    pthread_mutex_lock(&cache_lock);
+    for (int i = cache_n - 1; i >= 0; i--)
+        if (cache[i].nbytes == rounded) { p = cache[i].ptr; cache_drop(i); break; }
+    pthread_mutex_unlock(&cache_lock);
+    return p;
+}
+
+/* Keeps the block, or returns false when it does not fit the bound. */
+static bool cache_put(void *ptr, size_t rounded) {
+    void *evicted[CACHE_SLOTS];
+    int ne = 0;
+    pthread_mutex_lock(&cache_lock);
+    if (rounded > cache_limit()) {
+        pthread_mutex_unlock(&cache_lock);
+        return false;
+    }
+    while (cache_n > 0 && (cache_n == CACHE_SLOTS || cache_bytes + rounded > cache_cap)) {
+        evicted[ne++] = cache[0].ptr;
+        cache_drop(0);
+    }
+    cache[cache_n].ptr = ptr;
+    cache[cache_n].nbytes = rounded;
+    cache_n++;
+    cache_bytes += rounded;
+    pthread_mutex_unlock(&cache_lock);
+    for (int i = 0; i < ne; i++) free(evicted[i]);
+    return true;
+}
+
+void ds_mem_empty_cache(void) {
+    pthread_mutex_lock(&cache_lock);
+    while (cache_n > 0) {
+        free(cache[cache_n - 1].ptr);
+        cache_drop(cache_n - 1);
+    }
+    pthread_mutex_unlock(&cache_lock);
+}
+
+static size_t round64(size_t nbytes) { return nbytes ? (nbytes + 63) & ~(size_t)63 : 64; }
+
 static void *cpu_alloc(ds_allocator *self, size_t nbytes) {
     (void)self;
     void *p = NULL;
     if (nbytes > SIZE_MAX - 63) return NULL;     /* rounding up would wrap to 0 */
-    size_t rounded = (nbytes + 63) & ~(size_t)63;
-    if (posix_memalign(&p, 64, rounded ? rounded : 64) != 0) return NULL;
+    size_t rounded = round64(nbytes);
+    if (rounded >= CACHE_MIN && (p = cache_take(rounded))) return p;
+    if (posix_memalign(&p, 64, rounded) != 0) return NULL;
     return p;
 }
 
 static void cpu_free(ds_allocator *self, void *ptr, size_t nbytes) {
-    (void)self; (void)nbytes;
+    (void)self;
+    size_t rounded = round64(nbytes);
+    if (rounded >= CACHE_MIN && cache_put(ptr, rounded)) return;
     free(ptr);
 }
 
@@ -44,8 +128,13 @@ static void count(ds_mem_category cat, int64_t delta) {
 
 void *ds_mem_alloc(ds_allocator *a, size_t nbytes, ds_mem_category cat) {
     void *p = a->alloc(a, nbytes);
+    if (!p) {
+        ds_mem_empty_cache();
+        p = a->alloc(a, nbytes);
+    }
     if (!p && oom_fn) {
         oom_fn(oom_ud);
+        ds_mem_empty_cache();      /* what the collection freed went to the cache */
         p = a->alloc(a, nbytes);
     }
     if (!p) return ds_fail(DS_ERR_NOMEM, "out of memory: %zu bytes on %s", nbytes, a->name);
@@ -72,6 +161,9 @@ void ds_mem_get_stats(ds_mem_stats *out) {
     }
     out->total_current = atomic_load(&total_cur);
     out->total_peak = atomic_load(&total_peak);
+    pthread_mutex_lock(&cache_lock);
+    out->cached = (int64_t)cache_bytes;
+    pthread_mutex_unlock(&cache_lock);
 }
 
 void ds_mem_reset_peak(void) {

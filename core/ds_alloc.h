@@ -24,6 +24,7 @@ typedef struct {
     int64_t current[DS_MEM_NCATEGORIES];
     int64_t peak[DS_MEM_NCATEGORIES];
     int64_t total_current, total_peak;
+    int64_t cached;        /* freed CPU blocks kept for reuse, not in the counts above */
 } ds_mem_stats;
 
 extern ds_allocator ds_cpu_allocator;   /* 64-byte aligned, for SIMD rows */
@@ -38,6 +39,9 @@ void ds_mem_free(ds_allocator *a, void *ptr, size_t nbytes, ds_mem_category cat)
 void ds_mem_recategorize(size_t nbytes, ds_mem_category from, ds_mem_category to);
 
 void ds_mem_get_stats(ds_mem_stats *out);
+/* Returns the cached free CPU blocks to the system (an allocation that
+ * fails does this before it gives up). */
+void ds_mem_empty_cache(void);
 void ds_mem_reset_peak(void);
 int64_t ds_mem_live_bytes(void);
 const char *ds_mem_category_name(ds_mem_category c);

@@ -4,6 +4,7 @@
 #include "lua_module.h"
 #include "lua_repl.h"
 #include "ds_threads.h"
+#include "ds_comm.h"
 
 #include <lauxlib.h>
 #include <lualib.h>
@@ -51,6 +52,11 @@ int dsL_pcall(lua_State *L, int nargs, int nresults) {
 }
 
 static int report(lua_State *L, int rc) {
+    if (rc != 0 && ds_comm_launched()) {
+        /* one rank failing ends every rank at once, naming itself */
+        fprintf(stderr, "[rank %d] error: %s\n", ds_comm_rank(NULL), lua_tostring(L, -1) ? lua_tostring(L, -1) : "(error)");
+        ds_comm_abort(1);
+    }
     if (rc != 0) {
         fprintf(stderr, "dslua: %s\n", lua_tostring(L, -1) ? lua_tostring(L, -1) : "(error)");
         lua_pop(L, 1);

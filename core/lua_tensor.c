@@ -10,14 +10,18 @@ static _Thread_local bool on_lua_thread;    /* the thread that owns main_state *
 static int64_t gc_threshold = 64 << 20;
 
 /* The Lua GC sees only the small userdata, not the native bytes behind
- * it, so once live native memory has doubled since the last collection
- * we collect: garbage tensors cannot pile up between Lua's own cycles. */
+ * it, so once live native memory has grown by a quarter (at least 64 MiB)
+ * since the last collection we collect: garbage tensors cannot pile up
+ * between Lua's own cycles. A quarter, not a doubling: in training most
+ * live bytes are parameters and optimizer state that never become garbage,
+ * and activations that wait for a collection cannot be reused by the next
+ * step's allocations (each fresh page costs a fault). */
 static void gc_pressure(lua_State *L) {
     int64_t live = ds_mem_live_bytes();
     if (live <= gc_threshold) return;
     lua_gc(L, LUA_GCCOLLECT, 0);
     live = ds_mem_live_bytes();
-    gc_threshold = live * 2 > (64 << 20) ? live * 2 : (64 << 20);
+    gc_threshold = live + (live / 4 > (64 << 20) ? live / 4 : (64 << 20));
 }
 
 /* Only the Lua thread may collect: a loader or OpenMP thread that runs
@@ -429,10 +433,14 @@ static int l_memory_stats(lua_State *L) {
     lua_setfield(L, -2, "current");
     push_category_table(L, s.peak, s.total_peak);
     lua_setfield(L, -2, "peak");
+    lua_pushnumber(L, (lua_Number)s.cached);
+    lua_setfield(L, -2, "cached");
     return 1;
 }
 
 static int l_reset_peak_memory(lua_State *L) { (void)L; ds_mem_reset_peak(); return 0; }
+
+static int l_empty_cache(lua_State *L) { (void)L; ds_mem_empty_cache(); return 0; }
 
 static const luaL_Reg tensor_methods[] = {
     {"size", l_size}, {"stride", l_stride}, {"dim", l_dim}, {"numel", l_numel},
@@ -448,6 +456,7 @@ static const luaL_Reg module_functions[] = {
     {"manual_seed", l_manual_seed}, {"is_tensor", l_is_tensor},
     {"set_grad_enabled", l_set_grad_enabled}, {"is_grad_enabled", l_is_grad_enabled},
     {"memory_stats", l_memory_stats}, {"reset_peak_memory", l_reset_peak_memory},
+    {"empty_cache", l_empty_cache},
     {NULL, NULL}
 };
 

@@ -8,6 +8,7 @@
 
 #include <cblas.h>
 #include <limits.h>
+#include <omp.h>
 #include <stdbool.h>
 #include <stdlib.h>
 
@@ -160,6 +161,45 @@ static void narrow(void *dst, ds_dtype t, int ld, const float *src, int rows, in
         for (int j = 0; j < cols; j++) ds_store(t, dst, (int64_t)i * ld + j, src[(int64_t)i * cols + j]);
 }
 
+/* rows x cols of C from the matching rows of A and columns of B. */
+static void blas_part(const gemm_plan *p, int rows, int cols, const char *A, const char *B, char *C, double beta) {
+    enum CBLAS_TRANSPOSE ta = p->ta ? CblasTrans : CblasNoTrans, tb = p->tb ? CblasTrans : CblasNoTrans;
+    if (p->dtype == DS_F32)
+        cblas_sgemm(CblasRowMajor, ta, tb, rows, cols, p->k, (float)p->alpha, (const float *)A, p->lda,
+                    (const float *)B, p->ldb, (float)beta, (float *)C, p->ldc);
+    else
+        cblas_dgemm(CblasRowMajor, ta, tb, rows, cols, p->k, p->alpha, (const double *)A, p->lda,
+                    (const double *)B, p->ldb, beta, (double *)C, p->ldc);
+}
+
+/* An f32/f64 GEMM through OpenBLAS. ds_threads.c keeps OpenBLAS on the
+ * calling thread, so a big product is cut here into blocks of C's columns
+ * (or rows, when C is taller than wide), one per OpenMP thread: GEMMs and
+ * the other kernels then share one thread team. Inside a parallel region,
+ * for small products, or when OpenBLAS threads itself, it runs whole. */
+static void blas_gemm(const gemm_plan *p, const void *A, const void *B, void *C, double beta) {
+    bool by_cols = p->n >= p->m;
+    int64_t len = by_cols ? p->n : p->m, es = (int64_t)ds_dtype_size(p->dtype);
+    int parts = omp_in_parallel() ? 1 : omp_get_max_threads();
+    if (parts > len / 32) parts = (int)(len / 32);
+    if (parts < 2 || (int64_t)p->m * p->n * p->k <= BLAS_SMALL_MNK || openblas_get_num_threads() > 1) {
+        blas_part(p, p->m, p->n, A, B, C, beta);
+        return;
+    }
+    int64_t per = ((len + parts - 1) / parts + 15) / 16 * 16;    /* whole SIMD blocks */
+    #pragma omp parallel for schedule(static) num_threads(parts)
+    for (int i = 0; i < parts; i++) {
+        int64_t s = i * per, e = s + per < len ? s + per : len;
+        if (s >= e) continue;
+        if (by_cols)
+            blas_part(p, p->m, (int)(e - s), A, (const char *)B + (p->tb ? s * p->ldb : s) * es,
+                      (char *)C + s * es, beta);
+        else
+            blas_part(p, (int)(e - s), p->n, (const char *)A + (p->ta ? s : s * p->lda) * es, B,
+                      (char *)C + s * p->ldc * es, beta);
+    }
+}
+
 /* C = alpha A B + beta C for one matrix of the batch; later visits of an
  * accumulated C (first false) add with beta 1. */
 static int gemm_one(const gemm_plan *p, const void *A, const void *B, void *C, bool first) {
@@ -173,14 +213,8 @@ static int gemm_one(const gemm_plan *p, const void *A, const void *B, void *C, b
             }
         return 0;
     }
-    enum CBLAS_TRANSPOSE ta = p->ta ? CblasTrans : CblasNoTrans, tb = p->tb ? CblasTrans : CblasNoTrans;
-    if (p->dtype == DS_F32) {
-        cblas_sgemm(CblasRowMajor, ta, tb, p->m, p->n, p->k, (float)p->alpha, A, p->lda, B, p->ldb, (float)beta,
-                    C, p->ldc);
-        return 0;
-    }
-    if (p->dtype == DS_F64) {
-        cblas_dgemm(CblasRowMajor, ta, tb, p->m, p->n, p->k, p->alpha, A, p->lda, B, p->ldb, beta, C, p->ldc);
+    if (p->dtype == DS_F32 || p->dtype == DS_F64) {
+        blas_gemm(p, A, B, C, beta);
         return 0;
     }
     if (p->widen) {
@@ -269,6 +303,14 @@ static bool first_visit(const ds_kview *c, int nb, int64_t i) {
     return true;
 }
 
+static int gemm_at(const gemm_plan *p, const ds_kview *c, const ds_kview *a, const ds_kview *b, int nb, int64_t i,
+                   size_t es) {
+    const char *A = (const char *)a->data + batch_offset(a, nb, i) * (int64_t)es;
+    const char *B = (const char *)b->data + batch_offset(b, nb, i) * (int64_t)es;
+    char *C = (char *)c->data + batch_offset(c, nb, i) * (int64_t)es;
+    return gemm_one(p, A, B, C, first_visit(c, nb, i));
+}
+
 static int run_batch(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta) {
     blas_layout la = { 0 }, lb = { 0 }, lc = { 0 };    /* a and b have none when k is 0 */
     mat_layout(&a, &la);
@@ -291,12 +333,11 @@ static int run_batch(ds_kview c, ds_kview a, ds_kview b, double alpha, double be
     bool spread = !accumulate && batch > 1 && (p.dtype == DS_F32 || p.dtype == DS_F64)
                   && (int64_t)p.m * p.n * p.k <= BLAS_SMALL_MNK;
     int err = 0;
-    #pragma omp parallel for schedule(static) if (spread) reduction(|:err)
-    for (int64_t i = 0; i < batch; i++) {
-        const char *A = (const char *)a.data + batch_offset(&a, nb, i) * (int64_t)es;
-        const char *B = (const char *)b.data + batch_offset(&b, nb, i) * (int64_t)es;
-        char *C = (char *)c.data + batch_offset(&c, nb, i) * (int64_t)es;
-        if (!err) err |= gemm_one(&p, A, B, C, first_visit(&c, nb, i)) != 0;
+    if (spread) {
+        #pragma omp parallel for schedule(static) reduction(|:err)
+        for (int64_t i = 0; i < batch; i++) err |= gemm_at(&p, &c, &a, &b, nb, i, es) != 0;
+    } else {       /* not even an inactive region: blas_gemm opens its own team */
+        for (int64_t i = 0; i < batch && !err; i++) err = gemm_at(&p, &c, &a, &b, nb, i, es) != 0;
     }
     for (int v = 0; v < 2; v++)
         if (p.prim[v]) dnnl_primitive_destroy(p.prim[v]);

@@ -7,6 +7,43 @@
 #include <math.h>
 #include <string.h>
 
+/* Rows are cut into tiles of at most CORE_TILE columns and the tiles shared
+ * among threads, so a contiguous tensor (one long row once coalesced: a
+ * zeroed 150 MB embedding gradient, say) still uses every thread. */
+#define CORE_TILE 16384
+
+static int64_t tile_count(int64_t rows, int64_t cols) { return rows * ((cols + CORE_TILE - 1) / CORE_TILE); }
+
+/* Row r and columns [c0, c1) of tile t. */
+static void tile_at(int64_t cols, int64_t t, int64_t *r, int64_t *c0, int64_t *c1) {
+    int64_t per_row = (cols + CORE_TILE - 1) / CORE_TILE;
+    *r = t / per_row;
+    *c0 = t % per_row * CORE_TILE;
+    *c1 = *c0 + CORE_TILE < cols ? *c0 + CORE_TILE : cols;
+}
+
+static void copy_tile(const ds_kview *dst, const ds_kview *src, int64_t t) {
+    int64_t r, c0, c1, cols = cpu_cols(dst), sd = cpu_col_stride(dst), ss = cpu_col_stride(src);
+    tile_at(cols, t, &r, &c0, &c1);
+    int64_t od = cpu_row_offset(dst, r) + c0 * sd, os = cpu_row_offset(src, r) + c0 * ss, w = c1 - c0;
+    if (dst->dtype == DS_BF16 && src->dtype == DS_F32 && sd == 1 && ss == 1) {
+        uint16_t *d = (uint16_t *)dst->data + od;
+        const float *s = (const float *)src->data + os;
+        for (int64_t c = 0; c < w; c++) d[c] = ds_f32_to_bf16(s[c]);
+    } else if (dst->dtype == DS_F32 && src->dtype == DS_BF16 && sd == 1 && ss == 1) {
+        float *d = (float *)dst->data + od;
+        const uint16_t *s = (const uint16_t *)src->data + os;
+        for (int64_t c = 0; c < w; c++) d[c] = ds_bf16_to_f32(s[c]);
+    } else if (dst->dtype == src->dtype && dst->dtype == DS_F32) {
+        float *d = (float *)dst->data + od;
+        const float *s = (const float *)src->data + os;
+        for (int64_t c = 0; c < w; c++) d[c * sd] = s[c * ss];
+    } else {
+        for (int64_t c = 0; c < w; c++)
+            ds_store(dst->dtype, dst->data, od + c * sd, ds_load(src->dtype, src->data, os + c * ss));
+    }
+}
+
 static int cpu_copy(ds_kview dst, ds_kview src) {
     ds_kview *v[2] = { &dst, &src };
     cpu_coalesce(v, 2);
@@ -14,50 +51,50 @@ static int cpu_copy(ds_kview dst, ds_kview src) {
     if (n == 0) return 0;
     int64_t sd = cpu_col_stride(&dst), ss = cpu_col_stride(&src);
     if (dst.dtype == src.dtype && rows == 1 && sd == 1 && ss == 1) {
+        size_t es = ds_dtype_size(dst.dtype), nb = (size_t)n * es;
+        char *d = dst.data;
+        const char *s = src.data;
         /* memmove: a copy_ between overlapping slices of one storage
          * (t:narrow(1,1,n):copy_(t:narrow(1,2,n))) stays well defined */
-        memmove(dst.data, src.data, (size_t)n * ds_dtype_size(dst.dtype));
+        if (n <= CPU_PARALLEL_MIN || (d < s + nb && s < d + nb)) {
+            memmove(d, s, nb);
+            return 0;
+        }
+        size_t chunk = (size_t)CORE_TILE * es;
+        int64_t chunks = (int64_t)((nb + chunk - 1) / chunk);
+        #pragma omp parallel for schedule(static)
+        for (int64_t i = 0; i < chunks; i++) {
+            size_t at = (size_t)i * chunk;
+            memcpy(d + at, s + at, nb - at < chunk ? nb - at : chunk);
+        }
         return 0;
     }
+    int64_t tiles = tile_count(rows, cols);
     #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t od = cpu_row_offset(&dst, r), os = cpu_row_offset(&src, r);
-        if (dst.dtype == DS_BF16 && src.dtype == DS_F32 && sd == 1 && ss == 1) {
-            uint16_t *d = (uint16_t *)dst.data + od;
-            const float *s = (const float *)src.data + os;
-            for (int64_t c = 0; c < cols; c++) d[c] = ds_f32_to_bf16(s[c]);
-        } else if (dst.dtype == DS_F32 && src.dtype == DS_BF16 && sd == 1 && ss == 1) {
-            float *d = (float *)dst.data + od;
-            const uint16_t *s = (const uint16_t *)src.data + os;
-            for (int64_t c = 0; c < cols; c++) d[c] = ds_bf16_to_f32(s[c]);
-        } else if (dst.dtype == src.dtype && dst.dtype == DS_F32) {
-            float *d = (float *)dst.data + od;
-            const float *s = (const float *)src.data + os;
-            for (int64_t c = 0; c < cols; c++) d[c * sd] = s[c * ss];
-        } else {
-            for (int64_t c = 0; c < cols; c++)
-                ds_store(dst.dtype, dst.data, od + c * sd, ds_load(src.dtype, src.data, os + c * ss));
-        }
-    }
+    for (int64_t t = 0; t < tiles; t++) copy_tile(&dst, &src, t);
     return 0;
+}
+
+static void fill_tile(const ds_kview *dst, double value, int64_t t) {
+    int64_t r, c0, c1, cols = cpu_cols(dst), sd = cpu_col_stride(dst);
+    tile_at(cols, t, &r, &c0, &c1);
+    int64_t od = cpu_row_offset(dst, r) + c0 * sd, w = c1 - c0;
+    if (dst->dtype == DS_F32) {
+        float *d = (float *)dst->data + od, f = (float)value;
+        for (int64_t c = 0; c < w; c++) d[c * sd] = f;
+    } else {
+        for (int64_t c = 0; c < w; c++) ds_store(dst->dtype, dst->data, od + c * sd, value);
+    }
 }
 
 static int cpu_fill(ds_kview dst, double value) {
     ds_kview *v[1] = { &dst };
     cpu_coalesce(v, 1);
     int64_t n = ds_kview_numel(&dst), cols = cpu_cols(&dst), rows = n / (cols ? cols : 1);
-    int64_t sd = cpu_col_stride(&dst);
     if (n == 0) return 0;
+    int64_t tiles = tile_count(rows, cols);
     #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t od = cpu_row_offset(&dst, r);
-        if (dst.dtype == DS_F32) {
-            float *d = (float *)dst.data + od, f = (float)value;
-            for (int64_t c = 0; c < cols; c++) d[c * sd] = f;
-        } else {
-            for (int64_t c = 0; c < cols; c++) ds_store(dst.dtype, dst.data, od + c * sd, value);
-        }
-    }
+    for (int64_t t = 0; t < tiles; t++) fill_tile(&dst, value, t);
     return 0;
 }
 

@@ -61,22 +61,30 @@ static double reduce_line(ds_reduce_op op, const ds_kview *x, int64_t base, int6
     }
 }
 
+/* Columns per work item of the f32 column sums. */
+#define REDUCE_COLS 256
+
 static int cpu_reduce(ds_reduce_op op, ds_kview out, ds_kview x, int64_t outer, int64_t n, int64_t inner,
                       double param) {
     if (n == 0 && (op != DS_RED_SUM && op != DS_RED_NORM))
         return ds_kernel_fail("cannot reduce an empty dimension");
     int64_t total = outer * inner;
     if (inner > 1 && (op == DS_RED_SUM || op == DS_RED_MEAN) && x.dtype == DS_F32) {
-        /* column sums: walk rows in memory order, one accumulator per column */
+        /* column sums: walk rows in memory order, one accumulator per column;
+         * threads share blocks of columns, so a bias gradient (outer 1)
+         * is not left to one thread */
         double *sums = calloc((size_t)total, sizeof *sums);
         if (!sums) return ds_kernel_fail("out of memory for %lld accumulators", (long long)total);
+        int64_t blocks = (inner + REDUCE_COLS - 1) / REDUCE_COLS;
         #pragma omp parallel for schedule(static) if (total * n > CPU_PARALLEL_MIN)
-        for (int64_t o = 0; o < outer; o++) {
+        for (int64_t t = 0; t < outer * blocks; t++) {
+            int64_t o = t / blocks, k0 = t % blocks * REDUCE_COLS;
+            int64_t k1 = k0 + REDUCE_COLS < inner ? k0 + REDUCE_COLS : inner;
             double *acc = sums + o * inner;
             const float *f = (const float *)x.data + o * n * inner;
             for (int64_t j = 0; j < n; j++)
-                for (int64_t k = 0; k < inner; k++) acc[k] += f[j * inner + k];
-            for (int64_t k = 0; k < inner; k++)
+                for (int64_t k = k0; k < k1; k++) acc[k] += f[j * inner + k];
+            for (int64_t k = k0; k < k1; k++)
                 ds_store(out.dtype, out.data, o * inner + k, op == DS_RED_MEAN ? acc[k] / (double)n : acc[k]);
         }
         free(sums);

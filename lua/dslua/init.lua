@@ -35,6 +35,7 @@ ds.optim = require 'dslua.optim'
 ds.json = require 'dslua.json'
 ds.config = require 'dslua.config'
 ds.args = require 'dslua.args'
+ds.comm = require 'dslua.comm'
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds

@@ -1,0 +1,107 @@
+/* Inside the comm layer (ds_comm*.c only): groups, works, and the
+ * backends, who move the payload of a collective for tensors on one
+ * device type. ds_comm.c does everything else (arguments,
+ * shapes, checks, waiting, copies in and out) and calls a backend with
+ * contiguous buffers of `count` elements of a wire dtype, ranks given as
+ * group ranks, ops never AVG (it is a SUM then a division).
+ *
+ * MPI serves CPU tensors (ds_comm_mpi.c). A CUDA build registers NCCL for
+ * CUDA tensors with ds_comm_backend_register; its per-group communicator
+ * lives in ds_comm_group.backend[DS_DEV_CUDA], made on first use from the
+ * group's MPI control communicator. */
+#ifndef DS_COMM_IMPL_H
+#define DS_COMM_IMPL_H
+
+#include "ds_comm.h"
+
+#include <mpi.h>
+
+struct ds_comm_group {
+    int rank, size;                 /* rank -1: this rank is not a member */
+    int *ranks;                     /* world rank of each group rank */
+    int64_t seq;                    /* collectives called so far */
+    int index;                      /* 0 the world, then in creation order (the same on every rank) */
+    char name[64];                  /* "world" or "[0,2]" */
+    MPI_Comm comm;                  /* MPI payload; MPI_COMM_NULL without MPI */
+    MPI_Comm ctl;                   /* shapes and checks, never payload */
+    void *backend[DS_NDEVICE_TYPES];
+    struct ds_comm_group *next;
+};
+
+/* Each start function returns 0 with *req set (the request in flight), or
+ * -1 with the error set. counts: elements per group rank; the buffers are
+ * packed in rank order. reduce: send == recv means in place (on root). */
+typedef struct ds_comm_backend {
+    const char *name;
+    bool reduces_half;              /* else bf16/f16 reductions travel as f32 */
+    int (*barrier)(ds_comm_group *g, void **req);
+    int (*send)(const void *buf, int64_t count, ds_dtype dt, int peer, int tag, ds_comm_group *g, void **req);
+    int (*recv)(void *buf, int64_t count, ds_dtype dt, int peer, int tag, ds_comm_group *g, void **req);
+    int (*broadcast)(void *buf, int64_t count, ds_dtype dt, int root, ds_comm_group *g, void **req);
+    int (*reduce)(const void *send, void *recv, int64_t count, ds_dtype dt, ds_comm_op op, int root,
+                  ds_comm_group *g, void **req);
+    int (*all_reduce)(void *buf, int64_t count, ds_dtype dt, ds_comm_op op, ds_comm_group *g, void **req);
+    int (*gather)(const void *send, void *recv, const int64_t *counts, ds_dtype dt, int root,
+                  ds_comm_group *g, void **req);
+    int (*scatter)(const void *send, void *recv, const int64_t *counts, ds_dtype dt, int root,
+                   ds_comm_group *g, void **req);
+    int (*all_gather)(const void *send, void *recv, const int64_t *counts, ds_dtype dt,
+                      ds_comm_group *g, void **req);
+    int (*reduce_scatter)(const void *send, void *recv, const int64_t *counts, ds_dtype dt, ds_comm_op op,
+                          ds_comm_group *g, void **req);
+    int (*test)(void *req, bool *done);
+    void (*free_req)(void *req);    /* only after test said done */
+} ds_comm_backend;
+
+extern const ds_comm_backend ds_comm_mpi_backend;
+
+void ds_comm_backend_register(ds_device_type type, const ds_comm_backend *b);
+/* The backend for t's device, or NULL with the error naming op. */
+const ds_comm_backend *ds_comm_backend_of(const ds_tensor *t, const char *op);
+
+/* An MPI return code as 0, or -1 with the error naming op. */
+int ds_comm_mpi_check(int rc, const char *op);
+
+/* A primitive in flight. When it completes, buf is divided by `divide`
+ * (avg) and copied into target (a non-contiguous or narrower user tensor);
+ * keep only stays alive until then. */
+struct ds_comm_work {
+    const ds_comm_backend *be;
+    void *req;                      /* the backend request; NULL once done */
+    ds_comm_group *g;
+    int peer;                       /* world rank of a send/recv peer, else -1 */
+    bool sending;
+    int64_t ordinal;                /* g's collective number, or the n-th send/recv with peer */
+    int state;                      /* 0 in flight, 1 done, -1 failed */
+    bool orphan;                    /* released by its owner while in flight */
+    char what[160];                 /* "all_reduce(f32, 10 elements) #7", for errors */
+    ds_tensor *target, *buf, *keep;
+    double divide;
+    int nresults;
+    ds_tensor **results;
+    struct ds_comm_work *next;      /* the in-flight list */
+};
+
+/* Before a primitive on *g (NULL: the world, set on return): starts MPI,
+ * checks membership, and for a collective (p2p false) counts the call and
+ * runs the signature check. Describes the call into what. dtype -1 and
+ * root -1 when they do not apply; strict: counts must match across ranks. */
+int ds_comm_begin(ds_comm_group **g, const char *op, int dtype, int64_t count, int root, bool strict, bool p2p,
+                  char *what, size_t n);
+/* Control-plane exchanges on g->ctl, waited for with the deadline. */
+int ds_comm_ctl_allgather(ds_comm_group *g, const void *mine, void *all, int bytes, const char *what);
+int ds_comm_ctl_bcast(ds_comm_group *g, void *buf, int bytes, int root, const char *what);
+/* dst = src converted to dst's dtype, any strides: 0, or -1 naming op. */
+int ds_comm_copy(ds_tensor *dst, ds_tensor *src, const char *op);
+
+/* Counts a send to (or receive from) a world rank; the count. */
+int64_t ds_comm_p2p_count(int peer, bool sending);
+
+ds_comm_work *ds_comm_work_new(ds_comm_group *g, const char *what, int peer, int nresults);
+/* After a backend start: puts w in flight, or frees it when rc != 0. */
+ds_comm_work *ds_comm_work_launch(ds_comm_work *w, const ds_comm_backend *be, int rc, void *req);
+/* A work with nothing to send (one rank): finishes it now. */
+ds_comm_work *ds_comm_work_local(ds_comm_work *w);
+void ds_comm_work_free(ds_comm_work *w);
+
+#endif

@@ -1,0 +1,39 @@
+-- Run by spec/comm_spec.lua under mpirun: one way for a job to go wrong
+-- per mode (arg[1]), provoked by the last rank after a first collective
+-- that every rank completes. The spec checks how fast and how loudly the
+-- whole job ends.
+local ffi = require 'ffi'
+local ds = require 'dslua'
+local c = ds.comm
+
+ffi.cdef 'int usleep(unsigned int usec);'
+local function sleep(s) for _ = 1, s * 10 do ffi.C.usleep(100000) end end
+
+local mode = arg[1]
+local r, n = c.rank(), c.world_size()
+local last = r == n - 1
+local t = ds.ones(10)
+c.all_reduce(t)
+c.print('first collective done')
+
+if mode == 'error' and last then
+  error('boom in rank ' .. r)
+elseif mode == 'exit' and last then
+  os.exit(3)
+elseif mode == 'exit0' and last then
+  os.exit(0)
+elseif mode == 'kill' and last then
+  os.execute('kill -9 $PPID')
+elseif mode == 'timeout' and last then
+  sleep(30)                                   -- never joins; the others time out
+elseif mode == 'mismatch' and last then
+  c.broadcast(t, 0)
+elseif mode == 'recv' then
+  if r == 0 then c.recv(t, n - 1) elseif last then os.exit(0) end
+elseif mode == 'stagger' then
+  sleep(r * 0.3)                              -- ranks end at different times, all fine
+  c.print('END')
+  os.exit(0)
+end
+if mode ~= 'recv' then c.all_reduce(t) end
+c.print('second collective done')
