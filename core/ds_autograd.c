@@ -3,6 +3,7 @@
 #include "ds_ops.h"
 
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,6 +141,87 @@ static int accumulate_leaf(ds_tensor *leaf, ds_tensor *g) {
     return 0;
 }
 
+/* Leaf hooks, in an array sorted by leaf address. pending counts the edges
+ * of backward number `visit` still to deliver to the leaf. Set them from the
+ * thread that runs backward. */
+typedef struct {
+    ds_tensor *leaf;
+    ds_leaf_hook fn;
+    void *ud;
+    int pending;
+    uint32_t visit;
+} leaf_hook;
+
+static leaf_hook *hooks;
+static size_t n_hooks, cap_hooks;
+
+/* The first position whose leaf is not below `leaf`. */
+static size_t hook_pos(const ds_tensor *leaf) {
+    size_t lo = 0, hi = n_hooks;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        if ((uintptr_t)hooks[mid].leaf < (uintptr_t)leaf) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+static leaf_hook *find_hook(const ds_tensor *leaf) {
+    if (!n_hooks) return NULL;
+    size_t i = hook_pos(leaf);
+    return i < n_hooks && hooks[i].leaf == leaf ? &hooks[i] : NULL;
+}
+
+int ds_autograd_set_leaf_hook(ds_tensor *leaf, ds_leaf_hook fn, void *ud) {
+    size_t i = hook_pos(leaf);
+    bool have = i < n_hooks && hooks[i].leaf == leaf;
+    if (!fn) {
+        if (!have || hooks[i].ud != ud) return 0;
+        memmove(&hooks[i], &hooks[i + 1], (n_hooks - i - 1) * sizeof *hooks);
+        n_hooks--;
+        ds_tensor_release(leaf);
+        return 0;
+    }
+    if (leaf->grad_fn)
+        return ds_fail(DS_ERR_ARG, "leaf hook: the tensor is not a leaf (%s made it)", leaf->grad_fn->name), -1;
+    if (have) {
+        hooks[i].fn = fn;
+        hooks[i].ud = ud;
+        return 0;
+    }
+    if (n_hooks == cap_hooks) {
+        size_t cap = cap_hooks ? cap_hooks * 2 : 64;
+        leaf_hook *grown = realloc(hooks, cap * sizeof *grown);
+        if (!grown) return ds_fail(DS_ERR_NOMEM, "leaf hook: out of memory"), -1;
+        hooks = grown;
+        cap_hooks = cap;
+    }
+    memmove(&hooks[i + 1], &hooks[i], (n_hooks - i) * sizeof *hooks);
+    hooks[i] = (leaf_hook){ .leaf = leaf, .fn = fn, .ud = ud };
+    n_hooks++;
+    ds_tensor_retain(leaf);
+    return 0;
+}
+
+static void count_leaf_edge(const ds_tensor *leaf, uint32_t visit) {
+    leaf_hook *h = find_hook(leaf);
+    if (!h) return;
+    if (h->visit != visit) {
+        h->visit = visit;
+        h->pending = 0;
+    }
+    h->pending++;
+}
+
+/* One edge of backward `visit` has delivered to leaf: the last one runs
+ * the hook (copied out first: the hook may change the array). */
+static int leaf_delivered(ds_tensor *leaf, uint32_t visit) {
+    leaf_hook *h = find_hook(leaf);
+    if (!h || h->visit != visit || --h->pending > 0) return 0;
+    ds_leaf_hook fn = h->fn;
+    return fn(leaf, h->ud);
+}
+
 typedef struct { ds_node **items; size_t len, cap; } node_list;
 
 static int list_push(node_list *l, ds_node *n) {
@@ -154,11 +236,12 @@ static int list_push(node_list *l, ds_node *n) {
     return 0;
 }
 
+static _Atomic uint32_t visits;
+
 /* Counts, for every node reachable from root, how many edges lead to it;
- * a node runs once all of them have delivered their gradient. */
-static int count_dependencies(ds_node *root, node_list *seen) {
-    static _Atomic uint32_t visits;
-    uint32_t visit = atomic_fetch_add(&visits, 1) + 1;
+ * a node runs once all of them have delivered their gradient. Edges to
+ * hooked leaves are counted too. The pass is numbered `visit`. */
+static int count_dependencies(ds_node *root, node_list *seen, uint32_t visit) {
     node_list stack = {0};
     root->visit = visit;
     int rc = list_push(&stack, root);
@@ -168,7 +251,10 @@ static int count_dependencies(ds_node *root, node_list *seen) {
         ds_node *n = stack.items[--stack.len];
         for (int k = 0; k < n->n_inputs && rc == 0; k++) {
             ds_node *m = n->next[k].node;
-            if (!m) continue;
+            if (!m) {
+                if (n->next[k].leaf && n_hooks) count_leaf_edge(n->next[k].leaf, visit);
+                continue;
+            }
             if (m->visit != visit) {
                 m->visit = visit;
                 m->pending = 0;
@@ -205,7 +291,7 @@ static int check_grad_shape(const ds_node *n, int k, const ds_tensor *g) {
     return -1;
 }
 
-static int run_node(ds_node *n, bool retain_graph, node_list *ready) {
+static int run_node(ds_node *n, bool retain_graph, node_list *ready, uint32_t visit) {
     ds_tensor *gin[DS_NODE_MAX_INPUTS] = {0};
     ds_tensor *g = n->grad;
     n->grad = NULL;
@@ -229,6 +315,7 @@ static int run_node(ds_node *n, bool retain_graph, node_list *ready) {
             if (e->leaf) rc = accumulate_leaf(e->leaf, gin[k]);
             else if (e->node) rc = accumulate(&e->node->grad, gin[k]);
         }
+        if (e->leaf && n_hooks && rc == 0) rc = leaf_delivered(e->leaf, visit);
         if (e->node && --e->node->pending == 0 && rc == 0) rc = list_push(ready, e->node);
         ds_tensor_release(gin[k]);
     }
@@ -249,15 +336,20 @@ int ds_backward(ds_tensor *root, ds_tensor *grad, bool retain_graph) {
     ds_tensor *g = grad ? ds_to_dtype(grad, root->dtype)
                         : ds_tensor_full(root->ndim, root->shape, root->dtype, ds_tensor_device(root), 1.0);
     int rc = g ? 0 : -1;
+    uint32_t visit = atomic_fetch_add(&visits, 1) + 1;
     if (rc == 0 && !root->grad_fn) {
         rc = accumulate_leaf(root, g);
+        if (rc == 0 && n_hooks) {
+            count_leaf_edge(root, visit);
+            rc = leaf_delivered(root, visit);
+        }
     } else if (rc == 0) {
         node_list seen = {0}, ready = {0};
         ds_node *top = root->grad_fn;
-        rc = count_dependencies(top, &seen);
+        rc = count_dependencies(top, &seen, visit);
         if (rc == 0) rc = accumulate(&top->grad, g);
         if (rc == 0) rc = list_push(&ready, top);
-        while (rc == 0 && ready.len) rc = run_node(ready.items[--ready.len], retain_graph, &ready);
+        while (rc == 0 && ready.len) rc = run_node(ready.items[--ready.len], retain_graph, &ready, visit);
         for (size_t j = 0; j < seen.len; j++) {   /* drop partial sums after an error */
             ds_tensor_release(seen.items[j]->grad);
             seen.items[j]->grad = NULL;

@@ -55,6 +55,17 @@ ds_node *ds_autograd_record(const char *name, ds_backward_fn fn, int n_inputs,
 int ds_node_save(ds_node *n, int slot, ds_tensor *t);
 void ds_node_release(ds_node *n);
 
+/* A leaf hook runs once per backward, as soon as the last gradient that
+ * backward sends to the leaf has been accumulated into leaf->grad (edges to
+ * the leaf are counted with the dependencies), while backward goes on with
+ * the rest of the graph: how data parallelism starts reducing gradients
+ * early. It returns 0, or -1 with the error set (backward then fails). */
+typedef int (*ds_leaf_hook)(ds_tensor *leaf, void *ud);
+/* Sets leaf's hook, replacing any; fn NULL removes the hook if it was set
+ * with this ud. A hook keeps a reference to its leaf until it is removed.
+ * 0, or -1 with the error set. */
+int ds_autograd_set_leaf_hook(ds_tensor *leaf, ds_leaf_hook fn, void *ud);
+
 /* Backpropagates from `root`; grad NULL means ones (root must then hold one
  * element). Frees the graph's saved tensors unless retain_graph. */
 int ds_backward(ds_tensor *root, ds_tensor *grad, bool retain_graph);

@@ -5,10 +5,12 @@
 #include "lua_repl.h"
 #include "ds_threads.h"
 #include "ds_comm.h"
+#include "ds_rankenv.h"
 
 #include <lauxlib.h>
 #include <lualib.h>
 #include <luajit.h>
+#include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,6 +30,17 @@ static const char usage[] =
     "                 and exit non-zero on errors\n"
     "  --             stop handling options\n"
     "  -              run standard input as a script\n"
+    "Launching ranks with mpirun, options before the script as the deepspeed launcher\n"
+    "takes them (`dslua -n 2 train.lua --config ds.json`):\n"
+    "  -n, --num_gpus, --nproc_per_node N   ranks per host (default: the hostfile's\n"
+    "                 slots, else 1)\n"
+    "  --hostfile F   the hosts, one `host slots=N` line each (DeepSpeed's format)\n"
+    "  --include S, --exclude S   hosts and slots of the hostfile: host1:0,2@host2\n"
+    "  --num_nodes N  the first N hosts of the hostfile\n"
+    "  --master_addr A, --master_port P   exported to the ranks (default 29500)\n"
+    "Under mpirun (this launcher or plain `mpirun -np N dslua script`) each rank sees\n"
+    "RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR,\n"
+    "MASTER_PORT, and the script gets --local_rank=N after its own arguments.\n"
     "With no script on a terminal, dslua starts a REPL with `ds` loaded.\n"
     "Environment: DSLUA_NUM_THREADS (else OMP_NUM_THREADS) sets CPU threads;\n"
     "DSLUA_HISTORY names the REPL history file (default ~/.dslua_history).\n";
@@ -107,6 +120,66 @@ static int run_script(lua_State *L, char **argv, int argc, int script) {
     return run_chunk(L, 0, nargs);
 }
 
+/* Under mpirun the script gets --local_rank=N, as DeepSpeed's launcher
+ * passes it, unless it has one already: after its own arguments (so
+ * positional ones keep their places), before a `--` that ends its options. */
+static int run_rank_script(lua_State *L, char **argv, int argc, int script) {
+    int at = script + 1;
+    for (; at < argc && strcmp(argv[at], "--") != 0; at++) {
+        const char *a = argv[at];
+        if (strncmp(a, "--local_rank", 12) == 0 || strncmp(a, "--local-rank", 12) == 0)
+            if (a[12] == '\0' || a[12] == '=') return run_script(L, argv, argc, script);
+    }
+    char flag[32];
+    snprintf(flag, sizeof flag, "--local_rank=%d", ds_comm_local_rank());
+    char **v = malloc((size_t)(argc + 1) * sizeof *v);
+    if (!v) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
+    memcpy(v, argv, (size_t)at * sizeof *v);
+    v[at] = flag;
+    memcpy(v + at + 1, argv + at, (size_t)(argc - at) * sizeof *v);
+    int rc = run_script(L, v, argc + 1, script);
+    free(v);
+    return rc;
+}
+
+/* `dslua [launcher options] script [args]`: dslua.launcher turns args (from
+ * the first launcher option on) into an mpirun command running this very
+ * binary, and this process becomes that mpirun, so its exit status is
+ * mpirun's (non-zero when a rank fails). Returns only on errors. */
+static int launch(lua_State *L, char **args, int nargs) {
+    char exe[4096];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n < 0) { fprintf(stderr, "dslua: cannot read /proc/self/exe: %s\n", strerror(errno)); return 1; }
+    exe[n] = '\0';
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "dslua.launcher");
+    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    lua_getfield(L, -1, "main");
+    lua_createtable(L, nargs, 0);
+    for (int i = 0; i < nargs; i++) {
+        lua_pushstring(L, args[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_pushstring(L, exe);
+    if (lua_pcall(L, 2, 1, 0) != 0) {      /* a usage error: the message alone */
+        fprintf(stderr, "dslua: %s\n", lua_tostring(L, -1) ? lua_tostring(L, -1) : "(error)");
+        return 1;
+    }
+    int ncmd = (int)lua_objlen(L, -1);
+    char **cmd = calloc((size_t)ncmd + 1, sizeof *cmd);
+    if (!cmd) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
+    for (int i = 0; i < ncmd; i++) {
+        lua_rawgeti(L, -1, i + 1);
+        cmd[i] = (char *)lua_tostring(L, -1);     /* kept alive by the table */
+        lua_pop(L, 1);
+    }
+    fflush(NULL);
+    execv(cmd[0], cmd);
+    fprintf(stderr, "dslua: cannot run %s: %s\n", cmd[0], strerror(errno));
+    free(cmd);
+    return 1;
+}
+
 /* `--name value` or `--name=value`: true when a is the option, with *value
  * set to its inline value or NULL. */
 static bool valued_option(const char *a, const char *name, const char **value) {
@@ -114,6 +187,17 @@ static bool valued_option(const char *a, const char *name, const char **value) {
     if (strncmp(a, name, n) != 0 || (a[n] != '\0' && a[n] != '=')) return false;
     *value = a[n] == '=' ? a + n + 1 : NULL;
     return true;
+}
+
+/* The deepspeed launcher's options; dslua.launcher parses them. */
+static bool launcher_option(const char *a) {
+    static const char *const names[] = { "-n", "--num_gpus", "--num_accelerators", "--nproc_per_node",
+                                         "--hostfile", "--include", "--exclude", "--num_nodes",
+                                         "--master_addr", "--master_port" };
+    const char *value;
+    for (size_t k = 0; k < sizeof names / sizeof *names; k++)
+        if (valued_option(a, names[k], &value)) return true;
+    return false;
 }
 
 /* require('dslua.config').check_cli(path, world_size): 0 when valid. */
@@ -137,6 +221,7 @@ static int require_global(lua_State *L, const char *name) {
 }
 
 int main(int argc, char **argv) {
+    ds_rankenv_init();
     ds_threads_init();
     lua_State *L = luaL_newstate();
     if (!L) { fprintf(stderr, "dslua: cannot create a Lua state\n"); return 1; }
@@ -174,6 +259,15 @@ int main(int argc, char **argv) {
         } else if (strcmp(a, "--") == 0) {
             i++;
             break;
+        } else if (launcher_option(a)) {
+            if (ran || interactive || check_path || world_size) {
+                fprintf(stderr, "dslua: '%s' launches a script on ranks; it goes with no -e, -l, -i or --check-config\n%s", a, usage);
+                rc = 1;
+            } else {
+                rc = launch(L, argv + i, argc - i);
+            }
+            lua_close(L);
+            return rc;
         } else if (a[0] == '-' && a[1]) {
             fprintf(stderr, "dslua: unknown option '%s'\n%s", a, usage);
             lua_close(L);
@@ -194,7 +288,7 @@ int main(int argc, char **argv) {
         return rc;
     }
     if (rc == 0 && i < argc) {
-        rc = run_script(L, argv, argc, i);
+        rc = ds_comm_launched() ? run_rank_script(L, argv, argc, i) : run_script(L, argv, argc, i);
         ran = true;
     }
     if (rc == 0 && (interactive || !ran)) {

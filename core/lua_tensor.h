@@ -48,5 +48,6 @@ void dsL_open_data(lua_State *L);
 void dsL_open_json(lua_State *L);
 void dsL_open_lr(lua_State *L);
 void dsL_open_comm(lua_State *L);
+void dsL_open_ddp(lua_State *L);
 
 #endif

@@ -242,9 +242,9 @@ describe('ds.config defaults', function()
   end)
 
   it('passes dslua\'s extension blocks through and notes DeepSpeed keys it ignores', function()
-    local cfg, notes = config.load({ train_batch_size = 8, sampler = { policy = 'uneven', weights = { 1, 2 } },
+    local cfg, notes = config.load({ train_batch_size = 8, reload = { watch = { 'a.lua' } },
                                      wandb = { enabled = false }, amp = { enabled = false } })
-    assert.are.same({ policy = 'uneven', weights = { 1, 2 } }, cfg.sampler)
+    assert.are.same({ watch = { 'a.lua' } }, cfg.reload)
     assert.are.same({ enabled = false }, cfg.wandb)
     has(table.concat(notes, '\n'), 'config: wandb: a DeepSpeed setting dslua does not act on')
     has(table.concat(notes, '\n'), 'config: amp: a DeepSpeed feature dslua does not implement')

@@ -81,7 +81,7 @@ end
 
 -- Random translations by up to 2 pixels, one per group of 8 images: the
 -- 8,000 images are too few for an MLP to reach 97% without it.
-local background = (0 - 0.1307) / 0.3081
+local background = -0.1307 / 0.3081
 local function shift(x, d, dim)
   if d == 0 then return x end
   local size = x:size()

@@ -36,6 +36,15 @@ static inline float cpu_gelu_tanh_f(float x) {
     return x < -10.0f ? -0.0f : y;
 }
 
+/* The f32 add, the hottest binary case. It is bound by memory, and on AMD
+ * Zen 4 its loop runs 6-20% faster with 256-bit vectors than with 512-bit
+ * ones (bench/README.md); GELU, bound by arithmetic, keeps the full width. */
+__attribute__((noinline, target("prefer-vector-width=256")))
+static void add_f32(float *o, const float *x, const float *y, int64_t c0, int64_t c1) {
+    #pragma omp simd
+    for (int64_t c = c0; c < c1; c++) o[c] = x[c] + y[c];
+}
+
 static void binary_tile(ds_binary_op op, const ds_kview *out, const ds_kview *a, const ds_kview *b, int64_t t) {
     int64_t r, c0, c1;
     tile_at(out, t, &r, &c0, &c1);
@@ -45,9 +54,7 @@ static void binary_tile(ds_binary_op op, const ds_kview *out, const ds_kview *a,
     float *o = fast ? (float *)out->data + oo : NULL;
     const float *x = fast ? (const float *)a->data + oa : NULL, *y = fast ? (const float *)b->data + ob : NULL;
     if (fast && sb == 1 && op == DS_BIN_ADD) {
-        /* the hottest case, kept free of the op switch */
-        #pragma omp simd
-        for (int64_t c = c0; c < c1; c++) o[c] = x[c] + y[c];
+        add_f32(o, x, y, c0, c1);
     } else if (fast && sb == 1) {
         #pragma omp simd
         for (int64_t c = c0; c < c1; c++) o[c] = ds_binary_apply_f(op, x[c], y[c]);

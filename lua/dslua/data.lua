@@ -417,11 +417,25 @@ end
 
 local Loader = {}
 
-local LOADER_OPTS = { 'batch_size', 'shuffle', 'seed', 'drop_last', 'collate_fn', 'num_workers', 'prefetch_factor' }
+local LOADER_OPTS = { 'batch_size', 'shuffle', 'seed', 'drop_last', 'collate_fn', 'num_workers', 'prefetch_factor',
+                      'sampler' }
+
+local function count_of(indices)
+  if core.is_tensor(indices) then return indices:numel() end
+  return #indices
+end
+
+-- The samples an epoch visits: the sampler's count, else the dataset's.
+local function epoch_len(self)
+  local s = self.sampler
+  if not s then return dataset_len(self.dataset) end
+  if type(s.len) == 'function' then return s:len() end
+  return count_of(s:indices(self.current_epoch or 1))
+end
 
 -- #loader: batches per epoch.
 function Loader.__len(self)
-  local n, b = dataset_len(self.dataset), self.batch_size
+  local n, b = epoch_len(self), self.batch_size
   if self.drop_last then return math.floor(n / b) end
   return math.ceil(n / b)
 end
@@ -456,7 +470,8 @@ end
 
 -- loader:epoch(e) -> iterator of (step, batch); step counts from 1 in the
 -- epoch. Shuffled by ds.data.permutation(#dataset, seed + e). e defaults to
--- the epoch after the last one started (the first is 1).
+-- the epoch after the last one started (the first is 1). With a sampler,
+-- sampler:set_epoch(e) then sampler:indices(e) give the epoch's order.
 function Loader:epoch(e)
   e = e or (self.current_epoch or 0) + 1
   if type(e) ~= 'number' or e ~= math.floor(e) or e < 0 then
@@ -466,8 +481,23 @@ function Loader:epoch(e)
   self._generation = self._generation + 1
   local generation = self._generation
   local d = self.dataset
-  local n = dataset_len(d)
-  local order = self.shuffle and n > 0 and C.permutation(n, self.seed + e) or nil
+  local n, order
+  if self.sampler then
+    self.sampler:set_epoch(e)
+    order = self.sampler:indices(e)
+    if type(order) ~= 'table' and not core.is_tensor(order) then
+      fail('loader:epoch', 'sampler:indices must return a list or a tensor of 0-based indices, got a %s', type(order))
+    end
+    n = count_of(order)
+    if n == 0 then
+      order = nil
+    elseif type(order) == 'table' and self:gathers_in_c() then
+      order = core.tensor(order, 'i64')
+    end
+  else
+    n = dataset_len(d)
+    order = self.shuffle and n > 0 and C.permutation(n, self.seed + e) or nil
+  end
   local pos, submitted, step, submit_size = 0, 0, 0, self.batch_size
   local cd, ring, list
 
@@ -479,7 +509,7 @@ function Loader:epoch(e)
     ring = self._c
     C.drain(ring)            -- batches of an epoch left early
   elseif order then
-    list = order:totable()
+    list = core.is_tensor(order) and order:totable() or order
   end
 
   -- the size of the batch starting at position p, or nil when none is left
@@ -521,7 +551,12 @@ function Loader:epoch(e)
 end
 
 -- ds.data.loader(dataset, {batch_size = 1, shuffle = true, seed = 0,
--- drop_last = false, collate_fn = nil, num_workers = 0, prefetch_factor = 2})
+-- drop_last = false, collate_fn = nil, num_workers = 0, prefetch_factor = 2,
+-- sampler = nil})
+-- sampler: an object with sampler:indices(epoch) -> the epoch's 0-based
+-- dataset indices (a list or a 1-D integer tensor), sampler:set_epoch(e),
+-- called before every epoch, and optionally sampler:len(); it replaces
+-- shuffle (as in PyTorch, shuffle = true with a sampler is an error).
 -- num_workers > 0: that many C threads gather C-backed datasets' batches
 -- ahead, up to num_workers * prefetch_factor batches in flight. The
 -- batches are the same with or without workers.
@@ -534,8 +569,16 @@ function M.loader(d, opts)
     fail(fname, 'expected a dataset (get and a length) or a list of samples')
   end
   local shuffle = opts.shuffle
-  if shuffle == nil then shuffle = true end
+  if shuffle == nil then shuffle = opts.sampler == nil end
   check_type(fname, opts, 'shuffle', 'boolean')
+  local sampler = opts.sampler
+  if sampler ~= nil then
+    if (type(sampler) ~= 'table' and type(sampler) ~= 'userdata') or type(sampler.indices) ~= 'function'
+       or type(sampler.set_epoch) ~= 'function' then
+      fail(fname, 'sampler must be an object with indices(epoch) and set_epoch(epoch) methods, got a %s', type(sampler))
+    end
+    if shuffle then fail(fname, 'sampler option is mutually exclusive with shuffle') end
+  end
   check_type(fname, opts, 'drop_last', 'boolean')
   check_type(fname, opts, 'collate_fn', 'function')
   return object(Loader, {
@@ -545,6 +588,7 @@ function M.loader(d, opts)
     seed = check_int(fname, opts, 'seed', 0, 0),
     drop_last = opts.drop_last or false,
     collate_fn = opts.collate_fn,
+    sampler = sampler,
     num_workers = check_int(fname, opts, 'num_workers', 0, 0),
     prefetch_factor = check_int(fname, opts, 'prefetch_factor', 2, 1),
     _generation = 0,

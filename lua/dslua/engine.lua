@@ -1,6 +1,14 @@
 -- The training engine: DeepSpeed's initialize / forward / backward / step
 -- over a dslua model, optimizer, LR scheduler and loader, with DeepSpeed's
 -- config semantics and log lines.
+--
+-- On N ranks (world_size > 1) it is data parallel: initialize broadcasts
+-- the parameters and buffers from rank 0 and feeds its loader through
+-- samplers/distributed.lua; the backward of each accumulation boundary
+-- all-reduces the gradients in buckets of reduce_bucket_size elements
+-- (core/ds_ddp.h), each launched as soon as backward has completed all its
+-- gradients, and step waits for them before the optimizer runs. What the
+-- last boundary's reduction did is in engine.comm_stats.
 local ds = require 'dslua'
 local progress = require 'dslua.progress'
 
@@ -10,6 +18,8 @@ local Engine = {}
 Engine.__index = Engine
 
 local now = ds.wall_time
+
+local DTYPE_BYTES = { f32 = 4, f64 = 8, bf16 = 2, f16 = 2 }
 
 -- log_dist as DeepSpeed prints it: rank 0 only, rank in the line.
 local function log(engine, fmt, ...)
@@ -114,6 +124,8 @@ function M.initialize(opts)
   local world_size = ds.comm and ds.comm.world_size() or 1
   local cfg = ds.config.load(source, { world_size = world_size })
 
+  if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
+
   local params = opts.model_parameters or model:parameters()
   local optimizer = build_optimizer(opts, cfg, params)
   local scheduler = build_scheduler(opts, cfg, optimizer)
@@ -126,10 +138,21 @@ function M.initialize(opts)
     init_time = now(),
   }, Engine)
 
+  if world_size > 1 then
+    self:_broadcast_model()
+    self:_setup_ddp()
+  end
+
   local loader
   if opts.training_data ~= nil then
+    -- DeepSpeed's loader: a DistributedSampler (shuffle, seed 0) on N
+    -- ranks; on one rank the loader's own shuffle, the same order
+    local sampler = world_size > 1 and require('samplers.distributed').new(opts.training_data, {
+      num_replicas = world_size, rank = self.rank,
+    }) or nil
     loader = ds.data.loader(opts.training_data, {
-      batch_size = cfg.train_micro_batch_size_per_gpu, shuffle = true, collate_fn = opts.collate_fn,
+      batch_size = cfg.train_micro_batch_size_per_gpu, shuffle = sampler == nil, sampler = sampler,
+      collate_fn = opts.collate_fn,
     })
     self:_watch_loader(loader)
   end
@@ -137,6 +160,90 @@ function M.initialize(opts)
   self:train()
   return self, optimizer, loader, scheduler
 end
+
+---------------------------------------------------------------- data parallel
+
+-- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights.
+function Engine:_broadcast_model()
+  for _, list in ipairs({ self.module:named_parameters(), self.module:named_buffers() }) do
+    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], 0) end
+  end
+end
+
+function Engine:_setup_ddp()
+  local params = {}
+  for _, p in ipairs(all_params(self.optimizer)) do
+    if p.requires_grad then params[#params + 1] = p end
+  end
+  if #params == 0 then return end
+  self.ddp = ds._ddp.new(params, self.config.zero_optimization.reduce_bucket_size)
+end
+
+-- The boundary backward: the bucket hooks launch each bucket's all-reduce
+-- (scaled before as DeepSpeed's allreduce_bucket does) while backward
+-- runs, and poll the ones in flight after every completed gradient.
+function Engine:_reduce_backward(loss)
+  if self._reduction then self:_finish_reduction() end
+  local cfg, n = self.config, self.world_size
+  local prescale, f = cfg.prescale_gradients, cfg.gradient_predivide_factor
+  local r = { works = {}, flats = {}, launched = {}, done = {}, open = 1, bytes = 0 }
+  local function launch(b, flat)
+    if prescale then
+      flat:mul_(1 / n)
+    elseif f ~= 1 then
+      flat:mul_(1 / f)
+    end
+    r.flats[b], r.launched[b] = flat, now()
+    r.bytes = r.bytes + flat:numel() * DTYPE_BYTES[flat:dtype()]
+    r.works[b] = ds.comm.all_reduce(flat, 'sum', { async = true })
+  end
+  local function poll()
+    for b = r.open, #r.works do
+      if not r.done[b] and r.works[b]:is_completed() then r.done[b] = now() end
+    end
+    while r.done[r.open] do r.open = r.open + 1 end
+  end
+  r.in_backward, r.leaves_after = self.ddp:backward(loss, launch, poll)
+  r.backward_end = now()
+  self._reduction = r
+end
+
+-- Waits for every bucket, then DeepSpeed's post-scaling: without
+-- prescale_gradients the sum is multiplied by predivide / world_size.
+function Engine:_finish_reduction()
+  local r = self._reduction
+  self._reduction = nil
+  local cfg, n = self.config, self.world_size
+  local post = not cfg.prescale_gradients and cfg.gradient_predivide_factor ~= n
+  local t0 = now()
+  for b, w in ipairs(r.works) do
+    w:wait()
+    r.done[b] = r.done[b] or now()
+    if post then r.flats[b]:mul_(cfg.gradient_predivide_factor / n) end
+  end
+  local comm, hidden = 0, 0
+  for b = 1, #r.works do
+    comm = comm + (r.done[b] - r.launched[b])
+    hidden = hidden + math.max(0, math.min(r.done[b], r.backward_end) - r.launched[b])
+  end
+  self.comm_stats = {
+    buckets = #r.works, bytes = r.bytes,
+    launched_in_backward = r.in_backward,            -- buckets launched before backward returned
+    leaves_after_first_launch = r.leaves_after,      -- gradients backward completed after the first launch
+    comm_ms = 1000 * comm,                           -- sum over buckets of launch to completion
+    hidden_ms = 1000 * hidden,                       -- of that, the part before backward returned
+    wait_ms = 1000 * (now() - t0),                   -- step's wait for the reduction (exposed time)
+  }
+end
+
+-- The end of training: prints the comms logger's summary (DeepSpeed's
+-- table) when the config enables it. Every rank calls it.
+function Engine:finish()
+  if self._reduction then self:_finish_reduction() end
+  if self.config.comms_logger.enabled then ds.comm.log_summary() end
+end
+
+---------------------------------------------------------------- loader
 
 -- Each epoch of the engine's own loader gets a progress bar on a terminal.
 function Engine:_watch_loader(loader)
@@ -188,7 +295,11 @@ function Engine:backward(loss)
   self.last_loss = loss:item()
   local gas = self:gradient_accumulation_steps()
   if gas > 1 then loss = loss / gas end
-  loss:backward()
+  if self.ddp and self:is_gradient_accumulation_boundary() then
+    self:_reduce_backward(loss)
+  else
+    loss:backward()
+  end
   self:_stop('backward')
   return loss
 end
@@ -236,6 +347,7 @@ function Engine:step()
   self:_start('step')
   local boundary = self:is_gradient_accumulation_boundary()
   if boundary then
+    if self._reduction then self:_finish_reduction() end
     local clip = self.config.gradient_clipping
     if clip and clip > 0 then self.grad_norm = clip_grad_norm(all_params(self.optimizer), clip) end
     self.optimizer:step()

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Communication benchmark on 2 ranks of this machine: all-reduce bus
+# bandwidth of ds.comm next to MPI_Allreduce called from C in the same run,
+# and the share of GPT-2's gradient all-reduce hidden behind backward.
+# Builds dslua if needed and bench/allreduce_ref.c into a shared library
+# (mpicc), then runs bench/comm.lua under mpirun.
+set -euo pipefail
+
+usage() {
+    cat <<'EOF2'
+usage: bench/comm.sh [-b BUILD_DIR] [-n RANKS] [-p bandwidth|overlap|all] [-q]
+  -b BUILD_DIR  a Release build of dslua, configured here if absent (default: build)
+  -n RANKS      ranks (default: 2)
+  -p PART       bandwidth, overlap or all (default: all)
+  -q            quick: short samples, one step (a smoke test, not a measurement)
+EOF2
+}
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+build=$root/build
+ranks=2
+part=all
+quick=
+while getopts "b:n:p:qh" opt; do
+    case $opt in
+    b) build=$(realpath -m "$OPTARG") ;;
+    n) ranks=$OPTARG ;;
+    p) part=$OPTARG ;;
+    q) quick=quick ;;
+    h) usage; exit 0 ;;
+    *) usage >&2; exit 2 ;;
+    esac
+done
+if ! [[ $ranks =~ ^[1-9][0-9]*$ ]] || ((ranks < 2)); then
+    echo "bench/comm.sh: -n wants a whole number >= 2 (got '$ranks')" >&2
+    exit 2
+fi
+case $part in bandwidth | overlap | all) ;; *) echo "bench/comm.sh: -p wants bandwidth, overlap or all" >&2; exit 2 ;; esac
+
+if [[ -f $build/CMakeCache.txt ]]; then
+    type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt")
+    if [[ $type != Release ]]; then
+        echo "bench/comm.sh: $build is a '$type' build; point -b at a Release build (or a new dir)" >&2
+        exit 1
+    fi
+else
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+fi
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+if ! cmake --build "$build" --target dslua -j"$cores" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "bench/comm.sh: building dslua failed" >&2
+    exit 1
+fi
+ref=$build/libbench_allreduce_ref.so
+if [[ ! -f $ref || $root/bench/allreduce_ref.c -nt $ref ]]; then
+    mpicc -O2 -std=gnu11 -Wall -Wextra -shared -fPIC "$root/bench/allreduce_ref.c" -o "$ref"
+fi
+
+# One thread per rank, ranks spread over the cores; shared memory only.
+threads=$((cores / ranks > 0 ? cores / ranks : 1))
+export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads DSLUA_COMM_CHECK=0
+
+commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
+cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
+load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+echo "dslua comm bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
+echo "cpu: $cpu, $cores cores; $ranks ranks of $threads thread(s), OpenMPI $(mpirun --version | sed -n 's/.*(Open MPI) //p'), btl self,vader"
+(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
+    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK \
+    -np "$ranks" "$build/dslua" bench/comm.lua "$ref" "$part" $quick)
+echo "load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -1,0 +1,209 @@
+-- Data-parallel training: the gradient buckets (ds._ddp) in this process,
+-- then spec/ddp/equiv.lua on 1 rank and under mpirun on 2 and 4 ranks: the
+-- MLP and a tiny GPT-2 trained through ds.initialize on the same global
+-- batches give the same losses and final weights on every world size.
+local H = require 'helpers'
+local P = require 'proc'
+local ds = H.ds
+
+-- Tolerances: f32 training over 12 steps; a sum of N partial gradients
+-- rounds differently from one sum over the whole batch, nothing more.
+local LOSS_RTOL = 1e-5        -- |loss_N - loss_1| <= LOSS_RTOL * |loss_1|, every step
+local WEIGHT_RTOL = 1e-5      -- ||w_N - w_1|| <= WEIGHT_RTOL * ||w_1||, every parameter tensor
+
+local function fails(pattern, fn, ...)
+  local ok, err = pcall(fn, ...)
+  assert.is_false(ok)
+  assert.truthy(tostring(err):find(pattern, 1, true), tostring(err))
+end
+
+describe('gradient buckets', function()
+  -- four parameters of 6, 4, 10 and 3 elements in one optimizer
+  local function setup(bucket_size)
+    local p = {}
+    for k, n in ipairs({ 6, 4, 10, 3 }) do p[k] = ds.ones(n):requires_grad_() end
+    local opt = ds.optim.SGD(p, { lr = 0.1 })
+    return p, opt, ds._ddp.new(p, bucket_size)
+  end
+
+  -- sum over k of k * sum(p[k]), built from the last parameter back
+  local function loss_of(p, skip)
+    local loss
+    for k = #p, 1, -1 do
+      if k ~= skip then
+        local t = (p[k] * k):sum()
+        loss = loss and t + loss or t
+      end
+    end
+    return loss
+  end
+
+  it('cut the optimizer\'s flat gradients from the last parameter, each holding at least bucket_size', function()
+    local _, opt, d = setup(8)
+    assert.are.equal(2, d:buckets())
+    local b1, first1, count1 = d:bucket(1)
+    local b2, first2, count2 = d:bucket(2)
+    assert.are.same({ 3, 2, 13 }, { first1, count1, b1:numel() })
+    assert.are.same({ 1, 2, 10 }, { first2, count2, b2:numel() })
+    b1:fill_(7)
+    assert.are.equal(7, opt:flat_grads():narrow(1, 11, 13):sum():item() / 13)   -- a view, not a copy
+    local _, _, every = setup(0)
+    assert.are.equal(4, every:buckets())
+    local _, _, one = setup(5e8)
+    assert.are.equal(1, one:buckets())
+  end)
+
+  it('launch in bucket order during backward, each with its complete gradients, polling after each', function()
+    local p, _, d = setup(8)
+    local events = {}
+    local launched, after = d:backward(loss_of(p), function(b, flat)
+      events[#events + 1] = string.format('launch %d %g', b, flat:totable()[1])
+    end, function() events[#events + 1] = 'poll' end)
+    assert.are.same({ 'poll', 'launch 1 3', 'poll', 'poll', 'launch 2 1', 'poll' }, events)
+    assert.are.equal(2, launched)
+    assert.are.equal(2, after)
+    -- a parameter without gradient holds its bucket (and the ones after) until backward returns
+    events = {}
+    launched = d:backward(loss_of(p, 3), function(b) events[#events + 1] = b end)
+    assert.are.equal(0, launched)
+    assert.are.same({ 1, 2 }, events)
+  end)
+
+  it('fail the backward with the callback\'s error, and name bad parameters', function()
+    local p, _, d = setup(8)
+    fails('ddp: launch: ', d.backward, d, loss_of(p), function() error('no network') end)
+    local ok, err = pcall(d.backward, d, loss_of(p), function() error('no network') end)
+    assert.is_false(ok)
+    assert.truthy(err:find('no network', 1, true), err)
+    -- disarmed after the failure: the next backward works
+    local n = 0
+    d:backward(loss_of(p), function() n = n + 1 end)
+    assert.are.equal(2, n)
+    d:close()
+    fails('ddp: used after close()', d.buckets, d)
+    local x = ds.ones(2):requires_grad_()
+    fails('ddp: parameter 2 is not a leaf that requires grad', ds._ddp.new, { x, x * 2 }, 10)
+    fails('ddp: parameter 2 is the same tensor as parameter 1', ds._ddp.new, { x, x }, 10)
+    fails('ddp: parameter 1 is not a tensor', ds._ddp.new, { 3 }, 10)
+    fails('ddp: no parameters', ds._ddp.new, {}, 10)
+  end)
+end)
+
+describe('the engine on one rank', function()
+  it('keeps no buckets and no comm_stats', function()
+    local model = require('models.mlp') { input_size = 4, hidden = { 8 }, num_classes = 2 }
+    local engine = ds.initialize { model = model, config = {
+      train_batch_size = 2, optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+    local loss = engine { x = ds.randn(2, 4), y = ds.tensor({ 0, 1 }, 'i64') }
+    engine:backward(loss)
+    engine:step()
+    assert.is_nil(engine.ddp)
+    assert.is_nil(engine.comm_stats)
+    engine:finish()
+  end)
+end)
+
+local function have_mpirun()
+  local out, status = H.run('command -v mpirun')
+  return status == 0 and out ~= ''
+end
+
+describe('data-parallel training', function()
+  if not have_mpirun() then
+    it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
+    return
+  end
+
+  local dir = P.tmpdir()
+  local runs, outputs = {}, {}
+
+  -- equiv.lua on np ranks (1: no mpirun), its JSON results and its output
+  local function run(np)
+    if runs[np] then return runs[np], outputs[np] end
+    local json = dir .. '/' .. np .. '.json'
+    local cmd = 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 '
+    if np > 1 then
+      cmd = cmd .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader ' ..
+            '-x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np ' .. np .. ' '
+    end
+    local out, status = H.run(cmd .. P.bin() .. ' spec/ddp/equiv.lua ' .. json .. ' 2>&1')
+    assert.are.equal(0, status, out)
+    local f = assert(io.open(json))
+    runs[np] = ds.json.decode(f:read('*a'))
+    f:close()
+    outputs[np] = out
+    return runs[np], out
+  end
+
+  local function norm(v)
+    local s = 0
+    for _, x in ipairs(v) do s = s + x * x end
+    return math.sqrt(s)
+  end
+
+  local function same_training(case, np)
+    local one, many = run(1)[case], run(np)[case]
+    assert.are.equal(8 / np, many.micro_batch * (case == 'mlp_gas2_clip' and 2 or 1))
+    assert.are.equal(12, #one.losses)
+    assert.are.equal(12, #many.losses)
+    for i, l in ipairs(one.losses) do
+      local err = math.abs(many.losses[i] - l) / math.abs(l)
+      assert.is_true(err <= LOSS_RTOL, string.format('%s on %d ranks: step %d loss %.9g vs %.9g', case, np, i,
+                                                     many.losses[i], l))
+    end
+    local count = 0
+    for name, w in pairs(one.weights) do
+      local v, d = many.weights[name], {}
+      assert.are.equal(#w, #v)
+      for i = 1, #w do d[i] = v[i] - w[i] end
+      local err = norm(d) / norm(w)
+      assert.is_true(err <= WEIGHT_RTOL, string.format('%s on %d ranks: %s differs by %.3g', case, np, name, err))
+      count = count + 1
+    end
+    assert.is_true(count >= 6)
+    assert.are.equal(0, many.rank_diff)       -- every rank holds rank 0's weights exactly
+  end
+
+  for _, np in ipairs({ 2, 4 }) do
+    it('trains the MLP on ' .. np .. ' ranks as on 1 (AdamW, SGD, accumulation with clipping)', function()
+      for _, case in ipairs({ 'mlp', 'mlp_sgd', 'mlp_gas2_clip' }) do same_training(case, np) end
+    end)
+
+    it('trains a tiny GPT-2 on ' .. np .. ' ranks as on 1 (one bucket, several)', function()
+      for _, case in ipairs({ 'gpt2', 'gpt2_buckets' }) do same_training(case, np) end
+    end)
+
+    it('honours prescale_gradients and gradient_predivide_factor on ' .. np .. ' ranks', function()
+      for _, case in ipairs({ 'mlp_prescale', 'mlp_predivide', 'gpt2_predivide', 'gpt2_prescale_predivide' }) do
+        same_training(case, np)
+      end
+    end)
+  end
+
+  it('launches buckets while backward runs', function()
+    for _, np in ipairs({ 2, 4 }) do
+      local s = run(np).gpt2_buckets.stats
+      assert.is_true(s.buckets >= 3, 'buckets ' .. s.buckets)
+      assert.are.equal(s.buckets, s.launched_in_backward)
+      assert.is_true(s.leaves_after_first_launch > 0)
+      assert.are.equal(1, run(np).gpt2.stats.buckets)          -- reduce_bucket_size's default: 5e8 elements
+      assert.are.equal(run(np).gpt2.stats.bytes, s.bytes)
+    end
+    assert.is_false(run(1).gpt2.stats)
+  end)
+
+  it('all-reduces only at accumulation boundaries, logs to the comms logger, prints on rank 0', function()
+    local many, out = run(2)
+    local bytes = tostring(many.mlp_gas2_clip.stats.bytes)
+    assert.are.equal(12, many.mlp_gas2_clip.logged.all_reduce[bytes])     -- 12 steps of 2 micro steps
+    local broadcasts = 0
+    for _, n in pairs(many.mlp_gas2_clip.logged.broadcast) do broadcasts = broadcasts + n end
+    assert.are.equal(6, broadcasts)                                     -- 3 Linears' weights and biases
+    local _, tables = out:gsub('Comm%. Op +Message Size +Count', '')
+    assert.are.equal(1, tables, out)
+    assert.truthy(out:find('\nall_reduce\n', 1, true), out)
+    assert.truthy(out:find('[Rank 0] step=12, skipped=0, lr=[0.01]', 1, true), out)
+    assert.falsy(out:find('[Rank 1]', 1, true), out)
+    os.execute('rm -rf ' .. dir)
+  end)
+end)

@@ -1,0 +1,82 @@
+-- The examples, each run for a few steps in a child process: the exit
+-- status, the engine's progress line and the example's final metric line.
+-- The data sets come from ../shared/data (or $DSLUA_DATA); without them
+-- those examples skip with a line saying so.
+local H = require 'helpers'
+local ds = H.ds
+
+local bin = H.bin()
+
+-- A copy of an example's ds.json with edit(config) applied, in a temp file.
+local function config(path, edit)
+  local f = assert(io.open(path, 'rb'))
+  local cfg = ds.json.decode(f:read('*a'), path)
+  f:close()
+  edit(cfg)
+  local out = os.tmpname()
+  f = assert(io.open(out, 'w'))
+  f:write(ds.json.encode(cfg, 2))
+  f:close()
+  return out
+end
+
+local function run(cmd)
+  local out, status = H.run(bin .. ' ' .. cmd)
+  assert(status == 0, string.format('`dslua %s` exited with %s:\n%s', cmd, tostring(status), out))
+  return out
+end
+
+describe('examples', function()
+  it('quickstart: trains 20 steps on its embedded corpus and samples', function()
+    local cfg = config('examples/quickstart/ds.json', function(c) c.steps_per_print = 10 end)
+    local out = run('examples/quickstart/train.lua --config ' .. cfg .. ' --steps 20')
+    os.remove(cfg)
+    assert.matches('%[Rank 0%] step=10, skipped=0, lr=%[', out)
+    assert.matches('%[Rank 0%] step=20, skipped=0', out)
+    assert.matches('final loss %d+%.%d+ after 20 steps %(320 samples%)', out)
+    assert.matches('sample:\nlocal function ', out)
+  end)
+
+  it('mnist: trains 25 steps of the MLP and reports the test accuracy', function()
+    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return end
+    local out = run('examples/mnist/train.lua --config examples/mnist/ds.json --data ' .. dir .. '/mnist --steps 25')
+    assert.matches('8000 training images, 2000 test images', out)
+    assert.matches('%[Rank 0%] step=25, skipped=0, lr=%[[%d.e-]+%], mom=%[0%.9%]', out)
+    assert.matches('%[Rank 0%] epoch=1/micro_step=25/global_step=25, RunningAvgSamplesPerSec=', out)
+    local acc = tonumber(out:match('final test accuracy ([%d.]+)%% on the last 2000 images after 25 steps'))
+    assert(acc, 'no final accuracy line in:\n' .. out)
+    assert(acc > 50, string.format('accuracy %.2f%% after 25 steps', acc))
+  end)
+
+  it('mnist: says it skips and exits 0 when the data folder is absent', function()
+    local out = run('examples/mnist/train.lua --data /nonexistent/mnist')
+    assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
+  end)
+
+  it('shakespeare: trains 6 steps, the val loss falls, and it samples from "ROMEO:"', function()
+    local dir = H.shared_data('tinyshakespeare/input.txt')
+    if not dir then return end
+    local cfg = config('examples/shakespeare/ds.json', function(c)
+      c.steps_per_print = 3
+      c.scheduler.params.warmup_num_steps = 2
+    end)
+    local out = run('examples/shakespeare/train.lua --config ' .. cfg .. ' --data ' .. dir
+                    .. '/tinyshakespeare/input.txt --steps 6 --eval-batches 1 --sample-chars 20')
+    os.remove(cfg)
+    assert.matches('vocabulary 65, 1003854 train / 111540 val', out)
+    assert.matches('%[Rank 0%] step=6, skipped=0, lr=%[[^]]+%], mom=%[%(0%.9, 0%.99%)', out)
+    local before = tonumber(out:match('step 0: val loss ([%d.]+)'))
+    local after = tonumber(out:match('step 6: train loss [%d.]+ %(first step [%d.]+%), val loss ([%d.]+)'))
+    assert(before and after, 'no val loss lines in:\n' .. out)
+    assert(after < before, string.format('val loss %.4f after 6 steps, %.4f before', after, before))
+    local sample = out:match('sample:\n(.*)\n$')
+    assert.matches('^ROMEO:', sample)
+    assert.are.equal(6 + 20, #sample)
+  end)
+
+  it('shakespeare: says it skips and exits 0 when the text is absent', function()
+    local out = run('examples/shakespeare/train.lua --data /nonexistent/input.txt')
+    assert.matches('skipping: /nonexistent/input.txt is absent', out)
+  end)
+end)
