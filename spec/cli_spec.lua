@@ -2,18 +2,9 @@ local H = require 'helpers'
 
 local bin = H.bin()
 
-local function tmpdir()
-  local d = os.tmpname()
-  os.remove(d)
-  assert(os.execute('mkdir -p ' .. d) == 0)
-  return d
-end
+local tmpdir = H.tmpdir
 
-local function write(path, text)
-  local f = assert(io.open(path, 'w'))
-  f:write(text)
-  f:close()
-end
+local write = H.write
 
 describe('the dslua command', function()
   it('runs a script with arg and varargs set as lua does', function()

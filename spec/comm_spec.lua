@@ -122,10 +122,7 @@ describe('ds.comm at world size 1', function()
   end)
 end)
 
-local function have_mpirun()
-  local out, status = H.run('command -v mpirun')
-  return status == 0 and out ~= ''
-end
+local have_mpirun = H.have_mpirun
 
 local MPI = have_mpirun()
 -- outdir: each rank's stdout also goes to outdir/1/rank.N/stdout (mpirun

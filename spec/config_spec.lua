@@ -7,30 +7,13 @@ local args = require 'dslua.args'
 
 local bin = H.bin()
 
-local function tmpdir()
-  local d = os.tmpname()
-  os.remove(d)
-  assert(os.execute('mkdir -p ' .. d) == 0)
-  return d
-end
+local tmpdir = H.tmpdir
 
-local function write(path, text)
-  local f = assert(io.open(path, 'w'))
-  f:write(text)
-  f:close()
-  return path
-end
+local write = H.write
 
--- The raised message of fn(...), which must fail.
-local function err(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, 'expected an error')
-  return tostring(e)
-end
+local err = H.err
 
-local function has(text, piece)
-  assert(text:find(piece, 1, true), string.format('expected %q in:\n%s', piece, text))
-end
+local has = H.has
 
 -- stdout and exit status of a command, stderr dropped
 local function run_stdout(cmd)

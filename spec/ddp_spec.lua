@@ -103,10 +103,7 @@ describe('the engine on one rank', function()
   end)
 end)
 
-local function have_mpirun()
-  local out, status = H.run('command -v mpirun')
-  return status == 0 and out ~= ''
-end
+local have_mpirun = H.have_mpirun
 
 describe('data-parallel training', function()
   if not have_mpirun() then

@@ -117,6 +117,40 @@ function H.run(cmd)
   return out:gsub('exit:%d+%s*$', ''), status
 end
 
+-- A fresh temporary folder.
+function H.tmpdir()
+  local d = os.tmpname()
+  os.remove(d)
+  assert(os.execute('mkdir -p ' .. d) == 0)
+  return d
+end
+
+-- Writes text to path and returns the path.
+function H.write(path, text)
+  local f = assert(io.open(path, 'w'))
+  f:write(text)
+  f:close()
+  return path
+end
+
+-- The message fn(...) raises; fails the spec if it does not raise.
+function H.err(fn, ...)
+  local ok, e = pcall(fn, ...)
+  assert(not ok, 'expected an error')
+  return tostring(e)
+end
+
+-- Asserts that text contains piece, verbatim.
+function H.has(text, piece)
+  assert(text:find(piece, 1, true), string.format('expected %q in:\n%s', piece, text))
+end
+
+-- Whether mpirun is on PATH (multi-rank specs skip without it).
+function H.have_mpirun()
+  local out, status = H.run('command -v mpirun')
+  return status == 0 and out ~= ''
+end
+
 -- The folder of shared data sets, or nil with a line saying why specs skip.
 function H.shared_data(sub)
   local dir = os.getenv('DSLUA_DATA') or '../shared/data'

@@ -200,10 +200,7 @@ describe('the launcher command line', function()
   end)
 end)
 
-local function have_mpirun()
-  local out, status = H.run('command -v mpirun')
-  return status == 0 and out ~= ''
-end
+local have_mpirun = H.have_mpirun
 
 -- name=value lines of every rank's file, by rank
 local function ranks(dir, n)

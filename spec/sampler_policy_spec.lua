@@ -12,29 +12,13 @@ local A = require 'samplers.auto'
 
 local bin = H.bin()
 
-local function tmpdir()
-  local d = os.tmpname()
-  os.remove(d)
-  assert(os.execute('mkdir -p ' .. d) == 0)
-  return d
-end
+local tmpdir = H.tmpdir
 
-local function write(path, text)
-  local f = assert(io.open(path, 'w'))
-  f:write(text)
-  f:close()
-  return path
-end
+local write = H.write
 
-local function err(fn, ...)
-  local ok, e = pcall(fn, ...)
-  assert(not ok, 'expected an error')
-  return tostring(e)
-end
+local err = H.err
 
-local function has(text, piece)
-  assert(text:find(piece, 1, true), string.format('expected %q in:\n%s', piece, text))
-end
+local has = H.has
 
 local function list(v) return ds.is_tensor(v) and v:totable() or v end
 

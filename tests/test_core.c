@@ -14,19 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int checks, failures;
-
-static void check(int ok, const char *fmt, ...) {
-    checks++;
-    if (ok) return;
-    failures++;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "FAIL: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-}
+#include "check.h"
 
 /* ---- Philox4x32-10 against Random123's kat_vectors ---- */
 
@@ -392,6 +380,5 @@ int main(void) {
     test_autograd();
     test_bad_backward();
     test_deep_chain();
-    printf("test_core: %d checks, %d failed\n", checks, failures);
-    return failures != 0;
+    return check_summary("test_core");
 }

@@ -12,19 +12,7 @@
 #include <stdio.h>
 #include <string.h>
 
-static int checks, failures;
-
-static void check(int ok, const char *fmt, ...) {
-    checks++;
-    if (ok) return;
-    failures++;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "FAIL: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-}
+#include "check.h"
 
 static ds_tensor *leaf(int n, double v, ds_dtype dt) {
     int64_t shape[1] = { n };
@@ -238,6 +226,5 @@ static void test_buckets(void) {
 int main(void) {
     test_leaf_hooks();
     test_buckets();
-    printf("test_ddp: %d checks, %d failed\n", checks, failures);
-    return failures != 0;
+    return check_summary("test_ddp");
 }

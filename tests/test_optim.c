@@ -13,19 +13,7 @@
 
 extern const ds_kernels ds_cpu_kernels;
 
-static int checks, failures;
-
-static void check(int ok, const char *fmt, ...) {
-    checks++;
-    if (ok) return;
-    failures++;
-    va_list ap;
-    va_start(ap, fmt);
-    fprintf(stderr, "FAIL: ");
-    vfprintf(stderr, fmt, ap);
-    fprintf(stderr, "\n");
-    va_end(ap);
-}
+#include "check.h"
 
 static void check_error(int failed, const char *expect) {
     check(failed && strstr(ds_error_message(), expect) != NULL, "expected an error with \"%s\", got \"%s\"", expect,
@@ -133,6 +121,5 @@ int main(void) {
     test_adam_step();
     test_wrong_grad();
     test_devices();
-    printf("test_optim: %d checks, %d failed\n", checks, failures);
-    return failures != 0;
+    return check_summary("test_optim");
 }
