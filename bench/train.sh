@@ -8,11 +8,12 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-usage: bench/train.sh [-t THREADS] [-r ROUNDS] [-b BUILD_DIR] [-m gpt2|mlp|all] [-q]
+usage: bench/train.sh [-t THREADS] [-r ROUNDS] [-b BUILD_DIR] [-m gpt2|mlp|all] [-o RESULTS] [-q]
   -t THREADS    threads for dslua, OpenBLAS and PyTorch (default: nproc)
   -r ROUNDS     run both programs this many times, keep each row's best (default: 1)
   -b BUILD_DIR  a Release build of dslua, configured here if absent (default: build)
   -m MODEL      gpt2, mlp or all (default: all)
+  -o RESULTS    also keep the raw result lines in this file
   -q            quick: fewer steps (a smoke test, not a measurement)
 EOF
 }
@@ -23,13 +24,15 @@ threads=$cores
 build=$root/build
 rounds=1
 model=all
+results=
 quick=
-while getopts "t:r:b:m:qh" opt; do
+while getopts "t:r:b:m:o:qh" opt; do
     case $opt in
     t) threads=$OPTARG ;;
     r) rounds=$OPTARG ;;
     b) build=$(realpath -m "$OPTARG") ;;
     m) model=$OPTARG ;;
+    o) results=$OPTARG ;;
     q) quick=quick ;;
     h) usage; exit 0 ;;
     *) usage >&2; exit 2 ;;
@@ -71,6 +74,7 @@ for ((round = 1; round <= rounds; round++)); do
     (cd "$root" && "$build/dslua" bench/train.lua "$model" $quick) >>"$raw"
     [[ -n $torch ]] && /usr/bin/python3 "$root/bench/train_torch.py" "$threads" "$model" $quick >>"$raw"
 done
+[[ -n $results ]] && cp "$raw" "$results"
 
 commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)

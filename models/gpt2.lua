@@ -34,43 +34,11 @@ M.defaults = {
   dtype = 'f32', device = 'cpu',
 }
 
-local function names(t)
-  local out = {}
-  for k in pairs(t) do out[#out + 1] = k end
-  table.sort(out)
-  return table.concat(out, ', ')
-end
-
 -- The full config from a name ('gpt2'), or a table of overrides that may
 -- start from a named size (name = 'gpt2-medium').
 function M.config(cfg)
-  if type(cfg) == 'string' then cfg = { name = cfg } end
-  if cfg ~= nil and type(cfg) ~= 'table' then error('gpt2: config must be a table or a name, got ' .. type(cfg), 0) end
-  cfg = cfg or {}
-  local out = {}
-  for k, v in pairs(M.defaults) do out[k] = v end
-  if cfg.name ~= nil then
-    local base = M.configs[cfg.name]
-    if not base then
-      error(string.format("gpt2: unknown config '%s' (known: %s)", tostring(cfg.name), names(M.configs)), 0)
-    end
-    for k, v in pairs(base) do out[k] = v end
-  end
-  for k, v in pairs(cfg) do
-    if k ~= 'name' then
-      if M.defaults[k] == nil then
-        error(string.format("gpt2: unknown config key '%s' (expected name, %s)", tostring(k), names(M.defaults)), 0)
-      end
-      out[k] = v
-    end
-  end
-  out.name = cfg.name
-  for _, k in ipairs({ 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd' }) do
-    local v = out[k]
-    if type(v) ~= 'number' or v ~= math.floor(v) or v < 1 then
-      error(string.format('gpt2: %s must be a positive integer, got %s', k, tostring(v)), 0)
-    end
-  end
+  local out = nn.model_config('gpt2', M.defaults, M.configs, cfg)
+  nn.check_positive('gpt2', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd' })
   if out.n_embd % out.n_head ~= 0 then
     error(string.format('gpt2: n_embd %d is not divisible by n_head %d', out.n_embd, out.n_head), 0)
   end

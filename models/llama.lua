@@ -31,46 +31,15 @@ M.defaults = {
   tie_embeddings = false, initializer_range = 0.02, dtype = 'f32', device = 'cpu',
 }
 
-local function names(t)
-  local out = {}
-  for k in pairs(t) do out[#out + 1] = k end
-  table.sort(out)
-  return table.concat(out, ', ')
-end
-
 function M.config(cfg)
-  if type(cfg) == 'string' then cfg = { name = cfg } end
-  if cfg ~= nil and type(cfg) ~= 'table' then error('llama: config must be a table or a name, got ' .. type(cfg), 0) end
-  cfg = cfg or {}
-  local out = {}
-  for k, v in pairs(M.defaults) do out[k] = v end
-  if cfg.name ~= nil then
-    local base = M.configs[cfg.name]
-    if not base then
-      error(string.format("llama: unknown config '%s' (known: %s)", tostring(cfg.name), names(M.configs)), 0)
-    end
-    for k, v in pairs(base) do out[k] = v end
-  end
-  for k, v in pairs(cfg) do
-    if k ~= 'name' then
-      if M.defaults[k] == nil then
-        error(string.format("llama: unknown config key '%s' (expected name, %s)", tostring(k), names(M.defaults)), 0)
-      end
-      out[k] = v
-    end
-  end
-  out.name = cfg.name
+  local out = nn.model_config('llama', M.defaults, M.configs, cfg)
   out.n_kv_head = out.n_kv_head or out.n_head
   if not out.intermediate_size then
     local h = math.floor(2 * 4 * out.n_embd / 3)
     out.intermediate_size = out.multiple_of * math.ceil(h / out.multiple_of)
   end
-  for _, k in ipairs({ 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd', 'intermediate_size' }) do
-    local v = out[k]
-    if type(v) ~= 'number' or v ~= math.floor(v) or v < 1 then
-      error(string.format('llama: %s must be a positive integer, got %s', k, tostring(v)), 0)
-    end
-  end
+  nn.check_positive('llama', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd',
+                                   'intermediate_size' })
   if out.n_embd % out.n_head ~= 0 or (out.n_embd / out.n_head) % 2 ~= 0 then
     error(string.format('llama: n_embd %d must split into n_head %d heads of an even size', out.n_embd, out.n_head), 0)
   end

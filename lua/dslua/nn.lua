@@ -891,4 +891,54 @@ function nn.generate(model, idx, max_new_tokens, opts)
   return res
 end
 
+-- Model configs ----------------------------------------------------------
+
+local function sorted_keys(t)
+  local out = {}
+  for k in pairs(t) do out[#out + 1] = k end
+  table.sort(out)
+  return table.concat(out, ', ')
+end
+
+-- A model's full config: its defaults, then the named size cfg.name (or cfg
+-- given as a name) from `named`, then cfg's own keys. Unknown names and
+-- keys are errors that name the model and list what it knows.
+function nn.model_config(model, defaults, named, cfg)
+  if type(cfg) == 'string' then cfg = { name = cfg } end
+  if cfg ~= nil and type(cfg) ~= 'table' then
+    error(string.format('%s: config must be a table or a name, got %s', model, type(cfg)), 0)
+  end
+  cfg = cfg or {}
+  local out = {}
+  for k, v in pairs(defaults) do out[k] = v end
+  if cfg.name ~= nil then
+    local base = named[cfg.name]
+    if not base then
+      error(string.format("%s: unknown config '%s' (known: %s)", model, tostring(cfg.name), sorted_keys(named)), 0)
+    end
+    for k, v in pairs(base) do out[k] = v end
+  end
+  for k, v in pairs(cfg) do
+    if k ~= 'name' then
+      if defaults[k] == nil then
+        error(string.format("%s: unknown config key '%s' (expected name, %s)", model, tostring(k),
+                            sorted_keys(defaults)), 0)
+      end
+      out[k] = v
+    end
+  end
+  out.name = cfg.name
+  return out
+end
+
+-- Errors unless every cfg[k] for k in keys is a positive integer.
+function nn.check_positive(model, cfg, keys)
+  for _, k in ipairs(keys) do
+    local v = cfg[k]
+    if type(v) ~= 'number' or v ~= math.floor(v) or v < 1 then
+      error(string.format('%s: %s must be a positive integer, got %s', model, k, tostring(v)), 0)
+    end
+  end
+end
+
 return nn
