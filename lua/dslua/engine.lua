@@ -9,6 +9,20 @@
 -- (core/ds_ddp.h), each launched as soon as backward has completed all its
 -- gradients, and step waits for them before the optimizer runs. What the
 -- last boundary's reduction did is in engine.comm_stats.
+--
+-- With a `sampler` block (samplers/policy.lua) each rank reads its own
+-- share of the data in its own micro batches, and gradients are weighted
+-- by sample count: every boundary all-reduces this rank's samples of the
+-- accumulation window, each rank's loss is scaled by
+-- samples_r * world_size / global_samples (the bucket all-reduce then
+-- averages), so a step equals one step of a single process over the union
+-- of every rank's samples of the step (the mean over all of them, not the
+-- mean of per-rank means). Ranks that run out of steps join (engine:join,
+-- which the engine's loader calls when an epoch's iterator ends): they
+-- take part in the other ranks' steps with zero-weight gradients until
+-- every rank is out. A window left unfinished at that point is stepped
+-- with what it has, so with the sampler block no accumulation window
+-- spans an epoch end of the engine's loader.
 local ds = require 'dslua'
 local progress = require 'dslua.progress'
 
@@ -135,7 +149,9 @@ function M.initialize(opts)
     rank = ds.comm and ds.comm.rank() or 0, world_size = world_size,
     micro_steps = 0, global_steps = 0, global_samples = 0, skipped_steps = 0,
     timers = cfg.wall_clock_breakdown and timers() or nil,
-    init_time = now(),
+    busy_time = 0,
+    weighted = cfg.sampler ~= nil,            -- gradients weighted by sample count (the sampler block)
+    window_samples = 0, window_seconds = 0,   -- this rank's samples and compute time in the current window
   }, Engine)
 
   if world_size > 1 then
@@ -144,7 +160,15 @@ function M.initialize(opts)
   end
 
   local loader
-  if opts.training_data ~= nil then
+  if opts.training_data ~= nil and cfg.sampler then
+    -- the sampler block's policy: this rank's indices and micro batches,
+    -- a line per rank and epoch
+    local P = require 'samplers.policy'
+    self.sampler = P.new(cfg.sampler, { dataset = opts.training_data, rank = self.rank, world_size = world_size,
+                                        source = type(source) == 'string' and source or nil })
+    loader = P.loader(opts.training_data, self.sampler, { collate_fn = opts.collate_fn })
+    self:_watch_loader(loader)
+  elseif opts.training_data ~= nil then
     -- DeepSpeed's loader: a DistributedSampler (shuffle, seed 0) on N
     -- ranks; on one rank the loader's own shuffle, the same order
     local sampler = world_size > 1 and require('samplers.distributed').new(opts.training_data, {
@@ -239,6 +263,7 @@ end
 -- The end of training: prints the comms logger's summary (DeepSpeed's
 -- table) when the config enables it. Every rank calls it.
 function Engine:finish()
+  self:join()
   if self._reduction then self:_finish_reduction() end
   if self.config.comms_logger.enabled then ds.comm.log_summary() end
 end
@@ -246,13 +271,21 @@ end
 ---------------------------------------------------------------- loader
 
 -- Each epoch of the engine's own loader gets a progress bar on a terminal.
+-- With a sampler, each step's batch size is noted for the weighting and
+-- the end of an epoch joins (engine:join) the ranks still running.
 function Engine:_watch_loader(loader)
   local epoch = loader.epoch
   local engine = self
+  local sampler = self.sampler
   loader.epoch = function(l, e)
+    e = e or (l.current_epoch or 0) + 1
     engine.epoch = e
-    local steps = math.floor(#l / engine:gradient_accumulation_steps())
-    if steps > 0 and engine.rank == 0 and ds.isatty(1) then
+    local it
+    if sampler then it = epoch(l, e) end
+    local steps = math.floor((sampler and sampler:steps() or #l) / engine:gradient_accumulation_steps())
+    -- under mpirun a rank's stdout is a pty of mpirun's, not the user's
+    -- terminal: multi-rank runs print plain lines
+    if steps > 0 and engine.rank == 0 and engine.world_size == 1 and ds.isatty(1) then
       engine.bar = progress.new { total = steps, label = string.format('epoch %s', tostring(e)),
                                   unit = 'samples', tty = true }
       engine.bar_first_step = engine.global_steps
@@ -260,7 +293,20 @@ function Engine:_watch_loader(loader)
     else
       engine.bar = nil
     end
-    return epoch(l, e)
+    if not sampler then return epoch(l, e) end
+    local step, ended = 0, false
+    return function()
+      if ended then return nil end
+      local s, batch = it()
+      if s == nil then
+        ended = true
+        engine:join()
+        return nil
+      end
+      step = step + 1
+      engine.loader_samples = sampler:batch_size(step)
+      return s, batch
+    end
   end
 end
 
@@ -278,9 +324,23 @@ function Engine:eval()
   self.training = false
 end
 
+-- The samples of a micro step: the batch's first dimension (batch.x or
+-- the first tensor argument), else the sampler's size of the step.
+local function batch_samples(a)
+  if type(a) == 'table' and ds.is_tensor(a.x) and a.x:dim() > 0 then return a.x:size(1) end
+  if ds.is_tensor(a) and a:dim() > 0 then return a:size(1) end
+  return nil
+end
+
 function Engine:forward(...)
   self:_start('forward')
+  local t0 = now()
+  -- throughput counts from a window's first forward to its step's end, as
+  -- DeepSpeed's ThroughputTimer: evaluation and data waits between stay out
+  self.busy_since = self.busy_since or t0
+  if self.weighted then self.micro_samples = batch_samples((...)) end
   local out = self.module:forward(...)
+  self.window_seconds = self.window_seconds + (now() - t0)
   self:_stop('forward')
   return out
 end
@@ -293,6 +353,11 @@ function Engine:backward(loss)
   if not ds.is_tensor(loss) then error('backward: expected the loss tensor, got ' .. type(loss), 2) end
   self:_start('backward')
   self.last_loss = loss:item()
+  if self.weighted then
+    loss = self:_weighted_backward(loss)
+    self:_stop('backward')
+    return loss
+  end
   local gas = self:gradient_accumulation_steps()
   if gas > 1 then loss = loss / gas end
   if self.ddp and self:is_gradient_accumulation_boundary() then
@@ -302,6 +367,96 @@ function Engine:backward(loss)
   end
   self:_stop('backward')
   return loss
+end
+
+---------------------------------------------------------------- weighting by samples
+
+-- {this rank's window samples, 1 if it still has data} summed over ranks.
+function Engine:_count(samples, active)
+  if self.world_size == 1 then return samples, active end
+  local t = ds.tensor({ samples, active }, 'f64')
+  ds.comm.all_reduce(t, 'sum')
+  local v = t:totable()
+  return v[1], v[2]
+end
+
+-- Multiplies the gradients accumulated so far by f.
+function Engine:_scale_grads(f)
+  if f == 1 then return end
+  ds.no_grad(function()
+    for _, p in ipairs(all_params(self.optimizer)) do
+      if p.grad then p.grad:mul_(f) end
+    end
+  end)
+end
+
+-- Micro steps inside a window leave the sum of their samples' gradients
+-- (loss * b); the boundary learns the global count G and scales what is
+-- there and its own loss by world_size / G, so after the all-reduce's
+-- average the gradient is the mean over the G samples.
+function Engine:_weighted_backward(loss)
+  local b = self.micro_samples or self.loader_samples
+  self.micro_samples, self.loader_samples = nil, nil
+  if not b then
+    error('backward: cannot tell how many samples this micro step has: pass the batch ({x = ...} or x first) '
+          .. 'to engine:forward, or read batches from the engine\'s loader', 3)
+  end
+  local t0 = now()
+  local earlier = self.window_samples
+  self.window_samples = earlier + b
+  if not self:is_gradient_accumulation_boundary() then
+    loss = loss * b
+    loss:backward()
+  else
+    local G = self:_count(self.window_samples, 1)
+    self.step_samples = G
+    local f = self.world_size / G
+    if earlier > 0 then self:_scale_grads(f) end
+    if b * f ~= 1 then loss = loss * (b * f) end
+    if self.ddp then self:_reduce_backward(loss) else loss:backward() end
+  end
+  self.window_seconds = self.window_seconds + (now() - t0)
+  return loss
+end
+
+-- A zero-weight contribution: zero gradients for every parameter the
+-- buckets hold, so the joined rank launches the same all-reduces.
+function Engine:_zero_loss()
+  local z
+  for _, p in ipairs(all_params(self.optimizer)) do
+    if p.requires_grad then
+      local t = p:sum() * 0
+      z = z and z + t or t
+    end
+  end
+  return z
+end
+
+-- engine:join(): for a rank whose data has run out. Until every rank has
+-- run out it takes part in each step of the others (its pending window,
+-- if any, then zeros), so the collectives match and its weights stay the
+-- same as theirs. When all have run out, a window some rank left
+-- unfinished is stepped with what it has. Every rank calls it, any number
+-- of times (the engine's loader calls it at the end of each epoch; call it
+-- after a loop over your own batches). Without a sampler block: nothing.
+function Engine:join()
+  if not self.weighted then return end
+  if self.micro_samples or self.loader_samples then self.micro_samples, self.loader_samples = nil, nil end
+  local gas = self:gradient_accumulation_steps()
+  while true do
+    local pending = self.window_samples
+    local G, active = self:_count(pending, 0)
+    if G == 0 then
+      self.micro_steps = self.micro_steps - self.micro_steps % gas    -- nothing pending anywhere
+      return
+    end
+    self.step_samples = G
+    if pending > 0 then self:_scale_grads(self.world_size / G) end
+    if self.ddp then self:_reduce_backward(self:_zero_loss()) end
+    self.micro_steps = self.micro_steps - self.micro_steps % gas + gas - 1      -- the window's last micro step
+    self:step()
+    if active == 0 then return end
+  end
 end
 
 function Engine:is_gradient_accumulation_boundary()
@@ -354,18 +509,30 @@ function Engine:step()
     if self.lr_scheduler then self.lr_scheduler:step() end
     self.optimizer:zero_grad()
     self.global_steps = self.global_steps + 1
-    self.global_samples = self.global_samples + self:train_batch_size()
+    if self.weighted then
+      self.global_samples = self.global_samples + (self.step_samples or 0)
+      -- the auto policy's measurements: every rank's window, on every rank
+      if self.sampler and self.sampler:observing() then
+        self.sampler:exchange(self.window_samples, self.window_seconds)
+      end
+      self.step_samples, self.window_samples, self.window_seconds = nil, 0, 0
+    else
+      self.global_samples = self.global_samples + self:train_batch_size()
+    end
   end
   self.micro_steps = self.micro_steps + 1
   self:_stop('step')
-  if boundary then self:_report() end
+  if boundary then
+    self.busy_time = self.busy_time + (now() - (self.busy_since or now()))
+    self.busy_since = nil
+    self:_report()
+  end
 end
 
 -- DeepSpeed's logs at each steps_per_print boundary: the progress line, the
 -- throughput line and, with wall_clock_breakdown, the timers; on a
 -- terminal the epoch's progress bar as well.
 function Engine:_report()
-  local t = now()
   if self.bar then
     local fields = { loss = self.last_loss }
     self.bar:update(self.global_steps - self.bar_first_step, fields, self.global_samples - self.bar_first_samples)
@@ -376,14 +543,12 @@ function Engine:_report()
   if self.bar then io.stdout:write('\n') end
   log(self, 'step=%d, skipped=%d, lr=%s, mom=%s', self.global_steps, self.skipped_steps,
       list_repr(self:get_lr()), list_repr(self:get_mom()))
-  local last = self.last_report or { t = self.init_time, samples = 0 }
-  local elapsed = t - last.t
+  local last = self.last_report or { busy = 0, samples = 0 }
+  local elapsed = self.busy_time - last.busy
   local samples = self.global_samples - last.samples
-  self.run_samples = (self.run_samples or 0) + samples
-  self.run_time = (self.run_time or 0) + elapsed
   log(self, 'epoch=%s/micro_step=%d/global_step=%d, RunningAvgSamplesPerSec=%.3f, CurrSamplesPerSec=%.3f, '
           .. 'MemAllocated=%.2fGB, MaxMemAllocated=%.2fGB',
-      tostring(self.epoch or 0), self.micro_steps, self.global_steps, self.run_samples / self.run_time,
+      tostring(self.epoch or 0), self.micro_steps, self.global_steps, self.global_samples / self.busy_time,
       samples / elapsed, ds.memory_stats().current.total / 2^30, ds.memory_stats().peak.total / 2^30)
   if self.timers then
     local tt = self.timers.total
@@ -391,7 +556,7 @@ function Engine:_report()
         1000 * (tt.forward or 0) / every, 1000 * (tt.backward or 0) / every, 1000 * (tt.step or 0) / every, every)
     self.timers.total = {}
   end
-  self.last_report = { t = t, samples = self.global_samples }
+  self.last_report = { busy = self.busy_time, samples = self.global_samples }
 end
 
 -- DeepSpeed's set_train_batch_size: the micro batch stays, the number of
