@@ -16,8 +16,9 @@ usage: bench/comm.sh [-b BUILD_DIR] [-n RANKS] [-p bandwidth|overlap|all] [-q]
 EOF2
 }
 
-root=$(cd "$(dirname "$0")/.." && pwd)
-cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+me=bench/comm.sh
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
 build=$root/build
 ranks=2
 part=all
@@ -38,22 +39,7 @@ if ! [[ $ranks =~ ^[1-9][0-9]*$ ]] || ((ranks < 2)); then
 fi
 case $part in bandwidth | overlap | all) ;; *) echo "bench/comm.sh: -p wants bandwidth, overlap or all" >&2; exit 2 ;; esac
 
-if [[ -f $build/CMakeCache.txt ]]; then
-    type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt")
-    if [[ $type != Release ]]; then
-        echo "bench/comm.sh: $build is a '$type' build; point -b at a Release build (or a new dir)" >&2
-        exit 1
-    fi
-else
-    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-fi
-log=$(mktemp)
-trap 'rm -f "$log"' EXIT
-if ! cmake --build "$build" --target dslua -j"$cores" >"$log" 2>&1; then
-    cat "$log" >&2
-    echo "bench/comm.sh: building dslua failed" >&2
-    exit 1
-fi
+bench_build
 ref=$build/libbench_allreduce_ref.so
 if [[ ! -f $ref || $root/bench/allreduce_ref.c -nt $ref ]]; then
     mpicc -O2 -std=gnu11 -Wall -Wextra -shared -fPIC "$root/bench/allreduce_ref.c" -o "$ref"

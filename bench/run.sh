@@ -16,8 +16,9 @@ usage: bench/run.sh [-t THREADS] [-r ROUNDS] [-b BUILD_DIR] [-o RESULTS] [-q]
 EOF
 }
 
-root=$(cd "$(dirname "$0")/.." && pwd)
-cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)   # nproc obeys those two
+me=bench/run.sh
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
 threads=$cores
 build=$root/build
 rounds=3
@@ -34,30 +35,10 @@ while getopts "t:r:b:o:qh" opt; do
     *) usage >&2; exit 2 ;;
     esac
 done
-if ! [[ $threads =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ ]]; then
-    echo "bench/run.sh: -t and -r want whole numbers >= 1 (got '$threads', '$rounds')" >&2
-    exit 2
-fi
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
-
-# Timings of a Debug build mean nothing: refuse one rather than reconfigure it.
-if [[ -f $build/CMakeCache.txt ]]; then
-    type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt")
-    if [[ $type != Release ]]; then
-        echo "bench/run.sh: $build is a '$type' build; point -b at a Release build (or a new dir)" >&2
-        exit 1
-    fi
-else
-    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-fi
-log=$(mktemp)
+bench_threads
+bench_build
 raw=$(mktemp)
-trap 'rm -f "$log" "$raw"' EXIT
-if ! cmake --build "$build" --target dslua -j"$cores" >"$log" 2>&1; then
-    cat "$log" >&2
-    echo "bench/run.sh: building dslua failed" >&2
-    exit 1
-fi
+trap 'rm -f "$raw"' EXIT
 gemm=$build/bench_gemm_ref
 if [[ ! -x $gemm || $root/bench/gemm_ref.c -nt $gemm ]]; then
     # shellcheck disable=SC2046  # pkg-config prints several words on purpose

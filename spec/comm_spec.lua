@@ -3,7 +3,6 @@
 -- and spec/comm/failures.lua (an error, an exit, a kill, a timeout, a
 -- mismatched collective: the job ends fast and names the rank).
 local H = require 'helpers'
-local P = require 'proc'
 local ds = H.ds
 local c = ds.comm
 
@@ -154,7 +153,7 @@ describe('ds.comm under mpirun', function()
   local expected = { [2] = { 148, 140 }, [3] = { 164, 148, 148 }, [4] = { 180, 156, 156, 155 } }
   for _, np in ipairs({ 2, 3, 4 }) do
     it('checks every primitive on ' .. np .. ' ranks', function()
-      local dir = P.tmpdir()
+      local dir = H.tmpdir()
       local out, status = mpirun(np, 'primitives.lua', nil, nil, dir)
       assert.are.equal(0, status, out)
       local total, first = 0, nil

@@ -3,7 +3,6 @@
 -- MLP and a tiny GPT-2 trained through ds.initialize on the same global
 -- batches give the same losses and final weights on every world size.
 local H = require 'helpers'
-local P = require 'proc'
 local ds = H.ds
 
 -- Tolerances: f32 training over 12 steps; a sum of N partial gradients
@@ -111,7 +110,7 @@ describe('data-parallel training', function()
     return
   end
 
-  local dir = P.tmpdir()
+  local dir = H.tmpdir()
   local runs, outputs = {}, {}
 
   -- equiv.lua on np ranks (1: no mpirun), its JSON results and its output
@@ -124,7 +123,7 @@ describe('data-parallel training', function()
       cmd = cmd .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader ' ..
             '-x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -x DSLUA_COMM_CHECK -np ' .. np .. ' '
     end
-    local out, status = H.run(cmd .. P.bin() .. ' spec/ddp/equiv.lua ' .. json .. ' 2>&1')
+    local out, status = H.run(cmd .. H.bin() .. ' spec/ddp/equiv.lua ' .. json .. ' 2>&1')
     assert.are.equal(0, status, out)
     local f = assert(io.open(json))
     runs[np] = ds.json.decode(f:read('*a'))

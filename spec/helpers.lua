@@ -100,10 +100,29 @@ function H.fixture(name)
   return chunk()
 end
 
--- The dslua binary running these specs (absolute path), for specs that
--- start child processes: $DSLUA_BIN, else the interpreter busted runs in.
+-- The dslua binary running these specs (absolute path, however the specs
+-- were started), for specs that start child processes: $DSLUA_BIN, else
+-- this very process when it is a dslua binary, else arg[-1] (under busted,
+-- the interpreter busted runs in; maybe relative, maybe a bare name found
+-- on PATH).
 function H.bin()
-  local b = os.getenv('DSLUA_BIN') or arg[-1]
+  local env = os.getenv('DSLUA_BIN')
+  if env and env ~= '' then return env end
+  local stat = io.open('/proc/self/stat')
+  if stat then
+    local pid = stat:read('*l'):match('^(%d+)')
+    stat:close()
+    local p = io.popen('readlink /proc/' .. pid .. '/exe')
+    local exe = p:read('*l')
+    p:close()
+    if exe and exe:match('dslua[^/]*$') then return exe end
+  end
+  local b = assert(arg and arg[-1], 'cannot tell the dslua binary: set DSLUA_BIN')
+  if not b:find('/') then
+    local p = io.popen('command -v ' .. b)
+    b = p:read('*l') or b
+    p:close()
+  end
   if b:sub(1, 1) ~= '/' then b = os.getenv('PWD') .. '/' .. b end
   return b
 end

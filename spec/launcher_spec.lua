@@ -5,7 +5,6 @@
 -- Every rank runs spec/launcher/env.lua, which writes its environment and
 -- arguments to a file per rank.
 local H = require 'helpers'
-local P = require 'proc'
 local L = require 'dslua.launcher'
 
 local function fails(pattern, fn, ...)
@@ -22,10 +21,10 @@ local function as_map(hosts)
 end
 
 describe('hostfile parsing', function()
-  local dir = P.tmpdir()
+  local dir = H.tmpdir()
   teardown(function() os.execute('rm -rf ' .. dir) end)
   local function hostfile(name, text)
-    P.write(dir .. '/' .. name, text)
+    H.write(dir .. '/' .. name, text)
     return dir .. '/' .. name
   end
 
@@ -109,12 +108,12 @@ describe('--include / --exclude', function()
 end)
 
 describe('the launcher command line', function()
-  local dir = P.tmpdir()
+  local dir = H.tmpdir()
   teardown(function() os.execute('rm -rf ' .. dir) end)
   local two = dir .. '/two'
-  P.write(two, 'worker-0 slots=2\nworker-1 slots=4\n')
+  H.write(two, 'worker-0 slots=2\nworker-1 slots=4\n')
   local one = dir .. '/one'
-  P.write(one, 'localhost slots=3\n')
+  H.write(one, 'localhost slots=3\n')
   local function machine(over)
     local m = { exe = '/opt/dslua', mpirun = '/usr/bin/mpirun', uid = 1000, cores = 2, hostname = 'here',
                 env = { DSLUA_COMM_TIMEOUT = '9', NCCL_DEBUG = 'INFO', HOME = '/root' }, deepspeed_env = { 'A=b c' } }
@@ -229,12 +228,12 @@ describe('launching ranks', function()
     it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
     return
   end
-  local bin = P.bin()
+  local bin = H.bin()
   local cpus = tonumber((H.run('nproc')))
 
   for _, n in ipairs({ 2, 3 }) do
     it('runs -n ' .. n .. ' with every rank variable and --local_rank', function()
-      local dir = P.tmpdir()
+      local dir = H.tmpdir()
       local out, status = H.run(CLEAN .. bin .. ' -n ' .. n .. ' ' .. SCRIPT .. ' --out=' .. dir .. " 'two words' -- tail")
       assert.are.equal(0, status, out)
       assert.truthy(out:find('[launcher] cmd = ', 1, true), out)
@@ -255,7 +254,7 @@ describe('launching ranks', function()
   end
 
   it('passes --master_addr, --master_port and a thread count given', function()
-    local dir = P.tmpdir()
+    local dir = H.tmpdir()
     local out, status = H.run(CLEAN .. 'DSLUA_NUM_THREADS=3 ' .. bin .. ' --nproc_per_node=2 --master_addr 10.9.8.7 '
                               .. '--master_port=4321 ' .. SCRIPT .. ' --out=' .. dir)
     assert.are.equal(0, status, out)
@@ -269,7 +268,7 @@ describe('launching ranks', function()
   end)
 
   it('exits non-zero at once when a rank fails, naming it', function()
-    local dir = P.tmpdir()
+    local dir = H.tmpdir()
     local t0 = os.time()
     local out, status = H.run(CLEAN .. bin .. ' -n 3 ' .. SCRIPT .. ' --out=' .. dir .. ' --fail=1')
     assert.are_not.equal(0, status, out)
@@ -279,8 +278,8 @@ describe('launching ranks', function()
   end)
 
   it('runs a hostfile naming this machine only', function()
-    local dir = P.tmpdir()
-    P.write(dir .. '/hosts', '# here\nlocalhost slots=3\n')
+    local dir = H.tmpdir()
+    H.write(dir .. '/hosts', '# here\nlocalhost slots=3\n')
     local out, status = H.run(CLEAN .. bin .. ' --hostfile ' .. dir .. '/hosts --include localhost:0,2 '
                               .. SCRIPT .. ' --out=' .. dir)
     assert.are.equal(0, status, out)
@@ -296,11 +295,11 @@ describe('launching ranks', function()
 
   it('runs two hosts of a hostfile, each rank knowing its node', function()
     -- an ssh stand-in: mpirun starts its daemon for "nodeA" and "nodeB" here
-    local dir = P.tmpdir()
-    P.write(dir .. '/ssh', '#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done\n'
+    local dir = H.tmpdir()
+    H.write(dir .. '/ssh', '#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -*) shift;; *) break;; esac; done\n'
                            .. 'shift\nexec sh -c "$*"\n')
     os.execute('chmod +x ' .. dir .. '/ssh')
-    P.write(dir .. '/hosts', 'nodeA slots=2\nnodeB slots=4\n')
+    H.write(dir .. '/hosts', 'nodeA slots=2\nnodeB slots=4\n')
     local out, status = H.run(CLEAN .. 'OMPI_MCA_plm_rsh_agent=' .. dir .. '/ssh DSLUA_SPEC_FORWARD=yes ' .. bin
                               .. ' --hostfile ' .. dir .. '/hosts --include nodeA@nodeB:1 ' .. SCRIPT .. ' --out=' .. dir)
     assert.are.equal(0, status, out)
@@ -320,7 +319,7 @@ describe('launching ranks', function()
   end)
 
   it('gives plain mpirun ranks the same environment and --local_rank', function()
-    local dir = P.tmpdir()
+    local dir = H.tmpdir()
     local out, status = H.run(CLEAN .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader'
                               .. ' -np 2 ' .. bin .. ' ' .. SCRIPT .. ' --out=' .. dir)
     assert.are.equal(0, status, out)
@@ -341,8 +340,8 @@ describe('launching ranks', function()
   end)
 
   it('reports usage errors in one line and exits 1', function()
-    local dir = P.tmpdir()
-    P.write(dir .. '/hosts', 'nodeA slots=2\nnodeA slots=2\n')
+    local dir = H.tmpdir()
+    H.write(dir .. '/hosts', 'nodeA slots=2\nnodeA slots=2\n')
     for cmdline, msg in pairs({
       [' -n 2'] = 'dslua: the launcher needs a script to run',
       [' --hostfile ' .. dir .. '/hosts s.lua'] = 'dslua: ' .. dir .. '/hosts:2: Hostfile contains multiple entries for nodeA',

@@ -4,7 +4,6 @@
 -- process, as a user's training script would: the specs run before it
 -- leave heaps and GC thresholds that would blur the resident size.
 local H = require 'helpers'
-local P = require 'proc'
 
 local script = [==[
 local ds = require 'dslua'
@@ -72,9 +71,9 @@ for k, v in pairs(r) do print('RESULT', k, v) end
 
 describe('memory over a long training loop', function()
   it('stays flat over 10,000 steps of a 2-layer MLP with SGD', function()
-    local dir = P.tmpdir()
-    P.write(dir .. '/train.lua', script)
-    local out, status = H.run(P.bin() .. ' ' .. dir .. '/train.lua')
+    local dir = H.tmpdir()
+    H.write(dir .. '/train.lua', script)
+    local out, status = H.run(H.bin() .. ' ' .. dir .. '/train.lua')
     os.execute('rm -rf ' .. dir)
     assert.are.equal(0, status, out)
     local r = {}

@@ -4,7 +4,6 @@
 -- dslua process; a crash shows as a missing completion marker, and the
 -- parent then replays the guilty function call by call to name the call.
 local H = require 'helpers'
-local P = require 'proc'
 
 -- The child: builds the battery, calls everything, reports by markers.
 --   FN i name / OK i     around each function
@@ -168,9 +167,9 @@ io.write('DONE ', calls, '\n')
 
 describe('robustness', function()
   it('no call with bad arguments crashes the process', function()
-    local bin, dir = P.bin(), P.tmpdir()
+    local bin, dir = H.bin(), H.tmpdir()
     local script = dir .. '/battery.lua'
-    P.write(script, child)
+    H.write(script, child)
     -- in its own directory (functions that write files write there), no stdin
     local function run(verbose, first)
       return H.run(string.format('cd %s && timeout 120 %s %s %d %d </dev/null', dir, bin, script, verbose, first))

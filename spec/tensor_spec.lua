@@ -1,5 +1,4 @@
 local H = require 'helpers'
-local P = require 'proc'
 local ds = H.ds
 
 local function errmsg(fn, ...)
@@ -237,7 +236,7 @@ end)
 
 describe('threads', function()
   it('DSLUA_NUM_THREADS sets the thread count, ahead of OMP_NUM_THREADS', function()
-    local bin = P.bin()
+    local bin = H.bin()
     local code = [['print(require("dslua").num_threads())']]
     local out, status = H.run('DSLUA_NUM_THREADS=3 ' .. bin .. ' -e ' .. code)
     assert.are.equal(0, status)

@@ -6,7 +6,6 @@
 -- batch. Gradients weighted by sample count make them equal; the mean of
 -- per-rank means (what unweighted data parallelism computes) does not.
 local H = require 'helpers'
-local P = require 'proc'
 local ds = H.ds
 
 -- f32 training over 20 SGD steps: the N-rank gradient is a sum of partial
@@ -109,7 +108,7 @@ describe('uneven data parallelism', function()
     return
   end
 
-  local dir = P.tmpdir()
+  local dir = H.tmpdir()
   local runs = {}
 
   -- run.lua on np ranks: every rank's results and the output
@@ -119,7 +118,7 @@ describe('uneven data parallelism', function()
     local cmd = 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 DSLUA_COMM_CHECK=1 '
                 .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader '
                 .. '-x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -x DSLUA_COMM_CHECK -np ' .. np .. ' '
-                .. P.bin() .. ' spec/uneven/run.lua ' .. prefix .. ' 2>&1'
+                .. H.bin() .. ' spec/uneven/run.lua ' .. prefix .. ' 2>&1'
     local out, status = H.run(cmd)
     assert.are.equal(0, status, out)
     local ranks = {}
@@ -223,12 +222,12 @@ describe('uneven data parallelism', function()
   end
 
   it('examples/uneven: 2 ranks (48 and 16) train 20 steps of 64 samples; skips without the data', function()
-    local out, status = H.run(P.bin() .. ' examples/uneven/train.lua --data /nonexistent/mnist')
+    local out, status = H.run(H.bin() .. ' examples/uneven/train.lua --data /nonexistent/mnist')
     assert.are.equal(0, status, out)
     assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
     local data = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
     if not data then return end
-    out, status = H.run('DSLUA_NUM_THREADS=1 ' .. P.bin() .. ' -n 2 examples/uneven/train.lua --config '
+    out, status = H.run('DSLUA_NUM_THREADS=1 ' .. H.bin() .. ' -n 2 examples/uneven/train.lua --config '
                         .. 'examples/uneven/ds.json --data ' .. data .. '/mnist --steps 20')
     assert.are.equal(0, status, out)
     assert.truthy(out:find('rank 0 | epoch 0 | micro batch 48 | samples 6000 | steps 125', 1, true), out)

@@ -8,6 +8,8 @@
 local ds = require 'dslua'
 
 local here = arg[0]:match('^(.*)/') or '.'
+package.path = here .. '/?.lua;' .. package.path
+local mnist = require 'mnist_common'
 local opts = { model = 'mlp' }
 local rest = ds.args.rest
 local i = 1
@@ -23,28 +25,15 @@ while i <= #rest do
   end
   i = i + 2
 end
--- <project>/../shared/data/mnist, with `dir/..` pairs folded for the log
-local function shared_data()
-  local path, n = here .. '/../../../shared/data/mnist', 1
-  while n > 0 do path, n = path:gsub('[^/.][^/]*/%.%./', '', 1) end
-  return path
-end
-local dir = opts.data or (os.getenv('DSLUA_DATA') and os.getenv('DSLUA_DATA') .. '/mnist') or shared_data()
-
-local function exists(path)
-  local f = io.open(path, 'rb')
-  if f then f:close() end
-  return f ~= nil
-end
-if not exists(dir .. '/t10k-images-idx3-ubyte.gz') and not exists(dir .. '/t10k-images-idx3-ubyte') then
+local dir = mnist.data_dir(here, opts.data)
+if not mnist.has_t10k(dir) then
   print(string.format('skipping: no MNIST t10k files in %s (pass --data DIR)', dir))
   os.exit(0)
 end
 
 ds.manual_seed(42)
 math.randomseed(42)
-local train = ds.data.mnist { path = dir, split = 'test', first = 1, count = 8000, normalize = true }
-local test = ds.data.mnist { path = dir, split = 'test', first = 8001, count = 2000, normalize = true }
+local train, test = mnist.datasets(dir)
 
 local model
 if opts.model == 'mlp' then
@@ -65,52 +54,17 @@ print(string.format('MNIST from %s: %d training images, %d test images; %s with 
                     .. '%d threads', dir, #train, #test, opts.model, model:num_parameters(), epochs, #loader,
                     ds.num_threads()))
 
--- Accuracy on the held-out 2,000, in batches of 500 without autograd.
-local function evaluate()
-  engine:eval()
-  local correct = 0
-  ds.no_grad(function()
-    for _, batch in ds.data.loader(test, { batch_size = 500, shuffle = false }):epoch(1) do
-      local logits = model(batch.x)
-      correct = correct + logits:argmax(-1):eq(batch.y):sum():item()
-    end
-  end)
-  engine:train()
-  return correct
-end
-
--- Random translations by up to 2 pixels, one per group of 8 images: the
--- 8,000 images are too few for an MLP to reach 97% without it.
-local background = -0.1307 / 0.3081
-local function shift(x, d, dim)
-  if d == 0 then return x end
-  local size = x:size()
-  local n = size[dim]
-  size[dim] = math.abs(d)
-  local fill = ds.full(size, background)
-  if d > 0 then return ds.cat({ fill, x:narrow(dim, 1, n - d) }, dim) end
-  return ds.cat({ x:narrow(dim, 1 - d, n + d), fill }, dim)
-end
-local function augment(x)
-  local parts = {}
-  for i = 1, x:size(1), 8 do
-    local part = x:narrow(1, i, math.min(8, x:size(1) - i + 1))
-    parts[#parts + 1] = shift(shift(part, math.random(-2, 2), 3), math.random(-2, 2), 4)
-  end
-  return ds.cat(parts, 1)
-end
-
 local accuracy
 for epoch = 1, epochs do
   local sum, n = 0, 0
   for _, batch in loader:epoch(epoch) do
-    local loss = engine:forward(augment(batch.x), batch.y)
+    local loss = engine:forward(mnist.augment(batch.x), batch.y)
     engine:backward(loss)
     engine:step()
     sum, n = sum + engine.last_loss, n + 1
     if opts.steps and engine.global_steps >= opts.steps then break end
   end
-  local correct = evaluate()
+  local correct = mnist.evaluate(engine, test)
   accuracy = 100 * correct / #test
   print(string.format('epoch %d: train loss %.4f, test accuracy %.2f%% (%d/%d)', epoch, sum / n, accuracy, correct,
                       #test))

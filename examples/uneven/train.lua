@@ -10,6 +10,8 @@
 local ds = require 'dslua'
 
 local here = arg[0]:match('^(.*)/') or '.'
+package.path = here .. '/../mnist/?.lua;' .. package.path
+local mnist = require 'mnist_common'
 local opts = {}
 local rest = ds.args.rest
 local i = 1
@@ -24,29 +26,16 @@ while i <= #rest do
   end
   i = i + 2
 end
--- <project>/../shared/data/mnist, with `dir/..` pairs folded for the log
-local function shared_data()
-  local path, n = here .. '/../../../shared/data/mnist', 1
-  while n > 0 do path, n = path:gsub('[^/.][^/]*/%.%./', '', 1) end
-  return path
-end
-local dir = opts.data or (os.getenv('DSLUA_DATA') and os.getenv('DSLUA_DATA') .. '/mnist') or shared_data()
-
-local function exists(path)
-  local f = io.open(path, 'rb')
-  if f then f:close() end
-  return f ~= nil
-end
+local dir = mnist.data_dir(here, opts.data)
 local rank = ds.comm.rank()
-if not exists(dir .. '/t10k-images-idx3-ubyte.gz') and not exists(dir .. '/t10k-images-idx3-ubyte') then
+if not mnist.has_t10k(dir) then
   if rank == 0 then print(string.format('skipping: no MNIST t10k files in %s (pass --data DIR)', dir)) end
   os.exit(0)
 end
 
 ds.manual_seed(42)                 -- every rank the same init (rank 0's is broadcast anyway)
 math.randomseed(42 + rank)         -- each rank its own shifts
-local train = ds.data.mnist { path = dir, split = 'test', first = 1, count = 8000, normalize = true }
-local test = ds.data.mnist { path = dir, split = 'test', first = 8001, count = 2000, normalize = true }
+local train, test = mnist.datasets(dir)
 local model = require('models.mlp') { hidden = { 512, 256 }, dropout = 0.2 }
 
 local engine, _, loader = ds.initialize {
@@ -62,51 +51,18 @@ if rank == 0 then
                       model:num_parameters(), engine.world_size, cfg.train_batch_size, epochs, steps, ds.num_threads()))
 end
 
--- Accuracy on the held-out 2,000 (rank 0: every rank holds the same weights).
-local function evaluate()
-  engine:eval()
-  local correct = 0
-  ds.no_grad(function()
-    for _, batch in ds.data.loader(test, { batch_size = 500, shuffle = false }):epoch(1) do
-      correct = correct + model(batch.x):argmax(-1):eq(batch.y):sum():item()
-    end
-  end)
-  engine:train()
-  return correct
-end
-
--- Random translations by up to 2 pixels, one per group of 8 images.
-local background = -0.1307 / 0.3081
-local function shift(x, d, dim)
-  if d == 0 then return x end
-  local size = x:size()
-  local n = size[dim]
-  size[dim] = math.abs(d)
-  local fill = ds.full(size, background)
-  if d > 0 then return ds.cat({ fill, x:narrow(dim, 1, n - d) }, dim) end
-  return ds.cat({ x:narrow(dim, 1 - d, n + d), fill }, dim)
-end
-local function augment(x)
-  local parts = {}
-  for k = 1, x:size(1), 8 do
-    local part = x:narrow(1, k, math.min(8, x:size(1) - k + 1))
-    parts[#parts + 1] = shift(shift(part, math.random(-2, 2), 3), math.random(-2, 2), 4)
-  end
-  return ds.cat(parts, 1)
-end
-
 local accuracy
 local t0 = ds.wall_time()
 for epoch = 0, epochs - 1 do
   local sum, n = 0, 0
   for _, batch in loader:epoch(epoch) do
-    engine:backward(engine:forward(augment(batch.x), batch.y))
+    engine:backward(engine:forward(mnist.augment(batch.x), batch.y))
     engine:step()
     sum, n = sum + engine.last_loss, n + 1
     if opts.steps and engine.global_steps >= opts.steps then break end
   end
   if rank == 0 then
-    local correct = evaluate()
+    local correct = mnist.evaluate(engine, test)   -- rank 0: every rank holds the same weights
     accuracy = 100 * correct / #test
     print(string.format('epoch %d: rank 0 train loss %.4f, test accuracy %.2f%% (%d/%d)', epoch, sum / n, accuracy,
                         correct, #test))

@@ -13,6 +13,7 @@
 #include "cpu_kernels.h"
 #include "cpu_iter.h"
 #include "../ds_attention.h"
+#include "../ds_half.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -154,7 +155,7 @@ static void forward_block(const ds_kview *out, const ds_kview *lse, const ds_kvi
             for (int64_t c = 0; c < d.Dv; c++) a[c] *= alpha;
             #pragma omp simd reduction(+:sum)
             for (int64_t j = 0; j < BK; j++) {
-                sr[j] = j < m ? ds_attn_exp(sr[j] - mx) : 0.0f;
+                sr[j] = j < m ? ds_expf(sr[j] - mx) : 0.0f;
                 sum += sr[j];
             }
             st[r].sum += sum;

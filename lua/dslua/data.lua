@@ -305,6 +305,14 @@ function Dataset:decode(ids)
   return table.concat(out)
 end
 
+-- block_size (required) and stride (default_stride, else block_size) of
+-- the windowed datasets, text and shards.
+local function check_window(fname, opts, default_stride)
+  local T = check_int(fname, opts, 'block_size', nil, 1)
+  if not T then fail(fname, 'needs block_size (the context length)') end
+  return T, check_int(fname, opts, 'stride', default_stride or T, 1)
+end
+
 local TEXT_OPTS = { 'path', 'text', 'block_size', 'stride', 'vocab' }
 
 -- ds.data.text{path = file | text = string, block_size = T, stride = 1,
@@ -318,9 +326,7 @@ function M.text(opts)
   local path = check_type(fname, opts, 'path', 'string')
   local text = check_type(fname, opts, 'text', 'string')
   if (path == nil) == (text == nil) then fail(fname, 'needs exactly one of path (a file) and text (a string)') end
-  local T = check_int(fname, opts, 'block_size', nil, 1)
-  if not T then fail(fname, 'needs block_size (the context length)') end
-  local stride = check_int(fname, opts, 'stride', 1, 1)
+  local T, stride = check_window(fname, opts, 1)
   if path then
     local f, err = io.open(path, 'rb')
     if not f or C.is_dir(path) then fail(fname, 'cannot open %s (%s)', path, err or 'is a directory') end
@@ -360,9 +366,7 @@ function M.shards(opts)
   local paths = check_type(fname, opts, 'paths', 'table')
   local pattern = check_type(fname, opts, 'pattern', 'string')
   if (paths == nil) == (pattern == nil) then fail(fname, 'needs exactly one of paths (a list) and pattern (a glob)') end
-  local T = check_int(fname, opts, 'block_size', nil, 1)
-  if not T then fail(fname, 'needs block_size (the context length)') end
-  local stride = check_int(fname, opts, 'stride', T, 1)
+  local T, stride = check_window(fname, opts)
   if pattern then
     paths = C.glob(pattern)
     if #paths == 0 then fail(fname, "no file matches '%s'", pattern) end
