@@ -300,8 +300,16 @@ describe('launching ranks', function()
                            .. 'shift\nexec sh -c "$*"\n')
     os.execute('chmod +x ' .. dir .. '/ssh')
     H.write(dir .. '/hosts', 'nodeA slots=2\nnodeB slots=4\n')
-    local out, status = H.run(CLEAN .. 'OMPI_MCA_plm_rsh_agent=' .. dir .. '/ssh DSLUA_SPEC_FORWARD=yes ' .. bin
-                              .. ' --hostfile ' .. dir .. '/hosts --include nodeA@nodeB:1 ' .. SCRIPT .. ' --out=' .. dir)
+    -- two Open MPI daemons on one machine race writing hwloc's shared
+    -- topology and orted itself can crash there (a segfault in
+    -- hwloc_shmem_topology_write, before any rank starts): that stand-in
+    -- artefact is retried; any other failure fails the spec
+    local out, status
+    for _ = 1, 3 do
+      out, status = H.run(CLEAN .. 'OMPI_MCA_plm_rsh_agent=' .. dir .. '/ssh DSLUA_SPEC_FORWARD=yes ' .. bin
+                          .. ' --hostfile ' .. dir .. '/hosts --include nodeA@nodeB:1 ' .. SCRIPT .. ' --out=' .. dir)
+      if status == 0 or not out:find('hwloc_shmem_topology_write', 1, true) then break end
+    end
     assert.are.equal(0, status, out)
     assert.truthy(out:find(' : -np 1 --host nodeB:1 ', 1, true), out)
     local got = ranks(dir, 3)
