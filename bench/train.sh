@@ -8,62 +8,91 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF'
-usage: bench/train.sh [-t THREADS] [-r ROUNDS] [-b BUILD_DIR] [-m gpt2|mlp|all] [-o RESULTS] [-q]
+usage: bench/train.sh [-t THREADS] [-r ROUNDS] [-b BUILD_DIR] [-m gpt2|mlp|all] [-o RESULTS] [-p] [-q]
   -t THREADS    threads for dslua, OpenBLAS and PyTorch (default: nproc)
-  -r ROUNDS     run both programs this many times, keep each row's best (default: 1)
+  -r ROUNDS     run the programs in turn this many times, keep each row's best (default: 1)
   -b BUILD_DIR  a Release build of dslua, configured here if absent (default: build)
   -m MODEL      gpt2, mlp or all (default: all)
   -o RESULTS    also keep the raw result lines in this file
+  -p            also run PyTorch with OMP_WAIT_POLICY=PASSIVE (column "torch-p"): its
+                OpenMP threads then stop spinning against OpenBLAS's own threads
   -q            quick: fewer steps (a smoke test, not a measurement)
 EOF
 }
 
-me=bench/train.sh
-# shellcheck source=bench/common.sh
-. "$(dirname "$0")/common.sh"
+root=$(cd "$(dirname "$0")/.." && pwd)
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 threads=$cores
 build=$root/build
 rounds=1
 model=all
 results=
+passive=
 quick=
-while getopts "t:r:b:m:o:qh" opt; do
+while getopts "t:r:b:m:o:pqh" opt; do
     case $opt in
     t) threads=$OPTARG ;;
     r) rounds=$OPTARG ;;
     b) build=$(realpath -m "$OPTARG") ;;
     m) model=$OPTARG ;;
     o) results=$OPTARG ;;
+    p) passive=1 ;;
     q) quick=quick ;;
     h) usage; exit 0 ;;
     *) usage >&2; exit 2 ;;
     esac
 done
-bench_threads
+if ! [[ $threads =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ ]]; then
+    echo "bench/train.sh: -t and -r want whole numbers >= 1 (got '$threads', '$rounds')" >&2
+    exit 2
+fi
 case $model in gpt2 | mlp | all) ;; *) echo "bench/train.sh: -m wants gpt2, mlp or all" >&2; exit 2 ;; esac
-bench_build
+export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
+
+if [[ -f $build/CMakeCache.txt ]]; then
+    type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt")
+    if [[ $type != Release ]]; then
+        echo "bench/train.sh: $build is a '$type' build; point -b at a Release build (or a new dir)" >&2
+        exit 1
+    fi
+else
+    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
+fi
+log=$(mktemp)
 raw=$(mktemp)
-trap 'rm -f "$raw"' EXIT
+trap 'rm -f "$log" "$raw"' EXIT
+if ! cmake --build "$build" --target dslua -j"$cores" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "bench/train.sh: building dslua failed" >&2
+    exit 1
+fi
 torch=1
 if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
     echo "bench/train.sh: no PyTorch in /usr/bin/python3; the ratio column shows n/a" >&2
     torch=
 fi
 
+# One program at a time, so none of them shares the cores with another.
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 for ((round = 1; round <= rounds; round++)); do
     echo "bench/train.sh: round $round of $rounds" >&2
     (cd "$root" && "$build/dslua" bench/train.lua "$model" $quick) >>"$raw"
-    [[ -n $torch ]] && /usr/bin/python3 "$root/bench/train_torch.py" "$threads" "$model" $quick >>"$raw"
+    if [[ -n $torch ]]; then
+        /usr/bin/python3 "$root/bench/train_torch.py" "$threads" "$model" $quick >>"$raw"
+        if [[ -n $passive ]]; then
+            OMP_WAIT_POLICY=PASSIVE /usr/bin/python3 "$root/bench/train_torch.py" "$threads" "$model" $quick \
+                | sed 's/^\(result\|info\)\ttorch\t/\1\ttorch-p\t/' >>"$raw"
+        fi
+    fi
 done
-[[ -n $results ]] && cp "$raw" "$results"
+if [[ -n $results ]]; then cp "$raw" "$results"; fi
 
 commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
 echo "dslua training bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
 echo "cpu: $cpu, $cores cores; load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "best of $rounds round(s); ratio = dslua / torch throughput (> 1: dslua faster), aim 1.3"
-awk -F'\t' '
+awk -F'\t' -v passive="$passive" '
     $1 == "info" { thr[$2] = $4 }
     $1 == "result" {
         key = $3 "\t" $4
@@ -71,14 +100,19 @@ awk -F'\t' '
         unit[key] = $6
         if ($5 + 0 > best[$2, key] + 0) best[$2, key] = $5
     }
+    function num(v) { return v ? sprintf("%.1f", v) : "n/a" }
+    function ratio(a, b) { return a > 0 && b > 0 ? sprintf("%.2f", a / b) : "n/a" }
     END {
         printf "threads: dslua %s, torch %s\n", (thr["dslua"] ? thr["dslua"] : "?"), (thr["torch"] ? thr["torch"] : "?")
-        printf "%-16s %-10s %12s %12s %-10s %7s  %s\n", "model", "shape", "dslua", "torch", "unit", "ratio", "verdict"
+        printf "%-15s %-9s %-10s %10s %10s %6s", "model", "shape", "unit", "dslua", "torch", "ratio"
+        if (passive) printf " %10s %6s", "torch-p", "ratio-p"
+        printf "  %s\n", "verdict"
         for (i = 0; i < n; i++) {
             key = order[i]; split(key, p, "\t")
-            d = best["dslua", key]; t = best["torch", key]
-            ratio = (d > 0 && t > 0) ? sprintf("%.2f", d / t) : "n/a"
-            verdict = ratio == "n/a" ? "n/a" : (d / t >= 1.3 ? "ok (aim 1.3)" : "BELOW aim (1.3)")
-            printf "%-16s %-10s %12s %12s %-10s %7s  %s\n", p[1], p[2], (d ? d : "n/a"), (t ? t : "n/a"), unit[key], ratio, verdict
+            d = best["dslua", key]; t = best["torch", key]; r = ratio(d, t)
+            verdict = r == "n/a" ? "n/a" : (d / t >= 1.3 ? "ok (aim 1.3)" : "BELOW aim (1.3)")
+            printf "%-15s %-9s %-10s %10s %10s %6s", p[1], p[2], unit[key], num(d), num(t), r
+            if (passive) printf " %10s %6s", num(best["torch-p", key]), ratio(d, best["torch-p", key])
+            printf "  %s\n", verdict
         }
     }' "$raw"

@@ -4,7 +4,7 @@
 #include "cpu_iter.h"
 #include "../ds_elem.h"
 #include "../ds_half.h"
-#include "../ds_rows.h"   /* ds_expf, the vectorisable f32 exp */
+#include "../ds_expf.h"
 
 /* Rows are cut into tiles of at most CPU_TILE columns and the tiles shared
  * among threads, so a contiguous tensor (one long row once coalesced) still
@@ -37,7 +37,7 @@ static inline float cpu_gelu_tanh_f(float x) {
 }
 
 /* The f32 add, the hottest binary case. It is bound by memory, and on AMD
- * Zen 4 its loop runs 6-20% faster with 256-bit vectors than with 512-bit
+ * Zen 4 its loop runs 5-20% faster with 256-bit vectors than with 512-bit
  * ones (bench/README.md); GELU, bound by arithmetic, keeps the full width. */
 __attribute__((noinline, target("prefer-vector-width=256")))
 static void add_f32(float *o, const float *x, const float *y, int64_t c0, int64_t c1) {

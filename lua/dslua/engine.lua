@@ -439,6 +439,9 @@ end
 -- unfinished is stepped with what it has. Every rank calls it, any number
 -- of times (the engine's loader calls it at the end of each epoch; call it
 -- after a loop over your own batches). Without a sampler block: nothing.
+-- A loop whose ranks take different numbers of steps must not run its own
+-- per-step collectives (averaging the loss, say): the joined ranks only
+-- match the engine's.
 function Engine:join()
   if not self.weighted then return end
   if self.micro_samples or self.loader_samples then self.micro_samples, self.loader_samples = nil, nil end
