@@ -37,7 +37,9 @@ static void copy_tile(const ds_kview *dst, const ds_kview *src, int64_t t) {
     } else if (dst->dtype == src->dtype && dst->dtype == DS_F32) {
         float *d = (float *)dst->data + od;
         const float *s = (const float *)src->data + os;
-        for (int64_t c = 0; c < w; c++) d[c * sd] = s[c * ss];
+        if (sd == 1 && ss == 1) memcpy(d, s, (size_t)w * sizeof *d);
+        else if (sd == 1) for (int64_t c = 0; c < w; c++) d[c] = s[c * ss];
+        else for (int64_t c = 0; c < w; c++) d[c * sd] = s[c * ss];
     } else {
         for (int64_t c = 0; c < w; c++)
             ds_store(dst->dtype, dst->data, od + c * sd, ds_load(src->dtype, src->data, os + c * ss));
@@ -81,7 +83,8 @@ static void fill_tile(const ds_kview *dst, double value, int64_t t) {
     int64_t od = cpu_row_offset(dst, r) + c0 * sd, w = c1 - c0;
     if (dst->dtype == DS_F32) {
         float *d = (float *)dst->data + od, f = (float)value;
-        for (int64_t c = 0; c < w; c++) d[c * sd] = f;
+        if (sd == 1) for (int64_t c = 0; c < w; c++) d[c] = f;     /* unit stride: vectorised */
+        else for (int64_t c = 0; c < w; c++) d[c * sd] = f;
     } else {
         for (int64_t c = 0; c < w; c++) ds_store(dst->dtype, dst->data, od + c * sd, value);
     }
