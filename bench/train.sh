@@ -20,8 +20,9 @@ usage: bench/train.sh [-t THREADS] [-r ROUNDS] [-b BUILD_DIR] [-m gpt2|mlp|all] 
 EOF
 }
 
-root=$(cd "$(dirname "$0")/.." && pwd)
-cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
+me=bench/train.sh
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
 threads=$cores
 build=$root/build
 rounds=1
@@ -42,30 +43,11 @@ while getopts "t:r:b:m:o:pqh" opt; do
     *) usage >&2; exit 2 ;;
     esac
 done
-if ! [[ $threads =~ ^[1-9][0-9]*$ && $rounds =~ ^[1-9][0-9]*$ ]]; then
-    echo "bench/train.sh: -t and -r want whole numbers >= 1 (got '$threads', '$rounds')" >&2
-    exit 2
-fi
 case $model in gpt2 | mlp | all) ;; *) echo "bench/train.sh: -m wants gpt2, mlp or all" >&2; exit 2 ;; esac
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
-
-if [[ -f $build/CMakeCache.txt ]]; then
-    type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt")
-    if [[ $type != Release ]]; then
-        echo "bench/train.sh: $build is a '$type' build; point -b at a Release build (or a new dir)" >&2
-        exit 1
-    fi
-else
-    cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release >/dev/null
-fi
-log=$(mktemp)
+bench_threads
+bench_build
 raw=$(mktemp)
-trap 'rm -f "$log" "$raw"' EXIT
-if ! cmake --build "$build" --target dslua -j"$cores" >"$log" 2>&1; then
-    cat "$log" >&2
-    echo "bench/train.sh: building dslua failed" >&2
-    exit 1
-fi
+trap 'rm -f "$raw"' EXIT
 torch=1
 if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
     echo "bench/train.sh: no PyTorch in /usr/bin/python3; the ratio column shows n/a" >&2
