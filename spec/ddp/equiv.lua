@@ -6,6 +6,8 @@
 -- the final weights, the largest difference between any rank's weights
 -- and rank 0's, and the engine's comm_stats, as JSON to arg[1].
 local ds = require 'dslua'
+package.path = 'spec/?.lua;' .. package.path
+local rank_weights = require 'ranks.weights'
 local MLP = require 'models.mlp'
 local GPT = require 'models.gpt2'
 
@@ -82,17 +84,9 @@ local function run(case)
     end
   end
   local logged = { all_reduce = counts('all_reduce'), broadcast = counts('broadcast') }
-  local weights, diff = {}, 0
-  for _, entry in ipairs(m:named_parameters()) do
-    local p = entry[2]
-    local r0 = ds.comm.broadcast(p:clone(), 0)
-    diff = math.max(diff, (r0 - p):abs():amax():item())
-    weights[entry[1]] = p:reshape(-1):to('f64'):totable()
-  end
-  local d = ds.tensor({ diff }, 'f64')
-  ds.comm.all_reduce(d, 'max')
+  local weights, rank_diff = rank_weights(m)
   engine:finish()
-  return { losses = losses, weights = weights, rank_diff = d:item(), stats = engine.comm_stats or false,
+  return { losses = losses, weights = weights, rank_diff = rank_diff, stats = engine.comm_stats or false,
            micro_batch = engine:train_micro_batch_size_per_gpu(), logged = logged }
 end
 

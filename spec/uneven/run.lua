@@ -5,6 +5,8 @@
 -- indices}), the engine's counters and (rank 0) the final weights and the
 -- largest difference between any rank's weights and rank 0's.
 local ds = require 'dslua'
+package.path = 'spec/?.lua;' .. package.path
+local rank_weights = require 'ranks.weights'
 local MLP = require 'models.mlp'
 
 local prefix = assert(arg[1], 'usage: run.lua out_prefix')
@@ -54,17 +56,9 @@ local function run(case)
       engine:step()
     end
   end
-  local weights, diff = {}, 0
-  for _, entry in ipairs(model:named_parameters()) do
-    local p = entry[2]
-    local r0 = ds.comm.broadcast(p:clone(), 0)
-    diff = math.max(diff, (r0 - p):abs():amax():item())
-    weights[entry[1]] = p:reshape(-1):to('f64'):totable()
-  end
-  local d = ds.tensor({ diff }, 'f64')
-  ds.comm.all_reduce(d, 'max')
+  local weights, rank_diff = rank_weights(model)
   engine:finish()
-  return { steps = steps, weights = weights, rank_diff = d:item(), global_steps = engine.global_steps,
+  return { steps = steps, weights = weights, rank_diff = rank_diff, global_steps = engine.global_steps,
            global_samples = engine.global_samples, micro_steps = engine.micro_steps }
 end
 
