@@ -13,3 +13,13 @@ extern "C" const ds_kernels ds_cuda_kernels = {
     &ds_cuda_nn,
     &ds_cuda_optim,
 };
+
+static ds_cuda_runtime_hooks runtime;
+
+extern "C" void ds_cuda_kernels_bind(const ds_cuda_runtime_hooks *hooks) { runtime = *hooks; }
+
+extern "C" cudaStream_t ds_cuda_stream(void) { return runtime.stream(); }
+
+extern "C" void *ds_cuda_scratch(size_t nbytes) { return runtime.scratch(nbytes); }
+
+extern "C" void ds_cuda_scratch_free(void *p) { runtime.scratch_free(p); }

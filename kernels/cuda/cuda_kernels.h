@@ -1,7 +1,8 @@
 /* The CUDA backend's kernel families (assembled into ds_cuda_kernels by
- * cuda_kernels.cu) and the two things kernels need from the runtime, which
- * core/ds_cuda.c provides: the stream to launch on and scratch memory.
- * Plain C, so core includes it too. */
+ * cuda_kernels.cu) and the two things kernels need from the runtime: the
+ * stream to launch on and scratch memory. The runtime (core/cuda) hands
+ * them in once with ds_cuda_kernels_bind, so kernels call nothing above
+ * them. Plain C, so core includes it too. */
 #ifndef CUDA_KERNELS_H
 #define CUDA_KERNELS_H
 
@@ -23,6 +24,15 @@ extern const ds_kernels_index ds_cuda_index;
 extern const ds_kernels_nn ds_cuda_nn;
 extern const ds_kernels_optim ds_cuda_optim;
 extern const ds_kernels ds_cuda_kernels;
+
+typedef struct {
+    cudaStream_t (*stream)(void);
+    void *(*scratch)(size_t nbytes);
+    void (*scratch_free)(void *p);
+} ds_cuda_runtime_hooks;
+
+/* Before the first launch. */
+void ds_cuda_kernels_bind(const ds_cuda_runtime_hooks *hooks);
 
 /* The stream this thread's kernels go on: the compute stream of the
  * current device (core makes a tensor's device current before it calls

@@ -315,7 +315,7 @@ static void nccl_free_req(void *req) {
     free(q);
 }
 
-static const ds_comm_backend nccl_backend = {
+const ds_comm_backend ds_comm_nccl_backend = {
     .name = "nccl",
     .reduces_half = true,
     .barrier = nccl_barrier,
@@ -331,5 +331,3 @@ static const ds_comm_backend nccl_backend = {
     .test = nccl_test,
     .free_req = nccl_free_req,
 };
-
-void ds_comm_nccl_register(void) { ds_comm_backend_register(DS_DEV_CUDA, &nccl_backend); }

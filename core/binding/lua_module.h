@@ -9,5 +9,7 @@
 
 int luaopen_dslua_core(lua_State *L);
 void dsL_install(lua_State *L);
+/* lua_pcall with a traceback handler; 0 or the error on the stack. */
+int dsL_pcall(lua_State *L, int nargs, int nresults);
 
 #endif

@@ -36,7 +36,12 @@ static struct {
     ds_comm_work *inflight;
     ds_comm_group *groups;          /* from new_group, kept until exit */
     const ds_comm_backend *backends[DS_NDEVICE_TYPES];
-} S = { .check = -1, .size = 1, .backends = { [DS_DEV_CPU] = &ds_comm_mpi_backend } };
+} S = { .check = -1, .size = 1, .backends = {
+    [DS_DEV_CPU] = &ds_comm_mpi_backend,
+#ifdef DSLUA_CUDA
+    [DS_DEV_CUDA] = &ds_comm_nccl_backend,
+#endif
+} };
 
 static int world_ranks0[1] = { 0 };
 static ds_comm_group world = { .rank = 0, .size = 1, .ranks = world_ranks0, .name = "world" };
@@ -103,7 +108,6 @@ bool ds_comm_check_enabled(void) {
 
 void ds_comm_set_check(bool on) { S.check = on; }
 
-void ds_comm_backend_register(ds_device_type type, const ds_comm_backend *b) { S.backends[type] = b; }
 
 const ds_comm_backend *ds_comm_backend_of(const ds_tensor *t, const char *op) {
     ds_device d = ds_tensor_device(t);

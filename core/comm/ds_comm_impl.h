@@ -5,8 +5,8 @@
  * contiguous buffers of `count` elements of a wire dtype, ranks given as
  * group ranks, ops never AVG (it is a SUM then a division).
  *
- * MPI serves CPU tensors (ds_comm_mpi.c). A CUDA build registers NCCL for
- * CUDA tensors with ds_comm_backend_register; its per-group communicator
+ * MPI serves CPU tensors (ds_comm_mpi.c); in a CUDA build NCCL serves CUDA
+ * tensors (ds_comm_nccl.c); its per-group communicator
  * lives in ds_comm_group.backend[DS_DEV_CUDA], made on first use from the
  * group's MPI control communicator. */
 #ifndef DS_COMM_IMPL_H
@@ -54,8 +54,10 @@ typedef struct ds_comm_backend {
 } ds_comm_backend;
 
 extern const ds_comm_backend ds_comm_mpi_backend;
+#ifdef DSLUA_CUDA
+extern const ds_comm_backend ds_comm_nccl_backend;
+#endif
 
-void ds_comm_backend_register(ds_device_type type, const ds_comm_backend *b);
 /* The backend for t's device, or NULL with the error naming op. */
 const ds_comm_backend *ds_comm_backend_of(const ds_tensor *t, const char *op);
 

@@ -5,7 +5,7 @@
 #define DS_CUDA_IMPL_H
 
 #include "ds_cuda.h"
-#include "../kernels/cuda/cuda_kernels.h"
+#include "cuda/cuda_kernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -24,6 +24,9 @@ int ds_cuda_current_device(void);          /* -1 before any */
  * communication stream (NCCL), so gradient all-reduce overlaps backward. */
 cudaStream_t ds_cuda_compute_stream(int index);
 cudaStream_t ds_cuda_comm_stream(int index);
+/* Device memory ordered on the current stream (the kernels' scratch). */
+void *ds_cuda_block_alloc(size_t nbytes);
+void ds_cuda_block_free(void *p);
 
 extern ds_allocator ds_cuda_allocator;
 /* Frees the cached blocks of cuda:index (-1: every device). */
@@ -33,7 +36,5 @@ void ds_cuda_alloc_info(int index, ds_cuda_mem_info *out);
 /* ds_backend.transfer of the CUDA backend (ds_cuda_copy.c). */
 int ds_cuda_transfer(ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev);
 
-/* NCCL for CUDA tensors (ds_comm_nccl.c). */
-void ds_comm_nccl_register(void);
 
 #endif

@@ -3,7 +3,7 @@
  * source dtype; strides and casts are done on the side that has them (the
  * CPU kernels on the host, the CUDA kernels on the device), in scratch. */
 #include "ds_cuda_impl.h"
-#include "../kernels/cpu/cpu_kernels.h"
+#include "cpu/cpu_kernels.h"
 
 #include <stdlib.h>
 #include <string.h>

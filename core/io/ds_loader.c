@@ -1,7 +1,7 @@
 #include "ds_loader.h"
 #include "ds_error.h"
 #include "ds_op_shape.h"
-#include "../kernels/ds_philox.h"
+#include "ds_philox.h"
 
 #include <pthread.h>
 #include <stdatomic.h>

@@ -47,25 +47,6 @@ static const char usage[] =
     "Environment: DSLUA_NUM_THREADS (else OMP_NUM_THREADS) sets CPU threads;\n"
     "DSLUA_HISTORY names the REPL history file (default ~/.dslua_history).\n";
 
-static int traceback(lua_State *L) {
-    const char *msg = lua_tostring(L, 1);
-    if (!msg) {
-        if (luaL_callmeta(L, 1, "__tostring") && lua_isstring(L, -1)) return 1;
-        msg = lua_pushfstring(L, "(error object is a %s value)", luaL_typename(L, 1));
-    }
-    luaL_traceback(L, L, msg, 1);
-    return 1;
-}
-
-int dsL_pcall(lua_State *L, int nargs, int nresults) {
-    int base = lua_gettop(L) - nargs;
-    lua_pushcfunction(L, traceback);
-    lua_insert(L, base);
-    int rc = lua_pcall(L, nargs, nresults, base);
-    lua_remove(L, base);
-    return rc;
-}
-
 static int report(lua_State *L, int rc) {
     if (rc != 0 && ds_comm_launched()) {
         /* one rank failing ends every rank at once, naming itself */

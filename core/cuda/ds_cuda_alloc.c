@@ -186,9 +186,9 @@ static void cuda_free(ds_allocator *self, void *ptr, size_t nbytes) {
 
 ds_allocator ds_cuda_allocator = { "cuda", cuda_alloc, cuda_free };
 
-void *ds_cuda_scratch(size_t nbytes) { return block_alloc(nbytes); }
+void *ds_cuda_block_alloc(size_t nbytes) { return block_alloc(nbytes); }
 
-void ds_cuda_scratch_free(void *p) { block_free(p); }
+void ds_cuda_block_free(void *p) { block_free(p); }
 
 void ds_cuda_alloc_trim(int index) {
     pthread_mutex_lock(&A.lock);

@@ -5,8 +5,6 @@
 
 #include <lua.h>
 
-/* lua_pcall with a traceback handler; 0 or the error on the stack. */
-int dsL_pcall(lua_State *L, int nargs, int nresults);
 void dsL_repl(lua_State *L);
 
 #endif

@@ -1,7 +1,7 @@
 #include "ds_tensor.h"
 #include "ds_autograd.h"
 #include "ds_error.h"
-#include "../kernels/ds_half.h"
+#include "ds_half.h"
 
 #include <math.h>
 #include <stdatomic.h>

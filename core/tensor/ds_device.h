@@ -4,7 +4,7 @@
 #define DS_DEVICE_H
 
 #include "ds_alloc.h"
-#include "../kernels/ds_kernels.h"
+#include "ds_kernels.h"
 
 #include <stdbool.h>
 

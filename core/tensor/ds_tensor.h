@@ -7,7 +7,7 @@
 #define DS_TENSOR_H
 
 #include "ds_storage.h"
-#include "../kernels/ds_kview.h"
+#include "ds_kview.h"
 
 #include <stdbool.h>
 

@@ -2,7 +2,7 @@
  * with their streams, the backend registered, and what --report prints. */
 #include "ds_cuda_impl.h"
 #include "ds_error.h"
-#include "../kernels/cuda/cuda_blas.h"
+#include "cuda/cuda_blas.h"
 
 #include <cublasLt.h>
 #include <cudnn.h>
@@ -30,6 +30,8 @@ static void activate(int index) {
         fprintf(stderr, "dslua: cuda:%d: %s\n", index, ds_kernel_error());
 }
 
+static cudaStream_t current_stream(void);
+
 static void init(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -42,9 +44,9 @@ static void init(void) {
         return;
     }
     R.count = n < DS_CUDA_MAX_DEVICES ? n : DS_CUDA_MAX_DEVICES;
+    ds_cuda_kernels_bind(&(ds_cuda_runtime_hooks){ current_stream, ds_cuda_block_alloc, ds_cuda_block_free });
     ds_backend b = { &ds_cuda_kernels, &ds_cuda_allocator, R.count, activate, ds_cuda_transfer };
     ds_backend_register(DS_DEV_CUDA, &b);
-    ds_comm_nccl_register();
 }
 
 int ds_cuda_built(void) { return 1; }
@@ -109,7 +111,7 @@ cudaStream_t ds_cuda_compute_stream(int index) { return R.compute[index]; }
 
 cudaStream_t ds_cuda_comm_stream(int index) { return R.comm[index]; }
 
-cudaStream_t ds_cuda_stream(void) { return cur_stream; }
+static cudaStream_t current_stream(void) { return cur_stream; }
 
 int ds_cuda_synchronize(void) {
     int prev = cur_dev;
