@@ -116,9 +116,16 @@ local function build_scheduler(opts, cfg, optimizer)
   return nil
 end
 
+-- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights.
+local function broadcast_model(model)
+  for _, list in ipairs({ model:named_parameters(), model:named_buffers() }) do
+    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], 0) end
+  end
+end
+
 -- Mixed precision or ZeRO (dslua/zero.lua): every rank starts from rank
 -- 0's weights, then the partitioned optimizer takes the parameters over.
-function build_zero(opts, cfg, model, params, rank, world_size, device)
+local function build_zero(opts, cfg, model, params, rank, world_size, device)
   if cfg.sampler then
     error('initialize: the sampler block (uneven batches) runs with zero_optimization.stage 0 in fp32 only', 3)
   end
@@ -225,12 +232,6 @@ end
 
 ---------------------------------------------------------------- data parallel
 
--- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights.
-function broadcast_model(model)
-  for _, list in ipairs({ model:named_parameters(), model:named_buffers() }) do
-    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], 0) end
-  end
-end
 
 function Engine:_broadcast_model() broadcast_model(self.module) end
 
@@ -400,7 +401,7 @@ local function place(device, dtype, v)
   return v
 end
 
-function place_inputs(device, dtype, ...)
+local function place_inputs(device, dtype, ...)
   local args = { n = select('#', ...), ... }
   for i = 1, args.n do args[i] = place(device, dtype, args[i]) end
   return unpack(args, 1, args.n)
@@ -652,7 +653,7 @@ end
 -- master_weights, optimizer_state, activations, other and total.
 -- Tensors only Lua's collector still holds are not live: collect until
 -- a cycle frees nothing more (finalizers free what they held one cycle later).
-function settle_garbage()
+local function settle_garbage()
   local last
   for _ = 1, 10 do
     collectgarbage()
