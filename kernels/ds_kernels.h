@@ -55,6 +55,11 @@ typedef struct ds_kernels_reduce {
      * correction for VAR and p for NORM (p = INFINITY for the max norm). */
     int (*reduce)(ds_reduce_op op, ds_kview out, ds_kview x, int64_t outer, int64_t n, int64_t inner,
                   double param);
+    /* The step engine's one pass over flat f32 gradients: acc (2 contiguous
+     * f64 on x's device) gets the sum of squares added to acc[0] and the
+     * count of inf/nan elements added to acc[1]. The sums stay on the
+     * device, so many buffers cost one host synchronisation in all. */
+    int (*sum_squares)(ds_kview acc, ds_kview x);
 } ds_kernels_reduce;
 
 /* Indexing. Index views are i64 or i32 and hold 0-based values that core

@@ -62,7 +62,6 @@ int luaopen_dslua_core(lua_State *L) {
     dsL_open_json(L);
     dsL_open_lr(L);
     dsL_open_comm(L);
-    dsL_open_ddp(L);
     dsL_open_aio(L);
     dsL_open_zero(L);
     dsL_open_cuda(L);

@@ -47,6 +47,30 @@ ds_tensor *dsL_checkmeta(lua_State *L, int idx) {
     return *p;
 }
 
+static lua_State *fetching_L;
+
+lua_State *dsL_fetching_state(void) { return fetching_L; }
+
+void dsL_fetch(lua_State *L, int idx, ds_tensor *t) {
+    char s[96];
+    lua_State *outer = fetching_L;
+    fetching_L = L;
+    int rc = ds_autograd_fetch(t);
+    fetching_L = outer;
+    if (rc) dsL_error(L);
+    if (ds_tensor_is_released(t))
+        luaL_error(L, "argument %d: %s %s has no data: a partitioned parameter (ZeRO stage 3) used where "
+                   "nothing gathers it", idx, ds_dtype_name(t->dtype), ds_shape_str(t, s, sizeof s));
+}
+
+int dsL_backward(lua_State *L, ds_tensor *root, ds_tensor *grad, bool retain_graph) {
+    lua_State *outer = fetching_L;
+    fetching_L = L;
+    int rc = ds_backward(root, grad, retain_graph);
+    fetching_L = outer;
+    return rc;
+}
+
 ds_tensor *dsL_checktensor(lua_State *L, int idx) {
     ds_tensor *t = dsL_checkmeta(L, idx);
     if (ds_tensor_is_released(t)) dsL_fetch(L, idx, t);

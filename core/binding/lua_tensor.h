@@ -14,7 +14,7 @@
 #define DSL_TENSOR_MT "dslua.Tensor"
 
 /* A tensor argument whose data an op will read: a released partitioned
- * parameter is fetched first (lua_zero.c). */
+ * parameter is fetched first (the autograd fetch function). */
 ds_tensor *dsL_checktensor(lua_State *L, int idx);
 /* A tensor argument whose shape, dtype or autograd fields alone are read. */
 ds_tensor *dsL_checkmeta(lua_State *L, int idx);
@@ -23,6 +23,9 @@ ds_tensor *dsL_checkmeta(lua_State *L, int idx);
 void dsL_fetch(lua_State *L, int idx, ds_tensor *t);
 /* ds_backward from Lua: fetches during backward call back into L. */
 int dsL_backward(lua_State *L, ds_tensor *root, ds_tensor *grad, bool retain_graph);
+/* The state of the binding call now fetching or running backward (where a
+ * fetch function written in Lua runs), NULL outside one. */
+lua_State *dsL_fetching_state(void);
 ds_tensor *dsL_totensor(lua_State *L, int idx);          /* NULL if not a tensor */
 /* A tensor argument, or a number turned into a 0-dim tensor like `like`.
  * *owned is set when the caller must release the result. */
@@ -57,7 +60,6 @@ void dsL_open_data(lua_State *L);
 void dsL_open_json(lua_State *L);
 void dsL_open_lr(lua_State *L);
 void dsL_open_comm(lua_State *L);
-void dsL_open_ddp(lua_State *L);
 void dsL_open_aio(lua_State *L);
 void dsL_open_zero(lua_State *L);
 void dsL_open_cuda(lua_State *L);

@@ -1,4 +1,21 @@
-/* What ZeRO (lua/dslua/zero.lua) needs below Lua, as ds.core._zero:
+/* The step engine (core/train/ds_zero.h) and the partitioning primitives
+ * below it, as ds.core._zero:
+ *
+ *   _zero.engine{stage, masters, comm_dtype, master_device, bucket_size,
+ *                prescale, predivide, persistence_threshold,
+ *                prefetch_bucket_size, max_live_parameters,
+ *                max_reuse_distance, groups = {{p...}...}, optimizer}
+ *                              -> z (optimizer: the flat mode's, else nil)
+ *   z:master(g), z:master_grad(g), z:attach(optimizer), z:stream()
+ *   z:backward(loss | nil, reduce)   z:scale_grads(f)
+ *   z:step(param_groups, loss_scale, clip, check_overflow)
+ *                              -> overflow, grad_norm (nil when not known)
+ *   z:refresh({master...})     z:stats() -> table | nil
+ *   z:set_logging(on)          z:comm_records() -> {{name, bytes, ms}...}
+ *   z:buckets() -> n           z:bucket(b) -> first param, count, elements
+ *   z:add_module({i...}) -> id | nil (it holds no partitioned parameter)
+ *   z:pre_forward(id)  z:post_forward(id)  z:gather_all()  z:release_all()
+ *   z:shard(i)  z:persistent(i)  z:close()
  *
  *   _zero.set_fetch(fn)        fn(t) must make a released tensor whole; it is
  *                              called when an op or a backward node reads one
@@ -7,26 +24,31 @@
  *   _zero.is_released(t)
  *   _zero.retype(t, dtype)     t (a leaf) converted in place
  *   _zero.drop(t, ...)         the handles let go of their tensors now
- *   _zero.take_grad(p, rows)   p's gradient moved into [P, s] rows
  *   _zero.key(t)               a value that names the tensor itself (every
  *                              Lua handle of one tensor gives the same key)
- *   _zero.backward(loss, params, on_ready)
- *                              loss's backward; on_ready(i) runs as soon as
- *                              params[i]'s gradient is complete
  *
- * Errors inside fn or on_ready fail the op or the backward with their
- * message. */
+ * Indices are 1-based here. Each engine call is one crossing from Lua:
+ * nothing calls back into Lua per parameter or per bucket. */
 #include "lua_tensor.h"
+#include "lua_optim.h"
 #include "ds_autograd.h"
 #include "ds_error.h"
+#include "ds_zero.h"
 
+#include <math.h>
 #include <stdlib.h>
 
-static int fetch_ref = LUA_NOREF;
-static lua_State *backward_L;       /* the state running a backward, for fetches inside it */
+#define DSL_ZERO_MT "dslua.StepEngine"
 
-static int call_fetch(lua_State *L, ds_tensor *t) {
-    if (fetch_ref == LUA_NOREF) return 0;
+/* ---------------------------------------------------------------- primitives */
+
+static int fetch_ref = LUA_NOREF;
+
+/* A fetch function written in Lua runs on the state whose call is fetching. */
+static int lua_fetch(ds_tensor *t, void *ud) {
+    (void)ud;
+    lua_State *L = dsL_fetching_state();
+    if (!L || fetch_ref == LUA_NOREF) return 0;
     lua_rawgeti(L, LUA_REGISTRYINDEX, fetch_ref);
     ds_tensor_retain(t);
     dsL_pushtensor(L, t);
@@ -37,33 +59,12 @@ static int call_fetch(lua_State *L, ds_tensor *t) {
     return -1;
 }
 
-void dsL_fetch(lua_State *L, int idx, ds_tensor *t) {
-    char s[96];
-    if (call_fetch(L, t)) dsL_error(L);
-    if (ds_tensor_is_released(t))
-        luaL_error(L, "argument %d: %s %s has no data: a partitioned parameter (ZeRO stage 3) used where "
-                   "nothing gathers it", idx, ds_dtype_name(t->dtype), ds_shape_str(t, s, sizeof s));
-}
-
-static int fetch_in_backward(ds_tensor *t, void *ud) {
-    (void)ud;
-    return backward_L ? call_fetch(backward_L, t) : 0;
-}
-
-int dsL_backward(lua_State *L, ds_tensor *root, ds_tensor *grad, bool retain_graph) {
-    lua_State *outer = backward_L;
-    backward_L = L;
-    int rc = ds_backward(root, grad, retain_graph);
-    backward_L = outer;
-    return rc;
-}
-
 static int l_set_fetch(lua_State *L) {
     if (!lua_isnil(L, 1)) luaL_checktype(L, 1, LUA_TFUNCTION);
     luaL_unref(L, LUA_REGISTRYINDEX, fetch_ref);
     lua_settop(L, 1);
     fetch_ref = lua_isnil(L, 1) ? LUA_NOREF : luaL_ref(L, LUA_REGISTRYINDEX);
-    ds_autograd_set_fetch(fetch_ref == LUA_NOREF ? NULL : fetch_in_backward, NULL);
+    ds_autograd_set_fetch(fetch_ref == LUA_NOREF ? NULL : lua_fetch, NULL);
     return 0;
 }
 
@@ -113,43 +114,6 @@ static int l_drop(lua_State *L) {
     return 0;
 }
 
-/* take_grad(p, rows): p's gradient, flattened and cut into rows of rows'
- * width (rows: [P, s] with P * s >= numel, already zero), copied in and
- * dropped from p. false when p has no gradient. */
-static int l_take_grad(lua_State *L) {
-    ds_tensor *p = dsL_checkmeta(L, 1), *rows = dsL_checktensor(L, 2);
-    ds_tensor *g = p->grad;
-    if (!g) { lua_pushboolean(L, 0); return 1; }
-    int64_t n = ds_tensor_numel(g), s = rows->ndim == 2 ? rows->shape[1] : 0;
-    char s1[96], s2[96];
-    if (s <= 0 || rows->shape[0] * s < n || !ds_tensor_is_contiguous(g))
-        return luaL_error(L, "take_grad: a gradient %s does not fit rows %s", ds_shape_str(g, s1, sizeof s1),
-                          ds_shape_str(rows, s2, sizeof s2));
-    int64_t full = n / s, rem = n % s;
-    int rc = 0;
-    if (full > 0) {
-        int64_t shape[2] = { full, s }, stride[2] = { s, 1 };
-        ds_tensor *src = ds_tensor_view_of(g, 2, shape, stride, g->offset);
-        ds_tensor *dst = ds_tensor_view_of(rows, 2, shape, rows->stride, rows->offset);
-        rc = !src || !dst || ds_copy_(dst, src);
-        ds_tensor_release(src);
-        ds_tensor_release(dst);
-    }
-    if (rc == 0 && rem > 0) {
-        int64_t shape[1] = { rem }, one[1] = { 1 }, stride[1] = { rows->stride[1] };
-        ds_tensor *src = ds_tensor_view_of(g, 1, shape, one, g->offset + full * s);
-        ds_tensor *dst = ds_tensor_view_of(rows, 1, shape, stride, rows->offset + full * rows->stride[0]);
-        rc = !src || !dst || ds_copy_(dst, src);
-        ds_tensor_release(src);
-        ds_tensor_release(dst);
-    }
-    if (rc) return dsL_error(L);
-    p->grad = NULL;
-    ds_tensor_release(g);
-    lua_pushboolean(L, 1);
-    return 1;
-}
-
 static int l_is_released(lua_State *L) {
     lua_pushboolean(L, ds_tensor_is_released(dsL_checkmeta(L, 1)));
     return 1;
@@ -160,56 +124,306 @@ static int l_key(lua_State *L) {
     return 1;
 }
 
-/* One backward's hooks: on_ready sits at stack slot 3. */
-typedef struct { lua_State *L; ds_tensor **params; int n; } hooked;
+/* ---------------------------------------------------------------- the engine */
 
-static int ready_cb(ds_tensor *leaf, void *ud) {
-    hooked *h = ud;
-    int i = 0;
-    while (i < h->n && h->params[i] != leaf) i++;
-    lua_State *L = h->L;
-    lua_pushvalue(L, 3);
-    lua_pushinteger(L, i + 1);
-    if (lua_pcall(L, 1, 0, 0) == 0) return 0;
-    const char *msg = lua_tostring(L, -1);
-    ds_fail(DS_ERR_STATE, "gradient ready hook: %s", msg ? msg : "(error object is not a string)");
-    lua_pop(L, 1);
-    return -1;
+static ds_zero *check_engine(lua_State *L) {
+    ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
+    if (!*z) luaL_error(L, "step engine: used after close()");
+    return *z;
 }
 
-static int l_backward(lua_State *L) {
-    ds_tensor *loss = dsL_checktensor(L, 1);
-    luaL_checktype(L, 2, LUA_TTABLE);
-    luaL_checktype(L, 3, LUA_TFUNCTION);
-    lua_settop(L, 3);
-    int n = (int)lua_objlen(L, 2);
-    hooked h = { L, malloc((size_t)(n ? n : 1) * sizeof(ds_tensor *)), n };
-    if (!h.params) return luaL_error(L, "backward: out of memory");
-    for (int i = 0; i < n; i++) {
-        lua_rawgeti(L, 2, i + 1);
-        h.params[i] = dsL_totensor(L, -1);
+static double opt_number(lua_State *L, int t, const char *key, double def) {
+    lua_getfield(L, t, key);
+    if (lua_isnil(L, -1)) {
         lua_pop(L, 1);
-        if (!h.params[i]) {
-            free(h.params);
-            return luaL_error(L, "backward: params[%d] is not a tensor", i + 1);
-        }
+        return def;
     }
-    int rc = 0, set = 0;
-    for (; set < n && rc == 0; set++) rc = ds_autograd_set_leaf_hook(h.params[set], ready_cb, &h);
-    if (rc == 0) rc = dsL_backward(L, loss, NULL, false);
-    for (int i = 0; i < set; i++) ds_autograd_set_leaf_hook(h.params[i], NULL, &h);
-    free(h.params);
-    if (rc) return dsL_error(L);
+    if (lua_type(L, -1) != LUA_TNUMBER)
+        luaL_error(L, "step engine: %s must be a number, got %s", key, luaL_typename(L, -1));
+    double v = lua_tonumber(L, -1);
+    lua_pop(L, 1);
+    return v;
+}
+
+static bool opt_bool(lua_State *L, int t, const char *key) {
+    lua_getfield(L, t, key);
+    bool v = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    return v;
+}
+
+static int64_t opt_elements(lua_State *L, int t, const char *key, double def) {
+    double v = opt_number(L, t, key, def);
+    return v >= 9.2e18 ? INT64_MAX : (int64_t)v;
+}
+
+static void read_config(lua_State *L, int t, ds_zero_config *c) {
+    c->stage = (int)opt_number(L, t, "stage", 0);
+    c->masters = opt_bool(L, t, "masters");
+    lua_getfield(L, t, "comm_dtype");
+    c->comm_dtype = lua_isnil(L, -1) ? DS_F32 : dsL_checkdtype(L, lua_gettop(L), DS_F32);
+    lua_pop(L, 1);
+    lua_getfield(L, t, "master_device");
+    const char *dev = lua_isnil(L, -1) ? "cpu" : luaL_checkstring(L, -1);
+    if (ds_device_parse(dev, &c->master_device)) dsL_error(L);
+    lua_pop(L, 1);
+    c->bucket_size = opt_elements(L, t, "bucket_size", 5e8);
+    c->prescale = opt_bool(L, t, "prescale");
+    c->predivide = opt_number(L, t, "predivide", 1);
+    c->persistence_threshold = opt_elements(L, t, "persistence_threshold", 1e5);
+    c->prefetch_bucket_size = opt_elements(L, t, "prefetch_bucket_size", 5e7);
+    c->max_live_parameters = opt_elements(L, t, "max_live_parameters", 1e9);
+    c->max_reuse_distance = opt_elements(L, t, "max_reuse_distance", 1e9);
+}
+
+/* engine{...}: the groups' parameters flattened, counted per group. */
+static int l_engine(lua_State *L) {
+    luaL_checktype(L, 1, LUA_TTABLE);
+    ds_zero_config c;
+    read_config(L, 1, &c);
+    lua_getfield(L, 1, "optimizer");
+    ds_optim *flat = lua_isnil(L, -1) ? NULL : dsL_checkoptim(L, lua_gettop(L));
+    lua_getfield(L, 1, "groups");
+    int gi = lua_gettop(L);
+    if (!lua_istable(L, gi)) return luaL_error(L, "step engine: groups must be a list of parameter lists");
+    int ng = (int)lua_objlen(L, gi), n = 0;
+    for (int g = 1; g <= ng; g++) {
+        lua_rawgeti(L, gi, g);
+        if (!lua_istable(L, -1)) return luaL_error(L, "step engine: group %d is not a list of tensors", g);
+        n += (int)lua_objlen(L, -1);
+        lua_pop(L, 1);
+    }
+    /* scratch owned by the GC, so a raise below leaks nothing */
+    int *counts = lua_newuserdata(L, sizeof *counts * (size_t)(ng + 1));
+    ds_tensor **params = lua_newuserdata(L, sizeof *params * (size_t)(n + 1));
+    for (int g = 1, i = 0; g <= ng; g++) {
+        lua_rawgeti(L, gi, g);
+        counts[g - 1] = (int)lua_objlen(L, -1);
+        for (int k = 1; k <= counts[g - 1]; k++, i++) {
+            lua_rawgeti(L, -1, k);
+            if (!(params[i] = dsL_totensor(L, -1)))
+                return luaL_error(L, "step engine: group %d item %d is a %s, not a tensor", g, k, luaL_typename(L, -1));
+            lua_pop(L, 1);
+        }
+        lua_pop(L, 1);
+    }
+    ds_zero **ud = lua_newuserdata(L, sizeof *ud);
+    *ud = NULL;
+    luaL_getmetatable(L, DSL_ZERO_MT);
+    lua_setmetatable(L, -2);
+    if (!(*ud = ds_zero_new(&c, ng, counts, params, flat))) return dsL_error(L);
+    return 1;
+}
+
+static int l_master(lua_State *L) {
+    return dsL_pushtensor(L, ds_zero_master(check_engine(L), (int)luaL_checkinteger(L, 2) - 1));
+}
+
+static int l_master_grad(lua_State *L) {
+    return dsL_pushtensor(L, ds_zero_master_grad(check_engine(L), (int)luaL_checkinteger(L, 2) - 1));
+}
+
+static int l_attach(lua_State *L) {
+    if (ds_zero_attach(check_engine(L), dsL_checkoptim(L, 2))) return dsL_error(L);
     return 0;
 }
 
+static int l_stream(lua_State *L) {
+    if (ds_zero_stream(check_engine(L))) return dsL_error(L);
+    return 0;
+}
+
+static int l_backward(lua_State *L) {
+    ds_zero *z = check_engine(L);
+    ds_tensor *loss = lua_isnil(L, 2) ? NULL : dsL_checktensor(L, 2);
+    if (ds_zero_backward(z, loss, lua_toboolean(L, 3))) return dsL_error(L);
+    return 0;
+}
+
+static int l_scale_grads(lua_State *L) {
+    if (ds_zero_scale_grads(check_engine(L), luaL_checknumber(L, 2))) return dsL_error(L);
+    return 0;
+}
+
+/* step(param_groups | nil, loss_scale, clip, check_overflow) */
+static int l_step(lua_State *L) {
+    ds_zero *z = check_engine(L);
+    ds_optim *o = ds_zero_optimizer(z);
+    ds_optim_hparams *h = NULL;
+    if (o) {
+        h = lua_newuserdata(L, sizeof *h * (size_t)(o->n_groups + 1));
+        dsL_optim_hparams(L, 2, o, h);
+    }
+    ds_zero_result r;
+    if (ds_zero_step(z, h, luaL_optnumber(L, 3, 1), luaL_optnumber(L, 4, 0), lua_toboolean(L, 5), &r))
+        return dsL_error(L);
+    lua_pushboolean(L, r.overflow);
+    if (isnan(r.grad_norm)) lua_pushnil(L);
+    else lua_pushnumber(L, r.grad_norm);
+    return 2;
+}
+
+static int l_refresh(lua_State *L) {
+    ds_zero *z = check_engine(L);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    int n = (int)lua_objlen(L, 2);
+    ds_tensor **m = lua_newuserdata(L, sizeof *m * (size_t)(n + 1));
+    for (int g = 0; g < n; g++) {
+        lua_rawgeti(L, 2, g + 1);
+        m[g] = dsL_checktensor(L, -1);
+        lua_pop(L, 1);
+    }
+    if (ds_zero_refresh(z, m)) return dsL_error(L);
+    return 0;
+}
+
+static void set_number(lua_State *L, const char *key, double v) {
+    lua_pushnumber(L, v);
+    lua_setfield(L, -2, key);
+}
+
+static int l_stats(lua_State *L) {
+    ds_zero_stats s;
+    if (!ds_zero_stats_get(check_engine(L), &s)) return 0;
+    lua_createtable(L, 0, 7);
+    set_number(L, "buckets", s.buckets);
+    set_number(L, "bytes", (double)s.bytes);
+    set_number(L, "launched_in_backward", s.launched_in_backward);
+    set_number(L, "leaves_after_first_launch", s.leaves_after_first_launch);
+    set_number(L, "comm_ms", s.comm_ms);
+    set_number(L, "hidden_ms", s.hidden_ms);
+    set_number(L, "wait_ms", s.wait_ms);
+    return 1;
+}
+
+static int l_set_logging(lua_State *L) {
+    ds_zero_set_logging(check_engine(L), lua_toboolean(L, 2));
+    return 0;
+}
+
+/* comm_records() -> {{name, bytes, ms}...} since the last call */
+static int l_comm_records(lua_State *L) {
+    int n;
+    const ds_zero_comm_record *r = ds_zero_comm_records(check_engine(L), &n);
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        lua_createtable(L, 3, 0);
+        lua_pushstring(L, r[i].name);
+        lua_rawseti(L, -2, 1);
+        lua_pushnumber(L, (double)r[i].bytes);
+        lua_rawseti(L, -2, 2);
+        lua_pushnumber(L, r[i].ms);
+        lua_rawseti(L, -2, 3);
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
+static int l_buckets(lua_State *L) {
+    lua_pushinteger(L, ds_zero_n_buckets(check_engine(L)));
+    return 1;
+}
+
+static int l_bucket(lua_State *L) {
+    ds_zero *z = check_engine(L);
+    int b = (int)luaL_checkinteger(L, 2);
+    if (b < 1 || b > ds_zero_n_buckets(z))
+        return luaL_error(L, "step engine: bucket %d out of range [1, %d]", b, ds_zero_n_buckets(z));
+    int first, count;
+    int64_t numel;
+    ds_zero_bucket(z, b - 1, &first, &count, &numel);
+    lua_pushinteger(L, first + 1);
+    lua_pushinteger(L, count);
+    lua_pushnumber(L, (double)numel);
+    return 3;
+}
+
+static int l_add_module(lua_State *L) {
+    ds_zero *z = check_engine(L);
+    luaL_checktype(L, 2, LUA_TTABLE);
+    int n = (int)lua_objlen(L, 2);
+    int *idx = lua_newuserdata(L, sizeof *idx * (size_t)(n + 1));
+    for (int k = 0; k < n; k++) {
+        lua_rawgeti(L, 2, k + 1);
+        idx[k] = (int)luaL_checkinteger(L, -1) - 1;
+        lua_pop(L, 1);
+    }
+    int id = ds_zero_add_module(z, n, idx);
+    if (id == -1) return dsL_error(L);
+    if (id < 0) return 0;
+    lua_pushinteger(L, id + 1);
+    return 1;
+}
+
+static int l_pre_forward(lua_State *L) {
+    if (ds_zero_pre_forward(check_engine(L), (int)luaL_checkinteger(L, 2) - 1)) return dsL_error(L);
+    return 0;
+}
+
+static int l_post_forward(lua_State *L) {
+    if (ds_zero_post_forward(check_engine(L), (int)luaL_checkinteger(L, 2) - 1)) return dsL_error(L);
+    return 0;
+}
+
+static int l_gather_all(lua_State *L) {
+    if (ds_zero_gather_all(check_engine(L))) return dsL_error(L);
+    return 0;
+}
+
+static int l_release_all(lua_State *L) {
+    ds_zero_release_all(check_engine(L));
+    return 0;
+}
+
+static int param_arg(lua_State *L, int n) {
+    int i = (int)luaL_checkinteger(L, 2);
+    if (i < 1 || i > n) luaL_error(L, "step engine: parameter %d out of range [1, %d]", i, n);
+    return i - 1;
+}
+
+static int l_shard(lua_State *L) {
+    ds_zero *z = check_engine(L);
+    lua_pushnumber(L, (double)ds_zero_shard(z, param_arg(L, ds_zero_n_params(z))));
+    return 1;
+}
+
+static int l_persistent(lua_State *L) {
+    ds_zero *z = check_engine(L);
+    lua_pushboolean(L, ds_zero_persistent(z, param_arg(L, ds_zero_n_params(z))));
+    return 1;
+}
+
+static int l_close(lua_State *L) {
+    ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
+    ds_zero_free(*z);
+    *z = NULL;
+    return 0;
+}
+
+static const luaL_Reg engine_methods[] = {
+    {"master", l_master}, {"master_grad", l_master_grad}, {"attach", l_attach}, {"stream", l_stream}, {"backward", l_backward},
+    {"scale_grads", l_scale_grads}, {"step", l_step}, {"refresh", l_refresh}, {"stats", l_stats},
+    {"buckets", l_buckets}, {"bucket", l_bucket}, {"add_module", l_add_module}, {"pre_forward", l_pre_forward},
+    {"post_forward", l_post_forward}, {"gather_all", l_gather_all}, {"release_all", l_release_all},
+    {"shard", l_shard}, {"persistent", l_persistent}, {"set_logging", l_set_logging},
+    {"comm_records", l_comm_records}, {"close", l_close},
+    {NULL, NULL}
+};
+
 static const luaL_Reg zero_functions[] = {
-    {"set_fetch", l_set_fetch}, {"release_data", l_release_data}, {"set_data", l_set_data},
-    {"is_released", l_is_released}, {"retype", l_retype}, {"drop", l_drop}, {"take_grad", l_take_grad}, {"key", l_key}, {"backward", l_backward},
+    {"engine", l_engine}, {"set_fetch", l_set_fetch}, {"release_data", l_release_data}, {"set_data", l_set_data},
+    {"is_released", l_is_released}, {"retype", l_retype}, {"drop", l_drop}, {"key", l_key},
     {NULL, NULL}
 };
 
 void dsL_open_zero(lua_State *L) {
+    luaL_newmetatable(L, DSL_ZERO_MT);
+    lua_newtable(L);
+    luaL_register(L, NULL, engine_methods);
+    lua_setfield(L, -2, "__index");
+    lua_pushcfunction(L, l_close);
+    lua_setfield(L, -2, "__gc");
+    lua_pop(L, 1);
     lua_newtable(L);
     luaL_register(L, NULL, zero_functions);
     lua_setfield(L, -2, "_zero");

@@ -300,6 +300,8 @@ void ds_autograd_set_fetch(ds_fetch_fn fn, void *ud) {
     fetch_ud = ud;
 }
 
+int ds_autograd_fetch(ds_tensor *t) { return fetch_fn ? fetch_fn(t, fetch_ud) : 0; }
+
 /* Saved parameters whose data was released since forward come back first. */
 static int fetch_saved(ds_node *n) {
     for (int k = 0; k < DS_NODE_MAX_SAVED; k++) {

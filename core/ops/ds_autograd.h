@@ -74,6 +74,10 @@ int ds_autograd_set_leaf_hook(ds_tensor *leaf, ds_leaf_hook fn, void *ud);
  * node fails with an error naming the tensor. */
 typedef int (*ds_fetch_fn)(ds_tensor *t, void *ud);
 void ds_autograd_set_fetch(ds_fetch_fn fn, void *ud);
+/* The same for a forward read: t made whole through the fetch function,
+ * if one is set (a binding calls it before an op reads t). 0, or -1 with
+ * the error set. */
+int ds_autograd_fetch(ds_tensor *t);
 
 /* Backpropagates from `root`; grad NULL means ones (root must then hold one
  * element). Frees the graph's saved tensors unless retain_graph. */

@@ -98,4 +98,22 @@ static int cpu_reduce(ds_reduce_op op, ds_kview out, ds_kview x, int64_t outer, 
     return 0;
 }
 
-const ds_kernels_reduce ds_cpu_reduce = { cpu_reduce };
+static int cpu_sum_squares(ds_kview acc, ds_kview x) {
+    if (x.dtype != DS_F32 || !ds_kview_is_contiguous(&x) || acc.dtype != DS_F64)
+        return ds_kernel_fail("sum_squares: needs contiguous f32 values and an f64 accumulator");
+    const float *f = x.data;
+    int64_t n = ds_kview_numel(&x);
+    double sq = 0, bad = 0;
+    #pragma omp parallel for schedule(static) reduction(+ : sq, bad) if (n > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        float v = f[i];
+        sq += (double)v * v;
+        bad += !isfinite(v);
+    }
+    double *a = acc.data;
+    a[0] += sq;
+    a[1] += bad;
+    return 0;
+}
+
+const ds_kernels_reduce ds_cpu_reduce = { cpu_reduce, cpu_sum_squares };

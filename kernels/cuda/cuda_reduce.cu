@@ -184,4 +184,60 @@ static int cuda_reduce(ds_reduce_op op, ds_kview out, ds_kview x, int64_t outer,
     return reduce_launch<double>(op, mode, param, out, x, outer, n, inner);
 }
 
-extern "C" const ds_kernels_reduce ds_cuda_reduce = { cuda_reduce };
+/* sum_squares: each block's partial (sum of squares, non-finite count) in
+ * a fixed tree, then one block adds the partials in order into acc:
+ * deterministic, and nothing comes back to the host. */
+#define SQ_THREADS 256
+#define SQ_MAX_BLOCKS 1024
+
+__global__ void sum_squares_kernel(const float *x, int64_t n, double2 *part) {
+    __shared__ double s_sq[SQ_THREADS], s_bad[SQ_THREADS];
+    double sq = 0, bad = 0;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = x[i];
+        sq += (double)v * v;
+        bad += !isfinite(v);
+    }
+    s_sq[threadIdx.x] = sq;
+    s_bad[threadIdx.x] = bad;
+    __syncthreads();
+    for (int s = SQ_THREADS / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) {
+            s_sq[threadIdx.x] += s_sq[threadIdx.x + s];
+            s_bad[threadIdx.x] += s_bad[threadIdx.x + s];
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) part[blockIdx.x] = make_double2(s_sq[0], s_bad[0]);
+}
+
+__global__ void sum_squares_merge_kernel(const double2 *part, int nparts, double *acc) {
+    double sq = 0, bad = 0;
+    for (int i = 0; i < nparts; i++) {
+        sq += part[i].x;
+        bad += part[i].y;
+    }
+    acc[0] += sq;
+    acc[1] += bad;
+}
+
+static int cuda_sum_squares(ds_kview acc, ds_kview x) {
+    if (x.dtype != DS_F32 || !ds_kview_is_contiguous(&x) || acc.dtype != DS_F64)
+        return ds_kernel_fail("sum_squares: needs contiguous f32 values and an f64 accumulator");
+    int64_t n = ds_kview_numel(&x);
+    if (n == 0) return 0;
+    int blocks = (int)ds_cuda_blocks(n, SQ_THREADS);
+    if (blocks > SQ_MAX_BLOCKS) blocks = SQ_MAX_BLOCKS;
+    double2 *part = (double2 *)ds_cuda_scratch((size_t)blocks * sizeof *part);
+    if (!part) return -1;
+    sum_squares_kernel<<<blocks, SQ_THREADS, 0, ds_cuda_stream()>>>((const float *)x.data, n, part);
+    int rc = ds_cuda_launched("sum_squares_kernel");
+    if (rc == 0) {
+        sum_squares_merge_kernel<<<1, 1, 0, ds_cuda_stream()>>>(part, blocks, (double *)acc.data);
+        rc = ds_cuda_launched("sum_squares_merge_kernel");
+    }
+    ds_cuda_scratch_free(part);
+    return rc;
+}
+
+extern "C" const ds_kernels_reduce ds_cuda_reduce = { cuda_reduce, cuda_sum_squares };

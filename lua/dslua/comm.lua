@@ -224,6 +224,16 @@ end
 -- the raw records: {name = {[bytes] = {count =, lat = {ms...}, algbw =, busbw =}}}
 function M.logger_records() return logger.records end
 
+-- Whether collectives are logged now, and a record of one that C ran on
+-- the world (the step engine's buckets and gathers, logged under the
+-- names DeepSpeed gives them).
+function M.logging() return logger.enabled end
+
+function M.log_collective(name, bytes, ms)
+  local rec = profiled(name, { log_name = name })
+  if rec then record(rec, (name:gsub('^zero3?_', '')), bytes, ms, nil) end
+end
+
 ---------------------------------------------------------------- primitives
 
 local function options(o, what)

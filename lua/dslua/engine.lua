@@ -2,13 +2,17 @@
 -- over a dslua model, optimizer, LR scheduler and loader, with DeepSpeed's
 -- config semantics and log lines.
 --
+-- The step itself is the C step engine's (core/train/ds_zero.h): plain
+-- data parallel in fp32, or mixed precision and ZeRO through dslua/zero.lua.
+-- engine:backward and engine:step each cross into C once.
+--
 -- On N ranks (world_size > 1) it is data parallel: initialize broadcasts
 -- the parameters and buffers from rank 0 and feeds its loader through
 -- samplers/distributed.lua; the backward of each accumulation boundary
--- all-reduces the gradients in buckets of reduce_bucket_size elements
--- (core/ds_ddp.h), each launched as soon as backward has completed all its
--- gradients, and step waits for them before the optimizer runs. What the
--- last boundary's reduction did is in engine.comm_stats.
+-- reduces the gradients in buckets of reduce_bucket_size elements, each
+-- launched as soon as backward has completed all its gradients, and step
+-- waits for them before the optimizer runs. What the last boundary's
+-- reduction did is in engine.comm_stats.
 --
 -- With a `sampler` block (samplers/policy.lua) each rank reads its own
 -- share of the data in its own micro batches, and gradients are weighted
@@ -33,8 +37,6 @@ local Engine = {}
 Engine.__index = Engine
 
 local now = ds.wall_time
-
-local DTYPE_BYTES = { f32 = 4, f64 = 8, bf16 = 2, f16 = 2 }
 
 -- log_dist as DeepSpeed prints it: rank 0 only, rank in the line.
 local function log(engine, fmt, ...)
@@ -81,21 +83,13 @@ function Engine:_stop(name)
   t.total[name] = (t.total[name] or 0) + (now() - t.started[name])
 end
 
--- Everything the optimizer updates, for clipping.
-local function all_params(optimizer)
-  local out = {}
-  for _, g in ipairs(optimizer.param_groups) do
-    for _, p in ipairs(g.params) do out[#out + 1] = p end
-  end
-  return out
-end
-
 local function build_optimizer(opts, cfg, params)
   local o = opts.optimizer
   if type(o) == 'function' then o = o(params) end
   if o ~= nil then
-    if type(o) ~= 'table' or type(o.step) ~= 'function' or type(o.param_groups) ~= 'table' then
-      error('initialize: optimizer must be a dslua optimizer (with step() and param_groups) or a function returning one', 3)
+    if type(o) ~= 'table' or o._h == nil or type(o.param_groups) ~= 'table' then
+      error('initialize: optimizer must be a ds.optim optimizer (SGD, Adam, AdamW, Adagrad, Lamb, Lion) or a '
+            .. 'function returning one', 3)
     end
     return o
   end
@@ -126,9 +120,6 @@ end
 -- Mixed precision or ZeRO (dslua/zero.lua): every rank starts from rank
 -- 0's weights, then the partitioned optimizer takes the parameters over.
 local function build_zero(opts, cfg, model, params, rank, world_size, device)
-  if cfg.sampler then
-    error('initialize: the sampler block (uneven batches) runs with zero_optimization.stage 0 in fp32 only', 3)
-  end
   if type(opts.optimizer) == 'table' then
     error('initialize: with bf16, fp16 or zero_optimization.stage >= 1 the optimizer is built over the fp32 '
           .. 'master weights: give it in the config or as a function(params) returning one', 3)
@@ -194,15 +185,16 @@ function M.initialize(opts)
   if zero then
     if rank == 0 then
       for _, line in ipairs(zero:describe()) do io.stdout:write(line, '\n') end
-      if zero.offload == 'cpu' then
+      if zero.offload == 'cpu' and device == 'cpu' then
         io.stdout:write('ZeRO | offload_optimizer device cpu: the optimizer already runs on the CPU here (no-op)\n')
       end
       io.stdout:flush()
     end
-  elseif world_size > 1 then
-    self:_broadcast_model()
-    self:_setup_ddp()
+  else
+    if world_size > 1 then self:_broadcast_model() end
+    self:_setup_steps()
   end
+  if cfg.comms_logger.enabled then (zero and zero.engine or self.steps):set_logging(true) end
 
   local loader
   if opts.training_data ~= nil and cfg.sampler then
@@ -235,77 +227,26 @@ end
 
 function Engine:_broadcast_model() broadcast_model(self.module) end
 
-function Engine:_setup_ddp()
-  local params = {}
-  for _, p in ipairs(all_params(self.optimizer)) do
-    if p.requires_grad then params[#params + 1] = p end
-  end
-  if #params == 0 then return end
-  self.ddp = ds._ddp.new(params, self.config.zero_optimization.reduce_bucket_size)
-end
-
--- The boundary backward: the bucket hooks launch each bucket's all-reduce
--- (scaled before as DeepSpeed's allreduce_bucket does) while backward
--- runs, and poll the ones in flight after every completed gradient.
-function Engine:_reduce_backward(loss)
-  if self._reduction then self:_finish_reduction() end
-  local cfg, n = self.config, self.world_size
-  local prescale, f = cfg.prescale_gradients, cfg.gradient_predivide_factor
-  local r = { works = {}, flats = {}, launched = {}, done = {}, open = 1, bytes = 0 }
-  local function launch(b, flat)
-    if prescale then
-      flat:mul_(1 / n)
-    elseif f ~= 1 then
-      flat:mul_(1 / f)
+-- Plain data parallel (fp32, stage 0): the step engine over the
+-- optimizer's own parameters, their gradients reduced in place.
+function Engine:_setup_steps()
+  local lists, cfg = {}, self.config
+  for gi, g in ipairs(self.optimizer.param_groups) do
+    lists[gi] = {}
+    for _, p in ipairs(g.params) do
+      if p.requires_grad then lists[gi][#lists[gi] + 1] = p end
     end
-    r.flats[b], r.launched[b] = flat, now()
-    r.bytes = r.bytes + flat:numel() * DTYPE_BYTES[flat:dtype()]
-    r.works[b] = ds.comm.all_reduce(flat, 'sum', { async = true })
   end
-  local function poll()
-    for b = r.open, #r.works do
-      if not r.done[b] and r.works[b]:is_completed() then r.done[b] = now() end
-    end
-    while r.done[r.open] do r.open = r.open + 1 end
-  end
-  r.in_backward, r.leaves_after = self.ddp:backward(loss, launch, poll)
-  r.backward_end = now()
-  self._reduction = r
-end
-
--- Waits for every bucket, then DeepSpeed's post-scaling: without
--- prescale_gradients the sum is multiplied by predivide / world_size.
-function Engine:_finish_reduction()
-  local r = self._reduction
-  self._reduction = nil
-  local cfg, n = self.config, self.world_size
-  local post = not cfg.prescale_gradients and cfg.gradient_predivide_factor ~= n
-  local t0 = now()
-  for b, w in ipairs(r.works) do
-    w:wait()
-    r.done[b] = r.done[b] or now()
-    if post then r.flats[b]:mul_(cfg.gradient_predivide_factor / n) end
-  end
-  local comm, hidden = 0, 0
-  for b = 1, #r.works do
-    comm = comm + (r.done[b] - r.launched[b])
-    hidden = hidden + math.max(0, math.min(r.done[b], r.backward_end) - r.launched[b])
-  end
-  self.comm_stats = {
-    buckets = #r.works, bytes = r.bytes,
-    launched_in_backward = r.in_backward,            -- buckets launched before backward returned
-    leaves_after_first_launch = r.leaves_after,      -- gradients backward completed after the first launch
-    comm_ms = 1000 * comm,                           -- sum over buckets of launch to completion
-    hidden_ms = 1000 * hidden,                       -- of that, the part before backward returned
-    wait_ms = 1000 * (now() - t0),                   -- step's wait for the reduction (exposed time)
-  }
+  self.steps = require('dslua.core')._zero.engine(Zero.engine_options(cfg, {
+    masters = false, optimizer = self.optimizer, groups = lists,
+    prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
+  }))
 end
 
 -- The end of training: prints the comms logger's summary (DeepSpeed's
 -- table) when the config enables it. Every rank calls it.
 function Engine:finish()
   self:join()
-  if self._reduction then self:_finish_reduction() end
   if self.config.comms_logger.enabled then ds.comm.log_summary() end
 end
 
@@ -314,8 +255,8 @@ end
 function Engine:destroy()
   if self.training_dataloader then self.training_dataloader.epoch = nil end   -- the engine's wrapper goes
   if self.zero then self.zero:close() end
-  if self.ddp then self.ddp:close() end
-  self.zero, self.ddp, self.optimizer, self.lr_scheduler = nil, nil, nil, nil
+  if self.steps then self.steps:close() end
+  self.zero, self.steps, self.optimizer, self.lr_scheduler = nil, nil, nil, nil
 end
 
 ---------------------------------------------------------------- loader
@@ -434,29 +375,36 @@ function Engine:backward(loss)
   if not ds.is_tensor(loss) then error('backward: expected the loss tensor, got ' .. type(loss), 2) end
   self:_start('backward')
   self.last_loss = loss:item()
+  local boundary = self:is_gradient_accumulation_boundary()
+  -- fp32 from here under mixed precision (DeepSpeed's loss.float() * scale)
+  if self.zero then loss = loss:to('f32') end
   if self.weighted then
-    loss = self:_weighted_backward(loss)
-    self:_stop('backward')
-    return loss
-  end
-  local gas = self:gradient_accumulation_steps()
-  if self.zero then
-    -- fp32 from here (DeepSpeed's loss.float() * scale)
-    loss = loss:to('f32')
-    if gas > 1 then loss = loss / gas end
-    if self.scaler then loss = loss * self.scaler.cur_scale end
-    self.zero:backward(loss, self:is_gradient_accumulation_boundary())
-    self:_stop('backward')
-    return loss
-  end
-  if gas > 1 then loss = loss / gas end
-  if self.ddp and self:is_gradient_accumulation_boundary() then
-    self:_reduce_backward(loss)
+    loss = self:_weighted_loss(loss, boundary)
   else
-    loss:backward()
+    local gas = self:gradient_accumulation_steps()
+    if gas > 1 then loss = loss / gas end
   end
+  if self.scaler then loss = loss * self.scaler.cur_scale end
+  local t0 = now()
+  self:_backward(loss, boundary)
+  if self.weighted then self.window_seconds = self.window_seconds + (now() - t0) end
   self:_stop('backward')
   return loss
+end
+
+-- One backward through the step engine (loss nil: none, for a rank that
+-- has run out of data); at the boundary the gradients are reduced.
+function Engine:_backward(loss, boundary)
+  if self.zero then
+    self.zero:backward(loss, boundary)
+  else
+    self.steps:backward(loss, boundary and self.world_size > 1)
+  end
+end
+
+function Engine:_scale_grads(f)
+  if f == 1 then return end
+  if self.zero then self.zero:scale_grads(f) else self.steps:scale_grads(f) end
 end
 
 ---------------------------------------------------------------- weighting by samples
@@ -470,61 +418,31 @@ function Engine:_count(samples, active)
   return v[1], v[2]
 end
 
--- Multiplies the gradients accumulated so far by f.
-function Engine:_scale_grads(f)
-  if f == 1 then return end
-  ds.no_grad(function()
-    for _, p in ipairs(all_params(self.optimizer)) do
-      if p.grad then p.grad:mul_(f) end
-    end
-  end)
-end
-
 -- Micro steps inside a window leave the sum of their samples' gradients
 -- (loss * b); the boundary learns the global count G and scales what is
--- there and its own loss by world_size / G, so after the all-reduce's
+-- there and its own loss by world_size / G, so after the reduction's
 -- average the gradient is the mean over the G samples.
-function Engine:_weighted_backward(loss)
+function Engine:_weighted_loss(loss, boundary)
   local b = self.micro_samples or self.loader_samples
   self.micro_samples, self.loader_samples = nil, nil
   if not b then
     error('backward: cannot tell how many samples this micro step has: pass the batch ({x = ...} or x first) '
           .. 'to engine:forward, or read batches from the engine\'s loader', 3)
   end
-  local t0 = now()
   local earlier = self.window_samples
   self.window_samples = earlier + b
-  if not self:is_gradient_accumulation_boundary() then
-    loss = loss * b
-    loss:backward()
-  else
-    local G = self:_count(self.window_samples, 1)
-    self.step_samples = G
-    local f = self.world_size / G
-    if earlier > 0 then self:_scale_grads(f) end
-    if b * f ~= 1 then loss = loss * (b * f) end
-    if self.ddp then self:_reduce_backward(loss) else loss:backward() end
-  end
-  self.window_seconds = self.window_seconds + (now() - t0)
+  if not boundary then return loss * b end
+  local G = self:_count(self.window_samples, 1)
+  self.step_samples = G
+  local f = self.world_size / G
+  if earlier > 0 then self:_scale_grads(f) end
+  if b * f ~= 1 then loss = loss * (b * f) end
   return loss
-end
-
--- A zero-weight contribution: zero gradients for every parameter the
--- buckets hold, so the joined rank launches the same all-reduces.
-function Engine:_zero_loss()
-  local z
-  for _, p in ipairs(all_params(self.optimizer)) do
-    if p.requires_grad then
-      local t = p:sum() * 0
-      z = z and z + t or t
-    end
-  end
-  return z
 end
 
 -- engine:join(): for a rank whose data has run out. Until every rank has
 -- run out it takes part in each step of the others (its pending window,
--- if any, then zeros), so the collectives match and its weights stay the
+-- if any, then nothing), so the collectives match and its weights stay the
 -- same as theirs. When all have run out, a window some rank left
 -- unfinished is stepped with what it has. Every rank calls it, any number
 -- of times (the engine's loader calls it at the end of each epoch; call it
@@ -545,7 +463,7 @@ function Engine:join()
     end
     self.step_samples = G
     if pending > 0 then self:_scale_grads(self.world_size / G) end
-    if self.ddp then self:_reduce_backward(self:_zero_loss()) end
+    self:_backward(nil, true)
     self.micro_steps = self.micro_steps - self.micro_steps % gas + gas - 1      -- the window's last micro step
     self:step()
     if active == 0 then return end
@@ -554,29 +472,6 @@ end
 
 function Engine:is_gradient_accumulation_boundary()
   return (self.micro_steps + 1) % self:gradient_accumulation_steps() == 0
-end
-
--- torch.nn.utils.clip_grad_norm_ as DeepSpeed applies it: scale every
--- gradient by max_norm / (total_norm + 1e-6) when that is below 1.
-local function clip_grad_norm(params, max_norm)
-  local sq = 0
-  for _, p in ipairs(params) do
-    local g = p.grad
-    if g then
-      local n = g:norm():item()
-      sq = sq + n * n
-    end
-  end
-  local total = math.sqrt(sq)
-  local coef = max_norm / (total + 1e-6)
-  if coef < 1 then
-    ds.no_grad(function()
-      for _, p in ipairs(params) do
-        if p.grad then p.grad:mul_(coef) end
-      end
-    end)
-  end
-  return total
 end
 
 function Engine:get_lr()
@@ -595,16 +490,7 @@ function Engine:step()
   self:_start('step')
   local boundary = self:is_gradient_accumulation_boundary()
   if boundary then
-    if self.zero then
-      self:_zero_step()
-    else
-      if self._reduction then self:_finish_reduction() end
-      local clip = self.config.gradient_clipping
-      if clip and clip > 0 then self.grad_norm = clip_grad_norm(all_params(self.optimizer), clip) end
-      self.optimizer:step()
-      if self.lr_scheduler then self.lr_scheduler:step() end
-      self.optimizer:zero_grad()
-    end
+    self:_take_step()
     self.global_steps = self.global_steps + 1
     if self.weighted then
       self.global_samples = self.global_samples + (self.step_samples or 0)
@@ -626,13 +512,25 @@ function Engine:step()
   end
 end
 
--- The partitioned optimizer's step. With fp16 an overflow on any rank
--- skips it: counted in skipped_steps, the scale drops, the scheduler
+-- The step engine's step: the reduction waited for, clipping (DeepSpeed's
+-- unscale-and-clip under ZeRO and mixed precision, torch's
+-- clip_grad_norm_ otherwise), the optimizer. With fp16 an overflow on any
+-- rank skips it: counted in skipped_steps, the scale drops, the scheduler
 -- does not step (DeepSpeed's _take_model_step).
-function Engine:_zero_step()
+function Engine:_take_step()
+  local clip = self.config.gradient_clipping or 0
   local scaler = self.scaler
-  local scale = scaler and scaler.cur_scale or 1
-  local overflow, norm = self.zero:step(scale, self.config.gradient_clipping, scaler ~= nil)
+  local overflow, norm
+  if self.zero then
+    overflow, norm = self.zero:step(scaler and scaler.cur_scale or 1, clip, scaler ~= nil)
+  else
+    overflow, norm = self.steps:step(self.optimizer.param_groups, 1, clip, false)
+  end
+  local engine = self.zero and self.zero.engine or self.steps
+  if self.world_size > 1 then self.comm_stats = engine:stats() end
+  if ds.comm.logging() then
+    for _, r in ipairs(engine:comm_records()) do ds.comm.log_collective(r[1], r[2], r[3]) end
+  end
   self.overflow = overflow
   if overflow then
     self.skipped_steps = self.skipped_steps + 1
@@ -643,7 +541,7 @@ function Engine:_zero_step()
     end
     return
   end
-  self.grad_norm = norm
+  if norm then self.grad_norm = norm end
   if scaler then scaler:update_scale(false) end
   if self.lr_scheduler then self.lr_scheduler:step() end
 end

@@ -27,6 +27,30 @@ function ds.enable_grad(fn, ...)
   return unpack(res, 2, table.maxn(res))
 end
 
+-- ds.crossings(fn, ...) -> n, fn's results: how often the Lua-C boundary
+-- was crossed while fn ran: calls of C functions (the binding's and Lua's
+-- own built-ins) and calls of Lua functions made from C. The JIT is off
+-- meanwhile, since compiled code runs no hooks; for specs and benchmarks.
+function ds.crossings(fn, ...)
+  local n = 0
+  local function count()
+    if debug.getinfo(2, 'S').what == 'C' then
+      n = n + 1
+    else
+      local caller = debug.getinfo(3, 'S')
+      if caller and caller.what == 'C' then n = n + 1 end
+    end
+  end
+  jit.flush()
+  jit.off()
+  debug.sethook(count, 'c')
+  local res = { pcall(fn, ...) }
+  debug.sethook()
+  jit.on()
+  if not res[1] then error(res[2], 0) end
+  return n, unpack(res, 2, table.maxn(res))
+end
+
 -- the library's modules
 ds.nn = require 'dslua.nn'
 ds.lr = require 'dslua.lr'

@@ -1,0 +1,155 @@
+/* The step engine: data parallel and ZeRO stages 0-3 with mixed precision,
+ * one C object per engine, driven from Lua once per backward and once per
+ * step (the Lua engine keeps the decisions: stage, sizes, schedule).
+ *
+ * Two ways to hold the optimizer's weights:
+ *   flat     fp32 stage 0 (plain data parallel): the optimizer steps the
+ *            model's own parameters; their gradients are views into its
+ *            flat gradient buffers, reduced in place, bucket by bucket.
+ *   masters  bf16/fp16 or stage >= 1: each param group has one fp32 master,
+ *            this rank's shard of every parameter back to back (a parameter
+ *            of n elements is cut into P shards of ceil(n / P), the last
+ *            padded with zeros; P is the world size from stage 1, else 1),
+ *            on the master device (the model's, or the CPU for
+ *            offload_optimizer). The optimizer is built over the masters.
+ *
+ * Buckets are runs of neighbouring parameters of one group, from the last
+ * to the first (backward's order), of at least bucket_size elements. A
+ * parameter's leaf hook counts its gradient complete; a full bucket is
+ * launched (asynchronously) once every earlier one has been, so every rank
+ * launches the same collectives in the same order while backward runs.
+ * With masters a bucket travels as [P, width] rows, row r holding shard r
+ * of each gradient, in the communication dtype: a reduce-scatter (P > 1)
+ * or an all-reduce (P = 1) whose result is added into the fp32 master
+ * gradient; the parameters' gradients are dropped once copied.
+ *
+ * Stage 3 also partitions the parameters: each keeps only its shard and is
+ * gathered when a module's forward (ds_zero_pre_forward) or any op or
+ * backward node reads it (the autograd fetch hook), with prefetch along the
+ * module order recorded in the first forward, and released after its
+ * module's forward and as soon as its gradient is complete.
+ *
+ * The step: wait for the buckets; one fused pass over the gradients (sum of
+ * squares and inf/nan count, kept on the device); one agreement across
+ * ranks (the only host synchronisation); the overflow skip, unscale and
+ * clip; the fused optimizer on this rank's shard; the new weights back
+ * into the parameters (cast, all-gathered from stage 1). */
+#ifndef DS_ZERO_H
+#define DS_ZERO_H
+
+#include "ds_optim.h"
+#include "ds_tensor.h"
+
+#include <stdbool.h>
+
+typedef struct ds_zero ds_zero;
+
+typedef struct {
+    int stage;                    /* 0-3 */
+    bool masters;                 /* fp32 masters (see above); false: flat */
+    ds_dtype comm_dtype;          /* masters: gradients travel in it */
+    ds_device master_device;      /* masters: where masters, their gradients and state live */
+    int64_t bucket_size;          /* reduce_bucket_size, in elements */
+    bool prescale;                /* flat: prescale_gradients */
+    double predivide;             /* flat: gradient_predivide_factor */
+    /* stage 3 */
+    int64_t persistence_threshold;    /* parameters this small stay whole */
+    int64_t prefetch_bucket_size;     /* elements gathered ahead */
+    int64_t max_live_parameters;      /* gathered elements at most */
+    int64_t max_reuse_distance;       /* kept after forward when backward needs them within this */
+} ds_zero_config;
+
+/* One engine over n_groups lists of parameters (counts[g] each, back to
+ * back in params; borrowed): leaves that require grad, no tensor twice, one
+ * dtype, on one device. flat: the optimizer over them (borrowed; outlives
+ * z), each list a subset of its group g in its order; NULL with masters,
+ * which are built here from the parameters (already in their compute
+ * dtype); stage 3 then releases the parameters. Sets the leaf hooks. NULL
+ * with the error set. */
+ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, ds_tensor *const *params,
+                     ds_optim *flat);
+/* Removes the hooks (and stage 3's fetch) and drops every reference.
+ * Released parameters stay released. */
+void ds_zero_free(ds_zero *z);
+
+/* masters: group g's master (new reference), for the optimizer to be
+ * built over, one parameter per group. */
+ds_tensor *ds_zero_master(ds_zero *z, int g);
+/* masters: the optimizer streams its own masters (nvme): the ones in
+ * memory go; steps stop after unscaling (see ds_zero_step). */
+int ds_zero_stream(ds_zero *z);
+/* masters: the optimizer built over them (borrowed; outlives z), group g
+ * over master g alone; its flat buffers become the masters and their
+ * gradients, cut for Lamb into the parameters' shards. */
+int ds_zero_attach(ds_zero *z, ds_optim *o);
+
+/* loss's backward (loss NULL: none, as for a rank with no data that still
+ * takes part). reduce: this backward's gradients are reduced now (the
+ * accumulation boundary; every micro step from stage 2); else they
+ * accumulate in the parameters' gradients. */
+int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce);
+
+/* Multiplies every gradient accumulated so far by f (sample weighting). */
+int ds_zero_scale_grads(ds_zero *z, double f);
+
+typedef struct {
+    bool overflow;        /* inf/nan with check_overflow: skipped, gradients zeroed */
+    double grad_norm;     /* of the averaged, unscaled gradients (NAN when skipped) */
+} ds_zero_result;
+
+/* The step of an accumulation boundary. h: the optimizer's hyperparameters,
+ * one per group (read by the caller at this step). loss_scale: what the
+ * loss was multiplied by (1 without fp16); clip: gradient_clipping (0:
+ * none). With no optimizer attached (nvme streams its own) the step stops
+ * after unscaling: the caller steps ds_zero_master_grad and hands the new
+ * masters to ds_zero_refresh. */
+int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, double clip, bool check_overflow,
+                 ds_zero_result *out);
+/* masters: group g's master gradient (new reference). */
+ds_tensor *ds_zero_master_grad(ds_zero *z, int g);
+/* masters without optimizer: the parameters from new masters (one per
+ * group, as ds_zero_master's), then the gradients zeroed. */
+int ds_zero_refresh(ds_zero *z, ds_tensor *const *masters);
+
+/* What the last reduced backward did (false before any). */
+typedef struct {
+    int buckets;
+    int64_t bytes;
+    int launched_in_backward;      /* buckets launched before backward returned */
+    int leaves_after_first_launch; /* gradients completed after the first launch */
+    double comm_ms;                /* sum over buckets of launch to completion */
+    double hidden_ms;              /* of that, the part before backward returned */
+    double wait_ms;                /* the step's wait for them */
+} ds_zero_stats;
+bool ds_zero_stats_get(const ds_zero *z, ds_zero_stats *out);
+
+int ds_zero_n_params(const ds_zero *z);
+/* The optimizer stepping the weights, NULL while none is attached. */
+ds_optim *ds_zero_optimizer(const ds_zero *z);
+
+/* The collectives the engine ran since the last call, for the comms
+ * logger: while logging is on, each is recorded with the name DeepSpeed
+ * logs it under, its bytes and its milliseconds from launch to completion.
+ * *n is set; the records stay valid until the next call. */
+typedef struct { const char *name; int64_t bytes; double ms; } ds_zero_comm_record;
+void ds_zero_set_logging(ds_zero *z, bool on);
+const ds_zero_comm_record *ds_zero_comm_records(ds_zero *z, int *n);
+
+/* Bucket b (0-based, launch order): its first parameter (global index, 0
+ * based, groups back to back), parameter count and elements. */
+int ds_zero_n_buckets(const ds_zero *z);
+void ds_zero_bucket(const ds_zero *z, int b, int *first, int *count, int64_t *numel);
+
+/* Stage 3. Modules in the model's module order, each with the parameters
+ * it owns (global indices); the first owner of a parameter gathers it. */
+int ds_zero_add_module(ds_zero *z, int n, const int *params);
+int ds_zero_pre_forward(ds_zero *z, int module);
+int ds_zero_post_forward(ds_zero *z, int module);
+/* Every parameter whole (every rank calls it), and released again. */
+int ds_zero_gather_all(ds_zero *z);
+int ds_zero_release_all(ds_zero *z);
+/* Does parameter i stay whole (small)? Its shard size in elements. */
+bool ds_zero_persistent(const ds_zero *z, int i);
+int64_t ds_zero_shard(const ds_zero *z, int i);
+
+#endif

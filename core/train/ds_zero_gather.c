@@ -1,0 +1,282 @@
+/* Stage 3: partitioned parameters gathered on use, prefetched along the
+ * module order of the first forward, released after use. */
+#include "ds_zero_impl.h"
+#include "ds_autograd.h"
+#include "ds_error.h"
+#include "ds_ops.h"
+
+#include <stdlib.h>
+
+static bool waiting(const zparam *q) { return q->own && ds_tensor_is_released(q->param) && !q->in_flight; }
+
+/* One all-gather of the listed parameters' shards, back to back. */
+static zgather *start_gather(ds_zero *z, int n, const int *list) {
+    zgather *g = calloc(1, sizeof *g);
+    if (g) g->params = malloc(sizeof *g->params * (size_t)n);
+    if (!g || !g->params) {
+        free(g);
+        return ds_fail(DS_ERR_NOMEM, "step engine: out of memory");
+    }
+    g->n = n;
+    int64_t width = 0;
+    for (int k = 0; k < n; k++) width += z->p[list[k]].shard;
+    int rc = (g->send = ds_tensor_new(1, &width, z->dtype, ds_tensor_device(z->p[0].param))) ? 0 : -1;
+    for (int k = 0, at = 0; k < n && rc == 0; k++) {
+        zparam *q = &z->p[list[k]];
+        g->params[k] = list[k];
+        rc = ds_zero_copy_elements(g->send, at, q->own, 0, q->shard);
+        at += (int)q->shard;
+    }
+    g->started = ds_zero_now();
+    if (rc == 0 && !(g->work = ds_comm_all_gather(g->send, NULL))) rc = -1;
+    if (rc) {
+        ds_tensor_release(g->send);
+        free(g->params);
+        free(g);
+        return NULL;
+    }
+    for (int k = 0; k < n; k++) z->p[list[k]].in_flight = g;
+    return g;
+}
+
+static void drop_gather(ds_zero *z, zgather *g) {
+    for (int k = 0; k < g->n; k++) z->p[g->params[k]].in_flight = NULL;
+    ds_comm_work_release(g->work);
+    ds_tensor_release(g->send);
+    free(g->params);
+    free(g);
+}
+
+/* Each still-released parameter of g gets its rows of shards as its own
+ * contiguous data, on its device. */
+static int finish_gather(ds_zero *z, zgather *g) {
+    int rc = ds_comm_work_wait(g->work);
+    if (rc == 0) ds_zero_log(z, "zero3_all_gather", g->send, g->started);
+    ds_tensor *rows[z->parts];
+    int got = 0;
+    for (; rc == 0 && got < z->parts; got++)
+        if (!(rows[got] = ds_comm_work_result(g->work, got))) rc = -1;
+    int64_t at = 0;
+    for (int k = 0; k < g->n && rc == 0; k++) {
+        zparam *q = &z->p[g->params[k]];
+        if (ds_tensor_is_released(q->param)) {
+            ds_tensor *data = ds_tensor_new(q->param->ndim, q->param->shape, z->dtype, ds_tensor_device(q->param));
+            rc = data ? 0 : -1;
+            for (int r = 0; r < z->parts && rc == 0; r++)
+                rc = ds_zero_copy_elements(data, (int64_t)r * q->shard, rows[r], at, ds_zero_shard_len(q, r));
+            if (rc == 0) rc = ds_tensor_set_data(q->param, data);
+            if (rc == 0) {
+                ds_tensor_set_category(q->param, DS_MEM_PARAM);
+                z->live += q->numel;
+            }
+            ds_tensor_release(data);
+        }
+        at += q->shard;
+    }
+    for (int r = 0; r < got; r++) ds_tensor_release(rows[r]);
+    drop_gather(z, g);
+    return rc;
+}
+
+int ds_zero_gather_now(ds_zero *z, int n, const int *params) {
+    /* parameters already on their way come first */
+    for (int k = 0; k < n; k++) {
+        zgather *g = z->p[params[k]].in_flight;
+        if (g && finish_gather(z, g)) return -1;
+    }
+    int list[n], m = 0;
+    for (int k = 0; k < n; k++)
+        if (waiting(&z->p[params[k]])) list[m++] = params[k];
+    if (m == 0) return 0;
+    zgather *g = start_gather(z, m, list);
+    return g ? finish_gather(z, g) : -1;
+}
+
+void ds_zero_release(ds_zero *z, int i) {
+    zparam *q = &z->p[i];
+    if (!q->own || ds_tensor_is_released(q->param)) return;
+    ds_tensor_release_data(q->param);
+    z->live -= q->numel;
+}
+
+/* After trace place k, gathering starts for the modules that come next (in
+ * direction dir) until prefetch_bucket_size elements are on their way,
+ * within max_live_parameters. */
+static int prefetch(ds_zero *z, int k, int dir) {
+    if (z->recording || !z->trace) return 0;
+    int *list = malloc(sizeof *list * (size_t)z->n);
+    if (!list) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    int m = 0;
+    int64_t elements = 0;
+    for (int j = k + dir; j >= 0 && j < z->trace_len && elements < z->c.prefetch_bucket_size; j += dir) {
+        zmodule *md = &z->modules[z->trace[j]];
+        for (int t = 0; t < md->n; t++) {
+            int i = md->params[t];
+            zparam *q = &z->p[i];
+            bool listed = false;
+            for (int s = 0; s < m && !listed; s++) listed = list[s] == i;
+            if (listed || !waiting(q)) continue;
+            if (z->live + elements + q->numel > z->c.max_live_parameters) break;
+            list[m++] = i;
+            elements += q->numel;
+        }
+    }
+    int rc = m > 0 && !start_gather(z, m, list) ? -1 : 0;
+    free(list);
+    return rc;
+}
+
+/* The autograd fetch hook: an op or a backward node reads a released
+ * parameter; its whole module comes, and in backward the module before. */
+static int fetch(ds_tensor *t, void *ud) {
+    ds_zero *z = ud;
+    int i = ds_zero_param_index(z, t);
+    if (i < 0) return ds_fail(DS_ERR_STATE, "a released tensor that this engine does not hold"), -1;
+    int m = z->p[i].owner;
+    int rc = m >= 0 ? ds_zero_gather_now(z, z->modules[m].n, z->modules[m].params) : ds_zero_gather_now(z, 1, &i);
+    if (rc == 0 && z->in_backward && m >= 0 && z->modules[m].position >= 0)
+        rc = prefetch(z, z->modules[m].position, -1);
+    return rc;
+}
+
+int ds_zero_partition(ds_zero *z) {
+    bool prev = ds_set_grad_enabled(false);
+    int rc = 0;
+    for (int i = 0; i < z->n && rc == 0; i++) {
+        zparam *q = &z->p[i];
+        if (q->numel <= z->c.persistence_threshold) continue;
+        if (!(q->own = ds_tensor_full(1, &q->shard, z->dtype, ds_tensor_device(q->param), 0.0))) rc = -1;
+        if (rc == 0) {
+            ds_tensor_set_category(q->own, DS_MEM_PARAM);
+            rc = ds_zero_copy_elements(q->own, 0, q->param, (int64_t)z->rank * q->shard, ds_zero_shard_len(q, z->rank));
+        }
+        if (rc == 0) rc = ds_tensor_release_data(q->param);
+    }
+    ds_set_grad_enabled(prev);
+    if (rc) return -1;
+    z->recording = true;
+    ds_autograd_set_fetch(fetch, z);
+    return 0;
+}
+
+int ds_zero_add_module(ds_zero *z, int n, const int *params) {
+    if (z->c.stage != 3) return ds_fail(DS_ERR_STATE, "step engine: modules are for stage 3"), -1;
+    int *own = malloc(sizeof *own * (size_t)(n ? n : 1));
+    zmodule *mods = realloc(z->modules, sizeof *mods * (size_t)(z->n_modules + 1));
+    if (!own || !mods) {
+        free(own);
+        if (mods) z->modules = mods;
+        return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    }
+    z->modules = mods;
+    int m = 0;
+    for (int k = 0; k < n; k++) {
+        if (params[k] < 0 || params[k] >= z->n) {
+            free(own);
+            return ds_fail(DS_ERR_ARG, "step engine: module parameter %d is not one of the %d", params[k] + 1, z->n), -1;
+        }
+        if (z->p[params[k]].own) own[m++] = params[k];
+    }
+    if (m == 0) {
+        free(own);
+        return -2;      /* nothing partitioned: no hooks needed */
+    }
+    int id = z->n_modules++;
+    z->modules[id] = (zmodule){ .n = m, .params = own, .position = -1, .at = -1 };
+    for (int k = 0; k < m; k++)
+        if (z->p[own[k]].owner < 0) z->p[own[k]].owner = id;
+    return id;
+}
+
+static zmodule *module_at(ds_zero *z, int m) {
+    if (m < 0 || m >= z->n_modules) return ds_fail(DS_ERR_ARG, "step engine: no module %d", m + 1);
+    return &z->modules[m];
+}
+
+int ds_zero_pre_forward(ds_zero *z, int m) {
+    zmodule *md = module_at(z, m);
+    if (!md) return -1;
+    if (z->recording) {
+        int *t = realloc(z->trace, sizeof *t * (size_t)(z->trace_len + 1));
+        if (!t) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+        z->trace = t;
+        z->trace[z->trace_len] = m;
+        md->at = z->trace_len++;
+    } else {
+        md->at = md->position;
+    }
+    if (ds_zero_gather_now(z, md->n, md->params)) return -1;
+    return md->at >= 0 ? prefetch(z, md->at, 1) : 0;
+}
+
+int ds_zero_post_forward(ds_zero *z, int m) {
+    zmodule *md = module_at(z, m);
+    if (!md) return -1;
+    if (!z->recording && md->at >= 0 && z->keep_after_forward[md->at]) return 0;
+    for (int k = 0; k < md->n; k++) ds_zero_release(z, md->params[k]);
+    return 0;
+}
+
+/* The first forward's module order becomes the trace; a module stays
+ * gathered after its forward when backward reaches it again within
+ * max_reuse_distance elements (the modules after it). */
+int ds_zero_finish_recording(ds_zero *z) {
+    z->recording = false;
+    if (z->trace_len == 0) return 0;
+    z->keep_after_forward = calloc((size_t)z->trace_len, sizeof *z->keep_after_forward);
+    if (!z->keep_after_forward) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    int64_t after = 0;
+    for (int k = z->trace_len - 1; k >= 0; k--) {
+        zmodule *md = &z->modules[z->trace[k]];
+        if (md->position < 0 || k < md->position) md->position = k;
+        z->keep_after_forward[k] = after <= z->c.max_reuse_distance;
+        for (int t = 0; t < md->n; t++) after += z->p[md->params[t]].numel;
+    }
+    return 0;
+}
+
+/* Gathers still in flight would bring shards older than the coming step:
+ * dropped; every partitioned parameter released. */
+int ds_zero_after_backward(ds_zero *z) {
+    int rc = 0;
+    for (int i = 0; i < z->n; i++) {
+        zgather *g = z->p[i].in_flight;
+        if (!g) continue;
+        if (ds_comm_work_wait(g->work)) rc = -1;
+        drop_gather(z, g);
+    }
+    ds_zero_release_all(z);
+    return rc;
+}
+
+int ds_zero_gather_all(ds_zero *z) {
+    int *all = malloc(sizeof *all * (size_t)z->n);
+    if (!all) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    for (int i = 0; i < z->n; i++) all[i] = i;
+    int rc = ds_zero_gather_now(z, z->n, all);
+    free(all);
+    return rc;
+}
+
+int ds_zero_release_all(ds_zero *z) {
+    for (int i = 0; i < z->n; i++) ds_zero_release(z, i);
+    return 0;
+}
+
+void ds_zero_free_stage3(ds_zero *z) {
+    if (z->c.stage != 3 || !z->p) return;
+    ds_autograd_set_fetch(NULL, NULL);
+    for (int i = 0; i < z->n; i++) {
+        zgather *g = z->p[i].in_flight;
+        if (g) {
+            ds_comm_work_wait(g->work);
+            drop_gather(z, g);
+        }
+        ds_tensor_release(z->p[i].own);
+        z->p[i].own = NULL;
+    }
+    for (int m = 0; m < z->n_modules; m++) free(z->modules[m].params);
+    free(z->modules);
+    free(z->trace);
+    free(z->keep_after_forward);
+}
