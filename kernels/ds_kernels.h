@@ -175,7 +175,7 @@ typedef struct {
 typedef struct { double clr, eps, weight_decay; } ds_adagrad_params;   /* clr: the decayed lr */
 typedef struct {
     double step_size;     /* lr sqrt(1 - beta2^t) / (1 - beta1^t), or lr */
-    double beta1, beta2, eps, weight_decay, grad_scale, max_coeff, min_coeff;
+    double beta1, beta2, eps, weight_decay, grad_scale;
     int eps_inside_sqrt;
 } ds_lamb_params;
 typedef struct { double lr, beta1, beta2, decay; } ds_lion_params;   /* decay: 1 - lr wd */
@@ -185,10 +185,17 @@ typedef struct ds_kernels_optim {
     int (*sgd)(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h);
     int (*adam)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h);
     int (*adagrad)(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h);
-    /* Parameter k is elements [seg[k], seg[k+1]) and gets its own trust
-     * ratio, written to coeff[k] (nseg entries, host memory). */
-    int (*lamb)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg, double *coeff,
-                const ds_lamb_params *h);
+    /* Lamb in two calls, so that the norms can be summed over ranks in
+     * between. Piece k is elements [seg[k], seg[k+1]) (seg: nseg + 1
+     * offsets from 0 to the length, host memory; a piece may be empty).
+     * lamb_norms updates the moments and writes each piece's |p|^2 and
+     * |u|^2 (u: the update before the trust ratio) to w_sq[k], u_sq[k] in
+     * host memory; lamb_apply then does p -= step_size coeff[k] u over
+     * piece k (coeff: host memory). */
+    int (*lamb_norms)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg, double *w_sq,
+                      double *u_sq, const ds_lamb_params *h);
+    int (*lamb_apply)(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg, int nseg, const double *coeff,
+                      const ds_lamb_params *h);
     int (*lion)(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h);
 } ds_kernels_optim;
 

@@ -68,18 +68,25 @@ DS_HOSTDEV void ds_lamb_moments(float *m, float *v, float g, float beta1, float 
     *v = beta2 * *v + (1.0f - beta2) * sg * sg;
 }
 
-/* FusedLamb's update direction, before the trust ratio. */
+/* FusedLamb's update direction, before the trust ratio. The ratio itself
+ * is taken on the host (core/train/ds_optim.c) from each parameter's
+ * squared norms, which may be summed over the ranks holding its pieces. */
 DS_HOSTDEV float ds_lamb_update(float p, float m, float v, float eps, float wd, int eps_inside_sqrt) {
     float denom = eps_inside_sqrt ? sqrtf(v + eps) : sqrtf(v) + eps;
     return m / denom + wd * p;
 }
 
-/* FusedLamb's trust ratio |w| / |u|, clipped to [min, max]; 1 when either
- * norm is 0. */
-DS_HOSTDEV double ds_lamb_coeff(double w_norm, double u_norm, double min_coeff, double max_coeff) {
-    if (w_norm == 0 || u_norm == 0) return 1.0;
-    double c = w_norm / u_norm;
-    return c > max_coeff ? max_coeff : c < min_coeff ? min_coeff : c;
+/* Lamb's pieces (host side): nseg + 1 offsets rising from 0 to n. */
+static inline int ds_lamb_check_segments(const char *op, const int64_t *seg, int nseg, int64_t n) {
+    if (nseg < 0) return ds_kernel_fail("%s: %d segments", op, nseg);
+    if (seg[0] != 0 || seg[nseg] != n)
+        return ds_kernel_fail("%s: %d segments cover [%lld, %lld) of %lld elements", op, nseg, (long long)seg[0],
+                              (long long)seg[nseg], (long long)n);
+    for (int k = 0; k < nseg; k++)
+        if (seg[k + 1] < seg[k])
+            return ds_kernel_fail("%s: segment %d ends at %lld, before its start %lld", op, k, (long long)seg[k + 1],
+                                  (long long)seg[k]);
+    return 0;
 }
 
 /* Lion (lion-pytorch): decoupled decay, the sign of the interpolated

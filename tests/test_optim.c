@@ -1,14 +1,18 @@
 /* The optimizer core without Lua: re-seating tensors into a flat buffer,
- * and the errors Lua cannot provoke (a grad of the wrong shape set from C,
+ * the errors Lua cannot provoke (a grad of the wrong shape set from C,
  * parameters on two devices, a device without optimizer kernels), using a
- * stand-in "cuda" backend made of the CPU kernels. */
+ * stand-in "cuda" backend made of the CPU kernels; and Lamb over pieces of
+ * parameters, with ZeRO's shards simulated by threads that all-reduce. */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_error.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 extern const ds_kernels ds_cpu_kernels;
@@ -116,10 +120,296 @@ static void test_devices(void) {
     ds_tensor_release(b);
 }
 
+/* ---- Lamb over pieces ---- */
+
+/* A fixed value in [-1, 1) for (a, b, c): splitmix64 of their mix. */
+static double noise(uint64_t a, uint64_t b, uint64_t c) {
+    uint64_t z = a * 0x9e3779b97f4a7c15ull + b * 0xbf58476d1ce4e5b9ull + c + 0x94d049bb133111ebull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return (double)(z >> 11) / (double)(1ull << 52) - 1;
+}
+
+/* Parameters of every kind of cut: smaller than P (empty pieces), zeros
+ * (trust ratio 1 at the first step), not a multiple of P, and large
+ * enough for the threaded norms in every shard. */
+#define LAMB_NP 6
+static const int64_t lamb_sizes[LAMB_NP] = { 1, 2, 5, 1000, 100000, 7 };
+
+static double init_value(int k, int64_t i) { return k == 2 ? 0 : noise(0, (uint64_t)k, (uint64_t)i); }
+static double grad_value(int t, int k, int64_t i) { return (k + 1) * noise((uint64_t)t, (uint64_t)k, (uint64_t)i); }
+
+/* FusedLamb's defaults, or (clipped) the spec's lamb_clipped: ratios held
+ * to [0.3, 0.5], eps inside the root, no bias correction. */
+static ds_optim_hparams lamb_hparams(bool clipped) {
+    ds_optim_hparams h;
+    memset(&h, 0, sizeof h);
+    h.lr = clipped ? 0.02 : 0.01;
+    h.beta1 = 0.9;
+    h.beta2 = 0.999;
+    h.eps = 1e-8;
+    h.weight_decay = 0.01;
+    h.bias_correction = !clipped;
+    h.max_coeff = clipped ? 0.5 : 10;
+    h.min_coeff = clipped ? 0.3 : 0.01;
+    h.eps_inside_sqrt = clipped;
+    return h;
+}
+
+static ds_tensor *vector(int64_t n) {
+    ds_tensor *t = ds_tensor_full(1, &n, DS_F32, DS_CPU_DEVICE, 0);
+    t->requires_grad = true;
+    return t;
+}
+
+/* One optimizer over the parameters themselves: the reference. */
+static ds_optim *lamb_reference(ds_tensor **ps, const ds_optim_hparams *h) {
+    for (int k = 0; k < LAMB_NP; k++) {
+        ps[k] = vector(lamb_sizes[k]);
+        for (int64_t i = 0; i < lamb_sizes[k]; i++) ds_tensor_set(ps[k], i, init_value(k, i));
+    }
+    ds_optim *o = ds_optim_new(DS_OPTIM_LAMB);
+    check(ds_optim_add_group(o, LAMB_NP, ps, h) == 0, "lamb reference: %s", ds_error_message());
+    return o;
+}
+
+static void lamb_reference_grads(ds_tensor **ps, int t) {
+    for (int k = 0; k < LAMB_NP; k++)
+        for (int64_t i = 0; i < lamb_sizes[k]; i++) ds_tensor_set(ps[k]->grad, i, grad_value(t, k, i));
+}
+
+/* One flat group cut at the parameters' boundaries steps as the parameters
+ * do, bit for bit. */
+static void test_lamb_segments(void) {
+    for (int clipped = 0; clipped <= 1; clipped++) {
+        ds_optim_hparams h = lamb_hparams(clipped);
+        ds_tensor *ps[LAMB_NP];
+        ds_optim *ref = lamb_reference(ps, &h);
+        int64_t seg[LAMB_NP + 1] = { 0 };
+        for (int k = 0; k < LAMB_NP; k++) seg[k + 1] = seg[k] + lamb_sizes[k];
+        ds_tensor *flat = vector(seg[LAMB_NP]);
+        for (int k = 0; k < LAMB_NP; k++)
+            for (int64_t i = 0; i < lamb_sizes[k]; i++) ds_tensor_set(flat, seg[k] + i, init_value(k, i));
+        ds_optim *o = ds_optim_new(DS_OPTIM_LAMB);
+        check(ds_optim_add_group(o, 1, &flat, &h) == 0, "lamb flat: %s", ds_error_message());
+        check(o->groups[0].n_seg == 1, "a new group's pieces are its parameters: %d", o->groups[0].n_seg);
+        check(ds_optim_set_segments(o, 0, LAMB_NP, seg) == 0, "set_segments: %s", ds_error_message());
+        int64_t differ = 0;
+        for (int t = 1; t <= 4; t++) {
+            lamb_reference_grads(ps, t);
+            for (int k = 0; k < LAMB_NP; k++)
+                for (int64_t i = 0; i < lamb_sizes[k]; i++) ds_tensor_set(flat->grad, seg[k] + i, grad_value(t, k, i));
+            check(ds_optim_step(ref, 0, &h) == 0, "lamb reference step: %s", ds_error_message());
+            check(ds_optim_step(o, 0, &h) == 0, "lamb flat step: %s", ds_error_message());
+            for (int k = 0; k < LAMB_NP; k++) {
+                differ += o->groups[0].lamb_coeffs[k] != ref->groups[0].lamb_coeffs[k];
+                for (int64_t i = 0; i < lamb_sizes[k]; i++)
+                    differ += ds_tensor_get(flat, seg[k] + i) != ds_tensor_get(ps[k], i);
+            }
+        }
+        check(differ == 0, "lamb (%s): a group cut at its parameters differs from them in %lld values",
+              clipped ? "clipped" : "default", (long long)differ);
+        ds_optim_free(o);
+        ds_optim_free(ref);
+        ds_tensor_release(flat);
+        for (int k = 0; k < LAMB_NP; k++) ds_tensor_release(ps[k]);
+    }
+}
+
+/* ZeRO's layout: parameter k (n elements) is cut into P shards of
+ * s = ceil(n / P) and rank r holds shard r, either padded to s with zeros
+ * (dslua.zero) or unpadded: cut at the parameter's end, so possibly empty. */
+#define LAMB_MAX_P 3
+
+typedef struct {
+    int P;
+    pthread_barrier_t barrier;
+    double *values[LAMB_MAX_P];        /* each rank's values during a sum */
+    int n[LAMB_MAX_P];
+} sim_world;
+
+typedef struct {
+    sim_world *w;
+    int rank, calls, rc;
+    ds_optim *o;
+    ds_optim_hparams h;
+    int64_t seg[LAMB_NP + 1], first[LAMB_NP];   /* first: the parameter's element at seg[k] */
+    ds_tensor *master;
+    char err[256];
+} sim_rank;
+
+/* The all-reduce: every rank posts its values, then each adds them up in
+ * rank order, so all get the same bits. */
+static int sim_sum(double *values, int n, void *ud) {
+    sim_rank *r = ud;
+    sim_world *w = r->w;
+    r->calls++;
+    w->values[r->rank] = values;
+    w->n[r->rank] = n;
+    pthread_barrier_wait(&w->barrier);
+    for (int q = 0; q < w->P; q++)
+        if (w->n[q] != n)
+            return ds_fail(DS_ERR_ARG, "sum: rank %d has %d values, rank %d %d", q, w->n[q], r->rank, n), -1;
+    double *total = calloc((size_t)n + 1, sizeof *total);
+    for (int i = 0; i < n; i++)
+        for (int q = 0; q < w->P; q++) total[i] += w->values[q][i];
+    pthread_barrier_wait(&w->barrier);          /* everyone has read before anyone writes */
+    memcpy(values, total, (size_t)n * sizeof *values);
+    free(total);
+    return 0;
+}
+
+static void *sim_step(void *arg) {
+    sim_rank *r = arg;
+    r->rc = ds_optim_step_shared(r->o, 0, &r->h, sim_sum, r);
+    if (r->rc) snprintf(r->err, sizeof r->err, "%s", ds_error_message());
+    return NULL;
+}
+
+/* The parameter's element behind master element seg[k] + j, or -1 for padding. */
+static int64_t sim_element(const sim_rank *r, int k, int64_t j) {
+    int64_t i = r->first[k] + j;
+    return i < lamb_sizes[k] ? i : -1;
+}
+
+static void sim_rank_init(sim_rank *r, sim_world *w, int rank, bool padded, const ds_optim_hparams *h) {
+    memset(r, 0, sizeof *r);
+    r->w = w;
+    r->rank = rank;
+    r->h = *h;
+    for (int k = 0; k < LAMB_NP; k++) {
+        int64_t n = lamb_sizes[k], s = (n + w->P - 1) / w->P;
+        int64_t lo = rank * s < n ? rank * s : n, hi = (rank + 1) * s < n ? (rank + 1) * s : n;
+        r->first[k] = padded ? rank * s : lo;
+        r->seg[k + 1] = r->seg[k] + (padded ? s : hi - lo);
+    }
+    r->master = vector(r->seg[LAMB_NP]);
+    for (int k = 0; k < LAMB_NP; k++)
+        for (int64_t j = 0; j < r->seg[k + 1] - r->seg[k]; j++) {
+            int64_t i = sim_element(r, k, j);
+            ds_tensor_set(r->master, r->seg[k] + j, i < 0 ? 0 : init_value(k, i));
+        }
+    r->o = ds_optim_new(DS_OPTIM_LAMB);
+    check(ds_optim_add_group(r->o, 1, &r->master, h) == 0, "rank %d: %s", rank, ds_error_message());
+    check(ds_optim_set_segments(r->o, 0, LAMB_NP, r->seg) == 0, "rank %d set_segments: %s", rank, ds_error_message());
+}
+
+/* P ranks, each stepping its shards with the norms summed over them, end
+ * where one unpartitioned Lamb does, and agree on every trust ratio. */
+static void test_lamb_partitioned(int P, bool padded, bool clipped) {
+    ds_optim_hparams h = lamb_hparams(clipped);
+    ds_tensor *ps[LAMB_NP];
+    ds_optim *ref = lamb_reference(ps, &h);
+    sim_world w = { .P = P };
+    pthread_barrier_init(&w.barrier, NULL, (unsigned)P);
+    sim_rank ranks[LAMB_MAX_P];
+    for (int r = 0; r < P; r++) sim_rank_init(&ranks[r], &w, r, padded, &h);
+    const char *what = padded ? "padded" : "unpadded";
+    double worst = 0, worst_coeff = 0;
+    int64_t bad_padding = 0;
+    for (int t = 1; t <= 5; t++) {
+        lamb_reference_grads(ps, t);
+        check(ds_optim_step(ref, 0, &h) == 0, "lamb reference step: %s", ds_error_message());
+        pthread_t th[LAMB_MAX_P];
+        for (int r = 0; r < P; r++) {
+            sim_rank *sr = &ranks[r];
+            for (int k = 0; k < LAMB_NP; k++)
+                for (int64_t j = 0; j < sr->seg[k + 1] - sr->seg[k]; j++) {
+                    int64_t i = sim_element(sr, k, j);
+                    ds_tensor_set(sr->master->grad, sr->seg[k] + j, i < 0 ? 0 : grad_value(t, k, i));
+                }
+        }
+        for (int r = 0; r < P; r++) pthread_create(&th[r], NULL, sim_step, &ranks[r]);
+        for (int r = 0; r < P; r++) pthread_join(th[r], NULL);
+        for (int r = 0; r < P; r++) {
+            sim_rank *sr = &ranks[r];
+            check(sr->rc == 0 && sr->calls == t, "P=%d %s rank %d step %d: rc %d, %d sums: %s", P, what, r, t, sr->rc,
+                  sr->calls, sr->err);
+            for (int k = 0; k < LAMB_NP; k++) {
+                double want = ref->groups[0].lamb_coeffs[k], got = sr->o->groups[0].lamb_coeffs[k];
+                worst_coeff = fmax(worst_coeff, fabs(got - want) / want);
+                double scale = 0;       /* the parameter's largest magnitude */
+                for (int64_t i = 0; i < lamb_sizes[k]; i++) scale = fmax(scale, fabs(ds_tensor_get(ps[k], i)));
+                for (int64_t j = 0; j < sr->seg[k + 1] - sr->seg[k]; j++) {
+                    int64_t i = sim_element(sr, k, j);
+                    double v = ds_tensor_get(sr->master, sr->seg[k] + j);
+                    if (i < 0) bad_padding += v != 0;
+                    else worst = fmax(worst, fabs(v - ds_tensor_get(ps[k], i)) / scale);
+                }
+            }
+        }
+    }
+    check(worst <= 1e-6, "P=%d %s %s: shards differ from whole parameters by %g of their largest value", P, what,
+          clipped ? "clipped" : "default", worst);
+    check(worst_coeff <= 1e-12, "P=%d %s %s: trust ratios differ by %g", P, what, clipped ? "clipped" : "default",
+          worst_coeff);
+    check(bad_padding == 0, "P=%d %s: %lld padding elements moved", P, what, (long long)bad_padding);
+    for (int r = 0; r < P; r++) {
+        ds_optim_free(ranks[r].o);
+        ds_tensor_release(ranks[r].master);
+    }
+    pthread_barrier_destroy(&w.barrier);
+    ds_optim_free(ref);
+    for (int k = 0; k < LAMB_NP; k++) ds_tensor_release(ps[k]);
+}
+
+static int failing_sum(double *values, int n, void *ud) {
+    (void)values;
+    *(int *)ud = n;
+    return ds_fail(DS_ERR_STATE, "comm: all_reduce timed out"), -1;
+}
+
+static void test_lamb_errors(void) {
+    int64_t n = 10;
+    ds_tensor *p = vector(n), *small = vector(3);
+    ds_optim *o = ds_optim_new(DS_OPTIM_LAMB);
+    ds_optim_hparams h = lamb_hparams(false);
+    check(ds_optim_add_group(o, 1, &p, &h) == 0 && ds_optim_add_group(o, 1, &small, &h) == 0, "add_group: %s",
+          ds_error_message());
+    const int64_t falls[4] = { 0, 6, 4, 10 }, short_end[3] = { 0, 4, 9 }, late[3] = { 1, 4, 10 };
+    const int64_t ok[4] = { 0, 0, 4, 10 };
+    check_error(ds_optim_set_segments(o, 0, 3, falls) != 0,
+                "optim.Lamb: group 1: segment offsets must not decrease, got 4 after 6 (offset 2)");
+    check_error(ds_optim_set_segments(o, 1, 2, short_end) != 0,
+                "optim.Lamb: group 2: segments end at 9, the group has 3 elements");
+    check_error(ds_optim_set_segments(o, 0, 2, short_end) != 0,
+                "optim.Lamb: group 1: segments end at 9, the group has 10 elements");
+    check_error(ds_optim_set_segments(o, 0, 2, late) != 0, "optim.Lamb: group 1: segments must start at 0, got 1");
+    check_error(ds_optim_set_segments(o, 0, -1, ok) != 0, "optim.Lamb: group 1: segments need nseg >= 0");
+    check_error(ds_optim_set_segments(o, 2, 3, ok) != 0, "optim.Lamb: set_segments: group 3 out of range (2 groups)");
+    check(o->groups[0].n_seg == 1, "a refused cut leaves the old one: %d pieces", o->groups[0].n_seg);
+    check(ds_optim_set_segments(o, 0, 3, ok) == 0 && o->groups[0].n_seg == 3, "an empty first piece: %s",
+          ds_error_message());
+    /* a failed sum fails the step, names its cause, and counts no step */
+    int got = -1;
+    for (int64_t i = 0; i < n; i++) ds_tensor_set(p->grad, i, 1);
+    check_error(ds_optim_step_shared(o, 0, &h, failing_sum, &got) != 0, "comm: all_reduce timed out");
+    check(got == 6 && o->groups[0].step == 0, "the sum got %d values (want 6); step %lld", got,
+          (long long)o->groups[0].step);
+    ds_optim_free(o);
+    ds_tensor_release(p);
+    ds_tensor_release(small);
+    /* other kinds never call the sum */
+    ds_tensor *q = vector(4);
+    ds_optim *adam = ds_optim_new(DS_OPTIM_ADAM);
+    ds_optim_hparams ha = adam_hparams();
+    got = -1;
+    check(ds_optim_add_group(adam, 1, &q, &ha) == 0 && ds_optim_step_shared(adam, 0, &ha, failing_sum, &got) == 0 &&
+          got == -1, "adam step_shared: %s", ds_error_message());
+    ds_optim_free(adam);
+    ds_tensor_release(q);
+}
+
 int main(void) {
     test_reseat();
     test_adam_step();
     test_wrong_grad();
     test_devices();
+    test_lamb_segments();
+    for (int P = 2; P <= LAMB_MAX_P; P++)
+        for (int padded = 0; padded <= 1; padded++)
+            for (int clipped = 0; clipped <= 1; clipped++) test_lamb_partitioned(P, padded, clipped);
+    test_lamb_errors();
     return check_summary("test_optim");
 }

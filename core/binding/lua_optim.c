@@ -1,8 +1,8 @@
 /* The optimizer core in Lua: a handle over ds_optim that lua/dslua/optim.lua
  * drives. Hyperparameters are read from the Lua param_groups tables at
  * every step, so a schedule that edits them takes effect at once. */
+#include "lua_optim.h"
 #include "lua_tensor.h"
-#include "ds_optim.h"
 #include "ds_error.h"
 
 #include <stdio.h>
@@ -11,8 +11,14 @@
 
 #define DSL_OPTIM_MT "dslua.Optim"
 
-static ds_optim *checkoptim(lua_State *L, int idx) {
-    ds_optim **p = luaL_checkudata(L, idx, DSL_OPTIM_MT);
+ds_optim *dsL_checkoptim(lua_State *L, int idx) {
+    ds_optim **p = luaL_testudata(L, idx, DSL_OPTIM_MT);
+    if (!p && lua_istable(L, idx)) {
+        lua_getfield(L, idx, "_h");
+        p = luaL_testudata(L, -1, DSL_OPTIM_MT);
+        lua_pop(L, 1);      /* the table keeps the handle alive */
+    }
+    if (!p) luaL_error(L, "optim: expected an optimizer (ds.optim) or its handle, got %s", luaL_typename(L, idx));
     if (!*p) luaL_error(L, "optim: optimizer already freed");
     return *p;
 }
@@ -188,7 +194,7 @@ static int l_gc(lua_State *L) {
 /* h:add_group(group): group.params is a list of tensors; the other fields
  * are the hyperparameters. */
 static int l_add_group(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
     int g = o->n_groups;
     ds_optim_hparams h = read_hparams(L, 2, o->kind, g);
@@ -224,37 +230,44 @@ static void check_params(lua_State *L, int t, const ds_optim *o, int g) {
     lua_pop(L, 1);
 }
 
-/* h:step(param_groups): every group, hyperparameters read now */
-static int l_step(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
-    luaL_checktype(L, 2, LUA_TTABLE);
-    if ((int)lua_objlen(L, 2) != o->n_groups)
-        return luaL_error(L, "optim.%s: %d param_groups, the optimizer has %d", ds_optim_name(o->kind),
-                          (int)lua_objlen(L, 2), o->n_groups);
-    /* every group checked before any steps, so a bad value changes nothing */
-    ds_optim_hparams *h = lua_newuserdata(L, sizeof *h * (size_t)(o->n_groups + 1));
+void dsL_optim_hparams(lua_State *L, int idx, const ds_optim *o, ds_optim_hparams *h) {
+    if (idx < 0 && idx > LUA_REGISTRYINDEX) idx = lua_gettop(L) + idx + 1;
+    if (!lua_istable(L, idx))
+        luaL_error(L, "optim.%s: param_groups must be a table, got %s", ds_optim_name(o->kind), luaL_typename(L, idx));
+    if ((int)lua_objlen(L, idx) != o->n_groups)
+        luaL_error(L, "optim.%s: %d param_groups, the optimizer has %d", ds_optim_name(o->kind),
+                   (int)lua_objlen(L, idx), o->n_groups);
     for (int g = 0; g < o->n_groups; g++) {
-        lua_rawgeti(L, 2, g + 1);
-        if (!lua_istable(L, -1)) return luaL_error(L, "optim.%s: group %d is not a table", ds_optim_name(o->kind), g + 1);
+        lua_rawgeti(L, idx, g + 1);
+        if (!lua_istable(L, -1)) luaL_error(L, "optim.%s: group %d is not a table", ds_optim_name(o->kind), g + 1);
         int t = lua_gettop(L);
         check_params(L, t, o, g);
         h[g] = read_hparams(L, t, o->kind, g);
-        if (ds_optim_check_hparams(o->kind, &h[g], g)) return dsL_error(L);
+        if (ds_optim_check_hparams(o->kind, &h[g], g)) dsL_error(L);
         lua_pop(L, 1);
     }
+}
+
+/* h:step(param_groups): every group, hyperparameters read now */
+static int l_step(lua_State *L) {
+    ds_optim *o = dsL_checkoptim(L, 1);
+    lua_settop(L, 2);       /* the list stays at 2, below h */
+    /* every group checked before any steps, so a bad value changes nothing */
+    ds_optim_hparams *h = lua_newuserdata(L, sizeof *h * (size_t)(o->n_groups + 1));
+    dsL_optim_hparams(L, 2, o, h);
     for (int g = 0; g < o->n_groups; g++)
         if (ds_optim_step(o, g, &h[g])) return dsL_error(L);
     return 0;
 }
 
 static int l_zero_grad(lua_State *L) {
-    if (ds_optim_zero_grad(checkoptim(L, 1))) return dsL_error(L);
+    if (ds_optim_zero_grad(dsL_checkoptim(L, 1))) return dsL_error(L);
     return 0;
 }
 
 /* h:flat(g, 'params' | 'grads' | state name) -> the flat 1-D buffer, or nil */
 static int l_flat(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     ds_optim_group *gr = &o->groups[checkgroup(L, 2, o)];
     const char *which = luaL_checkstring(L, 3);
     ds_tensor *t;
@@ -272,7 +285,7 @@ static int l_flat(lua_State *L) {
 
 /* h:param_state(g, i) -> {name = clone, ...} of the slots that hold state */
 static int l_param_state(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     int g = checkgroup(L, 2, o);
     lua_Integer i = luaL_checkinteger(L, 3);
     luaL_argcheck(L, i >= 1 && i <= o->groups[g].n_params, 3, "parameter index out of range");
@@ -290,7 +303,7 @@ static int l_param_state(lua_State *L) {
 
 /* h:load_state(g, i, name, tensor) */
 static int l_load_state(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     int g = checkgroup(L, 2, o);
     lua_Integer i = luaL_checkinteger(L, 3);
     luaL_argcheck(L, i >= 1 && i <= o->groups[g].n_params, 3, "parameter index out of range");
@@ -303,7 +316,7 @@ static int l_load_state(lua_State *L) {
 
 /* h:reset_state(g, group): step 0 and fresh buffers */
 static int l_reset_state(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     int g = checkgroup(L, 2, o);
     luaL_checktype(L, 3, LUA_TTABLE);
     ds_optim_hparams h = read_hparams(L, 3, o->kind, g);
@@ -313,7 +326,7 @@ static int l_reset_state(lua_State *L) {
 
 /* h:steps(g [, n]) -> the group's step count, set to n when given */
 static int l_steps(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     int g = checkgroup(L, 2, o);
     if (!lua_isnoneornil(L, 3)) {
         lua_Number n = luaL_checknumber(L, 3);
@@ -324,12 +337,13 @@ static int l_steps(lua_State *L) {
     return 1;
 }
 
-/* h:lamb_coeffs(g) -> each parameter's trust ratio at the last step */
+/* h:lamb_coeffs(g) -> each piece's trust ratio at the last step (the
+ * parameters', unless ds_optim_set_segments cut the group otherwise) */
 static int l_lamb_coeffs(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     ds_optim_group *gr = &o->groups[checkgroup(L, 2, o)];
-    lua_createtable(L, gr->n_params, 0);
-    for (int i = 0; i < gr->n_params; i++) {
+    lua_createtable(L, gr->n_seg, 0);
+    for (int i = 0; i < gr->n_seg; i++) {
         lua_pushnumber(L, gr->lamb_coeffs[i]);
         lua_rawseti(L, -2, i + 1);
     }
@@ -338,7 +352,7 @@ static int l_lamb_coeffs(lua_State *L) {
 
 /* h:state_names() -> the state slots of this kind, in order */
 static int l_state_names(lua_State *L) {
-    ds_optim *o = checkoptim(L, 1);
+    ds_optim *o = dsL_checkoptim(L, 1);
     lua_newtable(L);
     for (int s = 0; s < ds_optim_n_state(o->kind); s++) {
         lua_pushstring(L, ds_optim_state_name(o->kind, s));

@@ -91,6 +91,7 @@ static void group_free(ds_optim_group *gr) {
     free(gr->params);
     free(gr->grads);
     free(gr->offsets);
+    free(gr->seg);
     free(gr->lamb_coeffs);
     ds_tensor_release(gr->flat_params);
     ds_tensor_release(gr->flat_grads);
@@ -194,12 +195,15 @@ int ds_optim_add_group(ds_optim *o, int n, ds_tensor *const *params, const ds_op
     gr->params = calloc((size_t)n + 1, sizeof *gr->params);
     gr->grads = calloc((size_t)n + 1, sizeof *gr->grads);
     gr->offsets = calloc((size_t)n + 1, sizeof *gr->offsets);
+    gr->seg = calloc((size_t)n + 1, sizeof *gr->seg);
     gr->lamb_coeffs = calloc((size_t)n + 1, sizeof *gr->lamb_coeffs);
-    if (!gr->params || !gr->grads || !gr->offsets || !gr->lamb_coeffs) {
+    if (!gr->params || !gr->grads || !gr->offsets || !gr->seg || !gr->lamb_coeffs) {
         group_free(gr);
         return ds_fail(DS_ERR_NOMEM, "out of memory for an optimizer group"), -1;
     }
     for (int i = 0; i < n; i++) gr->offsets[i + 1] = gr->offsets[i] + ds_tensor_numel(params[i]);
+    memcpy(gr->seg, gr->offsets, ((size_t)n + 1) * sizeof *gr->seg);
+    gr->n_seg = n;
     int64_t total = gr->offsets[n];
     if (!(gr->flat_params = flat_buffer(total, dev, DS_MEM_PARAM, 0)) ||
         !(gr->flat_grads = flat_buffer(total, dev, DS_MEM_GRAD, 0)) || alloc_state(o, gr, h)) {
@@ -227,6 +231,42 @@ int ds_optim_add_group(ds_optim *o, int n, ds_tensor *const *params, const ds_op
         ds_tensor_release(p->grad);
         p->grad = gr->grads[i];
     }
+    return 0;
+}
+
+int ds_optim_set_segments(ds_optim *o, int g, int nseg, const int64_t *seg) {
+    const char *name = kinds[o->kind].name;
+    if (g < 0 || g >= o->n_groups)
+        return ds_fail(DS_ERR_ARG, "optim.%s: set_segments: group %d out of range (%d groups)", name, g + 1,
+                       o->n_groups), -1;
+    ds_optim_group *gr = &o->groups[g];
+    int64_t n = ds_tensor_numel(gr->flat_params);
+    if (nseg < 0 || !seg)
+        return ds_fail(DS_ERR_ARG, "optim.%s: group %d: segments need nseg >= 0 and nseg + 1 offsets, got %d%s",
+                       name, g + 1, nseg, seg ? "" : " and no offsets"), -1;
+    if (seg[0] != 0)
+        return ds_fail(DS_ERR_ARG, "optim.%s: group %d: segments must start at 0, got %lld", name, g + 1,
+                       (long long)seg[0]), -1;
+    for (int k = 0; k < nseg; k++)
+        if (seg[k + 1] < seg[k])
+            return ds_fail(DS_ERR_ARG, "optim.%s: group %d: segment offsets must not decrease, got %lld after %lld "
+                           "(offset %d)", name, g + 1, (long long)seg[k + 1], (long long)seg[k], k + 1), -1;
+    if (seg[nseg] != n)
+        return ds_fail(DS_ERR_ARG, "optim.%s: group %d: segments end at %lld, the group has %lld elements", name,
+                       g + 1, (long long)seg[nseg], (long long)n), -1;
+    int64_t *copy = malloc(((size_t)nseg + 1) * sizeof *copy);
+    double *coeffs = calloc((size_t)nseg + 1, sizeof *coeffs);
+    if (!copy || !coeffs) {
+        free(copy);
+        free(coeffs);
+        return ds_fail(DS_ERR_NOMEM, "optim.%s: group %d: out of memory for %d segments", name, g + 1, nseg), -1;
+    }
+    memcpy(copy, seg, ((size_t)nseg + 1) * sizeof *copy);
+    free(gr->seg);
+    free(gr->lamb_coeffs);
+    gr->seg = copy;
+    gr->lamb_coeffs = coeffs;
+    gr->n_seg = nseg;
     return 0;
 }
 
@@ -345,21 +385,46 @@ int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, boo
     return 0;
 }
 
-/* Lamb steps whole groups: each parameter gets its own trust ratio. */
-static int lamb_step(ds_optim_group *gr, const ds_optim_hparams *h, int64_t t) {
+/* FusedLamb's trust ratio |w| / |u|, clipped to [min, max]; 1 when either
+ * norm is 0. */
+static double lamb_coeff(double w_norm, double u_norm, double min_coeff, double max_coeff) {
+    if (w_norm == 0 || u_norm == 0) return 1.0;
+    double c = w_norm / u_norm;
+    return c > max_coeff ? max_coeff : c < min_coeff ? min_coeff : c;
+}
+
+/* Lamb: the moments and each piece's squared norms, their sums over the
+ * ranks sharing the pieces (when sum is given), then each piece's update
+ * scaled by its trust ratio. */
+static int lamb_step(ds_optim_group *gr, const ds_optim_hparams *h, int64_t t, ds_optim_sum_fn sum, void *ud) {
     const ds_kernels_optim *k = optim_kernels(DS_OPTIM_LAMB, gr->flat_params);
     if (!k) return -1;
     double bc1 = h->bias_correction ? 1 - pow(h->beta1, (double)t) : 1;
     double bc2 = h->bias_correction ? 1 - pow(h->beta2, (double)t) : 1;
     ds_lamb_params lp = { h->bias_correction ? h->lr * sqrt(bc2) / bc1 : h->lr, h->beta1, h->beta2, h->eps,
-                          h->weight_decay, 1.0, h->max_coeff, h->min_coeff, h->eps_inside_sqrt };
-    if (k->lamb(ds_tensor_kview(gr->flat_params), ds_tensor_kview(gr->flat_grads), opt_view(gr->state[0]),
-                opt_view(gr->state[1]), gr->offsets, gr->n_params, gr->lamb_coeffs, &lp))
-        return ds_fail(DS_ERR_STATE, "optim.Lamb: %s", ds_kernel_error()), -1;
-    return 0;
+                          h->weight_decay, 1.0, h->eps_inside_sqrt };
+    int nseg = gr->n_seg;
+    double *sq = malloc((2 * (size_t)nseg + 1) * sizeof *sq);     /* |w|^2 of each piece, then |u|^2 */
+    if (!sq) return ds_fail(DS_ERR_NOMEM, "optim.Lamb: out of memory for %d segments", nseg), -1;
+    ds_kview p = ds_tensor_kview(gr->flat_params), m = opt_view(gr->state[0]), v = opt_view(gr->state[1]);
+    int rc = -1;
+    if (k->lamb_norms(p, ds_tensor_kview(gr->flat_grads), m, v, gr->seg, nseg, sq, sq + nseg, &lp)) {
+        ds_fail(DS_ERR_STATE, "optim.Lamb: %s", ds_kernel_error());
+    } else if (!sum || sum(sq, 2 * nseg, ud) == 0) {
+        for (int i = 0; i < nseg; i++)
+            gr->lamb_coeffs[i] = lamb_coeff(sqrt(sq[i]), sqrt(sq[nseg + i]), h->min_coeff, h->max_coeff);
+        if (k->lamb_apply(p, m, v, gr->seg, nseg, gr->lamb_coeffs, &lp))
+            ds_fail(DS_ERR_STATE, "optim.Lamb: %s", ds_kernel_error());
+        else
+            rc = 0;
+    }
+    free(sq);
+    return rc;
 }
 
-int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) {
+int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) { return ds_optim_step_shared(o, g, h, NULL, NULL); }
+
+int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, ds_optim_sum_fn sum, void *ud) {
     ds_optim_group *gr = &o->groups[g];
     if (ds_optim_check_hparams(o->kind, h, g)) return -1;
     for (int i = 0; i < gr->n_params; i++)
@@ -367,7 +432,7 @@ int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) {
     if (o->kind == DS_OPTIM_SGD && h->momentum != 0 && !gr->state[0] && alloc_state(o, gr, h)) return -1;
     int64_t t = gr->step + 1;
     int rc = o->kind == DS_OPTIM_LAMB
-        ? lamb_step(gr, h, t)
+        ? lamb_step(gr, h, t, sum, ud)
         : ds_optim_apply(o->kind, h, t, !gr->momentum_started, gr->flat_params, gr->flat_grads, gr->state[0],
                          gr->state[1]);
     if (rc) return -1;

@@ -4,7 +4,8 @@
  * its parameters and each parameter tensor is re-seated as a view into it;
  * a matching gradient buffer is attached as the parameters' .grad views, so
  * autograd accumulates straight into it; the state buffers (moments,
- * momentum, sums) are flat too. A step is one kernel call per group. The
+ * momentum, sums) are flat too. A step is one kernel call per group (two
+ * for Lamb, whose norms may be summed over ranks in between). The
  * flat buffers stay reachable for what comes later (mixed precision
  * masters, ZeRO partitions) through the group struct. */
 #ifndef DS_OPTIM_H
@@ -42,7 +43,9 @@ typedef struct {
     ds_tensor *state[DS_OPTIM_MAX_STATE];         /* 1-D f32; NULL while unused */
     bool momentum_started;       /* SGD: the buffer holds a momentum */
     int64_t step;
-    double *lamb_coeffs;         /* Lamb: each parameter's last trust ratio */
+    int n_seg;                   /* Lamb's pieces, one trust ratio each: */
+    int64_t *seg;                /* n_seg + 1 element offsets (the parameters' at first) */
+    double *lamb_coeffs;         /* Lamb: each piece's last trust ratio */
 } ds_optim_group;
 
 typedef struct ds_optim {
@@ -71,6 +74,27 @@ int ds_optim_add_group(ds_optim *o, int n, ds_tensor *const *params, const ds_op
  * zero; one that was replaced by another tensor of its shape is copied in;
  * both get the flat view back. */
 int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h);
+/* Cuts group g into the pieces Lamb takes a trust ratio for: seg holds
+ * nseg + 1 element offsets, 0 = seg[0] <= seg[1] <= ... <= seg[nseg] = the
+ * group's length (a piece may be empty: a rank's shard of a small
+ * parameter can be). A new group's pieces are its parameters. Any kind
+ * takes them; only Lamb reads them. The last trust ratios start over at 0.
+ * 0, or -1 with an error naming the group. */
+int ds_optim_set_segments(ds_optim *o, int g, int nseg, const int64_t *seg);
+/* Replaces n doubles in host memory by their sums over every rank that
+ * holds a part of the same pieces (the engine all-reduces them). 0, or -1
+ * with the error set. */
+typedef int (*ds_optim_sum_fn)(double *values, int n, void *ud);
+/* ds_optim_step, where each piece is one rank's part of a larger
+ * parameter: Lamb's squared norms of the weights and of the update are
+ * summed over the ranks by `sum` before the trust ratios are taken, so every
+ * rank applies the ratio of the whole parameter. sum gets 2 nseg values,
+ * the pieces' |w|^2 then their |u|^2, once per step, so every rank must cut
+ * its group into as many pieces, piece k being its part of the same
+ * parameter everywhere. A failed sum leaves the moments stepped and the
+ * weights not. Other kinds: the same as ds_optim_step (sum is not called).
+ * sum NULL: the same as ds_optim_step. */
+int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, ds_optim_sum_fn sum, void *ud);
 /* One stateless update of p from g: the kernel call ds_optim_step makes,
  * for callers that keep the buffers themselves (a streamed optimizer that
  * steps a group in pieces). p, g, s0, s1: contiguous 1-D f32 views of one

@@ -98,10 +98,10 @@ static int cpu_adagrad(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_pa
     return 0;
 }
 
-/* ---- Lamb: moments and norms per parameter, then the scaled update ---- */
+/* ---- Lamb: moments and each piece's norms, then the scaled update ---- */
 
 /* Updates the moments over [lo, hi) and adds |p|^2 and |u|^2 into w2, u2. */
-static void lamb_norms(const optim_ctx *x, int64_t lo, int64_t hi, double *w2, double *u2) {
+static void lamb_norms_chunk(const optim_ctx *x, int64_t lo, int64_t hi, double *w2, double *u2) {
     float *restrict p = x->p, *restrict m = x->m, *restrict v = x->v;
     const float *restrict g = x->g;
     float b1 = x->beta1, b2 = x->beta2, eps = x->eps, wd = x->wd, scale = x->a;
@@ -118,7 +118,7 @@ static void lamb_norms(const optim_ctx *x, int64_t lo, int64_t hi, double *w2, d
     *u2 += u;
 }
 
-/* x->lr carries step_size * trust ratio for this parameter */
+/* x->lr carries step_size * trust ratio for this piece */
 static void lamb_apply_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
     float *restrict p = x->p;
     const float *restrict m = x->m, *restrict v = x->v;
@@ -128,13 +128,12 @@ static void lamb_apply_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; i++) p[i] -= rate * ds_lamb_update(p[i], m[i], v[i], eps, wd, inside);
 }
 
-static int cpu_lamb(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg, double *coeff,
-                    const ds_lamb_params *h) {
+static int cpu_lamb_norms(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg,
+                          double *w_sq, double *u_sq, const ds_lamb_params *h) {
     ds_kview b[4] = { p, g, m, v };
-    if (ds_optim_check_buffers("lamb", b, 4)) return -1;
-    if (nseg > 0 && (seg[0] != 0 || seg[nseg] != ds_kview_numel(&p)))
-        return ds_kernel_fail("lamb: segments cover [%lld, %lld) of %lld elements", (long long)seg[0],
-                              (long long)seg[nseg], (long long)ds_kview_numel(&p));
+    if (ds_optim_check_buffers("lamb_norms", b, 4) ||
+        ds_lamb_check_segments("lamb_norms", seg, nseg, ds_kview_numel(&p)))
+        return -1;
     optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .g = g.data, .beta1 = (float)h->beta1,
                     .beta2 = (float)h->beta2, .eps = (float)h->eps, .wd = (float)h->weight_decay,
                     .a = (float)h->grad_scale, .flag1 = h->eps_inside_sqrt };
@@ -142,19 +141,32 @@ static int cpu_lamb(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_
         int64_t lo = seg[k], hi = seg[k + 1], n = hi - lo;
         double w2 = 0, u2 = 0;
         if (n <= CPU_PARALLEL_MIN) {
-            lamb_norms(&x, lo, hi, &w2, &u2);
+            lamb_norms_chunk(&x, lo, hi, &w2, &u2);
         } else {
             int64_t chunks = (n + CPU_OPTIM_CHUNK - 1) / CPU_OPTIM_CHUNK;
             #pragma omp parallel for schedule(static) reduction(+:w2, u2)
             for (int64_t c = 0; c < chunks; c++) {
                 int64_t a = lo + c * CPU_OPTIM_CHUNK;
-                lamb_norms(&x, a, a + CPU_OPTIM_CHUNK < hi ? a + CPU_OPTIM_CHUNK : hi, &w2, &u2);
+                lamb_norms_chunk(&x, a, a + CPU_OPTIM_CHUNK < hi ? a + CPU_OPTIM_CHUNK : hi, &w2, &u2);
             }
         }
-        coeff[k] = ds_lamb_coeff(sqrt(w2), sqrt(u2), h->min_coeff, h->max_coeff);
-        optim_ctx y = x;
-        y.lr = (float)(h->step_size * coeff[k]);
-        run_chunks(lamb_apply_chunk, &y, lo, hi);
+        w_sq[k] = w2;
+        u_sq[k] = u2;
+    }
+    return 0;
+}
+
+static int cpu_lamb_apply(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg, int nseg, const double *coeff,
+                          const ds_lamb_params *h) {
+    ds_kview b[3] = { p, m, v };
+    if (ds_optim_check_buffers("lamb_apply", b, 3) ||
+        ds_lamb_check_segments("lamb_apply", seg, nseg, ds_kview_numel(&p)))
+        return -1;
+    optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .eps = (float)h->eps, .wd = (float)h->weight_decay,
+                    .flag1 = h->eps_inside_sqrt };
+    for (int k = 0; k < nseg; k++) {
+        x.lr = (float)(h->step_size * coeff[k]);
+        run_chunks(lamb_apply_chunk, &x, seg[k], seg[k + 1]);
     }
     return 0;
 }
@@ -182,6 +194,7 @@ const ds_kernels_optim ds_cpu_optim = {
     .sgd = cpu_sgd,
     .adam = cpu_adam,
     .adagrad = cpu_adagrad,
-    .lamb = cpu_lamb,
+    .lamb_norms = cpu_lamb_norms,
+    .lamb_apply = cpu_lamb_apply,
     .lion = cpu_lion,
 };

@@ -1,14 +1,15 @@
 /* Fused optimizer steps on the GPU: one pass over flat f32 buffers, one
  * thread per element, calling the per-element updates of ds_optim.h with
- * the f32 hyperparameters the CPU uses. Lamb needs each parameter's norms
+ * the f32 hyperparameters the CPU uses. Lamb needs each piece's norms
  * before its update: the moments pass leaves one partial pair of norms per
- * chunk, a block per parameter sums its chunks in a fixed order and sets
- * the trust ratio, and the update pass applies it; only the ratios come
- * back to the host. */
+ * chunk and a block per piece sums its chunks in a fixed order; only those
+ * sums go to the host, which takes the trust ratios (summing over ranks
+ * first when the pieces are shards) and hands them to the update pass. */
 #include "cuda_pointwise.cuh"
 #include "../ds_optim.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 static unsigned elem_blocks(int64_t n) { return ds_cuda_blocks(n, DS_CUDA_THREADS); }
 
@@ -71,8 +72,8 @@ static int cuda_adagrad(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_p
 }
 
 /* ---- Lamb ----
- * Parameter k (elements [seg[k], seg[k+1])) is cut into chunks of
- * LAMB_CHUNK; its chunks are cstart[k] .. cstart[k+1]-1 of all chunks. */
+ * Piece k (elements [seg[k], seg[k+1])) is cut into chunks of LAMB_CHUNK;
+ * its chunks are cstart[k] .. cstart[k+1]-1 of all chunks. */
 
 #define LAMB_CHUNK 4096
 
@@ -85,8 +86,8 @@ struct lamb_args {
     int inside;
 };
 
-/* The parameter chunk c belongs to: the last k with cstart[k] <= c (an
- * empty parameter shares its start with the next one and owns nothing). */
+/* The piece chunk c belongs to: the last k with cstart[k] <= c (an empty
+ * piece shares its start with the next one and owns nothing). */
 static __device__ int lamb_segment(const lamb_args &a, int64_t c) {
     int lo = 0, hi = a.nseg - 1;
     while (lo < hi) {
@@ -119,9 +120,9 @@ static __global__ void lamb_norms_kernel(lamb_args a, int64_t chunks, double *pa
     }
 }
 
-/* Block k sums parameter k's chunks and sets its trust ratio. */
-static __global__ void lamb_coeff_kernel(lamb_args a, const double *part, double *coeff, double min_coeff,
-                                         double max_coeff) {
+/* Block k sums piece k's chunks in a fixed order: |p|^2 into sq[k], |u|^2
+ * into sq[nseg + k]. */
+static __global__ void lamb_sum_kernel(lamb_args a, const double *part, double *sq) {
     for (int k = blockIdx.x; k < a.nseg; k += gridDim.x) {
         double w = 0, u = 0;
         for (int64_t c = a.cstart[k] + threadIdx.x; c < a.cstart[k + 1]; c += blockDim.x) {
@@ -130,7 +131,10 @@ static __global__ void lamb_coeff_kernel(lamb_args a, const double *part, double
         }
         w = pw_block_sum(w);
         u = pw_block_sum(u);
-        if (threadIdx.x == 0) coeff[k] = ds_lamb_coeff(sqrt(w), sqrt(u), min_coeff, max_coeff);
+        if (threadIdx.x == 0) {
+            sq[k] = w;
+            sq[a.nseg + k] = u;
+        }
     }
 }
 
@@ -146,17 +150,16 @@ static __global__ void lamb_apply_kernel(lamb_args a, int64_t chunks, const doub
     }
 }
 
-static int cuda_lamb(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg, double *coeff,
-                     const ds_lamb_params *h) {
-    ds_kview b[4] = { p, g, m, v };
-    if (ds_optim_check_buffers("lamb", b, 4)) return -1;
-    if (nseg <= 0) return 0;
-    if (seg[0] != 0 || seg[nseg] != ds_kview_numel(&p))
-        return ds_kernel_fail("lamb: segments cover [%lld, %lld) of %lld elements", (long long)seg[0],
-                              (long long)seg[nseg], (long long)ds_kview_numel(&p));
-    /* host table: seg, then each parameter's first chunk */
-    int64_t *host = (int64_t *)malloc(2 * (size_t)(nseg + 1) * sizeof *host);
-    if (!host) return ds_kernel_fail("lamb: out of memory for %d segments", nseg);
+/* A Lamb launch's host table: seg, each piece's first chunk (nseg + 1
+ * each, *bytes in all), then n_extra doubles for the caller; *chunks is
+ * the number of chunks. NULL after ds_kernel_fail. */
+static int64_t *lamb_table(const int64_t *seg, int nseg, size_t n_extra, size_t *bytes, int64_t *chunks) {
+    *bytes = 2 * (size_t)(nseg + 1) * sizeof(int64_t);
+    int64_t *host = (int64_t *)malloc(*bytes + n_extra * sizeof(double));
+    if (!host) {
+        ds_kernel_fail("lamb: out of memory for %d segments", nseg);
+        return NULL;
+    }
     int64_t *cstart = host + nseg + 1;
     cstart[0] = 0;
     for (int k = 0; k < nseg; k++) {
@@ -164,35 +167,92 @@ static int cuda_lamb(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64
         cstart[k + 1] = cstart[k] + (seg[k + 1] - seg[k] + LAMB_CHUNK - 1) / LAMB_CHUNK;
     }
     host[nseg] = seg[nseg];
-    int64_t chunks = cstart[nseg];
-    /* device: seg, cstart, coeff, then the partial norms */
-    size_t table = 2 * (size_t)(nseg + 1) * sizeof(int64_t);
-    char *dev = (char *)ds_cuda_scratch(table + (size_t)nseg * sizeof(double) + 2 * (size_t)chunks * sizeof(double));
-    if (!dev) { free(host); return -1; }
-    double *dcoeff = (double *)(dev + table), *part = dcoeff + nseg;
+    *chunks = cstart[nseg];
+    return host;
+}
+
+static lamb_args lamb_args_of(const char *dev, ds_kview p, ds_kview g, ds_kview m, ds_kview v, int nseg,
+                              const ds_lamb_params *h) {
     lamb_args a = { (float *)p.data, (float *)m.data, (float *)v.data, (const float *)g.data, (const int64_t *)dev,
                     (const int64_t *)dev + nseg + 1, nseg, (float)h->beta1, (float)h->beta2, (float)h->eps,
                     (float)h->weight_decay, (float)h->grad_scale, h->eps_inside_sqrt };
+    return a;
+}
+
+/* Only the per-piece sums leave the device. */
+static int cuda_lamb_norms(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const int64_t *seg, int nseg,
+                           double *w_sq, double *u_sq, const ds_lamb_params *h) {
+    ds_kview b[4] = { p, g, m, v };
+    if (ds_optim_check_buffers("lamb_norms", b, 4) ||
+        ds_lamb_check_segments("lamb_norms", seg, nseg, ds_kview_numel(&p)))
+        return -1;
+    if (nseg == 0) return 0;
+    size_t bytes;
+    int64_t chunks;
+    int64_t *host = lamb_table(seg, nseg, 0, &bytes, &chunks);
+    if (!host) return -1;
+    /* device: seg, cstart, the sums (2 nseg), then the partial norms */
+    char *dev = (char *)ds_cuda_scratch(bytes + 2 * ((size_t)nseg + (size_t)chunks) * sizeof(double));
+    if (!dev) {
+        free(host);
+        return -1;
+    }
+    double *sq = (double *)(dev + bytes), *part = sq + 2 * nseg;
+    lamb_args a = lamb_args_of(dev, p, g, m, v, nseg, h);
     cudaStream_t st = ds_cuda_stream();
-    int rc = ds_cuda_ok(cudaMemcpyAsync(dev, host, table, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+    int rc = ds_cuda_ok(cudaMemcpyAsync(dev, host, bytes, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
     if (rc == 0 && chunks > 0) {
         lamb_norms_kernel<<<ds_cuda_blocks(chunks, 1), DS_CUDA_THREADS, 0, st>>>(a, chunks, part);
         rc = ds_cuda_launched("lamb_norms_kernel");
     }
     if (rc == 0) {
-        lamb_coeff_kernel<<<ds_cuda_blocks(nseg, 1), DS_CUDA_THREADS, 0, st>>>(a, part, dcoeff, h->min_coeff,
-                                                                                h->max_coeff);
-        rc = ds_cuda_launched("lamb_coeff_kernel");
-    }
-    if (rc == 0 && chunks > 0) {
-        lamb_apply_kernel<<<ds_cuda_blocks(chunks, 1), DS_CUDA_THREADS, 0, st>>>(a, chunks, dcoeff, h->step_size);
-        rc = ds_cuda_launched("lamb_apply_kernel");
+        lamb_sum_kernel<<<ds_cuda_blocks(nseg, 1), DS_CUDA_THREADS, 0, st>>>(a, part, sq);
+        rc = ds_cuda_launched("lamb_sum_kernel");
     }
     if (rc == 0)
-        rc = ds_cuda_ok(cudaMemcpyAsync(coeff, dcoeff, (size_t)nseg * sizeof(double), cudaMemcpyDeviceToHost, st),
+        rc = ds_cuda_ok(cudaMemcpyAsync(w_sq, sq, (size_t)nseg * sizeof(double), cudaMemcpyDeviceToHost, st),
+                        "cudaMemcpyAsync");
+    if (rc == 0)
+        rc = ds_cuda_ok(cudaMemcpyAsync(u_sq, sq + nseg, (size_t)nseg * sizeof(double), cudaMemcpyDeviceToHost, st),
                         "cudaMemcpyAsync");
     ds_cuda_scratch_free(dev);
     if (rc == 0) rc = ds_cuda_ok(cudaStreamSynchronize(st), "cudaStreamSynchronize");
+    free(host);
+    return rc;
+}
+
+static int cuda_lamb_apply(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg, int nseg, const double *coeff,
+                           const ds_lamb_params *h) {
+    ds_kview b[3] = { p, m, v };
+    if (ds_optim_check_buffers("lamb_apply", b, 3) ||
+        ds_lamb_check_segments("lamb_apply", seg, nseg, ds_kview_numel(&p)))
+        return -1;
+    if (nseg == 0) return 0;
+    /* host and device: seg, cstart, coeff, so that one copy carries them */
+    size_t bytes;
+    int64_t chunks;
+    int64_t *host = lamb_table(seg, nseg, (size_t)nseg, &bytes, &chunks);
+    if (!host) return -1;
+    size_t all = bytes + (size_t)nseg * sizeof(double);
+    char *dev = (char *)ds_cuda_scratch(all);
+    if (!dev) {
+        free(host);
+        return -1;
+    }
+    memcpy((char *)host + bytes, coeff, (size_t)nseg * sizeof(double));
+    ds_kview none = { 0 };
+    lamb_args a = lamb_args_of(dev, p, none, m, v, nseg, h);
+    cudaStream_t st = ds_cuda_stream();
+    /* from pageable memory the call returns once the bytes are staged, so
+     * the host table may go right after it */
+    int rc = ds_cuda_ok(cudaMemcpyAsync(dev, host, all, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
+    if (rc == 0 && chunks > 0) {
+        lamb_apply_kernel<<<ds_cuda_blocks(chunks, 1), DS_CUDA_THREADS, 0, st>>>(a, chunks,
+                                                                                 (const double *)(dev + bytes),
+                                                                                 h->step_size);
+        rc = ds_cuda_launched("lamb_apply_kernel");
+    }
+    ds_cuda_scratch_free(dev);
     free(host);
     return rc;
 }
@@ -216,5 +276,5 @@ static int cuda_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h
 }
 
 extern "C" const ds_kernels_optim ds_cuda_optim = {
-    cuda_sgd, cuda_adam, cuda_adagrad, cuda_lamb, cuda_lion,
+    cuda_sgd, cuda_adam, cuda_adagrad, cuda_lamb_norms, cuda_lamb_apply, cuda_lion,
 };
