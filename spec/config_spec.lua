@@ -265,6 +265,26 @@ describe('ds.config errors', function()
     has(problems({ train_batch_size = 8, comms_logger = { prof = true } }), 'comms_logger.prof: unknown key')
   end)
 
+  -- the search for a suggestion once took seconds per megabyte of key
+  it('rejects a runaway key at once, suggesting nothing', function()
+    local key = string.rep('x', 2 ^ 20)
+    local optimizer = { type = 'SGD', params = { [key] = 1 } }
+    local list = select(2, config.check({ train_batch_size = 8, [key] = 1, optimizer = optimizer }))
+    for i, p in ipairs(list) do
+      local at, to = p:find(key, 1, true)
+      list[i] = p:sub(1, at - 1) .. '<1 MB key>' .. p:sub(to + 1)
+    end
+    table.sort(list)
+    assert.are.same({ 'config: <1 MB key>: unknown key',
+                      'config: optimizer.params.<1 MB key>: unknown key (expected one of: dampening, lr, momentum, '
+                      .. 'nesterov, weight_decay)' }, list)
+  end)
+
+  it('reports a string given for a choice of numbers (the suggester once failed on it)', function()
+    assert.are.same({ 'config: zero_optimization.stage: must be 0, 1, 2 or 3, got "3"' },
+                    select(2, config.check({ train_batch_size = 8, zero_optimization = { stage = '3' } })))
+  end)
+
   it('names wrong types and out-of-range values with their path', function()
     has(problems({ train_batch_size = '8' }), 'config: train_batch_size: must be an integer, got "8"')
     has(problems({ train_batch_size = 8.5 }), 'train_batch_size: must be an integer, got 8.5')

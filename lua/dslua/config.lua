@@ -5,6 +5,7 @@
 -- Every problem is collected, each naming the file and the key path, and
 -- reported at once. dslua's own blocks (M.extension_keys) pass through.
 local json = require 'dslua.json'
+local suggest = require 'dslua.suggest'
 
 local M = {}
 
@@ -48,67 +49,10 @@ local function join(path, key)
   return path == '' and key or path .. '.' .. key
 end
 
--- Optimal string alignment distance (edits, adjacent swaps), case-blind.
-local function distance(a, b)
-  a, b = a:lower(), b:lower()
-  local d = {}
-  for i = 0, #a do d[i] = { [0] = i } end
-  for j = 0, #b do d[0][j] = j end
-  for i = 1, #a do
-    for j = 1, #b do
-      local cost = a:byte(i) == b:byte(j) and 0 or 1
-      local v = math.min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + cost)
-      if i > 1 and j > 1 and a:byte(i) == b:byte(j - 1) and a:byte(i - 1) == b:byte(j) then
-        v = math.min(v, d[i - 2][j - 2] + 1)
-      end
-      d[i][j] = v
-    end
-  end
-  return d[#a][#b]
-end
-
-local function words(s)
-  local set, n = {}, 0
-  for w in s:lower():gmatch('[^_]+') do set[w], n = true, n + 1 end
-  return set, n
-end
-
--- What word most likely meant among candidates: the shortest candidate
--- holding all of word's _-separated parts (warmup_steps: warmup_num_steps),
--- else the nearest by edit distance when near enough, else the shortest
--- candidate that contains word.
-function M.suggest(word, candidates)
-  local best, bd
-  local sorted = {}
-  for _, c in ipairs(candidates) do sorted[#sorted + 1] = c end
-  table.sort(sorted)
-  local mine, n = words(word)
-  if n >= 2 then
-    for _, c in ipairs(sorted) do
-      local theirs, all = words(c), true
-      for w in pairs(mine) do all = all and theirs[w] end
-      if all and c ~= word and (not best or #c < #best) then best = c end
-    end
-    if best then return best end
-  end
-  for _, c in ipairs(sorted) do
-    local dd = distance(word, c)
-    if not bd or dd < bd then best, bd = c, dd end
-  end
-  if bd and bd <= math.max(2, math.floor(#word / 3)) then return best end
-  if #word >= 4 then
-    best = nil
-    for _, c in ipairs(sorted) do
-      if c:lower():find(word:lower(), 1, true) and (not best or #c < #best) then best = c end
-    end
-    return best
-  end
-end
-
 local function unknown(word, candidates, what)
-  local s = M.suggest(word, candidates)
+  local s = suggest.did_you_mean(word, candidates)
   local msg = 'unknown ' .. (what and what .. ' ' .. describe(word) or 'key')
-  if s then return msg .. ", did you mean '" .. s .. "'?" end
+  if s then return msg .. ', ' .. s end
   if #candidates <= 12 then
     local sorted = { unpack(candidates) }
     table.sort(sorted)
@@ -239,8 +183,8 @@ local function check_value(ctx, path, v, f)
     local msg = 'must be ' .. table.concat(shown, ', ', 1, #shown - 1) .. ' or ' .. shown[#shown]
                 .. ', got ' .. describe(v)
     if type(v) == 'string' then
-      local s = M.suggest(v, f.values)
-      if s then msg = msg .. ", did you mean '" .. s .. "'?" end
+      local s = suggest.did_you_mean(v, f.values)
+      if s then msg = msg .. ', ' .. s end
     end
     problem(ctx, path, msg)
   elseif k == 'str' then
@@ -623,9 +567,9 @@ local function check_scheduler(ctx, path, v)
   if type(s.type) ~= 'string' then return s end
   local schema = SCHEDULERS[s.type]
   if not schema then          -- engine._scheduler_from_config's assertion
-    local sug = M.suggest(s.type, SCHEDULER_NAMES)
+    local sug = suggest.did_you_mean(s.type, SCHEDULER_NAMES)
     problem(ctx, join(path, 'type'), 'DeepSpeed does not recognize LR scheduler ' .. s.type
-            .. (sug and ", did you mean '" .. sug .. "'?" or ' (dslua has ' .. table.concat(SCHEDULER_NAMES, ', ') .. ')'))
+            .. (sug and ', ' .. sug or ' (dslua has ' .. table.concat(SCHEDULER_NAMES, ', ') .. ')'))
     return s
   end
   s.params = check_block(ctx, join(path, 'params'), s.params, schema)
@@ -811,8 +755,8 @@ local function check_policy(ctx, path, v)
     if v == name then return name, v end
   end
   if not (v:find('/', 1, true) or v:match('%.lua$')) then
-    local s = M.suggest(v, M.sampler_policies)
-    return problem(ctx, path, 'unknown policy ' .. describe(v) .. (s and ", did you mean '" .. s .. "'?" or '')
+    local s = suggest.did_you_mean(v, M.sampler_policies)
+    return problem(ctx, path, 'unknown policy ' .. describe(v) .. (s and ', ' .. s or '')
                    .. ' (built in: ' .. table.concat(M.sampler_policies, ', ') .. '; or the path of a .lua file)')
   end
   local file, tried = policy_file(v, ctx.source)

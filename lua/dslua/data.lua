@@ -10,6 +10,7 @@
 -- values inside tensors are 0-based; Lua lists of indices are 1-based.
 local core = require 'dslua.core'
 local C = core.data_core
+local suggest = require 'dslua.suggest'
 
 local M = {}
 local fmt = string.format
@@ -37,20 +38,6 @@ local function object(class, fields)
   return p
 end
 
-local function edit_distance(a, b)
-  local prev = {}
-  for j = 0, #b do prev[j] = j end
-  for i = 1, #a do
-    local cur = { [0] = i }
-    for j = 1, #b do
-      local cost = a:byte(i) == b:byte(j) and 0 or 1
-      cur[j] = math.min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + cost)
-    end
-    prev = cur
-  end
-  return prev[#b]
-end
-
 -- Unknown option keys are errors naming the key, the nearest valid one
 -- and all of them.
 local function check_opts(fname, opts, allowed)
@@ -59,13 +46,10 @@ local function check_opts(fname, opts, allowed)
   for _, k in ipairs(allowed) do set[k] = true end
   for k in pairs(opts) do
     if not set[k] then
-      local key, best, bestd = tostring(k), nil, math.huge
-      for _, a in ipairs(allowed) do
-        local d = #key >= 3 and a:find(key, 1, true) and 0 or edit_distance(key, a)
-        if d < bestd then best, bestd = a, d end
-      end
-      local hint = bestd <= math.max(2, #key / 3) and fmt(" (did you mean '%s'?)", best) or ''
-      fail(fname, "unknown option '%s'%s; options are %s", key, hint, table.concat(allowed, ', '))
+      local key = tostring(k)
+      local hint = suggest.did_you_mean(key, allowed)
+      fail(fname, "unknown option '%s'%s; options are %s", key, hint and ' (' .. hint .. ')' or '',
+           table.concat(allowed, ', '))
     end
   end
 end

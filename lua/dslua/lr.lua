@@ -7,6 +7,7 @@
 -- constructor sets each group's lr (the value of iteration -1), and step(),
 -- called after each optimizer step, increments it and sets lr again.
 local F = require('dslua.core').lr_formulas
+local suggest = require 'dslua.suggest'
 
 local M = {}
 for k, v in pairs(F) do M[k] = v end
@@ -17,43 +18,10 @@ local function warn(fmt, ...)
   io.stderr:write('[dslua] warning: ', string.format(fmt, ...), '\n')
 end
 
-local function distance(a, b)
-  local row = {}
-  for j = 0, #b do row[j] = j end
-  for i = 1, #a do
-    local diag = row[0]
-    row[0] = i
-    for j = 1, #b do
-      local up = row[j]
-      row[j] = math.min(up + 1, row[j - 1] + 1, diag + (a:byte(i) == b:byte(j) and 0 or 1))
-      diag = up
-    end
-  end
-  return row[#b]
-end
-
-local function words(name)
-  local out = {}
-  for w in name:gmatch('[^_]+') do out[w] = true end
-  return out
-end
-
--- ' (did you mean 'x'?)' for the valid name sharing the most words with
--- name, then the fewest edits; or the list of them when none is close.
-local function suggest(name, names)
-  local mine, best, best_shared, best_d = words(name), nil, -1, nil
-  for _, n in ipairs(names) do
-    local shared = 0
-    for w in pairs(words(n)) do if mine[w] then shared = shared + 1 end end
-    local d = distance(name, n)
-    if shared > best_shared or (shared == best_shared and d < best_d) then
-      best, best_shared, best_d = n, shared, d
-    end
-  end
-  if best and (best_shared > 0 or best_d <= math.floor(#name / 2) + 1) then
-    return string.format(" (did you mean '%s'?)", best)
-  end
-  return ' (valid: ' .. table.concat(names, ', ') .. ')'
+-- ' (did you mean 'x'?)', or the list of valid names when none is close.
+local function hint(name, names)
+  local s = suggest.did_you_mean(name, names)
+  return s and ' (' .. s .. ')' or ' (valid: ' .. table.concat(names, ', ') .. ')'
 end
 
 local function check_names(params, names, who)
@@ -61,7 +29,7 @@ local function check_names(params, names, who)
   local valid = {}
   for _, n in ipairs(names) do valid[n] = true end
   for k in pairs(params) do
-    if not valid[k] then fail("%s: unknown param '%s'%s", who, tostring(k), suggest(tostring(k), names)) end
+    if not valid[k] then fail("%s: unknown param '%s'%s", who, tostring(k), hint(tostring(k), names)) end
   end
 end
 
@@ -422,7 +390,7 @@ function M.from_config(optimizer, block)
   if type(block) ~= 'table' then fail('scheduler: expected a table {type=, params=}, got %s', type(block)) end
   for k in pairs(block) do
     if k ~= 'type' and k ~= 'params' then
-      fail("scheduler: unknown key '%s'%s", tostring(k), suggest(tostring(k), { 'type', 'params' }))
+      fail("scheduler: unknown key '%s'%s", tostring(k), hint(tostring(k), { 'type', 'params' }))
     end
   end
   local kind, params = block.type, block.params or {}
@@ -442,7 +410,7 @@ function M.from_config(optimizer, block)
     s.kind = 'lua'
     return s
   end
-  if not builders[kind] then fail("scheduler.type: unknown scheduler '%s'%s", kind, suggest(kind, TYPES)) end
+  if not builders[kind] then fail("scheduler.type: unknown scheduler '%s'%s", kind, hint(kind, TYPES)) end
   return builders[kind](optimizer, params, who)
 end
 
