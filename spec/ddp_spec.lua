@@ -1,4 +1,4 @@
--- Data-parallel training: the gradient buckets (ds._ddp) in this process,
+-- Data-parallel training: the step engine's gradient buckets in this process,
 -- then spec/ddp/equiv.lua on 1 rank and under mpirun on 2 and 4 ranks: the
 -- MLP and a tiny GPT-2 trained through ds.initialize on the same global
 -- batches give the same losses and final weights on every world size.
@@ -17,12 +17,14 @@ local function fails(pattern, fn, ...)
 end
 
 describe('gradient buckets', function()
+  local Z0 = require('dslua.core')._zero
+
   -- four parameters of 6, 4, 10 and 3 elements in one optimizer
   local function setup(bucket_size)
     local p = {}
     for k, n in ipairs({ 6, 4, 10, 3 }) do p[k] = ds.ones(n):requires_grad_() end
     local opt = ds.optim.SGD(p, { lr = 0.1 })
-    return p, opt, ds._ddp.new(p, bucket_size)
+    return p, opt, Z0.engine { optimizer = opt, groups = { p }, bucket_size = bucket_size }
   end
 
   -- sum over k of k * sum(p[k]), built from the last parameter back
@@ -38,53 +40,55 @@ describe('gradient buckets', function()
   end
 
   it('cut the optimizer\'s flat gradients from the last parameter, each holding at least bucket_size', function()
-    local _, opt, d = setup(8)
-    assert.are.equal(2, d:buckets())
-    local b1, first1, count1 = d:bucket(1)
-    local b2, first2, count2 = d:bucket(2)
-    assert.are.same({ 3, 2, 13 }, { first1, count1, b1:numel() })
-    assert.are.same({ 1, 2, 10 }, { first2, count2, b2:numel() })
-    b1:fill_(7)
-    assert.are.equal(7, opt:flat_grads():narrow(1, 11, 13):sum():item() / 13)   -- a view, not a copy
+    local _, _, z = setup(8)
+    assert.are.equal(2, z:buckets())
+    assert.are.same({ 3, 2, 13 }, { z:bucket(1) })
+    assert.are.same({ 1, 2, 10 }, { z:bucket(2) })
     local _, _, every = setup(0)
     assert.are.equal(4, every:buckets())
     local _, _, one = setup(5e8)
     assert.are.equal(1, one:buckets())
   end)
 
-  it('launch in bucket order during backward, each with its complete gradients, polling after each', function()
-    local p, _, d = setup(8)
-    local events = {}
-    local launched, after = d:backward(loss_of(p), function(b, flat)
-      events[#events + 1] = string.format('launch %d %g', b, flat:totable()[1])
-    end, function() events[#events + 1] = 'poll' end)
-    assert.are.same({ 'poll', 'launch 1 3', 'poll', 'poll', 'launch 2 1', 'poll' }, events)
-    assert.are.equal(2, launched)
-    assert.are.equal(2, after)
+  it('launch in bucket order during backward, reduce in place, and step', function()
+    local p, opt, z = setup(8)
+    z:backward(loss_of(p), true)
+    z:step(opt.param_groups, 1, 0, false)
+    local s = z:stats()
+    assert.are.equal(2, s.buckets)
+    assert.are.equal(2, s.launched_in_backward)
+    assert.are.equal(2, s.leaves_after_first_launch)
+    assert.are.equal(23 * 4, s.bytes)
+    for k = 1, 4 do assert.are.same(ds.full({ p[k]:numel() }, 1 - 0.1 * k):totable(), p[k]:totable()) end
     -- a parameter without gradient holds its bucket (and the ones after) until backward returns
-    events = {}
-    launched = d:backward(loss_of(p, 3), function(b) events[#events + 1] = b end)
-    assert.are.equal(0, launched)
-    assert.are.same({ 1, 2 }, events)
+    z:backward(loss_of(p, 3), true)
+    z:step(opt.param_groups, 1, 0, false)
+    assert.are.equal(0, z:stats().launched_in_backward)
   end)
 
-  it('fail the backward with the callback\'s error, and name bad parameters', function()
-    local p, _, d = setup(8)
-    fails('ddp: launch: ', d.backward, d, loss_of(p), function() error('no network') end)
-    local ok, err = pcall(d.backward, d, loss_of(p), function() error('no network') end)
-    assert.is_false(ok)
-    assert.truthy(err:find('no network', 1, true), err)
-    -- disarmed after the failure: the next backward works
-    local n = 0
-    d:backward(loss_of(p), function() n = n + 1 end)
-    assert.are.equal(2, n)
-    d:close()
-    fails('ddp: used after close()', d.buckets, d)
+  it('clip as torch\'s clip_grad_norm_ and report the norm', function()
+    local p, opt, z = setup(8)
+    z:backward(loss_of(p), true)
+    local overflow, norm = z:step(opt.param_groups, 1, 1.0, false)
+    local want = math.sqrt(6 * 1 + 4 * 4 + 10 * 9 + 3 * 16)
+    assert.is_false(overflow)
+    assert.is_true(math.abs(norm - want) < 1e-9 * want)
+    local coef = 1.0 / (want + 1e-6)
+    assert.is_true(math.abs(p[4]:totable()[1] - (1 - 0.1 * 4 * coef)) < 1e-6)
+  end)
+
+  it('name bad parameters and refuse use after close', function()
+    local p, _, z = setup(8)
+    z:close()
+    fails('step engine: used after close()', z.buckets, z)
     local x = ds.ones(2):requires_grad_()
-    fails('ddp: parameter 2 is not a leaf that requires grad', ds._ddp.new, { x, x * 2 }, 10)
-    fails('ddp: parameter 2 is the same tensor as parameter 1', ds._ddp.new, { x, x }, 10)
-    fails('ddp: parameter 1 is not a tensor', ds._ddp.new, { 3 }, 10)
-    fails('ddp: no parameters', ds._ddp.new, {}, 10)
+    local function engine(list) return Z0.engine { masters = true, groups = { list } } end
+    fails('step engine: parameter 2 is not a leaf that requires grad', engine, { x, x * 2 })
+    fails('step engine: parameter 2 is the same tensor as parameter 1', engine, { x, x })
+    fails('step engine: group 1 item 1 is a number, not a tensor', engine, { 3 })
+    fails('step engine: no parameters', engine, {})
+    fails('step engine: parameter 1 is not in group 1 of the optimizer', Z0.engine,
+          { optimizer = ds.optim.SGD({ x }, { lr = 1 }), groups = { { p[1] } } })
   end)
 end)
 
