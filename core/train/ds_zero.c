@@ -478,8 +478,12 @@ int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce) {
     return rc;
 }
 
+static int drain(ds_zero *z);
+
 int ds_zero_scale_grads(ds_zero *z, double f) {
     if (f == 1) return 0;
+    /* reductions still in flight belong to what is scaled */
+    if (drain(z)) return -1;
     for (int g = 0; z->c.masters && g < z->n_groups; g++)
         if (scale_(z->master_grads[g], f)) return -1;
     for (int i = 0; i < z->n; i++) {

@@ -355,6 +355,9 @@ function Engine:forward(...)
   -- DeepSpeed's ThroughputTimer: evaluation and data waits between stay out
   self.busy_since = self.busy_since or t0
   if self.weighted then self.micro_samples = batch_samples((...)) end
+  -- a rank that runs out of data under stage 3 repeats the last forward
+  -- with zero weight, so its gathers match the others'
+  if self.weighted and self.zero and self.zero.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
   local out
   local dtype = self.zero and self.zero.dtype ~= 'f32' and self.zero.dtype or nil
   if dtype or self.device ~= 'cpu' then
@@ -454,8 +457,15 @@ function Engine:join()
   if not self.weighted then return end
   if self.micro_samples or self.loader_samples then self.micro_samples, self.loader_samples = nil, nil end
   local gas = self:gradient_accumulation_steps()
+  -- from stage 2 every micro step reduces: the window's other micro steps too
+  local every = self.zero and self.zero.stage >= 2
   while true do
+    while every and not self:is_gradient_accumulation_boundary() do
+      self:_backward(self:_shadow_loss(), false)
+      self.micro_steps = self.micro_steps + 1
+    end
     local pending = self.window_samples
+    local loss = self:_shadow_loss()
     local G, active = self:_count(pending, 0)
     if G == 0 then
       self.micro_steps = self.micro_steps - self.micro_steps % gas    -- nothing pending anywhere
@@ -463,11 +473,25 @@ function Engine:join()
     end
     self.step_samples = G
     if pending > 0 then self:_scale_grads(self.world_size / G) end
-    self:_backward(nil, true)
+    self:_backward(loss, true)
     self.micro_steps = self.micro_steps - self.micro_steps % gas + gas - 1      -- the window's last micro step
     self:step()
     if active == 0 then return end
   end
+end
+
+-- Stage 3 gathers parameters in forward: a rank with no data runs the
+-- last forward again for a loss of zero weight (nil below stage 3).
+function Engine:_shadow_loss()
+  if not (self.zero and self.zero.stage == 3) then return nil end
+  local args = self.last_inputs
+  if not args then
+    error(string.format('join: rank %d ran out of data before its first step; with zero_optimization.stage 3 '
+                        .. 'every rank needs at least one batch', self.rank), 2)
+  end
+  local out = self.module:forward(unpack(args, 1, args.n))
+  if type(out) == 'table' and not ds.is_tensor(out) then out = out.loss or out[1] end
+  return out:to('f32'):sum() * 0
 end
 
 function Engine:is_gradient_accumulation_boundary()

@@ -32,6 +32,13 @@ local CASES = {
     sampler = { policy = here .. '/unequal_policy.lua', micro_batch_per_rank = UNEQUAL[N].micro,
                 data_share = UNEQUAL[N].share } },
   { name = 'auto', sampler = { policy = 'auto', micro_batch_per_rank = MICRO[N], measure_steps = 3, skip_steps = 1 } },
+  -- the same through ZeRO's partitioned optimizer and in bf16
+  { name = 'uneven_z1', stage = 1, sampler = { policy = 'uneven', micro_batch_per_rank = MICRO[N] } },
+  { name = 'uneven_z2_gas2', stage = 2, gas = 2, sampler = { policy = 'uneven', micro_batch_per_rank = MICRO[N] } },
+  { name = 'unequal_z3', stage = 3,
+    sampler = { policy = here .. '/unequal_policy.lua', micro_batch_per_rank = UNEQUAL[N].micro,
+                data_share = UNEQUAL[N].share } },
+  { name = 'uneven_z2_bf16', stage = 2, bf16 = true, sampler = { policy = 'uneven', micro_batch_per_rank = MICRO[N] } },
 }
 
 local function run(case)
@@ -40,6 +47,8 @@ local function run(case)
   local engine, _, loader = ds.initialize { model = model, training_data = data(), config = {
     gradient_accumulation_steps = case.gas or 1, steps_per_print = 1000, sampler = case.sampler,
     optimizer = { type = 'SGD', params = { lr = 0.05, momentum = 0.9 } },
+    zero_optimization = { stage = case.stage or 0, stage3_param_persistence_threshold = 0 },
+    bf16 = { enabled = case.bf16 or false },
   } }
   local steps = {}
   for e = 0, EPOCHS - 1 do
@@ -56,8 +65,9 @@ local function run(case)
       engine:step()
     end
   end
-  local weights, rank_diff = rank_weights(model)
+  local weights, rank_diff = rank_weights(model)     -- stage 3: the reads gather the parameters
   engine:finish()
+  engine:destroy()
   return { steps = steps, weights = weights, rank_diff = rank_diff, global_steps = engine.global_steps,
            global_samples = engine.global_samples, micro_steps = engine.micro_steps }
 end
