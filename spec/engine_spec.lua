@@ -200,3 +200,55 @@ describe('engine logs', function()
     assert.matches('done\t4\t32', out)
   end)
 end)
+
+describe('the step', function()
+  -- a model of n parameter tensors of 3 elements
+  local function model_of(n)
+    local Many = ds.nn.Module:extend('Many')
+    function Many:init()
+      for i = 1, n do self['p' .. i] = ds.randn(3):requires_grad_() end
+    end
+    function Many:forward(x)
+      local s
+      for i = 1, n do
+        local t = (self['p' .. i] * x):sum()
+        s = s and s + t or t
+      end
+      return s
+    end
+    return Many()
+  end
+
+  -- Lua-C crossings of engine:backward + engine:step, the third step
+  local function crossings(n, extra)
+    local cfg = { train_batch_size = 1, gradient_clipping = 1.0, steps_per_print = 1000,
+                  optimizer = { type = 'AdamW', params = { lr = 1e-3 } } }
+    for k, v in pairs(extra) do cfg[k] = v end
+    local e = ds.initialize { model = model_of(n), config = cfg }
+    local count
+    for _ = 1, 3 do
+      local loss = e(ds.randn(3))
+      count = ds.crossings(function() e:backward(loss); e:step() end)
+    end
+    e:destroy()
+    return count
+  end
+
+  it('crosses between Lua and C as often for 1,000 parameters as for 10', function()
+    for _, extra in ipairs({ {}, { bf16 = { enabled = true } }, { zero_optimization = { stage = 3 } } }) do
+      local few, many = crossings(10, extra), crossings(1000, extra)
+      assert.is_true(few > 0 and few < 40, 'crossings per step: ' .. few)
+      assert.are.equal(few, many, ds.json.encode(extra))
+    end
+  end)
+
+  it('counts crossings, callbacks from C included', function()
+    local function calls(k) return ds.crossings(function() for _ = 1, k do ds.zeros(1) end end) end
+    assert.is_true(calls(1) > calls(0))
+    assert.are.equal(calls(10) - calls(5), calls(5) - calls(0))
+    -- a Lua function that C calls (the comparator) counts too
+    local with = ds.crossings(function() table.sort({ 3, 1, 2 }, function(x, y) return x < y end) end)
+    local without = ds.crossings(function() table.sort({ 3, 1, 2 }) end)
+    assert.is_true(with > without)
+  end)
+end)

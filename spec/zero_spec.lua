@@ -141,6 +141,10 @@ describe('ZeRO and mixed precision', function()
         return s / 10
       end
       assert.is_true(rel(tail(many.z3_bf16), tail(one.z0)) < 0.02)
+      -- Lamb's trust ratios come from whole parameters whatever the shards
+      same(many.z1_lamb, one.z0_lamb, LOSS_RTOL, 'Lamb stage 1')
+      same(many.z3_lamb, one.z0_lamb, LOSS_RTOL, 'Lamb stage 3')
+      assert.is_true(rel(tail(many.z2_lamb_bf16), tail(one.z0_lamb)) < 0.02, 'Lamb bf16 stage 2')
     end)
 
     it('divides optimizer state, gradients and parameters by ' .. np .. ' (allocator counters)', function()

@@ -30,6 +30,12 @@ end
 CASES[#CASES + 1] = { name = 'z3_gas2_clip', stage = 3, gas = 2, cfg = { gradient_clipping = 0.5 } }
 CASES[#CASES + 1] = { name = 'z1_gas2_clip', stage = 1, gas = 2, cfg = { gradient_clipping = 0.5 } }
 CASES[#CASES + 1] = { name = 'z0_gas2_clip', stage = 0, gas = 2, cfg = { gradient_clipping = 0.5 } }
+-- Lamb: each parameter's trust ratio from its norms summed over the ranks' shards
+local LAMB = { type = 'Lamb', params = { lr = 1e-2, weight_decay = 0.01 } }
+CASES[#CASES + 1] = { name = 'z0_lamb', stage = 0, cfg = { optimizer = LAMB } }
+CASES[#CASES + 1] = { name = 'z1_lamb', stage = 1, cfg = { optimizer = LAMB } }
+CASES[#CASES + 1] = { name = 'z3_lamb', stage = 3, cfg = { optimizer = LAMB } }
+CASES[#CASES + 1] = { name = 'z2_lamb_bf16', stage = 2, cfg = { optimizer = LAMB, bf16 = { enabled = true } } }
 if nvme_dir then
   CASES[#CASES + 1] = { name = 'z2_nvme', stage = 2,
                         offload = { device = 'nvme', nvme_path = nvme_dir }, sub_group_size = 1000 }
