@@ -1,0 +1,182 @@
+/* The step engine without Lua, on one rank: buckets over an optimizer's
+ * flat gradients, an SGD step with torch's clipping, and a mixed-precision
+ * (bf16 parameters, fp32 masters) SGD step under a loss scale against the
+ * fp32 step; the overflow skip. */
+#include "ds_ops.h"
+#include "ds_optim.h"
+#include "ds_zero.h"
+#include "ds_error.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "check.h"
+
+enum { NP = 4 };
+static const int64_t SIZES[NP] = { 6, 4, 10, 3 };
+
+static void make_params(ds_tensor **p, ds_dtype dt) {
+    for (int k = 0; k < NP; k++) {
+        p[k] = ds_tensor_new(1, &SIZES[k], dt, DS_CPU_DEVICE);
+        for (int64_t i = 0; i < SIZES[k]; i++) ds_tensor_set(p[k], i, 0.25 * (double)(i + 1) / (k + 1));
+        p[k]->requires_grad = true;
+    }
+}
+
+/* sum over k of (k + 1) * scale * sum(p[k] * p[k]); gradients 2 (k + 1) scale p */
+static ds_tensor *loss_of(ds_tensor **p, double scale) {
+    ds_tensor *loss = NULL;
+    for (int k = NP - 1; k >= 0; k--) {
+        ds_tensor *sq = ds_mul(p[k], p[k]);
+        ds_tensor *w = ds_mul_scalar(sq, (k + 1) * scale);
+        ds_tensor *s = ds_sum(w, 0, NULL, false);
+        ds_tensor *f = ds_to_dtype(s, DS_F32);
+        ds_tensor *next = loss ? ds_add(loss, f) : f;
+        if (loss) ds_tensor_release(f);
+        ds_tensor_release(loss);
+        ds_tensor_release(s);
+        ds_tensor_release(w);
+        ds_tensor_release(sq);
+        loss = next;
+    }
+    return loss;
+}
+
+static ds_zero_config config(bool masters) {
+    return (ds_zero_config){ .masters = masters, .comm_dtype = DS_F32, .master_device = DS_CPU_DEVICE,
+                             .bucket_size = 8, .predivide = 1, .persistence_threshold = 0,
+                             .prefetch_bucket_size = 1000, .max_live_parameters = 1000000, .max_reuse_distance = 0 };
+}
+
+static void test_flat_buckets_and_clip(void) {
+    ds_tensor *p[NP];
+    make_params(p, DS_F32);
+    ds_optim *o = ds_optim_new(DS_OPTIM_SGD);
+    ds_optim_hparams h = { .lr = 0.1 };
+    check(ds_optim_add_group(o, NP, p, &h) == 0, "add_group: %s", ds_error_message());
+    ds_zero_config c = config(false);
+    int counts[1] = { NP };
+    ds_zero *z = ds_zero_new(&c, 1, counts, p, o);
+    check(z != NULL, "flat engine: %s", ds_error_message());
+    if (!z) return;
+    /* from the last parameter back, each bucket holding at least 8 elements */
+    int first, count;
+    int64_t numel;
+    check(ds_zero_n_buckets(z) == 2, "2 buckets, got %d", ds_zero_n_buckets(z));
+    ds_zero_bucket(z, 0, &first, &count, &numel);
+    check(first == 2 && count == 2 && numel == 13, "bucket 1: params 3-4, 13 elements (got %d %d %lld)", first,
+          count, (long long)numel);
+    ds_zero_bucket(z, 1, &first, &count, &numel);
+    check(first == 0 && count == 2 && numel == 10, "bucket 2: params 1-2, 10 elements");
+    double before[NP][10], sq = 0;
+    for (int k = 0; k < NP; k++)
+        for (int64_t i = 0; i < SIZES[k]; i++) {
+            before[k][i] = ds_tensor_get(p[k], i);
+            double g = 2 * (k + 1) * before[k][i];
+            sq += g * g;
+        }
+    ds_tensor *loss = loss_of(p, 1);
+    check(ds_zero_backward(z, loss, false) == 0, "backward: %s", ds_error_message());
+    ds_zero_result r;
+    double clip = 0.5;
+    check(ds_zero_step(z, &h, 1, clip, false, &r) == 0, "step: %s", ds_error_message());
+    double norm = sqrt(sq), coef = clip / (norm + 1e-6);
+    check(!r.overflow && fabs(r.grad_norm - norm) < 1e-5 * norm, "norm %g, want %g", r.grad_norm, norm);
+    double worst = 0;
+    for (int k = 0; k < NP; k++)
+        for (int64_t i = 0; i < SIZES[k]; i++) {
+            double want = before[k][i] - 0.1 * coef * 2 * (k + 1) * before[k][i];
+            worst = fmax(worst, fabs(ds_tensor_get(p[k], i) - want));
+        }
+    check(worst < 1e-6, "clipped SGD step off by %g", worst);
+    ds_tensor_release(loss);
+    ds_zero_free(z);
+    ds_optim_free(o);
+    for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
+}
+
+/* bf16 parameters, fp32 masters, SGD under a loss scale: the masters
+ * follow the fp32 step on the unscaled gradients (to bf16's rounding of
+ * the gradients), the parameters are the masters rounded to bf16. */
+static void test_masters_step(void) {
+    ds_tensor *p[NP];
+    double want[NP][10];
+    make_params(p, DS_BF16);
+    for (int k = 0; k < NP; k++)
+        for (int64_t i = 0; i < SIZES[k]; i++) want[k][i] = ds_tensor_get(p[k], i);
+    ds_zero_config c = config(true);
+    c.stage = 1;
+    int counts[1] = { NP };
+    ds_zero *z = ds_zero_new(&c, 1, counts, p, NULL);
+    check(z != NULL, "masters engine: %s", ds_error_message());
+    if (!z) return;
+    ds_tensor *master = ds_zero_master(z, 0);
+    check(ds_tensor_numel(master) == 23, "one master of 23 elements");
+    ds_optim *o = ds_optim_new(DS_OPTIM_SGD);
+    ds_optim_hparams h = { .lr = 0.05 };
+    check(ds_optim_add_group(o, 1, &master, &h) == 0 && ds_zero_attach(z, o) == 0, "attach: %s", ds_error_message());
+    double scale = 1024;
+    for (int step = 0; step < 3; step++) {
+        ds_tensor *loss = loss_of(p, scale);
+        ds_zero_result r;
+        check(ds_zero_backward(z, loss, true) == 0 && ds_zero_step(z, &h, scale, 0, true, &r) == 0 && !r.overflow,
+              "masters step %d: %s", step, ds_error_message());
+        ds_tensor_release(loss);
+        for (int k = 0; k < NP; k++)
+            for (int64_t i = 0; i < SIZES[k]; i++) want[k][i] *= 1 - 0.05 * 2 * (k + 1);
+    }
+    double worst = 0, rounding = 0;
+    int64_t at = 0;
+    for (int k = 0; k < NP; k++)
+        for (int64_t i = 0; i < SIZES[k]; i++, at++) {
+            double m = ds_tensor_get(master, at);
+            worst = fmax(worst, fabs(m - want[k][i]) / fabs(want[k][i]));
+            ds_tensor *one = ds_tensor_full(0, NULL, DS_F32, DS_CPU_DEVICE, m);
+            ds_tensor *b = ds_to_dtype(one, DS_BF16);
+            rounding = fmax(rounding, fabs(ds_tensor_get(b, 0) - ds_tensor_get(p[k], i)));
+            ds_tensor_release(b);
+            ds_tensor_release(one);
+        }
+    check(worst < 2e-2, "masters off the unscaled fp32 step by %g (relative)", worst);
+    check(rounding == 0, "parameters are not the masters in bf16 (off by %g)", rounding);
+    /* an inf gradient with the overflow check skips the step: nothing moves */
+    double w0 = ds_tensor_get(p[0], 0), m0 = ds_tensor_get(master, 0);
+    ds_tensor *loss = loss_of(p, INFINITY);
+    ds_zero_result r;
+    check(ds_zero_backward(z, loss, true) == 0 && ds_zero_step(z, &h, 1, 0, true, &r) == 0, "overflow step: %s",
+          ds_error_message());
+    check(r.overflow && isnan(r.grad_norm), "an inf gradient is an overflow");
+    check(ds_tensor_get(p[0], 0) == w0 && ds_tensor_get(master, 0) == m0, "the skipped step moves nothing");
+    ds_tensor_release(loss);
+    ds_tensor_release(master);
+    ds_zero_free(z);
+    ds_optim_free(o);
+    for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
+}
+
+static void test_errors(void) {
+    ds_tensor *p[NP];
+    make_params(p, DS_F32);
+    ds_zero_config c = config(false);
+    int counts[1] = { NP };
+    check(ds_zero_new(&c, 1, counts, p, NULL) == NULL &&
+              strstr(ds_error_message(), "without masters only stage 0 runs") != NULL,
+          "flat mode needs its optimizer: %s", ds_error_message());
+    c = config(true);
+    ds_tensor *twice[2] = { p[0], p[0] };
+    int two[1] = { 2 };
+    check(ds_zero_new(&c, 1, two, twice, NULL) == NULL &&
+              strstr(ds_error_message(), "parameter 2 is the same tensor as parameter 1") != NULL,
+          "a tensor twice: %s", ds_error_message());
+    c.stage = 4;
+    check(ds_zero_new(&c, 1, counts, p, NULL) == NULL && strstr(ds_error_message(), "stage 4 is not 0-3") != NULL,
+          "stage 4: %s", ds_error_message());
+    for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
+}
+
+int main(void) {
+    test_flat_buckets_and_clip();
+    test_masters_step();
+    test_errors();
+    return check_summary("test_zero");
+}
