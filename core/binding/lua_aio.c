@@ -146,21 +146,12 @@ static const luaL_Reg file_methods[] = {
 };
 static const luaL_Reg req_methods[] = { {"wait", l_wait}, {"done", l_done}, {NULL, NULL} };
 
-static void new_type(lua_State *L, const char *mt, const luaL_Reg *methods, lua_CFunction gc) {
-    luaL_newmetatable(L, mt);
-    lua_pushcfunction(L, gc);
-    lua_setfield(L, -2, "__gc");
-    lua_newtable(L);
-    luaL_register(L, NULL, methods);
-    lua_setfield(L, -2, "__index");
-}
-
 void dsL_open_aio(lua_State *L) {
-    new_type(L, DSL_AIOFILE_MT, file_methods, l_file_gc);
+    dsL_newtype(L, DSL_AIOFILE_MT, file_methods, l_file_gc);
     lua_pushcfunction(L, l_file_tostring);
     lua_setfield(L, -2, "__tostring");
     lua_pop(L, 1);
-    new_type(L, DSL_AIOREQ_MT, req_methods, l_req_gc);
+    dsL_newtype(L, DSL_AIOREQ_MT, req_methods, l_req_gc);
     lua_pop(L, 1);
     lua_newtable(L);
     lua_pushcfunction(L, l_open);

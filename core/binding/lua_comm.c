@@ -333,12 +333,7 @@ void dsL_open_comm(lua_State *L) {
         {"all_gather", l_all_gather}, {"scatter", l_scatter}, {"reduce_scatter", l_reduce_scatter},
         {NULL, NULL},
     };
-    luaL_newmetatable(L, DSL_WORK_MT);
-    lua_newtable(L);
-    luaL_register(L, NULL, work_methods);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, l_work_gc);
-    lua_setfield(L, -2, "__gc");
+    dsL_newtype(L, DSL_WORK_MT, work_methods, l_work_gc);
     lua_pop(L, 1);
 
     luaL_newmetatable(L, DSL_GROUP_MT);

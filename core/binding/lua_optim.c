@@ -369,12 +369,7 @@ static const luaL_Reg optim_methods[] = {
 };
 
 void dsL_open_optim(lua_State *L) {
-    luaL_newmetatable(L, DSL_OPTIM_MT);
-    lua_pushcfunction(L, l_gc);
-    lua_setfield(L, -2, "__gc");
-    lua_newtable(L);
-    luaL_register(L, NULL, optim_methods);
-    lua_setfield(L, -2, "__index");
+    dsL_newtype(L, DSL_OPTIM_MT, optim_methods, l_gc);
     lua_pop(L, 1);
     lua_pushcfunction(L, l_optim_new);
     lua_setfield(L, -2, "optim_new");

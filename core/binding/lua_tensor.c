@@ -518,3 +518,12 @@ void dsL_open_tensor(lua_State *L) {
     dsL_register(L, tensor_methods, true);
     dsL_register(L, module_functions, false);
 }
+
+void dsL_newtype(lua_State *L, const char *name, const luaL_Reg *methods, lua_CFunction gc) {
+    luaL_newmetatable(L, name);
+    lua_pushcfunction(L, gc);
+    lua_setfield(L, -2, "__gc");
+    lua_newtable(L);
+    luaL_register(L, NULL, methods);
+    lua_setfield(L, -2, "__index");
+}

@@ -44,6 +44,10 @@ int dsL_checkshape(lua_State *L, int idx, int64_t *shape);
 int dsL_checkdims(lua_State *L, int idx, const ds_tensor *t, int64_t *dims);
 ds_dtype dsL_checkdtype(lua_State *L, int idx, ds_dtype def);
 
+/* A userdata type: metatable `name` (left on the stack) with methods as
+ * __index and gc as __gc. */
+void dsL_newtype(lua_State *L, const char *name, const luaL_Reg *methods, lua_CFunction gc);
+
 /* Registers fns into the module table at -1 and, with as_methods, into
  * the tensor method table as well. */
 void dsL_register(lua_State *L, const luaL_Reg *fns, bool as_methods);

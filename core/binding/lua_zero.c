@@ -417,12 +417,7 @@ static const luaL_Reg zero_functions[] = {
 };
 
 void dsL_open_zero(lua_State *L) {
-    luaL_newmetatable(L, DSL_ZERO_MT);
-    lua_newtable(L);
-    luaL_register(L, NULL, engine_methods);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, l_close);
-    lua_setfield(L, -2, "__gc");
+    dsL_newtype(L, DSL_ZERO_MT, engine_methods, l_close);
     lua_pop(L, 1);
     lua_newtable(L);
     luaL_register(L, NULL, zero_functions);
