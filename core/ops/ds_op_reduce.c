@@ -187,10 +187,6 @@ ds_tensor *ds_sum(ds_tensor *t, int nd, const int64_t *dims, bool keep) { return
 ds_tensor *ds_mean(ds_tensor *t, int nd, const int64_t *dims, bool keep) { return ds_reduce(DS_RED_MEAN, t, nd, dims, keep, 0); }
 ds_tensor *ds_amax(ds_tensor *t, int nd, const int64_t *dims, bool keep) { return ds_reduce(DS_RED_MAX, t, nd, dims, keep, 0); }
 
-ds_tensor *ds_argmax(ds_tensor *t, int64_t dim, bool keepdim) {
-    return ds_reduce(DS_RED_ARGMAX, t, 1, &dim, keepdim, 0);
-}
-
 ds_tensor *ds_var(ds_tensor *t, int nd, const int64_t *dims, double correction, bool keep) {
     return ds_reduce(DS_RED_VAR, t, nd, dims, keep, correction);
 }

@@ -10,7 +10,6 @@ ds_tensor *ds_reduce(ds_reduce_op op, ds_tensor *t, int ndims, const int64_t *di
 ds_tensor *ds_sum(ds_tensor *t, int ndims, const int64_t *dims, bool keepdim);
 ds_tensor *ds_mean(ds_tensor *t, int ndims, const int64_t *dims, bool keepdim);
 ds_tensor *ds_amax(ds_tensor *t, int ndims, const int64_t *dims, bool keepdim);
-ds_tensor *ds_argmax(ds_tensor *t, int64_t dim, bool keepdim);
 /* correction 1 is the unbiased estimator (PyTorch's default) */
 ds_tensor *ds_var(ds_tensor *t, int ndims, const int64_t *dims, double correction, bool keepdim);
 ds_tensor *ds_norm(ds_tensor *t, double p, int ndims, const int64_t *dims, bool keepdim);
