@@ -237,9 +237,12 @@ function M.machine(exe)
   for _ in pairs(cores) do n = n + 1 end
   m.cores = math.max(1, n > 0 and n or cpus)
   m.hostname = (read('/proc/sys/kernel/hostname') or ''):match('^%s*(.-)%s*$')
+  -- the names come from the environment this process started with, the
+  -- values from the one it has now: dslua takes out again what it added
+  -- for itself before its second start (core/tensor/ds_threads.c)
   for entry in (read('/proc/self/environ') or ''):gmatch('([^%z]+)') do
-    local k, v = entry:match('^([^=]+)=(.*)$')
-    if k then m.env[k] = v end
+    local k = entry:match('^([^=]+)=')
+    if k and os.getenv(k) then m.env[k] = os.getenv(k) end
   end
   local at = {}
   for _, path in ipairs({ (os.getenv('HOME') or '.') .. '/.deepspeed_env', './.deepspeed_env' }) do
