@@ -302,6 +302,10 @@ function M.command(opts, script, m)
   local cmd = { m.mpirun or 'mpirun' }
   local function add(...) for _, a in ipairs({ ... }) do cmd[#cmd + 1] = tostring(a) end end
   if m.uid == 0 then add('--allow-run-as-root') end
+  -- mpirun binds each rank to one core by default: a rank's OpenMP threads
+  -- (its share of the cores, core/comm/ds_rankenv.c) would all crowd onto
+  -- it. Unbound, the kernel spreads them; `--map-by slot:PE=k` would pin
+  -- k cores a rank but fails when ranks outnumber cores.
   add('--bind-to', 'none')
   if #hosts == 1 then add('--mca', 'btl', 'self,vader') end
   if not opts.hostfile and ranks > m.cores then add('--oversubscribe') end
