@@ -44,7 +44,9 @@ static const char usage[] =
     "RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_SIZE, CROSS_RANK, CROSS_SIZE, MASTER_ADDR,\n"
     "MASTER_PORT, and the script gets --local_rank=N after its own arguments.\n"
     "With no script on a terminal, dslua starts a REPL with `ds` loaded.\n"
-    "Environment: DSLUA_NUM_THREADS (else OMP_NUM_THREADS) sets CPU threads;\n"
+    "Environment: DSLUA_NUM_THREADS (else OMP_NUM_THREADS) sets CPU threads (default:\n"
+    "every core, a rank its share of them); OMP_WAIT_POLICY=ACTIVE lets idle OpenMP\n"
+    "threads spin (default PASSIVE: they sleep, leaving the cores to other work);\n"
     "DSLUA_HISTORY names the REPL history file (default ~/.dslua_history).\n";
 
 static int report(lua_State *L, int rc) {
@@ -204,6 +206,7 @@ static int require_global(lua_State *L, const char *name) {
 }
 
 int main(int argc, char **argv) {
+    ds_threads_exec_env(argv);
     ds_rankenv_init();
     ds_threads_init();
     lua_State *L = luaL_newstate();

@@ -49,5 +49,6 @@ void ds_report(FILE *f, const char *luajit) {
     fprintf(f, "CPU bf16: avx512_bf16 %s, amx_bf16 %s\n", cpu_flag("avx512_bf16") ? "yes" : "no",
             cpu_flag("amx_bf16") ? "yes" : "no");
     fprintf(f, "CPU SIMD: avx2 %s, avx512f %s\n", cpu_flag("avx2") ? "yes" : "no", cpu_flag("avx512f") ? "yes" : "no");
-    fprintf(f, "OpenMP threads: %d (of %d processors)\n", ds_get_num_threads(), omp_get_num_procs());
+    fprintf(f, "OpenMP threads: %d (of %d processors), wait policy %s\n", ds_get_num_threads(), omp_get_num_procs(),
+            ds_threads_wait_policy());
 }

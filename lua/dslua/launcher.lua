@@ -237,9 +237,12 @@ function M.machine(exe)
   for _ in pairs(cores) do n = n + 1 end
   m.cores = math.max(1, n > 0 and n or cpus)
   m.hostname = (read('/proc/sys/kernel/hostname') or ''):match('^%s*(.-)%s*$')
+  -- the names come from the environment this process started with, the
+  -- values from the one it has now: dslua takes out again what it added
+  -- for itself before its second start (core/tensor/ds_threads.c)
   for entry in (read('/proc/self/environ') or ''):gmatch('([^%z]+)') do
-    local k, v = entry:match('^([^=]+)=(.*)$')
-    if k then m.env[k] = v end
+    local k = entry:match('^([^=]+)=')
+    if k and os.getenv(k) then m.env[k] = os.getenv(k) end
   end
   local at = {}
   for _, path in ipairs({ (os.getenv('HOME') or '.') .. '/.deepspeed_env', './.deepspeed_env' }) do
@@ -299,6 +302,10 @@ function M.command(opts, script, m)
   local cmd = { m.mpirun or 'mpirun' }
   local function add(...) for _, a in ipairs({ ... }) do cmd[#cmd + 1] = tostring(a) end end
   if m.uid == 0 then add('--allow-run-as-root') end
+  -- mpirun binds each rank to one core by default: a rank's OpenMP threads
+  -- (its share of the cores, core/comm/ds_rankenv.c) would all crowd onto
+  -- it. Unbound, the kernel spreads them; `--map-by slot:PE=k` would pin
+  -- k cores a rank but fails when ranks outnumber cores.
   add('--bind-to', 'none')
   if #hosts == 1 then add('--mca', 'btl', 'self,vader') end
   if not opts.hostfile and ranks > m.cores then add('--oversubscribe') end
