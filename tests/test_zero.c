@@ -1,16 +1,21 @@
 /* The step engine without Lua, on one rank: buckets over an optimizer's
  * flat gradients, an SGD step with torch's clipping, and a mixed-precision
  * (bf16 parameters, fp32 masters) SGD step under a loss scale against the
- * fp32 step; the overflow skip. */
+ * fp32 step; the overflow skip; and ZeRO-Offload's layout (parameters on
+ * a device, masters and optimizer on the CPU) on a stand-in "cuda" device
+ * made of the CPU kernels, through stages 1 and 3. */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_zero.h"
+#include "ds_cuda.h"
 #include "ds_error.h"
 
 #include <math.h>
 #include <string.h>
 
 #include "check.h"
+
+extern const ds_kernels ds_cpu_kernels;
 
 enum { NP = 4 };
 static const int64_t SIZES[NP] = { 6, 4, 10, 3 };
@@ -93,6 +98,78 @@ static void test_flat_buckets_and_clip(void) {
     ds_zero_free(z);
     ds_optim_free(o);
     for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
+}
+
+/* The stand-in device moves bytes with the CPU's copy kernel. */
+static int fake_transfer(ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev) {
+    (void)ddev;
+    (void)sdev;
+    return ds_cpu_kernels.core->copy(dst, src);
+}
+
+static void test_offload(void) {
+    /* one rank's collectives on the stand-in device go through the comm
+     * layer's CUDA entry, which only a CUDA build has */
+    if (!ds_cuda_built()) {
+        printf("test_zero: offload skipped: a CPU-only build has no comm entry for cuda tensors\n");
+        return;
+    }
+    ds_kernels kernels = ds_cpu_kernels;
+    kernels.name = "stand-in cuda";
+    ds_backend fake = { .kernels = &kernels, .allocator = &ds_cpu_allocator, .count = 1, .transfer = fake_transfer };
+    ds_backend_register(DS_DEV_CUDA, &fake);
+    ds_device cuda = { DS_DEV_CUDA, 0 };
+    for (int stage = 1; stage <= 3; stage += 2) {
+        ds_tensor *host[NP], *p[NP];
+        make_params(host, DS_F32);
+        for (int k = 0; k < NP; k++) {
+            p[k] = ds_tensor_new(1, &SIZES[k], DS_F32, cuda);
+            ds_copy_(p[k], host[k]);
+            p[k]->requires_grad = true;
+        }
+        ds_zero_config c = config(true);
+        c.stage = stage;
+        int counts[1] = { NP };
+        ds_zero *z = ds_zero_new(&c, 1, counts, p, NULL);
+        check(z != NULL, "offload stage %d: %s", stage, ds_error_message());
+        if (!z) return;
+        ds_tensor *master = ds_zero_master(z, 0);
+        check(ds_tensor_device(master).type == DS_DEV_CPU, "the master lives on the CPU");
+        ds_optim *o = ds_optim_new(DS_OPTIM_SGD), *ref = ds_optim_new(DS_OPTIM_SGD);
+        ds_optim_hparams h = { .lr = 0.05 };
+        check(ds_optim_add_group(o, 1, &master, &h) == 0 && ds_zero_attach(z, o) == 0, "attach: %s",
+              ds_error_message());
+        for (int k = 0; k < NP; k++) host[k]->requires_grad = true;
+        check(ds_optim_add_group(ref, NP, host, &h) == 0, "reference: %s", ds_error_message());
+        for (int step = 0; step < 2; step++) {
+            /* stage 3: the parameters come whole for the forward */
+            if (stage == 3) check(ds_zero_gather_all(z) == 0, "gather: %s", ds_error_message());
+            ds_tensor *loss = loss_of(p, 1), *rloss = loss_of(host, 1);
+            ds_zero_result r;
+            check(ds_zero_backward(z, loss, true) == 0 && ds_zero_step(z, &h, 1, 0, false, &r) == 0,
+                  "offload stage %d step: %s", stage, ds_error_message());
+            check(ds_backward(rloss, NULL, false) == 0 && ds_optim_step(ref, 0, &h) == 0 &&
+                  ds_optim_zero_grad(ref) == 0, "reference step: %s", ds_error_message());
+            ds_tensor_release(loss);
+            ds_tensor_release(rloss);
+        }
+        if (stage == 3) check(ds_zero_gather_all(z) == 0, "gather: %s", ds_error_message());
+        double worst = 0;
+        for (int k = 0; k < NP; k++) {
+            check(ds_tensor_device(p[k]).type == DS_DEV_CUDA, "parameters stay on the device");
+            for (int64_t i = 0; i < SIZES[k]; i++)
+                worst = fmax(worst, fabs(ds_tensor_get(p[k], i) - ds_tensor_get(host[k], i)));
+        }
+        check(worst < 1e-6, "offload stage %d differs from the plain step by %g", stage, worst);
+        ds_tensor_release(master);
+        ds_zero_free(z);
+        ds_optim_free(o);
+        ds_optim_free(ref);
+        for (int k = 0; k < NP; k++) {
+            ds_tensor_release(p[k]);
+            ds_tensor_release(host[k]);
+        }
+    }
 }
 
 /* bf16 parameters, fp32 masters, SGD under a loss scale: the masters
@@ -178,5 +255,6 @@ int main(void) {
     test_flat_buckets_and_clip();
     test_masters_step();
     test_errors();
+    test_offload();
     return check_summary("test_zero");
 }

@@ -72,6 +72,17 @@ int ds_zero_copy_elements(ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at
 
 static ds_device param_device(const ds_zero *z) { return ds_tensor_device(z->p[0].param); }
 
+/* n elements of src from at, as a new 1-D tensor of dtype on dev (one
+ * copy, which may cast and cross devices). */
+static ds_tensor *copy_out(ds_tensor *src, int64_t at, int64_t n, ds_dtype dtype, ds_device dev) {
+    ds_tensor *t = ds_tensor_new(1, &n, dtype, dev);
+    if (t && ds_zero_copy_elements(t, 0, src, at, n)) {
+        ds_tensor_release(t);
+        return NULL;
+    }
+    return t;
+}
+
 /* ---------------------------------------------------------------- layout */
 
 /* From the last parameter back, a parameter joins the bucket being filled
@@ -508,8 +519,9 @@ static int drain(ds_zero *z) {
         if (rc == 0 && !f->done) f->done = ds_zero_now();
         if (rc == 0 && z->c.masters) {
             ds_tensor *row = z->parts == 1 ? ds_zero_elements(f->buf, 0, b->width) : ds_comm_work_result(f->work, 0);
+            /* offload: the reduced row comes to the masters' memory first */
             ds_tensor *here = row && !ds_device_equal(ds_tensor_device(row), z->c.master_device)
-                              ? ds_to_device(row, z->c.master_device) : NULL;
+                              ? copy_out(row, 0, b->width, row->dtype, z->c.master_device) : NULL;
             ds_tensor *seg = ds_zero_elements(z->master_grads[b->group], b->offset, b->width);
             rc = row && seg && (here || ds_device_equal(ds_tensor_device(row), z->c.master_device))
                  ? ds_add_(seg, here ? here : row) : -1;
@@ -624,16 +636,10 @@ static int refresh(ds_zero *z, ds_tensor *const *masters) {
             else whole = true;
         }
         if (rc || !whole) continue;
-        ds_tensor *seg = ds_zero_elements(masters[b->group], b->offset, b->width);
-        ds_tensor *cast = seg ? ds_to_dtype(seg, z->dtype) : NULL;
-        ds_tensor *send = cast && !ds_device_equal(ds_tensor_device(cast), param_device(z))
-                          ? ds_to_device(cast, param_device(z)) : cast;
-        if (send && send == cast) ds_tensor_retain(send);
+        ds_tensor *send = copy_out(masters[b->group], b->offset, b->width, z->dtype, param_device(z));
         works[bi] = send ? ds_comm_all_gather(send, NULL) : NULL;
         if (!works[bi]) rc = -1;
         sent[bi] = send;
-        ds_tensor_release(cast);
-        ds_tensor_release(seg);
     }
     for (int bi = 0; bi < z->nb; bi++) {
         if (!works[bi]) continue;
