@@ -165,7 +165,8 @@ static void read_config(lua_State *L, int t, ds_zero_config *c) {
     lua_pop(L, 1);
     lua_getfield(L, t, "master_device");
     const char *dev = lua_isnil(L, -1) ? "cpu" : luaL_checkstring(L, -1);
-    if (ds_device_parse(dev, &c->master_device)) dsL_error(L);
+    if (ds_device_parse(dev, &c->master_device))
+        luaL_error(L, "step engine: master_device: %s", ds_error_message());
     lua_pop(L, 1);
     c->bucket_size = opt_elements(L, t, "bucket_size", 5e8);
     c->prescale = opt_bool(L, t, "prescale");
@@ -270,10 +271,11 @@ static int l_refresh(lua_State *L) {
     ds_tensor **m = lua_newuserdata(L, sizeof *m * (size_t)(n + 1));
     for (int g = 0; g < n; g++) {
         lua_rawgeti(L, 2, g + 1);
-        m[g] = dsL_checktensor(L, -1);
+        if (!(m[g] = dsL_totensor(L, -1)))
+            return luaL_error(L, "step engine: refresh: master %d is a %s, not a tensor", g + 1, luaL_typename(L, -1));
         lua_pop(L, 1);
     }
-    if (ds_zero_refresh(z, m)) return dsL_error(L);
+    if (ds_zero_refresh(z, n, m)) return dsL_error(L);
     return 0;
 }
 

@@ -131,7 +131,7 @@ static int make_masters(ds_zero *z) {
     z->masters = calloc((size_t)z->n_groups, sizeof *z->masters);
     z->master_grads = calloc((size_t)z->n_groups, sizeof *z->master_grads);
     if (!z->masters || !z->master_grads) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
-    int64_t *len = calloc((size_t)z->n_groups, sizeof *len);
+    int64_t *len = z->group_len = calloc((size_t)z->n_groups, sizeof *len);
     if (!len) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
     for (int i = 0; i < z->n; i++) {
         zparam *q = &z->p[i];
@@ -156,7 +156,6 @@ static int make_masters(ds_zero *z) {
         rc = ds_zero_copy_elements(z->masters[q->group], q->offset, q->param, (int64_t)r * q->shard, ds_zero_shard_len(q, r));
     }
     ds_set_grad_enabled(prev);
-    free(len);
     return rc;
 }
 
@@ -260,6 +259,7 @@ void ds_zero_free(ds_zero *z) {
     }
     free(z->masters);
     free(z->master_grads);
+    free(z->group_len);
     free(z->log);
     free(z->p);
     free(z->b);
@@ -712,8 +712,18 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
     return rc;
 }
 
-int ds_zero_refresh(ds_zero *z, ds_tensor *const *masters) {
+int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters) {
     if (!z->c.masters || z->optim) return ds_fail(DS_ERR_STATE, "step engine: refresh is for a streamed optimizer"), -1;
+    if (n != z->n_groups)
+        return ds_fail(DS_ERR_ARG, "step engine: refresh: %d masters for %d param groups", n, z->n_groups), -1;
+    for (int g = 0; g < n; g++) {
+        ds_tensor *m = masters[g];
+        char s[96];
+        if (m->dtype != DS_F32 || m->ndim != 1 || !ds_tensor_is_contiguous(m) || ds_tensor_numel(m) < z->group_len[g])
+            return ds_fail(DS_ERR_ARG, "step engine: refresh: master %d is %s %s, not a contiguous 1-D f32 tensor of "
+                           "%lld elements", g + 1, ds_dtype_name(m->dtype), ds_shape_str(m, s, sizeof s),
+                           (long long)z->group_len[g]), -1;
+    }
     bool prev = ds_set_grad_enabled(false);
     int rc = refresh(z, masters);
     if (rc == 0) rc = zero_grads(z);

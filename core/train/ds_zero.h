@@ -107,9 +107,9 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
                  ds_zero_result *out);
 /* masters: group g's master gradient (new reference). */
 ds_tensor *ds_zero_master_grad(ds_zero *z, int g);
-/* masters without optimizer: the parameters from new masters (one per
- * group, as ds_zero_master's), then the gradients zeroed. */
-int ds_zero_refresh(ds_zero *z, ds_tensor *const *masters);
+/* masters without optimizer: the parameters from n new masters (one per
+ * group, laid out as ds_zero_master's), then the gradients zeroed. */
+int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters);
 
 /* What the last reduced backward did (false before any). */
 typedef struct {

@@ -64,6 +64,7 @@ struct ds_zero {
     zbucket *b;
     ds_optim *optim;
     ds_tensor **masters, **master_grads;   /* masters mode, per group */
+    int64_t *group_len;             /* masters mode: elements of each group's master */
     /* the armed backward */
     bool armed, in_backward;
     int next;                       /* next bucket to launch */
