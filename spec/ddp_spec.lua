@@ -89,6 +89,13 @@ describe('gradient buckets', function()
     fails('step engine: no parameters', engine, {})
     fails('step engine: parameter 1 is not in group 1 of the optimizer', Z0.engine,
           { optimizer = ds.optim.SGD({ x }, { lr = 1 }), groups = { { p[1] } } })
+    local m = engine({ ds.ones(5):requires_grad_(), ds.ones(3):requires_grad_() })
+    fails('step engine: refresh: 0 masters for 1 param groups', m.refresh, m, {})
+    fails('step engine: refresh: master 1 is f32 [2], not a contiguous 1-D f32 tensor of 8 elements', m.refresh, m,
+          { ds.zeros(2) })
+    fails('step engine: modules are for stage 3', m.add_module, m, { 1 })
+    fails('step engine: master_device: unknown device \'tpu\'', Z0.engine,
+          { masters = true, master_device = 'tpu', groups = { { x } } })
   end)
 end)
 
