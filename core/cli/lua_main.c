@@ -45,6 +45,8 @@ static const char usage[] =
     "MASTER_PORT, and the script gets --local_rank=N after its own arguments.\n"
     "With no script on a terminal, dslua starts a REPL with `ds` loaded.\n"
     "Environment: DSLUA_NUM_THREADS (else OMP_NUM_THREADS) sets CPU threads;\n"
+    "DSLUA_DEVICE (cpu, cuda or cuda:N; a script's --device wins) sets the device\n"
+    "ds.device() and the engine use (default: the GPU LOCAL_RANK picks, else cpu);\n"
     "DSLUA_HISTORY names the REPL history file (default ~/.dslua_history).\n";
 
 static int report(lua_State *L, int rc) {

@@ -157,7 +157,8 @@ function M.initialize(opts)
   -- this rank's device (ds.device(): --device, DSLUA_DEVICE, else the GPU
   -- LOCAL_RANK picks when there is one, else the CPU), before any
   -- collective: too many ranks for the GPUs is an error here, not NCCL's
-  local device = ds.device()
+  local ok, device = pcall(ds.device)
+  if not ok then error('initialize: ' .. (tostring(device):gsub('^[^\n]-:%d+: ', '')), 2) end
   model:to(device)
   local params = opts.model_parameters or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
