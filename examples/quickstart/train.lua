@@ -22,18 +22,19 @@ local engine, _, loader = ds.initialize {
 print(string.format('corpus: %d characters, vocabulary %d; model: %d parameters; on %s, %d threads',
                     #data + block, #data.vocab, model:num_parameters(), engine.device, ds.num_threads()))
 
-local epoch = 0
+local epoch, first_loss = 0, nil
 while engine.global_steps < steps do
   epoch = epoch + 1
   for _, batch in loader:epoch(epoch) do
     local loss = engine:forward(batch)
     engine:backward(loss)
     engine:step()
+    first_loss = first_loss or engine.last_loss
     if engine.global_steps >= steps then break end
   end
 end
-print(string.format('final loss %.4f after %d steps (%d samples)', engine.last_loss, engine.global_steps,
-                    engine.global_samples))
+print(string.format('final loss %.4f after %d steps (%d samples), first step %.4f', engine.last_loss,
+                    engine.global_steps, engine.global_samples, first_loss))
 
 engine:eval()
 -- a CPU tensor: generate runs it on the model's device and returns it here
