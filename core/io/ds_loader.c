@@ -240,8 +240,9 @@ typedef struct {
 /* Batches carry sequence numbers: head (next to take) <= next_job (next to
  * gather) <= tail (next to submit), and tail - head <= depth. The slot of
  * batch s is slots[s % depth]. On a device, `ahead` is the batch taken
- * from the ring and on its way up (or ahead_err, its error), which the
- * next ds_loader_next hands out; the caller's thread alone touches them. */
+ * from the ring and on its way up (or, when ahead_failed, ahead_err says
+ * why it is not), which the next ds_loader_next hands out; the caller's
+ * thread alone touches them. */
 struct ds_loader {
     ds_dataset *d;
     int nworkers, nthreads, depth;
@@ -253,6 +254,7 @@ struct ds_loader {
     int64_t head, next_job, tail;
     bool stop;
     ds_upload *ahead;
+    bool ahead_failed;
     char ahead_err[1024];
 };
 
@@ -391,21 +393,24 @@ static void send_ahead(ds_loader *l) {
         l->ahead = ds_upload_start(host, l->d->nfields, l->dev);
         rc = l->ahead ? 0 : -1;
     }
-    if (rc) snprintf(l->ahead_err, sizeof l->ahead_err, "%s", ds_error_message());
+    if (rc) {
+        l->ahead_failed = true;
+        snprintf(l->ahead_err, sizeof l->ahead_err, "%s", ds_error_message());
+    }
     for (int k = 0; k < l->d->nfields; k++) ds_tensor_release(host[k]);
 }
 
 int ds_loader_next(ds_loader *l, ds_tensor **out) {
     if (l->dev.type == DS_DEV_CPU) return take_gathered(l, out);
     for (int k = 0; k < l->d->nfields; k++) out[k] = NULL;
-    if (!l->ahead && !l->ahead_err[0]) {       /* nothing sent ahead: the first batch, or after a drain */
+    if (!l->ahead && !l->ahead_failed) {       /* nothing sent ahead: the first batch, or after a drain */
         if (ds_loader_queued(l) == 0) return take_gathered(l, out);     /* says none is queued */
         send_ahead(l);
     }
     int rc = 0;
-    if (l->ahead_err[0]) {
+    if (l->ahead_failed) {
         ds_fail(DS_ERR_STATE, "%s", l->ahead_err);
-        l->ahead_err[0] = '\0';
+        l->ahead_failed = false;
         rc = -1;
     } else {
         rc = ds_upload_take(l->ahead, out);
@@ -425,7 +430,7 @@ int ds_loader_next(ds_loader *l, ds_tensor **out) {
 void ds_loader_drain(ds_loader *l) {
     ds_upload_free(l->ahead);
     l->ahead = NULL;
-    l->ahead_err[0] = '\0';
+    l->ahead_failed = false;
     pthread_mutex_lock(&l->mu);
     l->tail = l->next_job;          /* batches no worker has started are dropped now */
     for (int64_t b = l->head; b < l->tail; b++) {

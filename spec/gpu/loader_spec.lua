@@ -84,7 +84,7 @@ describe('#gpu loader on the GPU', function()
   end)
 
   it('has the next batch on the device when it hands one out', function()
-    local big = ds.data.tensors { x = ds.randn(64, 256, 256) }      -- 16 MiB a batch of 16
+    local big = ds.data.tensors { x = ds.randn(64, 256, 256) }      -- 4 MiB a batch of 16
     local bytes = 16 * 256 * 256 * 4
     local l = ds.data.loader(big, { batch_size = 16, shuffle = false, device = ds.device() })
     collectgarbage()
