@@ -402,13 +402,13 @@ function M.attach(loader, sampler, opts)
 end
 
 -- loader(dataset, sampler [, opts]) -> ds.data.loader over the sampler's
--- indices (opts: collate_fn, num_workers, prefetch_factor, and attach's
+-- indices (opts: collate_fn, num_workers, prefetch_factor, device, and attach's
 -- print and quiet).
 function M.loader(dataset, sampler, opts)
   opts = opts or {}
   local l = ds.data.loader(dataset, {
     batch_size = 1, shuffle = false, sampler = sampler, collate_fn = opts.collate_fn,
-    num_workers = opts.num_workers, prefetch_factor = opts.prefetch_factor,
+    num_workers = opts.num_workers, prefetch_factor = opts.prefetch_factor, device = opts.device,
   })
   return M.attach(l, sampler, { print = opts.print, quiet = opts.quiet })
 end

@@ -559,6 +559,24 @@ describe('ds.data.loader', function()
     fails('expected a dataset', ds.data.loader, 42)
   end)
 
+  it('hands out batches on a device: cpu changes nothing, a device that is not here is an error at once', function()
+    local d = numbered(23)
+    local ref = ds.data.loader(d, { batch_size = 5, seed = 2 })
+    for _, workers in ipairs({ 0, 2 }) do
+      local l = ds.data.loader(d, { batch_size = 5, seed = 2, num_workers = workers, device = 'cpu' })
+      assert.are.equal('cpu', l.device)
+      assert.are.same({ run(ref, 1) }, { run(l, 1) })
+    end
+    assert.are.equal('loader: 5 batches of 5, shuffled, 0 workers', tostring(ref))
+    fails("ds.data.loader: unknown device 'tpu' %(expected 'cpu', 'cuda' or 'cuda:N'%)", ds.data.loader, d,
+          { device = 'tpu' })
+    fails('ds.data.loader: device must be a string, got a number', ds.data.loader, d, { device = 0 })
+    if not ds.cuda.is_available() then
+      fails('ds.data.loader: device: no CUDA device available %(' .. ds.cuda.unavailable_reason():gsub('%p', '%%%0')
+            .. '%)', ds.data.loader, d, { device = 'cuda' })
+    end
+  end)
+
   it('leaks no memory and no threads over 100 epochs with workers', function()
     local d = ds.data.text{ text = string.rep('abcdefghij', 50), block_size = 8 }
     local before, threads_before = live_bytes(), threads()

@@ -1,11 +1,13 @@
--- The examples, each run for a few steps in a child process: the exit
--- status, the engine's progress line and the example's final metric line.
--- The data sets come from ../shared/data (or $DSLUA_DATA); without them
--- those examples skip with a line saying so.
+-- The examples, each run for a few steps in a child process on the CPU
+-- (DSLUA_DEVICE=cpu, as on a GPU machine too; spec/gpu/examples_spec.lua
+-- runs them on the GPU): the exit status, the device it said it used, the
+-- engine's progress line and the example's final metric line. The data sets
+-- come from ../shared/data (or $DSLUA_DATA); without them those examples
+-- skip with a line saying so.
 local H = require 'helpers'
 local ds = H.ds
 
-local bin = H.bin()
+local bin = 'DSLUA_DEVICE=cpu ' .. H.bin()
 
 -- A copy of an example's ds.json with edit(config) applied, in a temp file.
 local function config(path, edit)
@@ -20,9 +22,12 @@ local function config(path, edit)
   return out
 end
 
-local function run(cmd)
+-- said: the line naming the device (default DSLUA_DEVICE's; false: none,
+-- for a run that skips before it picks one)
+local function run(cmd, said)
   local out, status = H.run(bin .. ' ' .. cmd)
   assert(status == 0, string.format('`dslua %s` exited with %s:\n%s', cmd, tostring(status), out))
+  if said ~= false then H.has(out, said or 'dslua: rank 0 uses the CPU (DSLUA_DEVICE=cpu)') end
   return out
 end
 
@@ -35,6 +40,26 @@ describe('examples', function()
     assert.matches('%[Rank 0%] step=20, skipped=0', out)
     assert.matches('final loss %d+%.%d+ after 20 steps %(320 samples%)', out)
     assert.matches('sample:\nlocal function ', out)
+    H.has(out, 'model: 239040 parameters; on cpu, ')
+  end)
+
+  it('spiral: trains 200 steps with plain autograd on ds.device() and evaluates', function()
+    local out = run('examples/spiral/train.lua --steps 200')
+    H.has(out, 'MLP 2-128-3, on cpu, ')
+    local loss, train, test = out:match('loss ([%d.]+), train accuracy ([%d.]+)%%, test accuracy ([%d.]+)%%')
+    assert(loss, 'no final line in:\n' .. out)
+    assert(tonumber(loss) < 0.3 and tonumber(test) > 85,
+           string.format('loss %s, train %s%%, test %s%% after 200 steps', loss, train, test))
+  end)
+
+  it('spiral: --device picks the device over DSLUA_DEVICE, and a bad one is an error naming the flag', function()
+    local out, status = H.run('DSLUA_DEVICE=cuda ' .. H.bin() .. ' examples/spiral/train.lua --steps 5 --device cpu')
+    assert.are.equal(0, status, out)
+    H.has(out, 'dslua: rank 0 uses the CPU (--device cpu)')
+    H.has(out, 'MLP 2-128-3, on cpu, ')
+    out, status = H.run(H.bin() .. ' examples/spiral/train.lua --steps 5 --device gpu')
+    assert.are_not.equal(0, status, out)
+    H.has(out, '--device gpu: not a device (expected cpu, cuda for this rank\'s GPU, or cuda:N)')
   end)
 
   it('mnist: trains 25 steps of the MLP and reports the test accuracy', function()
@@ -47,10 +72,32 @@ describe('examples', function()
     local acc = tonumber(out:match('final test accuracy ([%d.]+)%% on the last 2000 images after 25 steps'))
     assert(acc, 'no final accuracy line in:\n' .. out)
     assert(acc > 50, string.format('accuracy %.2f%% after 25 steps', acc))
+    H.has(out, 'epochs of 125 steps; on cpu, ')
+  end)
+
+  it('mnist: the CNN with --device cpu trains 40 steps and reports the test accuracy', function()
+    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return end
+    local out = run('examples/mnist/train.lua --model cnn --device cpu --data ' .. dir .. '/mnist --steps 40',
+                    'dslua: rank 0 uses the CPU (--device cpu)')
+    H.has(out, 'cnn with ')
+    local acc = tonumber(out:match('final test accuracy ([%d.]+)%% on the last 2000 images after 40 steps'))
+    assert(acc and acc > 30, 'accuracy after 40 steps in:\n' .. out)
+  end)
+
+  it('uneven: one rank with its comparison config trains 20 steps and reports the test accuracy', function()
+    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return end
+    local out = run('examples/uneven/train.lua --config examples/uneven/ds_1rank.json --data ' .. dir
+                    .. '/mnist --steps 20')
+    H.has(out, '1 ranks, train_batch_size 64')
+    H.has(out, 'rank 0 on cpu, ')
+    local acc = tonumber(out:match('final test accuracy ([%d.]+)%% on the last 2000 images after 20 steps'))
+    assert(acc and acc > 40, 'accuracy after 20 steps in:\n' .. out)
   end)
 
   it('mnist: says it skips and exits 0 when the data folder is absent', function()
-    local out = run('examples/mnist/train.lua --data /nonexistent/mnist')
+    local out = run('examples/mnist/train.lua --data /nonexistent/mnist', false)
     assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
   end)
 
@@ -73,10 +120,11 @@ describe('examples', function()
     local sample = out:match('sample:\n(.*)\n$')
     assert.matches('^ROMEO:', sample)
     assert.are.equal(6 + 20, #sample)
+    H.has(out, 'x 128 tokens; on cpu, ')
   end)
 
   it('shakespeare: says it skips and exits 0 when the text is absent', function()
-    local out = run('examples/shakespeare/train.lua --data /nonexistent/input.txt')
+    local out = run('examples/shakespeare/train.lua --data /nonexistent/input.txt', false)
     assert.matches('skipping: /nonexistent/input.txt is absent', out)
   end)
 end)

@@ -233,7 +233,7 @@ describe('uneven data parallelism', function()
     assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
     local data = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
     if not data then return end
-    out, status = H.run('DSLUA_NUM_THREADS=1 ' .. H.bin() .. ' -n 2 examples/uneven/train.lua --config '
+    out, status = H.run('DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 ' .. H.bin() .. ' -n 2 examples/uneven/train.lua --config '
                         .. 'examples/uneven/ds.json --data ' .. data .. '/mnist --steps 20')
     assert.are.equal(0, status, out)
     assert.truthy(out:find('rank 0 | epoch 0 | micro batch 48 | samples 6000 | steps 125', 1, true), out)

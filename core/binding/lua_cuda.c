@@ -3,6 +3,7 @@
  * allocator, TF32). The same in a CPU-only build, where there are no GPUs. */
 #include "lua_tensor.h"
 #include "ds_cuda.h"
+#include "ds_rank_device.h"
 
 #include <stdlib.h>
 
@@ -39,20 +40,19 @@ static int l_is_cuda(lua_State *L) {
     return 1;
 }
 
-/* ds.device(): 'cuda:LOCAL_RANK' when this process sees GPUs, else 'cpu'
- * (saying once, in a CUDA build, that it falls back and why).
+/* ds.device(): this rank's device (core/cuda/ds_rank_device.h: the
+ * --device flag, DSLUA_DEVICE, else its GPU when the process sees one,
+ * else 'cpu'), said once per process on stderr. ds.device(name) chooses
+ * as `--device name` does (dslua/init.lua passes ds.args.device);
  * ds.device(t) is t:device(). */
 static int l_device(lua_State *L) {
     ds_tensor *t = dsL_totensor(L, 1);
-    if (t) {
-        char name[16];
-        ds_device_name(ds_tensor_device(t), name, sizeof name);
-        lua_pushstring(L, name);
-        return 1;
-    }
-    int n = ds_cuda_fallback_notice();
-    if (n == 0) lua_pushliteral(L, "cpu");
-    else lua_pushfstring(L, "cuda:%d", rank_device(n));
+    ds_device d;
+    if (t) d = ds_tensor_device(t);
+    else if (ds_rank_device(luaL_optstring(L, 1, NULL), &d)) return dsL_error(L);
+    char name[16];
+    ds_device_name(d, name, sizeof name);
+    lua_pushstring(L, name);
     return 1;
 }
 
@@ -85,12 +85,13 @@ static int l_synchronize(lua_State *L) {
 
 /* ds.cuda.memory_info([index]): the caching allocator of cuda:index
  * (default this rank's): allocated and cached bytes, cudaMalloc calls,
- * cache hits. */
+ * cache hits; and the page-locked host memory of every device's uploads:
+ * pinned bytes held, cudaHostAlloc calls. */
 static int l_memory_info(lua_State *L) {
     int index = lua_isnoneornil(L, 1) ? rank_device(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
     ds_cuda_mem_info m;
     if (ds_cuda_memory_info(index, &m)) return dsL_error(L);
-    lua_createtable(L, 0, 4);
+    lua_createtable(L, 0, 6);
     lua_pushnumber(L, (lua_Number)m.allocated);
     lua_setfield(L, -2, "allocated");
     lua_pushnumber(L, (lua_Number)m.cached);
@@ -99,6 +100,10 @@ static int l_memory_info(lua_State *L) {
     lua_setfield(L, -2, "device_allocs");
     lua_pushnumber(L, (lua_Number)m.cache_hits);
     lua_setfield(L, -2, "cache_hits");
+    lua_pushnumber(L, (lua_Number)m.pinned);
+    lua_setfield(L, -2, "pinned");
+    lua_pushnumber(L, (lua_Number)m.pinned_allocs);
+    lua_setfield(L, -2, "pinned_allocs");
     return 1;
 }
 

@@ -271,7 +271,7 @@ static int l_gather(lua_State *L) {
     int64_t n;
     int64_t *idx = check_indices(L, 2, d, &n);
     ds_tensor *out[DS_DATASET_MAX_FIELDS];
-    if (ds_dataset_gather(d, idx, n, out)) return dsL_error(L);
+    if (ds_dataset_gather(d, idx, n, DS_CPU_DEVICE, out)) return dsL_error(L);
     return push_batch(L, d, out, false);
 }
 
@@ -284,7 +284,7 @@ static int l_get(lua_State *L) {
         return luaL_error(L, "dataset:get: index %s is outside [1, %f]", lua_tostring(L, 2), (lua_Number)len);
     int64_t at = (int64_t)i - 1;
     ds_tensor *out[DS_DATASET_MAX_FIELDS];
-    if (ds_dataset_gather(d, &at, 1, out)) return dsL_error(L);
+    if (ds_dataset_gather(d, &at, 1, DS_CPU_DEVICE, out)) return dsL_error(L);
     return push_batch(L, d, out, true);
 }
 
@@ -296,15 +296,29 @@ static int l_permutation(lua_State *L) {
     return dsL_pushtensor(L, ds_dataset_permutation((int64_t)n, (uint64_t)seed));
 }
 
-/* loader(dataset, num_workers, depth) -> loader */
+/* device(name) -> the device's name ('cuda' is 'cuda:0'), when it is
+ * available here; else an error saying why */
+static int l_device(lua_State *L) {
+    ds_device dev;
+    if (ds_device_parse(luaL_checkstring(L, 1), &dev) || ds_device_check("device", dev)) return dsL_error(L);
+    char name[16];
+    ds_device_name(dev, name, sizeof name);
+    lua_pushstring(L, name);
+    return 1;
+}
+
+/* loader(dataset, num_workers, depth [, device]) -> loader whose batches
+ * are on device (default 'cpu') */
 static int l_loader(lua_State *L) {
     ds_dataset *d = check_dataset(L, 1);
     int workers = (int)luaL_checkinteger(L, 2), depth = (int)luaL_checkinteger(L, 3);
+    ds_device dev = DS_CPU_DEVICE;
+    if (!lua_isnoneornil(L, 4) && ds_device_parse(luaL_checkstring(L, 4), &dev)) return dsL_error(L);
     ds_loader **p = lua_newuserdata(L, sizeof *p);
     *p = NULL;
     luaL_getmetatable(L, LOADER_MT);
     lua_setmetatable(L, -2);
-    *p = ds_loader_new(d, workers, depth);
+    *p = ds_loader_new(d, workers, depth, dev);
     if (!*p) return dsL_error(L);
     return 1;
 }
@@ -355,7 +369,7 @@ static const luaL_Reg data_functions[] = {
     {"char_tokens", l_char_tokens}, {"encode", l_encode}, {"decode", l_decode},
     {"glob", l_glob}, {"is_dir", l_is_dir},
     {"rows", l_rows}, {"windows", l_windows}, {"len", l_len}, {"gather", l_gather}, {"get", l_get},
-    {"permutation", l_permutation},
+    {"permutation", l_permutation}, {"device", l_device},
     {"loader", l_loader}, {"submit", l_submit}, {"next", l_next}, {"queued", l_queued}, {"depth", l_depth},
     {"drain", l_drain}, {"close", l_close},
     {NULL, NULL}

@@ -47,6 +47,8 @@ static const char usage[] =
     "Environment: DSLUA_NUM_THREADS (else OMP_NUM_THREADS) sets CPU threads (default:\n"
     "every core, a rank its share of them); OMP_WAIT_POLICY=ACTIVE lets idle OpenMP\n"
     "threads spin (default PASSIVE: they sleep, leaving the cores to other work);\n"
+    "DSLUA_DEVICE (cpu, cuda or cuda:N; a script's --device wins) sets the device\n"
+    "ds.device() and the engine use (default: the GPU LOCAL_RANK picks, else cpu);\n"
     "DSLUA_HISTORY names the REPL history file (default ~/.dslua_history).\n";
 
 static int report(lua_State *L, int rc) {

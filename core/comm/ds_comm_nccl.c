@@ -12,7 +12,10 @@
 #include "ds_error.h"
 
 #include <nccl.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 typedef struct {
     ncclComm_t comm;
@@ -68,6 +71,45 @@ static int device_of(const void *ptr, const char *op, int *dev) {
     return 0;
 }
 
+/* Where a rank's GPU is: its host and PCI bus id. */
+typedef struct {
+    char host[64];
+    char bus[32];
+    int device;
+} placement;
+
+/* NCCL refuses two ranks of a communicator on one GPU, saying only
+ * "invalid usage": the ranks of g first learn where each other's GPU is,
+ * and when two share one, every rank fails with the same message naming
+ * them (ds.device() has caught the usual case, more ranks than GPUs, in
+ * ds.initialize already; this is DSLUA_DEVICE=cuda:0 on every rank, or
+ * tensors moved by hand). 0, or -1 with the error set. */
+static int check_placement(ds_comm_group *g, int dev, const char *op) {
+    placement mine = { .device = dev };
+    if (gethostname(mine.host, sizeof mine.host - 1)) snprintf(mine.host, sizeof mine.host, "?");
+    if (cudaDeviceGetPCIBusId(mine.bus, (int)sizeof mine.bus, dev) != cudaSuccess) {
+        cudaGetLastError();
+        snprintf(mine.bus, sizeof mine.bus, "cuda:%d", dev);
+    }
+    placement *all = calloc((size_t)g->size, sizeof *all);
+    if (!all) return ds_fail(DS_ERR_NOMEM, "%s: out of memory", op), -1;
+    char what[128];
+    snprintf(what, sizeof what, "%s: GPUs of group %s", op, g->name);
+    int rc = ds_comm_ctl_allgather(g, &mine, all, (int)sizeof mine, what);
+    for (int i = 0; rc == 0 && i < g->size; i++)
+        for (int j = i + 1; rc == 0 && j < g->size; j++)
+            if (strcmp(all[i].host, all[j].host) == 0 && strcmp(all[i].bus, all[j].bus) == 0) {
+                ds_fail(DS_ERR_STATE, "%s: ranks %d and %d both use the GPU at PCI %s on %s (cuda:%d and cuda:%d "
+                        "there): NCCL needs a GPU of its own for each rank. Give each rank its own GPU "
+                        "(DSLUA_DEVICE=cuda or unset: the one of its LOCAL_RANK), start fewer ranks per host, or run "
+                        "the ranks on the CPU (DSLUA_DEVICE=cpu)", op, g->ranks[i], g->ranks[j], all[i].bus,
+                        all[i].host, all[i].device, all[j].device);
+                rc = -1;
+            }
+    free(all);
+    return rc;
+}
+
 /* g's communicator on dev, made on first use: a collective call on every
  * rank of g, as the first NCCL call on g is. */
 static ncclComm_t group_comm(ds_comm_group *g, int dev, const char *op) {
@@ -77,6 +119,7 @@ static ncclComm_t group_comm(ds_comm_group *g, int dev, const char *op) {
         return ds_fail(DS_ERR_ARG, "%s: group %s communicates on cuda:%d, this tensor is on cuda:%d", op, g->name,
                        ng->device, dev);
     }
+    if (check_placement(g, dev, op)) return NULL;
     ncclUniqueId id;
     if (g->rank == 0 && nccl_check(ncclGetUniqueId(&id), op, "ncclGetUniqueId")) return NULL;
     char what[128];

@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdlib.h>
 
 static struct {
     pthread_once_t once;
@@ -17,9 +18,8 @@ static struct {
     char reason[256];
     pthread_mutex_t lock;                        /* stream creation */
     _Atomic bool ready[DS_CUDA_MAX_DEVICES];
-    cudaStream_t compute[DS_CUDA_MAX_DEVICES], comm[DS_CUDA_MAX_DEVICES];
-    atomic_flag noticed;
-} R = { PTHREAD_ONCE_INIT, 0, "", PTHREAD_MUTEX_INITIALIZER, { false }, { 0 }, { 0 }, ATOMIC_FLAG_INIT };
+    cudaStream_t compute[DS_CUDA_MAX_DEVICES], comm[DS_CUDA_MAX_DEVICES], copy[DS_CUDA_MAX_DEVICES];
+} R = { PTHREAD_ONCE_INIT, 0, "", PTHREAD_MUTEX_INITIALIZER, { false }, { 0 }, { 0 }, { 0 } };
 
 static _Thread_local int cur_dev = -1;
 static _Thread_local cudaStream_t cur_stream;
@@ -38,14 +38,18 @@ static void init(void) {
     if (e != cudaSuccess || n <= 0) {
         int drv = 0;
         cudaDriverGetVersion(&drv);
-        snprintf(R.reason, sizeof R.reason, "%s",
-                 drv == 0 ? "no CUDA driver" : e != cudaSuccess ? cudaGetErrorString(e) : "no GPU found");
+        /* the runtime counts only the GPUs CUDA_VISIBLE_DEVICES lets it see */
+        const char *vis = drv ? getenv("CUDA_VISIBLE_DEVICES") : NULL;
+        snprintf(R.reason, sizeof R.reason, "%s%s%s%s",
+                 drv == 0 ? "no CUDA driver" : e != cudaSuccess ? cudaGetErrorString(e) : "no GPU found",
+                 vis ? " with CUDA_VISIBLE_DEVICES='" : "", vis ? vis : "", vis ? "'" : "");
         cudaGetLastError();           /* not sticky: later calls start clean */
         return;
     }
     R.count = n < DS_CUDA_MAX_DEVICES ? n : DS_CUDA_MAX_DEVICES;
     ds_cuda_kernels_bind(&(ds_cuda_runtime_hooks){ current_stream, ds_cuda_block_alloc, ds_cuda_block_free });
-    ds_backend b = { &ds_cuda_kernels, &ds_cuda_allocator, R.count, activate, ds_cuda_transfer };
+    ds_backend b = { &ds_cuda_kernels, &ds_cuda_allocator, R.count, activate, ds_cuda_transfer,
+                     &ds_cuda_host_allocator, ds_cuda_upload, ds_cuda_upload_wait };
     ds_backend_register(DS_DEV_CUDA, &b);
 }
 
@@ -61,11 +65,11 @@ const char *ds_cuda_unavailable_reason(void) {
     return R.reason;
 }
 
-int ds_cuda_fallback_notice(void) {
-    int n = ds_cuda_device_count();
-    if (n == 0 && !atomic_flag_test_and_set(&R.noticed))
-        fprintf(stderr, "dslua: no CUDA device (%s); using the CPU\n", R.reason);
-    return n;
+int ds_cuda_device_name(int index, char *buf, size_t n) {
+    struct cudaDeviceProp p;
+    if (index < 0 || index >= ds_cuda_device_count() || cudaGetDeviceProperties(&p, index) != cudaSuccess) return -1;
+    snprintf(buf, n, "%s", p.name);
+    return 0;
 }
 
 int ds_cuda_check_device(const char *op, int index) {
@@ -84,6 +88,7 @@ static int make_streams(int index) {
         /* non-blocking: no implicit ordering with the legacy default stream */
         cudaError_t e = cudaStreamCreateWithFlags(&R.compute[index], cudaStreamNonBlocking);
         if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&R.comm[index], cudaStreamNonBlocking);
+        if (e == cudaSuccess) e = cudaStreamCreateWithFlags(&R.copy[index], cudaStreamNonBlocking);
         if (e == cudaSuccess) atomic_store(&R.ready[index], true);
         else rc = ds_kernel_fail("cudaStreamCreateWithFlags: %s", cudaGetErrorString(e));
     }
@@ -110,6 +115,8 @@ int ds_cuda_current_device(void) { return cur_dev; }
 cudaStream_t ds_cuda_compute_stream(int index) { return R.compute[index]; }
 
 cudaStream_t ds_cuda_comm_stream(int index) { return R.comm[index]; }
+
+cudaStream_t ds_cuda_copy_stream(int index) { return R.copy[index]; }
 
 static cudaStream_t current_stream(void) { return cur_stream; }
 

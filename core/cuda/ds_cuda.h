@@ -16,10 +16,9 @@ int ds_cuda_built(void);
 int ds_cuda_device_count(void);
 /* Why the count is 0 ("CUDA not built", the runtime's message), or "". */
 const char *ds_cuda_unavailable_reason(void);
-/* For a caller that wanted a GPU and falls back: when there is none,
- * prints "dslua: no CUDA device (<reason>); using the CPU" to stderr, once
- * per process. Returns the device count. */
-int ds_cuda_fallback_notice(void);
+/* The GPU's name ("NVIDIA H100 80GB HBM3") into buf: 0, or -1 when
+ * cuda:index does not exist. */
+int ds_cuda_device_name(int index, char *buf, size_t n);
 /* 0 when cuda:index exists, else -1 with the error
  * "<op>: no CUDA device available (<reason>)" or naming the count. */
 int ds_cuda_check_device(const char *op, int index);
@@ -31,6 +30,8 @@ typedef struct {
     int64_t cached;        /* bytes in freed blocks kept for reuse */
     int64_t device_allocs; /* cudaMalloc calls so far */
     int64_t cache_hits;    /* allocations served from the cache */
+    int64_t pinned;        /* page-locked host bytes, live and cached (every device's) */
+    int64_t pinned_allocs; /* cudaHostAlloc calls so far */
 } ds_cuda_mem_info;
 
 /* The caching allocator of cuda:index; 0 or -1 with the error set. */

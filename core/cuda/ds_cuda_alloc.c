@@ -190,15 +190,103 @@ void *ds_cuda_block_alloc(size_t nbytes) { return block_alloc(nbytes); }
 
 void ds_cuda_block_free(void *p) { block_free(p); }
 
+/* ---- page-locked host memory ----
+ * What the loader gathers batches into, so an upload reads them directly
+ * (pageable memory goes through a staging copy of the driver's, in the
+ * calling thread). cudaHostAlloc costs milliseconds and cudaFreeHost
+ * synchronises the device, while each batch has the size of the last, so
+ * freed blocks wait in a list per size class for the next request. The
+ * blocks are portable: every device reads them. Whoever frees a block
+ * has waited for the copies that read it (ds_upload_take). */
+typedef struct host_block {
+    void *ptr;
+    size_t size;                 /* the class size */
+    struct host_block *next;
+} host_block;
+
+static struct {
+    pthread_mutex_t lock;
+    host_block *free_list[NCLASSES];
+    int64_t held, allocs;        /* bytes, live and cached; cudaHostAlloc calls */
+} H = { .lock = PTHREAD_MUTEX_INITIALIZER };
+
+static void host_trim(void) {
+    pthread_mutex_lock(&H.lock);
+    for (int c = 0; c < NCLASSES; c++) {
+        while (H.free_list[c]) {
+            host_block *b = H.free_list[c];
+            H.free_list[c] = b->next;
+            cudaFreeHost(b->ptr);
+            H.held -= (int64_t)b->size;
+            free(b);
+        }
+    }
+    pthread_mutex_unlock(&H.lock);
+}
+
+static void *host_alloc(ds_allocator *self, size_t nbytes) {
+    (void)self;
+    size_t size;
+    int c = size_class(nbytes, &size);
+    pthread_mutex_lock(&H.lock);
+    host_block *b = H.free_list[c];
+    if (b) H.free_list[c] = b->next;
+    pthread_mutex_unlock(&H.lock);
+    if (b) {
+        void *p = b->ptr;
+        free(b);
+        return p;
+    }
+    void *p = NULL;
+    cudaError_t e = cudaHostAlloc(&p, size, cudaHostAllocPortable);
+    if (e == cudaErrorMemoryAllocation) {
+        cudaGetLastError();                  /* out of memory is not sticky */
+        host_trim();
+        e = cudaHostAlloc(&p, size, cudaHostAllocPortable);
+    }
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return ds_fail(DS_ERR_NOMEM, "cudaHostAlloc(%zu bytes): %s", size, cudaGetErrorString(e));
+    }
+    pthread_mutex_lock(&H.lock);
+    H.held += (int64_t)size;
+    H.allocs++;
+    pthread_mutex_unlock(&H.lock);
+    return p;
+}
+
+static void host_free(ds_allocator *self, void *ptr, size_t nbytes) {
+    (void)self;
+    size_t size;
+    int c = size_class(nbytes, &size);
+    host_block *b = malloc(sizeof *b);
+    pthread_mutex_lock(&H.lock);
+    if (b) {
+        *b = (host_block){ ptr, size, H.free_list[c] };
+        H.free_list[c] = b;
+    } else {
+        cudaFreeHost(ptr);
+        H.held -= (int64_t)size;
+    }
+    pthread_mutex_unlock(&H.lock);
+}
+
+ds_allocator ds_cuda_host_allocator = { "cuda_host", host_alloc, host_free };
+
 void ds_cuda_alloc_trim(int index) {
     pthread_mutex_lock(&A.lock);
     for (int d = 0; d < DS_CUDA_MAX_DEVICES; d++)
         if (index < 0 || d == index) trim_device(d);
     pthread_mutex_unlock(&A.lock);
+    if (index < 0) host_trim();
 }
 
 void ds_cuda_alloc_info(int index, ds_cuda_mem_info *out) {
     pthread_mutex_lock(&A.lock);
     *out = A.info[index];
     pthread_mutex_unlock(&A.lock);
+    pthread_mutex_lock(&H.lock);
+    out->pinned = H.held;
+    out->pinned_allocs = H.allocs;
+    pthread_mutex_unlock(&H.lock);
 }

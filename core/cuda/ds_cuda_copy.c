@@ -93,3 +93,38 @@ int ds_cuda_transfer(ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev)
     }
     return device_to_device(dst, ddev.index, src, sdev.index, nb);
 }
+
+/* An upload goes on the copy stream behind what the compute stream has
+ * queued so far: dst is a block of the caching allocator, which work
+ * queued earlier may still be reading for the tensor that had it before.
+ * The compute work queued later does not wait for it until upload_wait. */
+int ds_cuda_upload(void *dst, const void *src, size_t nb, int index, void **fence) {
+    if (ds_cuda_set_device(index)) return -1;
+    cudaStream_t up = ds_cuda_copy_stream(index);
+    cudaEvent_t before, done;
+    if (ds_cuda_call(cudaEventCreateWithFlags(&before, cudaEventDisableTiming), "cudaEventCreateWithFlags")) return -1;
+    int rc = ds_cuda_call(cudaEventRecord(before, ds_cuda_compute_stream(index)), "cudaEventRecord");
+    if (rc == 0) rc = ds_cuda_call(cudaStreamWaitEvent(up, before, 0), "cudaStreamWaitEvent");
+    cudaEventDestroy(before);              /* released once the wait has used it */
+    if (rc) return -1;
+    if (ds_cuda_call(cudaMemcpyAsync(dst, src, nb, cudaMemcpyHostToDevice, up), "cudaMemcpyAsync")) return -1;
+    rc = ds_cuda_call(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    if (rc == 0 && (rc = ds_cuda_call(cudaEventRecord(done, up), "cudaEventRecord"))) cudaEventDestroy(done);
+    if (rc) {
+        cudaStreamSynchronize(up);         /* no fence: src must outlive the copy all the same */
+        return -1;
+    }
+    *fence = done;
+    return 0;
+}
+
+/* By the take, a step after the start, the copy has long finished: the
+ * host wait costs nothing then, and lets src go back to the cache. */
+int ds_cuda_upload_wait(void *fence, int index) {
+    cudaEvent_t done = fence;
+    int rc = ds_cuda_set_device(index);
+    if (rc == 0) rc = ds_cuda_call(cudaStreamWaitEvent(ds_cuda_compute_stream(index), done, 0), "cudaStreamWaitEvent");
+    int synced = ds_cuda_call(cudaEventSynchronize(done), "cudaEventSynchronize");
+    cudaEventDestroy(done);
+    return rc ? rc : synced;
+}

@@ -20,21 +20,29 @@ static inline int ds_cuda_call(cudaError_t e, const char *what) {
  * use: 0, or -1 after ds_kernel_fail. */
 int ds_cuda_set_device(int index);
 int ds_cuda_current_device(void);          /* -1 before any */
-/* Each device has a compute stream (every kernel and copy) and a
- * communication stream (NCCL), so gradient all-reduce overlaps backward. */
+/* Each device has a compute stream (every kernel and copy), a
+ * communication stream (NCCL), so gradient all-reduce overlaps backward,
+ * and a copy stream (uploads of the next batch), so input copies overlap
+ * the step before. */
 cudaStream_t ds_cuda_compute_stream(int index);
 cudaStream_t ds_cuda_comm_stream(int index);
+cudaStream_t ds_cuda_copy_stream(int index);
 /* Device memory ordered on the current stream (the kernels' scratch). */
 void *ds_cuda_block_alloc(size_t nbytes);
 void ds_cuda_block_free(void *p);
 
 extern ds_allocator ds_cuda_allocator;
+/* Page-locked host memory (ds_backend.host_allocator), cached by size. */
+extern ds_allocator ds_cuda_host_allocator;
 /* Frees the cached blocks of cuda:index (-1: every device). */
 void ds_cuda_alloc_trim(int index);
 void ds_cuda_alloc_info(int index, ds_cuda_mem_info *out);
 
 /* ds_backend.transfer of the CUDA backend (ds_cuda_copy.c). */
 int ds_cuda_transfer(ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev);
+/* ds_backend.upload and upload_wait of the CUDA backend (ds_cuda_copy.c). */
+int ds_cuda_upload(void *dst, const void *src, size_t nb, int index, void **fence);
+int ds_cuda_upload_wait(void *fence, int index);
 
 
 #endif

@@ -9,7 +9,12 @@ int ds_cuda_device_count(void) { return 0; }
 
 const char *ds_cuda_unavailable_reason(void) { return "CUDA not built"; }
 
-int ds_cuda_fallback_notice(void) { return 0; }
+int ds_cuda_device_name(int index, char *buf, size_t n) {
+    (void)index;
+    (void)buf;
+    (void)n;
+    return -1;
+}
 
 int ds_cuda_check_device(const char *op, int index) {
     (void)index;

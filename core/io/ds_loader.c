@@ -2,6 +2,7 @@
 #include "ds_error.h"
 #include "ds_op_shape.h"
 #include "ds_philox.h"
+#include "ds_upload.h"
 
 #include <pthread.h>
 #include <stdatomic.h>
@@ -143,13 +144,13 @@ int ds_dataset_check_indices(const ds_dataset *d, const int64_t *idx, int64_t n)
     return 0;
 }
 
-static int gather_rows(const ds_dataset *d, const int64_t *idx, int64_t n, ds_tensor **out) {
+static int gather_rows(const ds_dataset *d, const int64_t *idx, int64_t n, ds_device dev, ds_tensor **out) {
     for (int k = 0; k < d->nfields; k++) {
         const ds_tensor *f = d->fields[k];
         int64_t shape[DS_MAX_DIMS];
         memcpy(shape, f->shape, sizeof shape);
         shape[0] = n;
-        out[k] = ds_tensor_new(f->ndim, shape, f->dtype, DS_CPU_DEVICE);
+        out[k] = ds_tensor_new_staging(f->ndim, shape, f->dtype, dev);
         if (!out[k]) return -1;
         size_t row = (size_t)(f->shape[0] ? ds_tensor_numel(f) / f->shape[0] : 0) * ds_dtype_size(f->dtype);
         const char *src = ds_tensor_data(f);
@@ -173,10 +174,10 @@ static void copy_tokens(int64_t *dst, const ds_tensor *tokens, int64_t at, int64
     }
 }
 
-static int gather_windows(const ds_dataset *d, const int64_t *idx, int64_t n, ds_tensor **out) {
+static int gather_windows(const ds_dataset *d, const int64_t *idx, int64_t n, ds_device dev, ds_tensor **out) {
     int64_t shape[2] = { n, d->block };
-    out[0] = ds_tensor_new(2, shape, DS_I64, DS_CPU_DEVICE);
-    out[1] = out[0] ? ds_tensor_new(2, shape, DS_I64, DS_CPU_DEVICE) : NULL;
+    out[0] = ds_tensor_new_staging(2, shape, DS_I64, dev);
+    out[1] = out[0] ? ds_tensor_new_staging(2, shape, DS_I64, dev) : NULL;
     if (!out[1]) return -1;
     int64_t *x = ds_tensor_data(out[0]), *y = ds_tensor_data(out[1]);
     for (int64_t b = 0; b < n; b++) {
@@ -193,11 +194,11 @@ static int gather_windows(const ds_dataset *d, const int64_t *idx, int64_t n, ds
     return 0;
 }
 
-int ds_dataset_gather(const ds_dataset *d, const int64_t *idx, int64_t n, ds_tensor **out) {
+int ds_dataset_gather(const ds_dataset *d, const int64_t *idx, int64_t n, ds_device dev, ds_tensor **out) {
     for (int k = 0; k < d->nfields; k++) out[k] = NULL;
     if (n < 0) { ds_fail(DS_ERR_ARG, "dataset: negative batch size %lld", (long long)n); return -1; }
     if (ds_dataset_check_indices(d, idx, n)) return -1;
-    int rc = d->kind == DS_DATASET_ROWS ? gather_rows(d, idx, n, out) : gather_windows(d, idx, n, out);
+    int rc = d->kind == DS_DATASET_ROWS ? gather_rows(d, idx, n, dev, out) : gather_windows(d, idx, n, dev, out);
     if (rc)
         for (int k = 0; k < d->nfields; k++) {
             ds_tensor_release(out[k]);
@@ -238,20 +239,27 @@ typedef struct {
 
 /* Batches carry sequence numbers: head (next to take) <= next_job (next to
  * gather) <= tail (next to submit), and tail - head <= depth. The slot of
- * batch s is slots[s % depth]. */
+ * batch s is slots[s % depth]. On a device, `ahead` is the batch taken
+ * from the ring and on its way up (or, when ahead_failed, ahead_err says
+ * why it is not), which the next ds_loader_next hands out; the caller's
+ * thread alone touches them. */
 struct ds_loader {
     ds_dataset *d;
     int nworkers, nthreads, depth;
+    ds_device dev;
     pthread_t *threads;
     pthread_mutex_t mu;
     pthread_cond_t work, done;
     slot *slots;
     int64_t head, next_job, tail;
     bool stop;
+    ds_upload *ahead;
+    bool ahead_failed;
+    char ahead_err[1024];
 };
 
 static void gather_slot(ds_loader *l, slot *s) {
-    if (ds_dataset_gather(l->d, s->idx, s->n, s->out))
+    if (ds_dataset_gather(l->d, s->idx, s->n, l->dev, s->out))
         snprintf(s->err, sizeof s->err, "%s", ds_error_message());
 }
 
@@ -273,10 +281,11 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-ds_loader *ds_loader_new(ds_dataset *d, int num_workers, int depth) {
+ds_loader *ds_loader_new(ds_dataset *d, int num_workers, int depth, ds_device dev) {
     if (num_workers < 0 || num_workers > 256)
         return ds_fail(DS_ERR_ARG, "loader: num_workers %d, expected 0 to 256", num_workers);
     if (depth < 1 || depth > 4096) return ds_fail(DS_ERR_ARG, "loader: depth %d, expected 1 to 4096", depth);
+    if (ds_device_check("loader", dev)) return NULL;
     ds_loader *l = calloc(1, sizeof *l);
     slot *slots = calloc((size_t)depth, sizeof *slots);
     pthread_t *threads = calloc((size_t)(num_workers ? num_workers : 1), sizeof *threads);
@@ -290,6 +299,7 @@ ds_loader *ds_loader_new(ds_dataset *d, int num_workers, int depth) {
     l->d = d;
     l->nworkers = num_workers;
     l->depth = depth;
+    l->dev = dev;
     l->slots = slots;
     l->threads = threads;
     pthread_mutex_init(&l->mu, NULL);
@@ -342,7 +352,8 @@ int ds_loader_queued(ds_loader *l) {
 
 int ds_loader_depth(const ds_loader *l) { return l->depth; }
 
-int ds_loader_next(ds_loader *l, ds_tensor **out) {
+/* The oldest submitted batch as gathered (CPU tensors). */
+static int take_gathered(ds_loader *l, ds_tensor **out) {
     pthread_mutex_lock(&l->mu);
     if (l->head == l->tail) {
         pthread_mutex_unlock(&l->mu);
@@ -374,7 +385,52 @@ int ds_loader_next(ds_loader *l, ds_tensor **out) {
     return rc;
 }
 
+/* Takes the oldest submitted batch from the ring and starts its upload. */
+static void send_ahead(ds_loader *l) {
+    ds_tensor *host[DS_DATASET_MAX_FIELDS];
+    int rc = take_gathered(l, host);
+    if (rc == 0) {
+        l->ahead = ds_upload_start(host, l->d->nfields, l->dev);
+        rc = l->ahead ? 0 : -1;
+    }
+    if (rc) {
+        l->ahead_failed = true;
+        snprintf(l->ahead_err, sizeof l->ahead_err, "%s", ds_error_message());
+    }
+    for (int k = 0; k < l->d->nfields; k++) ds_tensor_release(host[k]);
+}
+
+int ds_loader_next(ds_loader *l, ds_tensor **out) {
+    if (l->dev.type == DS_DEV_CPU) return take_gathered(l, out);
+    for (int k = 0; k < l->d->nfields; k++) out[k] = NULL;
+    if (!l->ahead && !l->ahead_failed) {       /* nothing sent ahead: the first batch, or after a drain */
+        if (ds_loader_queued(l) == 0) return take_gathered(l, out);     /* says none is queued */
+        send_ahead(l);
+    }
+    int rc = 0;
+    if (l->ahead_failed) {
+        ds_fail(DS_ERR_STATE, "%s", l->ahead_err);
+        l->ahead_failed = false;
+        rc = -1;
+    } else {
+        rc = ds_upload_take(l->ahead, out);
+        l->ahead = NULL;
+    }
+    if (ds_loader_queued(l) > 0) {
+        /* batch k+1 starts up now, while the device computes step k; its
+         * error waits for its own take, after this batch's success */
+        char err[1024];
+        if (rc) snprintf(err, sizeof err, "%s", ds_error_message());
+        send_ahead(l);
+        if (rc) ds_fail(DS_ERR_STATE, "%s", err);
+    }
+    return rc;
+}
+
 void ds_loader_drain(ds_loader *l) {
+    ds_upload_free(l->ahead);
+    l->ahead = NULL;
+    l->ahead_failed = false;
     pthread_mutex_lock(&l->mu);
     l->tail = l->next_job;          /* batches no worker has started are dropped now */
     for (int64_t b = l->head; b < l->tail; b++) {

@@ -8,7 +8,13 @@
  * main thread hands over ahead of time; a bounded ring holds the batches in
  * flight, and they come back in the order they were submitted, so workers
  * change timing, never content. A worker's error reaches the main thread
- * when it takes that batch. */
+ * when it takes that batch.
+ *
+ * A loader for a device other than the CPU hands out batches on that
+ * device without stalling the step: its batches are gathered into the
+ * device's staging memory (page-locked on a GPU), and taking batch k
+ * starts the upload of batch k+1 (ds_upload.h), which then runs while the
+ * device computes step k. */
 #ifndef DS_LOADER_H
 #define DS_LOADER_H
 
@@ -36,26 +42,32 @@ int ds_dataset_nfields(const ds_dataset *d);
 const char *ds_dataset_field_name(const ds_dataset *d, int k);
 /* 0, or -1 naming the first index outside [0, len). */
 int ds_dataset_check_indices(const ds_dataset *d, const int64_t *idx, int64_t n);
-/* Samples idx[0..n) (0-based) into new tensors out[0..nfields) with a
- * leading dim n. Safe to call from several threads at once. 0 or -1. */
-int ds_dataset_gather(const ds_dataset *d, const int64_t *idx, int64_t n, ds_tensor **out);
+/* Samples idx[0..n) (0-based) into new CPU tensors out[0..nfields) with a
+ * leading dim n, in the staging memory of dev (ds_tensor_new_staging; plain
+ * memory for the CPU). Safe to call from several threads at once. 0 or -1. */
+int ds_dataset_gather(const ds_dataset *d, const int64_t *idx, int64_t n, ds_device dev, ds_tensor **out);
 /* A permutation of [0, n) as i64, a pure function of (n, seed): Fisher-Yates
  * driven by the Philox stream `seed`. */
 ds_tensor *ds_dataset_permutation(int64_t n, uint64_t seed);
 
 /* num_workers threads (0: batches are gathered by ds_loader_next on the
- * caller's thread) and room for `depth` batches in flight. Retains d. */
-ds_loader *ds_loader_new(ds_dataset *d, int num_workers, int depth);
+ * caller's thread), room for `depth` batches in flight, batches on dev.
+ * Retains d. */
+ds_loader *ds_loader_new(ds_dataset *d, int num_workers, int depth, ds_device dev);
 /* Queues a batch of n sample indices (copied). -1 when the ring is full or
  * an index is out of range. */
 int ds_loader_submit(ds_loader *l, const int64_t *idx, int64_t n);
-/* Batches submitted and not yet taken; the ring's size. */
+/* Batches submitted and not yet taken (the one on its way to the device
+ * not counted); the ring's size. */
 int ds_loader_queued(ds_loader *l);
 int ds_loader_depth(const ds_loader *l);
 /* The oldest submitted batch, waiting for it: new references in
- * out[0..nfields). -1 with the worker's error, or when none is queued. */
+ * out[0..nfields), on the loader's device. On a device, the next submitted
+ * batch starts its upload. -1 with the worker's (or the upload's) error
+ * for that batch, or when none is queued. */
 int ds_loader_next(ds_loader *l, ds_tensor **out);
-/* Drops every batch submitted and not taken (an epoch left early). */
+/* Drops every batch submitted and not taken (an epoch left early), the
+ * one on its way to the device too. */
 void ds_loader_drain(ds_loader *l);
 /* Drains, stops and joins the threads, frees everything. NULL is fine. */
 void ds_loader_free(ds_loader *l);

@@ -22,6 +22,14 @@ const ds_backend *ds_backend_get(ds_device dev) {
     return b;
 }
 
+int ds_device_check(const char *op, ds_device dev) {
+    if (ds_backend_get(dev)) return 0;
+    if (dev.type == DS_DEV_CUDA && ds_cuda_check_device(op, dev.index)) return -1;
+    char name[16];
+    ds_device_name(dev, name, sizeof name);
+    return ds_fail(DS_ERR_ARG, "%s: device %s is not available", op, name), -1;
+}
+
 int ds_device_transfer(const char *op, ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev) {
     const ds_backend *b = ds_backend_get(ddev.type != DS_DEV_CPU ? ddev : sdev);
     char dn[16], sn[16];

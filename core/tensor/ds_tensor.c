@@ -62,7 +62,10 @@ static bool shape_ok(int ndim, const int64_t *shape) {
     return true;
 }
 
-ds_tensor *ds_tensor_new(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev) {
+/* A contiguous tensor on storage from new_storage (ds_storage_new or
+ * ds_storage_new_staging). */
+static ds_tensor *tensor_new(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev,
+                             ds_storage *(*new_storage)(size_t, ds_device, ds_mem_category)) {
     if (!shape_ok(ndim, shape)) return NULL;
     ds_tensor *t = tensor_alloc();
     if (!t) return NULL;
@@ -74,9 +77,17 @@ ds_tensor *ds_tensor_new(int ndim, const int64_t *shape, ds_dtype dtype, ds_devi
         t->stride[i] = n;
         n *= shape[i];
     }
-    t->storage = ds_storage_new((size_t)n * ds_dtype_size(dtype), dev, DS_MEM_OTHER);
+    t->storage = new_storage((size_t)n * ds_dtype_size(dtype), dev, DS_MEM_OTHER);
     if (!t->storage) { free(t); return NULL; }
     return t;
+}
+
+ds_tensor *ds_tensor_new(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev) {
+    return tensor_new(ndim, shape, dtype, dev, ds_storage_new);
+}
+
+ds_tensor *ds_tensor_new_staging(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev) {
+    return tensor_new(ndim, shape, dtype, dev, ds_storage_new_staging);
 }
 
 ds_tensor *ds_tensor_new_like(const ds_tensor *t) {

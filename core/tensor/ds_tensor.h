@@ -31,6 +31,9 @@ int ds_dtype_parse(const char *name);      /* -1 if unknown */
 
 /* Contiguous, uninitialised. */
 ds_tensor *ds_tensor_new(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev);
+/* A contiguous CPU tensor in the host memory dev uploads from fastest
+ * (ds_storage_new_staging): what a loader gathers batches for dev into. */
+ds_tensor *ds_tensor_new_staging(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev);
 ds_tensor *ds_tensor_new_like(const ds_tensor *t);
 ds_tensor *ds_tensor_full(int ndim, const int64_t *shape, ds_dtype dtype, ds_device dev, double v);
 /* A view sharing t's storage with new geometry; no autograd history. */

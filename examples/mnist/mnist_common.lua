@@ -38,7 +38,7 @@ local function shift(x, d, dim)
   local size = x:size()
   local n = size[dim]
   size[dim] = math.abs(d)
-  local fill = ds.full(size, background)
+  local fill = ds.full(size, background, x:dtype(), x:device())
   if d > 0 then return ds.cat({ fill, x:narrow(dim, 1, n - d) }, dim) end
   return ds.cat({ x:narrow(dim, 1 - d, n + d), fill }, dim)
 end
@@ -53,12 +53,12 @@ function M.augment(x)
 end
 
 -- Images of `test` the engine's model classifies right, in batches of 500
--- without autograd.
+-- on the engine's device, without autograd.
 function M.evaluate(engine, test)
   engine:eval()
   local correct = 0
   ds.no_grad(function()
-    for _, batch in ds.data.loader(test, { batch_size = 500, shuffle = false }):epoch(1) do
+    for _, batch in ds.data.loader(test, { batch_size = 500, shuffle = false, device = engine.device }):epoch(1) do
       correct = correct + engine.module(batch.x):argmax(-1):eq(batch.y):sum():item()
     end
   end)

@@ -2,9 +2,10 @@
 -- train on the first 8,000 images of the t10k files (shifted at random by
 -- up to 2 pixels), report the accuracy on the last 2,000 after every epoch.
 --   dslua examples/mnist/train.lua --config examples/mnist/ds.json
---         [--model mlp|cnn] [--data DIR] [--epochs N] [--steps N]
+--         [--model mlp|cnn] [--data DIR] [--epochs N] [--steps N] [--device cpu|cuda|cuda:N]
 -- --epochs defaults to what the scheduler's total_num_steps covers;
--- --steps stops after that many optimizer steps (a quick check).
+-- --steps stops after that many optimizer steps (a quick check); --device
+-- (or DSLUA_DEVICE) overrides the default, this rank's GPU if there is one.
 local ds = require 'dslua'
 
 local here = arg[0]:match('^(.*)/') or '.'
@@ -20,8 +21,8 @@ while i <= #rest do
   elseif key == 'epochs' or key == 'steps' then
     opts[key] = assert(tonumber(value), '--' .. key .. ' needs a number')
   else
-    error(string.format("unknown argument '%s' (expected --model mlp|cnn, --data DIR, --epochs N, --steps N)",
-                        rest[i]), 0)
+    error(string.format("unknown argument '%s' (expected --model mlp|cnn, --data DIR, --epochs N, --steps N, "
+                        .. "--device cpu|cuda|cuda:N)", rest[i]), 0)
   end
   i = i + 2
 end
@@ -51,8 +52,8 @@ local sched = engine.config.scheduler
 local total = sched and sched.params.total_num_steps
 local epochs = opts.epochs or (total and math.ceil(total / #loader)) or 1
 print(string.format('MNIST from %s: %d training images, %d test images; %s with %d parameters; %d epochs of %d steps; '
-                    .. '%d threads', dir, #train, #test, opts.model, model:num_parameters(), epochs, #loader,
-                    ds.num_threads()))
+                    .. 'on %s, %d threads', dir, #train, #test, opts.model, model:num_parameters(), epochs, #loader,
+                    engine.device, ds.num_threads()))
 
 local accuracy
 for epoch = 1, epochs do

@@ -1,6 +1,8 @@
 -- The quickstart: a character-level GPT trained on the Lua source text that
 -- the dslua binary carries (so nothing is downloaded), then a sample.
---   dslua examples/quickstart/train.lua [--config ds.json] [--steps N]
+--   dslua examples/quickstart/train.lua [--config ds.json] [--steps N] [--device cpu|cuda|cuda:N]
+-- The engine puts the model on this rank's GPU when there is one, else on
+-- the CPU (--device or DSLUA_DEVICE choose), and its loader the batches.
 local ds = require 'dslua'
 
 local here = arg[0]:match('^(.*)/') or '.'
@@ -17,23 +19,25 @@ local model = require('models.gpt2') { n_layer = 2, n_head = 4, n_embd = 96, voc
 local engine, _, loader = ds.initialize {
   model = model, config = ds.args.config or (here .. '/ds.json'), training_data = data,
 }
-print(string.format('corpus: %d characters, vocabulary %d; model: %d parameters; %d threads',
-                    #data + block, #data.vocab, model:num_parameters(), ds.num_threads()))
+print(string.format('corpus: %d characters, vocabulary %d; model: %d parameters; on %s, %d threads',
+                    #data + block, #data.vocab, model:num_parameters(), engine.device, ds.num_threads()))
 
-local epoch = 0
+local epoch, first_loss = 0, nil
 while engine.global_steps < steps do
   epoch = epoch + 1
   for _, batch in loader:epoch(epoch) do
     local loss = engine:forward(batch)
     engine:backward(loss)
     engine:step()
+    first_loss = first_loss or engine.last_loss
     if engine.global_steps >= steps then break end
   end
 end
-print(string.format('final loss %.4f after %d steps (%d samples)', engine.last_loss, engine.global_steps,
-                    engine.global_samples))
+print(string.format('final loss %.4f after %d steps (%d samples), first step %.4f', engine.last_loss,
+                    engine.global_steps, engine.global_samples, first_loss))
 
 engine:eval()
+-- a CPU tensor: generate runs it on the model's device and returns it here
 local prompt = data:encode('local function ')
 local out = ds.no_grad(function()
   return model:generate(prompt:view(1, -1), 200, { temperature = 0.8, top_k = 20 })

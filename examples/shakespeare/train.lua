@@ -2,7 +2,7 @@
 -- the first 90% of the text trains, the last 10% gives the validation
 -- loss; at the end a sample continues the prompt "ROMEO:".
 --   dslua examples/shakespeare/train.lua --config examples/shakespeare/ds.json
---         [--steps N] [--data FILE] [--eval-batches N] [--sample-chars N]
+--         [--steps N] [--data FILE] [--eval-batches N] [--sample-chars N] [--device cpu|cuda|cuda:N]
 -- --steps sets the run length (the scheduler's total_num_steps, else the
 -- config's); --eval-batches the validation batches behind each val loss.
 local ds = require 'dslua'
@@ -18,8 +18,8 @@ while i <= #rest do
   elseif key == 'steps' or key == 'eval-batches' or key == 'sample-chars' then
     opts[key:gsub('%-', '_')] = assert(tonumber(value), '--' .. key .. ' needs a number')
   else
-    error(string.format("unknown argument '%s' (expected --steps N, --data FILE, --eval-batches N, --sample-chars N)",
-                        rest[i]), 0)
+    error(string.format("unknown argument '%s' (expected --steps N, --data FILE, --eval-batches N, --sample-chars N, "
+                        .. "--device cpu|cuda|cuda:N)", rest[i]), 0)
   end
   i = i + 2
 end
@@ -70,11 +70,13 @@ local engine, _, loader = ds.initialize {
 }
 local steps = opts.steps or (config.scheduler and config.scheduler.params.total_num_steps) or 500
 print(string.format('tiny shakespeare: %d characters, vocabulary %d, %d train / %d val; model: %d parameters; '
-                    .. '%d steps of %d x %d tokens; %d threads', #text, #vocab, n_train, #text - n_train,
-                    model:num_parameters(), steps, engine:train_batch_size(), block, ds.num_threads()))
+                    .. '%d steps of %d x %d tokens; on %s, %d threads', #text, #vocab, n_train, #text - n_train,
+                    model:num_parameters(), steps, engine:train_batch_size(), block, engine.device, ds.num_threads()))
 
--- Mean loss over the same eval_batches batches of val windows every time.
-local val_loader = ds.data.loader(val, { batch_size = engine:train_micro_batch_size_per_gpu(), seed = 1 })
+-- Mean loss over the same eval_batches batches of val windows every time,
+-- read onto the engine's device.
+local val_loader = ds.data.loader(val, { batch_size = engine:train_micro_batch_size_per_gpu(), seed = 1,
+                                         device = engine.device })
 local function val_loss()
   engine:eval()
   local sum, n = 0, 0
@@ -106,6 +108,7 @@ local train_time = ds.wall_time() - t0
 print(string.format('step %d: train loss %.4f (first step %.4f), val loss %.4f; %.1f s', engine.global_steps,
                     engine.last_loss, first_loss, val_loss(), train_time))
 
+-- the prompt is made on the CPU: generate runs it on the model's device
 local prompt = train:encode('ROMEO:')
 local out = model:generate(prompt:view(1, -1), opts.sample_chars, { temperature = 0.8, top_k = 20 })
 print('sample:\n' .. train:decode(out:view(-1)))

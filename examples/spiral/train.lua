@@ -1,20 +1,26 @@
 -- Three interleaved spirals, classified by a two-layer MLP trained with
--- plain autograd and SGD with momentum. The data is generated here, so the
--- run needs no download.   dslua examples/spiral/train.lua [--steps N]
+-- plain autograd and SGD with momentum, no engine. The data is generated
+-- here, so the run needs no download.
+--   dslua examples/spiral/train.lua [--steps N] [--device cpu|cuda|cuda:N]
+-- Every tensor goes to ds.device(): this rank's GPU if there is one, else
+-- the CPU (--device or DSLUA_DEVICE choose).
 local ds = require 'dslua'
 local progress = require 'dslua.progress'
 
 local opts = { steps = 1000, hidden = 128, lr = 0.1, momentum = 0.9, points = 1000, seed = 0 }
+local rest = ds.args.rest
 local i = 1
-while arg[i] do
-  local key = arg[i]:match('^%-%-([%w_]+)$')
-  if not key or opts[key] == nil or not tonumber(arg[i + 1]) then
-    io.stderr:write('usage: train.lua [--steps N] [--hidden N] [--lr X] [--momentum X] [--points N] [--seed N]\n')
+while rest[i] do
+  local key = rest[i]:match('^%-%-([%w_]+)$')
+  if not key or opts[key] == nil or not tonumber(rest[i + 1]) then
+    io.stderr:write('usage: train.lua [--steps N] [--hidden N] [--lr X] [--momentum X] [--points N] [--seed N] '
+                    .. '[--device cpu|cuda|cuda:N]\n')
     os.exit(2)
   end
-  opts[key] = tonumber(arg[i + 1])
+  opts[key] = tonumber(rest[i + 1])
   i = i + 2
 end
+local dev = ds.device()
 ds.manual_seed(opts.seed)
 
 -- n points per class along each arm, angle noise from dslua's generator;
@@ -31,25 +37,26 @@ local function spirals(n, classes)
       set.y[#set.y + 1] = c
     end
   end
-  for _, s in pairs(sets) do s.x, s.y = ds.tensor(s.x), ds.tensor(s.y, 'i64') end
+  for _, s in pairs(sets) do s.x, s.y = ds.tensor(s.x):to(dev), ds.tensor(s.y, 'i64'):to(dev) end
   return sets.train, sets.test
 end
 
 local classes = 3
 local train, test = spirals(opts.points, classes)
 
+-- drawn on the CPU and moved, so every device starts from the same weights
 local function param(...)
   local fan_in = select(-1, ...)
-  return (ds.randn(...) * math.sqrt(2 / fan_in)):requires_grad_()
+  return (ds.randn(...) * math.sqrt(2 / fan_in)):to(dev):requires_grad_()
 end
 local params = {
-  w1 = param(opts.hidden, 2), b1 = ds.zeros(opts.hidden):requires_grad_(),
-  w2 = param(classes, opts.hidden), b2 = ds.zeros(classes):requires_grad_(),
+  w1 = param(opts.hidden, 2), b1 = ds.zeros({ opts.hidden }, 'f32', dev):requires_grad_(),
+  w2 = param(classes, opts.hidden), b2 = ds.zeros({ classes }, 'f32', dev):requires_grad_(),
 }
 local velocity = {}
 for k, p in pairs(params) do
   p:set_category('parameters')
-  velocity[k] = ds.zeros(p:size()):set_category('optimizer_state')
+  velocity[k] = ds.zeros(p:size(), 'f32', dev):set_category('optimizer_state')
 end
 
 local function forward(x)
@@ -63,8 +70,8 @@ local function accuracy(set)
   end)
 end
 
-print(string.format('spirals: %d train / %d test points, MLP 2-%d-%d, %d threads',
-                    train.x:size(1), test.x:size(1), opts.hidden, classes, ds.num_threads()))
+print(string.format('spirals: %d train / %d test points, MLP 2-%d-%d, on %s, %d threads',
+                    train.x:size(1), test.x:size(1), opts.hidden, classes, dev, ds.num_threads()))
 local bar = progress.new { total = opts.steps, label = 'train', unit = 'samples' }
 local n = train.x:size(1)
 local loss

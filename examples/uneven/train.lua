@@ -1,7 +1,7 @@
 -- MNIST on ranks with their own micro batches and shares of the data:
 --   dslua -n 2 examples/uneven/train.lua --config examples/uneven/ds.json
 --   dslua examples/uneven/train.lua --config examples/uneven/ds_1rank.json   (the comparison)
---         [--data DIR] [--epochs N] [--steps N]
+--         [--data DIR] [--epochs N] [--steps N] [--device cpu|cuda|cuda:N]
 -- Trains the MLP of examples/mnist on the first 8,000 images of the t10k
 -- files (shifted at random by up to 2 pixels) and reports, on rank 0, the
 -- accuracy on the last 2,000 after every epoch. With a sampler block every
@@ -22,7 +22,8 @@ while i <= #rest do
   elseif key == 'epochs' or key == 'steps' then
     opts[key] = assert(tonumber(value), '--' .. key .. ' needs a number')
   else
-    error(string.format("unknown argument '%s' (expected --data DIR, --epochs N, --steps N)", rest[i]), 0)
+    error(string.format("unknown argument '%s' (expected --data DIR, --epochs N, --steps N, --device cpu|cuda|cuda:N)",
+                        rest[i]), 0)
   end
   i = i + 2
 end
@@ -47,8 +48,9 @@ local total = cfg.scheduler and cfg.scheduler.params.total_num_steps
 local epochs = opts.epochs or (total and math.ceil(total / steps)) or 1
 if rank == 0 then
   print(string.format('MNIST from %s: %d training images, %d test images; mlp with %d parameters; %d ranks, '
-                      .. 'train_batch_size %d; %d epochs of %d steps; %d threads', dir, #train, #test,
-                      model:num_parameters(), engine.world_size, cfg.train_batch_size, epochs, steps, ds.num_threads()))
+                      .. 'train_batch_size %d; %d epochs of %d steps; rank 0 on %s, %d threads', dir, #train, #test,
+                      model:num_parameters(), engine.world_size, cfg.train_batch_size, epochs, steps, engine.device,
+                      ds.num_threads()))
 end
 
 local accuracy

@@ -1,16 +1,19 @@
 -- ds.args: the script's command line as DeepSpeed reads it. --config and
 -- --deepspeed_config (deepspeed.add_config_arguments) name the config file,
 -- --local_rank (or --local-rank) comes from a launcher, --deepspeed is the
--- flag DeepSpeed scripts are run with; each as `--x v` or `--x=v`.
--- Everything else stays in ds.args.rest, in order (all of it after `--`).
+-- flag DeepSpeed scripts are run with; dslua adds --device (cpu, cuda,
+-- cuda:N: the device ds.device() gives, over DSLUA_DEVICE); each as
+-- `--x v` or `--x=v`. Everything else stays in ds.args.rest, in order (all
+-- of it after `--`).
 --
--- ds.args.config, .local_rank, .deepspeed and .rest parse the global `arg`
+-- ds.args.config, .local_rank, .deepspeed, .device and .rest parse the global `arg`
 -- on first use, so a bad command line raises where the script reads it.
 -- ds.args.parse(list) parses any list of strings the same way.
 local M = {}
 
 local VALUED = { ['--config'] = 'config', ['--deepspeed_config'] = 'config',
-                 ['--local_rank'] = 'local_rank', ['--local-rank'] = 'local_rank' }
+                 ['--local_rank'] = 'local_rank', ['--local-rank'] = 'local_rank', ['--device'] = 'device' }
+local EXPECTED = { config = 'a config file name', local_rank = 'a value', device = 'a device (cpu, cuda or cuda:N)' }
 
 -- An option's value cannot look like another option (argparse's rule);
 -- negative numbers are values.
@@ -18,7 +21,7 @@ local function is_option(s)
   return s:sub(1, 1) == '-' and #s > 1 and not tonumber(s)
 end
 
--- parse({...}) -> {config =, local_rank =, deepspeed =, rest = {...}}
+-- parse({...}) -> {config =, local_rank =, deepspeed =, device =, rest = {...}}
 -- local_rank falls back to $LOCAL_RANK, then to Open MPI's local rank, then 0.
 function M.parse(argv)
   local out = { rest = {}, deepspeed = false }
@@ -36,7 +39,7 @@ function M.parse(argv)
       if not v then
         v = argv[i + 1]
         if v == nil or is_option(v) then
-          error(string.format('%s: expected %s', name, key == 'config' and 'a config file name' or 'a value'), 0)
+          error(string.format('%s: expected %s', name, EXPECTED[key]), 0)
         end
         i = i + 1
       end
@@ -47,7 +50,7 @@ function M.parse(argv)
         end
         v = r
       elseif v == '' then
-        error(name .. ': expected a config file name', 0)
+        error(string.format('%s: expected %s', name, EXPECTED[key]), 0)
       end
       out[key] = v
     elseif a == '--deepspeed' then

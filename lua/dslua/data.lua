@@ -273,10 +273,14 @@ function Dataset:encode(str)
   return C.encode(str, self._vocab)
 end
 
--- dataset:decode(ids) -> string; ids a tensor or a list of 0-based ids.
+-- dataset:decode(ids) -> string; ids a tensor (on any device) or a list
+-- of 0-based ids.
 function Dataset:decode(ids)
   if not self._vocab then fail('decode', 'a %s dataset has no vocabulary', self.kind) end
-  if core.is_tensor(ids) then return C.decode(ids, self._vocab) end
+  if core.is_tensor(ids) then
+    if ids:device() ~= 'cpu' then ids = ids:to('cpu') end
+    return C.decode(ids, self._vocab)
+  end
   if type(ids) ~= 'table' then fail('decode', 'expected a tensor or a list of token ids, got a %s', type(ids)) end
   local out = {}
   for i, id in ipairs(ids) do
@@ -406,7 +410,7 @@ end
 local Loader = {}
 
 local LOADER_OPTS = { 'batch_size', 'shuffle', 'seed', 'drop_last', 'collate_fn', 'num_workers', 'prefetch_factor',
-                      'sampler' }
+                      'sampler', 'device' }
 
 local function count_of(indices)
   if core.is_tensor(indices) then return indices:numel() end
@@ -429,8 +433,17 @@ function Loader.__len(self)
 end
 
 function Loader.__tostring(self)
-  return fmt('loader: %d batches of %d%s, %d workers', #self, self.batch_size, self.shuffle and ', shuffled' or '',
-             self.num_workers)
+  return fmt('loader: %d batches of %d%s, %d workers%s', #self, self.batch_size, self.shuffle and ', shuffled' or '',
+             self.num_workers, self.device ~= 'cpu' and ', on ' .. self.device or '')
+end
+
+-- A batch (a tensor, or a table of them as collate functions make) on device.
+local function to_device(batch, device)
+  if core.is_tensor(batch) then return batch:to(device) end
+  if type(batch) ~= 'table' then return batch end
+  local out = {}
+  for k, v in pairs(batch) do out[k] = core.is_tensor(v) and v:to(device) or v end
+  return out
 end
 
 -- loader:set_batch_size(n): later batches have n samples, from the next
@@ -492,7 +505,10 @@ function Loader:epoch(e)
   if self:gathers_in_c() then
     cd = d._c
     if not self._c then
-      self._c = C.loader(cd, self.num_workers, math.max(1, self.num_workers * self.prefetch_factor))
+      -- on a device the batch after the one handed out is on its way up,
+      -- so at least two are in flight
+      local least = self.device == 'cpu' and 1 or 2
+      self._c = C.loader(cd, self.num_workers, math.max(least, self.num_workers * self.prefetch_factor), self.device)
     end
     ring = self._c
     C.drain(ring)            -- batches of an epoch left early
@@ -531,6 +547,7 @@ function Loader:epoch(e)
       local samples = {}
       for k = 1, b do samples[k] = dataset_get(d, list and list[pos + k] + 1 or pos + k) end
       batch = (self.collate_fn or default_collate)(samples)
+      if self.device ~= 'cpu' then batch = to_device(batch, self.device) end
     end
     pos = pos + b
     step = step + 1
@@ -540,7 +557,7 @@ end
 
 -- ds.data.loader(dataset, {batch_size = 1, shuffle = true, seed = 0,
 -- drop_last = false, collate_fn = nil, num_workers = 0, prefetch_factor = 2,
--- sampler = nil})
+-- sampler = nil, device = 'cpu'})
 -- sampler: an object with sampler:indices(epoch) -> the epoch's 0-based
 -- dataset indices (a list or a 1-D integer tensor), sampler:set_epoch(e),
 -- called before every epoch, and optionally sampler:len(); it replaces
@@ -548,6 +565,11 @@ end
 -- num_workers > 0: that many C threads gather C-backed datasets' batches
 -- ahead, up to num_workers * prefetch_factor batches in flight. The
 -- batches are the same with or without workers.
+-- device (engine.device, ds.device(); 'cpu' by default): the batches'
+-- tensors are on it. For a GPU, C-backed datasets gather into page-locked
+-- memory and each batch's copy starts when the batch before it is handed
+-- out, on a stream of its own, so it overlaps that batch's step; other
+-- datasets' batches are copied when handed out.
 function M.loader(d, opts)
   local fname = 'ds.data.loader'
   opts = opts or {}
@@ -569,6 +591,8 @@ function M.loader(d, opts)
   end
   check_type(fname, opts, 'drop_last', 'boolean')
   check_type(fname, opts, 'collate_fn', 'function')
+  local device = check_type(fname, opts, 'device', 'string')
+  if device then device = try(fname, C.device, device) end
   return object(Loader, {
     dataset = d,
     batch_size = check_int(fname, opts, 'batch_size', 1, 1),
@@ -579,6 +603,7 @@ function M.loader(d, opts)
     sampler = sampler,
     num_workers = check_int(fname, opts, 'num_workers', 0, 0),
     prefetch_factor = check_int(fname, opts, 'prefetch_factor', 2, 1),
+    device = device or 'cpu',
     _generation = 0,
   })
 end

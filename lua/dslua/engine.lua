@@ -154,12 +154,12 @@ function M.initialize(opts)
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
 
-  -- the rank's GPU (LOCAL_RANK picks it) when this process sees one
-  local device = 'cpu'
-  if ds.cuda and ds.cuda.is_available() then
-    device = ds.device()
-    model:to(device)
-  end
+  -- this rank's device (ds.device(): --device, DSLUA_DEVICE, else the GPU
+  -- LOCAL_RANK picks when there is one, else the CPU), before any
+  -- collective: too many ranks for the GPUs is an error here, not NCCL's
+  local ok, device = pcall(ds.device)
+  if not ok then error('initialize: ' .. (tostring(device):gsub('^[^\n]-:%d+: ', '')), 2) end
+  model:to(device)
   local params = opts.model_parameters or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
   local optimizer, zero
@@ -196,6 +196,10 @@ function M.initialize(opts)
   end
   if cfg.comms_logger.enabled then (zero and zero.engine or self.steps):set_logging(true) end
 
+  -- the engine's loader hands out batches on the device; on a GPU two
+  -- threads gather them into page-locked memory and each batch goes up
+  -- while the step before it runs
+  local on = { device = device, num_workers = device ~= 'cpu' and 2 or nil, collate_fn = opts.collate_fn }
   local loader
   if opts.training_data ~= nil and cfg.sampler then
     -- the sampler block's policy: this rank's indices and micro batches,
@@ -203,7 +207,7 @@ function M.initialize(opts)
     local P = require 'samplers.policy'
     self.sampler = P.new(cfg.sampler, { dataset = opts.training_data, rank = self.rank, world_size = world_size,
                                         source = type(source) == 'string' and source or nil })
-    loader = P.loader(opts.training_data, self.sampler, { collate_fn = opts.collate_fn })
+    loader = P.loader(opts.training_data, self.sampler, on)
     self:_watch_loader(loader)
   elseif opts.training_data ~= nil then
     -- DeepSpeed's loader: a DistributedSampler (shuffle, seed 0) on N
@@ -213,7 +217,7 @@ function M.initialize(opts)
     }) or nil
     loader = ds.data.loader(opts.training_data, {
       batch_size = cfg.train_micro_batch_size_per_gpu, shuffle = sampler == nil, sampler = sampler,
-      collate_fn = opts.collate_fn,
+      collate_fn = on.collate_fn, device = on.device, num_workers = on.num_workers,
     })
     self:_watch_loader(loader)
   end

@@ -59,6 +59,12 @@ ds.optim = require 'dslua.optim'
 ds.json = require 'dslua.json'
 ds.config = require 'dslua.config'
 ds.args = require 'dslua.args'
+-- ds.device(): this rank's device, the --device flag first (core/cuda/ds_rank_device.h)
+local device_of = C.device
+function ds.device(t)
+  if t == nil then return device_of(ds.args.device) end
+  return device_of(t)
+end
 ds.comm = require 'dslua.comm'
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 

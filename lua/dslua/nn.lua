@@ -461,6 +461,17 @@ function Module:to(what)
   return self
 end
 
+-- The device of the first parameter (or buffer), where the module runs;
+-- 'cpu' for a module with neither.
+function Module:device()
+  local first = self:parameters()[1]
+  if not first then
+    local b = self:named_buffers()[1]
+    first = b and b[2]
+  end
+  return first and first:device() or 'cpu'
+end
+
 -- Two groups as nanoGPT's configure_optimizers makes them: tensors of two
 -- or more dims (weights, embeddings) decay, the rest (biases, norms) not.
 function Module:weight_decay_groups(weight_decay)
@@ -859,6 +870,8 @@ end
 -- the logits [B, vocab] of the last position. Runs without autograd and
 -- with dropout off; uniforms come from dslua's generator (ds.manual_seed
 -- makes it repeatable). opts: temperature (1.0; 0 is greedy), top_k.
+-- idx may be on any device: the tokens go to the model's, and the result
+-- comes back on idx's.
 function nn.generate(model, idx, max_new_tokens, opts)
   opts = options(opts, 'generate', { temperature = 1.0, top_k = nn.NONE })
   if not ds.is_tensor(idx) or idx:dim() ~= 2 then
@@ -872,8 +885,10 @@ function nn.generate(model, idx, max_new_tokens, opts)
   local block = model.config.block_size
   local was_training = model.training
   model:eval()
+  local home = idx:device()
   local ok, res = pcall(ds.no_grad, function()
-    local device = idx:device()
+    local device = model:device()
+    if home ~= device then idx = idx:to(device) end
     for _ = 1, max_new_tokens do
       local T = idx:size(2)
       local cond = T > block and idx:narrow(2, T - block + 1, block) or idx
@@ -885,7 +900,7 @@ function nn.generate(model, idx, max_new_tokens, opts)
       if device ~= 'cpu' then nxt = nxt:to(device) end
       idx = ds.cat({ idx, nxt:to(idx:dtype()) }, 2)
     end
-    return idx
+    return idx:device() == home and idx or idx:to(home)
   end)
   model:train(was_training)
   if not ok then error(res, 0) end

@@ -53,4 +53,27 @@ describe('#gpu models.gpt2 on the GPU', function()
     print(string.format('gpt2 GPU parity: 20 AdamW steps, loss %.4f -> %.4f, max relative diff from the CPU %.3g',
                         gpu[1], gpu[20], worst))
   end)
+
+  it('generates from CPU ids on the model\'s GPU, returning CPU ids as the CPU model does (GPT-2 and Llama)', function()
+    local Llama = require 'models.llama'
+    local models = {
+      { GPT, { n_layer = 2, n_head = 2, n_embd = 32, vocab_size = 17, block_size = 8 } },
+      { Llama, { n_layer = 2, n_head = 4, n_kv_head = 2, n_embd = 32, vocab_size = 17, block_size = 8 } },
+    }
+    local start = ds.tensor({ { 1, 2, 3 }, { 4, 5, 6 } }, 'i64')
+    for _, m in ipairs(models) do
+      ds.manual_seed(7)
+      local cpu = m[1](m[2])
+      ds.manual_seed(7)
+      local gpu = m[1](m[2]):to(ds.device())
+      assert.are.equal(ds.device(), gpu:device())
+      local want = cpu:generate(start, 12, { temperature = 0 })
+      local got = gpu:generate(start, 12, { temperature = 0 })
+      assert.are.equal('cpu', got:device())
+      assert.are.same(want:totable(), got:totable())
+      local on = gpu:generate(start:to(ds.device()), 4, { temperature = 0.8, top_k = 5 })
+      assert.are.equal(ds.device(), on:device())
+      assert.are.same({ 2, 7 }, on:size())
+    end
+  end)
 end)

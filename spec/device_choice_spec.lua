@@ -1,0 +1,181 @@
+-- Which device a rank trains on (core/cuda/ds_rank_device.h): ds.device()
+-- and ds.initialize follow --device, then DSLUA_DEVICE, then this rank's
+-- GPU if there is one; each process says once on stderr what it uses; bad
+-- values are errors naming the flag or the variable; and more ranks on a
+-- host than GPUs is an error before any collective, naming the ranks, the
+-- GPUs and the fixes. Here the GPU count is simulated with
+-- DSLUA_TEST_GPU_COUNT (a test hook read only by that check). Each case
+-- runs in a child process with a clean environment.
+local H = require 'helpers'
+local ds = H.ds
+
+local CLEAN = 'env -u DSLUA_DEVICE -u DSLUA_TEST_GPU_COUNT -u LOCAL_RANK -u LOCAL_SIZE -u RANK '
+local PRINT = [[ -e "local ds = require 'dslua'; print('device=' .. ds.device())"]]
+
+-- output and exit status of `env... dslua <args>`
+local function dslua(env, args)
+  return H.run(CLEAN .. (env or '') .. ' ' .. H.bin() .. ' ' .. args)
+end
+
+local function device_of(env, args)
+  local out, status = dslua(env, args or PRINT)
+  assert.are.equal(0, status, out)
+  return assert(out:match('device=(%S+)'), out), out
+end
+
+local function fails(env, args, piece)
+  local out, status = dslua(env, args or PRINT)
+  assert.are_not.equal(0, status, out)
+  H.has(out, piece)
+  return out
+end
+
+describe('device choice', function()
+  local gpu = H.has_cuda()
+
+  it('DSLUA_DEVICE=cpu puts the rank on the CPU and says so once', function()
+    local dev, out = device_of('DSLUA_DEVICE=cpu',
+                               [[ -e "local ds = require 'dslua'; ds.device(); print('device=' .. ds.device())"]])
+    assert.are.equal('cpu', dev)
+    local _, said = out:gsub('dslua: rank 0 uses the CPU %(DSLUA_DEVICE=cpu%)', '')
+    assert.are.equal(1, said, out)
+  end)
+
+  it('an empty DSLUA_DEVICE is the default', function()
+    local dev = device_of('DSLUA_DEVICE=')
+    assert.are.equal(gpu and 'cuda:0' or 'cpu', dev)
+  end)
+
+  it('bad values are errors naming DSLUA_DEVICE', function()
+    for _, v in ipairs({ 'gpu', 'cuda:x', 'cuda:-1', 'CPU', 'cuda:' }) do
+      fails("DSLUA_DEVICE='" .. v .. "'", nil,
+            'DSLUA_DEVICE=' .. v .. ": not a device (expected cpu, cuda for this rank's GPU, or cuda:N)")
+    end
+  end)
+
+  it('a GPU asked for where there is none is an error naming DSLUA_DEVICE and why', function()
+    if gpu then return pending('skipped: this machine has a GPU') end
+    local why = ds.cuda.unavailable_reason()
+    fails('DSLUA_DEVICE=cuda', nil, 'DSLUA_DEVICE=cuda: no CUDA device available (' .. why .. '); unset it or ask for cpu')
+    fails('DSLUA_DEVICE=cuda:1', nil, 'DSLUA_DEVICE=cuda:1: no CUDA device available (' .. why .. ')')
+  end)
+
+  it('a GPU number past the visible ones is an error naming them', function()
+    if not gpu then return pending('skipped: no CUDA device') end
+    local n = ds.cuda.device_count()
+    fails('DSLUA_DEVICE=cuda:' .. n, nil, 'DSLUA_DEVICE=cuda:' .. n .. ': this process sees ' .. n .. ' GPU')
+  end)
+
+  it('--device wins over DSLUA_DEVICE, leaves ds.args.rest, and a bad one names the flag', function()
+    local dir = H.tmpdir()
+    local script = H.write(dir .. '/s.lua', "local ds = require 'dslua'\n"
+                           .. "print('device=' .. ds.device() .. ' flag=' .. tostring(ds.args.device) "
+                           .. ".. ' rest=' .. table.concat(ds.args.rest, ','))\n")
+    local out, status = dslua('DSLUA_DEVICE=gpu', script .. ' a --device cpu b')
+    assert.are.equal(0, status, out)
+    H.has(out, 'device=cpu flag=cpu rest=a,b')
+    H.has(out, 'dslua: rank 0 uses the CPU (--device cpu)')
+    out, status = dslua(nil, script .. ' --device=cpu')
+    assert.are.equal(0, status, out)
+    H.has(out, 'device=cpu flag=cpu rest=')
+    fails(nil, script .. ' --device tpu', "--device tpu: not a device (expected cpu, cuda for this rank's GPU, or cuda:N)")
+    fails(nil, script .. ' --device', '--device: expected a device (cpu, cuda or cuda:N)')
+    fails(nil, script .. ' --device=', '--device: expected a device (cpu, cuda or cuda:N)')
+    os.execute('rm -rf ' .. dir)
+  end)
+
+  it('ds.initialize takes the rank device and says why it cannot at the script line', function()
+    local dir = H.tmpdir()
+    local script = H.write(dir .. '/t.lua', [[
+local ds = require 'dslua'
+local engine = ds.initialize { model = ds.nn.Linear(2, 1), config = { train_batch_size = 1,
+  optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+print('device=' .. engine.device .. ' weight=' .. engine.module.weight:device())
+]])
+    local dev, out = device_of('DSLUA_DEVICE=cpu', script)
+    assert.are.equal('cpu', dev)
+    H.has(out, 'weight=cpu')
+    fails('DSLUA_DEVICE=gpu', script, dir .. '/t.lua:2: initialize: DSLUA_DEVICE=gpu: not a device')
+    os.execute('rm -rf ' .. dir)
+  end)
+end)
+
+describe('ranks against GPUs', function()
+  local ERR = 'NCCL needs a GPU of its own for each rank. Start at most 1 rank per host (dslua -n 1), make more GPUs '
+              .. 'visible (CUDA_VISIBLE_DEVICES), or run the ranks on the CPU (DSLUA_DEVICE=cpu or --device cpu)'
+
+  it('more ranks on this host than GPUs is an error naming the ranks, the GPUs and the fixes', function()
+    local out = fails('LOCAL_SIZE=2 LOCAL_RANK=1 RANK=1 DSLUA_TEST_GPU_COUNT=1 CUDA_VISIBLE_DEVICES=0', nil,
+                      'rank 1 (LOCAL_RANK 1): 2 ranks on this host (LOCAL_SIZE 2) but 1 GPU (cuda:0; '
+                      .. 'CUDA_VISIBLE_DEVICES=0; counted by DSLUA_TEST_GPU_COUNT, a test hook): ' .. ERR)
+    assert.is_nil(out:find('invalid usage', 1, true))
+    fails('LOCAL_SIZE=3 LOCAL_RANK=0 DSLUA_TEST_GPU_COUNT=2', nil,
+          'rank 0 (LOCAL_RANK 0): 3 ranks on this host (LOCAL_SIZE 3) but 2 GPUs (cuda:0 to cuda:1; '
+          .. 'CUDA_VISIBLE_DEVICES unset; counted by DSLUA_TEST_GPU_COUNT, a test hook): NCCL needs a GPU of its own '
+          .. 'for each rank. Start at most 2 ranks per host (dslua -n 2)')
+    -- DSLUA_DEVICE=cuda means this rank's GPU too, and is checked the same way (after there being a GPU at all)
+    if H.has_cuda() then fails('LOCAL_SIZE=2 DSLUA_TEST_GPU_COUNT=1 DSLUA_DEVICE=cuda', nil, ERR) end
+  end)
+
+  it('CPU ranks, or as many GPUs as ranks, pass the check', function()
+    assert.are.equal('cpu', (device_of('LOCAL_SIZE=2 LOCAL_RANK=1 DSLUA_TEST_GPU_COUNT=1 DSLUA_DEVICE=cpu')))
+    local dir = H.tmpdir()
+    local script = H.write(dir .. '/s.lua', "print('device=' .. require('dslua').device())\n")
+    assert.are.equal('cpu', (device_of('LOCAL_SIZE=4 DSLUA_TEST_GPU_COUNT=1', script .. ' --device cpu')))
+    os.execute('rm -rf ' .. dir)
+    if not H.has_cuda() then
+      assert.are.equal('cpu', (device_of('LOCAL_SIZE=2 LOCAL_RANK=1 DSLUA_TEST_GPU_COUNT=2')))
+    end
+  end)
+
+  describe('under mpirun', function()
+    if not H.have_mpirun() then
+      it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
+      return
+    end
+    local dir = H.tmpdir()
+    local script = H.write(dir .. '/train.lua', [[
+local ds = require 'dslua'
+local engine = ds.initialize { model = ds.nn.Linear(2, 1), config = { train_batch_size = 2,
+  optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+local x = ds.ones(1, 2):to(engine.device)
+engine:backward(engine(x):sum())
+engine:step()
+print(string.format('rank %d stepped on %s', engine.rank, engine.device))
+]])
+    local MPI = 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader '
+                .. '-x DSLUA_TEST_GPU_COUNT -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np 2 '
+
+    it('one rank and 1 GPU train', function()
+      local out, status = dslua('DSLUA_TEST_GPU_COUNT=1 DSLUA_NUM_THREADS=1', script)
+      assert.are.equal(0, status, out)
+      H.has(out, 'rank 0 stepped on ' .. (H.has_cuda() and 'cuda:0' or 'cpu'))
+    end)
+
+    it('2 ranks and 1 GPU stop in ds.initialize, every rank saying why, before any collective', function()
+      local t0 = ds.wall_time()
+      local out = H.run(CLEAN .. 'DSLUA_TEST_GPU_COUNT=1 DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI .. H.bin()
+                  .. ' ' .. script)
+      for r = 0, 1 do
+        H.has(out, '[rank ' .. r .. '] error: ' .. script .. ':2: initialize: rank ' .. r .. ' (LOCAL_RANK ' .. r
+                   .. '): 2 ranks on this host (LOCAL_SIZE 2) but 1 GPU (cuda:0; ')
+      end
+      H.has(out, ERR)
+      assert.is_nil(out:find('stepped', 1, true), out)
+      assert.is_nil(out:find('invalid usage', 1, true), out)
+      assert(ds.wall_time() - t0 < 30, 'the job took too long to stop')
+    end)
+
+    it('the same ranks with DSLUA_DEVICE=cpu train on the CPU', function()
+      local out, status = H.run(CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_TEST_GPU_COUNT=1 DSLUA_NUM_THREADS=1 '
+                                .. 'DSLUA_COMM_TIMEOUT=60 ' .. MPI .. '-x DSLUA_DEVICE ' .. H.bin() .. ' ' .. script)
+      assert.are.equal(0, status, out)
+      for r = 0, 1 do
+        H.has(out, 'rank ' .. r .. ' stepped on cpu')
+        H.has(out, 'dslua: rank ' .. r .. ' uses the CPU (DSLUA_DEVICE=cpu)')
+      end
+    end)
+
+    it('cleans up', function() os.execute('rm -rf ' .. dir) end)
+  end)
+end)
