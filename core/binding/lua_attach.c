@@ -6,13 +6,14 @@
  *   A.check_dir(dir [, create])      -> true, or nil and why
  *   local s = A.listen(path [, {uid = n}])   -- uid: the peer uid accepted
  *                                            -- (default: this process's)
- *   s:next([timeout])   -> client, text (client 0: the server's notice), or nil
+ *   s:next([timeout])   -> client, text (client 0: the server's notice; no
+ *                          text: that client hung up), or nil
  *   s:reply(client, text) -> true, or false when that client has gone
  *   s:close()
  *   local c = A.dial(path)
  *   c:send(text); c:recv([timeout]) -> text, or nil when the time ran out
  *   c:close()
- *   A.uid() -> the effective uid
+ *   A.uid() -> the effective uid; A.pid() -> this process's id
  */
 #include "lua_tensor.h"
 #include "ds_attach.h"
@@ -83,6 +84,7 @@ static int l_next(lua_State *L) {
     size_t len;
     if (!ds_attach_next(s, timeout, &client, &data, &len)) return 0;
     lua_pushnumber(L, (lua_Number)client);
+    if (!data) return 1;                       /* the client hung up */
     lua_pushlstring(L, data, len);
     free(data);
     return 2;
@@ -150,6 +152,11 @@ static int l_uid(lua_State *L) {
     return 1;
 }
 
+static int l_pid(lua_State *L) {
+    lua_pushnumber(L, (lua_Number)getpid());
+    return 1;
+}
+
 void dsL_open_attach(lua_State *L) {
     static const luaL_Reg server_methods[] = {
         {"next", l_next}, {"reply", l_reply}, {"close", l_server_gc}, {NULL, NULL}
@@ -158,7 +165,8 @@ void dsL_open_attach(lua_State *L) {
         {"send", l_send}, {"recv", l_recv}, {"close", l_conn_gc}, {NULL, NULL}
     };
     static const luaL_Reg fns[] = {
-        {"check_dir", l_check_dir}, {"listen", l_listen}, {"dial", l_dial}, {"uid", l_uid}, {NULL, NULL}
+        {"check_dir", l_check_dir}, {"listen", l_listen}, {"dial", l_dial}, {"uid", l_uid}, {"pid", l_pid},
+        {NULL, NULL}
     };
     dsL_newtype(L, DSL_ATTACH_SERVER_MT, server_methods, l_server_gc);
     lua_pop(L, 1);

@@ -183,8 +183,11 @@ static void notice(ds_attach_server *s, const char *text) {
     if (d) enqueue(s, 0, d, strlen(d));
 }
 
-static void drop_client(ds_attach_server *s, int k) {
+/* tell: queue a NULL request from the client, so the job forgets its
+ * session (what it typed into the job's REPL). */
+static void drop_client(ds_attach_server *s, int k, bool tell) {
     client *c = &s->clients[k];
+    if (tell) enqueue(s, c->id, NULL, 0);
     close(c->fd);
     free(c->in.p);
     free(c->out.p);
@@ -282,7 +285,7 @@ static void *serve(void *arg) {
             bool ok = true;
             if (fds[2 + j].revents & (POLLIN | POLLHUP | POLLERR)) ok = read_client(s, k);
             if (ok && (fds[2 + j].revents & POLLOUT)) ok = write_client(&s->clients[k]);
-            if (!ok) drop_client(s, k);
+            if (!ok) drop_client(s, k, true);
         }
         if (fds[1].revents & POLLIN) accept_one(s);
         pthread_mutex_unlock(&s->mu);
@@ -391,7 +394,7 @@ void ds_attach_close(ds_attach_server *s) {
     pthread_mutex_unlock(&s->mu);
     if (write(s->wake[1], "", 1) < 0) { /* as above */ }
     pthread_join(s->thread, NULL);
-    while (s->nclients) drop_client(s, 0);
+    while (s->nclients) drop_client(s, 0, false);
     while (s->head) {
         request *r = s->head;
         s->head = r->next;

@@ -39,8 +39,8 @@ ds_attach_server *ds_attach_listen(const char *path, uid_t uid);
 
 /* The next queued request, waiting up to timeout seconds (0: only looks).
  * Returns 1 with *client (> 0), *data (malloc'd, the caller frees it) and
- * *len; 1 with *client 0 for a notice of the server's own (a refused peer);
- * 0 when nothing came. */
+ * *len; 1 with *data NULL when that client has hung up; 1 with *client 0
+ * for a notice of the server's own (a refused peer); 0 when nothing came. */
 int ds_attach_next(ds_attach_server *s, double timeout, uint64_t *client, char **data, size_t *len);
 
 /* Queues a reply frame for client. 0; 1 when that client has gone (its
