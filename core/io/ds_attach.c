@@ -387,6 +387,23 @@ int ds_attach_reply(ds_attach_server *s, uint64_t id, const void *data, size_t l
     return rc;
 }
 
+/* Replies still queued when the job ends (the last request often asks it
+ * to go on) get up to a second to reach their clients. */
+static void flush_replies(ds_attach_server *s) {
+    struct timespec t0, now;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int k = 0; k < s->nclients; k++) {
+        client *c = &s->clients[k];
+        while (c->out.len && write_client(c)) {
+            clock_gettime(CLOCK_MONOTONIC, &now);
+            int left_ms = 1000 - (int)((now.tv_sec - t0.tv_sec) * 1000 + (now.tv_nsec - t0.tv_nsec) / 1000000);
+            if (left_ms <= 0) return;
+            struct pollfd p = { c->fd, POLLOUT, 0 };
+            if (c->out.len && poll(&p, 1, left_ms) <= 0) return;
+        }
+    }
+}
+
 void ds_attach_close(ds_attach_server *s) {
     if (!s) return;
     pthread_mutex_lock(&s->mu);
@@ -394,6 +411,7 @@ void ds_attach_close(ds_attach_server *s) {
     pthread_mutex_unlock(&s->mu);
     if (write(s->wake[1], "", 1) < 0) { /* as above */ }
     pthread_join(s->thread, NULL);
+    flush_replies(s);
     while (s->nclients) drop_client(s, 0, false);
     while (s->head) {
         request *r = s->head;

@@ -28,7 +28,9 @@
 --
 -- A reloadable module (a schedule or policy table, the hooks table, a
 -- module of ds.reload.require) may define:
---   state                  a table kept from version to version (the default)
+--   state                  a table carried from version to version (the
+--                          default; the new version gets a copy, so one
+--                          rejected somewhere leaves the running state alone)
 --   migrate_state(old)     -> the new version's state, from the old one's
 --   state_dict() / load_state_dict(t)   the old version's state_dict handed
 --                          to the new version's load_state_dict (policies)
@@ -37,9 +39,10 @@
 -- modules or optimizers is refused: they belong to the engine.
 --
 -- Every load, swap and rejection is recorded: ds.reload.versions() (the
--- running version of each file, with its hash and step), ds.reload.history(),
--- and state_dict() / load_state_dict(sd) for checkpoints (a resume runs the
--- recorded versions and says which files changed since).
+-- running version of each watched file, with its hash and step),
+-- ds.reload.history(), and engine.reload:state_dict() / :restore(sd) for
+-- checkpoints (a resume runs the recorded versions and says which files
+-- changed since).
 local ds = require 'dslua'
 local K = require('dslua.core')._reload
 
@@ -115,7 +118,9 @@ end
 ---------------------------------------------------------------- versions
 
 local history = {}       -- every load, swap and rejection, in order
-local current = {}       -- path -> the running version {path, kind, hash, step, source}
+local current = {}       -- path -> the latest version {path, kind, hash, step, status, source}
+local sessions = setmetatable({}, { __mode = 'k' })    -- the live sessions (closed ones leave)
+local modules = {}       -- ds.reload.require's entries, watched by every session
 
 local function short(hash) return hash and hash:sub(1, 12) or '-' end
 
@@ -131,12 +136,23 @@ local function say(session, fmt, ...)
   io.stdout:flush()
 end
 
+-- The watched files of the live sessions and ds.reload.require, by path.
+local function watched()
+  local out = {}
+  for s in pairs(sessions) do
+    for _, e in ipairs(s.entries) do out[e.path] = e end
+  end
+  for _, e in ipairs(modules) do out[e.path] = e end
+  return out
+end
+
 -- versions() -> list of {path, kind, hash, step, status ('loaded' or
 -- 'swapped')}, one per watched file, sorted by path: the code running now.
 function M.versions()
   local out = {}
-  for _, v in pairs(current) do
-    out[#out + 1] = { path = v.path, kind = v.kind, hash = v.hash, step = v.step, status = v.status }
+  for path, e in pairs(watched()) do
+    local v = current[path]
+    out[#out + 1] = { path = path, kind = e.kind, hash = e.hash, step = v and v.step, status = v and v.status }
   end
   table.sort(out, function(a, b) return a.path < b.path end)
   return out
@@ -201,21 +217,35 @@ local function owner_in(v, where)
   end
 end
 
--- The new version's state from the old one: migrate_state(old.state), or
--- load_state_dict(old:state_dict()), or the old state table kept.
+-- A copy of plain tables all the way down (metatables kept; tensors,
+-- functions and userdata shared): the state a new version starts from, so
+-- a version rejected on some rank leaves the running one's state as it was.
+local function copy_state(v, seen)
+  if type(v) ~= 'table' then return v end
+  seen = seen or {}
+  if seen[v] then return seen[v] end
+  local c = {}
+  seen[v] = c
+  for k, x in pairs(v) do c[copy_state(k, seen)] = copy_state(x, seen) end
+  return setmetatable(c, getmetatable(v))
+end
+
+-- The new version's state from the old one's: migrate_state(state), or
+-- load_state_dict(old:state_dict()), or the state table carried over (a
+-- copy: it becomes the running state when the new version commits).
 local function carry(old, new)
   if type(old) ~= 'table' or type(new) ~= 'table' then return end
   local migrate = method(new, 'migrate_state')
   if migrate then
-    new.state = migrate(old.state)
+    new.state = migrate(copy_state(old.state))
     return
   end
   local load, dump = method(new, 'load_state_dict'), method(old, 'state_dict')
   if load and dump then
-    load(dump())
+    load(copy_state(dump()))
     return
   end
-  if old.state ~= nil then new.state = old.state end
+  if old.state ~= nil then new.state = copy_state(old.state) end
 end
 
 local function check(new)
@@ -331,8 +361,6 @@ local function new_entry(kind, path, value, text)
   return { kind = kind, path = path, value = value, sig = K.stat(path), hash = K.sha256(text), source = text }
 end
 
-local modules = {}       -- ds.reload.require's entries, watched by every session
-
 -- ds.reload.require(name) -> the module, as require gives it, reloading
 -- when its file changes (found through package.path). A table module keeps
 -- its identity across versions; a function module is returned as a
@@ -366,6 +394,17 @@ function M.require(name)
   return entry.proxy
 end
 
+-- unwatch(name): ds.reload.require's module name reloads no more (it stays
+-- loaded as it is).
+function M.unwatch(name)
+  for i, e in ipairs(modules) do
+    if e.name == name then
+      table.remove(modules, i)
+      return
+    end
+  end
+end
+
 ---------------------------------------------------------------- the session of an engine
 
 local Session = {}
@@ -380,6 +419,7 @@ function M.session(engine, cfg, source)
     engine = engine, rank = engine.rank, world_size = engine.world_size, enabled = rc.enabled, every = rc.every,
     entries = {}, outbox = {}, paused = false, last_end = now(), step_time = nil,
   }, Session)
+  sessions[self] = true
   local sched = engine.lr_scheduler
   if rc.enabled and sched and sched.kind == 'lua' and sched.path and sched.source then
     self:_watch(new_entry('schedule', sched.path, sched.schedule, sched.source))
@@ -682,17 +722,24 @@ function Session:pause(seconds) self:queue { type = 'pause', seconds = seconds }
 function Session:resume() self:queue { type = 'resume' } end
 
 function Session:close()
+  sessions[self] = nil
   local A = package.loaded['dslua.attach']
   if A then A.forget(self) end
 end
 
 ---------------------------------------------------------------- checkpoints
 
--- state_dict() -> {files = {[path] = {kind, hash, step, source}}}: the
--- running version of every file, for a checkpoint.
-function M.state_dict()
+-- session:state_dict() -> {files = {[path] = {kind, hash, step, source}}}:
+-- the running version of each file this session watches (and of
+-- ds.reload.require's modules), for a checkpoint.
+function Session:state_dict()
   local files = {}
-  for path, v in pairs(current) do files[path] = { kind = v.kind, hash = v.hash, step = v.step, source = v.source } end
+  local function add(e)
+    local v = current[e.path]
+    files[e.path] = { kind = e.kind, hash = e.hash, step = v and v.step or 0, source = e.source }
+  end
+  for _, e in ipairs(self.entries) do add(e) end
+  for _, e in ipairs(modules) do add(e) end
   return { files = files }
 end
 
