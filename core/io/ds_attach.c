@@ -199,7 +199,7 @@ static void refuse(int fd, const char *why) {
     unsigned char h[4];
     size_t n = strlen(why);
     put_u32(h, n);
-    if (write(fd, h, 4) == 4 && write(fd, why, n) < 0) { /* the peer may be gone already */ }
+    if (send(fd, h, 4, MSG_NOSIGNAL) == 4 && send(fd, why, n, MSG_NOSIGNAL) < 0) { /* the peer may be gone already */ }
     close(fd);
 }
 
@@ -249,7 +249,7 @@ static bool read_client(ds_attach_server *s, int k) {
 
 static bool write_client(client *c) {
     while (c->out.len) {
-        ssize_t n = write(c->fd, c->out.p, c->out.len);
+        ssize_t n = send(c->fd, c->out.p, c->out.len, MSG_NOSIGNAL);     /* a client gone: EPIPE, no signal */
         if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
         buffer_drop(&c->out, (size_t)n);
     }
