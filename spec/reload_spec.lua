@@ -320,6 +320,40 @@ describe('the attach socket', function()
   end)
 end)
 
+describe('dslua attach', function()
+  local dir
+  local glob = require('dslua.core').data_core.glob
+  before_each(function()
+    dir = H.tmpdir()
+    os.execute('chmod 700 ' .. dir)
+  end)
+  after_each(function() os.execute('rm -rf ' .. dir) end)
+
+  it('says what is wrong, lists the jobs, and clears the sockets of jobs that died', function()
+    local cmd = 'DSLUA_ATTACH_DIR=' .. dir .. ' ' .. bin .. ' attach '
+    local out, st = H.run(cmd .. "-e 'return 1'")
+    assert.are.equal(1, st)
+    H.has(out, 'dslua attach: no running job serves rank 0 under ' .. dir)
+    out, st = H.run(cmd .. '--rank x')
+    assert.are.equal(1, st)
+    H.has(out, 'dslua attach: --rank needs a rank (an integer >= 0), got x')
+    out = H.run(cmd .. 'a b')
+    H.has(out, "dslua attach: unexpected 'b'")
+    -- a job killed before it could remove its socket
+    H.run(bin .. " -e \"require('dslua.core')._attach.listen('" .. dir .. "/dead-1.r0.sock'); os.exit(0)\"")
+    assert.are.equal(1, #glob(dir .. '/*.sock'))
+    local server = A.listen(dir .. '/live-7.r0.sock')
+    out, st = H.run(cmd .. '--list')
+    assert.are.equal(0, st)
+    assert.are.equal('live-7  ' .. dir .. '/live-7.r0.sock\n', out)
+    assert.are.same({ dir .. '/live-7.r0.sock' }, glob(dir .. '/*.sock'))
+    out, st = H.run(cmd .. "nosuch -e 'return 1'")
+    assert.are.equal(1, st)
+    H.has(out, "no running job 'nosuch' serves rank 0 under " .. dir .. ' (running: live-7)')
+    server:close()
+  end)
+end)
+
 -- One rank in this process: the engine's boundary swaps files edited in place.
 describe('live reload in one process', function()
   local dir

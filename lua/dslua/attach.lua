@@ -274,13 +274,11 @@ function M.serve(s)
     return
   end
   s.server = true
-  if s.rank == 0 then
-    io.stdout:write(string.format('attach: dslua attach %s  (%s)\n', job, socket))
-    io.stdout:flush()
-  end
+  -- on stderr: a notice, not training output (piped logs stay as they were)
+  if s.rank == 0 then io.stderr:write(string.format('attach: dslua attach %s  (%s)\n', job, socket)) end
 end
 
--- take(session): every request queued now.
+-- take(): every request queued now.
 function M.take()
   while true do
     local client, text = server:next(0)
@@ -289,8 +287,8 @@ function M.take()
   end
 end
 
--- wait(session, seconds): the next request, waiting up to seconds (paused).
-function M.wait(_, seconds)
+-- wait(seconds): the next request, waiting up to seconds (paused).
+function M.wait(seconds)
   local client, text = server:next(seconds)
   if client then handle(client, text) end
 end
@@ -306,8 +304,8 @@ function M.done(id, text, ok)
   if req.waiting == 0 then finish(req) end
 end
 
--- run_everywhere(session, fn): all(code) on this rank: its output.
-function M.run_everywhere(_, fn)
+-- run_everywhere(fn): all(code) on this rank: its output.
+function M.run_everywhere(fn)
   local out = {}
   M.printed = out
   local ok = run(fn, environment(false), out)

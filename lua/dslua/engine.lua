@@ -219,7 +219,7 @@ function M.initialize(opts)
   end
   self.training_dataloader = loader
   -- live reload, hooks and `dslua attach` (dslua/reload.lua), at each step boundary
-  self.reload = require('dslua.reload').session(self, cfg, source)
+  self.reload = require('dslua.reload').session(self, cfg)
   self:train()
   return self, optimizer, loader, scheduler
 end

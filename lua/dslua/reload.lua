@@ -85,7 +85,6 @@ local function deserialize(text)
   setfenv(f, {})
   return f()
 end
-M.deserialize = deserialize
 
 -- Every rank's list of messages, in rank order (msg.from set): one
 -- all_reduce of the payload lengths, a broadcast from each rank that has one.
@@ -410,10 +409,10 @@ end
 local Session = {}
 Session.__index = Session
 
--- session(engine, cfg, source) -> the engine's reload session: watches the
--- files cfg names, serves attach (cfg.reload.attach), calls the hooks.
--- Every rank builds it in ds.initialize, in the same order.
-function M.session(engine, cfg, source)
+-- session(engine, cfg) -> the engine's reload session: watches the files
+-- cfg names, serves attach (cfg.reload.attach), calls the hooks. Every
+-- rank builds it in ds.initialize, in the same order.
+function M.session(engine, cfg)
   local rc = cfg.reload
   local self = setmetatable({
     engine = engine, rank = engine.rank, world_size = engine.world_size, enabled = rc.enabled, every = rc.every,
@@ -444,7 +443,7 @@ function M.session(engine, cfg, source)
     if rc.enabled then self:_watch(entry) else record { path = path, kind = 'hooks', hash = entry.hash, step = 0,
                                                        status = 'loaded', source = text } end
   end
-  if rc.attach then require('dslua.attach').serve(self, source) end
+  if rc.attach then require('dslua.attach').serve(self) end
   return self
 end
 
@@ -470,7 +469,7 @@ function Session:hook(name, ...)
 end
 
 -- queue(msg): a message for every rank at the next boundary (attach's
--- actions, ds.reload.pause).
+-- actions, pause).
 function Session:queue(msg)
   self.outbox[#self.outbox + 1] = msg
 end
@@ -608,10 +607,10 @@ end
 
 -- all(code): compiled on every rank (a syntax error is rejected before any
 -- runs), then run on every rank; its output comes back from each.
-function actions.run(session, m)
+function actions.run(_, m)
   local fn, err = loadstring(m.code, '=all')
   if not fn then error(err, 0) end
-  return function() return require('dslua.attach').run_everywhere(session, fn) end, true
+  return function() return require('dslua.attach').run_everywhere(fn) end, true
 end
 
 -- Prepares, agrees on and commits the messages of one boundary.
@@ -683,7 +682,7 @@ end
 -- every rank's messages prepared, agreed on and committed.
 function Session:_round()
   local A = self.server and package.loaded['dslua.attach']
-  if A then A.take(self) end
+  if A then A.take() end
   if self.rank == 0 then
     self:_scan()
     if self.pause_until and now() >= self.pause_until then self:queue { type = 'resume' } end
@@ -697,6 +696,11 @@ end
 -- hooks, then, every `every` global steps, a round; while paused, a round
 -- every quarter second (or as soon as an attach request comes).
 function Session:boundary()
+  if self.busy then
+    error('reload: engine:step was called inside a step boundary (from attach code or a hook); it steps this '
+          .. 'rank alone', 2)
+  end
+  self.busy = true
   local engine = self.engine
   local t0 = now()
   self.step_time = t0 - self.last_end
@@ -709,17 +713,17 @@ function Session:boundary()
   if step % self.every == 0 or self.paused then self:_round() end
   while self.paused do
     local A = self.server and package.loaded['dslua.attach']
-    if A then A.wait(self, 0.25) else K.sleep(0.25) end
+    if A then A.wait(0.25) else K.sleep(0.25) end
     self:_round()
   end
   self.last_end = now()
-  self.boundary_seconds = self.last_end - t0
+  self.busy = false
 end
 
--- pause([seconds]): every rank stops at the next boundary until resume
--- (from attach) or until seconds have passed (rank 0's clock).
+-- pause([seconds]): every rank stops at the next boundary until resume()
+-- from `dslua attach` or until seconds have passed (rank 0's clock). Any
+-- rank may ask (a hook, say); one asking is enough.
 function Session:pause(seconds) self:queue { type = 'pause', seconds = seconds } end
-function Session:resume() self:queue { type = 'resume' } end
 
 function Session:close()
   sessions[self] = nil
@@ -774,5 +778,4 @@ function Session:restore(sd)
   return changed
 end
 
-M.Session = Session
 return M
