@@ -91,6 +91,12 @@ function M.load(spec, source)
   end
   local text = f:read('*a')
   f:close()
+  return M.load_text(text, path, spec)
+end
+
+-- load_text(text, path [, name]) -> policy table, {name =, path =, hash =}:
+-- a policy file's text (read already, as live reload has it) compiled and run.
+function M.load_text(text, path, name)
   local chunk, err = loadstring(text, '@' .. path)
   if not chunk then fail(path, err) end
   local ok, policy = pcall(chunk)
@@ -103,7 +109,7 @@ function M.load(spec, source)
     fail(path, 'the file must return a table with a plan(ctx) function, it returned ' .. (type(policy) == 'table'
          and 'a table without plan' or 'a ' .. type(policy)))
   end
-  return policy, { name = spec, path = path, hash = M.hash(text) }
+  return policy, { name = name or path, path = path, hash = M.hash(text), source = text }
 end
 
 -- policy.name as a callable: P.f(...) or, when its first parameter is
@@ -357,12 +363,22 @@ end
 -- swap(spec): another policy (name, path or table) from the next epoch on,
 -- carrying the old one's state over. The current epoch's plan stays.
 function Sampler:swap(spec)
-  local policy, info = M.load(spec, nil)
+  self:prepare_swap(M.load(spec, nil))()
+end
+
+-- prepare_swap(policy, info) -> commit(): the new policy given the old
+-- one's state and made to plan the next epoch, nothing changed yet (a
+-- failure raises); commit() swaps it in. The current epoch's plan stays,
+-- so the loader goes on where it is. Live reload's checks and swap.
+function Sampler:prepare_swap(policy, info)
   local old = self:state_dict()
-  local current = self.plans
-  self.policy, self.policy_info = policy, info
-  self:load_state_dict(old)
-  self.plans = current
+  local probe = setmetatable({ policy = policy, policy_info = info, plans = {} }, { __index = self })
+  Sampler.load_state_dict(probe, copy(old))      -- the running policy's state stays its own
+  local next_plan = Sampler.plan(probe, self.epoch + 1)
+  return function()
+    self.policy, self.policy_info = policy, info
+    self.plans[next_plan.epoch] = next_plan
+  end
 end
 
 ---------------------------------------------------------------- the loader

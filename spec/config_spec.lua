@@ -225,9 +225,9 @@ describe('ds.config defaults', function()
   end)
 
   it('passes dslua\'s extension blocks through and notes DeepSpeed keys it ignores', function()
-    local cfg, notes = config.load({ train_batch_size = 8, reload = { watch = { 'a.lua' } },
+    local cfg, notes = config.load({ train_batch_size = 8, reload = { every = 5 },
                                      wandb = { enabled = false }, amp = { enabled = false } })
-    assert.are.same({ watch = { 'a.lua' } }, cfg.reload)
+    assert.are.same({ enabled = true, every = 5, attach = true }, cfg.reload)
     assert.are.same({ enabled = false }, cfg.wandb)
     has(table.concat(notes, '\n'), 'config: wandb: a DeepSpeed setting dslua does not act on')
     has(table.concat(notes, '\n'), 'config: amp: a DeepSpeed feature dslua does not implement')

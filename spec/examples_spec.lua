@@ -62,6 +62,16 @@ describe('examples', function()
     H.has(out, '--device gpu: not a device (expected cpu, cuda for this rank\'s GPU, or cuda:N)')
   end)
 
+  it('live_reload: trains 20 steps with its Lua schedule and names the version it ran', function()
+    local out = run('examples/live_reload/train.lua --steps 20')
+    assert.matches('%[Rank 0%] step=20, skipped=0, lr=%[0%.0021%]', out)
+    assert.matches('final loss %d+%.%d+ after 20 steps', out)
+    local f = assert(io.open('examples/live_reload/schedule.lua', 'rb'))
+    local hash = ds.reload.sha256(f:read('*a'))
+    f:close()
+    assert.matches('examples/live_reload/schedule%.lua: sha256 ' .. hash:sub(1, 12) .. ', loaded at step 0', out)
+  end)
+
   it('mnist: trains 25 steps of the MLP and reports the test accuracy', function()
     local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
     if not dir then return end

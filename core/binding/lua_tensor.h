@@ -67,5 +67,7 @@ void dsL_open_comm(lua_State *L);
 void dsL_open_aio(lua_State *L);
 void dsL_open_zero(lua_State *L);
 void dsL_open_cuda(lua_State *L);
+void dsL_open_reload(lua_State *L);
+void dsL_open_attach(lua_State *L);
 
 #endif

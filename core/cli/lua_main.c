@@ -31,6 +31,11 @@ static const char usage[] =
     "                 in, the batch sizes for N ranks, default 1) or its errors,\n"
     "                 and exit non-zero on errors\n"
     "  --             stop handling options\n"
+    "dslua attach [JOB] [--rank R] [-e CODE] [--list]\n"
+    "                 a REPL inside a running job (rank 0, or R): read its loss, lr,\n"
+    "                 memory and step time, set the lr or schedule, request a\n"
+    "                 checkpoint, pause and resume, run code on every rank;\n"
+    "                 -e runs CODE and exits; --list shows the running jobs\n"
     "  -              run standard input as a script\n"
     "Launching ranks with mpirun, options before the script as the deepspeed launcher\n"
     "takes them (`dslua -n 2 train.lua --config ds.json`):\n"
@@ -199,6 +204,29 @@ static int check_config(lua_State *L, const char *path, const char *world_size) 
     return lua_toboolean(L, -1) ? 0 : 1;
 }
 
+/* `dslua attach ...`: dslua.attach_cli.main(args) returns an exit status,
+ * or the prompt of a REPL whose inputs run in the job; leaving it detaches. */
+static int attach(lua_State *L, char **args, int nargs) {
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "dslua.attach_cli");
+    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    lua_getfield(L, -1, "main");
+    lua_createtable(L, nargs, 0);
+    for (int i = 0; i < nargs; i++) {
+        lua_pushstring(L, args[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    if (!lua_isstring(L, -1) || lua_isnumber(L, -1)) return (int)lua_tointeger(L, -1);
+    char *prompt = strdup(lua_tostring(L, -1));
+    if (!prompt) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
+    lua_pop(L, 1);
+    dsL_repl_loop(L, "dslua.attach_cli", prompt);
+    free(prompt);
+    lua_getfield(L, -1, "detach");
+    return report(L, dsL_pcall(L, 0, 0));
+}
+
 static int require_global(lua_State *L, const char *name) {
     lua_getglobal(L, "require");
     lua_pushstring(L, name);
@@ -216,6 +244,11 @@ int main(int argc, char **argv) {
     luaL_openlibs(L);
     dsL_install(L);
 
+    if (argc >= 2 && strcmp(argv[1], "attach") == 0) {
+        int rc = attach(L, argv + 2, argc - 2);
+        lua_close(L);
+        return rc;
+    }
     bool interactive = false, ran = false;
     const char *check_path = NULL, *world_size = NULL, *value = NULL;
     int i = 1, rc = 0;

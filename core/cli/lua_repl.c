@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 static lua_State *repl_state;
+static const char *repl_module;     /* the Lua module that runs each input */
 static volatile sig_atomic_t prompt_interrupted;
 
 /* Ctrl-C at the prompt drops the line being typed, as shells do. */
@@ -36,10 +37,10 @@ static void on_sigint(int sig) {
     lua_sethook(repl_state, stop_hook, LUA_MASKCALL | LUA_MASKRET | LUA_MASKCOUNT, 1);
 }
 
-/* Calls repl.<fn>(arg) and leaves its results on the stack. */
+/* Calls <repl_module>.<fn>(arg) and leaves its results on the stack. */
 static int call_repl(lua_State *L, const char *fn, const char *arg, int nresults) {
     lua_getglobal(L, "require");
-    lua_pushliteral(L, "dslua.repl");
+    lua_pushstring(L, repl_module);
     if (dsL_pcall(L, 1, 1) != 0) return -1;
     lua_getfield(L, -1, fn);
     lua_remove(L, -2);
@@ -88,7 +89,18 @@ static char *history_path(void) {
 }
 
 void dsL_repl(lua_State *L) {
+    printf("dslua %s (%s) -- `ds` is loaded; Ctrl-D exits\n", DSLUA_VERSION, LUAJIT_VERSION);
+    repl_module = "dslua.repl";
+    if (call_repl(L, "init", "", 0) != 0) {
+        fprintf(stderr, "%s\n", lua_tostring(L, -1));
+        lua_pop(L, 1);
+    }
+    dsL_repl_loop(L, "dslua.repl", "ds> ");
+}
+
+void dsL_repl_loop(lua_State *L, const char *module, const char *prompt) {
     repl_state = L;
+    repl_module = module;
     char *hist = history_path();
     using_history();
     stifle_history(1000);
@@ -97,18 +109,13 @@ void dsL_repl(lua_State *L) {
     rl_basic_word_break_characters = " \t\n\"'`@$><=;|&{(,+-*/%^~#";
     rl_completion_append_character = '\0';
 
-    printf("dslua %s (%s) -- `ds` is loaded; Ctrl-D exits\n", DSLUA_VERSION, LUAJIT_VERSION);
-    if (call_repl(L, "init", "", 0) != 0) {
-        fprintf(stderr, "%s\n", lua_tostring(L, -1));
-        lua_pop(L, 1);
-    }
     char *buffer = NULL;
     struct sigaction at_prompt = {0};
     at_prompt.sa_handler = on_prompt_sigint;
     for (;;) {
         sigaction(SIGINT, &at_prompt, NULL);
         prompt_interrupted = 0;
-        char *line = readline(buffer ? ".. " : "ds> ");
+        char *line = readline(buffer ? ".. " : prompt);
         if (prompt_interrupted) {
             free(line);
             free(buffer);

@@ -5,6 +5,10 @@
 
 #include <lua.h>
 
+/* The REPL of dslua: the banner, then dsL_repl_loop over dslua.repl. */
 void dsL_repl(lua_State *L);
+/* Reads inputs with prompt until Ctrl-D; module.step(input) runs each one
+ * (true: incomplete, read another line), module.complete(text) completes. */
+void dsL_repl_loop(lua_State *L, const char *module, const char *prompt);
 
 #endif

@@ -991,6 +991,55 @@ end
 -- checked from here on, no longer passed through as M.extension_keys are
 TOP.fields.sampler = field('custom', nil, { check = check_sampler })
 
+------------------------------------------------------------------------
+-- The reload and hooks blocks (dslua's own; dslua/reload.lua runs them):
+-- live reload of Lua code and the `dslua attach` socket.
+--
+--   "reload": {
+--     enabled   true: the files the config names (a "lua" scheduler's
+--               path, a sampler policy file, the hooks file) and modules
+--               loaded with ds.reload.require reload when they change
+--     every     1: rank 0 looks at them (and attach requests are taken)
+--               every this many global steps
+--     attach    true: the job serves `dslua attach` on a Unix socket
+--   }
+--   "hooks": the path of a Lua file returning {on_step =, on_log =,
+--            on_eval =, on_save =} (tried as given, then next to the config
+--            file; it reloads), or, in a Lua config, that table itself
+
+M.hook_names = { 'on_step', 'on_log', 'on_eval', 'on_save' }
+
+TOP.fields.reload = block({ fields = { enabled = bool(true), every = int(1, 1), attach = bool(true) } })
+
+local function check_hooks(ctx, path, v)
+  if v == json.null then return nil end
+  if type(v) == 'string' then
+    local file, tried = policy_file(v, ctx.source)
+    if not file then
+      return problem(ctx, path, 'cannot read the hooks file ' .. describe(v) .. ' (tried ' .. table.concat(tried, ', ') .. ')')
+    end
+    local _, err = loadfile(file)
+    if err then return problem(ctx, path, 'the hooks file does not compile: ' .. err) end
+    return file
+  end
+  if not is_object(v) then
+    return problem(ctx, path, 'must be the path of a Lua file or a table of hook functions, got ' .. describe(v))
+  end
+  local known, ok = {}, true
+  for _, n in ipairs(M.hook_names) do known[n] = true end
+  for _, k in ipairs(sorted_keys(v)) do
+    if not known[k] then
+      problem(ctx, join(path, tostring(k)), unknown(k, M.hook_names, 'hook'))
+      ok = false
+    elseif type(v[k]) ~= 'function' then
+      problem(ctx, join(path, k), 'must be a function, got ' .. describe(v[k]))
+      ok = false
+    end
+  end
+  return ok and v or nil
+end
+TOP.fields.hooks = field('custom', nil, { check = check_hooks })
+
 -- check_sampler(block [, {world_size = 1, micro_batch = n, source = config
 -- path}]) -> the resolved sampler block, or nil and the
 -- problems (lines naming sampler.<key>). micro_batch stands for

@@ -222,6 +222,8 @@ function M.initialize(opts)
     self:_watch_loader(loader)
   end
   self.training_dataloader = loader
+  -- live reload, hooks and `dslua attach` (dslua/reload.lua), at each step boundary
+  self.reload = require('dslua.reload').session(self, cfg)
   self:train()
   return self, optimizer, loader, scheduler
 end
@@ -260,6 +262,7 @@ function Engine:destroy()
   if self.training_dataloader then self.training_dataloader.epoch = nil end   -- the engine's wrapper goes
   if self.zero then self.zero:close() end
   if self.steps then self.steps:close() end
+  if self.reload then self.reload:close() end
   self.zero, self.steps, self.optimizer, self.lr_scheduler = nil, nil, nil, nil
 end
 
@@ -317,6 +320,7 @@ end
 function Engine:eval()
   self.module:eval()
   self.training = false
+  if self.reload then self.reload:hook('on_eval', self) end
 end
 
 -- The samples of a micro step: the batch's first dimension (batch.x or
@@ -537,6 +541,7 @@ function Engine:step()
     self.busy_time = self.busy_time + (now() - (self.busy_since or now()))
     self.busy_since = nil
     self:_report()
+    if self.reload then self.reload:boundary() end
   end
 end
 
@@ -671,6 +676,7 @@ end
 -- The checkpoint format (safetensors per rank, atomic writes, resharding)
 -- is its own piece of work; until it lands the call says so and writes nothing.
 function Engine:save_checkpoint(dir, tag)
+  if self.reload then self.reload:hook('on_save', self, dir, tag) end
   log(self, 'save_checkpoint(%s, %s): checkpoint writing is not built yet; nothing was written',
       tostring(dir), tostring(tag or ('global_step' .. self.global_steps)))
   return false

@@ -66,6 +66,7 @@ function ds.device(t)
   return device_of(t)
 end
 ds.comm = require 'dslua.comm'
+ds.reload = require 'dslua.reload'
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds

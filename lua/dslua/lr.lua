@@ -81,6 +81,8 @@ end
 local Scheduler = {}
 Scheduler.__index = Scheduler
 
+local builders = {}      -- kind -> function(optimizer, params, who) -> scheduler, below
+
 local function new_scheduler(optimizer, kind, compute, last_batch_iteration)
   return setmetatable({ optimizer = optimizer, kind = kind, compute = compute,
                         last_batch_iteration = last_batch_iteration }, Scheduler)
@@ -100,6 +102,10 @@ function Scheduler:step(batch_iteration)
   end
   self.last_batch_iteration = batch_iteration
   local lrs, betas = self:compute(batch_iteration)
+  if self.pinned then
+    lrs = {}
+    for i = 1, #self.optimizer.param_groups do lrs[i] = self.pinned end
+  end
   set_lrs(self, lrs)
   if betas then
     for i, g in ipairs(self.optimizer.param_groups) do g.betas = betas[i] end
@@ -119,6 +125,43 @@ end
 
 function Scheduler:state_dict()
   return { last_batch_iteration = self.last_batch_iteration }
+end
+
+-- pin_lr(lr): every group's lr is lr from now on, whatever the schedule
+-- says (it keeps counting steps); pin_lr(nil) hands the lr back to it.
+-- How `dslua attach`'s set_lr overrides a schedule.
+function Scheduler:pin_lr(lr)
+  if lr ~= nil and (type(lr) ~= 'number' or lr ~= lr or lr < 0) then
+    fail('%s: pin_lr: lr must be a number >= 0 or nil, got %s', self.kind, tostring(lr))
+  end
+  self.pinned = lr
+  self:step(self.last_batch_iteration)
+end
+
+-- prepare_params(changes) -> commit(): the schedule with some of its params
+-- changed, checked at the current iteration without changing anything;
+-- commit() makes it the schedule, its lrs set for the current iteration.
+-- For schedulers built by name (from_config or ds.lr.<Kind>), from the
+-- params and group lrs they were built with.
+function Scheduler:prepare_params(changes)
+  local who = 'set_params ' .. self.kind
+  if type(changes) ~= 'table' then fail('%s: expected a table of params, got %s', who, type(changes)) end
+  if not (self.base_lrs and builders[self.kind]) then
+    fail('%s: this scheduler was not built from a config block or by name; its params cannot be changed', who)
+  end
+  local params = copy(self.params)
+  for k, v in pairs(changes) do params[k] = v end
+  params.last_batch_iteration = nil
+  local groups = {}
+  for i, g in ipairs(self.optimizer.param_groups) do
+    groups[i] = setmetatable({ lr = self.base_lrs[i] }, { __index = g })   -- writes stay off the real groups
+  end
+  local fresh = builders[self.kind]({ param_groups = groups }, params, who)
+  fresh:compute(self.last_batch_iteration)
+  return function()
+    self.compute, self.params = fresh.compute, params
+    self:step(self.last_batch_iteration)
+  end
 end
 
 -- Restores the iteration; the lr itself comes back with the optimizer's
@@ -152,8 +195,6 @@ local function per_group_scheduler(optimizer, kind, formula, group_params, who, 
     return lrs
   end, last_batch_iteration)
 end
-
-local builders = {}
 
 function builders.LRRangeTest(optimizer, params, who)
   check_names(params, LR_RANGE_TEST, who)
@@ -279,9 +320,19 @@ end
 
 local TYPES = { 'LRRangeTest', 'OneCycle', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'lua' }
 
+-- The group lrs before a builder sets its own, and the params it was built
+-- with: what prepare_params rebuilds from.
+local function build(kind, optimizer, params, who)
+  local base = {}
+  for i, g in ipairs(groups_of(optimizer, who)) do base[i] = g.lr end
+  local s = builders[kind](optimizer, params, who)
+  s.base_lrs, s.params = base, copy(params)
+  return s
+end
+
 for _, kind in ipairs(TYPES) do
   if builders[kind] then
-    M[kind] = function(optimizer, params) return builders[kind](optimizer, params or {}, kind) end
+    M[kind] = function(optimizer, params) return build(kind, optimizer, params or {}, kind) end
   end
 end
 
@@ -322,17 +373,22 @@ end
 -- momentum) of each group. step counts the scheduler steps taken: 0 at
 -- construction (the lr of the first optimizer step), n after n step()s,
 -- i.e. DeepSpeed's last_batch_iteration + 1. name prefixes error messages.
-function M.lambda(optimizer, schedule, params, who)
-  who = who or 'lambda'
-  local groups = groups_of(optimizer, who)
-  local get_lr, tbl = schedule, nil
+-- A schedule's get_lr function and its table (nil for a bare function).
+local function schedule_parts(schedule, who)
   if type(schedule) == 'table' then
     if type(schedule.get_lr) ~= 'function' then fail('%s: the schedule table has no get_lr function', who) end
-    get_lr, tbl = schedule.get_lr, schedule
+    return schedule.get_lr, schedule
   elseif type(schedule) ~= 'function' then
     fail('%s: schedule must be a function(step, params) -> lr[, momentum] or a table with get_lr, got %s',
          who, type(schedule))
   end
+  return schedule, nil
+end
+
+function M.lambda(optimizer, schedule, params, who)
+  who = who or 'lambda'
+  local groups = groups_of(optimizer, who)
+  local get_lr, tbl = schedule_parts(schedule, who)
   params = params or {}
   local cache_at, cache_lrs, cache_moms
   local s = new_scheduler(optimizer, 'lambda', function(_, it)
@@ -346,6 +402,40 @@ function M.lambda(optimizer, schedule, params, who)
     return cache_lrs, nil
   end, -1)
   s.schedule = tbl or schedule
+  s.params = params
+  -- what fn gives at the current step, checked as step() would check it
+  local function check_at(fn, p)
+    local step = s.last_batch_iteration + 1
+    local lr, mom = fn(step, p)
+    values_for(lr, #groups, 'lr', step, who)
+    if mom ~= nil then values_for(mom, #groups, 'momentum', step, who) end
+  end
+  -- prepare_swap(schedule) -> commit(): another schedule (function or
+  -- table), checked at the current step; commit() makes it the schedule,
+  -- this step's lrs set from it (live reload swaps the schedule file so).
+  function s:prepare_swap(new)
+    local new_get, new_tbl = schedule_parts(new, who)
+    check_at(new_get, params)
+    return function()
+      get_lr, tbl = new_get, new_tbl
+      self.schedule = new_tbl or new
+      cache_at = nil
+      self:step(self.last_batch_iteration)
+    end
+  end
+  -- prepare_params(changes) -> commit(): the params handed to get_lr, some
+  -- changed (the same table, updated in place), checked at the current step.
+  function s:prepare_params(changes)
+    if type(changes) ~= 'table' then fail('%s: set_params: expected a table of params, got %s', who, type(changes)) end
+    local merged = copy(params)
+    for k, v in pairs(changes) do merged[k] = v end
+    check_at(get_lr, merged)
+    return function()
+      for k, v in pairs(changes) do params[k] = v end
+      cache_at = nil
+      self:step(self.last_batch_iteration)
+    end
+  end
   local step = Scheduler.step
   -- momentum is set per group in place of OneCycle's betas
   function s:step(batch_iteration)
@@ -371,16 +461,26 @@ function M.lambda(optimizer, schedule, params, who)
 end
 
 -- A Lua schedule file: returns function(step, params) or a table with get_lr.
-local function load_schedule(path, who)
-  if type(path) ~= 'string' then fail('%s: params.path must be the path of a Lua file, got %s', who, type(path)) end
-  local chunk, err = loadfile(path)
-  if not chunk then fail('%s: cannot load schedule file %s: %s', who, path, err) end
-  local ok, res = pcall(chunk)
-  if not ok then fail('%s: schedule file %s failed while loading: %s', who, path, tostring(res)) end
+-- What a schedule file's chunk returned, checked.
+function M.check_schedule(res, path, who)
   if type(res) == 'function' or (type(res) == 'table' and type(res.get_lr) == 'function') then return res end
   local got = type(res) == 'table' and 'table without get_lr' or type(res)
   fail('%s: schedule file %s returned a %s; expected function(step, params) -> lr[, momentum]'
        .. ' or a table with get_lr(step, params)', who, path, got)
+end
+
+-- The schedule a file returns, and the file's text (live reload hashes it).
+local function load_schedule(path, who)
+  if type(path) ~= 'string' then fail('%s: params.path must be the path of a Lua file, got %s', who, type(path)) end
+  local f, err = io.open(path, 'rb')
+  if not f then fail('%s: cannot load schedule file %s: cannot open %s', who, path, err) end
+  local text = f:read('*a')
+  f:close()
+  local chunk, cerr = loadstring(text, '@' .. path)
+  if not chunk then fail('%s: cannot load schedule file %s: %s', who, path, cerr) end
+  local ok, res = pcall(chunk)
+  if not ok then fail('%s: schedule file %s failed while loading: %s', who, path, tostring(res)) end
+  return M.check_schedule(res, path, who), text
 end
 
 -- from_config(optimizer, {type=, params=}): DeepSpeed's scheduler block.
@@ -406,12 +506,13 @@ function M.from_config(optimizer, block)
   if kind == 'lua' then
     local rest = copy(params)
     rest.path = nil
-    local s = M.lambda(optimizer, load_schedule(params.path, who), rest, who .. ' (' .. tostring(params.path) .. ')')
-    s.kind = 'lua'
+    local schedule, text = load_schedule(params.path, who)
+    local s = M.lambda(optimizer, schedule, rest, who .. ' (' .. tostring(params.path) .. ')')
+    s.kind, s.path, s.source = 'lua', params.path, text
     return s
   end
   if not builders[kind] then fail("scheduler.type: unknown scheduler '%s'%s", kind, hint(kind, TYPES)) end
-  return builders[kind](optimizer, params, who)
+  return build(kind, optimizer, params, who)
 end
 
 return M

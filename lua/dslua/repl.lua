@@ -27,6 +27,8 @@ local function show(v)
   return '{' .. table.concat(parts, ', ') .. '}'
 end
 
+M.show = show      -- `dslua attach` shows a job's values the same way
+
 -- The traceback of an error in user code, without the REPL's own frames.
 local function traceback(e)
   local tb = debug.traceback(tostring(e), 2)

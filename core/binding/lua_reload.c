@@ -1,0 +1,83 @@
+/* What live reload needs from C (dslua/reload.lua): the SHA-256 that names
+ * a version, a cheap look at a file's metadata for the per-step check, and
+ * strings as u8 tensors so collectives can carry them.
+ *
+ *   core._reload.sha256(s)      -> 64 hex digits
+ *   core._reload.stat(path)     -> signature string (mtime, size, inode) or nil, why
+ *   core._reload.to_bytes(s)    -> u8 tensor of s's bytes
+ *   core._reload.from_bytes(t)  -> the string of a contiguous CPU u8 tensor
+ *   core._reload.sleep(seconds)
+ */
+#include "lua_tensor.h"
+#include "ds_hash.h"
+#include "ds_error.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+static int l_sha256(lua_State *L) {
+    size_t n;
+    const char *s = luaL_checklstring(L, 1, &n);
+    char hex[DS_HASH_SHA256_HEX];
+    if (ds_hash_sha256_hex(s, n, hex)) return dsL_error(L);
+    lua_pushstring(L, hex);
+    return 1;
+}
+
+/* Modification time to the nanosecond, size and inode: an edit in place
+ * changes the first two, an editor's write-and-rename the inode. */
+static int l_stat(lua_State *L) {
+    const char *path = luaL_checkstring(L, 1);
+    struct stat st;
+    if (stat(path, &st) != 0) {
+        lua_pushnil(L);
+        lua_pushstring(L, strerror(errno));
+        return 2;
+    }
+    char sig[96];
+    snprintf(sig, sizeof sig, "%lld.%09ld %lld %llu", (long long)st.st_mtim.tv_sec, (long)st.st_mtim.tv_nsec,
+             (long long)st.st_size, (unsigned long long)st.st_ino);
+    lua_pushstring(L, sig);
+    return 1;
+}
+
+static int l_to_bytes(lua_State *L) {
+    size_t n;
+    const char *s = luaL_checklstring(L, 1, &n);
+    int64_t shape[1] = { (int64_t)n };
+    ds_tensor *t = ds_tensor_new(1, shape, DS_U8, DS_CPU_DEVICE);
+    if (!t) return dsL_error(L);
+    if (n) memcpy(ds_tensor_data(t), s, n);
+    return dsL_pushtensor(L, t);
+}
+
+static int l_from_bytes(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    if (t->dtype != DS_U8 || ds_tensor_device(t).type != DS_DEV_CPU || !ds_tensor_is_contiguous(t))
+        return luaL_error(L, "from_bytes: expected a contiguous CPU u8 tensor, got %s on %s", ds_dtype_name(t->dtype),
+                          ds_tensor_device(t).type == DS_DEV_CPU ? "the CPU" : "a GPU");
+    int64_t n = ds_tensor_numel(t);
+    lua_pushlstring(L, n ? (const char *)ds_tensor_data(t) : "", (size_t)n);
+    return 1;
+}
+
+static int l_sleep(lua_State *L) {
+    lua_Number s = luaL_checknumber(L, 1);
+    if (!(s >= 0 && s <= 3600)) return luaL_error(L, "sleep: seconds must be in [0, 3600], got %f", s);
+    struct timespec ts = { (time_t)s, (long)((s - (lua_Number)(time_t)s) * 1e9) };
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+    return 0;
+}
+
+void dsL_open_reload(lua_State *L) {
+    static const luaL_Reg fns[] = {
+        {"sha256", l_sha256}, {"stat", l_stat}, {"to_bytes", l_to_bytes}, {"from_bytes", l_from_bytes},
+        {"sleep", l_sleep}, {NULL, NULL}
+    };
+    lua_newtable(L);
+    luaL_register(L, NULL, fns);
+    lua_setfield(L, -2, "_reload");
+}
