@@ -1,0 +1,402 @@
+#include "ds_safetensors.h"
+#include "ds_error.h"
+#include "ds_ops.h"
+
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* A header larger than this is not one a writer made: refuse it before
+ * allocating. */
+#define MAX_HEADER ((int64_t)100 << 20)
+#define CHUNK ((size_t)8 << 20)
+
+static const char *const st_names[DS_NDTYPES] = {
+    [DS_F32] = "F32", [DS_F64] = "F64", [DS_BF16] = "BF16", [DS_F16] = "F16",
+    [DS_I32] = "I32", [DS_I64] = "I64", [DS_U8] = "U8", [DS_BOOL] = "BOOL",
+};
+
+static int st_dtype(const char *s) {
+    for (int i = 0; i < DS_NDTYPES; i++)
+        if (st_names[i] && strcmp(s, st_names[i]) == 0) return i;
+    return -1;
+}
+
+/* ---------------------------------------------------------------- saving */
+
+/* The header: each tensor's entry in order, then __metadata__, padded
+ * with spaces to a multiple of 8. NULL with the error set. */
+static char *make_header(int n, const char *const *names, ds_tensor *const *tensors, int n_meta,
+                         const char *const *keys, const char *const *values, int64_t *len) {
+    cJSON *root = cJSON_CreateObject();
+    int64_t at = 0;
+    for (int i = 0; root && i < n; i++) {
+        const ds_tensor *t = tensors[i];
+        int64_t bytes = ds_tensor_numel(t) * (int64_t)ds_dtype_size(t->dtype);
+        cJSON *e = cJSON_CreateObject(), *shape = cJSON_CreateArray(), *off = cJSON_CreateArray();
+        bool ok = e && shape && off && cJSON_AddStringToObject(e, "dtype", st_names[t->dtype]);
+        for (int d = 0; ok && d < t->ndim; d++) ok = cJSON_AddItemToArray(shape, cJSON_CreateNumber((double)t->shape[d]));
+        ok = ok && cJSON_AddItemToArray(off, cJSON_CreateNumber((double)at)) &&
+             cJSON_AddItemToArray(off, cJSON_CreateNumber((double)(at + bytes)));
+        if (ok) {
+            cJSON_AddItemToObject(e, "shape", shape);
+            cJSON_AddItemToObject(e, "data_offsets", off);
+            cJSON_AddItemToObject(root, names[i], e);
+        } else {
+            cJSON_Delete(e);
+            cJSON_Delete(shape);
+            cJSON_Delete(off);
+            cJSON_Delete(root);
+            root = NULL;
+        }
+        at += bytes;
+    }
+    if (root && n_meta > 0) {
+        cJSON *meta = cJSON_AddObjectToObject(root, "__metadata__");
+        for (int i = 0; meta && i < n_meta; i++)
+            if (!cJSON_AddStringToObject(meta, keys[i], values[i])) meta = NULL;
+        if (!meta) {
+            cJSON_Delete(root);
+            root = NULL;
+        }
+    }
+    char *text = root ? cJSON_PrintUnformatted(root) : NULL;
+    cJSON_Delete(root);
+    if (!text) return ds_fail(DS_ERR_NOMEM, "safetensors: out of memory building the header");
+    size_t tl = strlen(text);
+    size_t padded = (tl + 7) / 8 * 8;
+    char *out = malloc(padded);
+    if (!out) {
+        cJSON_free(text);
+        return ds_fail(DS_ERR_NOMEM, "safetensors: out of memory building the header");
+    }
+    memcpy(out, text, tl);
+    memset(out + tl, ' ', padded - tl);
+    cJSON_free(text);
+    *len = (int64_t)padded;
+    return out;
+}
+
+typedef struct {
+    int fd;
+    const char *path;
+    ds_sha256 *file_hash;
+    int64_t data_written, kill_after;
+} writer;
+
+/* Writes n bytes, hashing them into the file's digest (and h's). The kill
+ * hook fires at exactly kill_after data bytes. */
+static int put(writer *w, const void *data, size_t n, ds_sha256 *h, bool is_data) {
+    const char *p = data;
+    while (n > 0) {
+        size_t step = n;
+        if (is_data && w->kill_after >= 0) {
+            if (w->data_written >= w->kill_after) raise(SIGKILL);
+            if ((int64_t)step > w->kill_after - w->data_written) step = (size_t)(w->kill_after - w->data_written);
+        }
+        ssize_t got = write(w->fd, p, step);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return ds_fail(DS_ERR_IO, "cannot write '%s': %s", w->path, strerror(errno)), -1;
+        if (ds_sha256_update(w->file_hash, p, (size_t)got) || (h && ds_sha256_update(h, p, (size_t)got))) return -1;
+        p += got;
+        n -= (size_t)got;
+        if (is_data) w->data_written += got;
+    }
+    if (is_data && w->kill_after >= 0 && w->data_written >= w->kill_after) raise(SIGKILL);
+    return 0;
+}
+
+/* One tensor's bytes, from host memory (a copy for other devices or
+ * strided views). */
+static int put_tensor(writer *w, const char *name, ds_tensor *t, char *hex) {
+    ds_tensor *host = t;
+    ds_tensor_retain(host);
+    if (!ds_device_equal(ds_tensor_device(t), DS_CPU_DEVICE)) {
+        ds_tensor *c = ds_to_device(host, DS_CPU_DEVICE);
+        ds_tensor_release(host);
+        host = c;
+    }
+    if (host && !ds_tensor_is_contiguous(host)) {
+        ds_tensor *c = ds_contiguous(host);
+        ds_tensor_release(host);
+        host = c;
+    }
+    if (!host) return ds_fail(DS_ERR_STATE, "safetensors: '%s': tensor '%s': %s", w->path, name, ds_error_message()), -1;
+    ds_sha256 *h = hex ? ds_sha256_new() : NULL;
+    int rc = hex && !h ? -1 : 0;
+    size_t bytes = (size_t)ds_tensor_numel(host) * ds_dtype_size(host->dtype);
+    const char *p = bytes ? ds_tensor_data(host) : NULL;
+    for (size_t done = 0; rc == 0 && done < bytes; done += CHUNK)
+        rc = put(w, p + done, bytes - done < CHUNK ? bytes - done : CHUNK, h, true);
+    if (rc == 0 && h) rc = ds_sha256_final(h, hex);
+    else ds_sha256_free(h);
+    ds_tensor_release(host);
+    return rc;
+}
+
+int ds_safetensors_save(const char *path, int n, const char *const *names, ds_tensor *const *tensors, int n_meta,
+                        const char *const *meta_keys, const char *const *meta_values,
+                        char (*tensor_sha256)[DS_SHA256_HEX], int64_t kill_after, ds_safetensors_saved *out) {
+    for (int i = 0; i < n; i++) {
+        if (ds_tensor_is_released(tensors[i]))
+            return ds_fail(DS_ERR_ARG, "safetensors: '%s': tensor '%s' is released (a partitioned parameter)", path,
+                           names[i]), -1;
+        if (strcmp(names[i], "__metadata__") == 0)
+            return ds_fail(DS_ERR_ARG, "safetensors: '%s': '__metadata__' cannot name a tensor", path), -1;
+    }
+    int64_t hlen = 0;
+    char *header = make_header(n, names, tensors, n_meta, meta_keys, meta_values, &hlen);
+    if (!header) return -1;
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp) {
+        free(header);
+        return ds_fail(DS_ERR_ARG, "safetensors: path too long: '%s'", path), -1;
+    }
+    writer w = { open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), tmp, NULL, 0, kill_after };
+    if (w.fd < 0) {
+        free(header);
+        return ds_fail(DS_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno)), -1;
+    }
+    int rc = (w.file_hash = ds_sha256_new()) ? 0 : -1;
+    unsigned char len8[8];
+    for (int b = 0; b < 8; b++) len8[b] = (unsigned char)((uint64_t)hlen >> (8 * b));
+    if (rc == 0) rc = put(&w, len8, 8, NULL, false);
+    if (rc == 0) rc = put(&w, header, (size_t)hlen, NULL, false);
+    free(header);
+    for (int i = 0; i < n && rc == 0; i++) rc = put_tensor(&w, names[i], tensors[i], tensor_sha256 ? tensor_sha256[i] : NULL);
+    if (rc == 0 && fsync(w.fd) != 0) rc = -1, ds_fail(DS_ERR_IO, "cannot fsync '%s': %s", tmp, strerror(errno));
+    if (close(w.fd) != 0 && rc == 0) rc = -1, ds_fail(DS_ERR_IO, "cannot close '%s': %s", tmp, strerror(errno));
+    if (rc == 0) {
+        out->bytes = 8 + hlen + w.data_written;
+        rc = ds_sha256_final(w.file_hash, out->sha256);
+        w.file_hash = NULL;
+    }
+    ds_sha256_free(w.file_hash);
+    if (rc == 0 && rename(tmp, path) != 0)
+        rc = -1, ds_fail(DS_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
+    if (rc) unlink(tmp);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- reading */
+
+struct ds_safetensors_file {
+    int fd;
+    char *path;
+    cJSON *root;                    /* names point into it */
+    int64_t data_start, data_size;
+    int n, n_meta;
+    ds_safetensors_entry *e;
+    const char **meta_keys, **meta_values;
+};
+
+const char *ds_safetensors_path(const ds_safetensors_file *f) { return f->path; }
+int ds_safetensors_count(const ds_safetensors_file *f) { return f->n; }
+const ds_safetensors_entry *ds_safetensors_entry_at(const ds_safetensors_file *f, int i) { return &f->e[i]; }
+int ds_safetensors_n_metadata(const ds_safetensors_file *f) { return f->n_meta; }
+
+void ds_safetensors_metadata_at(const ds_safetensors_file *f, int i, const char **key, const char **value) {
+    *key = f->meta_keys[i];
+    *value = f->meta_values[i];
+}
+
+int ds_safetensors_find(const ds_safetensors_file *f, const char *name) {
+    for (int i = 0; i < f->n; i++)
+        if (strcmp(f->e[i].name, name) == 0) return i;
+    return -1;
+}
+
+void ds_safetensors_close(ds_safetensors_file *f) {
+    if (!f) return;
+    if (f->fd >= 0) close(f->fd);
+    cJSON_Delete(f->root);
+    free(f->e);
+    free(f->meta_keys);
+    free(f->meta_values);
+    free(f->path);
+    free(f);
+}
+
+/* n bytes at offset, all of them (a short read is a truncated file). */
+static int read_at(ds_safetensors_file *f, void *buf, size_t n, int64_t offset, const char *what) {
+    char *p = buf;
+    while (n > 0) {
+        ssize_t got = pread(f->fd, p, n, (off_t)offset);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return ds_fail(DS_ERR_IO, "cannot read '%s' (%s): %s", f->path, what, strerror(errno)), -1;
+        if (got == 0)
+            return ds_fail(DS_ERR_IO, "'%s' ends early while reading %s: the file is truncated", f->path, what), -1;
+        p += got;
+        n -= (size_t)got;
+        offset += got;
+    }
+    return 0;
+}
+
+static bool whole(double v) { return v >= 0 && v <= 0x1p53 && v == (double)(int64_t)v; }
+
+/* One tensor entry of the header, checked against the data's size. */
+static int parse_entry(ds_safetensors_file *f, const cJSON *item, ds_safetensors_entry *e) {
+    const char *name = item->string;
+    e->name = name;
+    const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
+    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(item, "shape");
+    const cJSON *off = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
+    if (!cJSON_IsObject(item) || !cJSON_IsString(dt) || !cJSON_IsArray(shape) || !cJSON_IsArray(off) ||
+        cJSON_GetArraySize(off) != 2)
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': the header entry needs dtype, shape and data_offsets [begin, "
+                       "end]: the file is corrupt", f->path, name), -1;
+    int dtype = st_dtype(dt->valuestring);
+    if (dtype < 0)
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': dtype '%s' is not one dslua reads (F32 F64 BF16 F16 I32 I64 "
+                       "U8 BOOL)", f->path, name, dt->valuestring), -1;
+    e->dtype = (ds_dtype)dtype;
+    e->ndim = cJSON_GetArraySize(shape);
+    if (e->ndim > DS_MAX_DIMS)
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s' has %d dims, dslua's tensors at most %d", f->path, name, e->ndim,
+                       DS_MAX_DIMS), -1;
+    e->numel = 1;
+    int d = 0;
+    for (const cJSON *s = shape->child; s; s = s->next, d++) {
+        if (!cJSON_IsNumber(s) || !whole(s->valuedouble))
+            return ds_fail(DS_ERR_IO, "'%s': tensor '%s': shape entry %d is not a non-negative integer: the file is "
+                           "corrupt", f->path, name, d + 1), -1;
+        e->shape[d] = (int64_t)s->valuedouble;
+        e->numel *= e->shape[d];
+    }
+    const cJSON *b = cJSON_GetArrayItem(off, 0), *en = cJSON_GetArrayItem(off, 1);
+    if (!cJSON_IsNumber(b) || !cJSON_IsNumber(en) || !whole(b->valuedouble) || !whole(en->valuedouble) ||
+        en->valuedouble < b->valuedouble)
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': data_offsets are not [begin, end] with 0 <= begin <= end: the "
+                       "file is corrupt", f->path, name), -1;
+    e->begin = (int64_t)b->valuedouble;
+    e->end = (int64_t)en->valuedouble;
+    int64_t need = e->numel * (int64_t)ds_dtype_size(e->dtype);
+    if (e->end - e->begin != need)
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': data_offsets [%lld, %lld] hold %lld bytes, its dtype and shape "
+                       "need %lld: the file is corrupt", f->path, name, (long long)e->begin, (long long)e->end,
+                       (long long)(e->end - e->begin), (long long)need), -1;
+    if (e->end > f->data_size)
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': its bytes [%lld, %lld) run past the end of the data (%lld "
+                       "bytes): the file is truncated", f->path, name, (long long)e->begin, (long long)e->end,
+                       (long long)f->data_size), -1;
+    return 0;
+}
+
+static int parse_header(ds_safetensors_file *f, const char *text, int64_t len) {
+    f->root = cJSON_ParseWithLength(text, (size_t)len);
+    if (!cJSON_IsObject(f->root))
+        return ds_fail(DS_ERR_IO, "'%s': the header is not a JSON object: not a safetensors file, or corrupt",
+                       f->path), -1;
+    int count = cJSON_GetArraySize(f->root);
+    f->e = calloc((size_t)count + 1, sizeof *f->e);
+    if (!f->e) return ds_fail(DS_ERR_NOMEM, "'%s': out of memory for the header", f->path), -1;
+    for (const cJSON *item = f->root->child; item; item = item->next) {
+        if (strcmp(item->string, "__metadata__") != 0) {
+            if (parse_entry(f, item, &f->e[f->n])) return -1;
+            f->n++;
+            continue;
+        }
+        if (!cJSON_IsObject(item))
+            return ds_fail(DS_ERR_IO, "'%s': __metadata__ is not an object of strings", f->path), -1;
+        int m = cJSON_GetArraySize(item);
+        f->meta_keys = calloc((size_t)m + 1, sizeof *f->meta_keys);
+        f->meta_values = calloc((size_t)m + 1, sizeof *f->meta_values);
+        if (!f->meta_keys || !f->meta_values) return ds_fail(DS_ERR_NOMEM, "'%s': out of memory", f->path), -1;
+        for (const cJSON *kv = item->child; kv; kv = kv->next) {
+            if (!cJSON_IsString(kv))
+                return ds_fail(DS_ERR_IO, "'%s': __metadata__ entry '%s' is not a string", f->path, kv->string), -1;
+            f->meta_keys[f->n_meta] = kv->string;
+            f->meta_values[f->n_meta++] = kv->valuestring;
+        }
+    }
+    return 0;
+}
+
+ds_safetensors_file *ds_safetensors_open(const char *path) {
+    ds_safetensors_file *f = calloc(1, sizeof *f);
+    if (!f || !(f->path = strdup(path))) {
+        free(f);
+        return ds_fail(DS_ERR_NOMEM, "safetensors: out of memory opening '%s'", path);
+    }
+    struct stat st;
+    char *text = NULL;
+    int rc = 0;
+    if ((f->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0 || fstat(f->fd, &st) != 0)
+        rc = -1, ds_fail(DS_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    unsigned char len8[8];
+    int64_t size = rc == 0 ? (int64_t)st.st_size : 0, hlen = 0;
+    if (rc == 0 && size < 8)
+        rc = -1, ds_fail(DS_ERR_IO, "'%s' is %lld bytes, too short for a safetensors header: the file is truncated",
+                         path, (long long)size);
+    if (rc == 0) rc = read_at(f, len8, 8, 0, "the header length");
+    for (int b = 7; rc == 0 && b >= 0; b--) hlen = (hlen << 8) | len8[b];
+    if (rc == 0 && (hlen < 2 || hlen > MAX_HEADER))
+        rc = -1, ds_fail(DS_ERR_IO, "'%s': a header length of %lld bytes: not a safetensors file, or corrupt", path,
+                         (long long)hlen);
+    if (rc == 0 && 8 + hlen > size)
+        rc = -1, ds_fail(DS_ERR_IO, "'%s': the %lld-byte header runs past the end of the file (%lld bytes): the file "
+                         "is truncated", path, (long long)hlen, (long long)size);
+    if (rc == 0 && !(text = malloc((size_t)hlen)))
+        rc = -1, ds_fail(DS_ERR_NOMEM, "'%s': out of memory for the header", path);
+    if (rc == 0) rc = read_at(f, text, (size_t)hlen, 8, "the header");
+    if (rc == 0) {
+        f->data_start = 8 + hlen;
+        f->data_size = size - f->data_start;
+        rc = parse_header(f, text, hlen);
+    }
+    free(text);
+    if (rc) {
+        ds_safetensors_close(f);
+        return NULL;
+    }
+    return f;
+}
+
+ds_tensor *ds_safetensors_read(ds_safetensors_file *f, int i, int64_t lo, int64_t n) {
+    const ds_safetensors_entry *e = &f->e[i];
+    if (lo < 0 || n < 0 || lo + n > e->numel)
+        return ds_fail(DS_ERR_ARG, "'%s': tensor '%s': elements [%lld, %lld) are outside its %lld", f->path, e->name,
+                       (long long)lo, (long long)(lo + n), (long long)e->numel);
+    ds_tensor *t = ds_tensor_new(1, &n, e->dtype, DS_CPU_DEVICE);
+    if (!t) return NULL;
+    int64_t size = (int64_t)ds_dtype_size(e->dtype);
+    char what[PATH_MAX];
+    snprintf(what, sizeof what, "tensor '%s'", e->name);
+    if (n > 0 && read_at(f, ds_tensor_data(t), (size_t)(n * size), f->data_start + e->begin + lo * size, what)) {
+        ds_tensor_release(t);
+        return NULL;
+    }
+    return t;
+}
+
+int ds_safetensors_entry_sha256(ds_safetensors_file *f, int i, char *hex) {
+    const ds_safetensors_entry *e = &f->e[i];
+    char *buf = malloc(CHUNK);
+    ds_sha256 *h = buf ? ds_sha256_new() : NULL;
+    if (!h) {
+        free(buf);
+        return ds_fail(DS_ERR_NOMEM, "'%s': out of memory hashing tensor '%s'", f->path, e->name), -1;
+    }
+    char what[PATH_MAX];
+    snprintf(what, sizeof what, "tensor '%s'", e->name);
+    int rc = 0;
+    for (int64_t at = e->begin; rc == 0 && at < e->end; at += (int64_t)CHUNK) {
+        size_t n = e->end - at < (int64_t)CHUNK ? (size_t)(e->end - at) : CHUNK;
+        rc = read_at(f, buf, n, f->data_start + at, what);
+        if (rc == 0) rc = ds_sha256_update(h, buf, n);
+    }
+    free(buf);
+    if (rc) {
+        ds_sha256_free(h);
+        return -1;
+    }
+    return ds_sha256_final(h, hex);
+}
