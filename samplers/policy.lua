@@ -387,10 +387,12 @@ function M.attach(loader, sampler, opts)
       out(sampler:epoch_line())
     end
     local per_step = type(plan.micro_batch) == 'table'
-    l:set_batch_size(per_step and (plan.micro_batch[1] or 1) or plan.micro_batch)
+    -- a checkpoint's position (loader:resume) starts after its step
+    local resume = l._resume
+    local step = resume and resume.epoch == e and resume.step or 0
+    l:set_batch_size(per_step and (plan.micro_batch[step + 1] or 1) or plan.micro_batch)
     local it = epoch(l, e)
     if not per_step then return it end
-    local step = 0
     return function()
       step = step + 1
       local b = plan.micro_batch[step]
