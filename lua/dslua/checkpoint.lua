@@ -437,6 +437,13 @@ function M.manifest(engine, L, tag, files, saved_states, client)
     groups[g] = { hyperparameters = hyperparams(group), step = steps[g], params = json.array(names),
                   state = json.array(saved_states[g]) }
   end
+  -- state_dict names of trainable parameters under a second name (tied)
+  local aliases, seen = {}, {}
+  for _, e in ipairs(engine.module:named_parameters()) do seen[e[2]] = e[1] end
+  for _, e in ipairs(engine.module:state_entries()) do
+    local first = seen[e[2]]
+    if first and first ~= e[1] and L.by_name[first] then aliases[e[1]] = first end
+  end
   local module = {}
   for _, e in ipairs(module_tensors(engine, L)) do
     module[#module + 1] = { name = e[1], dtype = e[2]:dtype(), shape = json.array(e[2]:size()) }
@@ -444,7 +451,7 @@ function M.manifest(engine, L, tag, files, saved_states, client)
   return {
     format = FORMAT, format_version = FORMAT_VERSION, dslua_version = core.version, tag = tag,
     world_size = engine.world_size, zero_stage = z and z.stage or 0, dtype = z and z.dtype or 'f32',
-    device = engine.device, parameters = params, module = json.array(module),
+    device = engine.device, parameters = params, module = json.array(module), aliases = aliases,
     optimizer = { type = L.optimizer.name, param_groups = groups },
     engine = { global_steps = engine.global_steps, global_samples = engine.global_samples,
                micro_steps = engine.micro_steps, skipped_steps = engine.skipped_steps, epoch = engine.epoch },
@@ -807,6 +814,154 @@ function M.load(engine, dir, tag, opts)
        path, m.world_size, m.zero_stage, m.dtype, engine.world_size, engine.zero and engine.zero.stage or 0,
        engine.zero and engine.zero.dtype or 'f32')
   return path, client
+end
+
+---------------------------------------------------------------- whole models
+
+-- ds.checkpoint.save_file(path, {name = tensor} or {{name, tensor}...} [,
+-- metadata]) and load_file(path) -> {name = tensor}, metadata: one
+-- safetensors file, as safetensors.torch's save_file and load_file.
+function M.save_file(path, tensors, metadata)
+  local entries = {}
+  if tensors[1] ~= nil then
+    entries = tensors
+  else
+    local names = {}
+    for k in pairs(tensors) do names[#names + 1] = k end
+    table.sort(names)
+    for i, k in ipairs(names) do entries[i] = { k, tensors[k] } end
+  end
+  local meta = { format = 'pt' }
+  for k, v in pairs(metadata or {}) do meta[k] = v end
+  C.save(path, entries, meta)
+  C.fsync_dir(path:match('^(.*)/[^/]*$') or '.')
+end
+
+function M.load_file(path)
+  local f = C.open(path)
+  local out = {}
+  for _, e in ipairs(f:entries()) do
+    local t = f:read(e.name)
+    out[e.name] = #e.shape > 0 and t:view(e.shape) or t:view({}):clone()
+  end
+  local meta = f:metadata()
+  f:close()
+  return out, meta
+end
+
+-- Every parameter of a checkpoint whole, as f32 tensors by name, read in
+-- this process; with states, each optimizer buffer too ({exp_avg = {name =
+-- tensor}, ...}); module: the buffers and frozen parameters.
+function M.read_full(dir, tag, with_states)
+  if tag == nil then
+    local text = read_text(dir .. '/latest')
+    if not text then fail("zero_to_fp32: '%s/latest' is missing: pass the tag", dir) end
+    tag = text:match('^%s*(.-)%s*$')
+  end
+  local path = dir .. '/' .. tag
+  local m = M.read_manifest(path)
+  local get, close = opener(path, m)
+  local kinds = { 'fp32' }
+  if with_states then
+    local seen = {}
+    for _, g in ipairs(m.optimizer.param_groups) do
+      for _, s in ipairs(g.state) do
+        if not seen[s] then seen[s] = true; kinds[#kinds + 1] = s end
+      end
+    end
+  end
+  local out, order = {}, {}
+  for _, k in ipairs(kinds) do out[k] = {} end
+  for i, sp in ipairs(m.parameters) do
+    order[i] = sp.name
+    for _, k in ipairs(kinds) do
+      local held = k == 'fp32'
+      for _, s in ipairs(m.optimizer.param_groups[sp.group].state) do held = held or s == k end
+      if held then
+        local t = ds.zeros({ sp.numel })
+        read_range(get, m, sp, k, 0, sp.numel, t, 0)
+        out[k][sp.name] = #sp.shape > 0 and t:view(sp.shape) or t:view({})
+      end
+    end
+  end
+  local module = {}
+  for _, e in ipairs(m.module) do
+    local t = get(0):read('module/' .. e.name)
+    module[e.name] = #e.shape > 0 and t:view(e.shape) or t:view({})
+  end
+  close()
+  return { fp32 = out.fp32, states = out, module = module, order = order, manifest = m, path = path }
+end
+
+-- DeepSpeed's zero_to_fp32: the fp32 model of a checkpoint (any world
+-- size, stage, dtype) in one safetensors file, state_dict names (tied
+-- weights under each of their names, nanoGPT's lm_head.weight too),
+-- buffers in their dtype. dtype 'bf16' or 'f16' casts the weights.
+function M.zero_to_fp32(dir, out_file, tag, dtype)
+  local full = M.read_full(dir, tag, false)
+  local entries = {}
+  for _, name in ipairs(full.order) do entries[#entries + 1] = { name, full.fp32[name] } end
+  for alias, name in pairs(full.manifest.aliases or {}) do entries[#entries + 1] = { alias, full.fp32[name] } end
+  for name, t in pairs(full.module) do entries[#entries + 1] = { name, t } end
+  table.sort(entries, function(a, b) return a[1] < b[1] end)
+  if dtype and dtype ~= 'f32' then
+    for _, e in ipairs(entries) do
+      if e[2]:dtype() == 'f32' then e[2] = e[2]:to(dtype) end
+    end
+  end
+  M.save_file(out_file, entries, { dslua_checkpoint = full.path })
+  return out_file
+end
+
+-- The engine's whole model in one safetensors file (every rank calls;
+-- rank 0 writes), state_dict names: the weights in the model's dtype
+-- (DeepSpeed's save_16bit_model), or dtype = 'f32' for the fp32 masters
+-- under bf16/fp16. Stage 3 gathers the parameters, which DeepSpeed allows
+-- with stage3_gather_16bit_weights_on_model_save.
+function M.save_model(engine, path, dtype)
+  local z = engine.zero
+  if z and z.stage == 3 and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save then
+    fail('save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false: the stage 3 '
+         .. 'weights stay partitioned (set it to gather them)')
+  end
+  local masters = {}
+  if z and dtype == 'f32' then
+    -- each parameter's fp32 master, whole: its shards from every rank
+    local L = engine_layout(engine)
+    local bufs = read_buffers(engine, L)
+    for i, p in ipairs(L.params) do
+      local piece = L.pieces[i]
+      local s = z.parts > 1 and z.engine:shard(i) or p.numel
+      local mine = ds.zeros({ s })
+      if piece.hi > piece.lo then
+        mine:narrow(1, 1, piece.hi - piece.lo):copy_(bufs[p.group].fp32:narrow(1, piece.offset + 1, piece.hi - piece.lo))
+      end
+      local whole = z.parts > 1 and ds.cat(ds.comm.all_gather(mine:to(engine.device))):to('cpu') or mine
+      masters[p.name] = whole:narrow(1, 1, p.numel):view(p.shape)
+    end
+  end
+  if z and z.stage == 3 then z.engine:gather_all() end
+  local entries = {}
+  local ok, err = pcall(function()
+    local names = {}
+    for _, e in ipairs(engine.module:named_parameters()) do names[e[2]] = e[1] end
+    for _, e in ipairs(engine.module:state_entries()) do
+      local t = masters[names[e[2]] or ''] or e[2]:detach():to('cpu'):clone()
+      if dtype and t:dtype() ~= dtype and (t:dtype() == 'f32' or t:dtype() == 'bf16' or t:dtype() == 'f16') then
+        t = t:to(dtype)
+      end
+      entries[#entries + 1] = { e[1], t }
+    end
+  end)
+  if z and z.stage == 3 then z.engine:release_all() end
+  if not ok then error(err, 0) end
+  everywhere(engine.world_size, 'save_16bit_model', function()
+    if engine.rank == 0 then
+      C.mkdirs(path:match('^(.*)/[^/]*$') or '.')
+      M.save_file(path, entries)
+    end
+  end)
+  return true
 end
 
 return M

@@ -60,6 +60,7 @@ ds.json = require 'dslua.json'
 ds.config = require 'dslua.config'
 ds.args = require 'dslua.args'
 ds.comm = require 'dslua.comm'
+ds.checkpoint = require 'dslua.checkpoint'
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds
