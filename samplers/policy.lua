@@ -354,6 +354,16 @@ function Sampler:load_state_dict(sd)
   end
 end
 
+-- restore_plan(plan): a checkpoint's plan of its epoch ({epoch, indices,
+-- micro_batch, note}) becomes that epoch's, as it was when saved (a policy
+-- whose state changed during the epoch would plan it otherwise now).
+function Sampler:restore_plan(plan)
+  local p = M.check_plan({ indices = plan.indices, micro_batch = plan.micro_batch, note = plan.note }, self.dataset_len,
+                         self:where())
+  p.epoch = plan.epoch
+  self.plans = { [plan.epoch] = p }
+end
+
 -- swap(spec): another policy (name, path or table) from the next epoch on,
 -- carrying the old one's state over. The current epoch's plan stays.
 function Sampler:swap(spec)

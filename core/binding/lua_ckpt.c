@@ -39,6 +39,7 @@ static int entry_index(lua_State *L, ds_safetensors_file *f, int idx) {
 
 /* save(path, entries [, meta [, opts]]) */
 static int l_save(lua_State *L) {
+    lua_settop(L, 4);               /* the buffers below go above the arguments */
     const char *path = luaL_checkstring(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
     int n = (int)lua_objlen(L, 2);

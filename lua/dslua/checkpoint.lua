@@ -37,7 +37,7 @@
 --
 -- DSLUA_CKPT_KILL=<rank>:<point> is a test hook: that rank kills itself
 -- (SIGKILL) at the point of a save: write (before its file), half (half its
--- tensor bytes written), written (file renamed, before the all-gather),
+-- f32 tensor bytes written), written (file renamed, before the all-gather),
 -- manifest (rank 0: manifest written, tag not in place), replaced (tag in
 -- place, `latest` not moved), latest (`latest` moved).
 local ds = require 'dslua'
@@ -114,7 +114,10 @@ local function everywhere(W, what, fn)
   local reports = gather_strings(ok and '' or tostring(res), W)
   local errs = {}
   for r, msg in ipairs(reports) do
-    if msg ~= '' then errs[#errs + 1] = W > 1 and string.format('rank %d: %s', r - 1, msg) or msg end
+    if msg ~= '' then
+      if msg:sub(1, #what + 2) == what .. ': ' then msg = msg:sub(#what + 3) end
+      errs[#errs + 1] = W > 1 and string.format('rank %d: %s', r - 1, msg) or msg
+    end
   end
   if #errs > 0 then fail('%s: %s', what, table.concat(errs, '\n')) end
   return res
@@ -342,14 +345,27 @@ local function write_rank_file(engine, L, path, extra_tensors, rank_state)
   return { bytes = bytes, sha256 = sha, tensors = tensors, saved_states = saved_states }
 end
 
-local function rank_state(engine)
+-- This rank's own state, and its sampler's plan of the current epoch as
+-- tensors (sampler/indices, sampler/micro_batch when a list).
+local function rank_state(engine, tensors)
   local l = engine.training_dataloader
   local st = { rank = engine.rank, rng = ds.get_rng_state() }
   if l and l.position then
     st.loader = { epoch = l.position.epoch, step = l.position.step, samples = l.position.samples,
                   steps = engine.sampler and engine.sampler:steps() or #l }
   end
-  if engine.sampler then st.sampler = jsonable(engine.sampler:state_dict()) end
+  local sm = engine.sampler
+  if sm then
+    st.sampler = jsonable(sm:state_dict())
+    local plan = sm.plans[sm.epoch]
+    if plan and plan.count > 0 then
+      local idx = ds.is_tensor(plan.indices) and plan.indices:to('i64') or ds.tensor(plan.indices, 'i64')
+      tensors[#tensors + 1] = { 'sampler/indices', idx }
+      local mb = plan.micro_batch
+      if type(mb) == 'table' then tensors[#tensors + 1] = { 'sampler/micro_batch', ds.tensor(mb, 'i64') } end
+      st.plan = { epoch = plan.epoch, note = plan.note, micro_batch = type(mb) == 'number' and mb or nil }
+    end
+  end
   return st
 end
 
@@ -383,7 +399,8 @@ function M.save(engine, dir, tag, client_state)
     if client_state ~= nil then client = split_client(client_state, '', extra) end
   end
   local report = everywhere(W, 'save_checkpoint', function()
-    local rep = write_rank_file(engine, L, partial .. '/' .. file_name(r), extra, rank_state(engine))
+    local state = rank_state(engine, extra)
+    local rep = write_rank_file(engine, L, partial .. '/' .. file_name(r), extra, state)
     maybe_kill(r, 'written')
     return rep
   end)
@@ -749,7 +766,12 @@ local function restore_rank_state(engine, m, get)
   local ok, st = pcall(json.decode, text or '')
   if not ok or type(st) ~= 'table' then fail("load_checkpoint: '%s' has no dslua state in its metadata", f:path()) end
   ds.set_rng_state(st.rng)
-  if engine.sampler and st.sampler then engine.sampler:load_state_dict(st.sampler) end
+  local sm = engine.sampler
+  if sm and st.sampler then sm:load_state_dict(st.sampler) end
+  if sm and same and st.plan then
+    local mb = st.plan.micro_batch or f:read('sampler/micro_batch'):totable()
+    sm:restore_plan { epoch = st.plan.epoch, indices = f:read('sampler/indices'), micro_batch = mb, note = st.plan.note }
+  end
   local l = engine.training_dataloader
   if not (l and st.loader and st.loader.epoch) then return end
   local pos = st.loader
