@@ -1,12 +1,13 @@
 /* What checkpoints need from C (core/io: ds_safetensors.h, ds_sha256.h,
  * ds_file.h), as ds.core.ckpt:
  *
- *   ckpt.save(path, {{name, tensor}...} [, {key = 'string'...} [, {hashes =
- *             bool, kill_after = bytes}]]) -> bytes, sha256 [, {sha256...}]
+ *   ckpt.save(path, {{name, tensor}...} [, {key = 'string'...} [, {crc32 =
+ *             bool, kill_after = bytes}]]) -> bytes, sha256 [, {crc32...}]
  *   ckpt.open(path) -> f      f:entries() -> {{name, dtype, shape, numel}...}
  *     f:entry(name) -> that table or nil      f:metadata() -> {key = 'string'}
  *     f:read(name, lo, n) -> 1-D CPU tensor of elements [lo, lo + n) (0-based)
- *     f:sha256(name) -> hex of the tensor's bytes    f:path()    f:close()
+ *     f:read_into(name, lo, n, dst, at): the same into contiguous dst from its element at
+ *     f:crc32(name) -> CRC-32 of the tensor's bytes    f:path()    f:close()
  *   ckpt.sha256(string) -> hex      ckpt.sha256_file(path) -> hex
  *   ckpt.mkdirs(path)   ckpt.exists(path)   ckpt.write_atomic(path, string)
  *   ckpt.fsync_dir(path)   ckpt.replace_dir(src, dst)   ckpt.remove_tree(path)
@@ -43,12 +44,12 @@ static int l_save(lua_State *L) {
     const char *path = luaL_checkstring(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
     int n = (int)lua_objlen(L, 2);
-    bool hashes = false;
+    bool crcs = false;
     int64_t kill_after = -1;
     if (!lua_isnoneornil(L, 4)) {
         luaL_checktype(L, 4, LUA_TTABLE);
-        lua_getfield(L, 4, "hashes");
-        hashes = lua_toboolean(L, -1);
+        lua_getfield(L, 4, "crc32");
+        crcs = lua_toboolean(L, -1);
         lua_getfield(L, 4, "kill_after");
         if (!lua_isnil(L, -1)) kill_after = (int64_t)luaL_checknumber(L, -1);
         lua_pop(L, 2);
@@ -56,7 +57,7 @@ static int l_save(lua_State *L) {
     /* Lua owns the strings and tensors while they sit in these tables */
     const char **names = lua_newuserdata(L, sizeof *names * (size_t)(n + 1));
     ds_tensor **tensors = lua_newuserdata(L, sizeof *tensors * (size_t)(n + 1));
-    char (*sums)[DS_SHA256_HEX] = lua_newuserdata(L, sizeof *sums * (size_t)(n + 1));
+    uint32_t *sums = lua_newuserdata(L, sizeof *sums * (size_t)(n + 1));
     for (int i = 0; i < n; i++) {
         lua_rawgeti(L, 2, i + 1);
         if (!lua_istable(L, -1)) return luaL_error(L, "safetensors.save: '%s': entry %d is not {name, tensor}", path, i + 1);
@@ -84,14 +85,14 @@ static int l_save(lua_State *L) {
         }
     }
     ds_safetensors_saved out;
-    if (ds_safetensors_save(path, n, names, tensors, n_meta, keys, values, hashes ? sums : NULL, kill_after, &out))
+    if (ds_safetensors_save(path, n, names, tensors, n_meta, keys, values, crcs ? sums : NULL, kill_after, &out))
         return dsL_error(L);
     lua_pushnumber(L, (lua_Number)out.bytes);
     lua_pushstring(L, out.sha256);
-    if (!hashes) return 2;
+    if (!crcs) return 2;
     lua_createtable(L, n, 0);
     for (int i = 0; i < n; i++) {
-        lua_pushstring(L, sums[i]);
+        lua_pushnumber(L, sums[i]);
         lua_rawseti(L, -2, i + 1);
     }
     return 3;
@@ -176,11 +177,19 @@ static int l_read(lua_State *L) {
     return dsL_pushtensor(L, ds_safetensors_read(f, i, lo, n));
 }
 
-static int l_sha256_entry(lua_State *L) {
+static int l_read_into(lua_State *L) {
     ds_safetensors_file *f = checkfile(L, 1);
-    char hex[DS_SHA256_HEX];
-    if (ds_safetensors_entry_sha256(f, entry_index(L, f, 2), hex)) return dsL_error(L);
-    lua_pushstring(L, hex);
+    int i = entry_index(L, f, 2);
+    if (ds_safetensors_read_into(f, i, checkcount(L, 3), checkcount(L, 4), dsL_checktensor(L, 5), checkcount(L, 6)))
+        return dsL_error(L);
+    return 0;
+}
+
+static int l_crc32_entry(lua_State *L) {
+    ds_safetensors_file *f = checkfile(L, 1);
+    uint32_t crc;
+    if (ds_safetensors_entry_crc32(f, entry_index(L, f, 2), &crc)) return dsL_error(L);
+    lua_pushnumber(L, crc);
     return 1;
 }
 
@@ -244,8 +253,8 @@ static int l_kill_self(lua_State *L) {
 }
 
 static const luaL_Reg file_methods[] = {
-    {"entries", l_entries}, {"entry", l_entry}, {"metadata", l_metadata}, {"read", l_read},
-    {"sha256", l_sha256_entry}, {"path", l_path}, {"close", l_gc}, {NULL, NULL}
+    {"entries", l_entries}, {"entry", l_entry}, {"metadata", l_metadata}, {"read", l_read}, {"read_into", l_read_into},
+    {"crc32", l_crc32_entry}, {"path", l_path}, {"close", l_gc}, {NULL, NULL}
 };
 
 static const luaL_Reg ckpt_fns[] = {

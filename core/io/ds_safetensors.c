@@ -1,3 +1,4 @@
+#define _GNU_SOURCE          /* sync_file_range */
 #include "ds_safetensors.h"
 #include "ds_error.h"
 #include "ds_ops.h"
@@ -12,6 +13,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <zlib.h>
 
 /* A header larger than this is not one a writer made: refuse it before
  * allocating. */
@@ -88,34 +90,55 @@ typedef struct {
     int fd;
     const char *path;
     ds_sha256 *file_hash;
-    int64_t data_written, kill_after;
+    int64_t written, data_written, kill_after;
 } writer;
 
-/* Writes n bytes, hashing them into the file's digest (and h's). The kill
- * hook fires at exactly kill_after data bytes. */
-static int put(writer *w, const void *data, size_t n, ds_sha256 *h, bool is_data) {
-    const char *p = data;
+/* 0, or the errno of the failed write. */
+static int write_all(int fd, const char *p, size_t n) {
     while (n > 0) {
-        size_t step = n;
-        if (is_data && w->kill_after >= 0) {
+        ssize_t got = write(fd, p, n);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return errno;
+        p += got;
+        n -= (size_t)got;
+    }
+    return 0;
+}
+
+/* Writes n bytes, hashing them into the file's digest and, when crc is
+ * given, into a tensor's CRC-32. Each piece's writeback starts at once
+ * (sync_file_range), so the disk writes while the next pieces are hashed
+ * and the final fsync has little left to wait for. */
+static int put(writer *w, const void *data, size_t n, uint32_t *crc) {
+    int err = write_all(w->fd, data, n);
+    if (err) return ds_fail(DS_ERR_IO, "cannot write '%s': %s", w->path, strerror(err)), -1;
+    if (ds_sha256_update(w->file_hash, data, n)) return -1;
+    if (crc) *crc = (uint32_t)crc32(*crc, data, (uInt)n);
+    sync_file_range(w->fd, w->written, (off_t)n, SYNC_FILE_RANGE_WRITE);     /* a hint: errors show at fsync */
+    w->written += (int64_t)n;
+    return 0;
+}
+
+/* Tensor bytes through put, in pieces; the kill hook fires at exactly
+ * kill_after data bytes. */
+static int put_data(writer *w, const char *p, size_t n, uint32_t *crc) {
+    for (size_t done = 0; done < n;) {
+        size_t step = n - done < CHUNK ? n - done : CHUNK;
+        if (w->kill_after >= 0) {
             if (w->data_written >= w->kill_after) raise(SIGKILL);
             if ((int64_t)step > w->kill_after - w->data_written) step = (size_t)(w->kill_after - w->data_written);
         }
-        ssize_t got = write(w->fd, p, step);
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) return ds_fail(DS_ERR_IO, "cannot write '%s': %s", w->path, strerror(errno)), -1;
-        if (ds_sha256_update(w->file_hash, p, (size_t)got) || (h && ds_sha256_update(h, p, (size_t)got))) return -1;
-        p += got;
-        n -= (size_t)got;
-        if (is_data) w->data_written += got;
+        if (put(w, p + done, step, crc)) return -1;
+        done += step;
+        w->data_written += (int64_t)step;
     }
-    if (is_data && w->kill_after >= 0 && w->data_written >= w->kill_after) raise(SIGKILL);
+    if (w->kill_after >= 0 && w->data_written >= w->kill_after) raise(SIGKILL);
     return 0;
 }
 
 /* One tensor's bytes, from host memory (a copy for other devices or
  * strided views). */
-static int put_tensor(writer *w, const char *name, ds_tensor *t, char *hex) {
+static int put_tensor(writer *w, const char *name, ds_tensor *t, uint32_t *crc) {
     ds_tensor *host = t;
     ds_tensor_retain(host);
     if (!ds_device_equal(ds_tensor_device(t), DS_CPU_DEVICE)) {
@@ -129,21 +152,16 @@ static int put_tensor(writer *w, const char *name, ds_tensor *t, char *hex) {
         host = c;
     }
     if (!host) return ds_fail(DS_ERR_STATE, "safetensors: '%s': tensor '%s': %s", w->path, name, ds_error_message()), -1;
-    ds_sha256 *h = hex ? ds_sha256_new() : NULL;
-    int rc = hex && !h ? -1 : 0;
+    if (crc) *crc = (uint32_t)crc32(0L, Z_NULL, 0);
     size_t bytes = (size_t)ds_tensor_numel(host) * ds_dtype_size(host->dtype);
-    const char *p = bytes ? ds_tensor_data(host) : NULL;
-    for (size_t done = 0; rc == 0 && done < bytes; done += CHUNK)
-        rc = put(w, p + done, bytes - done < CHUNK ? bytes - done : CHUNK, h, true);
-    if (rc == 0 && h) rc = ds_sha256_final(h, hex);
-    else ds_sha256_free(h);
+    int rc = bytes ? put_data(w, ds_tensor_data(host), bytes, crc) : 0;
     ds_tensor_release(host);
     return rc;
 }
 
 int ds_safetensors_save(const char *path, int n, const char *const *names, ds_tensor *const *tensors, int n_meta,
                         const char *const *meta_keys, const char *const *meta_values,
-                        char (*tensor_sha256)[DS_SHA256_HEX], int64_t kill_after, ds_safetensors_saved *out) {
+                        uint32_t *tensor_crc32, int64_t kill_after, ds_safetensors_saved *out) {
     for (int i = 0; i < n; i++) {
         if (ds_tensor_is_released(tensors[i]))
             return ds_fail(DS_ERR_ARG, "safetensors: '%s': tensor '%s' is released (a partitioned parameter)", path,
@@ -159,7 +177,7 @@ int ds_safetensors_save(const char *path, int n, const char *const *names, ds_te
         free(header);
         return ds_fail(DS_ERR_ARG, "safetensors: path too long: '%s'", path), -1;
     }
-    writer w = { open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), tmp, NULL, 0, kill_after };
+    writer w = { open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), tmp, NULL, 0, 0, kill_after };
     if (w.fd < 0) {
         free(header);
         return ds_fail(DS_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno)), -1;
@@ -167,14 +185,14 @@ int ds_safetensors_save(const char *path, int n, const char *const *names, ds_te
     int rc = (w.file_hash = ds_sha256_new()) ? 0 : -1;
     unsigned char len8[8];
     for (int b = 0; b < 8; b++) len8[b] = (unsigned char)((uint64_t)hlen >> (8 * b));
-    if (rc == 0) rc = put(&w, len8, 8, NULL, false);
-    if (rc == 0) rc = put(&w, header, (size_t)hlen, NULL, false);
+    if (rc == 0) rc = put(&w, len8, 8, NULL);
+    if (rc == 0) rc = put(&w, header, (size_t)hlen, NULL);
     free(header);
-    for (int i = 0; i < n && rc == 0; i++) rc = put_tensor(&w, names[i], tensors[i], tensor_sha256 ? tensor_sha256[i] : NULL);
+    for (int i = 0; i < n && rc == 0; i++) rc = put_tensor(&w, names[i], tensors[i], tensor_crc32 ? &tensor_crc32[i] : NULL);
     if (rc == 0 && fsync(w.fd) != 0) rc = -1, ds_fail(DS_ERR_IO, "cannot fsync '%s': %s", tmp, strerror(errno));
     if (close(w.fd) != 0 && rc == 0) rc = -1, ds_fail(DS_ERR_IO, "cannot close '%s': %s", tmp, strerror(errno));
     if (rc == 0) {
-        out->bytes = 8 + hlen + w.data_written;
+        out->bytes = w.written;
         rc = ds_sha256_final(w.file_hash, out->sha256);
         w.file_hash = NULL;
     }
@@ -377,26 +395,46 @@ ds_tensor *ds_safetensors_read(ds_safetensors_file *f, int i, int64_t lo, int64_
     return t;
 }
 
-int ds_safetensors_entry_sha256(ds_safetensors_file *f, int i, char *hex) {
+int ds_safetensors_read_into(ds_safetensors_file *f, int i, int64_t lo, int64_t n, ds_tensor *dst, int64_t at) {
+    const ds_safetensors_entry *e = &f->e[i];
+    if (!ds_tensor_is_contiguous(dst) || at < 0 || at + n > ds_tensor_numel(dst))
+        return ds_fail(DS_ERR_ARG, "'%s': tensor '%s': %lld elements do not fit at %lld of a tensor of %lld", f->path,
+                       e->name, (long long)n, (long long)at, (long long)ds_tensor_numel(dst)), -1;
+    if (lo < 0 || n < 0 || lo + n > e->numel)
+        return ds_fail(DS_ERR_ARG, "'%s': tensor '%s': elements [%lld, %lld) are outside its %lld", f->path, e->name,
+                       (long long)lo, (long long)(lo + n), (long long)e->numel), -1;
+    if (n == 0) return 0;
+    int64_t size = (int64_t)ds_dtype_size(e->dtype);
+    if (dst->dtype == e->dtype && ds_device_equal(ds_tensor_device(dst), DS_CPU_DEVICE)) {
+        char what[PATH_MAX];
+        snprintf(what, sizeof what, "tensor '%s'", e->name);
+        return read_at(f, (char *)ds_tensor_data(dst) + at * size, (size_t)(n * size), f->data_start + e->begin + lo * size,
+                       what);
+    }
+    /* another dtype or device: through a host tensor of the file's dtype */
+    ds_tensor *tmp = ds_safetensors_read(f, i, lo, n);
+    int64_t one = 1;
+    ds_tensor *view = tmp ? ds_tensor_view_of(dst, 1, &n, &one, dst->offset + at) : NULL;
+    int rc = view ? ds_copy_(view, tmp) : -1;
+    ds_tensor_release(view);
+    ds_tensor_release(tmp);
+    return rc;
+}
+
+int ds_safetensors_entry_crc32(ds_safetensors_file *f, int i, uint32_t *crc) {
     const ds_safetensors_entry *e = &f->e[i];
     char *buf = malloc(CHUNK);
-    ds_sha256 *h = buf ? ds_sha256_new() : NULL;
-    if (!h) {
-        free(buf);
-        return ds_fail(DS_ERR_NOMEM, "'%s': out of memory hashing tensor '%s'", f->path, e->name), -1;
-    }
+    if (!buf) return ds_fail(DS_ERR_NOMEM, "'%s': out of memory checking tensor '%s'", f->path, e->name), -1;
     char what[PATH_MAX];
     snprintf(what, sizeof what, "tensor '%s'", e->name);
+    uLong c = crc32(0L, Z_NULL, 0);
     int rc = 0;
     for (int64_t at = e->begin; rc == 0 && at < e->end; at += (int64_t)CHUNK) {
         size_t n = e->end - at < (int64_t)CHUNK ? (size_t)(e->end - at) : CHUNK;
         rc = read_at(f, buf, n, f->data_start + at, what);
-        if (rc == 0) rc = ds_sha256_update(h, buf, n);
+        if (rc == 0) c = crc32(c, (const Bytef *)buf, (uInt)n);
     }
     free(buf);
-    if (rc) {
-        ds_sha256_free(h);
-        return -1;
-    }
-    return ds_sha256_final(h, hex);
+    *crc = (uint32_t)c;
+    return rc;
 }

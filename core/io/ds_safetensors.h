@@ -7,7 +7,8 @@
  *
  * Saving writes a temporary file, fsyncs it and renames it into place, so
  * the final name only ever holds a complete file, and hashes the bytes as
- * they go out (SHA-256 of the file, and of each tensor when asked). Opening
+ * they go out (SHA-256 of the file; CRC-32 of each tensor when asked, to
+ * tell which tensor of a damaged file changed). Opening
  * checks the whole header against the file's size before any read, so a
  * truncated or corrupt file is an error naming the file and the tensor. */
 #ifndef DS_SAFETENSORS_H
@@ -23,14 +24,14 @@ typedef struct {
 
 /* Writes n tensors (any dtype dslua has, on any device; views are fine)
  * under unique names to path. meta: n_meta key/value strings for
- * __metadata__. tensor_sha256: NULL, or room for n digests of each
- * tensor's bytes. kill_after >= 0 is a test hook: the process kills itself
+ * __metadata__. tensor_crc32: NULL, or room for the CRC-32 (zlib's) of
+ * each tensor's bytes. kill_after >= 0 is a test hook: the process kills itself
  * (SIGKILL) once that many bytes of tensor data are written, leaving the
  * temporary file behind as a crash would. The directory's fsync, which
  * makes the rename durable, is the caller's (one for many files). */
 int ds_safetensors_save(const char *path, int n, const char *const *names, ds_tensor *const *tensors, int n_meta,
                         const char *const *meta_keys, const char *const *meta_values,
-                        char (*tensor_sha256)[DS_SHA256_HEX], int64_t kill_after, ds_safetensors_saved *out);
+                        uint32_t *tensor_crc32, int64_t kill_after, ds_safetensors_saved *out);
 
 typedef struct ds_safetensors_file ds_safetensors_file;
 
@@ -56,7 +57,11 @@ int ds_safetensors_n_metadata(const ds_safetensors_file *f);
 void ds_safetensors_metadata_at(const ds_safetensors_file *f, int i, const char **key, const char **value);
 /* Elements [lo, lo + n) of entry i as a new 1-D CPU tensor of its dtype. */
 ds_tensor *ds_safetensors_read(ds_safetensors_file *f, int i, int64_t lo, int64_t n);
-/* SHA-256 of entry i's bytes as they are in the file. */
-int ds_safetensors_entry_sha256(ds_safetensors_file *f, int i, char *hex);
+/* Elements [lo, lo + n) of entry i into contiguous dst from its element
+ * at: read straight into its memory when it is a CPU tensor of the
+ * file's dtype, else converted (dtype, device) on the way. */
+int ds_safetensors_read_into(ds_safetensors_file *f, int i, int64_t lo, int64_t n, ds_tensor *dst, int64_t at);
+/* CRC-32 of entry i's bytes as they are in the file. */
+int ds_safetensors_entry_crc32(ds_safetensors_file *f, int i, uint32_t *crc);
 
 #endif

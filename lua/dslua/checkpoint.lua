@@ -17,7 +17,8 @@
 --     whatever the stage), the optimizer's param groups and steps, the
 --     engine's counters, LR scheduler, loss scaler, client_state, the
 --     SHA-256 of the Lua schedule and sampler files, and the SHA-256 of
---     every file and of every tensor in it.
+--     every file (with each tensor's CRC-32, which names the tensor a
+--     damaged file changed).
 -- and <dir>/latest names the newest complete tag.
 --
 -- A save is atomic: every rank writes its file into <tag>.partial (temp
@@ -339,7 +340,7 @@ local function write_rank_file(engine, L, path, extra_tensors, rank_state)
   local kill_after = (kr == r and kp == 'half') and math.floor(data / 2) or nil
   maybe_kill(r, 'write')
   local bytes, sha, sums = C.save(path, entries, { format = 'pt', dslua = json.encode(rank_state) },
-                                  { hashes = true, kill_after = kill_after })
+                                  { crc32 = true, kill_after = kill_after })
   local tensors = {}
   for k, e in ipairs(entries) do tensors[e[1]] = sums[k] end
   return { bytes = bytes, sha256 = sha, tensors = tensors, saved_states = saved_states }
@@ -524,8 +525,8 @@ function M.read_manifest(path)
 end
 
 -- Every file's SHA-256 checked against the manifest, file f by rank f mod
--- P. A mismatch is pinned on the tensor whose bytes changed when the
--- header still reads.
+-- P. A mismatch is pinned on the tensor whose bytes changed (its CRC-32)
+-- when the header still reads.
 local function verify_files(engine, path, m)
   everywhere(engine.world_size, 'load_checkpoint', function()
     for k, entry in ipairs(m.files) do
@@ -541,8 +542,8 @@ local function verify_files(engine, path, m)
             if not f:entry(name) then
               fail("'%s' has no tensor '%s', which the manifest lists: the file is not this checkpoint's", file, name)
             end
-            if f:sha256(name) ~= entry.tensors[name] then
-              fail("'%s': tensor '%s' does not match its SHA-256 in the manifest: the file is corrupt", file, name)
+            if f:crc32(name) ~= entry.tensors[name] then
+              fail("'%s': tensor '%s' does not match its checksum in the manifest: the file is corrupt", file, name)
             end
           end
           f:close()
@@ -586,7 +587,7 @@ local function read_range(get, m, sp, kind, a, b, dst, at)
            e.dtype, e.numel, shi - slo)
     end
     local lo, hi = math.max(a, slo), math.min(b, shi)
-    dst:narrow(1, at + (lo - a) + 1, hi - lo):copy_(f:read(key, lo - slo, hi - lo))
+    f:read_into(key, lo - slo, hi - lo, dst, at + (lo - a))
   end
 end
 
