@@ -50,8 +50,9 @@ cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
 echo "dslua checkpoint bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
 echo "cpu: $cpu, $cores cores; $ranks rank(s) of $threads thread(s); folder $out ($(df -hT "$out" | awk 'NR==2 {print $2}'))"
 
-# the disk's rate: dd writing 512 MB (32 MB quick) with an fsync at the end
-count=$([[ -n $quick ]] && echo 32 || echo 512)
+# the disk's rate: dd writing as much as the checkpoint holds (1424 MiB,
+# 32 quick), so neither fits in a cache the other does not, fsync at the end
+count=$([[ -n $quick ]] && echo 32 || echo 1424)
 dd_line=$(dd if=/dev/zero of="$out/dd.bin" bs=1M count="$count" conv=fsync 2>&1 | tail -1)
 rm -f "$out/dd.bin"
 dd_mbs=$(awk -v c="$count" '{for (i = 1; i <= NF; i++) if ($i == "s,") s = $(i - 1)} END {printf "%.1f", c * 1.048576 / s}' <<<"$dd_line")

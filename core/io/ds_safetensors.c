@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -86,49 +87,72 @@ static char *make_header(int n, const char *const *names, ds_tensor *const *tens
     return out;
 }
 
+/* The bytes a save hashes: the 8-byte length and the header, then each
+ * tensor's host bytes, the same memory the writer writes from. */
+typedef struct {
+    const void *head[2];
+    size_t head_len[2];
+    int n;
+    ds_tensor **hosts;
+    ds_sha256 *file_hash;
+    uint32_t *crc;              /* NULL, or one per tensor */
+    int rc;
+} hash_job;
+
+static size_t host_bytes(const ds_tensor *t) { return (size_t)ds_tensor_numel(t) * ds_dtype_size(t->dtype); }
+
+/* Hashes a save's bytes in file order: on its own thread, so the hashing
+ * runs while the writer writes (both read the host bytes, neither
+ * changes them), and a save takes about as long as its write. */
+static void *hash_all(void *arg) {
+    hash_job *j = arg;
+    for (int k = 0; k < 2 && j->rc == 0; k++) j->rc = ds_sha256_update(j->file_hash, j->head[k], j->head_len[k]);
+    for (int i = 0; i < j->n && j->rc == 0; i++) {
+        const char *p = ds_tensor_data(j->hosts[i]);
+        size_t bytes = host_bytes(j->hosts[i]);
+        uLong crc = crc32(0L, Z_NULL, 0);
+        for (size_t done = 0; done < bytes && j->rc == 0; done += CHUNK) {
+            size_t step = bytes - done < CHUNK ? bytes - done : CHUNK;
+            j->rc = ds_sha256_update(j->file_hash, p + done, step);
+            if (j->crc) crc = crc32(crc, (const Bytef *)p + done, (uInt)step);
+        }
+        if (j->crc) j->crc[i] = (uint32_t)crc;
+    }
+    return NULL;
+}
+
 typedef struct {
     int fd;
     const char *path;
-    ds_sha256 *file_hash;
     int64_t written, data_written, kill_after;
 } writer;
 
-/* 0, or the errno of the failed write. */
-static int write_all(int fd, const char *p, size_t n) {
-    while (n > 0) {
-        ssize_t got = write(fd, p, n);
-        if (got < 0 && errno == EINTR) continue;
-        if (got < 0) return errno;
-        p += got;
-        n -= (size_t)got;
-    }
-    return 0;
-}
-
-/* Writes n bytes, hashing them into the file's digest and, when crc is
- * given, into a tensor's CRC-32. Each piece's writeback starts at once
- * (sync_file_range), so the disk writes while the next pieces are hashed
+/* Writes n bytes. Each piece's writeback starts at once
+ * (sync_file_range), so the disk works while the next pieces are written
  * and the final fsync has little left to wait for. */
-static int put(writer *w, const void *data, size_t n, uint32_t *crc) {
-    int err = write_all(w->fd, data, n);
-    if (err) return ds_fail(DS_ERR_IO, "cannot write '%s': %s", w->path, strerror(err)), -1;
-    if (ds_sha256_update(w->file_hash, data, n)) return -1;
-    if (crc) *crc = (uint32_t)crc32(*crc, data, (uInt)n);
+static int put(writer *w, const char *p, size_t n) {
+    for (size_t left = n; left > 0;) {
+        ssize_t got = write(w->fd, p, left);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0) return ds_fail(DS_ERR_IO, "cannot write '%s': %s", w->path, strerror(errno)), -1;
+        p += got;
+        left -= (size_t)got;
+    }
     sync_file_range(w->fd, w->written, (off_t)n, SYNC_FILE_RANGE_WRITE);     /* a hint: errors show at fsync */
     w->written += (int64_t)n;
     return 0;
 }
 
-/* Tensor bytes through put, in pieces; the kill hook fires at exactly
- * kill_after data bytes. */
-static int put_data(writer *w, const char *p, size_t n, uint32_t *crc) {
+/* Tensor bytes in pieces; the kill hook fires at exactly kill_after
+ * data bytes. */
+static int put_data(writer *w, const char *p, size_t n) {
     for (size_t done = 0; done < n;) {
         size_t step = n - done < CHUNK ? n - done : CHUNK;
         if (w->kill_after >= 0) {
             if (w->data_written >= w->kill_after) raise(SIGKILL);
             if ((int64_t)step > w->kill_after - w->data_written) step = (size_t)(w->kill_after - w->data_written);
         }
-        if (put(w, p + done, step, crc)) return -1;
+        if (put(w, p + done, step)) return -1;
         done += step;
         w->data_written += (int64_t)step;
     }
@@ -136,9 +160,9 @@ static int put_data(writer *w, const char *p, size_t n, uint32_t *crc) {
     return 0;
 }
 
-/* One tensor's bytes, from host memory (a copy for other devices or
- * strided views). */
-static int put_tensor(writer *w, const char *name, ds_tensor *t, uint32_t *crc) {
+/* t's bytes in host memory, contiguous: t itself, or a copy of another
+ * device's tensor or of a strided view. */
+static ds_tensor *host_copy(const char *path, const char *name, ds_tensor *t) {
     ds_tensor *host = t;
     ds_tensor_retain(host);
     if (!ds_device_equal(ds_tensor_device(t), DS_CPU_DEVICE)) {
@@ -151,11 +175,26 @@ static int put_tensor(writer *w, const char *name, ds_tensor *t, uint32_t *crc) 
         ds_tensor_release(host);
         host = c;
     }
-    if (!host) return ds_fail(DS_ERR_STATE, "safetensors: '%s': tensor '%s': %s", w->path, name, ds_error_message()), -1;
-    if (crc) *crc = (uint32_t)crc32(0L, Z_NULL, 0);
-    size_t bytes = (size_t)ds_tensor_numel(host) * ds_dtype_size(host->dtype);
-    int rc = bytes ? put_data(w, ds_tensor_data(host), bytes, crc) : 0;
-    ds_tensor_release(host);
+    if (!host) return ds_fail(DS_ERR_STATE, "safetensors: '%s': tensor '%s': %s", path, name, ds_error_message());
+    return host;
+}
+
+/* Writes the file under tmp: the bytes by this thread, their hashes by
+ * another meanwhile. */
+static int write_file(const char *tmp, hash_job *job, int64_t kill_after, ds_safetensors_saved *out) {
+    writer w = { open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), tmp, 0, 0, kill_after };
+    if (w.fd < 0) return ds_fail(DS_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno)), -1;
+    pthread_t th;
+    bool threaded = pthread_create(&th, NULL, hash_all, job) == 0;
+    if (!threaded) hash_all(job);
+    int rc = 0;
+    for (int k = 0; k < 2 && rc == 0; k++) rc = put(&w, job->head[k], job->head_len[k]);
+    for (int i = 0; i < job->n && rc == 0; i++) rc = put_data(&w, ds_tensor_data(job->hosts[i]), host_bytes(job->hosts[i]));
+    if (threaded) pthread_join(th, NULL);
+    if (rc == 0 && job->rc) rc = -1, ds_fail(DS_ERR_STATE, "safetensors: '%s': OpenSSL's SHA-256 failed", tmp);
+    if (rc == 0 && fsync(w.fd) != 0) rc = -1, ds_fail(DS_ERR_IO, "cannot fsync '%s': %s", tmp, strerror(errno));
+    if (close(w.fd) != 0 && rc == 0) rc = -1, ds_fail(DS_ERR_IO, "cannot close '%s': %s", tmp, strerror(errno));
+    out->bytes = w.written;
     return rc;
 }
 
@@ -169,34 +208,29 @@ int ds_safetensors_save(const char *path, int n, const char *const *names, ds_te
         if (strcmp(names[i], "__metadata__") == 0)
             return ds_fail(DS_ERR_ARG, "safetensors: '%s': '__metadata__' cannot name a tensor", path), -1;
     }
+    char tmp[PATH_MAX];
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp)
+        return ds_fail(DS_ERR_ARG, "safetensors: path too long: '%s'", path), -1;
     int64_t hlen = 0;
     char *header = make_header(n, names, tensors, n_meta, meta_keys, meta_values, &hlen);
-    if (!header) return -1;
-    char tmp[PATH_MAX];
-    if (snprintf(tmp, sizeof tmp, "%s.tmp.%ld", path, (long)getpid()) >= (int)sizeof tmp) {
-        free(header);
-        return ds_fail(DS_ERR_ARG, "safetensors: path too long: '%s'", path), -1;
-    }
-    writer w = { open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), tmp, NULL, 0, 0, kill_after };
-    if (w.fd < 0) {
-        free(header);
-        return ds_fail(DS_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno)), -1;
-    }
-    int rc = (w.file_hash = ds_sha256_new()) ? 0 : -1;
+    ds_tensor **hosts = calloc((size_t)n + 1, sizeof *hosts);
+    int rc = header && hosts ? 0 : -1;
+    if (header && !hosts) ds_fail(DS_ERR_NOMEM, "safetensors: out of memory saving '%s'", path);
+    for (int i = 0; i < n && rc == 0; i++)
+        if (!(hosts[i] = host_copy(path, names[i], tensors[i]))) rc = -1;
     unsigned char len8[8];
     for (int b = 0; b < 8; b++) len8[b] = (unsigned char)((uint64_t)hlen >> (8 * b));
-    if (rc == 0) rc = put(&w, len8, 8, NULL);
-    if (rc == 0) rc = put(&w, header, (size_t)hlen, NULL);
-    free(header);
-    for (int i = 0; i < n && rc == 0; i++) rc = put_tensor(&w, names[i], tensors[i], tensor_crc32 ? &tensor_crc32[i] : NULL);
-    if (rc == 0 && fsync(w.fd) != 0) rc = -1, ds_fail(DS_ERR_IO, "cannot fsync '%s': %s", tmp, strerror(errno));
-    if (close(w.fd) != 0 && rc == 0) rc = -1, ds_fail(DS_ERR_IO, "cannot close '%s': %s", tmp, strerror(errno));
+    hash_job job = { { len8, header }, { 8, (size_t)hlen }, n, hosts, NULL, tensor_crc32, 0 };
+    if (rc == 0 && !(job.file_hash = ds_sha256_new())) rc = -1;
+    if (rc == 0) rc = write_file(tmp, &job, kill_after, out);
     if (rc == 0) {
-        out->bytes = w.written;
-        rc = ds_sha256_final(w.file_hash, out->sha256);
-        w.file_hash = NULL;
+        rc = ds_sha256_final(job.file_hash, out->sha256);
+        job.file_hash = NULL;
     }
-    ds_sha256_free(w.file_hash);
+    ds_sha256_free(job.file_hash);
+    for (int i = 0; hosts && i < n; i++) ds_tensor_release(hosts[i]);
+    free(hosts);
+    free(header);
     if (rc == 0 && rename(tmp, path) != 0)
         rc = -1, ds_fail(DS_ERR_IO, "cannot rename '%s' to '%s': %s", tmp, path, strerror(errno));
     if (rc) unlink(tmp);
