@@ -154,6 +154,8 @@ describe('exact resume', function()
       o = { stage = 0, gas = 2, dropout = 0.1, sampler = { policy = 'spec/ckpt/policy.lua', micro_batch_per_rank = { 3, 3 } } } },
     { name = '2 ranks, stage 2 bf16, gas 2, the uneven policy', np = 2,
       o = { stage = 2, dtype = 'bf16', gas = 2, sampler = UNEVEN } },
+    { name = '1 rank, stage 2, the optimizer offloaded to nvme (streamed state)', np = 1,
+      o = { stage = 2, nvme = H.tmpdir() } },
   }
   local K, AFTER = 7, 50
   for _, case in ipairs(CASES) do

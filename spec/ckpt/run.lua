@@ -6,7 +6,8 @@
 -- load (a tag, or "latest", of load_dir, default dir), resave (a tag: saved right after the load),
 -- steps (train until global_steps reaches it), save_at (a global step at
 -- which the loop saves, global_step<N>), final (a tag saved at the end),
--- tag_validation, tag (the tag every rank saves at save_at, %d the rank).
+-- tag_validation, tag (the tag every rank saves at save_at, %d the rank),
+-- nvme (a folder: offload_optimizer to nvme there).
 -- Rank 0 writes {losses = {"<step>" = {rank losses}}, skipped, scale, lr}.
 local ds = require 'dslua'
 local GPT = require 'models.gpt2'
@@ -26,7 +27,8 @@ local cfg = {
   optimizer = { type = o.optimizer or 'AdamW', params = { lr = 1e-2, weight_decay = 0.01 } },
   scheduler = { type = 'WarmupCosineLR', params = { warmup_num_steps = 5, total_num_steps = 100 } },
   zero_optimization = { stage = o.stage or 0, reduce_bucket_size = 3000, stage3_param_persistence_threshold = 0,
-                        stage3_gather_16bit_weights_on_model_save = true },
+                        stage3_gather_16bit_weights_on_model_save = true, sub_group_size = 1000,
+                        offload_optimizer = o.nvme and { device = 'nvme', nvme_path = o.nvme .. '/' .. rank } or nil },
   bf16 = { enabled = o.dtype == 'bf16' }, fp16 = { enabled = o.dtype == 'fp16', initial_scale_power = 20 },
   checkpoint = { tag_validation = o.tag_validation or 'Warn' },
 }
