@@ -147,8 +147,7 @@ end
 --   pieces[i] = {lo, hi, offset}: this rank holds elements [lo, hi) of
 --     parameter i at `offset` of its group's flat buffers
 --   groups[g] = the optimizer's param group (hyperparameters)
---   buffer(g, name) -> the group's flat f32 buffer ('fp32' or a state name)
--- mode: 'flat' (fp32 stage 0: the optimizer's own buffers hold whole
+-- (read_buffers gives each group's flat f32 buffers), mode: 'flat' (fp32 stage 0: the optimizer's own buffers hold whole
 -- parameters), 'masters' (this rank's shards back to back), 'nvme' (the
 -- same, streamed through files: read with state_dict).
 local function engine_layout(engine)
@@ -307,9 +306,8 @@ end
 
 -- This rank's file: its shards, and rank 0's whole module tensors and
 -- client tensors. Returns the report rank 0 puts in the manifest.
-local function write_rank_file(engine, L, path, extra_tensors, rank_state)
+local function write_rank_file(engine, L, bufs, path, extra_tensors, rank_state)
   local W, r = engine.world_size, engine.rank
-  local bufs = read_buffers(engine, L)
   local entries, saved_states = {}, {}
   for g = 1, #L.groups do
     saved_states[g] = {}
@@ -370,82 +368,14 @@ local function rank_state(engine, tensors)
   return st
 end
 
--- engine:save_checkpoint(dir [, tag [, client_state]]) -> true
-function M.save(engine, dir, tag, client_state)
-  if type(dir) ~= 'string' or dir == '' then fail('save_checkpoint: save_dir must be a path, got %s', type(dir)) end
-  tag = tag or ('global_step' .. engine.global_steps)
-  check_tag(tag, 'save_checkpoint')
-  local gas = engine:gradient_accumulation_steps()
-  if engine.micro_steps % gas ~= 0 then
-    fail('save_checkpoint: micro step %d is inside a gradient accumulation window of %d (its gradients are not '
-         .. 'saved): save after engine:step() at a boundary', engine.micro_steps, gas)
-  end
-  local W, r = engine.world_size, engine.rank
-  local t0 = ds.wall_time()
-  validate_tag(engine, tag)
-  local final = dir .. '/' .. tag
-  local partial = final .. '.partial'
-  local leader = is_leader(engine)
-  everywhere(W, 'save_checkpoint', function()
-    if leader then
-      C.mkdirs(dir)
-      C.remove_tree(partial)      -- what a killed save left
-      C.mkdirs(partial)
-    end
-  end)
-  local L = engine_layout(engine)
-  local extra, client = {}, nil
-  if r == 0 then
-    for _, e in ipairs(module_tensors(engine, L)) do extra[#extra + 1] = { 'module/' .. e[1], e[2] } end
-    if client_state ~= nil then client = split_client(client_state, '', extra) end
-  end
-  local report = everywhere(W, 'save_checkpoint', function()
-    local state = rank_state(engine, extra)
-    local rep = write_rank_file(engine, L, partial .. '/' .. file_name(r), extra, state)
-    maybe_kill(r, 'written')
-    return rep
-  end)
-  local reports = gather_strings(json.encode(report), W)
-  local ok, err = true, nil
-  if leader then
-    ok, err = pcall(function()
-      C.fsync_dir(partial)
-      local files = {}
-      for k, text in ipairs(reports) do
-        local rep = json.decode(text)
-        files[k] = { file = file_name(k - 1), rank = k - 1, bytes = rep.bytes, sha256 = rep.sha256,
-                     tensors = rep.tensors }
-      end
-      local manifest = M.manifest(engine, L, tag, files, json.decode(reports[1]).saved_states, client)
-      C.write_atomic(partial .. '/' .. MANIFEST, json.encode(manifest, 1) .. '\n')
-      maybe_kill(r, 'manifest')
-      C.replace_dir(partial, final)
-      maybe_kill(r, 'replaced')
-      C.write_atomic(dir .. '/latest', tag)
-      maybe_kill(r, 'latest')
-    end)
-  end
-  everywhere(W, 'save_checkpoint', function() if not ok then error(err, 0) end end)
-  if r == 0 then
-    local bytes = 0
-    for _, text in ipairs(reports) do bytes = bytes + json.decode(text).bytes end
-    local secs = ds.wall_time() - t0
-    io.stdout:write(string.format('[Rank 0] saved checkpoint %s: %d files, %.1f MB in %.2f s (%.0f MB/s)\n', final, W,
-                                  bytes / 1e6, secs, bytes / 1e6 / secs))
-    io.stdout:flush()
-  end
-  return true
-end
-
 -- The manifest rank 0 writes (see the top of this file).
-function M.manifest(engine, L, tag, files, saved_states, client)
+local function manifest(engine, L, steps, tag, files, saved_states, client)
   local z = engine.zero
   local params = {}
   for i, p in ipairs(L.params) do
     params[i] = { name = p.name, shape = json.array(p.shape), numel = p.numel, group = p.group,
                   shard = ceil_div(p.numel, engine.world_size) }
   end
-  local _, steps = read_buffers(engine, L)
   local groups = {}
   for g, group in ipairs(L.groups) do
     local names = {}
@@ -478,6 +408,75 @@ function M.manifest(engine, L, tag, files, saved_states, client)
     client_state = client, code = code_hashes(engine), config = jsonable(engine.config),
     files = json.array(files),
   }
+end
+
+-- engine:save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
+-- true; save_latest = false leaves `latest` where it was (DeepSpeed's).
+function M.save(engine, dir, tag, client_state, save_latest)
+  if type(dir) ~= 'string' or dir == '' then fail('save_checkpoint: save_dir must be a path, got %s', type(dir)) end
+  tag = tag or ('global_step' .. engine.global_steps)
+  check_tag(tag, 'save_checkpoint')
+  local gas = engine:gradient_accumulation_steps()
+  if engine.micro_steps % gas ~= 0 then
+    fail('save_checkpoint: micro step %d is inside a gradient accumulation window of %d (its gradients are not '
+         .. 'saved): save after engine:step() at a boundary', engine.micro_steps, gas)
+  end
+  local W, r = engine.world_size, engine.rank
+  local t0 = ds.wall_time()
+  validate_tag(engine, tag)
+  local final = dir .. '/' .. tag
+  local partial = final .. '.partial'
+  local leader = is_leader(engine)
+  everywhere(W, 'save_checkpoint', function()
+    if leader then
+      C.mkdirs(dir)
+      C.remove_tree(partial)      -- what a killed save left
+      C.mkdirs(partial)
+    end
+  end)
+  local L = engine_layout(engine)
+  local bufs, steps = read_buffers(engine, L)
+  local extra, client = {}, nil
+  if r == 0 then
+    for _, e in ipairs(module_tensors(engine, L)) do extra[#extra + 1] = { 'module/' .. e[1], e[2] } end
+    if client_state ~= nil then client = split_client(client_state, '', extra) end
+  end
+  local report = everywhere(W, 'save_checkpoint', function()
+    local state = rank_state(engine, extra)
+    local rep = write_rank_file(engine, L, bufs, partial .. '/' .. file_name(r), extra, state)
+    maybe_kill(r, 'written')
+    return rep
+  end)
+  local reports = gather_strings(json.encode(report), W)
+  local ok, err = true, nil
+  if leader then
+    ok, err = pcall(function()
+      C.fsync_dir(partial)
+      local files = {}
+      for k, text in ipairs(reports) do
+        local rep = json.decode(text)
+        files[k] = { file = file_name(k - 1), rank = k - 1, bytes = rep.bytes, sha256 = rep.sha256,
+                     tensors = rep.tensors }
+      end
+      local m = manifest(engine, L, steps, tag, files, json.decode(reports[1]).saved_states, client)
+      C.write_atomic(partial .. '/' .. MANIFEST, json.encode(m, 1) .. '\n')
+      maybe_kill(r, 'manifest')
+      C.replace_dir(partial, final)
+      maybe_kill(r, 'replaced')
+      if save_latest ~= false then C.write_atomic(dir .. '/latest', tag) end
+      maybe_kill(r, 'latest')
+    end)
+  end
+  everywhere(W, 'save_checkpoint', function() if not ok then error(err, 0) end end)
+  if r == 0 then
+    local bytes = 0
+    for _, text in ipairs(reports) do bytes = bytes + json.decode(text).bytes end
+    local secs = ds.wall_time() - t0
+    io.stdout:write(string.format('[Rank 0] saved checkpoint %s: %d files, %.1f MB in %.2f s (%.0f MB/s)\n', final, W,
+                                  bytes / 1e6, secs, bytes / 1e6 / secs))
+    io.stdout:flush()
+  end
+  return true
 end
 
 ---------------------------------------------------------------- loading

@@ -667,13 +667,13 @@ function Engine:set_train_batch_size(n)
 end
 
 -- DeepSpeed's checkpoint verbs (dslua/checkpoint.lua): every rank calls
--- them. save_checkpoint(dir [, tag [, client_state]]) -> true, the tag
--- defaulting to global_step<N>; load_checkpoint(dir [, tag [, {
+-- them. save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
+-- true, the tag defaulting to global_step<N>; load_checkpoint(dir [, tag [, {
 -- load_optimizer_states, load_lr_scheduler_states, load_module_only,
 -- load_module_strict}]]) -> path, client_state, the tag defaulting to the
 -- one dir/latest names (nil, nil when there is none).
-function Engine:save_checkpoint(dir, tag, client_state)
-  return require('dslua.checkpoint').save(self, dir, tag, client_state)
+function Engine:save_checkpoint(dir, tag, client_state, save_latest)
+  return require('dslua.checkpoint').save(self, dir, tag, client_state, save_latest)
 end
 
 function Engine:load_checkpoint(dir, tag, opts)
