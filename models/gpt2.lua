@@ -159,4 +159,64 @@ function GPT:extra_repr()
                        c.n_embd, c.vocab_size, c.block_size)
 end
 
+---------------------------------------------------------------- Hugging Face's weights
+
+-- Hugging Face's GPT-2 keeps these four as Conv1D weights, [in, out]: the
+-- transpose of nn.Linear's [out, in] (nanoGPT's from_pretrained does the same).
+local CONV1D = { 'attn.c_attn.weight', 'attn.c_proj.weight', 'mlp.c_fc.weight', 'mlp.c_proj.weight' }
+
+-- HF's name -> nanoGPT's (GPT2Model files have no "transformer." prefix,
+-- GPT2LMHeadModel files do); nil for the attention masks HF stores.
+local function nano_name(k)
+  if k:match('%.attn%.bias$') or k:match('%.attn%.masked_bias$') then return nil end
+  if k:match('^transformer%.') or k:match('^lm_head%.') then return k end
+  return 'transformer.' .. k
+end
+
+local function is_conv1d(name)
+  for _, suffix in ipairs(CONV1D) do
+    if name:sub(-#suffix) == suffix then return true end
+  end
+  return false
+end
+
+-- The state_dict of a safetensors file in Hugging Face's GPT-2 layout
+-- (model.safetensors of openai-community/gpt2 and friends), under
+-- nanoGPT's names, Conv1D weights transposed, lm_head tied to wte.
+function M.hf_state_dict(path)
+  local raw = require('dslua.checkpoint').load_file(path)
+  local sd = {}
+  for k, t in pairs(raw) do
+    local name = nano_name(k)
+    if name then sd[name] = is_conv1d(name) and t:transpose(1, 2):contiguous() or t end
+  end
+  if not sd['transformer.wte.weight'] then
+    error(string.format("gpt2: '%s' has no wte.weight: not a Hugging Face GPT-2 file", path), 0)
+  end
+  sd['lm_head.weight'] = sd['lm_head.weight'] or sd['transformer.wte.weight']
+  return sd
+end
+
+-- from_hf(path [, overrides]) -> a GPT with the file's weights: sizes read
+-- from the tensors (n_head from the named size of that width, or
+-- overrides.n_head), dtype and device from overrides.
+function M.from_hf(path, overrides)
+  local sd = M.hf_state_dict(path)
+  local wte, wpe = sd['transformer.wte.weight'], sd['transformer.wpe.weight']
+  local n_layer = 0
+  while sd[string.format('transformer.h.%d.ln_1.weight', n_layer)] do n_layer = n_layer + 1 end
+  local cfg = { vocab_size = wte:size(1), n_embd = wte:size(2), block_size = wpe:size(1), n_layer = n_layer,
+                bias = sd['transformer.ln_f.bias'] ~= nil }
+  for _, named in pairs(M.configs) do
+    if named.n_embd == cfg.n_embd then cfg.n_head = named.n_head end
+  end
+  for k, v in pairs(overrides or {}) do cfg[k] = v end
+  if not cfg.n_head then
+    error(string.format('gpt2: no named size has n_embd %d: pass n_head in the overrides', cfg.n_embd), 0)
+  end
+  local model = GPT(cfg)
+  model:load_state_dict(sd)
+  return model
+end
+
 return setmetatable(M, { __call = function(_, cfg) return GPT(cfg) end })

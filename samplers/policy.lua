@@ -360,6 +360,16 @@ function Sampler:load_state_dict(sd)
   end
 end
 
+-- restore_plan(plan): a checkpoint's plan of its epoch ({epoch, indices,
+-- micro_batch, note}) becomes that epoch's, as it was when saved (a policy
+-- whose state changed during the epoch would plan it otherwise now).
+function Sampler:restore_plan(plan)
+  local p = M.check_plan({ indices = plan.indices, micro_batch = plan.micro_batch, note = plan.note }, self.dataset_len,
+                         self:where())
+  p.epoch = plan.epoch
+  self.plans = { [plan.epoch] = p }
+end
+
 -- swap(spec): another policy (name, path or table) from the next epoch on,
 -- carrying the old one's state over. The current epoch's plan stays.
 function Sampler:swap(spec)
@@ -403,10 +413,12 @@ function M.attach(loader, sampler, opts)
       out(sampler:epoch_line())
     end
     local per_step = type(plan.micro_batch) == 'table'
-    l:set_batch_size(per_step and (plan.micro_batch[1] or 1) or plan.micro_batch)
+    -- a checkpoint's position (loader:resume) starts after its step
+    local resume = l._resume
+    local step = resume and resume.epoch == e and resume.step or 0
+    l:set_batch_size(per_step and (plan.micro_batch[step + 1] or 1) or plan.micro_batch)
     local it = epoch(l, e)
     if not per_step then return it end
-    local step = 0
     return function()
       step = step + 1
       local b = plan.micro_batch[step]

@@ -5,7 +5,7 @@
 #define _GNU_SOURCE
 #include "ds_attach.h"
 #include "ds_error.h"
-#include "ds_hash.h"
+#include "ds_sha256.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -20,10 +20,10 @@
 #include "check.h"
 
 static void test_sha256(void) {
-    char hex[DS_HASH_SHA256_HEX];
-    check(ds_hash_sha256_hex("", 0, hex) == 0 &&
+    char hex[DS_SHA256_HEX];
+    check(ds_sha256_bytes("", 0, hex) == 0 &&
           strcmp(hex, "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855") == 0, "sha256('') = %s", hex);
-    check(ds_hash_sha256_hex("abc", 3, hex) == 0 &&
+    check(ds_sha256_bytes("abc", 3, hex) == 0 &&
           strcmp(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad") == 0, "sha256('abc') = %s", hex);
 }
 

@@ -63,6 +63,7 @@ int luaopen_dslua_core(lua_State *L) {
     dsL_open_lr(L);
     dsL_open_comm(L);
     dsL_open_aio(L);
+    dsL_open_ckpt(L);
     dsL_open_zero(L);
     dsL_open_cuda(L);
     dsL_open_reload(L);

@@ -337,6 +337,18 @@ static int l_steps(lua_State *L) {
     return 1;
 }
 
+/* h:has_state(g, name) -> whether the slot holds state: allocated, and for
+ * SGD's momentum once a step has started it (what state_dict saves) */
+static int l_has_state(lua_State *L) {
+    ds_optim *o = dsL_checkoptim(L, 1);
+    ds_optim_group *gr = &o->groups[checkgroup(L, 2, o)];
+    const char *name = luaL_checkstring(L, 3);
+    int slot = ds_optim_state_slot(o->kind, name);
+    if (slot < 0) return luaL_error(L, "optim.%s: no buffer '%s'", ds_optim_name(o->kind), name);
+    lua_pushboolean(L, gr->state[slot] && (o->kind != DS_OPTIM_SGD || gr->momentum_started));
+    return 1;
+}
+
 /* h:lamb_coeffs(g) -> each piece's trust ratio at the last step (the
  * parameters', unless ds_optim_set_segments cut the group otherwise) */
 static int l_lamb_coeffs(lua_State *L) {
@@ -364,7 +376,7 @@ static int l_state_names(lua_State *L) {
 static const luaL_Reg optim_methods[] = {
     {"add_group", l_add_group}, {"step", l_step}, {"zero_grad", l_zero_grad}, {"flat", l_flat},
     {"param_state", l_param_state}, {"load_state", l_load_state}, {"reset_state", l_reset_state},
-    {"steps", l_steps}, {"lamb_coeffs", l_lamb_coeffs}, {"state_names", l_state_names},
+    {"steps", l_steps}, {"has_state", l_has_state}, {"lamb_coeffs", l_lamb_coeffs}, {"state_names", l_state_names},
     {NULL, NULL}
 };
 

@@ -1,15 +1,14 @@
-/* What live reload needs from C (dslua/reload.lua): the SHA-256 that names
- * a version, a cheap look at a file's metadata for the per-step check, and
- * strings as u8 tensors so collectives can carry them.
+/* What live reload needs from C (dslua/reload.lua) besides the SHA-256
+ * that names a version (core.ckpt.sha256): a cheap look at a file's
+ * metadata for the per-step check, and strings as u8 tensors so
+ * collectives can carry them.
  *
- *   core._reload.sha256(s)      -> 64 hex digits
  *   core._reload.stat(path)     -> signature string (mtime, size, inode) or nil, why
  *   core._reload.to_bytes(s)    -> u8 tensor of s's bytes
  *   core._reload.from_bytes(t)  -> the string of a contiguous CPU u8 tensor
  *   core._reload.sleep(seconds)
  */
 #include "lua_tensor.h"
-#include "ds_hash.h"
 #include "ds_error.h"
 
 #include <errno.h>
@@ -17,15 +16,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <time.h>
-
-static int l_sha256(lua_State *L) {
-    size_t n;
-    const char *s = luaL_checklstring(L, 1, &n);
-    char hex[DS_HASH_SHA256_HEX];
-    if (ds_hash_sha256_hex(s, n, hex)) return dsL_error(L);
-    lua_pushstring(L, hex);
-    return 1;
-}
 
 /* Modification time to the nanosecond, size and inode: an edit in place
  * changes the first two, an editor's write-and-rename the inode. */
@@ -74,7 +64,7 @@ static int l_sleep(lua_State *L) {
 
 void dsL_open_reload(lua_State *L) {
     static const luaL_Reg fns[] = {
-        {"sha256", l_sha256}, {"stat", l_stat}, {"to_bytes", l_to_bytes}, {"from_bytes", l_from_bytes},
+        {"stat", l_stat}, {"to_bytes", l_to_bytes}, {"from_bytes", l_from_bytes},
         {"sleep", l_sleep}, {NULL, NULL}
     };
     lua_newtable(L);

@@ -3,6 +3,8 @@
 #include "ds_error.h"
 
 #include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 static lua_State *main_state;
@@ -274,6 +276,30 @@ static int l_manual_seed(lua_State *L) {
     return 0;
 }
 
+/* get_rng_state() -> the default generator's seed and counter offset as 32
+ * hex digits (both are 64-bit: a Lua number would round them) */
+static int l_get_rng_state(lua_State *L) {
+    const ds_generator *g = ds_default_generator();
+    char s[33];
+    snprintf(s, sizeof s, "%016llx%016llx", (unsigned long long)g->seed, (unsigned long long)g->offset);
+    lua_pushstring(L, s);
+    return 1;
+}
+
+/* set_rng_state(s): what get_rng_state returned */
+static int l_set_rng_state(lua_State *L) {
+    size_t n;
+    const char *s = luaL_checklstring(L, 1, &n);
+    if (n != 32 || strspn(s, "0123456789abcdef") != 32)
+        return luaL_error(L, "set_rng_state: expected 32 hex digits from get_rng_state, got '%s'", s);
+    char seed[17], offset[17];
+    memcpy(seed, s, 16);
+    memcpy(offset, s + 16, 16);
+    seed[16] = offset[16] = '\0';
+    *ds_default_generator() = (ds_generator){ strtoull(seed, NULL, 16), strtoull(offset, NULL, 16) };
+    return 0;
+}
+
 /* ---- fields and conversions ---- */
 
 static int l_gc(lua_State *L) {
@@ -490,7 +516,7 @@ static const luaL_Reg tensor_methods[] = {
 static const luaL_Reg module_functions[] = {
     {"tensor", l_tensor}, {"zeros", l_zeros}, {"ones", l_ones}, {"full", l_full},
     {"rand", l_rand}, {"randn", l_randn}, {"arange", l_arange},
-    {"manual_seed", l_manual_seed}, {"is_tensor", l_is_tensor},
+    {"manual_seed", l_manual_seed}, {"get_rng_state", l_get_rng_state}, {"set_rng_state", l_set_rng_state}, {"is_tensor", l_is_tensor},
     {"set_grad_enabled", l_set_grad_enabled}, {"is_grad_enabled", l_is_grad_enabled},
     {"memory_stats", l_memory_stats}, {"reset_peak_memory", l_reset_peak_memory},
     {"empty_cache", l_empty_cache},

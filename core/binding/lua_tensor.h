@@ -65,6 +65,7 @@ void dsL_open_json(lua_State *L);
 void dsL_open_lr(lua_State *L);
 void dsL_open_comm(lua_State *L);
 void dsL_open_aio(lua_State *L);
+void dsL_open_ckpt(lua_State *L);
 void dsL_open_zero(lua_State *L);
 void dsL_open_cuda(lua_State *L);
 void dsL_open_reload(lua_State *L);

@@ -10,7 +10,8 @@
  *   z:backward(loss | nil, reduce)   z:scale_grads(f)
  *   z:step(param_groups, loss_scale, clip, check_overflow)
  *                              -> overflow, grad_norm (nil when not known)
- *   z:refresh({master...})     z:stats() -> table | nil
+ *   z:refresh({master...})     z:sync_params()  (parameters from the masters now)
+ *   z:stats() -> table | nil
  *   z:set_logging(on)          z:comm_records() -> {{name, bytes, ms}...}
  *   z:buckets() -> n           z:bucket(b) -> first param, count, elements
  *   z:add_module({i...}) -> id | nil (it holds no partitioned parameter)
@@ -264,6 +265,11 @@ static int l_step(lua_State *L) {
     return 2;
 }
 
+static int l_sync_params(lua_State *L) {
+    if (ds_zero_sync_params(check_engine(L))) return dsL_error(L);
+    return 0;
+}
+
 static int l_refresh(lua_State *L) {
     ds_zero *z = check_engine(L);
     luaL_checktype(L, 2, LUA_TTABLE);
@@ -404,7 +410,7 @@ static int l_close(lua_State *L) {
 
 static const luaL_Reg engine_methods[] = {
     {"master", l_master}, {"master_grad", l_master_grad}, {"attach", l_attach}, {"stream", l_stream}, {"backward", l_backward},
-    {"scale_grads", l_scale_grads}, {"step", l_step}, {"refresh", l_refresh}, {"stats", l_stats},
+    {"scale_grads", l_scale_grads}, {"step", l_step}, {"refresh", l_refresh}, {"sync_params", l_sync_params}, {"stats", l_stats},
     {"buckets", l_buckets}, {"bucket", l_bucket}, {"add_module", l_add_module}, {"pre_forward", l_pre_forward},
     {"post_forward", l_post_forward}, {"gather_all", l_gather_all}, {"release_all", l_release_all},
     {"shard", l_shard}, {"persistent", l_persistent}, {"set_logging", l_set_logging},

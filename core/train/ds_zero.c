@@ -731,6 +731,15 @@ int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters) {
     return rc;
 }
 
+int ds_zero_sync_params(ds_zero *z) {
+    if (!z->c.masters || !z->optim)
+        return ds_fail(DS_ERR_STATE, "step engine: sync_params needs masters with an optimizer attached"), -1;
+    bool prev = ds_set_grad_enabled(false);
+    int rc = refresh(z, z->masters);
+    ds_set_grad_enabled(prev);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- reports */
 
 bool ds_zero_stats_get(const ds_zero *z, ds_zero_stats *out) {

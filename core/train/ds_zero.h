@@ -111,6 +111,10 @@ ds_tensor *ds_zero_master_grad(ds_zero *z, int g);
  * group, laid out as ds_zero_master's), then the gradients zeroed. */
 int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters);
 
+/* masters with an optimizer attached: the parameters from the masters as
+ * they are now (a checkpoint load wrote them), as a step refreshes them. */
+int ds_zero_sync_params(ds_zero *z);
+
 /* What the last reduced backward did (false before any). */
 typedef struct {
     int buckets;

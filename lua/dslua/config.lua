@@ -16,7 +16,7 @@ M.extension_keys = { 'sampler', 'reload', 'hooks' }
 -- DeepSpeed top-level keys for monitoring, profiling, I/O tuning and CUDA
 -- knobs that dslua accepts and does not act on (a note says so).
 M.ignored_keys = {
-  'activation_checkpointing', 'aio', 'autotuning', 'checkpoint', 'comet',
+  'activation_checkpointing', 'aio', 'autotuning', 'comet',
   'csv_monitor', 'data_types', 'dataloader_drop_last', 'disable_allgather', 'flops_profiler',
   'memory_breakdown', 'sparse_gradients', 'tensorboard', 'vocabulary_size', 'wandb',
   'zero_allow_untested_optimizer', 'zero_force_ds_cpu_optimizer',
@@ -589,6 +589,40 @@ local function check_ignored(ctx, path, v)
   return copy(v)
 end
 
+-- runtime/config.py get_checkpoint_* and checkpoint_engine's constants:
+-- tag_validation is read in any case (DeepSpeed upper-cases it).
+local TAG_MODES = { 'IGNORE', 'WARN', 'FAIL' }
+
+local function check_tag_validation(ctx, path, v)
+  if v == nil then return 'WARN' end
+  local up = type(v) == 'string' and v:upper()
+  for _, m in ipairs(TAG_MODES) do
+    if up == m then return m end
+  end
+  problem(ctx, path, 'must be "Ignore", "Warn" or "Fail" (any case), got ' .. describe(v))
+end
+
+local function has_effect_note(what)
+  return function(ctx, path, v)
+    if v ~= true and v ~= false then return check_value(ctx, path, v, bool(false)) end
+    if v then note(ctx, path, what) end
+    return v
+  end
+end
+
+local CHECKPOINT = { fields = {
+  tag_validation = field('custom', nil, { check = check_tag_validation, fill = true }),
+  load_universal = field('custom', false, { check = has_effect_note(
+    "dslua's checkpoints load on any world size and ZeRO stage already; nothing changes") }),
+  use_node_local_storage = bool(false),
+  parallel_write = block({ fields = {
+    pipeline_stage = field('custom', false, { check = has_effect_note(
+      'dslua has no pipeline parallelism; every rank writes its own file in parallel anyway') }),
+  } }),
+  checkpoint_serialization = bool(true),     -- torch.save's zipfile format: dslua writes safetensors
+  writer = any({ nullable = true }),         -- DeepSpeed's writer engines: dslua has its own
+} }
+
 -- Top level: runtime/config.py get_* helpers and constants.py defaults.
 -- The batch triple has no default: DeepSpeed fills it (resolve_batch).
 local TOP = { fields = {
@@ -606,6 +640,7 @@ local TOP = { fields = {
   fp16 = block(FP16),
   bf16 = block(BF16),
   comms_logger = block(COMMS),
+  checkpoint = block(CHECKPOINT),
   zero_optimization = field('custom', nil, { check = check_zero, fill = true }),
   optimizer = field('custom', nil, { check = check_optimizer }),
   scheduler = field('custom', nil, { check = check_scheduler }),

@@ -500,6 +500,12 @@ function Loader:epoch(e)
     order = self.shuffle and n > 0 and C.permutation(n, self.seed + e) or nil
   end
   local pos, submitted, step, submit_size = 0, 0, 0, self.batch_size
+  -- a checkpoint's position (loader:resume) starts this epoch where it was
+  local resume = self._resume
+  self._resume = nil
+  if resume and resume.epoch == e then pos, submitted, step = resume.samples, resume.samples, resume.step end
+  local at = { epoch = e, step = step, samples = pos }
+  self.position = at
   local cd, ring, list
 
   if self:gathers_in_c() then
@@ -551,8 +557,26 @@ function Loader:epoch(e)
     end
     pos = pos + b
     step = step + 1
+    at.step, at.samples = step, pos
     return step, batch
   end
+end
+
+-- loader.position: {epoch, step, samples} of the batches handed out so far
+-- in the current epoch. loader:resume{epoch, step, samples}: the next
+-- loader:epoch() (or loader:epoch(epoch)) starts there, after `step`
+-- batches holding `samples` samples (a checkpoint's load sets it; an
+-- epoch() of another epoch drops it).
+function Loader:resume(at)
+  if type(at) ~= 'table' then fail('loader:resume', 'expected {epoch, step, samples}, got a %s', type(at)) end
+  for _, k in ipairs({ 'epoch', 'step', 'samples' }) do
+    local v = at[k]
+    if type(v) ~= 'number' or v ~= math.floor(v) or v < 0 then
+      fail('loader:resume', '%s must be a non-negative integer, got %s', k, tostring(v))
+    end
+  end
+  self._resume = { epoch = at.epoch, step = at.step, samples = at.samples }
+  self.current_epoch = at.epoch - 1
 end
 
 -- ds.data.loader(dataset, {batch_size = 1, shuffle = true, seed = 0,

@@ -293,6 +293,7 @@ function Engine:_watch_loader(loader)
     end
     if not sampler then return epoch(l, e) end
     local step, ended = 0, false
+    if l.position and l.position.epoch == e then step = l.position.step end    -- resumed (loader:resume)
     return function()
       if ended then return nil end
       local s, batch = it()
@@ -651,7 +652,8 @@ function Engine:_report()
   local samples = self.global_samples - last.samples
   log(self, 'epoch=%s/micro_step=%d/global_step=%d, RunningAvgSamplesPerSec=%.3f, CurrSamplesPerSec=%.3f, '
           .. 'MemAllocated=%.2fGB, MaxMemAllocated=%.2fGB',
-      tostring(self.epoch or 0), self.micro_steps, self.global_steps, self.global_samples / self.busy_time,
+      tostring(self.epoch or 0), self.micro_steps, self.global_steps,
+      (self.global_samples - (self.resumed_samples or 0)) / self.busy_time,
       samples / elapsed, ds.memory_stats().current.total / 2^30, ds.memory_stats().peak.total / 2^30)
   if self.timers then
     local tt = self.timers.total
@@ -673,13 +675,26 @@ function Engine:set_train_batch_size(n)
   self.config.train_batch_size = n
 end
 
--- The checkpoint format (safetensors per rank, atomic writes, resharding)
--- is its own piece of work; until it lands the call says so and writes nothing.
-function Engine:save_checkpoint(dir, tag)
+-- DeepSpeed's checkpoint verbs (dslua/checkpoint.lua): every rank calls
+-- them. save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
+-- true, the tag defaulting to global_step<N>; load_checkpoint(dir [, tag [, {
+-- load_optimizer_states, load_lr_scheduler_states, load_module_only,
+-- load_module_strict}]]) -> path, client_state, the tag defaulting to the
+-- one dir/latest names (nil, nil when there is none).
+function Engine:save_checkpoint(dir, tag, client_state, save_latest)
   if self.reload then self.reload:hook('on_save', self, dir, tag) end
-  log(self, 'save_checkpoint(%s, %s): checkpoint writing is not built yet; nothing was written',
-      tostring(dir), tostring(tag or ('global_step' .. self.global_steps)))
-  return false
+  return require('dslua.checkpoint').save(self, dir, tag, client_state, save_latest)
+end
+
+function Engine:load_checkpoint(dir, tag, opts)
+  return require('dslua.checkpoint').load(self, dir, tag, opts)
+end
+
+-- DeepSpeed's save_16bit_model: the whole model in its compute dtype
+-- (fp32 without bf16/fp16) in one safetensors file, nanoGPT's key names,
+-- written by rank 0 (every rank calls it). -> true
+function Engine:save_16bit_model(dir, filename)
+  return require('dslua.checkpoint').save_model(self, dir .. '/' .. (filename or 'model.safetensors'))
 end
 
 return M

@@ -67,6 +67,7 @@ function ds.device(t)
 end
 ds.comm = require 'dslua.comm'
 ds.reload = require 'dslua.reload'
+ds.checkpoint = require 'dslua.checkpoint'
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds

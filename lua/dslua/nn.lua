@@ -321,7 +321,8 @@ end
 
 -- The names state_dict holds, in torch's order: per module its parameters,
 -- then its persistent buffers, children after; tied tensors appear under
--- every name, as in torch.
+-- every name, as in torch. module:state_entries() -> {{name, tensor}...},
+-- the module's own tensors (not detached copies).
 local function state_entries(self)
   local out = {}
   for _, nm in ipairs(self:named_modules()) do
@@ -338,6 +339,7 @@ local function state_entries(self)
   end
   return out
 end
+Module.state_entries = state_entries
 
 -- name -> tensor (detached, sharing memory with the module), and the list
 -- of names in order as a second result.

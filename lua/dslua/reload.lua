@@ -45,6 +45,7 @@
 -- changed since).
 local ds = require 'dslua'
 local K = require('dslua.core')._reload
+local sha256 = require('dslua.core').ckpt.sha256
 
 local M = {}
 
@@ -357,7 +358,7 @@ end
 -- A watched file: key (its path), kind, the running value, the signature
 -- and hash of the version running.
 local function new_entry(kind, path, value, text)
-  return { kind = kind, path = path, value = value, sig = K.stat(path), hash = K.sha256(text), source = text }
+  return { kind = kind, path = path, value = value, sig = K.stat(path), hash = sha256(text), source = text }
 end
 
 -- ds.reload.require(name) -> the module, as require gives it, reloading
@@ -490,7 +491,7 @@ function Session:_scan()
     e.gone = nil
     local text = read_file(e.path)
     if not text or K.stat(e.path) ~= sig then return end
-    local hash = K.sha256(text)
+    local hash = sha256(text)
     if hash == e.hash then
       e.sig = sig                  -- touched, not changed
       return
@@ -509,7 +510,7 @@ local actions = {}
 function actions.file(session, m)
   local e = session:_entry(m.path)
   if not e then error(m.path .. ' is not watched here', 0) end
-  if K.sha256(m.text) ~= m.hash then error('the bytes received do not match their SHA-256', 0) end
+  if sha256(m.text) ~= m.hash then error('the bytes received do not match their SHA-256', 0) end
   local commit = kinds[e.kind](session, e, m.text)
   return function()
     local was = e.hash

@@ -1,0 +1,485 @@
+-- Checkpoints (lua/dslua/checkpoint.lua, core/io/ds_safetensors.c): the
+-- file format, exact resume, resharding across world sizes, stages and
+-- dtypes, atomic saves under kill -9, corrupt files, export and import
+-- with PyTorch. Multi-rank runs are spec/ckpt/run.lua under mpirun.
+local H = require 'helpers'
+local ds = H.ds
+local C = require('dslua.core').ckpt
+local CK = ds.checkpoint
+
+local RUN = 'spec/ckpt/run.lua'
+
+local function shell_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+-- Runs run.lua on np ranks with options o; its JSON and output.
+local function run(np, o, env)
+  local out = os.tmpname()
+  local cmd = (env or '') .. H.ranks_cmd(np) .. ' ' .. RUN .. ' ' .. out .. ' ' .. shell_quote(ds.json.encode(o))
+  local r, text = H.run_json(cmd, out)
+  os.remove(out)
+  return r, text
+end
+
+-- Every tensor of two checkpoints the same, to the bit: fp32 weights,
+-- optimizer buffers, module buffers, and the optimizer's steps.
+local function same_state(dir_a, tag_a, dir_b, tag_b)
+  local a, b = CK.read_full(dir_a, tag_a, true), CK.read_full(dir_b, tag_b, true)
+  local n = 0
+  for kind, tensors in pairs(a.states) do
+    for name, t in pairs(tensors) do
+      local u = assert(b.states[kind][name], kind .. '/' .. name .. ' missing')
+      assert.are.same(t:size(), u:size())
+      local d = (t - u):abs():amax():item()
+      assert(d == 0, string.format('%s/%s differs by %g', kind, name, d))
+      n = n + 1
+    end
+  end
+  for g, grp in ipairs(a.manifest.optimizer.param_groups) do
+    assert.are.equal(grp.step, b.manifest.optimizer.param_groups[g].step)
+  end
+  return n
+end
+
+local function steps_of(r)
+  local out = {}
+  for k in pairs(r.losses) do out[#out + 1] = tonumber(k) end
+  table.sort(out)
+  return out
+end
+
+describe('safetensors files', function()
+  local dir = H.tmpdir()
+
+  it('hold every dtype, shapes and metadata, byte for byte, with the SHA-256 and each CRC-32', function()
+    local ts = { { 'a', ds.randn(3, 4) }, { 'b', ds.arange(10):to('bf16') }, { 'c', ds.randn(2, 2, 'f64') },
+                 { 'd', ds.tensor({ 1, -2, 3 }, 'i64') }, { 'e', ds.tensor({ 7 }, 'u8') }, { 'f', ds.randn(5):to('f16') },
+                 { 'g', ds.zeros(0) }, { 'h', ds.randn(4, 6):transpose(1, 2) } }
+    local path = dir .. '/all.safetensors'
+    local bytes, sha, sums = C.save(path, ts, { format = 'pt', who = 'spec' }, { crc32 = true })
+    assert.are.equal(sha, C.sha256_file(path))
+    local f = assert(io.open(path, 'rb'))
+    local raw = f:read('*a')
+    f:close()
+    assert.are.equal(bytes, #raw)
+    -- the format: 8-byte little-endian length, JSON, data 8-byte aligned
+    local n = 0
+    for i = 8, 1, -1 do n = n * 256 + raw:byte(i) end
+    assert.are.equal(0, (8 + n) % 8)
+    local header = ds.json.decode(raw:sub(9, 8 + n))
+    assert.are.same({ 6, 4 }, { header.h.shape[1], header.h.shape[2] })
+    assert.are.equal('BF16', header.b.dtype)
+    assert.are.equal('spec', header.__metadata__.who)
+    local st = C.open(path)
+    for k, e in ipairs(ts) do
+      local got = st:read(e[1])
+      local want = e[2]:contiguous():view(-1)
+      assert.are.equal(want:dtype(), got:dtype())
+      assert.are.same(want:totable(), got:totable())
+      assert.are.equal(sums[k], st:crc32(e[1]))
+    end
+    assert.are.same({ 6, 4 }, st:entry('h').shape)
+    assert.are.same({ 3, 4, 5 }, st:read('b', 3, 3):to('f32'):totable())
+    st:close()
+    local back = CK.load_file(path)
+    assert.are.same(ts[8][2]:totable(), back.h:totable())
+  end)
+
+  it('are written whole or not at all: a temporary name, then a rename', function()
+    local path = dir .. '/x.safetensors'
+    C.save(path, { { 'a', ds.ones(4) } })
+    local out = H.run('ls ' .. dir)
+    assert.is_nil(out:find('tmp', 1, true))
+    H.has(H.err(C.save, dir .. '/no/such/dir/y.safetensors', { { 'a', ds.ones(1) } }), "cannot create '" .. dir .. '/no')
+  end)
+
+  it('that are truncated or corrupt give errors naming the file and the tensor', function()
+    local path = dir .. '/t.safetensors'
+    C.save(path, { { 'first', ds.ones(100) }, { 'second', ds.ones(100) } })
+    local f = assert(io.open(path, 'rb'))
+    local raw = f:read('*a')
+    f:close()
+    H.write(path .. '.cut', raw:sub(1, #raw - 10))
+    H.has(H.err(C.open, path .. '.cut'), "tensor 'second': its bytes [400, 800) run past the end of the data (790 "
+                                         .. 'bytes): the file is truncated')
+    H.write(path .. '.short', raw:sub(1, 30))
+    H.has(H.err(C.open, path .. '.short'), 'runs past the end of the file (30 bytes): the file is truncated')
+    H.write(path .. '.json', raw:sub(1, 8) .. raw:sub(9, 20):gsub('"', '!') .. raw:sub(21))
+    H.has(H.err(C.open, path .. '.json'), 'the header is not a JSON object: not a safetensors file, or corrupt')
+    H.write(path .. '.dtype', (raw:gsub('"F32"', '"I16"', 1)))
+    H.has(H.err(C.open, path .. '.dtype'), "tensor 'first': dtype 'I16' is not one dslua reads")
+    H.write(path .. '.len', '\255\255\255\255\255\255\0\0' .. raw:sub(9))
+    H.has(H.err(C.open, path .. '.len'), 'not a safetensors file, or corrupt')
+    H.has(H.err(C.open, dir .. '/absent.safetensors'), "cannot open '" .. dir .. "/absent.safetensors'")
+  end)
+
+  it('carry the RNG state: get_rng_state / set_rng_state replay the same numbers', function()
+    ds.manual_seed(3)
+    ds.randn(5)
+    local s = ds.get_rng_state()
+    local a = ds.randn(7)
+    ds.set_rng_state(s)
+    assert.are.same(a:totable(), ds.randn(7):totable())
+    H.has(H.err(ds.set_rng_state, 'xyz'), 'set_rng_state: expected 32 hex digits')
+  end)
+end)
+
+describe('the checkpoint config block', function()
+  it("is DeepSpeed's: tag_validation in any case, load_universal, use_node_local_storage, parallel_write", function()
+    local cfg, notes = ds.config.load { train_batch_size = 1, checkpoint = { tag_validation = 'fail',
+      load_universal = true, use_node_local_storage = false, parallel_write = { pipeline_stage = false } } }
+    assert.are.equal('FAIL', cfg.checkpoint.tag_validation)
+    assert.is_true(cfg.checkpoint.load_universal)
+    H.has(table.concat(notes, '\n'), 'checkpoint.load_universal: dslua\'s checkpoints load on any world size')
+    assert.are.equal('WARN', ds.config.load({ train_batch_size = 1 }).checkpoint.tag_validation)
+    local e = H.err(ds.config.load, { train_batch_size = 1, checkpoint = { tag_validation = 'sometimes',
+                                                                            parallel_write = { pipeline = true } } })
+    H.has(e, 'checkpoint.tag_validation: must be "Ignore", "Warn" or "Fail" (any case), got "sometimes"')
+    H.has(e, "checkpoint.parallel_write.pipeline: unknown key, did you mean 'pipeline_stage'?")
+  end)
+end)
+
+describe('exact resume', function()
+  if not H.have_mpirun() then
+    print('skipping: multi-rank checkpoint specs need mpirun')
+    return
+  end
+  local UNEVEN = { policy = 'uneven', micro_batch_per_rank = { 6, 2 }, data_share = { 0.75, 0.25 }, shuffle = true,
+                   seed = 3 }
+  local CASES = {
+    { name = '1 rank, stage 0 fp32, gas 2, dropout, the distributed policy', np = 1,
+      o = { stage = 0, gas = 2, dropout = 0.1, sampler = { policy = 'distributed', micro_batch_per_rank = { 4 } } } },
+    { name = '1 rank, stage 3 fp16 (loss scaler), gas 2, DeepSpeed\'s loader', np = 1,
+      o = { stage = 3, dtype = 'fp16', gas = 2 } },
+    { name = '2 ranks, stage 0 fp32, gas 2, dropout, a custom policy with state', np = 2,
+      o = { stage = 0, gas = 2, dropout = 0.1, sampler = { policy = 'spec/ckpt/policy.lua', micro_batch_per_rank = { 3, 3 } } } },
+    { name = '2 ranks, stage 2 bf16, gas 2, the uneven policy', np = 2,
+      o = { stage = 2, dtype = 'bf16', gas = 2, sampler = UNEVEN } },
+    { name = '1 rank, stage 2, the optimizer offloaded to nvme (streamed state)', np = 1,
+      o = { stage = 2, nvme = H.tmpdir() } },
+  }
+  local K, AFTER = 7, 50
+  for _, case in ipairs(CASES) do
+    it('equals the run that never stopped, to the bit, for 50 steps: ' .. case.name, function()
+      local a_dir, b_dir = H.tmpdir(), H.tmpdir()
+      local o = {}
+      for k, v in pairs(case.o) do o[k] = v end
+      o.dir, o.steps, o.save_at, o.final = a_dir, K + AFTER, K, 'final'
+      local full = run(case.np, o)
+      o.dir, o.save_at, o.load_dir, o.load = b_dir, nil, a_dir, 'global_step' .. K
+      local resumed = run(case.np, o)
+      -- the loop sees every step but those join takes at an epoch's end
+      -- (an unfinished accumulation window): the same ones in both runs
+      local steps, want = steps_of(resumed), {}
+      for _, s in ipairs(steps_of(full)) do
+        if s > K then want[#want + 1] = s end
+      end
+      assert.are.same(want, steps)
+      assert.is_true(#steps >= AFTER - 5)
+      for _, s in ipairs(steps) do
+        assert.are.same(full.losses[tostring(s)], resumed.losses[tostring(s)], 'step ' .. s)
+      end
+      for _, k in ipairs({ 'global_steps', 'global_samples', 'epoch', 'skipped', 'scale', 'lr' }) do
+        assert.are.same(full[k], resumed[k], k)
+      end
+      assert.are.same({ note = 'client', step = K, t = { 0, 1, 2 } }, resumed.client)
+      assert.is_true(same_state(a_dir, 'final', b_dir, 'final') > 0)
+    end)
+  end
+end)
+
+describe('resuming on another world size, ZeRO stage or dtype', function()
+  if not H.have_mpirun() then
+    print('skipping: multi-rank checkpoint specs need mpirun')
+    return
+  end
+
+  it('re-shards 4 ranks stage 3 bf16 -> 2 ranks stage 1 fp32 -> 1 rank stage 0 -> 4 ranks stage 2 bf16, '
+     .. 'every tensor kept to the bit', function()
+    local dir = H.tmpdir()
+    run(4, { stage = 3, dtype = 'bf16', dir = dir, steps = 6, final = 's3_4' })
+    -- each hop loads the last tag and saves it again at once: the whole
+    -- state (fp32 weights, both Adam moments, steps) is unchanged
+    local hops = {
+      { np = 2, stage = 1, tag = 's1_2' }, { np = 1, stage = 0, tag = 's0_1' },
+      { np = 4, stage = 2, dtype = 'bf16', tag = 's2_4' },
+    }
+    local last = 's3_4'
+    for _, hop in ipairs(hops) do
+      local r, out = run(hop.np, { stage = hop.stage, dtype = hop.dtype, dir = dir, load = last, resave = hop.tag,
+                                   steps = 0 })
+      H.has(out, string.format('saved on %d ranks at ZeRO stage', CK.read_manifest(dir .. '/' .. last).world_size))
+      assert.are.equal(6, r.global_steps)
+      assert.is_true(same_state(dir, last, dir, hop.tag) > 0)
+      last = hop.tag
+    end
+    local m = CK.read_manifest(dir .. '/s2_4')
+    assert.are.equal(4, m.world_size)
+    assert.are.equal(2, m.zero_stage)
+    assert.are.equal('bf16', m.dtype)
+    assert.are.equal(4, #m.files)
+  end)
+
+  it('trains on from there: a bf16 stage 3 run resumed in fp32 on 1 rank learns on', function()
+    local dir = H.tmpdir()
+    local a = run(2, { stage = 3, dtype = 'bf16', dir = dir, steps = 30, save_at = 10 })
+    local b, out = run(1, { stage = 0, dir = dir, load = 'global_step10', steps = 30 })
+    H.has(out, 'loaded checkpoint ' .. dir .. '/global_step10 (saved on 2 ranks at ZeRO stage 3 in bf16; loaded on 1 '
+               .. 'at stage 0 in f32)')
+    H.has(out, 'the data loader resumes epoch')
+    local function mean(r, lo, hi)
+      local s, n = 0, 0
+      for k, v in pairs(r.losses) do
+        local step = tonumber(k)
+        if step >= lo and step <= hi then
+          for _, x in ipairs(v) do s, n = s + x, n + 1 end
+        end
+      end
+      return s / n
+    end
+    -- the same training, other rounding: the losses of steps 21-30 agree within 3%
+    assert.is_true(math.abs(mean(b, 21, 30) - mean(a, 21, 30)) / mean(a, 21, 30) < 0.03)
+    assert.is_true(mean(b, 21, 30) < mean(a, 1, 5))
+  end)
+end)
+
+describe('atomic saves', function()
+  if not H.have_mpirun() then
+    print('skipping: multi-rank checkpoint specs need mpirun')
+    return
+  end
+
+  -- a 1-rank engine of run.lua's model in this process, to load with
+  local function tiny_engine()
+    ds.manual_seed(100)
+    local m = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 16 }
+    return (ds.initialize { model = m, config = { train_batch_size = 4, steps_per_print = 1000,
+                                                  optimizer = { type = 'AdamW', params = { lr = 1e-2 } } } })
+  end
+
+  local function latest(dir)
+    local f = assert(io.open(dir .. '/latest'))
+    local t = f:read('*a')
+    f:close()
+    return t
+  end
+
+  -- A 2-rank run saves global_step3, then global_step6 with rank k killed
+  -- (SIGKILL) at a point of the save.
+  local base
+  setup(function()
+    base = H.tmpdir()
+    run(2, { dir = base, steps = 3, final = 'global_step3' })
+  end)
+
+  local function killed(point, rank, extra)
+    local dir = H.tmpdir()
+    assert(os.execute(string.format('cp -r %s/. %s/', base, dir)) == 0)
+    local o = { dir = dir, load = 'global_step3', steps = 6, save_at = 6 }
+    for k, v in pairs(extra or {}) do o[k] = v end
+    local out = os.tmpname()
+    local cmd = 'DSLUA_CKPT_KILL=' .. rank .. ':' .. point .. ' ' .. H.ranks_cmd(2):gsub('%-x DSLUA_NUM_THREADS',
+      '-x DSLUA_CKPT_KILL -x DSLUA_NUM_THREADS') .. ' ' .. RUN .. ' ' .. out .. ' ' .. shell_quote(ds.json.encode(o))
+    local text, status = H.run(cmd)
+    assert(status ~= 0, 'the killed run exited 0:\n' .. text)
+    return dir
+  end
+
+  for _, case in ipairs({ { 'write', 1 }, { 'half', 0 }, { 'half', 1 }, { 'written', 1 }, { 'manifest', 0 },
+                          { 'replaced', 0 } }) do
+    it(string.format('leave the previous checkpoint loadable and latest on it when rank %d is killed at %s', case[2],
+                     case[1]), function()
+      local dir = killed(case[1], case[2])
+      assert.are.equal('global_step3', latest(dir))
+      local e = tiny_engine()
+      assert.are.equal(dir .. '/global_step3', e:load_checkpoint(dir))
+      assert.are.equal(3, e.global_steps)
+      -- killed after the new tag was in place, it is whole too
+      if case[1] == 'replaced' then
+        e:load_checkpoint(dir, 'global_step6')
+        assert.are.equal(6, e.global_steps)
+      else
+        assert.is_false(C.exists(dir .. '/global_step6'))
+      end
+    end)
+  end
+
+  it('move latest last: killed after that, the new checkpoint is the one loaded', function()
+    local dir = killed('latest', 0)
+    assert.are.equal('global_step6', latest(dir))
+    local e = tiny_engine()
+    e:load_checkpoint(dir)
+    assert.are.equal(6, e.global_steps)
+  end)
+
+  it('of a tag that exists already keep the old one whole until the new one is complete', function()
+    local dir = killed('manifest', 0, { tag = 'global_step3' })
+    local e = tiny_engine()
+    e:load_checkpoint(dir, 'global_step3')
+    assert.are.equal(3, e.global_steps)
+    -- the next save of it goes through, the leftovers of the killed one cleared
+    local dir2 = H.tmpdir()
+    run(2, { dir = dir2, steps = 3, final = 'global_step3' })
+    run(2, { dir = dir2, load = 'global_step3', steps = 5, final = 'global_step3' })
+    e:load_checkpoint(dir2, 'global_step3')
+    assert.are.equal(5, e.global_steps)
+    assert.is_nil(H.run('ls ' .. dir2):find('partial', 1, true))
+  end)
+
+  it('check that every rank saves the same tag (checkpoint.tag_validation)', function()
+    local dir = H.tmpdir()
+    local out, status = H.run(H.ranks_cmd(2) .. ' ' .. RUN .. ' ' .. os.tmpname() .. ' '
+      .. shell_quote(ds.json.encode { dir = dir, steps = 2, save_at = 2, tag = 'rank%d', tag_validation = 'Fail' }))
+    assert.are_not.equal(0, status)
+    H.has(out, "save_checkpoint: checkpoint tag 'rank1' of rank 1 differs from rank 0's 'rank0': all ranks must save "
+               .. 'the same tag')
+  end)
+end)
+
+describe('a checkpoint that is corrupt, truncated or does not fit', function()
+  local dir = H.tmpdir()
+  local engine
+
+  local function make(n_embd)
+    ds.manual_seed(5)
+    local m = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = n_embd or 16 }
+    return (ds.initialize { model = m, config = { train_batch_size = 2, steps_per_print = 1000,
+                                                  optimizer = { type = 'AdamW', params = { lr = 1e-2 } } } })
+  end
+
+  -- a fresh copy of a good checkpoint, bytes of rank_00000 changed by fn
+  local function damaged(fn)
+    local d = H.tmpdir()
+    assert(os.execute(string.format('cp -r %s/good %s/', dir, d)) == 0)
+    local path = d .. '/good/rank_00000.safetensors'
+    local f = assert(io.open(path, 'rb'))
+    local raw = f:read('*a')
+    f:close()
+    H.write(path, fn(raw))
+    return d
+  end
+
+  setup(function()
+    engine = make()
+    engine:backward(engine { x = ds.tensor({ { 1, 2, 3 } }, 'i64'), y = ds.tensor({ { 2, 3, 4 } }, 'i64') })
+    engine:step()
+    engine:save_checkpoint(dir, 'good')
+  end)
+
+  it('names the file and the tensor whose bytes changed', function()
+    local d = damaged(function(raw) return raw:sub(1, #raw - 100) .. string.char((raw:byte(#raw - 99) + 1) % 256)
+                                           .. raw:sub(#raw - 98) end)
+    local e = H.err(engine.load_checkpoint, engine, d, 'good')
+    H.has(e, "load_checkpoint: '" .. d .. "/good/rank_00000.safetensors': tensor '")
+    H.has(e, "' does not match its checksum in the manifest: the file is corrupt")
+  end)
+
+  it('names the tensor a truncated file cuts', function()
+    local d = damaged(function(raw) return raw:sub(1, #raw - 100) end)
+    local e = H.err(engine.load_checkpoint, engine, d, 'good')
+    H.has(e, "rank_00000.safetensors': tensor '")
+    H.has(e, 'the file is truncated')
+  end)
+
+  it('refuses a file of another save and a missing one', function()
+    local d = H.tmpdir()
+    assert(os.execute(string.format('cp -r %s/good %s/', dir, d)) == 0)
+    engine:backward(engine { x = ds.tensor({ { 3, 2, 1 } }, 'i64'), y = ds.tensor({ { 2, 3, 4 } }, 'i64') })
+    engine:step()
+    engine:save_checkpoint(d, 'other')
+    os.rename(d .. '/other/rank_00000.safetensors', d .. '/good/rank_00000.safetensors')
+    H.has(H.err(engine.load_checkpoint, engine, d, 'good'), "rank_00000.safetensors': tensor '")
+    os.remove(d .. '/good/rank_00000.safetensors')
+    H.has(H.err(engine.load_checkpoint, engine, d, 'good'),
+          "load_checkpoint: '" .. d .. "/good/rank_00000.safetensors' is missing")
+  end)
+
+  it('refuses a model of other shapes, naming the parameter', function()
+    local other = make(32)
+    H.has(H.err(other.load_checkpoint, other, dir, 'good'),
+          "load_checkpoint: '" .. dir .. "/good': parameter 'transformer.wte.weight' is [32,16] in the checkpoint, "
+          .. '[32,32] in the model')
+    H.has(H.err(engine.load_checkpoint, engine, dir, 'absent'), "load_checkpoint: '" .. dir .. "/absent' does not exist")
+    local d = H.tmpdir()
+    assert(os.execute(string.format('cp -r %s/good %s/', dir, d)) == 0)
+    H.write(d .. '/good/manifest.json', '{"format": "dslua-checkpoint", ')
+    H.has(H.err(engine.load_checkpoint, engine, d, 'good'), 'the manifest is corrupt')
+  end)
+
+  it('moves latest only when asked (save_latest), as DeepSpeed does', function()
+    local d = H.tmpdir()
+    engine:save_checkpoint(d, 'first')
+    engine:save_checkpoint(d, 'second', nil, false)
+    local f = assert(io.open(d .. '/latest'))
+    assert.are.equal('first', f:read('*a'))
+    f:close()
+  end)
+
+  it('without a latest file loads nothing and says so, as DeepSpeed does', function()
+    local path, client = engine:load_checkpoint(H.tmpdir())
+    assert.is_nil(path)
+    assert.is_nil(client)
+  end)
+end)
+
+describe('export and import', function()
+  local fx = H.fixture('checkpoint')
+
+  it('loads Hugging Face GPT-2 weights (Conv1D transposed) into models.gpt2: PyTorch\'s logits', function()
+    local m = require('models.gpt2').from_hf('spec/fixtures/gpt2_hf_tiny.safetensors', { n_head = 2 })
+    assert.are.equal(2, m.config.n_layer)
+    local logits = ds.no_grad(function() return m(H.tensor(fx.hf.ids)) end)
+    H.assert_close(logits, H.tensor(fx.hf.logits), { rtol = 1e-4, atol = 1e-5 }, 'logits (file by ' .. fx.hf.writer .. ')')
+  end)
+
+  it('writes files PyTorch reads under nanoGPT\'s names (the committed fixture)', function()
+    local m = require('models.gpt2') { n_layer = 2, n_head = 2, n_embd = 16, vocab_size = 64, block_size = 16 }
+    m:load_state_dict(CK.load_file('spec/fixtures/dslua_gpt2_export.safetensors'))
+    local logits = ds.no_grad(function() return m(H.tensor(fx.dslua_export.ids)) end)
+    H.assert_close(logits, H.tensor(fx.dslua_export.logits), { rtol = 1e-4, atol = 1e-5 }, 'PyTorch read dslua\'s file')
+    local sd, keys = m:state_dict()
+    table.sort(keys)
+    assert.are.same(keys, fx.dslua_export.keys)
+  end)
+
+  it('consolidates a sharded bf16 checkpoint to one fp32 file (zero_to_fp32) and a 16-bit model', function()
+    if not H.have_mpirun() then return print('skipping: needs mpirun') end
+    local dir = H.tmpdir()
+    run(2, { stage = 3, dtype = 'bf16', dir = dir, steps = 4, final = 'final' })
+    local out = CK.zero_to_fp32(dir, dir .. '/model.safetensors')
+    local sd = CK.load_file(out)
+    local full = CK.read_full(dir, 'final')
+    assert.are.equal('f32', sd['transformer.wte.weight']:dtype())
+    assert.are.same(sd['transformer.wte.weight']:totable(), sd['lm_head.weight']:totable())
+    assert.are.same(full.fp32['transformer.h.0.mlp.c_fc.weight']:totable(), sd['transformer.h.0.mlp.c_fc.weight']:totable())
+    local m = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 16 }
+    m:load_state_dict(sd)
+    local half = CK.load_file(CK.zero_to_fp32(dir, dir .. '/model_bf16.safetensors', 'final', 'bf16'))
+    assert.are.equal('bf16', half['transformer.h.0.attn.c_attn.weight']:dtype())
+  end)
+
+  it('is read by PyTorch live, when python3 has torch and safetensors', function()
+    local _, status = H.run("/usr/bin/python3 -c 'import torch, safetensors.torch'")
+    if status ~= 0 then
+      return print('skipping: /usr/bin/python3 has no torch or no safetensors package (pip install safetensors)')
+    end
+    local dir = H.tmpdir()
+    ds.manual_seed(9)
+    local m = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 16 }
+    local engine = ds.initialize { model = m, config = { train_batch_size = 2, steps_per_print = 1000,
+                                                          bf16 = { enabled = true },
+                                                          optimizer = { type = 'AdamW', params = { lr = 1e-2 } } } }
+    engine:save_16bit_model(dir)
+    local text = H.run('/usr/bin/python3 -c ' .. shell_quote([[
+import sys
+from safetensors.torch import load_file
+sd = load_file(sys.argv[1] + '/model.safetensors')
+print(len(sd), sd['transformer.h.0.attn.c_attn.weight'].dtype, float(sd['transformer.wte.weight'].float().sum()))
+]]) .. ' ' .. dir)
+    local want = m.transformer.wte.weight:to('f32'):sum():item()
+    local n, dtype, sum = text:match('^(%d+) (%S+) (%S+)')
+    assert(n, text)
+    assert.are.equal('torch.bfloat16', dtype)
+    assert.are.equal(#select(2, m:state_dict()), tonumber(n))
+    assert.is_true(math.abs(tonumber(sum) - want) <= 1e-3 * math.abs(want) + 1e-4)
+  end)
+end)

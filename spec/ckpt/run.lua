@@ -1,0 +1,88 @@
+-- Run by spec/checkpoint_spec.lua on 1 rank or under mpirun: a tiny GPT-2
+-- trained through ds.initialize, saved and loaded as the options say.
+--   run.lua out.json '<options as JSON>'
+-- options: stage (0-3), dtype (fp32, bf16, fp16), gas, dropout, sampler
+-- (a policy block, nil: DeepSpeed's own loader), dir (where it saves),
+-- load (a tag, or "latest", of load_dir, default dir), resave (a tag: saved right after the load),
+-- steps (train until global_steps reaches it), save_at (a global step at
+-- which the loop saves, global_step<N>), final (a tag saved at the end),
+-- tag_validation, tag (the tag every rank saves at save_at, %d the rank),
+-- nvme (a folder: offload_optimizer to nvme there).
+-- Rank 0 writes {losses = {"<step>" = {rank losses}}, skipped, scale, lr}.
+local ds = require 'dslua'
+local GPT = require 'models.gpt2'
+
+local out_path = assert(arg[1], 'usage: run.lua out.json options')
+local o = ds.json.decode(assert(arg[2], 'usage: run.lua out.json options'))
+local W, rank = ds.comm.world_size(), ds.comm.rank()
+
+ds.manual_seed(11)
+local tokens = (ds.rand(96, 9) * 32):to('i64')
+local data = ds.data.tensors { x = tokens:narrow(2, 1, 8):contiguous(), y = tokens:narrow(2, 2, 8):contiguous() }
+
+ds.manual_seed(100 + rank)         -- each rank its own init: rank 0's is broadcast
+local model = GPT { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 16, dropout = o.dropout or 0 }
+local cfg = {
+  gradient_accumulation_steps = o.gas or 1, steps_per_print = 1000, gradient_clipping = 1.0,
+  optimizer = { type = o.optimizer or 'AdamW', params = { lr = 1e-2, weight_decay = 0.01 } },
+  scheduler = { type = 'WarmupCosineLR', params = { warmup_num_steps = 5, total_num_steps = 100 } },
+  zero_optimization = { stage = o.stage or 0, reduce_bucket_size = 3000, stage3_param_persistence_threshold = 0,
+                        stage3_gather_16bit_weights_on_model_save = true, sub_group_size = 1000,
+                        offload_optimizer = o.nvme and { device = 'nvme', nvme_path = o.nvme .. '/' .. rank } or nil },
+  bf16 = { enabled = o.dtype == 'bf16' }, fp16 = { enabled = o.dtype == 'fp16', initial_scale_power = 20 },
+  checkpoint = { tag_validation = o.tag_validation or 'Warn' },
+}
+if o.sampler then cfg.sampler = o.sampler else cfg.train_micro_batch_size_per_gpu = 4 end
+local engine, _, loader = ds.initialize { model = model, config = cfg, training_data = data }
+
+local client
+if o.load then
+  local _, c = engine:load_checkpoint(o.load_dir or o.dir, o.load ~= 'latest' and o.load or nil)
+  client = c
+  if o.resave then engine:save_checkpoint(o.dir, o.resave) end
+end
+
+local losses = {}
+while engine.global_steps < (o.steps or 0) do
+  for _, batch in loader:epoch() do
+    engine:backward(engine(batch))
+    local boundary = engine:is_gradient_accumulation_boundary()
+    engine:step()
+    if boundary then
+      losses[#losses + 1] = { engine.global_steps, engine.last_loss }
+      if engine.global_steps == o.save_at then
+        local tag = o.tag and string.format(o.tag, rank) or nil
+        engine:save_checkpoint(o.dir, tag, { step = engine.global_steps, note = 'client', t = ds.arange(3) })
+      end
+      if engine.global_steps >= o.steps then break end
+    end
+  end
+end
+if o.final then engine:save_checkpoint(o.dir, o.final) end
+
+-- every rank's losses by step
+local flat = {}
+for _, l in ipairs(losses) do flat[#flat + 1] = l[1]; flat[#flat + 1] = l[2] end
+local rows = W > 1 and ds.comm.all_gather(ds.tensor(#flat > 0 and flat or { -1, 0 }, 'f64'))
+             or { ds.tensor(#flat > 0 and flat or { -1, 0 }, 'f64') }
+local by_step = {}
+for r, t in ipairs(rows) do
+  local v = t:totable()
+  for i = 1, #v, 2 do
+    if v[i] >= 0 then
+      local k = tostring(v[i])
+      by_step[k] = by_step[k] or {}
+      by_step[k][r] = v[i + 1]
+    end
+  end
+end
+if rank == 0 then
+  local f = assert(io.open(out_path, 'w'))
+  f:write(ds.json.encode { losses = by_step, skipped = engine.skipped_steps, global_steps = engine.global_steps,
+                           global_samples = engine.global_samples, epoch = engine.epoch,
+                           scale = engine.scaler and engine.scaler.cur_scale or false,
+                           lr = engine:get_lr()[1], client = client and { step = client.step, note = client.note,
+                                                                          t = client.t and client.t:totable() } })
+  f:close()
+end
+engine:finish()
