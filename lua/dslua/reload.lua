@@ -51,7 +51,7 @@ local M = {}
 
 local now = ds.wall_time
 
-M.sha256 = K.sha256
+M.sha256 = sha256
 
 ---------------------------------------------------------------- messages between ranks
 
