@@ -232,10 +232,11 @@ return H
       H.has(text, 'run: rejected on rank 0: all:1:')
 
       -- the lr from the next step on, a save request, and on
-      text, st = attach([[-e 'set_lr(0.5); save("ckdir", "tag1"); resume()']])
+      local ck = dir .. '/ck'
+      text, st = attach([[-e 'set_lr(0.5); save("]] .. ck .. [[", "tag1"); resume()']])
       assert.are.equal(0, st, text)
       H.has(text, 'set_lr: lr 0.5 on every rank from step 4')
-      H.has(text, 'save: save_checkpoint("ckdir", "tag1") requested at step 3')
+      H.has(text, 'save: save_checkpoint("' .. ck .. '", "tag1") requested at step 3')
       H.has(text, 'resume: every rank goes on from step 4')
     end)
     if not ok then attach("-e 'resume()'") end        -- let the job end before failing
@@ -248,7 +249,7 @@ return H
     for r = 0, 1 do
       local res = read_json(dir .. '/out.' .. r .. '.json')
       H.assert_close(res.lrs, { 0.1, 0.1, 0.1, 0.5, 0.5, 0.5 }, { rtol = 1e-12, atol = 0 }, 'rank ' .. r)
-      assert.are.same({ { dir = 'ckdir', tag = 'tag1', step = 3 } }, res.hooks.saves)
+      assert.are.same({ { dir = dir .. '/ck', tag = 'tag1', step = 3 } }, res.hooks.saves)
       assert.are.same({ 1, 2, 3, 4, 5, 6 }, res.hooks.steps)
       assert.are.same({ 2, 4, 6 }, res.hooks.logs)
       assert.are.equal(1, res.hooks.evals)
