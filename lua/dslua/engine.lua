@@ -151,6 +151,7 @@ function M.initialize(opts)
   end
   local world_size = ds.comm and ds.comm.world_size() or 1
   local cfg = ds.config.load(source, { world_size = world_size })
+  require('dslua.checkpointing').configure(cfg.activation_checkpointing)
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
 
