@@ -72,6 +72,7 @@ ds.checkpointing = require 'dslua.checkpointing'
 -- ds.checkpoint(fn, ...) is activation checkpointing; ds.checkpoint.save and
 -- the rest stay the checkpoint files' module
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
+ds.pipe = require 'dslua.pipe'
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds
