@@ -31,6 +31,7 @@ M.defaults = {
   dropout = 0.0,        -- embedding, attention and residual dropout
   bias = true,          -- biases in the Linears and LayerNorms
   gelu = 'tanh',        -- GPT-2's approximation; 'none' for the erf form
+  checkpoint = false,   -- activation checkpointing: true (every block) or k (segments of k blocks)
   dtype = 'f32', device = 'cpu',
 }
 
@@ -42,6 +43,7 @@ function M.config(cfg)
   if out.n_embd % out.n_head ~= 0 then
     error(string.format('gpt2: n_embd %d is not divisible by n_head %d', out.n_embd, out.n_head), 0)
   end
+  ds.checkpointing.interval('gpt2', out.checkpoint)
   return out
 end
 
@@ -120,7 +122,7 @@ function GPT:hidden(idx)
   local tr = self.transformer
   local pos = ds.arange(T, 'i64', idx:device())
   local x = tr.drop(tr.wte(idx) + tr.wpe(pos))
-  for _, block in ipairs(tr.h) do x = block(x) end
+  x = ds.checkpointing.sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
   return tr.ln_f(x)
 end
 

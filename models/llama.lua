@@ -29,10 +29,12 @@ M.defaults = {
   vocab_size = 32000, block_size = 2048, n_layer = 32, n_head = 32, n_kv_head = false, n_embd = 4096,
   intermediate_size = false, multiple_of = 256, norm_eps = 1e-5, rope_theta = 10000.0,
   tie_embeddings = false, initializer_range = 0.02, dtype = 'f32', device = 'cpu',
+  checkpoint = false,   -- activation checkpointing: true (every layer) or k (segments of k layers)
 }
 
 function M.config(cfg)
   local out = nn.model_config('llama', M.defaults, M.configs, cfg)
+  ds.checkpointing.interval('llama', out.checkpoint)
   out.n_kv_head = out.n_kv_head or out.n_head
   if not out.intermediate_size then
     local h = math.floor(2 * 4 * out.n_embd / 3)
@@ -180,7 +182,8 @@ function Llama:hidden(idx)
   end
   local cos, sin = self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T)
   local x = self.model.embed_tokens(idx)
-  for _, layer in ipairs(self.model.layers) do x = layer(x, cos, sin) end
+  x = ds.checkpointing.sequential(self.model.layers, ds.checkpointing.interval('llama', self.config.checkpoint),
+                                   x, cos, sin)
   return self.model.norm(x)
 end
 

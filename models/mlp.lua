@@ -80,4 +80,22 @@ function MLP:forward(x, y)
   return ds.cross_entropy(logits, y), logits
 end
 
+-- The same network as pipeline layers (ds.pipe.LayerSpec): Flatten, then
+-- each Linear and activation a layer of its own, for a PipelineModule with
+-- loss_fn = ds.cross_entropy.
+function M.pipe_layers(cfg)
+  cfg = M.config(cfg)
+  local pipe = ds.pipe
+  local where = { dtype = cfg.dtype, device = cfg.device }
+  local layers, width = { pipe.LayerSpec(nn.Flatten) }, cfg.input_size
+  for _, h in ipairs(cfg.hidden) do
+    layers[#layers + 1] = pipe.LayerSpec(nn.Linear, width, h, where)
+    layers[#layers + 1] = pipe.LayerSpec(ACTIVATIONS[cfg.activation])
+    if cfg.dropout > 0 then layers[#layers + 1] = pipe.LayerSpec(nn.Dropout, cfg.dropout) end
+    width = h
+  end
+  layers[#layers + 1] = pipe.LayerSpec(nn.Linear, width, cfg.num_classes, where)
+  return layers
+end
+
 return setmetatable(M, { __call = function(_, cfg) return MLP(cfg) end })

@@ -167,8 +167,16 @@ describe('data-parallel training', function()
       for _, case in ipairs({ 'mlp', 'mlp_sgd', 'mlp_gas2_clip' }) do same_training(case, np) end
     end)
 
-    it('trains a tiny GPT-2 on ' .. np .. ' ranks as on 1 (one bucket, several)', function()
-      for _, case in ipairs({ 'gpt2', 'gpt2_buckets' }) do same_training(case, np) end
+    it('trains a tiny GPT-2 on ' .. np .. ' ranks as on 1 (one bucket, several, checkpointed blocks)', function()
+      for _, case in ipairs({ 'gpt2', 'gpt2_buckets', 'gpt2_checkpoint' }) do same_training(case, np) end
+    end)
+
+    it('trains a checkpointed GPT-2 on ' .. np .. ' ranks as the same GPT-2 without checkpointing', function()
+      local plain, ckpt = run(np).gpt2_buckets, run(np).gpt2_checkpoint
+      for i, l in ipairs(plain.losses) do assert.are.equal(l, ckpt.losses[i]) end
+      for name, w in pairs(plain.weights) do
+        for i = 1, #w do assert(math.abs(ckpt.weights[name][i] - w[i]) <= 1e-6, name) end
+      end
     end)
 
     it('honours prescale_gradients and gradient_predivide_factor on ' .. np .. ' ranks', function()

@@ -53,6 +53,12 @@ static lua_State *fetching_L;
 
 lua_State *dsL_fetching_state(void) { return fetching_L; }
 
+lua_State *dsL_set_fetching_state(lua_State *L) {
+    lua_State *outer = fetching_L;
+    fetching_L = L;
+    return outer;
+}
+
 void dsL_fetch(lua_State *L, int idx, ds_tensor *t) {
     char s[96];
     lua_State *outer = fetching_L;

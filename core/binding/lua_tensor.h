@@ -26,6 +26,9 @@ int dsL_backward(lua_State *L, ds_tensor *root, ds_tensor *grad, bool retain_gra
 /* The state of the binding call now fetching or running backward (where a
  * fetch function written in Lua runs), NULL outside one. */
 lua_State *dsL_fetching_state(void);
+/* Sets that state around a core call that runs backward or fetches (the
+ * step engine's backward); returns the one it replaces, to put back. */
+lua_State *dsL_set_fetching_state(lua_State *L);
 ds_tensor *dsL_totensor(lua_State *L, int idx);          /* NULL if not a tensor */
 /* A tensor argument, or a number turned into a 0-dim tensor like `like`.
  * *owned is set when the caller must release the result. */
@@ -70,5 +73,6 @@ void dsL_open_zero(lua_State *L);
 void dsL_open_cuda(lua_State *L);
 void dsL_open_reload(lua_State *L);
 void dsL_open_attach(lua_State *L);
+void dsL_open_function(lua_State *L);
 
 #endif

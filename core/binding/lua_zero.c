@@ -238,7 +238,11 @@ static int l_stream(lua_State *L) {
 static int l_backward(lua_State *L) {
     ds_zero *z = check_engine(L);
     ds_tensor *loss = lua_isnil(L, 2) ? NULL : dsL_checktensor(L, 2);
-    if (ds_zero_backward(z, loss, lua_toboolean(L, 3))) return dsL_error(L);
+    /* backward nodes written in Lua (ds.checkpoint) and Lua fetches run on L */
+    lua_State *outer = dsL_set_fetching_state(L);
+    int rc = ds_zero_backward(z, loss, lua_toboolean(L, 3));
+    dsL_set_fetching_state(outer);
+    if (rc) return dsL_error(L);
     return 0;
 }
 

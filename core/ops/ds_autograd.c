@@ -78,6 +78,7 @@ void ds_node_release(ds_node *n) {
     size_t len = 0, cap = 0;
     while (n) {
         if (atomic_fetch_sub(&n->refcount, 1) == 1) {
+            if (n->on_free) n->on_free(n);
             node_free_saved(n);
             ds_tensor_release(n->grad);
             for (int k = 0; k < n->n_inputs; k++) {

@@ -36,6 +36,9 @@ struct ds_node {
     ds_tensor *saved[DS_NODE_MAX_SAVED];
     double f[4];          /* op parameters (eps, p, scale, ...) */
     int64_t i[8];         /* op parameters (dims, flags, ...) */
+    /* runs once as the node is freed: a node whose backward lives outside
+     * C (the binding's Lua functions) drops what i[] refers to */
+    void (*on_free)(ds_node *n);
     /* during backward */
     ds_tensor *grad;
     int pending;

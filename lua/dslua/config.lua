@@ -16,7 +16,7 @@ M.extension_keys = { 'sampler', 'reload', 'hooks' }
 -- DeepSpeed top-level keys for monitoring, profiling, I/O tuning and CUDA
 -- knobs that dslua accepts and does not act on (a note says so).
 M.ignored_keys = {
-  'activation_checkpointing', 'aio', 'autotuning', 'comet',
+  'aio', 'autotuning', 'comet',
   'csv_monitor', 'data_types', 'dataloader_drop_last', 'disable_allgather', 'flops_profiler',
   'memory_breakdown', 'sparse_gradients', 'tensorboard', 'vocabulary_size', 'wandb',
   'zero_allow_untested_optimizer', 'zero_force_ds_cpu_optimizer',
@@ -623,6 +623,18 @@ local CHECKPOINT = { fields = {
   writer = any({ nullable = true }),         -- DeepSpeed's writer engines: dslua has its own
 } }
 
+-- runtime/activation_checkpointing/config.py: the block configures
+-- ds.checkpointing; checkpointing itself is what the model asks for.
+local ACT_CKPT_NOTE = 'dslua keeps a checkpointed block\'s inputs where they are (no model parallelism to partition over)'
+local ACT_CKPT = { fields = {
+  partition_activations = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
+  contiguous_memory_optimization = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
+  cpu_checkpointing = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
+  number_checkpoints = int(nil, 1, { nullable = true }),
+  synchronize_checkpoint_boundary = bool(false),
+  profile = bool(false),
+} }
+
 -- Top level: runtime/config.py get_* helpers and constants.py defaults.
 -- The batch triple has no default: DeepSpeed fills it (resolve_batch).
 local TOP = { fields = {
@@ -641,6 +653,7 @@ local TOP = { fields = {
   bf16 = block(BF16),
   comms_logger = block(COMMS),
   checkpoint = block(CHECKPOINT),
+  activation_checkpointing = block(ACT_CKPT),
   zero_optimization = field('custom', nil, { check = check_zero, fill = true }),
   optimizer = field('custom', nil, { check = check_optimizer }),
   scheduler = field('custom', nil, { check = check_scheduler }),

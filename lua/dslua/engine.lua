@@ -150,7 +150,10 @@ function M.initialize(opts)
     error('initialize: no config: pass `config` (a path or a table) or run with --config ds.json', 2)
   end
   local world_size = ds.comm and ds.comm.world_size() or 1
+  -- a pipeline's ranks split into stages: data parallel runs across dp_size
+  if model.is_pipeline then world_size = model.dp_size end
   local cfg = ds.config.load(source, { world_size = world_size })
+  require('dslua.checkpointing').configure(cfg.activation_checkpointing)
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
 
@@ -163,6 +166,9 @@ function M.initialize(opts)
   local params = opts.model_parameters or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
   local optimizer, zero
+  if model.is_pipeline and (Zero.wanted(cfg) or world_size > 1) then
+    error('initialize: a PipelineModule with ZeRO or with data parallel stages is not implemented yet (issue 16)', 2)
+  end
   if Zero.wanted(cfg) then
     zero = build_zero(opts, cfg, model, params, rank, world_size, device)
     optimizer = zero.optimizer
@@ -308,6 +314,10 @@ function Engine:_watch_loader(loader)
     end
   end
 end
+
+-- a PipelineModule's verbs (dslua/pipe/engine.lua)
+function Engine:train_batch(data_iter) return require('dslua.pipe.engine').train_batch(self, data_iter) end
+function Engine:eval_batch(data_iter) return require('dslua.pipe.engine').eval_batch(self, data_iter) end
 
 function Engine:train_batch_size() return self.config.train_batch_size end
 function Engine:train_micro_batch_size_per_gpu() return self.config.train_micro_batch_size_per_gpu end

@@ -68,6 +68,11 @@ end
 ds.comm = require 'dslua.comm'
 ds.reload = require 'dslua.reload'
 ds.checkpoint = require 'dslua.checkpoint'
+ds.checkpointing = require 'dslua.checkpointing'
+-- ds.checkpoint(fn, ...) is activation checkpointing; ds.checkpoint.save and
+-- the rest stay the checkpoint files' module
+setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
+ds.pipe = require 'dslua.pipe'
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds

@@ -25,10 +25,11 @@ local function data(kind)
   return ds.data.tensors { x = tokens:narrow(2, 1, 8):contiguous(), y = tokens:narrow(2, 2, 8):contiguous() }
 end
 
-local function model(kind)
+local function model(kind, checkpoint)
   ds.manual_seed(100 + ds.comm.rank())  -- each rank its own init: rank 0's is broadcast
   if kind == 'mlp' then return MLP { input_size = 16, hidden = { 32, 32 }, num_classes = 4 } end
-  return GPT { vocab_size = 32, block_size = 8, n_layer = 2, n_head = 2, n_embd = 16, bias = false }
+  return GPT { vocab_size = 32, block_size = 8, n_layer = 2, n_head = 2, n_embd = 16, bias = false,
+               checkpoint = checkpoint or false }
 end
 
 -- Adam is blind to a constant factor on the gradient, SGD is not: the
@@ -43,6 +44,9 @@ local CASES = {
     cfg = { optimizer = SGD, gradient_clipping = 0.5, comms_logger = { enabled = true } } },
   { name = 'gpt2', kind = 'gpt2', cfg = { steps_per_print = 6 } },
   { name = 'gpt2_buckets', kind = 'gpt2', cfg = { zero_optimization = { reduce_bucket_size = 2000 } } },
+  -- activation checkpointing: gradients reduced from inside the recomputing backward
+  { name = 'gpt2_checkpoint', kind = 'gpt2', checkpoint = true,
+    cfg = { zero_optimization = { reduce_bucket_size = 2000 } } },
   { name = 'gpt2_prescale_predivide', kind = 'gpt2',
     cfg = { optimizer = SGD, prescale_gradients = true, gradient_predivide_factor = 3.0,
             zero_optimization = { reduce_bucket_size = 3000 } } },
@@ -66,7 +70,7 @@ local function run(case)
   for k, v in pairs(case.cfg or {}) do cfg[k] = v end
   ds.comm.configure_logger({ enabled = false })
   ds.comm.reset_logger()
-  local m = model(case.kind)
+  local m = model(case.kind, case.checkpoint)
   local engine, _, loader = ds.initialize { model = m, config = cfg, training_data = data(case.kind) }
   local losses = train_epochs(engine, loader, 2)
   local logged = { all_reduce = counts('all_reduce'), broadcast = counts('broadcast') }

@@ -1,0 +1,123 @@
+-- ds.checkpointing: activation checkpointing, as deepspeed.checkpointing.
+--
+--   y = ds.checkpoint(fn, x, ...)       -- or ds.checkpointing.checkpoint
+--
+-- runs fn(x, ...) with autograd off, so none of its intermediate
+-- activations are kept, and records one node from the tensor arguments that
+-- need grad to y. Backward runs fn again with autograd on, from the saved
+-- arguments and the random-number state fn first saw (dropout draws the
+-- same masks), and backpropagates through that copy: parameters fn uses get
+-- their gradients there, the arguments' gradients go on down the graph.
+-- fn returns one tensor; other arguments (numbers, tables, tensors that need
+-- no grad) are passed through as they are, both times.
+local C = require 'dslua.core'
+
+local M = {}
+
+-- the activation_checkpointing config block (ds.config's filled copy)
+M.config = nil
+
+function M.configure(block) M.config = block end
+
+-- deepspeed.checkpointing.is_configured
+function M.is_configured() return M.config ~= nil end
+
+local function run_with_grad(fn, args, n)
+  local prev = C.set_grad_enabled(true)
+  local ok, y = pcall(fn, unpack(args, 1, n))
+  C.set_grad_enabled(prev)
+  if not ok then error(y, 0) end
+  return y
+end
+
+function M.checkpoint(fn, ...)
+  if type(fn) ~= 'function' and not (type(fn) == 'table' and getmetatable(fn) and getmetatable(fn).__call) then
+    error('ds.checkpoint: expected a function to run, got a ' .. type(fn), 2)
+  end
+  local n = select('#', ...)
+  local args = { ... }
+  -- the tensors that need grad become the node's inputs; the rest is kept as is
+  local slots, inputs = {}, {}
+  for i = 1, n do
+    local a = args[i]
+    if C.is_tensor(a) and a.requires_grad then
+      slots[#slots + 1] = i
+      inputs[#inputs + 1] = a
+    end
+  end
+  local rng = C.get_rng_state()
+  local prev = C.set_grad_enabled(false)
+  local ok, out = pcall(fn, ...)
+  C.set_grad_enabled(prev)
+  if not ok then error(out, 0) end
+  -- fn's intermediates are unreachable now, but Lua holds their bytes until
+  -- its collector runs: collect here, or checkpointing saves nothing
+  collectgarbage()
+  if not C.is_tensor(out) then
+    error('ds.checkpoint: fn must return one tensor, it returned a ' .. type(out), 2)
+  end
+  if not prev then return out end
+  -- with no argument needing grad, fn's parameters still need the node: a
+  -- stand-in leaf (its gradient stays nil) makes autograd record it
+  if #inputs == 0 then inputs[1] = C.zeros({}):requires_grad_(true) end
+  local template = args
+  for _, i in ipairs(slots) do template[i] = nil end   -- the node saves those
+  local function backward(grad, ...)
+    local call = {}
+    for i = 1, n do call[i] = template[i] end
+    local xs = {}
+    for k, i in ipairs(slots) do
+      local x = select(k, ...):detach()
+      x:requires_grad_(true)
+      xs[k] = x
+      call[i] = x
+    end
+    local now = C.get_rng_state()
+    C.set_rng_state(rng)
+    local ok2, y = pcall(run_with_grad, fn, call, n)
+    C.set_rng_state(now)
+    if not ok2 then error('ds.checkpoint: recomputing in backward: ' .. tostring(y), 0) end
+    if not C.is_tensor(y) then error('ds.checkpoint: recomputing in backward, fn returned a ' .. type(y), 0) end
+    if y.requires_grad then y:backward(grad) end
+    local grads = {}
+    for k = 1, #slots do grads[k] = xs[k].grad end
+    y, call, xs = nil, nil, nil
+    collectgarbage()   -- the recomputed activations, before the next segment's
+    return unpack(grads, 1, #inputs)
+  end
+  return C.function_node(out, backward, unpack(inputs))
+end
+
+-- A model's `checkpoint` option: false (off), true (every block) or k
+-- (segments of k blocks). Returns the segment length, 0 for off.
+function M.interval(model, v)
+  if v == false or v == nil then return 0 end
+  if v == true then return 1 end
+  if type(v) ~= 'number' or v < 1 or v % 1 ~= 0 then
+    error(string.format('%s: checkpoint must be false, true or a positive number of blocks per segment, got %s',
+                        model, tostring(v)), 0)
+  end
+  return v
+end
+
+-- x through the blocks of list (a ModuleList or an array) in turn, each called as block(x, ...); with every
+-- > 0 the blocks run in checkpointed segments of `every` blocks.
+function M.sequential(list, every, x, ...)
+  local blocks = {}
+  for i, b in ipairs(list) do blocks[i] = b end
+  local n = #blocks
+  if every == 0 then
+    for i = 1, n do x = blocks[i](x, ...) end
+    return x
+  end
+  for first = 1, n, every do
+    local last = math.min(first + every - 1, n)
+    x = M.checkpoint(function(h, ...)
+      for i = first, last do h = blocks[i](h, ...) end
+      return h
+    end, x, ...)
+  end
+  return x
+end
+
+return M

@@ -1,0 +1,189 @@
+-- The pipeline engine's verbs, for an engine whose model is a
+-- ds.pipe.PipelineModule: train_batch runs gradient_accumulation_steps
+-- micro batches through DeepSpeed's 1F1B schedule (TrainSchedule), then
+-- the optimizer steps; eval_batch runs them forward only.
+--
+-- Activations go stage to stage with ds.comm: a small header (dtype code,
+-- ndim, dims) then the tensor; gradients come back shaped like the
+-- activation that was sent. Sends are asynchronous (waited for at the end
+-- of the batch), receives block: with blocking sends two neighbouring
+-- stages could both wait in a send (one an activation, the other a
+-- gradient). The first and last stage read the data iterator (inputs and
+-- labels), once per micro batch.
+local ds = require 'dslua'
+
+local M = {}
+
+local fmt = string.format
+local DTYPES = { 'f32', 'f64', 'f16', 'bf16', 'i64', 'i32' }
+local CODE = {}
+for i, d in ipairs(DTYPES) do CODE[d] = i end
+local HEADER = 10    -- code, ndim, up to 8 dims
+
+-- DeepSpeed's TrainSchedule for one stage: S - stage - 1 forwards to fill
+-- the pipe, then one forward and one backward in turn, then the rest of
+-- the backwards. {'F' | 'B', micro batch}.
+function M.schedule(stage, S, gas)
+  local out, f, b = {}, 0, 0
+  for _ = 1, math.min(S - stage - 1, gas) do
+    f = f + 1
+    out[#out + 1] = { 'F', f }
+  end
+  while b < gas do
+    if f < gas then
+      f = f + 1
+      out[#out + 1] = { 'F', f }
+    end
+    b = b + 1
+    out[#out + 1] = { 'B', b }
+  end
+  return out
+end
+
+local function shape_str(t) return '[' .. table.concat(t:size(), 'x') .. ']' end
+
+local function peer(m, stage)
+  return stage * m.dp_size + ds.comm.rank() % m.dp_size
+end
+
+local function send_activation(t, dst, sends)
+  local code = CODE[t:dtype()]
+  if not code then error(fmt('pipeline: cannot send a %s activation between stages', t:dtype()), 0) end
+  local size = t:size()
+  if #size > HEADER - 2 then error(fmt('pipeline: an activation of %d dims, at most %d', #size, HEADER - 2), 0) end
+  local h = { code, #size }
+  for i = 1, HEADER - 2 do h[#h + 1] = size[i] or 0 end
+  local header = ds.tensor(h, 'i64')
+  local data = t:detach():contiguous()
+  sends[#sends + 1] = { ds.comm.isend(header, dst), header }
+  sends[#sends + 1] = { ds.comm.isend(data, dst), data }
+end
+
+local function recv_activation(src)
+  local header = ds.comm.recv(ds.zeros({ HEADER }, 'i64'), src):totable()
+  local shape = {}
+  for i = 1, header[2] do shape[i] = header[2 + i] end
+  return ds.comm.recv(ds.zeros(shape, DTYPES[header[1]]), src)
+end
+
+local function next_batch(data_iter)
+  local batch = data_iter()
+  if batch == nil then error('train_batch: the data iterator ran out', 0) end
+  return batch
+end
+
+-- the inputs and labels of a batch: {x = .., y = ..} or {inputs, labels}
+local function split(batch)
+  if type(batch) ~= 'table' or ds.is_tensor(batch) then return batch, nil end
+  if batch.x ~= nil then return batch.x, batch.y end
+  return batch[1], batch[2]
+end
+
+-- one micro batch forward on this stage: the output, and the loss on the last
+local function forward(m, x, mb, labels)
+  local ok, out = pcall(m.forward, m, x)
+  if not ok then
+    if m.stage_id == 0 then error(out, 0) end
+    local first = m:stage_layers(m.stage_id)
+    error(fmt('pipeline: stage %d (from layer %d) failed on the %s activation stage %d sent (micro batch %d): %s',
+              m.stage_id, first, shape_str(x), m.stage_id - 1, mb, tostring(out)), 0)
+  end
+  if m.stage_id < m.num_stages - 1 then return out end
+  if m.loss_fn then return out, m.loss_fn(out, labels) end
+  return out, out
+end
+
+local function check_iter(data_iter, who)
+  if type(data_iter) ~= 'function' then
+    error(fmt('%s: expected a data iterator (a function returning the next batch), got %s', who, type(data_iter)), 3)
+  end
+end
+
+-- The mean loss over the micro batches, on every stage of this pipe
+-- (DeepSpeed's _aggregate_total_loss).
+local function mean_loss(engine, m, total, gas)
+  local t = ds.tensor({ total / gas }, 'f64')
+  if m.num_stages > 1 then
+    if m.dp_size > 1 then
+      error('pipeline: pipe x data parallel is not implemented yet (issue 16)', 0)
+    end
+    ds.comm.broadcast(t, peer(m, m.num_stages - 1))
+  end
+  return t:item()
+end
+
+function M.train_batch(engine, data_iter)
+  check_iter(data_iter, 'train_batch')
+  local m = engine.module
+  local gas = engine:gradient_accumulation_steps()
+  local first, last = m.stage_id == 0, m.stage_id == m.num_stages - 1
+  local inputs, outputs, losses, sends = {}, {}, {}, {}
+  local total = 0
+  engine:train()
+  engine.busy_since = engine.busy_since or ds.wall_time()
+  for _, action in ipairs(M.schedule(m.stage_id, m.num_stages, gas)) do
+    local kind, mb = action[1], action[2]
+    if kind == 'F' then
+      local x, labels
+      if first or last then x, labels = split(next_batch(data_iter)) end
+      if not first then
+        x = recv_activation(peer(m, m.stage_id - 1))
+        if x:dtype():match('^b?f') then x:requires_grad_(true) end
+      end
+      local out, loss = forward(m, x, mb, labels)
+      inputs[mb] = x
+      if last then
+        losses[mb] = loss
+      else
+        outputs[mb] = out
+        send_activation(out, peer(m, m.stage_id + 1), sends)
+      end
+    else
+      if last then
+        total = total + losses[mb]:item()
+        engine:backward(losses[mb])
+      else
+        local out = outputs[mb]
+        local g = ds.comm.recv(ds.zeros(out:size(), out:dtype()), peer(m, m.stage_id + 1))
+        -- d/d out of sum(out * g) is g itself: backward with the gradient
+        -- the next stage sent, through the step engine like any loss
+        engine:_backward((out * g):sum(), engine:is_gradient_accumulation_boundary())
+      end
+      if not first then
+        local gx = inputs[mb].grad
+        if not gx then gx = ds.zeros(inputs[mb]:size(), inputs[mb]:dtype()) end
+        sends[#sends + 1] = { ds.comm.isend(gx, peer(m, m.stage_id - 1)), gx }
+      end
+      inputs[mb], outputs[mb], losses[mb] = nil, nil, nil
+      engine:step()
+    end
+  end
+  for _, s in ipairs(sends) do s[1]:wait() end
+  local loss = mean_loss(engine, m, total, gas)
+  engine.last_loss = loss
+  return loss
+end
+
+function M.eval_batch(engine, data_iter)
+  check_iter(data_iter, 'eval_batch')
+  local m = engine.module
+  local gas = engine:gradient_accumulation_steps()
+  local first, last = m.stage_id == 0, m.stage_id == m.num_stages - 1
+  local sends, total = {}, 0
+  engine:eval()
+  ds.no_grad(function()
+    for mb = 1, gas do
+      local x, labels
+      if first or last then x, labels = split(next_batch(data_iter)) end
+      if not first then x = recv_activation(peer(m, m.stage_id - 1)) end
+      local out, loss = forward(m, x, mb, labels)
+      if last then total = total + loss:item()
+      else send_activation(out, peer(m, m.stage_id + 1), sends) end
+    end
+  end)
+  for _, s in ipairs(sends) do s[1]:wait() end
+  engine:train()
+  return mean_loss(engine, m, total, gas)
+end
+
+return M
