@@ -71,5 +71,6 @@ void dsL_open_cuda(lua_State *L);
 void dsL_open_reload(lua_State *L);
 void dsL_open_attach(lua_State *L);
 void dsL_open_tfevents(lua_State *L);
+void dsL_open_plot(lua_State *L);
 
 #endif
