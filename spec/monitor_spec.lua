@@ -115,6 +115,13 @@ describe('monitors', function()
     end
   end)
 
+  it('adds Train/Samples/loss_scale with fp16', function()
+    local dir = H.tmpdir()
+    train({ fp16 = { enabled = true, initial_scale_power = 8 },
+            csv_monitor = { enabled = true, output_path = dir, job_name = 'j' } }, 2)
+    assert.are.equal('step,loss_scale\r\n8,256.0\r\n16,256.0\r\n', read_lines(dir .. '/j/Train_Samples_loss_scale.csv'))
+  end)
+
   it('adds the elapsed_time_ms_* breakdown with wall_clock_breakdown', function()
     local dir = H.tmpdir()
     train({ wall_clock_breakdown = true, csv_monitor = { enabled = true, output_path = dir, job_name = 'j' } }, 2)
