@@ -17,7 +17,7 @@ M.extension_keys = { 'sampler', 'reload', 'hooks' }
 -- knobs that dslua accepts and does not act on (a note says so).
 M.ignored_keys = {
   'activation_checkpointing', 'aio', 'autotuning',
-  'data_types', 'dataloader_drop_last', 'disable_allgather', 'flops_profiler',
+  'data_types', 'dataloader_drop_last', 'disable_allgather',
   'memory_breakdown', 'sparse_gradients', 'vocabulary_size',
   'zero_allow_untested_optimizer', 'zero_force_ds_cpu_optimizer',
 }
@@ -640,6 +640,13 @@ local COMET = { fields = {
   online = bool(nil, { nullable = true }), mode = str({ nullable = true }),
 } }
 
+-- profiling/config.py (DeepSpeedFlopsProfilerConfig); dslua/flops.lua runs it.
+local FLOPS_PROFILER = { fields = {
+  enabled = bool(false), recompute_fwd_factor = num(0.0, 0), profile_step = int(1, 1),
+  module_depth = int(-1, -1), top_modules = int(1, 1), detailed = bool(true),
+  output_file = str({ nullable = true }),
+} }
+
 -- Top level: runtime/config.py get_* helpers and constants.py defaults.
 -- The batch triple has no default: DeepSpeed fills it (resolve_batch).
 local TOP = { fields = {
@@ -662,6 +669,7 @@ local TOP = { fields = {
   csv_monitor = block(TENSORBOARD),
   wandb = block(WANDB),
   comet = block(COMET),
+  flops_profiler = block(FLOPS_PROFILER),
   zero_optimization = field('custom', nil, { check = check_zero, fill = true }),
   optimizer = field('custom', nil, { check = check_optimizer }),
   scheduler = field('custom', nil, { check = check_scheduler }),

@@ -183,6 +183,7 @@ function M.initialize(opts)
   }, Engine)
   -- csv_monitor, tensorboard, wandb, comet: their directories checked now
   self.monitor = require('dslua.monitor').new(cfg, rank)
+  self.flops_profiler = require('dslua.flops').new(self)   -- flops_profiler, at profile_step
 
   if zero then
     if rank == 0 then
@@ -643,6 +644,7 @@ end
 -- terminal the epoch's progress bar as well.
 function Engine:_report()
   if self.monitor then self.monitor:step(self) end
+  if self.flops_profiler then self.flops_profiler:boundary() end
   if self.bar then
     local fields = { loss = self.last_loss }
     self.bar:update(self.global_steps - self.bar_first_step, fields, self.global_samples - self.bar_first_samples)
