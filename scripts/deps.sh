@@ -3,7 +3,7 @@
 # Idempotent: packages already present are left as they are.
 set -e
 PKGS="build-essential cmake pkg-config luajit libluajit-5.1-dev libopenblas-dev
-      libdnnl-dev libopenmpi-dev openmpi-bin zlib1g-dev libcjson-dev libedit-dev libssl-dev lua-busted"
+      libdnnl-dev libopenmpi-dev openmpi-bin zlib1g-dev libcjson-dev libedit-dev libssl-dev libcairo2-dev lua-busted"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing="$missing $p"

@@ -36,6 +36,9 @@ static const char usage[] =
     "                 memory and step time, set the lr or schedule, request a\n"
     "                 checkpoint, pause and resume, run code on every rank;\n"
     "                 -e runs CODE and exits; --list shows the running jobs\n"
+    "dslua plot <csv file or event dir> [-o curves.png]\n"
+    "                 loss and lr against steps as a PNG, from what csv_monitor or\n"
+    "                 tensorboard wrote\n"
     "  -              run standard input as a script\n"
     "Launching ranks with mpirun, options before the script as the deepspeed launcher\n"
     "takes them (`dslua -n 2 train.lua --config ds.json`):\n"
@@ -227,6 +230,21 @@ static int attach(lua_State *L, char **args, int nargs) {
     return report(L, dsL_pcall(L, 0, 0));
 }
 
+/* `dslua plot ...`: dslua.plot.main(args) returns an exit status. */
+static int plot(lua_State *L, char **args, int nargs) {
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "dslua.plot");
+    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    lua_getfield(L, -1, "main");
+    lua_createtable(L, nargs, 0);
+    for (int i = 0; i < nargs; i++) {
+        lua_pushstring(L, args[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    return (int)lua_tointeger(L, -1);
+}
+
 static int require_global(lua_State *L, const char *name) {
     lua_getglobal(L, "require");
     lua_pushstring(L, name);
@@ -246,6 +264,11 @@ int main(int argc, char **argv) {
 
     if (argc >= 2 && strcmp(argv[1], "attach") == 0) {
         int rc = attach(L, argv + 2, argc - 2);
+        lua_close(L);
+        return rc;
+    }
+    if (argc >= 2 && strcmp(argv[1], "plot") == 0) {
+        int rc = plot(L, argv + 2, argc - 2);
         lua_close(L);
         return rc;
     }

@@ -16,9 +16,9 @@ M.extension_keys = { 'sampler', 'reload', 'hooks' }
 -- DeepSpeed top-level keys for monitoring, profiling, I/O tuning and CUDA
 -- knobs that dslua accepts and does not act on (a note says so).
 M.ignored_keys = {
-  'aio', 'autotuning', 'comet',
-  'csv_monitor', 'data_types', 'dataloader_drop_last', 'disable_allgather', 'flops_profiler',
-  'memory_breakdown', 'sparse_gradients', 'tensorboard', 'vocabulary_size', 'wandb',
+  'aio', 'autotuning',
+  'data_types', 'dataloader_drop_last', 'disable_allgather',
+  'memory_breakdown', 'sparse_gradients', 'vocabulary_size',
   'zero_allow_untested_optimizer', 'zero_force_ds_cpu_optimizer',
 }
 
@@ -635,6 +635,30 @@ local ACT_CKPT = { fields = {
   profile = bool(false),
 } }
 
+-- The monitors: deepspeed/monitor/config.py's pydantic models (extra keys
+-- forbidden); dslua/monitor.lua writes them.
+local function str_default(default) return field('str', default) end
+local TENSORBOARD = { fields = {
+  enabled = bool(false), output_path = str_default(''), job_name = str_default('DeepSpeedJobName'),
+} }
+local WANDB = { fields = {
+  enabled = bool(false), group = str({ nullable = true }), team = str({ nullable = true }),
+  project = str_default('deepspeed'),
+} }
+local COMET = { fields = {
+  enabled = bool(false), samples_log_interval = int(100, 1),
+  project = str({ nullable = true }), workspace = str({ nullable = true }), api_key = str({ nullable = true }),
+  experiment_name = str({ nullable = true }), experiment_key = str({ nullable = true }),
+  online = bool(nil, { nullable = true }), mode = str({ nullable = true }),
+} }
+
+-- profiling/config.py (DeepSpeedFlopsProfilerConfig); dslua/flops.lua runs it.
+local FLOPS_PROFILER = { fields = {
+  enabled = bool(false), recompute_fwd_factor = num(0.0, 0), profile_step = int(1, 1),
+  module_depth = int(-1, -1), top_modules = int(1, 1), detailed = bool(true),
+  output_file = str({ nullable = true }),
+} }
+
 -- Top level: runtime/config.py get_* helpers and constants.py defaults.
 -- The batch triple has no default: DeepSpeed fills it (resolve_batch).
 local TOP = { fields = {
@@ -654,6 +678,11 @@ local TOP = { fields = {
   comms_logger = block(COMMS),
   checkpoint = block(CHECKPOINT),
   activation_checkpointing = block(ACT_CKPT),
+  tensorboard = block(TENSORBOARD),
+  csv_monitor = block(TENSORBOARD),
+  wandb = block(WANDB),
+  comet = block(COMET),
+  flops_profiler = block(FLOPS_PROFILER),
   zero_optimization = field('custom', nil, { check = check_zero, fill = true }),
   optimizer = field('custom', nil, { check = check_optimizer }),
   scheduler = field('custom', nil, { check = check_scheduler }),

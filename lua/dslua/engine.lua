@@ -187,6 +187,9 @@ function M.initialize(opts)
     weighted = cfg.sampler ~= nil,            -- gradients weighted by sample count (the sampler block)
     window_samples = 0, window_seconds = 0,   -- this rank's samples and compute time in the current window
   }, Engine)
+  -- csv_monitor, tensorboard, wandb, comet: their directories checked now
+  self.monitor = require('dslua.monitor').new(cfg, rank)
+  self.flops_profiler = require('dslua.flops').new(self)   -- flops_profiler, at profile_step
 
   if zero then
     if rank == 0 then
@@ -231,6 +234,7 @@ function M.initialize(opts)
   -- live reload, hooks and `dslua attach` (dslua/reload.lua), at each step boundary
   self.reload = require('dslua.reload').session(self, cfg)
   self:train()
+  if cfg.dump_state then require('dslua.monitor').dump_state(self) end
   return self, optimizer, loader, scheduler
 end
 
@@ -269,6 +273,7 @@ function Engine:destroy()
   if self.zero then self.zero:close() end
   if self.steps then self.steps:close() end
   if self.reload then self.reload:close() end
+  if self.monitor then self.monitor:close() end
   self.zero, self.steps, self.optimizer, self.lr_scheduler = nil, nil, nil, nil
 end
 
@@ -397,6 +402,7 @@ function Engine:backward(loss)
   if not ds.is_tensor(loss) then error('backward: expected the loss tensor, got ' .. type(loss), 2) end
   self:_start('backward')
   self.last_loss = loss:item()
+  if self.monitor then self.monitor:loss(self.last_loss) end
   local boundary = self:is_gradient_accumulation_boundary()
   -- fp32 from here under mixed precision (DeepSpeed's loss.float() * scale)
   if self.zero then loss = loss:to('f32') end
@@ -647,6 +653,8 @@ end
 -- throughput line and, with wall_clock_breakdown, the timers; on a
 -- terminal the epoch's progress bar as well.
 function Engine:_report()
+  if self.monitor then self.monitor:step(self) end
+  if self.flops_profiler then self.flops_profiler:boundary() end
   if self.bar then
     local fields = { loss = self.last_loss }
     self.bar:update(self.global_steps - self.bar_first_step, fields, self.global_samples - self.bar_first_samples)

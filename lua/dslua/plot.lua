@@ -1,0 +1,150 @@
+-- `dslua plot <csv file or event dir> [-o curves.png]`: the loss and the lr
+-- against the step (DeepSpeed's monitors count samples) as a PNG, read
+-- from what csv_monitor or tensorboard wrote (dslua/monitor.lua), drawn
+-- by cairo (core/io/ds_plot).
+local core = require 'dslua.core'
+
+local M = {}
+
+local CURVES = { 'Train/Samples/train_loss', 'Train/Samples/lr' }
+local USAGE = 'usage: dslua plot <csv file or event dir> [-o curves.png]'
+
+local function quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+
+local function list_dir(dir)
+  local p = assert(io.popen('ls -1 -- ' .. quote(dir) .. ' 2>/dev/null'))
+  local names = {}
+  for l in p:lines() do names[#names + 1] = l end
+  p:close()
+  return names
+end
+
+local function is_dir(path)
+  local f = io.open(path .. '/.')
+  if f then f:close() end
+  return f ~= nil
+end
+
+-- {x = steps, y = values} of one csv_monitor file (`step,<name>` header)
+local function read_csv(path)
+  local f, why = io.open(path, 'r')
+  if not f then error(why, 0) end
+  local s = { x = {}, y = {} }
+  local first = true
+  for line in f:lines() do
+    line = line:gsub('\r$', '')
+    local step, v = line:match('^([^,]+),(.+)$')
+    if first then
+      first = false
+      if not step then f:close(); error(path .. ': not a csv_monitor file (no `step,<name>` header)', 0) end
+    elseif line ~= '' then
+      if not (tonumber(step) and tonumber(v)) then
+        f:close()
+        error(string.format('%s: not a `step,value` row: %s', path, line), 0)
+      end
+      s.x[#s.x + 1], s.y[#s.y + 1] = tonumber(step), tonumber(v)
+    end
+  end
+  f:close()
+  return s
+end
+
+-- {tag = {x, y}} from every event file in dir, in step order
+local function read_events(dir, files)
+  local series = {}
+  for _, name in ipairs(files) do
+    for _, e in ipairs(core.tfevents.read(dir .. '/' .. name)) do
+      if e.tag then
+        series[e.tag] = series[e.tag] or {}
+        table.insert(series[e.tag], { e.step, e.value })
+      end
+    end
+  end
+  local out = {}
+  for tag, points in pairs(series) do
+    table.sort(points, function(a, b) return a[1] < b[1] end)
+    local s = { x = {}, y = {} }
+    for i, p in ipairs(points) do s.x[i], s.y[i] = p[1], p[2] end
+    out[tag] = s
+  end
+  return out
+end
+
+-- The curves found at input: a csv file (with its loss or lr sibling), a
+-- csv_monitor directory, or a directory of event files.
+function M.load(input)
+  local found = {}
+  if is_dir(input) then
+    local events = {}
+    for _, n in ipairs(list_dir(input)) do
+      if n:match('^events%.out%.tfevents%.') then events[#events + 1] = n end
+    end
+    table.sort(events)
+    if #events > 0 then return read_events(input, events) end
+    for _, tag in ipairs(CURVES) do
+      local path = input .. '/' .. tag:gsub('/', '_') .. '.csv'
+      if io.open(path) then found[tag] = read_csv(path) end
+    end
+    return found
+  end
+  local dir, base = input:match('^(.-)/?([^/]*)$')
+  found[base] = read_csv(input)
+  for _, tag in ipairs(CURVES) do
+    local name = tag:gsub('/', '_') .. '.csv'
+    local path = (dir ~= '' and dir .. '/' or '') .. name
+    if name == base then found[tag], found[base] = found[base], nil
+    elseif io.open(path) then found[tag] = read_csv(path) end
+  end
+  return found
+end
+
+-- main(args) -> exit status; messages on stdout, errors on stderr
+function M.main(args)
+  local input, out = nil, 'curves.png'
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    if a == '-o' or a == '--output' then
+      out = args[i + 1]
+      if not out then io.stderr:write(USAGE, '\n'); return 2 end
+      i = i + 1
+    elseif a == '-h' or a == '--help' then
+      io.stdout:write(USAGE, '\n')
+      return 0
+    elseif input then
+      io.stderr:write('dslua plot: one input only (got ', input, ' and ', a, ')\n', USAGE, '\n')
+      return 2
+    else
+      input = a
+    end
+    i = i + 1
+  end
+  if not input then io.stderr:write(USAGE, '\n'); return 2 end
+  local ok, found = pcall(M.load, input)
+  if not ok then io.stderr:write('dslua plot: ', tostring(found), '\n'); return 1 end
+  local panels, summary = {}, {}
+  for _, tag in ipairs(CURVES) do
+    local s = found[tag]
+    if s and #s.x > 0 then
+      panels[#panels + 1] = { name = tag, x = s.x, y = s.y }
+      summary[#summary + 1] = string.format('%s: %d points', tag:match('[^/]*$'), #s.x)
+    end
+  end
+  if #panels == 0 then
+    for tag, s in pairs(found) do
+      if #s.x > 0 then panels[#panels + 1] = { name = tag, x = s.x, y = s.y } end
+    end
+    table.sort(panels, function(a, b) return a.name < b.name end)
+    for _, p in ipairs(panels) do summary[#summary + 1] = string.format('%s: %d points', p.name, #p.x) end
+  end
+  if #panels == 0 then
+    io.stderr:write('dslua plot: no curves in ', input, ' (expected csv_monitor files or TensorBoard event files)\n')
+    return 1
+  end
+  ok, found = pcall(core.plot.png, out, 'step (samples)', panels, 900, 320 * #panels)
+  if not ok then io.stderr:write('dslua plot: ', tostring(found), '\n'); return 1 end
+  io.stdout:write(string.format('dslua plot: wrote %s (%s)\n', out, table.concat(summary, ', ')))
+  return 0
+end
+
+return M

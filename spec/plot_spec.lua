@@ -1,0 +1,73 @@
+-- `dslua plot`: loss and lr curves as a PNG from csv_monitor or
+-- tensorboard output (dslua/plot.lua, core/io/ds_plot.c).
+local H = require 'helpers'
+local core = require 'dslua.core'
+
+-- width, height from a PNG's IHDR, or nil when it is not a PNG
+local function png_size(path)
+  local f = io.open(path, 'rb')
+  if not f then return nil end
+  local b = f:read(24)
+  f:close()
+  if not b or b:sub(1, 8) ~= '\137PNG\r\n\26\n' or b:sub(13, 16) ~= 'IHDR' then return nil end
+  local function u32(i) return ((b:byte(i) * 256 + b:byte(i + 1)) * 256 + b:byte(i + 2)) * 256 + b:byte(i + 3) end
+  return u32(17), u32(21)
+end
+
+local function plot(args)
+  return H.run(H.bin() .. ' plot ' .. args)
+end
+
+describe('dslua plot', function()
+  local dir
+  before_each(function() dir = H.tmpdir() end)
+
+  it('draws loss and lr from a csv_monitor file and its sibling', function()
+    local loss, lr = { 'step,train_loss\r\n' }, { 'step,lr\r\n' }
+    for i = 0, 20 do
+      loss[#loss + 1] = string.format('%d,%.6f\r\n', 8 * i, 3 / (1 + i))
+      lr[#lr + 1] = string.format('%d,%.6f\r\n', 8 * (i + 1), 1e-3 * i / 20)
+    end
+    H.write(dir .. '/Train_Samples_train_loss.csv', table.concat(loss))
+    H.write(dir .. '/Train_Samples_lr.csv', table.concat(lr))
+    local out, status = plot(dir .. '/Train_Samples_lr.csv -o ' .. dir .. '/c.png')
+    assert.are.equal(0, status, out)
+    H.has(out, 'dslua plot: wrote ' .. dir .. '/c.png (train_loss: 21 points, lr: 21 points)')
+    assert.are.same({ 900, 640 }, { png_size(dir .. '/c.png') })
+    out, status = plot(dir .. ' -o ' .. dir .. '/d.png')    -- the csv_monitor directory
+    assert.are.equal(0, status, out)
+    H.has(out, '(train_loss: 21 points, lr: 21 points)')
+  end)
+
+  it('draws the curves of a directory of event files', function()
+    local w = core.tfevents.open(dir)
+    for i = 1, 30 do
+      w:scalar('Train/Samples/train_loss', 2 / i, 4 * i)
+      w:scalar('Train/Samples/lr', 0.01, 4 * i)
+    end
+    w:close()
+    local out, status = plot(dir .. ' -o ' .. dir .. '/e.png')
+    assert.are.equal(0, status, out)
+    H.has(out, '(train_loss: 30 points, lr: 30 points)')
+    assert.are.same({ 900, 640 }, { png_size(dir .. '/e.png') })
+  end)
+
+  it('says what is wrong with its input', function()
+    local out, status = plot('')
+    assert.are.equal(2, status)
+    H.has(out, 'usage: dslua plot <csv file or event dir> [-o curves.png]')
+    out, status = plot(dir .. '/missing.csv')
+    assert.are.equal(1, status)
+    H.has(out, 'dslua plot: ' .. dir .. '/missing.csv: No such file or directory')
+    out, status = plot(dir)
+    assert.are.equal(1, status)
+    H.has(out, 'dslua plot: no curves in ' .. dir)
+    H.write(dir .. '/x.csv', 'step,loss\n1,abc\n')
+    out = plot(dir .. '/x.csv -o ' .. dir .. '/x.png')
+    H.has(out, dir .. '/x.csv: not a `step,value` row: 1,abc')
+    H.write(dir .. '/y.csv', 'step,loss\n1,2\n')
+    out, status = plot(dir .. '/y.csv -o ' .. dir .. '/no/such/dir.png')
+    assert.are.equal(1, status)
+    H.has(out, 'plot: cannot write ' .. dir .. '/no/such/dir.png')
+  end)
+end)
