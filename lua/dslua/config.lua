@@ -13,7 +13,7 @@ local M = {}
 -- passed through as given (the issues that give them meaning validate them).
 M.extension_keys = { 'sampler', 'reload', 'hooks' }
 
--- DeepSpeed top-level keys for monitoring, profiling, I/O tuning and CUDA
+-- DeepSpeed top-level keys for I/O tuning, autotuning and CUDA
 -- knobs that dslua accepts and does not act on (a note says so).
 M.ignored_keys = {
   'aio', 'autotuning',
