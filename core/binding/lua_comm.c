@@ -238,6 +238,30 @@ static int l_progress(lua_State *L) {
     return 0;
 }
 
+/* flight_record() -> this rank's last collectives, oldest first:
+ * {what, group, state, age (s since it began), seconds (it took)} */
+static int l_flight_record(lua_State *L) {
+    int n = ds_comm_flight_count();
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        ds_comm_flight f;
+        if (ds_comm_flight_get(i, &f)) break;
+        lua_createtable(L, 0, 5);
+        lua_pushstring(L, f.what);
+        lua_setfield(L, -2, "what");
+        lua_pushstring(L, f.group);
+        lua_setfield(L, -2, "group");
+        lua_pushstring(L, f.state);
+        lua_setfield(L, -2, "state");
+        lua_pushnumber(L, f.age);
+        lua_setfield(L, -2, "age");
+        lua_pushnumber(L, f.seconds);
+        lua_setfield(L, -2, "seconds");
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
 /* barrier(group, async) */
 static int l_barrier(lua_State *L) {
     return finish(L, ds_comm_barrier(opt_group(L, 1)), RESULT_NONE, lua_toboolean(L, 2));
@@ -327,7 +351,7 @@ void dsL_open_comm(lua_State *L) {
         {"local_rank", l_local_rank}, {"local_size", l_local_size}, {"launched", l_launched},
         {"is_initialized", l_is_initialized}, {"set_timeout", l_set_timeout}, {"timeout", l_timeout},
         {"set_check", l_set_check}, {"check_enabled", l_check_enabled}, {"abort", l_abort},
-        {"progress", l_progress}, {"new_group", l_new_group}, {"is_group", l_is_group},
+        {"progress", l_progress}, {"flight_record", l_flight_record}, {"new_group", l_new_group}, {"is_group", l_is_group},
         {"barrier", l_barrier}, {"send", l_send}, {"recv", l_recv}, {"broadcast", l_broadcast},
         {"reduce", l_reduce}, {"all_reduce", l_all_reduce}, {"gather", l_gather},
         {"all_gather", l_all_gather}, {"scatter", l_scatter}, {"reduce_scatter", l_reduce_scatter},
