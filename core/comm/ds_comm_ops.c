@@ -142,6 +142,7 @@ static ds_comm_work *p2p(ds_tensor *t, int peer, int tag, ds_comm_group *g, bool
     } else {
         w->buf = buf;
         if (buf != t) { ds_tensor_retain(t); w->target = t; }
+        ds_storage_bump_version(t->storage, "recv");
         rc = be->recv(ds_tensor_data(buf), ds_tensor_numel(buf), buf->dtype, pr, tag, g, &req);
     }
     return ds_comm_work_launch(w, be, rc, req);
@@ -163,6 +164,7 @@ ds_comm_work *ds_comm_broadcast(ds_tensor *t, int src, ds_comm_group *g) {
     if (!buf) return fail_work(w);
     w->buf = buf;
     if (buf != t && !is_root) { ds_tensor_retain(t); w->target = t; }
+    if (!is_root) ds_storage_bump_version(t->storage, "broadcast");
     void *req = NULL;
     int rc = be->broadcast(ds_tensor_data(buf), ds_tensor_numel(buf), buf->dtype, root, g, &req);
     return ds_comm_work_launch(w, be, rc, req);
@@ -185,6 +187,7 @@ ds_comm_work *ds_comm_reduce(ds_tensor *t, int dst, ds_comm_op op, ds_comm_group
         w->buf = buf;
         if (buf != t) { ds_tensor_retain(t); w->target = t; }
         if (op == DS_COMM_AVG) w->divide = g->size;
+        ds_storage_bump_version(t->storage, "reduce");
     } else {
         w->keep = buf;
     }
@@ -207,6 +210,7 @@ ds_comm_work *ds_comm_all_reduce(ds_tensor *t, ds_comm_op op, ds_comm_group *g) 
     w->buf = buf;
     if (buf != t) { ds_tensor_retain(t); w->target = t; }
     if (op == DS_COMM_AVG) w->divide = g->size;
+    ds_storage_bump_version(t->storage, "all_reduce");
     void *req = NULL;
     int rc = be->all_reduce(ds_tensor_data(buf), ds_tensor_numel(buf), buf->dtype, wire_op(op), g, &req);
     return ds_comm_work_launch(w, be, rc, req);

@@ -5,6 +5,18 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 
+static _Atomic uint64_t storages_made;
+
+static void init_header(ds_storage *s, size_t nbytes, ds_device dev, ds_mem_category cat) {
+    atomic_init(&s->refcount, 1);
+    s->nbytes = nbytes;
+    s->device = dev;
+    s->category = cat;
+    s->id = atomic_fetch_add(&storages_made, 1) + 1;
+    atomic_init(&s->version, 0);
+    atomic_init(&s->modified_by, NULL);
+}
+
 ds_storage *ds_storage_new(size_t nbytes, ds_device dev, ds_mem_category cat) {
     const ds_backend *b = ds_backend_get(dev);
     if (!b) {
@@ -17,21 +29,15 @@ ds_storage *ds_storage_new(size_t nbytes, ds_device dev, ds_mem_category cat) {
     if (!s) return ds_fail(DS_ERR_NOMEM, "out of memory for a storage header");
     s->data = ds_mem_alloc(b->allocator, nbytes, cat);
     if (!s->data) { free(s); return NULL; }
-    atomic_init(&s->refcount, 1);
-    s->nbytes = nbytes;
-    s->device = dev;
-    s->category = cat;
+    init_header(s, nbytes, dev, cat);
     return s;
 }
 
 ds_storage *ds_storage_new_empty(ds_device dev, ds_mem_category cat) {
     ds_storage *s = malloc(sizeof *s);
     if (!s) return ds_fail(DS_ERR_NOMEM, "out of memory for a storage header");
-    atomic_init(&s->refcount, 1);
     s->data = NULL;
-    s->nbytes = 0;
-    s->device = dev;
-    s->category = cat;
+    init_header(s, 0, dev, cat);
     return s;
 }
 
@@ -46,4 +52,9 @@ void ds_storage_release(ds_storage *s) {
 void ds_storage_set_category(ds_storage *s, ds_mem_category cat) {
     ds_mem_recategorize(s->nbytes, s->category, cat);
     s->category = cat;
+}
+
+void ds_storage_bump_version(ds_storage *s, const char *op) {
+    atomic_store_explicit(&s->modified_by, op, memory_order_relaxed);
+    atomic_fetch_add_explicit(&s->version, 1, memory_order_relaxed);
 }

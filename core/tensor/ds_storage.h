@@ -4,12 +4,20 @@
 
 #include "ds_device.h"
 
+#include <stdint.h>
+
+/* version counts the in-place writes into the bytes (PyTorch's version
+ * counter, shared by every view): autograd compares it with the one a
+ * saved tensor had. id tells storages apart without address reuse. */
 typedef struct ds_storage {
     _Atomic int refcount;
     void *data;
     size_t nbytes;
     ds_device device;
     ds_mem_category category;
+    uint64_t id;
+    _Atomic uint64_t version;
+    _Atomic(const char *) modified_by;  /* the last in-place op, for errors */
 } ds_storage;
 
 ds_storage *ds_storage_new(size_t nbytes, ds_device dev, ds_mem_category cat);
@@ -18,5 +26,7 @@ ds_storage *ds_storage_new_empty(ds_device dev, ds_mem_category cat);
 void ds_storage_retain(ds_storage *s);
 void ds_storage_release(ds_storage *s);
 void ds_storage_set_category(ds_storage *s, ds_mem_category cat);
+/* An in-place write by op into s's bytes. */
+void ds_storage_bump_version(ds_storage *s, const char *op);
 
 #endif
