@@ -192,6 +192,43 @@ describe('ds.aio', function()
   end)
 end)
 
+describe('ds.aio on hostile directories', function()
+  it('replaces a planted link instead of writing through it', function()
+    local d = tmpdir()
+    local victim = tmpdir() .. '/precious'
+    H.write(victim, 'precious bytes')
+    assert(os.execute('ln -s ' .. victim .. ' ' .. d .. '/group1.master.bin') == 0)
+    local f = ds.aio.open(d .. '/group1.master.bin', 16)
+    f:write(ds.ones(4), 0):wait()
+    f:close()
+    assert.are.equal('precious bytes', read_bytes(victim))
+    local out = H.run('stat -c %F ' .. d .. '/group1.master.bin')
+    assert.are.equal('regular file\n', out)
+    assert.are.equal(16, file_size(d .. '/group1.master.bin'))
+    -- no temporary name is left behind
+    assert.are.equal('group1.master.bin\n', (H.run('ls -A ' .. d)))
+  end)
+
+  it('writes only into directories of its own user that others cannot write', function()
+    local d = tmpdir()
+    for _, mode in ipairs { '777', '770', '1777' } do
+      assert(os.execute('chmod ' .. mode .. ' ' .. d) == 0)
+      local e = H.err(ds.aio.open, d .. '/x.bin', 16)
+      H.has(e, "aio.open: '" .. d .. "/x.bin': its directory '" .. d .. "' is writable by others (mode " ..
+            mode:sub(-3))
+    end
+    assert(os.execute('chmod 700 ' .. d) == 0)
+    ds.aio.open(d .. '/x.bin', 16):close()
+    -- owned by another user (needs root to set up)
+    if H.run('id -u') == '0\n' then
+      assert(os.execute('chown 65534 ' .. d) == 0)
+      H.has(H.err(ds.aio.open, d .. '/y.bin', 16), 'is owned by another user (mode 700, owner uid 65534')
+    else
+      print('skipping the other owner: not root')
+    end
+  end)
+end)
+
 describe('nvme streamed optimizer', function()
   for ci, case in ipairs(CASES) do
     it(case.name .. ' equals ds.optim bit for bit over ' .. STEPS .. ' steps', function()

@@ -1,6 +1,6 @@
 /* ds.aio: asynchronous file I/O of tensor bytes (core/ds_aio.h).
  *
- *   local f = ds.aio.open(path, nbytes)      -- created or truncated, mode 0600
+ *   local f = ds.aio.open(path, nbytes)      -- a new file, mode 0600 (ds_aio.h: how)
  *   local r = f:write(t, byte_offset)        -- or f:read(t, byte_offset)
  *   ... compute ...
  *   r:wait()                                 -- raises naming file, offset, bytes
