@@ -32,8 +32,9 @@ static ds_comm_group *opt_group(lua_State *L, int idx) {
 }
 
 static int check_rank(lua_State *L, int idx, const char *what) {
-    lua_Integer r = luaL_checkinteger(L, idx);
-    if (r < 0 || r > INT_MAX) luaL_argerror(L, idx, lua_pushfstring(L, "%s must be a rank >= 0", what));
+    lua_Number r = luaL_checknumber(L, idx);
+    if (!(r >= 0 && r <= INT_MAX && r == (int)r))
+        luaL_argerror(L, idx, lua_pushfstring(L, "%s must be a rank >= 0", what));
     return (int)r;
 }
 
@@ -161,7 +162,8 @@ static int l_new_group(lua_State *L) {
     for (int i = 0; i < n; i++) {
         lua_rawgeti(L, 1, i + 1);
         lua_Number v = lua_tonumber(L, -1);
-        bool ok = lua_type(L, -1) == LUA_TNUMBER && v == (int)v;
+        /* range first: a cast of a number past int's range is undefined */
+        bool ok = lua_type(L, -1) == LUA_TNUMBER && v >= INT_MIN && v <= INT_MAX && v == (int)v;
         lua_pop(L, 1);
         if (!ok) {
             free(ranks);
@@ -271,14 +273,14 @@ static int l_barrier(lua_State *L) {
 static int l_send(lua_State *L) {
     ds_tensor *t = dsL_checktensor(L, 1);
     int dst = check_rank(L, 2, "send: dst");
-    int tag = (int)luaL_optinteger(L, 3, 0);
+    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, "send: tag");
     return finish(L, ds_comm_send(t, dst, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
 }
 
 static int l_recv(lua_State *L) {
     ds_tensor *t = dsL_checktensor(L, 1);
     int src = check_rank(L, 2, "recv: src");
-    int tag = (int)luaL_optinteger(L, 3, 0);
+    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, "recv: tag");
     return finish(L, ds_comm_recv(t, src, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
 }
 

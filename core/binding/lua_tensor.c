@@ -107,7 +107,8 @@ int64_t dsL_checkint(lua_State *L, int idx, int64_t lo, int64_t hi, const char *
     int64_t i = ok ? (int64_t)v : 0;
     if (ok && i >= lo && i <= hi) return i;
     char range[96], got[64];
-    if (hi == INT64_MAX) snprintf(range, sizeof range, ">= %lld", (long long)lo);
+    if (hi == INT64_MAX && lo == INT64_MIN) snprintf(range, sizeof range, "that fits in 64 bits");
+    else if (hi == INT64_MAX) snprintf(range, sizeof range, ">= %lld", (long long)lo);
     else snprintf(range, sizeof range, "in [%lld, %lld]", (long long)lo, (long long)hi);
     if (lua_type(L, idx) == LUA_TNUMBER) snprintf(got, sizeof got, "%.17g", v);
     else snprintf(got, sizeof got, "a %s", luaL_typename(L, idx));

@@ -785,8 +785,21 @@ static void drop(ds_tensor **t) {
     *t = NULL;
 }
 
+/* The bytes a backend reads or writes until completion: no tensor may
+ * swap them out meanwhile (ds_storage_pin). */
+static void pin_all(ds_comm_work *w, bool on) {
+    ds_tensor *ts[] = { w->target, w->buf, w->keep };
+    for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) {
+        if (!ts[i]) continue;
+        if (on) ds_storage_pin(ts[i]->storage, "a collective in flight (wait for it first)");
+        else ds_storage_unpin(ts[i]->storage);
+    }
+    w->pinned = on;
+}
+
 void ds_comm_work_free(ds_comm_work *w) {
     if (!w) return;
+    if (w->pinned) pin_all(w, false);
     drop(&w->target);
     drop(&w->buf);
     drop(&w->keep);
@@ -818,6 +831,7 @@ static int finish(ds_comm_work *w) {
     int rc = 0;
     if (w->divide > 0 && w->buf) divide_(w->buf, w->divide);
     if (w->target && w->buf) rc = ds_comm_copy(w->target, w->buf, w->what);
+    if (w->pinned) pin_all(w, false);
     drop(&w->target);
     drop(&w->buf);
     drop(&w->keep);
@@ -833,6 +847,7 @@ ds_comm_work *ds_comm_work_launch(ds_comm_work *w, const ds_comm_backend *be, in
     }
     w->be = be;
     w->req = req;
+    pin_all(w, true);
     w->next = S.inflight;
     S.inflight = w;
     return w;

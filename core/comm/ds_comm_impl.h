@@ -76,6 +76,7 @@ struct ds_comm_work {
     int64_t ordinal;                /* g's collective number, or the n-th send/recv with peer */
     int state;                      /* 0 in flight, 1 done, -1 failed */
     bool orphan;                    /* released by its owner while in flight */
+    bool pinned;                    /* its tensors' storages pinned while in flight */
     char what[160];                 /* "all_reduce(f32, 10 elements) #7", for errors */
     int64_t flight;                 /* its flight recorder entry (ds_comm_begin), 0 for send/recv */
     ds_tensor *target, *buf, *keep;

@@ -125,6 +125,7 @@ static void finish(ds_aio_req *r, int err) {
     else r->f->pending = r->next;
     if (r->next) r->next->prev = r->prev;
     r->prev = r->next = NULL;
+    ds_storage_unpin(r->t->storage);
     ds_tensor_release(r->t);
     r->t = NULL;
 }
@@ -177,6 +178,7 @@ static ds_aio_req *start(ds_aio_file *f, ds_tensor *t, int64_t offset, bool writ
     ds_aio_req *r = calloc(1, sizeof *r);
     if (!r) return ds_fail(DS_ERR_NOMEM, "aio.%s: out of memory for a request on '%s'", op, f->path);
     ds_tensor_retain(t);
+    ds_storage_pin(t->storage, "an asynchronous file transfer (wait for it first)");
     r->t = t;
     r->f = f;
     f->refs++;

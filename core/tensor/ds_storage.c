@@ -15,6 +15,8 @@ static void init_header(ds_storage *s, size_t nbytes, ds_device dev, ds_mem_cate
     s->id = atomic_fetch_add(&storages_made, 1) + 1;
     atomic_init(&s->version, 0);
     atomic_init(&s->modified_by, NULL);
+    atomic_init(&s->pins, 0);
+    atomic_init(&s->pinned_by, NULL);
 }
 
 ds_storage *ds_storage_new(size_t nbytes, ds_device dev, ds_mem_category cat) {
@@ -58,3 +60,10 @@ void ds_storage_bump_version(ds_storage *s, const char *op) {
     atomic_store_explicit(&s->modified_by, op, memory_order_relaxed);
     atomic_fetch_add_explicit(&s->version, 1, memory_order_relaxed);
 }
+
+void ds_storage_pin(ds_storage *s, const char *who) {
+    atomic_store_explicit(&s->pinned_by, who, memory_order_relaxed);
+    atomic_fetch_add(&s->pins, 1);
+}
+
+void ds_storage_unpin(ds_storage *s) { atomic_fetch_sub(&s->pins, 1); }

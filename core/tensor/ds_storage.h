@@ -18,6 +18,8 @@ typedef struct ds_storage {
     uint64_t id;
     _Atomic uint64_t version;
     _Atomic(const char *) modified_by;  /* the last in-place op, for errors */
+    _Atomic int pins;                   /* users reading or writing the bytes outside any tensor op */
+    _Atomic(const char *) pinned_by;    /* the latest of them, for errors */
 } ds_storage;
 
 ds_storage *ds_storage_new(size_t nbytes, ds_device dev, ds_mem_category cat);
@@ -28,5 +30,10 @@ void ds_storage_release(ds_storage *s);
 void ds_storage_set_category(ds_storage *s, ds_mem_category cat);
 /* An in-place write by op into s's bytes. */
 void ds_storage_bump_version(ds_storage *s, const char *op);
+/* Marks the bytes in use by who (a dataset, a transfer in flight) until
+ * the matching unpin: a tensor on s cannot then swap s out (release_data,
+ * set_data, reseat), which would free the bytes under their user. */
+void ds_storage_pin(ds_storage *s, const char *who);
+void ds_storage_unpin(ds_storage *s);
 
 #endif
