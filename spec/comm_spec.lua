@@ -222,17 +222,22 @@ describe('ds.comm under mpirun', function()
     H.has(out, 'rank 1 no answer in 1 s (stopped, or busy outside ds.comm)')
   end)
 
-  it('names a stopped rank at a timeout, from every survivor', function()
+  it('names a stopped rank at a timeout, and where the others were', function()
     local out = fails_fast(3, 'stop', 9, 'DSLUA_COMM_TIMEOUT=2')
-    -- each survivor names rank 2 and says where the other survivor was
+    -- a survivor names rank 2 and says where the other survivor was (the
+    -- first to report ends the job, so the other may be gone before it prints)
+    local reports = 0
     for _, q in ipairs({ 0, 1 }) do
-      local other = 1 - q
-      assert.truthy(out:find('[rank ' .. q .. '] error: all_reduce(f32, 10 elements) #2 timed out on rank ' .. q ..
-                             ' of 3', 1, true), out)
-      assert.truthy(out:find('rank 2 did not arrive%. Where each rank was: [^\n]*rank ' .. other ..
-                             ' waiting [%d.]+ s in all_reduce%(f32, 10 elements%) #2'), out)
+      local line = out:match('%[rank ' .. q .. '%] error: ([^\n]*)')
+      if line then
+        reports = reports + 1
+        H.has(line, 'all_reduce(f32, 10 elements) #2 timed out on rank ' .. q .. ' of 3')
+        assert.truthy(line:find('rank 2 did not arrive%. Where each rank was: .*rank ' .. (1 - q) ..
+                                ' waiting [%d.]+ s in all_reduce%(f32, 10 elements%) #2'), line)
+        H.has(line, 'rank 2 no answer in 1 s (stopped, or busy outside ds.comm)')
+      end
     end
-    assert.are.equal(2, count(out, 'rank 2 no answer in 1 s %(stopped, or busy outside ds%.comm%)'), out)
+    assert.is_true(reports >= 1, out)
   end)
 
   it('gives the exit wait a deadline: a rank stuck after its last collective is named', function()

@@ -133,7 +133,7 @@ int dsL_checkshape(lua_State *L, int idx, int64_t *shape) {
         for (int i = 0; i < nd; i++) {
             lua_rawgeti(L, idx, i + 1);
             if (!lua_isnumber(L, -1)) luaL_argerror(L, idx, "shape entries must be integers");
-            shape[i] = dsL_checkint(L, -1, -1, INT64_MAX, "a shape entry");
+            shape[i] = dsL_checkint(L, -1, INT64_MIN, INT64_MAX, "a shape entry");
             lua_pop(L, 1);
         }
         return nd;
@@ -141,7 +141,7 @@ int dsL_checkshape(lua_State *L, int idx, int64_t *shape) {
     int top = lua_gettop(L);
     for (int i = idx; i <= top && lua_isnumber(L, i); i++) {
         if (nd == DS_MAX_DIMS) luaL_argerror(L, i, "too many dims");
-        shape[nd++] = dsL_checkint(L, i, -1, INT64_MAX, "a shape entry");
+        shape[nd++] = dsL_checkint(L, i, INT64_MIN, INT64_MAX, "a shape entry");
     }
     return nd;
 }
