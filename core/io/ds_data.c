@@ -39,13 +39,16 @@ static void *gz_failure(gzFile f, const char *path, unsigned char *buf) {
 static int open_regular(const char *path, struct stat *st) {
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     if (fd < 0) return ds_fail(DS_ERR_IO, "%s: cannot open (%s)", path, strerror(errno)), -1;
-    if (fstat(fd, st) != 0 || !S_ISREG(st->st_mode)) {
-        int e = errno;
-        const char *what = S_ISDIR(st->st_mode) ? "a directory" : S_ISFIFO(st->st_mode) ? "a FIFO"
-                         : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device" : S_ISSOCK(st->st_mode) ? "a socket"
-                         : "not a regular file";
+    if (fstat(fd, st) != 0) {
+        ds_fail(DS_ERR_IO, "%s: cannot stat (%s)", path, strerror(errno));
         close(fd);
-        if (e && !S_ISDIR(st->st_mode) && !S_ISFIFO(st->st_mode)) what = strerror(e);
+        return -1;
+    }
+    if (!S_ISREG(st->st_mode)) {
+        const char *what = S_ISDIR(st->st_mode) ? "a directory" : S_ISFIFO(st->st_mode) ? "a FIFO"
+                         : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device"
+                         : S_ISSOCK(st->st_mode) ? "a socket" : "not a regular file";
+        close(fd);
         return ds_fail(DS_ERR_IO, "%s: is %s, expected a regular file", path, what), -1;
     }
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
@@ -66,22 +69,32 @@ static size_t most_bytes(int fd, size_t size) {
     return isize > SIZE_MAX ? SIZE_MAX : (size_t)isize;
 }
 
-/* Reads on until *len is want or the stream ends: 0, or -1 from gzread. */
-static int read_upto(gzFile f, unsigned char *buf, size_t *len, size_t want) {
-    while (*len < want) {
-        size_t left = want - *len;
-        int got = gzread(f, buf + *len, (unsigned)(left < (1u << 30) ? left : (1u << 30)));
+/* A buffer that grows as bytes arrive: a bound (a declared size) is never
+ * allocated before the stream has delivered that much. */
+typedef struct {
+    unsigned char *buf;
+    size_t len, cap;
+} growbuf;
+
+/* Reads on until b->len is want or the stream ends: 0, -1 from gzread,
+ * -2 out of memory. */
+static int read_upto(gzFile f, growbuf *b, size_t want) {
+    while (b->len < want) {
+        if (b->len == b->cap) {
+            size_t cap = b->cap < (1u << 16) ? (1u << 16) : b->cap > SIZE_MAX / 2 ? SIZE_MAX : b->cap * 2;
+            if (cap > want) cap = want;
+            unsigned char *grown = realloc(b->buf, cap + 1);
+            if (!grown) return -2;
+            b->buf = grown;
+            b->cap = cap;
+        }
+        size_t left = b->cap - b->len;
+        int got = gzread(f, b->buf + b->len, (unsigned)(left < (1u << 30) ? left : (1u << 30)));
         if (got < 0) return -1;
         if (got == 0) return 0;
-        *len += (size_t)got;
+        b->len += (size_t)got;
     }
     return 0;
-}
-
-static void *read_failed(gzFile f, unsigned char *buf) {
-    gzclose(f);
-    free(buf);
-    return NULL;
 }
 
 /* Reads path (gzip or plain), never more than most_bytes allows: with
@@ -94,46 +107,49 @@ static unsigned char *read_file(const char *path, size_t head, body_fn body, siz
     struct stat st;
     int fd = open_regular(path, &st);
     if (fd < 0) return NULL;
-    size_t most = most_bytes(fd, (size_t)st.st_size), len = 0;
+    size_t most = most_bytes(fd, (size_t)st.st_size);
     gzFile f = gzdopen(fd, "rb");
     if (!f) {
         close(fd);
         return ds_fail(DS_ERR_NOMEM, "%s: out of memory opening it", path);
     }
     gzbuffer(f, 1 << 17);
-    size_t want = body && head < most ? head : most;
-    unsigned char *buf = malloc(want + 1);
-    if (!buf) return ds_fail(DS_ERR_NOMEM, "%s: out of memory for %zu bytes", path, want + 1), read_failed(f, buf);
-    if (read_upto(f, buf, &len, want)) return gz_failure(f, path, buf);
-    if (body && len == head) {
+    growbuf b = { NULL, 0, 0 };
+    int rc = read_upto(f, &b, body && head < most ? head : most);
+    if (rc == 0 && body && b.len == head) {
         /* more than the file can hold is a truncated file: the caller says so */
-        size_t more = body(buf, len);
-        if (more > most - len) more = most - len;
-        unsigned char *grown = realloc(buf, len + more + 1);
-        if (!grown) return ds_fail(DS_ERR_NOMEM, "%s: out of memory for %zu bytes", path, len + more), read_failed(f, buf);
-        buf = grown;
-        if (read_upto(f, buf, &len, len + more)) return gz_failure(f, path, buf);
-    } else if (!body && len == most) {
+        size_t more = body(b.buf, b.len);
+        rc = read_upto(f, &b, b.len + (more < most - b.len ? more : most - b.len));
+    } else if (rc == 0 && !body && b.len == most) {
         /* one byte past the bound tells a stream that goes on */
-        if (read_upto(f, buf, &len, most + 1)) return gz_failure(f, path, buf);
-        if (len > most) {
+        rc = read_upto(f, &b, most + 1);
+        if (rc == 0 && b.len > most) {
             ds_fail(DS_ERR_IO, "%s: decompresses past the %zu bytes its gzip trailer declares", path, most);
-            return read_failed(f, buf);
+            rc = -3;
         }
     }
+    if (rc == -1) return gz_failure(f, path, b.buf);
+    if (rc == -2) ds_fail(DS_ERR_NOMEM, "%s: out of memory reading past %zu bytes", path, b.len);
     int code;
     gzerror(f, &code);
     gzclose(f);
-    if (code == Z_BUF_ERROR) {   /* the stream stopped before its end marker */
-        free(buf);
-        return ds_fail(DS_ERR_IO, "%s: truncated gzip stream (unexpected end of file after %zu bytes)", path, len);
+    if (rc == 0 && code == Z_BUF_ERROR) {   /* the stream stopped before its end marker */
+        ds_fail(DS_ERR_IO, "%s: truncated gzip stream (unexpected end of file after %zu bytes)", path, b.len);
+        rc = -3;
+    } else if (rc == 0 && code != Z_OK) {
+        ds_fail(DS_ERR_IO, "%s: bad gzip stream (zlib error %d)", path, code);
+        rc = -3;
     }
-    if (code != Z_OK) {
-        free(buf);
-        return ds_fail(DS_ERR_IO, "%s: bad gzip stream (zlib error %d)", path, code);
+    if (rc == 0 && !b.buf && !(b.buf = malloc(1))) {     /* an empty file: still a buffer to free */
+        ds_fail(DS_ERR_NOMEM, "%s: out of memory", path);
+        rc = -2;
     }
-    *n = len;
-    return buf;
+    if (rc) {
+        free(b.buf);
+        return NULL;
+    }
+    *n = b.len;
+    return b.buf;
 }
 
 unsigned char *ds_data_read_all(const char *path, size_t *n) { return read_file(path, 0, NULL, n); }
