@@ -130,8 +130,7 @@ local function mpirun(np, script, args, env, outdir)
   local cmd = 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. (env or '') ..
               ' mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader' ..
               (outdir and ' --output-filename ' .. outdir or '') ..
-              ' -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT' .. (env and env:find('DSLUA_COMM_CHECK') and
-              ' -x DSLUA_COMM_CHECK' or '') .. ' -np ' .. np .. ' ' ..
+              ' -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np ' .. np .. ' ' ..
               H.bin() .. ' spec/comm/' .. script .. ' ' .. (args or '')
   local t0 = ds.wall_time()
   local out, status = H.run(cmd)
