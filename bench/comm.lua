@@ -3,7 +3,8 @@
 --   mpirun -np 2 dslua bench/comm.lua REF_LIBRARY [bandwidth|overlap|all] [quick]
 --
 -- bandwidth: all-reduce bus bandwidth (f32 sum, in place) over 4 KB ..
---   256 MB through ds.comm.all_reduce, next to MPI_Allreduce called from C
+--   256 MB through ds.comm.all_reduce (as configured, and with the agreement
+--   before each collective turned off), next to MPI_Allreduce called from C
 --   in this same process (bench/allreduce_ref.c, loaded through the FFI),
 --   alternating, best of 3 rounds each; busbw = bytes / time * 2(n-1)/n
 --   (nccl-tests' convention), the slowest rank's time. A third column
@@ -64,9 +65,11 @@ local function bandwidth()
   local ref = ffi.load(lib)
   local sample = quick and 0.02 or 0.2
   local rounds = quick and 1 or 3
+  local checked = comm.check_enabled()
   out('all-reduce bus bandwidth, f32 sum in place, %d ranks, best of %d round(s)', N, rounds)
-  out('%-8s %6s %12s %14s %15s %8s', 'size', 'calls', 'ds.comm', 'MPI_Allreduce', 'MPI_Iallreduce', 'ratio')
-  out('%-8s %6s %12s %14s %15s %8s', '', '', 'GB/s', 'GB/s', '+Wait GB/s', '')
+  out('%-8s %6s %12s %12s %14s %15s %8s %8s', 'size', 'calls', 'ds.comm', 'unchecked', 'MPI_Allreduce',
+      'MPI_Iallreduce', 'ratio', 'checked')
+  out('%-8s %6s %12s %12s %14s %15s %8s %8s', '', '', 'GB/s', 'GB/s', 'GB/s', '+Wait GB/s', '', '/unchk')
   for e = 12, 28, 2 do
     local bytes = 2 ^ e
     local n = bytes / 4
@@ -75,21 +78,32 @@ local function bandwidth()
     local t0 = now()
     comm.all_reduce(t)
     local iters = math.max(2, math.min(5000, math.ceil(sample / math.max(slowest(now() - t0), 1e-7))))
-    local best_ds, best_ref, best_nb = math.huge, math.huge, math.huge
+    local best_ds, best_un, best_ref, best_nb = math.huge, math.huge, math.huge, math.huge
     for _ = 1, rounds do
       comm.barrier()
       t0 = now()
       for _ = 1, iters do comm.all_reduce(t) end
       best_ds = math.min(best_ds, slowest((now() - t0) / iters))
+      -- the same calls without the agreement that precedes each one
+      comm.set_check(false)
+      comm.barrier()
+      t0 = now()
+      for _ = 1, iters do comm.all_reduce(t) end
+      comm.set_check(checked)
+      best_un = math.min(best_un, slowest((now() - t0) / iters))
       best_ref = math.min(best_ref, ref.ref_allreduce_seconds(n, iters, 0))
       best_nb = math.min(best_nb, ref.ref_allreduce_seconds(n, iters, 1))
     end
     local factor = 2 * (N - 1) / N / 1e9
-    out('%-8s %6d %12.2f %14.2f %15.2f %8.2f', size_text(bytes), iters, bytes / best_ds * factor,
-        bytes / best_ref * factor, bytes / best_nb * factor, best_ref / best_ds)
+    out('%-8s %6d %12.2f %12.2f %14.2f %15.2f %8.2f %8.2f', size_text(bytes), iters, bytes / best_ds * factor,
+        bytes / best_un * factor, bytes / best_ref * factor, bytes / best_nb * factor, best_ref / best_ds,
+        best_un / best_ds)
   end
   out('ratio = ds.comm bus bandwidth / MPI_Allreduce bus bandwidth (> 1: ds.comm faster); MPI_Iallreduce + Wait')
-  out('is what ds.comm calls underneath (OpenMPI: libnbc schedules, not coll/tuned\'s algorithms)')
+  out('is what ds.comm calls underneath (OpenMPI: libnbc schedules, not coll/tuned\'s algorithms);')
+  out('ds.comm agrees on each call first (%s); unchecked: the same calls with the agreement off',
+      checked and 'on' or 'off: DSLUA_COMM_CHECK=0')
+  out('(DSLUA_COMM_CHECK=0); checked/unchk = ds.comm bandwidth / unchecked bandwidth (< 1: what the check costs)')
 end
 
 ---------------------------------------------------------------- overlap

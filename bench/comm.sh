@@ -47,7 +47,10 @@ fi
 
 # One thread per rank, ranks spread over the cores; shared memory only.
 threads=$((cores / ranks > 0 ? cores / ranks : 1))
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads DSLUA_COMM_CHECK=0
+# The agreement before each collective stays as configured (on unless
+# DSLUA_COMM_CHECK=0); the bandwidth table also times it off.
+export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
+export DSLUA_COMM_CHECK=${DSLUA_COMM_CHECK:-1}
 
 commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)

@@ -99,9 +99,59 @@ describe('autograd', function()
     assert.is_false(ds.gt(x, 0).requires_grad)
     assert.is_false(x:argmax().requires_grad)
     -- in-place ops on a tensor that requires grad need no_grad
-    assert.matches('wrap it in no_grad', errmsg(x.add_, x, 1))
+    assert.matches('wrap it in ds%.no_grad', errmsg(x.add_, x, 1))
     ds.no_grad(function() x:add_(1) end)
     assert.are.same({ 2, 2 }, x:totable())
+  end)
+
+  it('refuses every in-place op on a tensor that requires grad, leaf or not', function()
+    local x = ds.tensor({ 0, 0 }):requires_grad_()
+    local y = x:sigmoid()
+    for _, case in ipairs {
+      { 'fill_', function(t) return t:fill_(0) end }, { 'copy_', function(t) return t:copy_(ds.ones(2)) end },
+      { 'zero_', function(t) return t:zero_() end }, { 'add_', function(t) return t:add_(1) end },
+      { 'sub_', function(t) return t:sub_(1) end }, { 'mul_', function(t) return t:mul_(2) end },
+      { 'div_', function(t) return t:div_(2) end },
+    } do
+      local name = case[1] == 'zero_' and 'fill_' or case[1]
+      assert.matches(name .. ': in%-place op on a f32 %[2%] tensor that requires grad %(a leaf%)', errmsg(case[2], x))
+      assert.matches(name .. ': in%-place op on a f32 %[2%] tensor that requires grad %(made by sigmoid%)',
+                     errmsg(case[2], y))
+    end
+    assert.are.same({ 0, 0 }, x:totable())
+    assert.are.same({ 0.5, 0.5 }, y:totable())
+  end)
+
+  it('fails backward through a saved tensor modified in place, naming the op and the tensor', function()
+    -- sigmoid saves its output: y:fill_(0) behind autograd's back would give 0 instead of 0.25
+    local x = ds.tensor({ 0, 0 }):requires_grad_()
+    local y = x:sigmoid()
+    ds.no_grad(function() y:fill_(0) end)
+    assert.matches('backward of sigmoid: the f32 %[2%] tensor it saved %(saved tensor %d%) was modified in place ' ..
+                   'by fill_ after it was saved %(version 1, saved at 0%)', errmsg(function() y:sum():backward() end))
+    assert.is_nil(x.grad)
+    -- through a view sharing the storage (detach), and by each in-place op
+    for _, op in ipairs { 'copy_', 'add_', 'mul_', 'div_', 'sub_' } do
+      local a = ds.tensor({ 1, 2 }):requires_grad_()
+      local b = a:exp()
+      local alias = b:detach():narrow(1, 2, 1)
+      ds.no_grad(function() alias[op](alias, op == 'copy_' and ds.ones(1) or 2) end)
+      assert.matches('backward of exp: .* modified in place by ' .. op:gsub('_', '%%_'),
+                     errmsg(function() b:sum():backward() end))
+    end
+    -- a saved input, written in place: mul saves both of its inputs
+    local w = ds.tensor({ 3, 4 }):requires_grad_()
+    local c = ds.tensor { 1, 1 }
+    local d = w * c
+    c:add_(1)
+    assert.matches('backward of mul: the f32 %[2%] tensor it saved .* by add_',
+                   errmsg(function() d:sum():backward() end))
+    -- untouched, or written before it was saved: backward runs
+    local e = ds.tensor { 1, 1 }
+    e:mul_(3)
+    local f = w * e
+    f:sum():backward()
+    assert.are.same({ 3, 3 }, w.grad:totable())
   end)
 
   it('frees the graph after backward unless retain_graph, and says so', function()

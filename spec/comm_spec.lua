@@ -127,10 +127,10 @@ local MPI = have_mpirun()
 -- outdir: each rank's stdout also goes to outdir/1/rank.N/stdout (mpirun
 -- forwards output in chunks that can split a line between ranks)
 local function mpirun(np, script, args, env, outdir)
-  local cmd = 'DSLUA_NUM_THREADS=1 DSLUA_COMM_CHECK=0 DSLUA_COMM_TIMEOUT=60 ' .. (env or '') ..
+  local cmd = 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. (env or '') ..
               ' mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader' ..
               (outdir and ' --output-filename ' .. outdir or '') ..
-              ' -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -x DSLUA_COMM_CHECK -np ' .. np .. ' ' ..
+              ' -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np ' .. np .. ' ' ..
               H.bin() .. ' spec/comm/' .. script .. ' ' .. (args or '')
   local t0 = ds.wall_time()
   local out, status = H.run(cmd)
@@ -212,16 +212,56 @@ describe('ds.comm under mpirun', function()
     assert.truthy(out:find('process rank 2 with PID %d+ on node %S+ exited on signal 9'), out)
   end)
 
-  it('times out a collective a rank never joins', function()
-    local out = fails_fast(2, 'timeout', 8, 'DSLUA_COMM_TIMEOUT=2')
-    assert.truthy(out:find('[rank 0] error: all_reduce(f32, 10 elements) #2 timed out on rank 0 of 2 after 2.0 s: ' ..
-                           'not every rank of world joined', 1, true), out)
+  it('times out a collective a rank never joins, naming it and where each rank was', function()
+    local out = fails_fast(2, 'timeout', 9, 'DSLUA_COMM_TIMEOUT=2')
+    assert.truthy(out:find('[rank 0] error: all_reduce(f32, 10 elements) #2 timed out on rank 0 of 2 after 2.0 s ' ..
+                           '(timeout 2 s: ds.comm.set_timeout, DSLUA_COMM_TIMEOUT): rank 1 did not arrive. Where ' ..
+                           'each rank was: rank 0 waiting 2.0 s in all_reduce(f32, 10 elements) #2; last done ' ..
+                           'all_reduce(f32, 10 elements) #1 on world', 1, true), out)
+    H.has(out, 'rank 1 no answer in 1 s (stopped, or busy outside ds.comm)')
   end)
 
-  it('names the ranks and both calls when collectives do not match (DSLUA_COMM_CHECK=1)', function()
-    local out = fails_fast(3, 'mismatch', 8, 'DSLUA_COMM_CHECK=1')
+  it('names a stopped rank at a timeout, and where the others were', function()
+    local out = fails_fast(3, 'stop', 9, 'DSLUA_COMM_TIMEOUT=2')
+    -- a survivor names rank 2 and says where the other survivor was (the
+    -- first to report ends the job, so the other may be gone before it prints)
+    local reports = 0
+    for _, q in ipairs({ 0, 1 }) do
+      local line = out:match('%[rank ' .. q .. '%] error: ([^\n]*)')
+      if line then
+        reports = reports + 1
+        H.has(line, 'all_reduce(f32, 10 elements) #2 timed out on rank ' .. q .. ' of 3')
+        assert.truthy(line:find('rank 2 did not arrive%. Where each rank was: .*rank ' .. (1 - q) ..
+                                ' waiting [%d.]+ s in all_reduce%(f32, 10 elements%) #2'), line)
+        H.has(line, 'rank 2 no answer in 1 s (stopped, or busy outside ds.comm)')
+      end
+    end
+    assert.is_true(reports >= 1, out)
+  end)
+
+  it('gives the exit wait a deadline: a rank stuck after its last collective is named', function()
+    local out, status, secs = mpirun(2, 'failures.lua', 'stuck', 'DSLUA_COMM_TIMEOUT=2')
+    assert.are_not.equal(0, status, out)
+    assert.is_true(secs < 9, string.format('took %.1f s\n%s', secs, out))
+    H.has(out, '[rank 0] error: exit of rank 0 timed out on rank 0 of 2 after 2.0 s')
+    H.has(out, 'rank 1 did not reach the exit. Where each rank was: rank 0 waiting 2.0 s in exit of rank 0')
+  end)
+
+  it('names the ranks and both calls when collectives do not match', function()
+    local out = fails_fast(3, 'mismatch', 8)
     assert.truthy(out:find('comm check: rank 2 called broadcast(f32, 10 elements, root 0) #2 while rank 0 called ' ..
                            'all_reduce(f32, 10 elements) #2', 1, true), out)
+  end)
+
+  it('agrees on the count before any byte moves, by default: every rank refuses, and goes on', function()
+    local out, status = mpirun(2, 'failures.lua', 'count')
+    assert.are.equal(0, status, out)
+    for q = 0, 1 do
+      H.has(out, '[rank ' .. q .. '] refused: comm check: rank 1 called all_reduce(f32, 10000 elements) #2 while ' ..
+            'rank 0 called all_reduce(f32, 10 elements) #2')
+      H.has(out, '[rank ' .. q .. '] all_reduce(f32, ' .. (q == 1 and '10000' or '10') .. ' elements) #2 failed')
+      H.has(out, '[rank ' .. q .. '] second collective done')
+    end
   end)
 
   it('lets ranks finish at different times', function()

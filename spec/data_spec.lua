@@ -313,7 +313,7 @@ describe('ds.data.text', function()
   it('rejects a block_size larger than the text, missing files and bad options', function()
     fails('block_size 19 is larger than the text: 19 characters, a sample needs block_size %+ 1 = 20', ds.data.text,
           { text = TEXT, block_size = 19 })
-    fails('ds.data.text: cannot open .*nope%.txt', ds.data.text, { path = dir .. '/nope.txt', block_size = 2 })
+    fails('ds.data.text: .*nope%.txt: cannot open %(No such file', ds.data.text, { path = dir .. '/nope.txt', block_size = 2 })
     fails('needs exactly one of path', ds.data.text, { text = TEXT, path = 'x', block_size = 2 })
     fails('needs block_size', ds.data.text, { text = TEXT })
     fails("unknown option 'block' %(did you mean 'block_size'%?%)", ds.data.text, { text = TEXT, block = 2 })
@@ -358,7 +358,95 @@ describe('ds.data.shards', function()
     fails('t%.bin: truncated: 20 bytes of tokens, the header says 12 tokens %(24 bytes%)', ds.data.shards,
           { paths = { p }, block_size = 2 })
     fails("no file matches '.*zzz_%*%.bin'", ds.data.shards, { pattern = dir .. '/zzz_*.bin', block_size = 2 })
-    fails('block_size 10 needs 11 tokens', ds.data.shards, { paths = { shard('ok.bin', A) }, block_size = 10 })
+    fails('ok%.bin: 10 tokens, a window of block_size 10 needs 11', ds.data.shards,
+          { paths = { shard('ok.bin', A) }, block_size = 10 })
+  end)
+end)
+
+describe('ds.data on hostile files', function()
+  it('refuses a FIFO, a directory or a device as a data path instead of blocking', function()
+    local fifo = dir .. '/fifo'
+    assert(os.execute('mkfifo ' .. fifo) == 0)
+    -- in a child with a deadline: a reader that opens the FIFO would wait forever for a writer
+    for _, case in ipairs {
+      { "ds.data.text{ path = '" .. fifo .. "', block_size = 2 }", 'is a FIFO, expected a regular file' },
+      { "ds.data.shards{ paths = { '" .. fifo .. "' }, block_size = 2 }", 'is a FIFO, expected a regular file' },
+      { "ds.data.mnist{ images = '" .. fifo .. "', labels = '" .. fifo .. "' }", 'is a FIFO, expected a regular file' },
+      { "ds.data.cifar10{ files = { '/dev/zero' } }", '/dev/zero: is a device, expected a regular file' },
+      { "ds.data.text{ path = '" .. dir .. "', block_size = 2 }", 'is a directory, expected a regular file' },
+    } do
+      local out, status = H.run('timeout 20 ' .. H.bin() .. [[ -e "local ds = require 'dslua'; ]] .. case[1] .. '"')
+      assert.are_not.equal(124, status, 'timed out (blocked): ' .. case[1])
+      assert.are_not.equal(0, status, out)
+      H.has(out, case[2])
+    end
+  end)
+
+  it('decompresses no more than the header declares (a gzip bomb stops at its header)', function()
+    -- an IDX of 10 labels followed by 200 MB of zeros, gzipped to ~200 KB
+    local head = write('bomb.head', be32(0x801) .. be32(10))
+    local bomb = dir .. '/bomb-labels-idx1-ubyte.gz'
+    assert(os.execute('(cat ' .. head .. '; head -c 200000000 /dev/zero) | gzip -1 > ' .. bomb) == 0)
+    -- a child reads it and reports its peak resident size before and after
+    local script = write('bomb.lua', [[
+      local C = require('dslua.core').data_core
+      local function hwm()
+        local f = io.open('/proc/self/status')
+        local kb = tonumber(f:read('*a'):match('VmHWM:%s*(%d+)'))
+        f:close()
+        return kb
+      end
+      local before = hwm()
+      local t = C.read_idx(arg[1], 1, 0, -1)
+      print(t:numel(), t:sum():item(), hwm() - before)
+    ]])
+    local out, status = H.run(H.bin() .. ' ' .. script .. ' ' .. bomb)
+    assert.are.equal(0, status, out)
+    local n, sum, grown = out:match('^(%d+)%s+(%d+)%s+(%-?%d+)')
+    assert.are.equal('10', n, out)
+    assert.are.equal('0', sum, out)
+    assert.is_true(tonumber(grown) < 50 * 1024, 'peak resident size grew by ' .. grown .. ' KB reading 10 labels')
+    -- text has no header: its gzip trailer's size bounds it
+    local liar = dir .. '/liar.txt.gz'
+    assert(os.execute('head -c 10000000 /dev/zero | tr "\\0" a | gzip -1 > ' .. liar) == 0)
+    local f = assert(io.open(liar, 'r+b'))
+    f:seek('end', -4)
+    f:write(le32(1000))                       -- the trailer now says 1000 bytes
+    f:close()
+    fails('liar%.txt%.gz: decompresses past the 1000 bytes its gzip trailer declares', ds.data.text,
+          { path = liar, block_size = 2 })
+  end)
+
+  it('checks labels, item counts and token ids at load, naming the file and the offset', function()
+    os.execute('mkdir -p ' .. dir .. '/bad')
+    local im = write('bad/x-images-idx3-ubyte', idx_images(3, 4, 3))
+    local lb = write('bad/x-labels-idx1-ubyte', idx_labels({ 1, 200, 3 }))
+    fails('x%-labels%-idx1%-ubyte: label 200 at item 2 %(byte offset 9%), expected 0%-9', ds.data.mnist,
+          { images = im, labels = lb })
+    local ok = ds.data.mnist{ images = im, labels = lb, count = 1 }       -- the bad label is outside the range read
+    assert.are.equal(1, #ok)
+    fails('label 200 at item 2 %(byte offset 9%)', ds.data.mnist, { images = im, labels = lb, first = 2 })
+    local empty_im = write('bad/e-images-idx3-ubyte', idx_images(0, 28, 28))
+    local empty_lb = write('bad/e-labels-idx1-ubyte', idx_labels({}))
+    fails('e%-images%-idx3%-ubyte holds 0 images', ds.data.mnist, { images = empty_im, labels = empty_lb })
+    local flat_im = write('bad/f-images-idx3-ubyte', idx_images(3, 0, 5))
+    fails('f%-images%-idx3%-ubyte: images are 0x5', ds.data.mnist, { images = flat_im, labels = lb })
+    -- token shards: too short for one window, and a token past the vocabulary
+    local function shard(name, tokens)
+      local parts = { le32(20240520), le32(1), le32(#tokens), string.rep('\0', 253 * 4) }
+      for _, t in ipairs(tokens) do parts[#parts + 1] = string.char(t % 256, math.floor(t / 256)) end
+      return write(name, table.concat(parts))
+    end
+    local long = shard('bad/long.bin', { 1, 2, 3, 4, 5, 6, 7, 8, 9 })
+    for _, short in ipairs { {}, { 7 }, { 7, 8, 9 } } do
+      local p = shard('bad/short' .. #short .. '.bin', short)
+      fails('short' .. #short .. '%.bin: ' .. #short .. ' tokens?, a window of block_size 4 needs 5', ds.data.shards,
+            { paths = { long, p }, block_size = 4 })
+    end
+    local wild = shard('bad/wild.bin', { 1, 2, 65535, 4, 5 })
+    fails('wild%.bin: token 65535 at position 3 %(byte offset 1028%) is outside the vocabulary %[0, 50257%)',
+          ds.data.shards, { paths = { long, wild }, block_size = 4, vocab_size = 50257 })
+    assert.are.equal(3, #ds.data.shards{ paths = { long, wild }, block_size = 4 })   -- no vocabulary: any uint16
   end)
 end)
 

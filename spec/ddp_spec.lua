@@ -128,7 +128,7 @@ describe('data-parallel training', function()
   local function run(np)
     if runs[np] then return runs[np], outputs[np] end
     local json = dir .. '/' .. np .. '.json'
-    -- DSLUA_COMM_CHECK (in ranks_cmd): every rank must launch the same buckets in the same order
+    -- the comm agreement (on by default): every rank must launch the same buckets in the same order
     runs[np], outputs[np] = H.run_json(H.ranks_cmd(np) .. ' spec/ddp/equiv.lua ' .. json .. ' 2>&1', json)
     return runs[np], out
   end

@@ -165,15 +165,15 @@ function H.has(text, piece)
 end
 
 -- The command that runs the dslua binary on np CPU ranks (np 1: no
--- mpirun), one thread each, collectives checked for matching calls
--- (DSLUA_COMM_CHECK) and timing out after 60 s; append the script and its
+-- mpirun), one thread each, collectives checked for matching calls (the
+-- default) and timing out after 60 s; append the script and its
 -- arguments. DSLUA_DEVICE=cpu: on a GPU machine too these are CPU ranks
 -- (four ranks on one GPU would be an error).
 function H.ranks_cmd(np)
-  local env = 'DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 DSLUA_COMM_CHECK=1 '
+  local env = 'DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 '
   if np == 1 then return env .. H.bin() end
   return env .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader '
-    .. '-x DSLUA_DEVICE -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -x DSLUA_COMM_CHECK -np ' .. np .. ' ' .. H.bin()
+    .. '-x DSLUA_DEVICE -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np ' .. np .. ' ' .. H.bin()
 end
 
 -- Runs cmd, which must succeed and write JSON to json_path: the decoded

@@ -147,19 +147,22 @@ describe('the launcher command line', function()
 
   it('runs -n N here over shared memory, oversubscribed past the cores', function()
     local line, plan = cmd({ '-n', '2', 'train.lua', '--config', 'my ds.json' })
-    assert.are.equal('/usr/bin/mpirun --bind-to none --mca btl self,vader -np 2 -x MASTER_ADDR=127.0.0.1 '
-                     .. "-x MASTER_PORT=29500 /opt/dslua train.lua --config 'my ds.json'", line)
+    assert.are.equal('/usr/bin/mpirun --bind-to none --mca btl self,vader --mca oob_tcp_if_include lo -np 2 '
+                     .. "-x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 /opt/dslua train.lua --config 'my ds.json'", line)
     assert.are.equal(2, plan.ranks)
-    line = cmd({ '-n', '3', '--master_port', '4000', 'train.lua' }, { uid = 0 })
-    assert.are.equal('/usr/bin/mpirun --allow-run-as-root --bind-to none --mca btl self,vader --oversubscribe -np 3 '
-                     .. '-x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=4000 /opt/dslua train.lua', line)
+    assert.is_true(plan.all_local)
+    line = cmd({ '-n', '3', '--master_port', '4000', 'train.lua' }, { uid = 0, scratch = '/dev/shm/dslua.x' })
+    assert.are.equal('/usr/bin/mpirun --allow-run-as-root --bind-to none --mca btl self,vader --oversubscribe '
+                     .. '--mca oob_tcp_if_include lo --mca orte_tmpdir_base /dev/shm/dslua.x --mca '
+                     .. 'btl_vader_backing_directory /dev/shm/dslua.x -np 3 -x MASTER_ADDR=127.0.0.1 '
+                     .. '-x MASTER_PORT=4000 /opt/dslua train.lua', line)
     assert.are.equal(1, cmd({ '--master_addr', 'x', 's.lua' }):match('%-np (%d+)') + 0)
   end)
 
   it('runs a one-host hostfile with its slots', function()
     local line = cmd({ '--hostfile', one, 's.lua' })
-    assert.are.equal('/usr/bin/mpirun --bind-to none --mca btl self,vader -np 3 --host localhost:3 '
-                     .. '-x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 /opt/dslua s.lua', line)
+    assert.are.equal('/usr/bin/mpirun --bind-to none --mca btl self,vader --mca oob_tcp_if_include lo -np 3 '
+                     .. '--host localhost:3 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 /opt/dslua s.lua', line)
     line = cmd({ '--hostfile', one, '--include', 'localhost:1,2', 's.lua' })
     assert.truthy(line:find('-np 2 --host localhost:2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 '
                             .. '-x CUDA_VISIBLE_DEVICES=1,2 /opt/dslua s.lua', 1, true), line)
@@ -275,6 +278,55 @@ describe('launching ranks', function()
     assert.truthy(out:find('[rank 1] error: ' .. SCRIPT .. ':16: rank 1 fails on purpose', 1, true), out)
     assert.is_true(os.time() - t0 < 15, 'the job took ' .. (os.time() - t0) .. ' s')
     os.execute('rm -rf ' .. dir)
+  end)
+
+  it('keeps a job on this machine off the network: mpirun listens on loopback only', function()
+    local dir = H.tmpdir()
+    local out, status = H.run(CLEAN .. bin .. ' -n 2 spec/launcher/job_files.lua --out=' .. dir)
+    assert.are.equal(0, status, out)
+    local got = ranks(dir, 2)
+    assert.truthy(got[0].listening:find('%x'), 'no listening socket of mpirun found: ' .. got[0].listening)
+    for addr in got[0].listening:gmatch('[^,]+') do
+      -- 0100007F: 127.0.0.1; 00000000000000000000000001000000: ::1 (as /proc/net/tcp{,6} write them)
+      assert.truthy(addr == '0100007F' or addr == '00000000000000000000000001000000',
+                    'mpirun listens on ' .. addr .. ' (of ' .. got[0].listening .. ')')
+    end
+    os.execute('rm -rf ' .. dir)
+  end)
+
+  it("removes Open MPI's session directory and shared-memory segments however the job ends", function()
+    for _, how in ipairs({ 'exit', 'group SIGTERM', 'launcher SIGTERM' }) do
+      local dir = H.tmpdir()
+      local hold = how ~= 'exit' and ' --hold' or ''
+      -- its own session (setsid), so that a group signal reaches the launcher, mpirun and the ranks alone
+      local line = 'setsid sh -c \'echo $$ > ' .. dir .. '/pid; exec ' .. CLEAN .. bin .. ' -n 2 '
+                   .. 'spec/launcher/job_files.lua --out=' .. dir .. hold .. '\' > ' .. dir .. '/log 2>&1'
+      if hold == '' then
+        assert.are.equal(0, os.execute(line), how)
+      else
+        os.execute(line .. ' &')
+        -- wait (a deadline, not a measurement) for both ranks to have written their files
+        for _ = 1, 600 do
+          if io.open(dir .. '/rank.0') and io.open(dir .. '/rank.1') then break end
+          os.execute('sleep 0.1')
+        end
+        local pid = H.run('cat ' .. dir .. '/pid'):match('%d+')
+        finally(function() os.execute('kill -KILL -' .. pid .. ' 2>/dev/null') end)
+        os.execute('kill -TERM ' .. (how == 'group SIGTERM' and '-' or '') .. pid)
+        for _ = 1, 600 do
+          if os.execute('kill -0 ' .. pid .. ' 2>/dev/null') ~= 0 then break end
+          os.execute('sleep 0.1')
+        end
+        assert.are_not.equal(0, os.execute('kill -0 ' .. pid .. ' 2>/dev/null'), how .. ': the launcher still runs')
+      end
+      local got = ranks(dir, 2)
+      local scratch = got[0].scratch
+      assert.truthy(scratch:match('^/dev/shm/dslua%.') or scratch:match('/dslua%.'), how .. ': ' .. scratch)
+      assert.are.equal(scratch, got[0].session:sub(1, #scratch), how)
+      assert.are.equal('2', got[0].segments, how)        -- each rank's segment, in the job's folder
+      assert.is_nil(io.open(scratch), how .. ': ' .. scratch .. ' is left behind')
+      os.execute('rm -rf ' .. dir)
+    end
   end)
 
   it('runs a hostfile naming this machine only', function()

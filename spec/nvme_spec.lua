@@ -178,7 +178,9 @@ describe('ds.aio', function()
     H.has(e, path)
     H.has(e, '16 bytes at offset 4 do not fit')
     H.has(H.err(f.read, f, ds.zeros({ 4, 4 }):transpose(1, 2), 0), 'must be contiguous')
-    H.has(H.err(f.read, f, ds.zeros({ 1 }), -4), 'offset must be a non-negative integer')
+    H.has(H.err(f.read, f, ds.zeros({ 1 }), -4), "aio.read: '" .. path .. "': byte offset must be an integer >= 0, got -4")
+    H.has(H.err(f.read, f, ds.zeros({ 1 }), 1e300), 'byte offset must be an integer >= 0, got 1.0000000000000001e+300')
+    H.has(H.err(ds.aio.open, path, 2 ^ 64), "aio.open: '" .. path .. "': size must be an integer >= 0, got 1.8446744073709552e+19")
     -- the file shrinks under the reader: a short read that reaches the end
     H.write(path, '12345678')
     e = H.err(function() f:read(ds.zeros({ 4 }), 0):wait() end)
@@ -189,6 +191,43 @@ describe('ds.aio', function()
     local made, why = ds.aio.mkdir(path .. '/sub')
     assert.is_nil(made)
     H.has(why, path)
+  end)
+end)
+
+describe('ds.aio on hostile directories', function()
+  it('replaces a planted link instead of writing through it', function()
+    local d = tmpdir()
+    local victim = tmpdir() .. '/precious'
+    H.write(victim, 'precious bytes')
+    assert(os.execute('ln -s ' .. victim .. ' ' .. d .. '/group1.master.bin') == 0)
+    local f = ds.aio.open(d .. '/group1.master.bin', 16)
+    f:write(ds.ones(4), 0):wait()
+    f:close()
+    assert.are.equal('precious bytes', read_bytes(victim))
+    local out = H.run('stat -c %F ' .. d .. '/group1.master.bin')
+    assert.are.equal('regular file\n', out)
+    assert.are.equal(16, file_size(d .. '/group1.master.bin'))
+    -- no temporary name is left behind
+    assert.are.equal('group1.master.bin\n', (H.run('ls -A ' .. d)))
+  end)
+
+  it('writes only into directories of its own user that others cannot write', function()
+    local d = tmpdir()
+    for _, mode in ipairs { '777', '770', '1777' } do
+      assert(os.execute('chmod ' .. mode .. ' ' .. d) == 0)
+      local e = H.err(ds.aio.open, d .. '/x.bin', 16)
+      H.has(e, "aio.open: '" .. d .. "/x.bin': its directory '" .. d .. "' is writable by others (mode " ..
+            mode:sub(-3))
+    end
+    assert(os.execute('chmod 700 ' .. d) == 0)
+    ds.aio.open(d .. '/x.bin', 16):close()
+    -- owned by another user (needs root to set up)
+    if H.run('id -u') == '0\n' then
+      assert(os.execute('chown 65534 ' .. d) == 0)
+      H.has(H.err(ds.aio.open, d .. '/y.bin', 16), 'is owned by another user (mode 700, owner uid 65534')
+    else
+      print('skipping the other owner: not root')
+    end
   end)
 end)
 

@@ -199,3 +199,70 @@ describe('robustness', function()
     assert(#problems == 0, #problems .. ' problem(s):\n' .. table.concat(problems, '\n'))
   end)
 end)
+
+-- Private modules are reachable from Lua too: calls that would free memory
+-- still in use are refused with an error (they once crashed the process),
+-- and numbers past C's integer ranges are refused before any cast.
+describe('robustness of private and numeric edges', function()
+  local ds = H.ds
+  local C = require 'dslua.core'
+
+  it('refuses to release the data of a dataset tensor while loader threads read it', function()
+    -- in a child: before, this was a segfault in the loader thread
+    local out, status = H.run(H.bin() .. [[ -e "
+      local ds = require 'dslua'
+      local Z = require('dslua.core')._zero
+      local x = ds.randn(4096, 64)
+      local d = ds.data.tensors{ x = x, y = ds.arange(4096) }
+      local l = ds.data.loader(d, { batch_size = 64, num_workers = 2, shuffle = true })
+      local n = 0
+      for _, b in l:epoch(1) do
+        if n == 2 then print(select(2, pcall(Z.release_data, x))) end
+        n = n + 1
+      end
+      print('epoch done', n, x:sum():item() == x:sum():item())"]])
+    assert.are.equal(0, status, out)
+    H.has(out, 'release_data: the f32 [4096,64] tensor\'s data is in use by a dataset (its loader threads read it)')
+    H.has(out, 'epoch done\t64\ttrue')
+  end)
+
+  it('refuses to swap out bytes an asynchronous transfer still reads', function()
+    local d = H.tmpdir()
+    local f = ds.aio.open(d .. '/a.bin', 4 * 2 ^ 20)
+    local t = ds.ones(2 ^ 20)
+    local r = f:write(t, 0)
+    H.has(H.err(C._zero.release_data, t), 'release_data: the f32 [1048576] tensor\'s data is in use by an '
+          .. 'asynchronous file transfer (wait for it first)')
+    H.has(H.err(C._zero.set_data, t, ds.zeros(2 ^ 20)), 'set_data: the f32 [1048576] tensor\'s data is in use')
+    r:wait()
+    C._zero.release_data(t)                          -- done: nothing reads it now
+    assert.is_true(C._zero.is_released(t))
+    f:close()
+    os.execute('rm -rf ' .. d)
+  end)
+
+  it('range-checks numbers before casting them to C integers', function()
+    H.has(H.err(ds.comm.new_group, { 1e300 }), 'new_group: entry 1 of the rank list is not an integer')
+    H.has(H.err(ds.comm.send, ds.ones(1), 0, { tag = 2 ^ 40 }), 'send: tag must be an integer in [0, 2147483647], got 1099511627776')
+    H.has(H.err(ds.lr.warmup_lr, 1e300, { warmup_num_steps = 10 }),
+          'warmup_lr: iteration must be an integer that fits in 64 bits, got 1.0000000000000001e+300')
+    H.has(H.err(C.data_core.windows, ds.arange(10), { 1e300 }, 2, 2),
+          'windows: a segment length must be an integer >= 0, got 1.0000000000000001e+300')
+    H.has(H.err(C.data_core.windows, ds.arange(10), { 10 }, 2 ^ 64, 2),
+          'windows: block_size must be an integer >= 1, got 1.8446744073709552e+19')
+    H.has(H.err(ds.zeros, { 2, 1e300 }), 'a shape entry must be an integer that fits in 64 bits, got 1.0000000000000001e+300')
+  end)
+
+  it('says what happened when a destroyed engine is stepped', function()
+    local model = require('models.mlp'){ input_size = 4, hidden = { 8 }, num_classes = 2 }
+    local e = ds.initialize{ model = model, config = { train_batch_size = 2,
+                                                       optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+    local b = { x = ds.randn(2, 4), y = ds.tensor({ 0, 1 }, 'i64') }
+    e:backward(e(b))
+    e:step()
+    e:destroy()
+    H.has(H.err(e.step, e), 'engine:step: the engine was destroyed (engine:destroy()); make a new one with '
+          .. 'ds.initialize')
+    H.has(H.err(e.backward, e, e(b)), 'engine:backward: the engine was destroyed')
+  end)
+end)

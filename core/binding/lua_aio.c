@@ -1,6 +1,6 @@
 /* ds.aio: asynchronous file I/O of tensor bytes (core/ds_aio.h).
  *
- *   local f = ds.aio.open(path, nbytes)      -- created or truncated, mode 0600
+ *   local f = ds.aio.open(path, nbytes)      -- a new file, mode 0600 (ds_aio.h: how)
  *   local r = f:write(t, byte_offset)        -- or f:read(t, byte_offset)
  *   ... compute ...
  *   r:wait()                                 -- raises naming file, offset, bytes
@@ -13,6 +13,7 @@
 #include "ds_error.h"
 
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -32,14 +33,14 @@ static ds_aio_req *checkreq(lua_State *L, int idx) {
 /* aio.open(path, nbytes) -> file */
 static int l_open(lua_State *L) {
     const char *path = luaL_checkstring(L, 1);
-    lua_Number n = luaL_checknumber(L, 2);
-    if (!(n >= 0 && n == (lua_Number)(int64_t)n))
-        return luaL_error(L, "aio.open: '%s': size must be a non-negative integer, got %f", path, n);
+    char what[512];
+    snprintf(what, sizeof what, "aio.open: '%s': size", path);
+    int64_t n = dsL_checkint(L, 2, 0, INT64_MAX, what);
     ds_aio_file **p = lua_newuserdata(L, sizeof *p);
     *p = NULL;
     luaL_getmetatable(L, DSL_AIOFILE_MT);
     lua_setmetatable(L, -2);
-    if (!(*p = ds_aio_open(path, (int64_t)n))) return dsL_error(L);
+    if (!(*p = ds_aio_open(path, n))) return dsL_error(L);
     return 1;
 }
 
@@ -63,15 +64,14 @@ static int l_close(lua_State *L) {
 static int start(lua_State *L, bool write) {
     ds_aio_file *f = checkfile(L, 1);
     ds_tensor *t = dsL_checktensor(L, 2);
-    lua_Number off = luaL_optnumber(L, 3, 0);
-    if (!(off >= 0 && off == (lua_Number)(int64_t)off))
-        return luaL_error(L, "aio.%s: '%s': offset must be a non-negative integer, got %f", write ? "write" : "read",
-                          ds_aio_path(f), off);
+    char what[512];
+    snprintf(what, sizeof what, "aio.%s: '%s': byte offset", write ? "write" : "read", ds_aio_path(f));
+    int64_t off = lua_isnoneornil(L, 3) ? 0 : dsL_checkint(L, 3, 0, INT64_MAX, what);
     ds_aio_req **p = lua_newuserdata(L, sizeof *p);
     *p = NULL;
     luaL_getmetatable(L, DSL_AIOREQ_MT);
     lua_setmetatable(L, -2);
-    *p = write ? ds_aio_write(f, t, (int64_t)off) : ds_aio_read(f, t, (int64_t)off);
+    *p = write ? ds_aio_write(f, t, off) : ds_aio_read(f, t, off);
     if (!*p) return dsL_error(L);
     return 1;
 }

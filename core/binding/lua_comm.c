@@ -32,8 +32,9 @@ static ds_comm_group *opt_group(lua_State *L, int idx) {
 }
 
 static int check_rank(lua_State *L, int idx, const char *what) {
-    lua_Integer r = luaL_checkinteger(L, idx);
-    if (r < 0 || r > INT_MAX) luaL_argerror(L, idx, lua_pushfstring(L, "%s must be a rank >= 0", what));
+    lua_Number r = luaL_checknumber(L, idx);
+    if (!(r >= 0 && r <= INT_MAX && r == (int)r))
+        luaL_argerror(L, idx, lua_pushfstring(L, "%s must be a rank >= 0", what));
     return (int)r;
 }
 
@@ -161,7 +162,8 @@ static int l_new_group(lua_State *L) {
     for (int i = 0; i < n; i++) {
         lua_rawgeti(L, 1, i + 1);
         lua_Number v = lua_tonumber(L, -1);
-        bool ok = lua_type(L, -1) == LUA_TNUMBER && v == (int)v;
+        /* range first: a cast of a number past int's range is undefined */
+        bool ok = lua_type(L, -1) == LUA_TNUMBER && v >= INT_MIN && v <= INT_MAX && v == (int)v;
         lua_pop(L, 1);
         if (!ok) {
             free(ranks);
@@ -238,6 +240,30 @@ static int l_progress(lua_State *L) {
     return 0;
 }
 
+/* flight_record() -> this rank's last collectives, oldest first:
+ * {what, group, state, age (s since it began), seconds (it took)} */
+static int l_flight_record(lua_State *L) {
+    int n = ds_comm_flight_count();
+    lua_createtable(L, n, 0);
+    for (int i = 0; i < n; i++) {
+        ds_comm_flight f;
+        if (ds_comm_flight_get(i, &f)) break;
+        lua_createtable(L, 0, 5);
+        lua_pushstring(L, f.what);
+        lua_setfield(L, -2, "what");
+        lua_pushstring(L, f.group);
+        lua_setfield(L, -2, "group");
+        lua_pushstring(L, f.state);
+        lua_setfield(L, -2, "state");
+        lua_pushnumber(L, f.age);
+        lua_setfield(L, -2, "age");
+        lua_pushnumber(L, f.seconds);
+        lua_setfield(L, -2, "seconds");
+        lua_rawseti(L, -2, i + 1);
+    }
+    return 1;
+}
+
 /* barrier(group, async) */
 static int l_barrier(lua_State *L) {
     return finish(L, ds_comm_barrier(opt_group(L, 1)), RESULT_NONE, lua_toboolean(L, 2));
@@ -247,14 +273,14 @@ static int l_barrier(lua_State *L) {
 static int l_send(lua_State *L) {
     ds_tensor *t = dsL_checktensor(L, 1);
     int dst = check_rank(L, 2, "send: dst");
-    int tag = (int)luaL_optinteger(L, 3, 0);
+    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, "send: tag");
     return finish(L, ds_comm_send(t, dst, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
 }
 
 static int l_recv(lua_State *L) {
     ds_tensor *t = dsL_checktensor(L, 1);
     int src = check_rank(L, 2, "recv: src");
-    int tag = (int)luaL_optinteger(L, 3, 0);
+    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, "recv: tag");
     return finish(L, ds_comm_recv(t, src, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
 }
 
@@ -327,7 +353,7 @@ void dsL_open_comm(lua_State *L) {
         {"local_rank", l_local_rank}, {"local_size", l_local_size}, {"launched", l_launched},
         {"is_initialized", l_is_initialized}, {"set_timeout", l_set_timeout}, {"timeout", l_timeout},
         {"set_check", l_set_check}, {"check_enabled", l_check_enabled}, {"abort", l_abort},
-        {"progress", l_progress}, {"new_group", l_new_group}, {"is_group", l_is_group},
+        {"progress", l_progress}, {"flight_record", l_flight_record}, {"new_group", l_new_group}, {"is_group", l_is_group},
         {"barrier", l_barrier}, {"send", l_send}, {"recv", l_recv}, {"broadcast", l_broadcast},
         {"reduce", l_reduce}, {"all_reduce", l_all_reduce}, {"gather", l_gather},
         {"all_gather", l_all_gather}, {"scatter", l_scatter}, {"reduce_scatter", l_reduce_scatter},

@@ -217,6 +217,17 @@ static int l_glob(lua_State *L) {
     return 1;
 }
 
+/* read_file(path) -> its bytes (gunzipped when gzip), refusing what is
+ * not a regular file (a FIFO would block forever) */
+static int l_read_file(lua_State *L) {
+    size_t n;
+    unsigned char *b = ds_data_read_all(luaL_checkstring(L, 1), &n);
+    if (!b) return dsL_error(L);
+    lua_pushlstring(L, (const char *)b, n);
+    free(b);
+    return 1;
+}
+
 /* is_dir(path) -> boolean */
 static int l_is_dir(lua_State *L) {
     struct stat st;
@@ -253,10 +264,12 @@ static int l_windows(lua_State *L) {
     int64_t *seg = lua_newuserdata(L, sizeof *seg * (size_t)(nseg ? nseg : 1));
     for (int k = 0; k < nseg; k++) {
         lua_rawgeti(L, 2, k + 1);
-        seg[k] = (int64_t)luaL_checknumber(L, -1);
+        seg[k] = dsL_checkint(L, -1, 0, INT64_MAX, "windows: a segment length");
         lua_pop(L, 1);
     }
-    return push_dataset(L, ds_dataset_windows(tokens, nseg, seg, luaL_checkinteger(L, 3), luaL_checkinteger(L, 4)));
+    int64_t block = dsL_checkint(L, 3, 1, INT64_MAX, "windows: block_size");
+    int64_t stride = dsL_checkint(L, 4, 1, INT64_MAX, "windows: stride");
+    return push_dataset(L, ds_dataset_windows(tokens, nseg, seg, block, stride));
 }
 
 static int l_len(lua_State *L) {
@@ -367,7 +380,7 @@ static int l_close(lua_State *L) {
 static const luaL_Reg data_functions[] = {
     {"read_idx", l_read_idx}, {"read_cifar10", l_read_cifar10}, {"read_shards", l_read_shards},
     {"char_tokens", l_char_tokens}, {"encode", l_encode}, {"decode", l_decode},
-    {"glob", l_glob}, {"is_dir", l_is_dir},
+    {"glob", l_glob}, {"is_dir", l_is_dir}, {"read_file", l_read_file},
     {"rows", l_rows}, {"windows", l_windows}, {"len", l_len}, {"gather", l_gather}, {"get", l_get},
     {"permutation", l_permutation}, {"device", l_device},
     {"loader", l_loader}, {"submit", l_submit}, {"next", l_next}, {"queued", l_queued}, {"depth", l_depth},

@@ -60,6 +60,22 @@ static size_t blank_extensions(char *s, size_t n) {
     return n;
 }
 
+/* The offset of a \u0000 escape inside a string of s[0..n), or n: cJSON
+ * keeps strings as C strings, so "a\u0000b" would silently become "a". */
+static size_t find_nul_escape(const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] != '"') continue;
+        size_t end = skip_string(s, n, i);
+        for (size_t k = i + 1; k + 5 < end; k++) {
+            if (s[k] != '\\') continue;
+            if (s[k + 1] == 'u' && strncmp(s + k + 2, "0000", 4) == 0) return k;
+            k++;                        /* the escaped character */
+        }
+        i = end - 1;
+    }
+    return n;
+}
+
 /* "source:line:col: what" for the byte at offset pos of text. */
 static int syntax_error(lua_State *L, const char *source, const char *text, size_t n,
                         size_t pos, const char *what) {
@@ -166,6 +182,8 @@ static int l_decode(lua_State *L) {
     buf[n] = '\0';
     size_t bad = blank_extensions(buf, n);
     if (bad < n) return syntax_error(L, source, text, n, bad, "unterminated /* comment");
+    if ((bad = find_nul_escape(buf, n)) < n)
+        return syntax_error(L, source, text, n, bad, "a string holds \\u0000 (NUL), which dslua cannot keep in a key or value");
     size_t start = 0;
     while (start < n && (unsigned char)buf[start] <= ' ') start++;
     if (start == n) return luaL_error(L, "%s: no JSON value in the text", source);

@@ -77,9 +77,9 @@ static ds_warmup_type param_warmup_type(lua_State *L, int idx, const char *who) 
 }
 
 static int64_t check_iteration(lua_State *L, const char *who) {
-    lua_Number it = luaL_checknumber(L, 1);
-    if (it != (lua_Number)(int64_t)it) luaL_error(L, "%s: iteration must be an integer, got %f", who, it);
-    return (int64_t)it;
+    char what[96];
+    snprintf(what, sizeof what, "%s: iteration", who);
+    return dsL_checkint(L, 1, INT64_MIN, INT64_MAX, what);
 }
 
 static void checked(lua_State *L, int rc, const char *who) {

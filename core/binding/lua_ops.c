@@ -147,8 +147,21 @@ static int l_to(lua_State *L) {
     return dsL_pushtensor(L, ds_to_device(t, dev));
 }
 
+/* In-place ops record no history: on a tensor that requires grad they
+ * would change what backward computes without telling it. */
+static ds_tensor *check_inplace(lua_State *L, const char *op) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    if (t->requires_grad && ds_grad_enabled()) {
+        char s[96];
+        luaL_error(L, "%s: in-place op on a %s %s tensor that requires grad (%s%s); wrap it in ds.no_grad, or use "
+                   "the out-of-place op", op, ds_dtype_name(t->dtype), ds_shape_str(t, s, sizeof s),
+                   t->grad_fn ? "made by " : "a leaf", t->grad_fn ? t->grad_fn->name : "");
+    }
+    return t;
+}
+
 static int l_copy_(lua_State *L) {
-    ds_tensor *dst = dsL_checktensor(L, 1);
+    ds_tensor *dst = check_inplace(L, "copy_");
     bool own;
     ds_tensor *src = dsL_checkoperand(L, 2, dst, &own);
     int rc = ds_copy_(dst, src);
@@ -159,17 +172,15 @@ static int l_copy_(lua_State *L) {
 }
 
 static int l_fill_(lua_State *L) {
-    ds_tensor *t = dsL_checktensor(L, 1);
+    ds_tensor *t = check_inplace(L, "fill_");
     if (ds_fill_(t, luaL_checknumber(L, 2))) return dsL_error(L);
     lua_settop(L, 1);
     return 1;
 }
 
 /* in-place arithmetic for optimizers: add_(src [, alpha]) etc., no autograd */
-static int inplace(lua_State *L, ds_binary_op op) {
-    ds_tensor *dst = dsL_checktensor(L, 1);
-    if (dst->requires_grad && ds_grad_enabled())
-        return luaL_error(L, "in-place op on a tensor that requires grad; wrap it in no_grad");
+static int inplace(lua_State *L, ds_binary_op op, const char *name) {
+    ds_tensor *dst = check_inplace(L, name);
     bool own;
     ds_tensor *src = dsL_checkoperand(L, 2, dst, &own);
     int rc = ds_binary_(op, dst, src);
@@ -179,10 +190,10 @@ static int inplace(lua_State *L, ds_binary_op op) {
     return 1;
 }
 
-static int l_add_(lua_State *L) { return inplace(L, DS_BIN_ADD); }
-static int l_sub_(lua_State *L) { return inplace(L, DS_BIN_SUB); }
-static int l_mul_(lua_State *L) { return inplace(L, DS_BIN_MUL); }
-static int l_div_(lua_State *L) { return inplace(L, DS_BIN_DIV); }
+static int l_add_(lua_State *L) { return inplace(L, DS_BIN_ADD, "add_"); }
+static int l_sub_(lua_State *L) { return inplace(L, DS_BIN_SUB, "sub_"); }
+static int l_mul_(lua_State *L) { return inplace(L, DS_BIN_MUL, "mul_"); }
+static int l_div_(lua_State *L) { return inplace(L, DS_BIN_DIV, "div_"); }
 
 /* ---- reductions: t:sum([dims [, keepdim]]) ---- */
 

@@ -127,9 +127,9 @@ static ds_optim_kind checkkind(lua_State *L, int idx) {
 static int l_optim_apply(lua_State *L) {
     ds_optim_kind k = checkkind(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
-    lua_Number t = luaL_checknumber(L, 3);
-    if (!(t >= 1 && t == (lua_Number)(int64_t)t))
-        return luaL_error(L, "optim.%s: apply: step must be an integer >= 1, got %f", ds_optim_name(k), t);
+    char what[64];
+    snprintf(what, sizeof what, "optim.%s: apply: step", ds_optim_name(k));
+    int64_t t = dsL_checkint(L, 3, 1, INT64_MAX, what);
     ds_tensor *p = dsL_checktensor(L, 4), *g = dsL_checktensor(L, 5);
     ds_tensor *s[DS_OPTIM_MAX_STATE] = { NULL, NULL };
     if (!lua_isnoneornil(L, 6)) {
@@ -329,9 +329,7 @@ static int l_steps(lua_State *L) {
     ds_optim *o = dsL_checkoptim(L, 1);
     int g = checkgroup(L, 2, o);
     if (!lua_isnoneornil(L, 3)) {
-        lua_Number n = luaL_checknumber(L, 3);
-        luaL_argcheck(L, n >= 0 && n == (lua_Number)(int64_t)n, 3, "step must be a non-negative integer");
-        o->groups[g].step = (int64_t)n;
+        o->groups[g].step = dsL_checkint(L, 3, 0, INT64_MAX, "steps: step");
     }
     lua_pushnumber(L, (lua_Number)o->groups[g].step);
     return 1;

@@ -107,6 +107,22 @@ int dsL_pushtensor(lua_State *L, ds_tensor *t) {
     return 1;
 }
 
+int64_t dsL_checkint(lua_State *L, int idx, int64_t lo, int64_t hi, const char *what) {
+    lua_Number v = lua_tonumber(L, idx);
+    /* compared as a double first: casting one outside int64's range is undefined */
+    bool ok = lua_type(L, idx) == LUA_TNUMBER && v == floor(v) && v >= -0x1p63 && v < 0x1p63;
+    int64_t i = ok ? (int64_t)v : 0;
+    if (ok && i >= lo && i <= hi) return i;
+    char range[96], got[64];
+    if (hi == INT64_MAX && lo == INT64_MIN) snprintf(range, sizeof range, "that fits in 64 bits");
+    else if (hi == INT64_MAX) snprintf(range, sizeof range, ">= %lld", (long long)lo);
+    else snprintf(range, sizeof range, "in [%lld, %lld]", (long long)lo, (long long)hi);
+    if (lua_type(L, idx) == LUA_TNUMBER) snprintf(got, sizeof got, "%.17g", v);
+    else snprintf(got, sizeof got, "a %s", luaL_typename(L, idx));
+    luaL_error(L, "%s must be an integer %s, got %s", what, range, got);
+    return 0;
+}
+
 int64_t dsL_checkdim(lua_State *L, int idx, const ds_tensor *t) {
     lua_Integer d = luaL_checkinteger(L, idx);
     int nd = t->ndim ? t->ndim : 1;
@@ -124,7 +140,7 @@ int dsL_checkshape(lua_State *L, int idx, int64_t *shape) {
         for (int i = 0; i < nd; i++) {
             lua_rawgeti(L, idx, i + 1);
             if (!lua_isnumber(L, -1)) luaL_argerror(L, idx, "shape entries must be integers");
-            shape[i] = (int64_t)lua_tointeger(L, -1);
+            shape[i] = dsL_checkint(L, -1, INT64_MIN, INT64_MAX, "a shape entry");
             lua_pop(L, 1);
         }
         return nd;
@@ -132,7 +148,7 @@ int dsL_checkshape(lua_State *L, int idx, int64_t *shape) {
     int top = lua_gettop(L);
     for (int i = idx; i <= top && lua_isnumber(L, i); i++) {
         if (nd == DS_MAX_DIMS) luaL_argerror(L, i, "too many dims");
-        shape[nd++] = (int64_t)lua_tointeger(L, i);
+        shape[nd++] = dsL_checkint(L, i, INT64_MIN, INT64_MAX, "a shape entry");
     }
     return nd;
 }

@@ -38,6 +38,10 @@ ds_tensor *dsL_checkoperand(lua_State *L, int idx, const ds_tensor *like, bool *
 int dsL_pushtensor(lua_State *L, ds_tensor *t);
 /* Raises the pending core error as a Lua error. */
 int dsL_error(lua_State *L);
+/* The integer at idx in [lo, hi], checked as a number before the cast (a
+ * float cast out of range is undefined); raises "what must be an integer
+ * ..." otherwise. */
+int64_t dsL_checkint(lua_State *L, int idx, int64_t lo, int64_t hi, const char *what);
 /* A 1-based (or negative) Lua dim, returned 0-based for t; raises on 0. */
 int64_t dsL_checkdim(lua_State *L, int idx, const ds_tensor *t);
 /* A shape from a table {2,3} or from the integers at idx.. (varargs);

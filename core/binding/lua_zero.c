@@ -155,11 +155,14 @@ static bool opt_bool(lua_State *L, int t, const char *key) {
 
 static int64_t opt_elements(lua_State *L, int t, const char *key, double def) {
     double v = opt_number(L, t, key, def);
-    return v >= 9.2e18 ? INT64_MAX : (int64_t)v;
+    /* clamped before the cast: one past int64's range is undefined */
+    return v >= 9.2e18 ? INT64_MAX : v <= -9.2e18 ? INT64_MIN : (int64_t)v;
 }
 
 static void read_config(lua_State *L, int t, ds_zero_config *c) {
-    c->stage = (int)opt_number(L, t, "stage", 0);
+    double stage = opt_number(L, t, "stage", 0);
+    if (!(stage >= 0 && stage <= 3 && stage == (int)stage)) luaL_error(L, "step engine: stage must be 0, 1, 2 or 3");
+    c->stage = (int)stage;
     c->masters = opt_bool(L, t, "masters");
     lua_getfield(L, t, "comm_dtype");
     c->comm_dtype = lua_isnil(L, -1) ? DS_F32 : dsL_checkdtype(L, lua_gettop(L), DS_F32);

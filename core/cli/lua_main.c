@@ -1,6 +1,7 @@
 /* The dslua executable: `dslua [options] [script [args]]`, behaving like
  * the `lua` interpreter (arg table, varargs, -e, -l, -i) with dslua built
  * in, and a REPL when started alone on a terminal. */
+#include "lua_launch.h"
 #include "lua_module.h"
 #include "lua_repl.h"
 #include "ds_threads.h"
@@ -11,7 +12,6 @@
 #include <lauxlib.h>
 #include <lualib.h>
 #include <luajit.h>
-#include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -135,44 +135,6 @@ static int run_rank_script(lua_State *L, char **argv, int argc, int script) {
     int rc = run_script(L, v, argc + 1, script);
     free(v);
     return rc;
-}
-
-/* `dslua [launcher options] script [args]`: dslua.launcher turns args (from
- * the first launcher option on) into an mpirun command running this very
- * binary, and this process becomes that mpirun, so its exit status is
- * mpirun's (non-zero when a rank fails). Returns only on errors. */
-static int launch(lua_State *L, char **args, int nargs) {
-    char exe[4096];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n < 0) { fprintf(stderr, "dslua: cannot read /proc/self/exe: %s\n", strerror(errno)); return 1; }
-    exe[n] = '\0';
-    lua_getglobal(L, "require");
-    lua_pushliteral(L, "dslua.launcher");
-    if (report(L, dsL_pcall(L, 1, 1))) return 1;
-    lua_getfield(L, -1, "main");
-    lua_createtable(L, nargs, 0);
-    for (int i = 0; i < nargs; i++) {
-        lua_pushstring(L, args[i]);
-        lua_rawseti(L, -2, i + 1);
-    }
-    lua_pushstring(L, exe);
-    if (lua_pcall(L, 2, 1, 0) != 0) {      /* a usage error: the message alone */
-        fprintf(stderr, "dslua: %s\n", lua_tostring(L, -1) ? lua_tostring(L, -1) : "(error)");
-        return 1;
-    }
-    int ncmd = (int)lua_objlen(L, -1);
-    char **cmd = calloc((size_t)ncmd + 1, sizeof *cmd);
-    if (!cmd) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
-    for (int i = 0; i < ncmd; i++) {
-        lua_rawgeti(L, -1, i + 1);
-        cmd[i] = (char *)lua_tostring(L, -1);     /* kept alive by the table */
-        lua_pop(L, 1);
-    }
-    fflush(NULL);
-    execv(cmd[0], cmd);
-    fprintf(stderr, "dslua: cannot run %s: %s\n", cmd[0], strerror(errno));
-    free(cmd);
-    return 1;
 }
 
 /* `--name value` or `--name=value`: true when a is the option, with *value
@@ -312,7 +274,7 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "dslua: '%s' launches a script on ranks; it goes with no -e, -l, -i or --check-config\n%s", a, usage);
                 rc = 1;
             } else {
-                rc = launch(L, argv + i, argc - i);
+                rc = dsL_launch(L, argv + i, argc - i);
             }
             lua_close(L);
             return rc;

@@ -9,7 +9,14 @@
  * has said the same, and finalizes; with another status (or after a failed
  * wait) it leaves at once and mpirun ends the job. A rank waiting for a
  * call that a rank which has left never made fails at once instead of at
- * the timeout; a call the leaver did make still completes. */
+ * the timeout; a call the leaver did make still completes. The exit wait
+ * has the collectives' deadline too.
+ *
+ * Every collective starts with the ranks agreeing on what it is (the
+ * signature: primitive, dtype, count, root, reduce op, its number), so a
+ * mismatch fails on every rank before any byte moves. Each rank keeps its
+ * last collectives (the flight recorder); a rank that times out asks the
+ * others where they are and names those that did not arrive. */
 #include "ds_comm_impl.h"
 #include "ds_error.h"
 #include "ds_ops.h"
@@ -21,7 +28,21 @@
 #include <string.h>
 #include <time.h>
 
-enum { TAG_EXIT = 1 };
+enum { TAG_EXIT = 1, TAG_ASK, TAG_ANSWER };
+
+enum { FLIGHT = 16 };           /* collectives the flight recorder keeps */
+typedef enum { F_AGREE, F_FLIGHT, F_DONE, F_FAILED } flight_state;
+typedef struct {
+    int64_t id;                 /* 0: empty */
+    char what[160];
+    const char *group;          /* its name; groups live until exit */
+    double begun, ended;
+    flight_state state;
+} flight_entry;
+
+/* A timed-out rank's question (group -1: the exit) and the answers. */
+typedef struct { int32_t group, pad; int64_t seq; } ask_msg;
+typedef struct { int64_t seq; int32_t at_exit, pad; char where[200]; } answer_msg;
 
 static struct {
     bool initialized, finalized, broken;
@@ -36,6 +57,13 @@ static struct {
     ds_comm_work *inflight;
     ds_comm_group *groups;          /* from new_group, kept until exit */
     const ds_comm_backend *backends[DS_NDEVICE_TYPES];
+    flight_entry flight[FLIGHT];
+    int64_t flights;                /* entries recorded so far */
+    const char *waiting;            /* what the current wait is for, NULL outside waits */
+    double wait_since;
+    bool exiting;                   /* in the exit handshake */
+    answer_msg *answers;            /* per world rank: the answer being sent to it */
+    MPI_Request *answer_reqs;
 } S = { .check = -1, .size = 1, .backends = {
     [DS_DEV_CPU] = &ds_comm_mpi_backend,
 #ifdef DSLUA_CUDA
@@ -98,10 +126,12 @@ double ds_comm_timeout(void) {
 
 void ds_comm_set_timeout(double seconds) { S.timeout = seconds; }
 
+/* on unless DSLUA_COMM_CHECK=0: without it, ranks that disagree on a
+ * count write past each other's buffers */
 bool ds_comm_check_enabled(void) {
     if (S.check < 0) {
         const char *v = getenv("DSLUA_COMM_CHECK");
-        S.check = v && *v && strcmp(v, "0") != 0;
+        S.check = !(v && strcmp(v, "0") == 0);
     }
     return S.check;
 }
@@ -124,13 +154,95 @@ _Noreturn void ds_comm_abort(int code) {
     exit(code);
 }
 
+/* ---- the flight recorder ---- */
+
+static flight_entry *flight_find(int64_t id) {
+    flight_entry *e = &S.flight[id % FLIGHT];
+    return id > 0 && e->id == id ? e : NULL;
+}
+
+static int64_t flight_record(const char *what, const ds_comm_group *g) {
+    int64_t id = ++S.flights;
+    flight_entry *e = &S.flight[id % FLIGHT];
+    e->id = id;
+    snprintf(e->what, sizeof e->what, "%s", what);
+    e->group = g->name;
+    e->begun = now();
+    e->ended = 0;
+    e->state = F_AGREE;
+    return id;
+}
+
+static void flight_mark(int64_t id, flight_state st) {
+    flight_entry *e = flight_find(id);
+    if (!e || e->state >= F_DONE) return;
+    e->state = st;
+    if (st >= F_DONE) e->ended = now();
+}
+
+static const char *flight_state_name(flight_state st) {
+    static const char *names[] = { "agreeing", "in flight", "done", "failed" };
+    return names[st];
+}
+
+int ds_comm_flight_count(void) { return (int)(S.flights < FLIGHT ? S.flights : FLIGHT); }
+
+/* Entry i, 0 the oldest kept. */
+int ds_comm_flight_get(int i, ds_comm_flight *out) {
+    int n = ds_comm_flight_count();
+    if (i < 0 || i >= n) return -1;
+    const flight_entry *e = &S.flight[(S.flights - n + 1 + i) % FLIGHT];
+    out->what = e->what;
+    out->group = e->group;
+    out->state = flight_state_name(e->state);
+    out->age = now() - e->begun;
+    out->seconds = (e->ended > 0 ? e->ended : now()) - e->begun;
+    return 0;
+}
+
+/* Where this rank is, for another rank that timed out. */
+static void where_now(char *buf, size_t n) {
+    size_t len = 0;
+    if (S.waiting) len = (size_t)snprintf(buf, n, "waiting %.1f s in %s", now() - S.wait_since, S.waiting);
+    else len = (size_t)snprintf(buf, n, "in ds.comm, not waiting");
+    for (int64_t id = S.flights; len < n && id > 0 && id > S.flights - FLIGHT; id--) {
+        const flight_entry *e = flight_find(id);
+        if (!e || e->state != F_DONE) continue;
+        snprintf(buf + len, n - len, "; last done %s on %s, %.1f s ago", e->what, e->group, now() - e->ended);
+        break;
+    }
+}
+
 /* ---- waiting ---- */
 
-/* Records the exit notices that have arrived. */
+static ds_comm_group *group_by_index(int index);
+
+/* Answers a timed-out rank's question: how far this rank got on the group
+ * it asks about, and where it is. */
+static void answer(int src) {
+    ask_msg q;
+    MPI_Recv(&q, sizeof q, MPI_BYTE, src, TAG_ASK, S.exitc, MPI_STATUS_IGNORE);
+    int flag = 1;
+    if (S.answer_reqs[src] != MPI_REQUEST_NULL) MPI_Test(&S.answer_reqs[src], &flag, MPI_STATUS_IGNORE);
+    if (!flag) return;              /* still sending the last answer to it */
+    answer_msg *a = &S.answers[src];
+    memset(a, 0, sizeof *a);
+    const ds_comm_group *g = q.group >= 0 ? group_by_index(q.group) : NULL;
+    a->seq = g ? g->seq : 0;
+    a->at_exit = S.exiting;
+    where_now(a->where, sizeof a->where);
+    MPI_Isend(a, sizeof *a, MPI_BYTE, src, TAG_ANSWER, S.exitc, &S.answer_reqs[src]);
+}
+
+/* Records the exit notices that have arrived, and answers questions. */
 static void poll_exits(void) {
     while (S.initialized && !S.finalized) {
         int flag = 0, n = 0;
         MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ASK, S.exitc, &flag, &st) == MPI_SUCCESS && flag) {
+            answer(st.MPI_SOURCE);
+            continue;
+        }
         if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_EXIT, S.exitc, &flag, &st) != MPI_SUCCESS || !flag) return;
         MPI_Get_count(&st, MPI_INT64_T, &n);
         int64_t *msg = calloc((size_t)(n > N_SEQ ? n : N_SEQ), sizeof *msg);
@@ -147,7 +259,7 @@ enum { ANY_MEMBER = -1, IGNORE_EXITS = -2 };
 /* What a wait needs from other ranks. */
 typedef struct {
     const ds_comm_group *g;
-    int who;                /* a peer's world rank, ANY_MEMBER of g, or IGNORE_EXITS */
+    int who;                /* a peer's world rank, ANY_MEMBER of g, or IGNORE_EXITS (the exit) */
     bool sending;           /* to the peer, else from it */
     int64_t ordinal;        /* the call: g's collective number, or the n-th send/recv with the peer */
 } need;
@@ -177,6 +289,91 @@ static void backoff(double waited) {
     nanosleep(&ts, NULL);
 }
 
+enum { ASK_SECONDS = 1 };       /* how long a timed-out rank waits for answers */
+
+/* After a timeout: asks the ranks the wait needs where they are, gives
+ * them a second to answer, and writes who did not arrive and where each
+ * rank was into buf. */
+static void ask_around(const need *nd, char *buf, size_t n) {
+    const ds_comm_group *g = nd->g;
+    int count = nd->who >= 0 ? 1 : g->size;
+    static ask_msg q;               /* read by MPI until the sends complete */
+    q.group = nd->who == IGNORE_EXITS ? -1 : g->index;
+    q.seq = nd->ordinal;
+    answer_msg *got = calloc((size_t)S.size, sizeof *got);
+    bool *answered = calloc((size_t)S.size, sizeof *answered), *arrived = calloc((size_t)S.size, sizeof *arrived);
+    if (!got || !answered || !arrived) {
+        free(got);
+        free(answered);
+        free(arrived);
+        snprintf(buf, n, "(out of memory asking the other ranks)");
+        return;
+    }
+    char mine[200];                 /* before the asking adds its second */
+    where_now(mine, sizeof mine);
+    int waiting_for = 0;
+    for (int i = 0; i < count; i++) {
+        int m = nd->who >= 0 ? nd->who : g->ranks[i];
+        if (m == S.rank || S.exits[m]) continue;
+        MPI_Request r;
+        if (MPI_Isend(&q, sizeof q, MPI_BYTE, m, TAG_ASK, S.exitc, &r) == MPI_SUCCESS) {
+            MPI_Request_free(&r);
+            waiting_for++;
+        }
+    }
+    for (double t0 = now(); waiting_for > 0 && now() - t0 < ASK_SECONDS; backoff(now() - t0)) {
+        poll_exits();               /* answers the others' questions meanwhile */
+        int flag = 0;
+        MPI_Status st;
+        if (MPI_Iprobe(MPI_ANY_SOURCE, TAG_ANSWER, S.exitc, &flag, &st) != MPI_SUCCESS || !flag) continue;
+        int src = st.MPI_SOURCE;
+        MPI_Recv(&got[src], sizeof got[src], MPI_BYTE, src, TAG_ANSWER, S.exitc, MPI_STATUS_IGNORE);
+        got[src].where[sizeof got[src].where - 1] = 0;
+        if (!answered[src]) waiting_for--;
+        answered[src] = true;
+    }
+    /* who did not arrive: answered with less progress, or not at all */
+    size_t len;
+    int missing = 0;
+    for (int i = 0; i < count; i++) {
+        int m = nd->who >= 0 ? nd->who : g->ranks[i];
+        arrived[m] = nd->who < 0 && (m == S.rank || (q.group < 0 && S.exits[m]) ||
+                                     (answered[m] && (q.group < 0 ? got[m].at_exit : got[m].seq >= q.seq)));
+        missing += !arrived[m];
+    }
+    if (nd->who >= 0) {
+        len = (size_t)snprintf(buf, n, "rank %d never joined", nd->who);
+    } else if (missing) {
+        len = (size_t)snprintf(buf, n, "rank%s", missing > 1 ? "s" : "");
+        for (int i = 0, k = 0; i < count && len < n; i++)
+            if (!arrived[g->ranks[i]]) len += (size_t)snprintf(buf + len, n - len, "%s %d", k++ ? "," : "", g->ranks[i]);
+        if (len < n)
+            len += (size_t)snprintf(buf + len, n - len, " did not %s", q.group < 0 ? "reach the exit" : "arrive");
+    } else {
+        len = (size_t)snprintf(buf, n, "every rank of %s arrived", g->name);
+    }
+    /* where each rank was: all of a small group, else this one and the missing */
+    if (len < n) len += (size_t)snprintf(buf + len, n - len, ". Where each rank was:");
+    for (int i = 0; i < count + (nd->who >= 0) && len < n; i++) {
+        int m = nd->who >= 0 ? (i == 0 ? S.rank : nd->who) : g->ranks[i];
+        if (m != S.rank && count > 8 && arrived[m]) continue;
+        if (m == S.rank) len += (size_t)snprintf(buf + len, n - len, " rank %d %s;", m, mine);
+        else if (S.exits[m] && q.group < 0 && S.exits[m][N_STATUS] == 0)
+            len += (size_t)snprintf(buf + len, n - len, " rank %d at the exit;", m);
+        else if (S.exits[m])
+            len += (size_t)snprintf(buf + len, n - len, " rank %d exited (status %lld);", m,
+                                    (long long)S.exits[m][N_STATUS]);
+        else if (answered[m]) len += (size_t)snprintf(buf + len, n - len, " rank %d %s;", m, got[m].where);
+        else
+            len += (size_t)snprintf(buf + len, n - len, " rank %d no answer in %d s (stopped, or busy outside "
+                                    "ds.comm);", m, ASK_SECONDS);
+    }
+    if (len > 0 && len < n && buf[len - 1] == ';') buf[len - 1] = 0;
+    free(got);
+    free(answered);
+    free(arrived);
+}
+
 typedef int (*test_fn)(void *ctx, bool *done);
 
 static int test_mpi(void *ctx, bool *done) {
@@ -196,29 +393,38 @@ static int test_work(void *ctx, bool *done) {
  * broken from then on. */
 static int wait_for(test_fn test, void *ctx, const need *nd, const char *what, double limit) {
     double t0 = now();
+    const char *outer = S.waiting;
+    double outer_since = S.wait_since;
+    S.waiting = what;
+    S.wait_since = t0;
+    int rc = 0;
     for (;;) {
         bool done = false;
-        if (test(ctx, &done)) { S.broken = true; return -1; }
-        if (done) return 0;
+        if (test(ctx, &done)) { S.broken = true; rc = -1; break; }
+        if (done) break;
         poll_exits();
         double waited = now() - t0;
         int r = gone(nd);
         if (r >= 0) {
             S.broken = true;
-            return ds_fail(DS_ERR_STATE, "%s cannot complete on rank %d: rank %d exited (status %lld) without joining "
-                           "it (waited %.1f s)", what, S.rank, r, (long long)S.exits[r][N_STATUS], waited), -1;
+            rc = (ds_fail(DS_ERR_STATE, "%s cannot complete on rank %d: rank %d exited (status %lld) without joining "
+                          "it (waited %.1f s)", what, S.rank, r, (long long)S.exits[r][N_STATUS], waited), -1);
+            break;
         }
         if (waited > limit) {
             S.broken = true;
-            if (nd->who >= 0)
-                return ds_fail(DS_ERR_STATE, "%s timed out on rank %d after %.1f s: rank %d never joined (timeout %g s: "
-                               "ds.comm.set_timeout, DSLUA_COMM_TIMEOUT)", what, S.rank, waited, nd->who, limit), -1;
-            return ds_fail(DS_ERR_STATE, "%s timed out on rank %d of %d after %.1f s: not every rank of %s joined "
-                           "(timeout %g s: ds.comm.set_timeout, DSLUA_COMM_TIMEOUT)", what, S.rank, S.size, waited,
-                           nd->g->name, limit), -1;
+            char who[700];
+            ask_around(nd, who, sizeof who);
+            rc = (ds_fail(DS_ERR_STATE, "%s timed out on rank %d of %d after %.1f s (timeout %g s: "
+                          "ds.comm.set_timeout, DSLUA_COMM_TIMEOUT): %s", what, S.rank, S.size, waited, limit, who),
+                  -1);
+            break;
         }
         backoff(waited);
     }
+    S.waiting = outer;
+    S.wait_since = outer_since;
+    return rc;
 }
 
 /* a control exchange within g's current collective */
@@ -229,7 +435,9 @@ static int wait_ctl(MPI_Request *r, const ds_comm_group *g, const char *what) {
 
 static int wait_work(ds_comm_work *w) {
     need nd = { w->g, w->peer >= 0 ? w->peer : ANY_MEMBER, w->sending, w->ordinal };
-    return wait_for(test_work, w, &nd, w->what, ds_comm_timeout());
+    int rc = wait_for(test_work, w, &nd, w->what, ds_comm_timeout());
+    if (rc) flight_mark(w->flight, F_FAILED);
+    return rc;
 }
 
 int ds_comm_ctl_allgather(ds_comm_group *g, const void *mine, void *all, int bytes, const char *what) {
@@ -311,9 +519,15 @@ int ds_comm_init(void) {
     S.exits = calloc((size_t)S.size, sizeof *S.exits);
     S.sent = calloc((size_t)S.size, sizeof *S.sent);
     S.received = calloc((size_t)S.size, sizeof *S.received);
+    S.answers = calloc((size_t)S.size, sizeof *S.answers);
+    S.answer_reqs = malloc((size_t)S.size * sizeof *S.answer_reqs);
     world.ranks = malloc((size_t)S.size * sizeof(int));
-    if (!S.exits || !S.sent || !S.received || !world.ranks) return ds_fail(DS_ERR_NOMEM, "comm: out of memory"), -1;
-    for (int i = 0; i < S.size; i++) world.ranks[i] = i;
+    if (!S.exits || !S.sent || !S.received || !S.answers || !S.answer_reqs || !world.ranks)
+        return ds_fail(DS_ERR_NOMEM, "comm: out of memory"), -1;
+    for (int i = 0; i < S.size; i++) {
+        world.ranks[i] = i;
+        S.answer_reqs[i] = MPI_REQUEST_NULL;
+    }
     S.ngroups = 1;
     world.rank = S.rank;
     world.size = S.size;
@@ -331,6 +545,13 @@ int ds_comm_init(void) {
 
 static ds_comm_group *world_group(void) { return &world; }
 
+static ds_comm_group *group_by_index(int index) {
+    if (index == 0) return &world;
+    for (ds_comm_group *g = S.groups; g; g = g->next)
+        if (g->index == index) return g;
+    return NULL;
+}
+
 static void unlink_work(ds_comm_work *w) {
     for (ds_comm_work **p = &S.inflight; *p; p = &(*p)->next)
         if (*p == w) { *p = w->next; return; }
@@ -347,11 +568,12 @@ static int finalize(void) {
     if (!sends) return ds_fail(DS_ERR_NOMEM, "comm: out of memory"), -1;
     char what[64];
     snprintf(what, sizeof what, "exit of rank %d", S.rank);
-    /* no deadline: a rank still running either ends, fails (and aborts the
-     * job), or waits on this one and fails at once on its notice */
+    /* the collectives' deadline: a rank stuck after its last collective
+     * (a loop, a stopped process) is named instead of hanging the job */
+    S.exiting = true;
     int rc = ds_comm_mpi_check(MPI_Ibarrier(S.exitc, &barrier), what);
     need nd = { &world, IGNORE_EXITS, false, 0 };
-    if (!rc) rc = wait_for(test_mpi, &barrier, &nd, what, INFINITY);
+    if (!rc) rc = wait_for(test_mpi, &barrier, &nd, what, ds_comm_timeout());
     /* every notice was sent before its sender reached the barrier */
     for (double t0 = now(); !rc && S.n_exited < S.size - 1; backoff(now() - t0)) {
         poll_exits();
@@ -420,7 +642,8 @@ ds_comm_group *ds_comm_new_group(const int *ranks, int n) {
     if (S.initialized) {
         ds_comm_group *w = NULL;
         char what[160];
-        if (ds_comm_begin(&w, "new_group", -1, n, -1, true, false, what, sizeof what)) { group_free(g); return NULL; }
+        ds_comm_sig sig = ds_comm_sig_of("new_group", -1, n, -1, true);
+        if (ds_comm_begin(&w, &sig, false, NULL, what, sizeof what)) { group_free(g); return NULL; }
         int64_t mine[2] = { n, ranks_hash(ranks, n) }, *all = malloc((size_t)S.size * sizeof mine);
         int rc = all ? ds_comm_ctl_allgather(w, mine, all, sizeof mine, what) : -1;
         for (int r = 0; rc == 0 && r < S.size; r++)
@@ -450,76 +673,87 @@ ds_comm_group *ds_comm_new_group(const int *ranks, int n) {
 
 /* ---- the check ---- */
 
-typedef struct {
-    char op[16];
-    int32_t dtype, root;
-    int64_t count, seq;
-    int32_t strict, pad;
-} signature;
+ds_comm_sig ds_comm_sig_of(const char *op, int dtype, int64_t count, int root, bool strict) {
+    ds_comm_sig s;
+    memset(&s, 0, sizeof s);
+    snprintf(s.op, sizeof s.op, "%s", op);
+    s.dtype = dtype;
+    s.root = root;
+    s.rop = -1;
+    s.strict = strict;
+    s.count = count;
+    return s;
+}
 
 /* "all_reduce(f32, 10 elements) #7": count -1 and root -1 left out, seq 0
- * (send/recv, which are not numbered) too */
-static void describe(char *buf, size_t n, const char *op, int dtype, int64_t count, int root, int64_t seq) {
-    char dt[24] = "?", cnt[48] = "", rt[24] = "", sq[32] = "";
-    if (dtype >= 0) snprintf(dt, sizeof dt, "%s", ds_dtype_name((ds_dtype)dtype));
-    if (count >= 0) snprintf(cnt, sizeof cnt, ", %lld element%s", (long long)count, count == 1 ? "" : "s");
-    if (root >= 0) snprintf(rt, sizeof rt, ", root %d", root);
-    if (seq > 0) snprintf(sq, sizeof sq, " #%lld", (long long)seq);
-    if (strcmp(op, "barrier") == 0) snprintf(buf, n, "barrier()%s", sq);
-    else snprintf(buf, n, "%s(%s%s%s)%s", op, dt, cnt, rt, sq);
+ * (send/recv, which are not numbered) too; the reduce op with rop */
+static void describe(char *buf, size_t n, const ds_comm_sig *s, bool rop) {
+    char dt[24] = "?", cnt[48] = "", rt[24] = "", ro[16] = "", sq[32] = "";
+    if (s->dtype >= 0) snprintf(dt, sizeof dt, "%s", ds_dtype_name((ds_dtype)s->dtype));
+    if (s->count >= 0) snprintf(cnt, sizeof cnt, ", %lld element%s", (long long)s->count, s->count == 1 ? "" : "s");
+    if (s->root >= 0) snprintf(rt, sizeof rt, ", root %d", s->root);
+    if (rop && s->rop >= 0 && s->rop < DS_COMM_NOPS) snprintf(ro, sizeof ro, ", %s", op_names[s->rop]);
+    if (s->seq > 0) snprintf(sq, sizeof sq, " #%lld", (long long)s->seq);
+    if (strcmp(s->op, "barrier") == 0) snprintf(buf, n, "barrier()%s", sq);
+    else snprintf(buf, n, "%s(%s%s%s%s)%s", s->op, dt, cnt, rt, ro, sq);
 }
 
-static bool same_call(const signature *a, const signature *b) {
-    if (strcmp(a->op, b->op) != 0 || a->seq != b->seq || a->root != b->root) return false;
+/* Another primitive, root or reduce op: the ranks' programs went apart. */
+static bool same_call(const ds_comm_sig *a, const ds_comm_sig *b) {
+    if (strncmp(a->op, b->op, sizeof a->op) != 0 || a->seq != b->seq || a->root != b->root) return false;
+    return !(a->rop >= 0 && b->rop >= 0 && a->rop != b->rop);
+}
+
+/* The same call on other data: every rank refuses it, and can go on. */
+static bool same_data(const ds_comm_sig *a, const ds_comm_sig *b) {
     if (a->dtype >= 0 && b->dtype >= 0 && a->dtype != b->dtype) return false;
-    return !(a->strict && b->strict && a->count != b->count);
+    return !(a->strict && b->strict && a->count >= 0 && b->count >= 0 && a->count != b->count);
 }
 
-static int check_signatures(ds_comm_group *g, const signature *mine, const char *what) {
-    signature *all = malloc((size_t)g->size * sizeof *all);
-    if (!all) return ds_fail(DS_ERR_NOMEM, "comm check: out of memory"), -1;
-    char w[200];
-    snprintf(w, sizeof w, "%s (comm check)", what);
-    int rc = ds_comm_ctl_allgather(g, mine, all, sizeof *mine, w);
-    for (int r = 1; rc == 0 && r < g->size; r++) {
-        if (same_call(&all[r], &all[0])) continue;
-        char a[96], b[96];
-        describe(a, sizeof a, all[r].op, all[r].dtype, all[r].count, all[r].root, all[r].seq);
-        describe(b, sizeof b, all[0].op, all[0].dtype, all[0].count, all[0].root, all[0].seq);
-        S.broken = true;
-        rc = (ds_fail(DS_ERR_STATE, "comm check: rank %d called %s while rank %d called %s", g->ranks[r], a,
-                     g->ranks[0], b), -1);
+/* Every rank's signature into *all (or checked and freed when all is NULL):
+ * a mismatch names both calls and ranks, on every rank. */
+static int exchange(ds_comm_group *g, const ds_comm_sig *mine, ds_comm_sig **allp, const char *what) {
+    ds_comm_sig *all = malloc((size_t)g->size * sizeof *all);
+    if (!all) return ds_fail(DS_ERR_NOMEM, "%s: out of memory", what), -1;
+    int rc = ds_comm_ctl_allgather(g, mine, all, sizeof *mine, what);
+    for (int r = 1; rc == 0 && ds_comm_check_enabled() && r < g->size; r++) {
+        bool call = same_call(&all[r], &all[0]);
+        if (call && same_data(&all[r], &all[0])) continue;
+        char a[128], b[128];
+        bool rop = all[r].rop >= 0 && all[0].rop >= 0 && all[r].rop != all[0].rop;
+        describe(a, sizeof a, &all[r], rop);
+        describe(b, sizeof b, &all[0], rop);
+        if (!call) S.broken = true;
+        rc = (ds_fail(call ? DS_ERR_ARG : DS_ERR_STATE, "comm check: rank %d called %s while rank %d called %s",
+                      g->ranks[r], a, g->ranks[0], b), -1);
     }
-    free(all);
+    if (rc || !allp) free(all);
+    else *allp = all;
     return rc;
 }
 
-int ds_comm_begin(ds_comm_group **gp, const char *op, int dtype, int64_t count, int root, bool strict, bool p2p,
-                  char *what, size_t n) {
+int ds_comm_begin(ds_comm_group **gp, ds_comm_sig *sig, bool p2p, ds_comm_sig **all, char *what, size_t n) {
+    if (all) *all = NULL;
     if (ds_comm_init()) return -1;
-    if (S.broken) return ds_fail(DS_ERR_STATE, "%s: an earlier collective failed on rank %d; the job cannot go on", op,
-                                 S.rank), -1;
+    if (S.broken) return ds_fail(DS_ERR_STATE, "%s: an earlier collective failed on rank %d; the job cannot go on",
+                                 sig->op, S.rank), -1;
     ds_comm_group *g = *gp ? *gp : world_group();
     if (g->rank < 0)
-        return ds_fail(DS_ERR_ARG, "%s: rank %d is not a member of group %s", op, ds_comm_rank(NULL), g->name), -1;
+        return ds_fail(DS_ERR_ARG, "%s: rank %d is not a member of group %s", sig->op, ds_comm_rank(NULL), g->name),
+               -1;
     *gp = g;
     ds_comm_progress();
-    if (p2p) {
-        describe(what, n, op, dtype, count, -1, 0);
+    sig->seq = p2p ? 0 : ++g->seq;
+    describe(what, n, sig, false);
+    if (p2p || g->size == 1 || !S.initialized) return 0;
+    int64_t id = flight_record(what, g);
+    if (!all && !ds_comm_check_enabled()) {
+        flight_mark(id, F_FLIGHT);
         return 0;
     }
-    g->seq++;
-    describe(what, n, op, dtype, count, root, g->seq);
-    if (!ds_comm_check_enabled() || g->size == 1 || !S.initialized) return 0;
-    signature mine;
-    memset(&mine, 0, sizeof mine);
-    snprintf(mine.op, sizeof mine.op, "%s", op);
-    mine.dtype = dtype;
-    mine.root = root;
-    mine.count = count;
-    mine.seq = g->seq;
-    mine.strict = strict;
-    return check_signatures(g, &mine, what);
+    int rc = exchange(g, sig, all, what);
+    flight_mark(id, rc ? F_FAILED : F_FLIGHT);
+    return rc;
 }
 
 /* ---- works ---- */
@@ -540,6 +774,7 @@ ds_comm_work *ds_comm_work_new(ds_comm_group *g, const char *what, int peer, int
     w->g = g;
     w->peer = peer;
     w->ordinal = g->seq;
+    w->flight = peer < 0 && g->size > 1 ? S.flights : 0;
     w->nresults = nresults;
     snprintf(w->what, sizeof w->what, "%s", what);
     return w;
@@ -550,8 +785,21 @@ static void drop(ds_tensor **t) {
     *t = NULL;
 }
 
+/* The bytes a backend reads or writes until completion: no tensor may
+ * swap them out meanwhile (ds_storage_pin). */
+static void pin_all(ds_comm_work *w, bool on) {
+    ds_tensor *ts[] = { w->target, w->buf, w->keep };
+    for (size_t i = 0; i < sizeof ts / sizeof *ts; i++) {
+        if (!ts[i]) continue;
+        if (on) ds_storage_pin(ts[i]->storage, "a collective in flight (wait for it first)");
+        else ds_storage_unpin(ts[i]->storage);
+    }
+    w->pinned = on;
+}
+
 void ds_comm_work_free(ds_comm_work *w) {
     if (!w) return;
+    if (w->pinned) pin_all(w, false);
     drop(&w->target);
     drop(&w->buf);
     drop(&w->keep);
@@ -583,6 +831,7 @@ static int finish(ds_comm_work *w) {
     int rc = 0;
     if (w->divide > 0 && w->buf) divide_(w->buf, w->divide);
     if (w->target && w->buf) rc = ds_comm_copy(w->target, w->buf, w->what);
+    if (w->pinned) pin_all(w, false);
     drop(&w->target);
     drop(&w->buf);
     drop(&w->keep);
@@ -591,9 +840,14 @@ static int finish(ds_comm_work *w) {
 }
 
 ds_comm_work *ds_comm_work_launch(ds_comm_work *w, const ds_comm_backend *be, int rc, void *req) {
-    if (rc) { ds_comm_work_free(w); return NULL; }
+    if (rc) {
+        flight_mark(w->flight, F_FAILED);
+        ds_comm_work_free(w);
+        return NULL;
+    }
     w->be = be;
     w->req = req;
+    pin_all(w, true);
     w->next = S.inflight;
     S.inflight = w;
     return w;
@@ -609,7 +863,7 @@ static void complete(ds_comm_work *w) {
     w->be->free_req(w->req);
     w->req = NULL;
     unlink_work(w);
-    finish(w);
+    flight_mark(w->flight, finish(w) ? F_FAILED : F_DONE);
     if (w->orphan) ds_comm_work_free(w);
 }
 
@@ -617,7 +871,12 @@ int ds_comm_work_test(ds_comm_work *w, bool *done) {
     *done = false;
     if (w->req && w->state == 0) {
         bool d = false;
-        if (test_work(w, &d)) { w->state = -1; S.broken = true; return -1; }
+        if (test_work(w, &d)) {
+            w->state = -1;
+            S.broken = true;
+            flight_mark(w->flight, F_FAILED);
+            return -1;
+        }
         if (!d) return 0;
         complete(w);
     }

@@ -12,7 +12,15 @@
  * Nothing waits forever: every wait polls with a deadline (the timeout,
  * DSLUA_COMM_TIMEOUT seconds, default 300) and notices ranks that have
  * exited without joining; it fails with an error naming the collective, its
- * size, the rank and the seconds waited. After a failed wait the layer is
+ * size, the rank and the seconds waited, and at a timeout which ranks did
+ * not arrive and where each rank was (they answer from their own waits).
+ * The exit waits for the other ranks with the same deadline.
+ *
+ * Before any byte of a collective moves, the ranks agree on it: the same
+ * primitive, dtype, element count, root and reduce op (one small exchange,
+ * folded into the shape exchange where there is one); a mismatch fails on
+ * every rank naming both calls. DSLUA_COMM_CHECK=0 turns this off (ranks
+ * that then disagree overrun each other's buffers). After a failed wait the layer is
  * broken: later calls fail at once, and the process leaves without
  * MPI_Finalize, so mpirun ends every rank.
  *
@@ -47,7 +55,7 @@ int ds_comm_local_size(void);
 
 void ds_comm_set_timeout(double seconds);
 double ds_comm_timeout(void);
-/* Signature check before every collective (DSLUA_COMM_CHECK=1). */
+/* The agreement before every collective: on unless DSLUA_COMM_CHECK=0. */
 void ds_comm_set_check(bool on);
 bool ds_comm_check_enabled(void);
 /* Ends the whole job now: MPI_Abort when MPI runs, else exit(code). */
@@ -91,5 +99,16 @@ ds_tensor *ds_comm_work_result(ds_comm_work *w, int i);    /* new reference */
 void ds_comm_work_release(ds_comm_work *w);
 /* Polls every work in flight once. */
 void ds_comm_progress(void);
+
+/* The flight recorder: this rank's last collectives (up to 16), i 0 the
+ * oldest. state: "agreeing", "in flight", "done" or "failed"; age: seconds
+ * since it began; seconds: how long it took (so far). Strings live until
+ * the entry is reused. */
+typedef struct {
+    const char *what, *group, *state;
+    double age, seconds;
+} ds_comm_flight;
+int ds_comm_flight_count(void);
+int ds_comm_flight_get(int i, ds_comm_flight *out);   /* 0, or -1 out of range */
 
 #endif

@@ -76,7 +76,9 @@ struct ds_comm_work {
     int64_t ordinal;                /* g's collective number, or the n-th send/recv with peer */
     int state;                      /* 0 in flight, 1 done, -1 failed */
     bool orphan;                    /* released by its owner while in flight */
+    bool pinned;                    /* its tensors' storages pinned while in flight */
     char what[160];                 /* "all_reduce(f32, 10 elements) #7", for errors */
+    int64_t flight;                 /* its flight recorder entry (ds_comm_begin), 0 for send/recv */
     ds_tensor *target, *buf, *keep;
     double divide;
     int nresults;
@@ -84,12 +86,32 @@ struct ds_comm_work {
     struct ds_comm_work *next;      /* the in-flight list */
 };
 
+/* What a rank says about a collective before any byte of it moves: every
+ * rank of the group exchanges one (a small allgather on g->ctl), so a rank
+ * that calls another primitive, dtype, count, root or reduce op fails on
+ * every rank instead of overrunning a buffer. gather and all_gather carry
+ * their shape in it (no exchange of their own); reduce_scatter a hash of
+ * its piece counts. */
+typedef struct {
+    char op[16];
+    int32_t dtype, root, rop;       /* -1 where they do not apply */
+    int32_t strict;                 /* counts must match across ranks */
+    int64_t count, seq;             /* count -1: not known here (scatter off the root) */
+    int64_t detail;                 /* reduce_scatter: hash of the piece counts, -1: invalid list */
+    int32_t ndim, pad;
+    int64_t shape[DS_MAX_DIMS];     /* gather, all_gather */
+} ds_comm_sig;
+
+/* A signature with op set and the rest "does not apply". */
+ds_comm_sig ds_comm_sig_of(const char *op, int dtype, int64_t count, int root, bool strict);
+
 /* Before a primitive on *g (NULL: the world, set on return): starts MPI,
- * checks membership, and for a collective (p2p false) counts the call and
- * runs the signature check. Describes the call into what. dtype -1 and
- * root -1 when they do not apply; strict: counts must match across ranks. */
-int ds_comm_begin(ds_comm_group **g, const char *op, int dtype, int64_t count, int root, bool strict, bool p2p,
-                  char *what, size_t n);
+ * checks membership, and for a collective (p2p false) counts the call,
+ * records it (the flight recorder) and exchanges signatures: always when
+ * all is given (the caller reads every rank's, freed by the caller), else
+ * unless the check is off (DSLUA_COMM_CHECK=0). Describes the call into
+ * what. */
+int ds_comm_begin(ds_comm_group **g, ds_comm_sig *sig, bool p2p, ds_comm_sig **all, char *what, size_t n);
 /* Control-plane exchanges on g->ctl, waited for with the deadline. */
 int ds_comm_ctl_allgather(ds_comm_group *g, const void *mine, void *all, int bytes, const char *what);
 int ds_comm_ctl_bcast(ds_comm_group *g, void *buf, int bytes, int root, const char *what);

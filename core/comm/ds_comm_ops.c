@@ -107,7 +107,8 @@ static ds_comm_work *fail_work(ds_comm_work *w) {
 
 ds_comm_work *ds_comm_barrier(ds_comm_group *g) {
     char what[160];
-    if (ds_comm_begin(&g, "barrier", -1, 0, -1, true, false, what, sizeof what)) return NULL;
+    ds_comm_sig sig = ds_comm_sig_of("barrier", -1, 0, -1, true);
+    if (ds_comm_begin(&g, &sig, false, NULL, what, sizeof what)) return NULL;
     ds_comm_work *w = ds_comm_work_new(g, what, -1, 0);
     if (!w || g->size == 1) return w ? ds_comm_work_local(w) : NULL;
     void *req = NULL;
@@ -120,7 +121,8 @@ static ds_comm_work *p2p(ds_tensor *t, int peer, int tag, ds_comm_group *g, bool
     const char *op = sending ? "send" : "recv";
     char what[160];
     const ds_comm_backend *be = ds_comm_backend_of(t, op);
-    if (!be || ds_comm_begin(&g, op, t->dtype, ds_tensor_numel(t), -1, true, true, what, sizeof what)) return NULL;
+    ds_comm_sig sig = ds_comm_sig_of(op, t->dtype, ds_tensor_numel(t), -1, true);
+    if (!be || ds_comm_begin(&g, &sig, true, NULL, what, sizeof what)) return NULL;
     int pr = group_rank(g, peer, op, sending ? "dst" : "src");
     if (pr < 0) return NULL;
     if (pr == g->rank) return ds_fail(DS_ERR_ARG, "%s: %s %d is this rank", op, sending ? "dst" : "src", peer);
@@ -140,6 +142,7 @@ static ds_comm_work *p2p(ds_tensor *t, int peer, int tag, ds_comm_group *g, bool
     } else {
         w->buf = buf;
         if (buf != t) { ds_tensor_retain(t); w->target = t; }
+        ds_storage_bump_version(t->storage, "recv");
         rc = be->recv(ds_tensor_data(buf), ds_tensor_numel(buf), buf->dtype, pr, tag, g, &req);
     }
     return ds_comm_work_launch(w, be, rc, req);
@@ -151,8 +154,8 @@ ds_comm_work *ds_comm_recv(ds_tensor *t, int src, int tag, ds_comm_group *g) { r
 ds_comm_work *ds_comm_broadcast(ds_tensor *t, int src, ds_comm_group *g) {
     char what[160];
     const ds_comm_backend *be = ds_comm_backend_of(t, "broadcast");
-    if (!be || ds_comm_begin(&g, "broadcast", t->dtype, ds_tensor_numel(t), src, true, false, what, sizeof what))
-        return NULL;
+    ds_comm_sig sig = ds_comm_sig_of("broadcast", t->dtype, ds_tensor_numel(t), src, true);
+    if (!be || ds_comm_begin(&g, &sig, false, NULL, what, sizeof what)) return NULL;
     int root = group_rank(g, src, "broadcast", "src");
     ds_comm_work *w = root < 0 ? NULL : ds_comm_work_new(g, what, -1, 0);
     if (!w || g->size == 1) return w ? ds_comm_work_local(w) : NULL;
@@ -161,6 +164,7 @@ ds_comm_work *ds_comm_broadcast(ds_tensor *t, int src, ds_comm_group *g) {
     if (!buf) return fail_work(w);
     w->buf = buf;
     if (buf != t && !is_root) { ds_tensor_retain(t); w->target = t; }
+    if (!is_root) ds_storage_bump_version(t->storage, "broadcast");
     void *req = NULL;
     int rc = be->broadcast(ds_tensor_data(buf), ds_tensor_numel(buf), buf->dtype, root, g, &req);
     return ds_comm_work_launch(w, be, rc, req);
@@ -169,8 +173,9 @@ ds_comm_work *ds_comm_broadcast(ds_tensor *t, int src, ds_comm_group *g) {
 ds_comm_work *ds_comm_reduce(ds_tensor *t, int dst, ds_comm_op op, ds_comm_group *g) {
     char what[160];
     const ds_comm_backend *be = ds_comm_backend_of(t, "reduce");
-    if (!be || check_op("reduce", op, t->dtype) ||
-        ds_comm_begin(&g, "reduce", t->dtype, ds_tensor_numel(t), dst, true, false, what, sizeof what))
+    ds_comm_sig sig = ds_comm_sig_of("reduce", t->dtype, ds_tensor_numel(t), dst, true);
+    sig.rop = (int32_t)op;
+    if (!be || check_op("reduce", op, t->dtype) || ds_comm_begin(&g, &sig, false, NULL, what, sizeof what))
         return NULL;
     int root = group_rank(g, dst, "reduce", "dst");
     ds_comm_work *w = root < 0 ? NULL : ds_comm_work_new(g, what, -1, 0);
@@ -182,6 +187,7 @@ ds_comm_work *ds_comm_reduce(ds_tensor *t, int dst, ds_comm_op op, ds_comm_group
         w->buf = buf;
         if (buf != t) { ds_tensor_retain(t); w->target = t; }
         if (op == DS_COMM_AVG) w->divide = g->size;
+        ds_storage_bump_version(t->storage, "reduce");
     } else {
         w->keep = buf;
     }
@@ -193,8 +199,9 @@ ds_comm_work *ds_comm_reduce(ds_tensor *t, int dst, ds_comm_op op, ds_comm_group
 ds_comm_work *ds_comm_all_reduce(ds_tensor *t, ds_comm_op op, ds_comm_group *g) {
     char what[160];
     const ds_comm_backend *be = ds_comm_backend_of(t, "all_reduce");
-    if (!be || check_op("all_reduce", op, t->dtype) ||
-        ds_comm_begin(&g, "all_reduce", t->dtype, ds_tensor_numel(t), -1, true, false, what, sizeof what))
+    ds_comm_sig sig = ds_comm_sig_of("all_reduce", t->dtype, ds_tensor_numel(t), -1, true);
+    sig.rop = (int32_t)op;
+    if (!be || check_op("all_reduce", op, t->dtype) || ds_comm_begin(&g, &sig, false, NULL, what, sizeof what))
         return NULL;
     ds_comm_work *w = ds_comm_work_new(g, what, -1, 0);
     if (!w || g->size == 1) return w ? ds_comm_work_local(w) : NULL;
@@ -203,16 +210,23 @@ ds_comm_work *ds_comm_all_reduce(ds_tensor *t, ds_comm_op op, ds_comm_group *g) 
     w->buf = buf;
     if (buf != t) { ds_tensor_retain(t); w->target = t; }
     if (op == DS_COMM_AVG) w->divide = g->size;
+    ds_storage_bump_version(t->storage, "all_reduce");
     void *req = NULL;
     int rc = be->all_reduce(ds_tensor_data(buf), ds_tensor_numel(buf), buf->dtype, wire_op(op), g, &req);
     return ds_comm_work_launch(w, be, rc, req);
 }
 
-/* Every rank's meta, checked to differ at most in the first dim. */
-static meta *agree_shapes(ds_comm_group *g, const ds_tensor *t, const char *op, const char *what) {
-    meta mine = meta_of(t), *all = malloc((size_t)g->size * sizeof *all);
+/* Every rank's shape (from the signatures), checked to differ at most in
+ * the first dim. */
+static meta *agree_shapes(ds_comm_group *g, const ds_comm_sig *sigs, const char *op) {
+    meta *all = malloc((size_t)g->size * sizeof *all);
     if (!all) return ds_fail(DS_ERR_NOMEM, "%s: out of memory", op);
-    if (ds_comm_ctl_allgather(g, &mine, all, sizeof mine, what)) { free(all); return NULL; }
+    for (int r = 0; r < g->size; r++) {
+        memset(&all[r], 0, sizeof all[r]);
+        all[r].dtype = sigs[r].dtype;
+        all[r].ndim = sigs[r].ndim;
+        memcpy(all[r].shape, sigs[r].shape, sizeof all[r].shape);
+    }
     for (int r = 0; r < g->size; r++) {
         const meta *a = &all[r], *b = &all[0];
         bool ok = a->dtype == b->dtype && a->ndim == b->ndim;
@@ -233,18 +247,21 @@ static ds_comm_work *gather_any(ds_tensor *t, int dst, ds_comm_group *g, bool al
     const char *op = all_ranks ? "all_gather" : "gather";
     char what[160];
     const ds_comm_backend *be = ds_comm_backend_of(t, op);
-    if (!be || ds_comm_begin(&g, op, t->dtype, ds_tensor_numel(t), all_ranks ? -1 : dst, false, false, what,
-                             sizeof what))
-        return NULL;
+    ds_comm_sig sig = ds_comm_sig_of(op, t->dtype, ds_tensor_numel(t), all_ranks ? -1 : dst, false), *sigs = NULL;
+    sig.ndim = t->ndim;
+    memcpy(sig.shape, t->shape, sizeof sig.shape);
+    if (!be || ds_comm_begin(&g, &sig, false, &sigs, what, sizeof what)) return NULL;
     int root = all_ranks ? -1 : group_rank(g, dst, op, "dst");
-    if (!all_ranks && root < 0) return NULL;
     bool receives = all_ranks || g->rank == root;
-    if (g->size == 1) {
+    if ((!all_ranks && root < 0) || g->size == 1) {
+        free(sigs);
+        if (root < 0 && !all_ranks) return NULL;
         ds_comm_work *w = ds_comm_work_new(g, what, -1, 1);
         if (w && !(w->results[0] = copy_of(t, op))) return fail_work(w);
         return w ? ds_comm_work_local(w) : NULL;
     }
-    meta *all = agree_shapes(g, t, op, what);
+    meta *all = sigs ? agree_shapes(g, sigs, op) : NULL;
+    free(sigs);
     int64_t *counts = all ? malloc((size_t)g->size * sizeof *counts) : NULL;
     ds_comm_work *w = counts ? ds_comm_work_new(g, what, -1, receives ? g->size : 0) : NULL;
     ds_tensor *send = w ? wire_buffer(t, t->dtype, true, op) : NULL;
@@ -308,7 +325,8 @@ static ds_tensor *pack(ds_tensor **list, int n, ds_dtype wire, const char *op) {
 
 ds_comm_work *ds_comm_scatter(ds_tensor **list, int n, int src, ds_comm_group *g) {
     char what[160];
-    if (ds_comm_begin(&g, "scatter", -1, -1, src, false, false, what, sizeof what)) return NULL;
+    ds_comm_sig sig = ds_comm_sig_of("scatter", -1, -1, src, false);
+    if (ds_comm_begin(&g, &sig, false, NULL, what, sizeof what)) return NULL;
     int root = group_rank(g, src, "scatter", "src");
     if (root < 0) return NULL;
     bool is_root = g->rank == root;
@@ -361,12 +379,36 @@ ds_comm_work *ds_comm_scatter(ds_tensor **list, int n, int src, ds_comm_group *g
     return ds_comm_work_launch(w, be, rc, req);
 }
 
+/* FNV-1a over what a reduce_scatter list is (length, op, dtype, device,
+ * each piece's count): ranks with equal hashes passed equal lists. -1: an
+ * entry is not a tensor. */
+static int64_t list_hash(ds_tensor **list, int n, ds_comm_op op) {
+    if (!list) return -1;
+    uint64_t h = 1469598103934665603ull;
+    int64_t words[4] = { n, op, n > 0 && list[0] ? (int64_t)list[0]->dtype : -1,
+                         n > 0 && list[0] ? (int64_t)ds_tensor_device(list[0]).type : -1 };
+    for (int i = 0; i < 4 + n; i++) {
+        if (i >= 4 && !list[i - 4]) return -1;
+        uint64_t v = (uint64_t)(i < 4 ? words[i] : ds_tensor_numel(list[i - 4]));
+        for (int b = 0; b < 8; b++) h = (h ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ull;
+    }
+    return (int64_t)(h >> 1);
+}
+
 ds_comm_work *ds_comm_reduce_scatter(ds_tensor **list, int n, ds_comm_op op, ds_comm_group *g) {
     char what[160];
     ds_dtype dt = list && n > 0 && list[0] ? list[0]->dtype : DS_F32;
     int64_t total = 0;
     for (int i = 0; list && i < n; i++) total += list[i] ? ds_tensor_numel(list[i]) : 0;
-    if (ds_comm_begin(&g, "reduce_scatter", dt, total, -1, true, false, what, sizeof what)) return NULL;
+    /* the piece counts agree with the signatures when their hashes do;
+     * count is not strict, so that the exchange below names the piece */
+    ds_comm_sig sig = ds_comm_sig_of("reduce_scatter", dt, total, -1, false), *sigs = NULL;
+    sig.rop = (int32_t)op;
+    sig.detail = list_hash(list, n, op);
+    if (ds_comm_begin(&g, &sig, false, &sigs, what, sizeof what)) return NULL;
+    bool agreed = sig.detail >= 0;
+    for (int r = 0; sigs && r < g->size; r++) agreed = agreed && sigs[r].detail == sig.detail;
+    free(sigs);
     const ds_comm_backend *be = NULL;
     bool valid = check_list(list, n, g, "reduce_scatter") == 0 && check_op("reduce_scatter", op, dt) == 0 &&
                  (be = ds_comm_backend_of(list[0], "reduce_scatter")) != NULL;
@@ -375,6 +417,8 @@ ds_comm_work *ds_comm_reduce_scatter(ds_tensor **list, int n, ds_comm_op op, ds_
         if (w && !(w->results[0] = copy_of(list[0], "reduce_scatter"))) return fail_work(w);
         return w ? ds_comm_work_local(w) : NULL;
     }
+    /* equal lists everywhere: every rank finds the same fault, if any */
+    if (agreed && !valid) return NULL;
     /* every rank's element count per piece (or -1: its arguments were bad) */
     char err[1024];
     snprintf(err, sizeof err, "%s", valid ? "" : ds_error_message());
@@ -386,7 +430,8 @@ ds_comm_work *ds_comm_reduce_scatter(ds_tensor **list, int n, ds_comm_op op, ds_
         return ds_fail(DS_ERR_NOMEM, "reduce_scatter: out of memory");
     }
     for (int r = 0; r < s; r++) mine[r] = valid ? ds_tensor_numel(list[r]) : -1;
-    int rc = ds_comm_ctl_allgather(g, mine, all, (int)(s * sizeof *mine), what);
+    int rc = agreed ? 0 : ds_comm_ctl_allgather(g, mine, all, (int)(s * sizeof *mine), what);
+    for (int q = 0; agreed && q < s; q++) memcpy(all + (size_t)q * s, mine, (size_t)s * sizeof *mine);
     for (int q = 0; rc == 0 && q < s; q++)
         for (int r = 0; rc == 0 && r < s; r++) {
             if (all[q * s + r] >= 0 && all[q * s + r] == all[r]) continue;

@@ -4,8 +4,10 @@
 #include <aio.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 /* A request that ended at the end of the file, which has no errno. */
@@ -29,6 +31,70 @@ struct ds_aio_req {
     ds_aio_req *prev, *next;
 };
 
+/* The directory a file goes into, opened, if this user owns it and no one
+ * else may write into it: nobody else can then plant a link in it. -1
+ * with the error. */
+static int open_private_dir(const char *dir, const char *path) {
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return ds_fail(DS_ERR_IO, "aio.open: cannot open '%s': %s", path, strerror(errno)), -1;
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        ds_fail(DS_ERR_IO, "aio.open: cannot stat the directory of '%s': %s", path, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    if (st.st_uid != geteuid() || (st.st_mode & (S_IWGRP | S_IWOTH))) {
+        ds_fail(DS_ERR_IO, "aio.open: '%s': its directory '%s' is %s (mode %03o, owner uid %u; this process runs as "
+                "uid %u): dslua writes only into directories of its own user that others cannot write", path, dir,
+                st.st_uid != geteuid() ? "owned by another user" : "writable by others", (unsigned)(st.st_mode & 0777),
+                (unsigned)st.st_uid, (unsigned)geteuid());
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Makes path a new file of nbytes: created under a temporary name with
+ * O_EXCL | O_NOFOLLOW (nothing planted there is opened), sized, then
+ * renamed over path (a link at path is replaced, never followed). */
+static int create_fresh(const char *path, int64_t nbytes) {
+    const char *slash = strrchr(path, '/');
+    const char *base = slash ? slash + 1 : path;
+    size_t dlen = slash ? (size_t)(slash - path) : 0;
+    char dir[4096], tmp[4096 + 32];
+    if (!*base || dlen >= sizeof dir || strlen(base) + 32 > sizeof tmp)
+        return ds_fail(DS_ERR_ARG, "aio.open: '%s' is not a file path", path), -1;
+    if (!slash) snprintf(dir, sizeof dir, ".");
+    else if (dlen == 0) snprintf(dir, sizeof dir, "/");
+    else snprintf(dir, sizeof dir, "%.*s", (int)dlen, path);
+    int dfd = open_private_dir(dir, path);
+    if (dfd < 0) return -1;
+    static unsigned counter;
+    int fd = -1;
+    for (int tries = 0; fd < 0 && tries < 100; tries++) {
+        snprintf(tmp, sizeof tmp, ".%s.%ld.%u.tmp", base, (long)getpid(), ++counter);
+        fd = openat(dfd, tmp, O_RDWR | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+        if (fd < 0 && errno != EEXIST) break;
+    }
+    if (fd < 0) {
+        ds_fail(DS_ERR_IO, "aio.open: cannot create '%s': %s", path, strerror(errno));
+        close(dfd);
+        return -1;
+    }
+    const char *failed = NULL;
+    if (ftruncate(fd, (off_t)nbytes) != 0) failed = "size";
+    else if (renameat(dfd, tmp, dfd, base) != 0) failed = "rename into";
+    if (failed) {
+        ds_fail(DS_ERR_IO, "aio.open: cannot %s '%s' (%lld bytes): %s", failed, path, (long long)nbytes,
+                strerror(errno));
+        unlinkat(dfd, tmp, 0);
+        close(fd);
+        fd = -1;
+    }
+    close(dfd);
+    return fd;
+}
+
 ds_aio_file *ds_aio_open(const char *path, int64_t nbytes) {
     if (nbytes < 0) return ds_fail(DS_ERR_ARG, "aio.open: '%s': size must be >= 0, got %lld", path, (long long)nbytes);
     size_t len = strlen(path);
@@ -37,14 +103,7 @@ ds_aio_file *ds_aio_open(const char *path, int64_t nbytes) {
     memcpy(f->path, path, len + 1);
     f->refs = 1;
     f->size = nbytes;
-    if ((f->fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600)) < 0) {
-        ds_fail(DS_ERR_IO, "aio.open: cannot open '%s': %s", path, strerror(errno));
-        free(f);
-        return NULL;
-    }
-    if (ftruncate(f->fd, (off_t)nbytes) != 0) {
-        ds_fail(DS_ERR_IO, "aio.open: cannot size '%s' to %lld bytes: %s", path, (long long)nbytes, strerror(errno));
-        close(f->fd);
+    if ((f->fd = create_fresh(path, nbytes)) < 0) {
         free(f);
         return NULL;
     }
@@ -66,6 +125,7 @@ static void finish(ds_aio_req *r, int err) {
     else r->f->pending = r->next;
     if (r->next) r->next->prev = r->prev;
     r->prev = r->next = NULL;
+    ds_storage_unpin(r->t->storage);
     ds_tensor_release(r->t);
     r->t = NULL;
 }
@@ -118,6 +178,7 @@ static ds_aio_req *start(ds_aio_file *f, ds_tensor *t, int64_t offset, bool writ
     ds_aio_req *r = calloc(1, sizeof *r);
     if (!r) return ds_fail(DS_ERR_NOMEM, "aio.%s: out of memory for a request on '%s'", op, f->path);
     ds_tensor_retain(t);
+    ds_storage_pin(t->storage, "an asynchronous file transfer (wait for it first)");
     r->t = t;
     r->f = f;
     f->refs++;

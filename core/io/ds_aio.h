@@ -14,7 +14,10 @@
 typedef struct ds_aio_file ds_aio_file;
 typedef struct ds_aio_req ds_aio_req;
 
-/* Creates or truncates path (mode 0600) to nbytes; NULL with the error. */
+/* Makes path a new file (mode 0600) of nbytes, replacing what was there:
+ * created exclusively under a temporary name, never following a link, in a
+ * directory this user owns and others cannot write (else an error naming
+ * it). NULL with the error. */
 ds_aio_file *ds_aio_open(const char *path, int64_t nbytes);
 /* Finishes every pending request, closes the descriptor and drops the
  * caller's reference. 0, or -1 with the first error of a request that

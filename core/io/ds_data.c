@@ -2,10 +2,12 @@
 #include "ds_error.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #define CIFAR_PIXELS 3072
@@ -31,58 +33,145 @@ static void *gz_failure(gzFile f, const char *path, unsigned char *buf) {
     return NULL;
 }
 
-unsigned char *ds_data_read_all(const char *path, size_t *n) {
-    struct stat st;
-    if (stat(path, &st) != 0) return ds_fail(DS_ERR_IO, "%s: cannot open (%s)", path, strerror(errno));
-    if (S_ISDIR(st.st_mode)) return ds_fail(DS_ERR_IO, "%s: is a directory, expected a file", path);
-    gzFile f = gzopen(path, "rb");
-    if (!f) return ds_fail(DS_ERR_IO, "%s: cannot open (%s)", path, errno ? strerror(errno) : "out of memory");
-    gzbuffer(f, 1 << 17);
-    /* plain files come back at their size; gzip ones usually grow a few times */
-    size_t cap = (size_t)st.st_size + 1, len = 0;
-    unsigned char *buf = malloc(cap);
-    if (!buf) { gzclose(f); return ds_fail(DS_ERR_NOMEM, "%s: out of memory for %zu bytes", path, cap); }
-    for (;;) {
-        if (len == cap) {
-            unsigned char *grown = cap > SIZE_MAX / 2 ? NULL : realloc(buf, cap * 2);
-            if (!grown) {
-                gzclose(f);
-                free(buf);
-                return ds_fail(DS_ERR_NOMEM, "%s: out of memory reading past %zu bytes", path, len);
-            }
-            buf = grown;
-            cap *= 2;
-        }
-        size_t want = cap - len < (1u << 30) ? cap - len : (1u << 30);
-        int got = gzread(f, buf + len, (unsigned)want);
-        if (got < 0) return gz_failure(f, path, buf);
-        if (got == 0) break;
-        len += (size_t)got;
+/* path opened for reading if it is a regular file: a FIFO would block the
+ * open (hence O_NONBLOCK until checked), a device would never end. -1 with
+ * the error. */
+static int open_regular(const char *path, struct stat *st) {
+    int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) return ds_fail(DS_ERR_IO, "%s: cannot open (%s)", path, strerror(errno)), -1;
+    if (fstat(fd, st) != 0) {
+        ds_fail(DS_ERR_IO, "%s: cannot stat (%s)", path, strerror(errno));
+        close(fd);
+        return -1;
     }
+    if (!S_ISREG(st->st_mode)) {
+        const char *what = S_ISDIR(st->st_mode) ? "a directory" : S_ISFIFO(st->st_mode) ? "a FIFO"
+                         : S_ISCHR(st->st_mode) || S_ISBLK(st->st_mode) ? "a device"
+                         : S_ISSOCK(st->st_mode) ? "a socket" : "not a regular file";
+        close(fd);
+        return ds_fail(DS_ERR_IO, "%s: is %s, expected a regular file", path, what), -1;
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+    return fd;
+}
+
+/* The most bytes a file of `size` bytes can give: itself when plain; for
+ * gzip the size its trailer declares (ISIZE, the length modulo 2^32),
+ * taken past 2^32 only as far as DEFLATE's ratio (1032:1) allows. A gzip
+ * bomb stops there instead of filling memory. */
+static size_t most_bytes(int fd, size_t size) {
+    unsigned char head[2] = { 0 }, tail[4];
+    if (!(size >= 18 && pread(fd, head, 2, 0) == 2 && head[0] == 0x1f && head[1] == 0x8b)) return size;
+    if (pread(fd, tail, 4, (off_t)(size - 4)) != 4) return 0;
+    uint64_t isize = (uint64_t)tail[0] | (uint64_t)tail[1] << 8 | (uint64_t)tail[2] << 16 | (uint64_t)tail[3] << 24;
+    uint64_t ceiling = (uint64_t)size * 1032 + 64;
+    while (isize + (1ull << 32) <= ceiling) isize += 1ull << 32;
+    return isize > SIZE_MAX ? SIZE_MAX : (size_t)isize;
+}
+
+/* A buffer that grows as bytes arrive: a bound (a declared size) is never
+ * allocated before the stream has delivered that much. */
+typedef struct {
+    unsigned char *buf;
+    size_t len, cap;
+} growbuf;
+
+/* Reads on until b->len is want or the stream ends: 0, -1 from gzread,
+ * -2 out of memory. */
+static int read_upto(gzFile f, growbuf *b, size_t want) {
+    while (b->len < want) {
+        if (b->len == b->cap) {
+            size_t cap = b->cap < (1u << 16) ? (1u << 16) : b->cap > SIZE_MAX / 2 ? SIZE_MAX : b->cap * 2;
+            if (cap > want) cap = want;
+            unsigned char *grown = realloc(b->buf, cap + 1);
+            if (!grown) return -2;
+            b->buf = grown;
+            b->cap = cap;
+        }
+        size_t left = b->cap - b->len;
+        int got = gzread(f, b->buf + b->len, (unsigned)(left < (1u << 30) ? left : (1u << 30)));
+        if (got < 0) return -1;
+        if (got == 0) return 0;
+        b->len += (size_t)got;
+    }
+    return 0;
+}
+
+/* Reads path (gzip or plain), never more than most_bytes allows: with
+ * body, its first `head` bytes and then as many as body(those bytes) says
+ * follow (no byte past them); without, to the end. *n the bytes read.
+ * malloc'd, or NULL with the error. */
+typedef size_t (*body_fn)(const unsigned char *head, size_t n);
+
+static unsigned char *read_file(const char *path, size_t head, body_fn body, size_t *n) {
+    struct stat st;
+    int fd = open_regular(path, &st);
+    if (fd < 0) return NULL;
+    size_t most = most_bytes(fd, (size_t)st.st_size);
+    gzFile f = gzdopen(fd, "rb");
+    if (!f) {
+        close(fd);
+        return ds_fail(DS_ERR_NOMEM, "%s: out of memory opening it", path);
+    }
+    gzbuffer(f, 1 << 17);
+    growbuf b = { NULL, 0, 0 };
+    int rc = read_upto(f, &b, body && head < most ? head : most);
+    if (rc == 0 && body && b.len == head) {
+        /* more than the file can hold is a truncated file: the caller says so */
+        size_t more = body(b.buf, b.len);
+        rc = read_upto(f, &b, b.len + (more < most - b.len ? more : most - b.len));
+    } else if (rc == 0 && !body && b.len == most) {
+        /* one byte past the bound tells a stream that goes on */
+        rc = read_upto(f, &b, most + 1);
+        if (rc == 0 && b.len > most) {
+            ds_fail(DS_ERR_IO, "%s: decompresses past the %zu bytes its gzip trailer declares", path, most);
+            rc = -3;
+        }
+    }
+    if (rc == -1) return gz_failure(f, path, b.buf);
+    if (rc == -2) ds_fail(DS_ERR_NOMEM, "%s: out of memory reading past %zu bytes", path, b.len);
     int code;
     gzerror(f, &code);
     gzclose(f);
-    if (code == Z_BUF_ERROR) {   /* the stream stopped before its end marker */
-        free(buf);
-        return ds_fail(DS_ERR_IO, "%s: truncated gzip stream (unexpected end of file after %zu bytes)", path, len);
+    if (rc == 0 && code == Z_BUF_ERROR) {   /* the stream stopped before its end marker */
+        ds_fail(DS_ERR_IO, "%s: truncated gzip stream (unexpected end of file after %zu bytes)", path, b.len);
+        rc = -3;
+    } else if (rc == 0 && code != Z_OK) {
+        ds_fail(DS_ERR_IO, "%s: bad gzip stream (zlib error %d)", path, code);
+        rc = -3;
     }
-    if (code != Z_OK) {
-        free(buf);
-        return ds_fail(DS_ERR_IO, "%s: bad gzip stream (zlib error %d)", path, code);
+    if (rc == 0 && !b.buf && !(b.buf = malloc(1))) {     /* an empty file: still a buffer to free */
+        ds_fail(DS_ERR_NOMEM, "%s: out of memory", path);
+        rc = -2;
     }
-    *n = len;
-    return buf;
+    if (rc) {
+        free(b.buf);
+        return NULL;
+    }
+    *n = b.len;
+    return b.buf;
+}
+
+unsigned char *ds_data_read_all(const char *path, size_t *n) { return read_file(path, 0, NULL, n); }
+
+/* The data bytes an IDX header declares (items times the item's dims); 0
+ * when it is not an unsigned-byte IDX header, which the reader reports. */
+static size_t idx_body(const unsigned char *h, size_t n) {
+    if (n < 8 || (be32(h) & ~0xffu) != 0x800u || 4 + 4 * (size_t)(be32(h) & 0xff) != n) return 0;
+    size_t bytes = 1;
+    for (size_t d = 4; d < n; d += 4)
+        if (__builtin_mul_overflow(bytes, (size_t)be32(h + d), &bytes)) return SIZE_MAX;
+    return bytes;
 }
 
 ds_tensor *ds_data_read_idx(const char *path, int ndim, int64_t first, int64_t count, int64_t *total) {
     if (ndim < 1 || ndim > DS_MAX_DIMS)
         return ds_fail(DS_ERR_ARG, "%s: IDX files with %d dims are not supported", path, ndim);
-    size_t n;
-    unsigned char *b = ds_data_read_all(path, &n);
+    size_t n, header = 4 + 4 * (size_t)ndim;
+    unsigned char *b = read_file(path, header, idx_body, &n);
     if (!b) return NULL;
     const char *kind = ndim == 3 ? "IDX images" : ndim == 1 ? "IDX labels" : "IDX unsigned bytes";
     uint32_t expect = 0x800u | (uint32_t)ndim;
-    size_t header = 4 + 4 * (size_t)ndim;
     ds_tensor *t = NULL;
     if (n < 4) {
         ds_fail(DS_ERR_IO, "%s: %zu bytes, too short for an IDX magic number (%s)", path, n, kind);
@@ -228,12 +317,20 @@ int ds_data_decode(const ds_tensor *ids, const unsigned char *vocab, int nvocab,
     return 0;
 }
 
+/* The token bytes a shard header declares; 0 for a header the reader
+ * refuses. */
+static size_t shard_body(const unsigned char *h, size_t n) {
+    (void)n;
+    int32_t count = le32(h + 8);
+    return le32(h) == DS_SHARD_MAGIC && count > 0 ? (size_t)count * 2 : 0;
+}
+
 /* One shard's tokens, validated, as the malloc'd file (tokens at byte 1024). */
 static unsigned char *read_shard(const char *path, int64_t *ntok) {
     size_t n;
-    unsigned char *b = ds_data_read_all(path, &n);
-    if (!b) return NULL;
     const size_t header = DS_SHARD_HEADER_INTS * 4;
+    unsigned char *b = read_file(path, header, shard_body, &n);
+    if (!b) return NULL;
     if (n < header) {
         free(b);
         return ds_fail(DS_ERR_IO, "%s: truncated: %zu bytes, the token shard header needs %zu", path, n, header);

@@ -65,6 +65,7 @@ ds_dataset *ds_dataset_rows(int nfields, const char *const *names, ds_tensor *co
             if (t && ds_copy_(t, fields[k])) { ds_tensor_release(t); t = NULL; }
         }
         if (!t) { ds_dataset_release(d); return NULL; }
+        ds_storage_pin(t->storage, "a dataset (its loader threads read it)");
         d->fields[k] = t;
         d->nfields = k + 1;
     }
@@ -115,6 +116,7 @@ ds_dataset *ds_dataset_windows(ds_tensor *tokens, int nseg, const int64_t *seg_l
     strcpy(d->names[0], "x");
     strcpy(d->names[1], "y");
     ds_tensor_retain(tokens);
+    ds_storage_pin(tokens->storage, "a dataset (its loader threads read it)");
     d->tokens = tokens;
     return d;
 }
@@ -123,7 +125,11 @@ void ds_dataset_retain(ds_dataset *d) { atomic_fetch_add(&d->refcount, 1); }
 
 void ds_dataset_release(ds_dataset *d) {
     if (!d || atomic_fetch_sub(&d->refcount, 1) != 1) return;
-    for (int k = 0; k < d->nfields && d->kind == DS_DATASET_ROWS; k++) ds_tensor_release(d->fields[k]);
+    for (int k = 0; k < d->nfields && d->kind == DS_DATASET_ROWS; k++) {
+        ds_storage_unpin(d->fields[k]->storage);
+        ds_tensor_release(d->fields[k]);
+    }
+    if (d->tokens) ds_storage_unpin(d->tokens->storage);
     ds_tensor_release(d->tokens);
     free(d->seg_start);
     free(d->seg_first);

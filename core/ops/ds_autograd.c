@@ -62,6 +62,8 @@ int ds_node_save(ds_node *n, int slot, ds_tensor *t) {
     else if (!(alias = ds_tensor_view_of(t, t->ndim, t->shape, t->stride, t->offset))) return -1;
     ds_tensor_release(n->saved[slot]);
     n->saved[slot] = alias;
+    n->saved_storage[slot] = t->storage->id;
+    n->saved_version[slot] = atomic_load_explicit(&t->storage->version, memory_order_relaxed);
     return 0;
 }
 
@@ -318,11 +320,31 @@ static int fetch_saved(ds_node *n) {
     return 0;
 }
 
+/* Saved tensors written in place since they were saved would give wrong
+ * gradients without a word: refused, naming the writer. */
+static int check_versions(const ds_node *n) {
+    for (int k = 0; k < DS_NODE_MAX_SAVED; k++) {
+        const ds_tensor *t = n->saved[k];
+        if (!t || t->storage->id != n->saved_storage[k]) continue;
+        uint64_t now = atomic_load_explicit(&t->storage->version, memory_order_relaxed);
+        if (now == n->saved_version[k]) continue;
+        const char *by = atomic_load_explicit(&t->storage->modified_by, memory_order_relaxed);
+        char s[96];
+        return ds_fail(DS_ERR_STATE, "the %s %s tensor it saved (saved tensor %d) was modified in place by %s after "
+                       "it was saved (version %llu, saved at %llu); clone it before the in-place op, or use the "
+                       "out-of-place op",
+                       ds_dtype_name(t->dtype), ds_shape_str(t, s, sizeof s), k + 1, by ? by : "an in-place op",
+                       (unsigned long long)now, (unsigned long long)n->saved_version[k]), -1;
+    }
+    return 0;
+}
+
 static int run_node(ds_node *n, bool retain_graph, node_list *ready, uint32_t visit) {
     ds_tensor *gin[DS_NODE_MAX_INPUTS] = {0};
     ds_tensor *g = n->grad;
     n->grad = NULL;
-    int rc = fetch_saved(n);
+    int rc = check_versions(n);
+    if (rc == 0) rc = fetch_saved(n);
     if (rc == 0) rc = n->backward(n, g, gin);
     if (rc != 0) {
         char msg[1024];

@@ -34,6 +34,8 @@ struct ds_node {
     int n_inputs;
     ds_edge next[DS_NODE_MAX_INPUTS];
     ds_tensor *saved[DS_NODE_MAX_SAVED];
+    uint64_t saved_storage[DS_NODE_MAX_SAVED];  /* its storage's id and version when saved */
+    uint64_t saved_version[DS_NODE_MAX_SAVED];
     double f[4];          /* op parameters (eps, p, scale, ...) */
     int64_t i[8];         /* op parameters (dims, flags, ...) */
     /* runs once as the node is freed: a node whose backward lives outside
@@ -56,7 +58,10 @@ ds_node *ds_autograd_record(const char *name, ds_backward_fn fn, int n_inputs,
 /* Keeps t's data for backward. Pass the op's own output too: the node keeps
  * an alias without history, which avoids a reference cycle. A parameter (a
  * leaf needing grad) is kept itself, so backward reads the data it has
- * then: a partitioned parameter released after forward is fetched again. */
+ * then: a partitioned parameter released after forward is fetched again.
+ * Its storage's version is noted: backward fails, naming the op and the
+ * tensor, if an in-place op wrote into the bytes since (a storage swapped
+ * whole, by a fetch or an optimizer's flat buffer, is not a write). */
 int ds_node_save(ds_node *n, int slot, ds_tensor *t);
 void ds_node_release(ds_node *n);
 

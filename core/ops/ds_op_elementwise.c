@@ -8,6 +8,12 @@ static const char *const binary_names[DS_NBINARY] = {
     "eq", "ne", "lt", "le", "gt", "ge",
 };
 
+/* the in-place forms, as they are named to a user (ds_storage.modified_by) */
+static const char *const inplace_names[DS_NBINARY] = {
+    "add_", "sub_", "mul_", "div_", "pow_", "maximum_", "minimum_",
+    "eq_", "ne_", "lt_", "le_", "gt_", "ge_",
+};
+
 static const char *const unary_names[DS_NUNARY] = {
     "neg", "exp", "log", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "pow",
     "relu", "gelu", "gelu", "silu",
@@ -189,6 +195,7 @@ int ds_binary_(ds_binary_op op, ds_tensor *dst, ds_tensor *src) {
                                                          ds_tensor_kview(e));
     ds_tensor_release(e);
     if (rc) ds_fail(DS_ERR_STATE, "%s_: %s", binary_names[op], ds_kernel_error());
+    else ds_storage_bump_version(dst->storage, inplace_names[op]);
     return rc;
 }
 

@@ -260,11 +260,13 @@ int ds_copy_(ds_tensor *dst, ds_tensor *src) {
     if (!e) return -1;
     int rc = copy_kernel(dst, e, "copy_");
     ds_tensor_release(e);
+    if (rc == 0) ds_storage_bump_version(dst->storage, "copy_");
     return rc;
 }
 
 int ds_fill_(ds_tensor *dst, double v) {
     if (ds_tensor_kernels(dst)->core->fill(ds_tensor_kview(dst), v))
         return ds_fail(DS_ERR_STATE, "fill_: %s", ds_kernel_error()), -1;
+    ds_storage_bump_version(dst->storage, "fill_");
     return 0;
 }

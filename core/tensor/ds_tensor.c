@@ -118,8 +118,19 @@ ds_tensor *ds_tensor_view_of(const ds_tensor *src, int ndim, const int64_t *shap
     return t;
 }
 
+/* t's bytes are in use outside tensor ops: swapping its storage would free
+ * them under their user. -1 with the error naming op, else 0. */
+static int check_unpinned(const ds_tensor *t, const char *op) {
+    if (atomic_load(&t->storage->pins) == 0) return 0;
+    char s[96];
+    const char *who = atomic_load_explicit(&t->storage->pinned_by, memory_order_relaxed);
+    return ds_fail(DS_ERR_STATE, "%s: the %s %s tensor's data is in use by %s; it would be freed under it", op,
+                   ds_dtype_name(t->dtype), ds_shape_str(t, s, sizeof s), who ? who : "a transfer"), -1;
+}
+
 int ds_tensor_reseat(ds_tensor *t, ds_storage *s, int64_t offset) {
     int64_t n = ds_tensor_numel(t);
+    if (check_unpinned(t, "reseat")) return -1;
     size_t esize = ds_dtype_size(t->dtype);
     if (!ds_device_equal(s->device, ds_tensor_device(t)))
         return ds_fail(DS_ERR_ARG, "reseat: the new storage is on another device"), -1;
@@ -157,6 +168,7 @@ static void set_contiguous_strides(ds_tensor *t) {
 
 int ds_tensor_release_data(ds_tensor *t) {
     if (t->grad_fn) return ds_fail(DS_ERR_ARG, "release_data: only a leaf's data can be released"), -1;
+    if (check_unpinned(t, "release_data")) return -1;
     ds_storage *s = ds_storage_new_empty(ds_tensor_device(t), t->storage->category);
     if (!s) return -1;
     ds_storage_release(t->storage);
@@ -169,6 +181,7 @@ int ds_tensor_release_data(ds_tensor *t) {
 int ds_tensor_set_data(ds_tensor *t, const ds_tensor *src) {
     char s1[96], s2[96];
     if (t->grad_fn) return ds_fail(DS_ERR_ARG, "set_data: only a leaf's data can be replaced"), -1;
+    if (check_unpinned(t, "set_data")) return -1;
     if (src->dtype != t->dtype || ds_tensor_numel(src) != ds_tensor_numel(t) || !ds_tensor_is_contiguous(src) ||
         !ds_device_equal(ds_tensor_device(src), ds_tensor_device(t)) || ds_tensor_is_released(src))
         return ds_fail(DS_ERR_ARG, "set_data: %s %s needs a contiguous %s tensor of as many elements on its "

@@ -35,8 +35,12 @@ function M.is_initialized() return K.is_initialized() end
 function M.launched() return K.launched() end
 function M.set_timeout(seconds) K.set_timeout(seconds) end
 function M.get_timeout() return K.timeout() end
--- the DSLUA_COMM_CHECK signature check; every rank must set the same
+-- the agreement before every collective (on unless DSLUA_COMM_CHECK=0);
+-- every rank must set the same
 function M.set_check(on) K.set_check(on) end
+function M.check_enabled() return K.check_enabled() end
+-- this rank's last collectives, oldest first: {what, group, state, age, seconds}
+function M.flight_record() return K.flight_record() end
 function M.abort(code) K.abort(code or 1) end
 -- polls every async work in flight once (lets MPI move them along)
 function M.progress() K.progress() end

@@ -44,8 +44,14 @@ local function describe(v)
   return 'a ' .. t
 end
 
+-- A key in a path: as it is, or quoted when it would not show (empty, or
+-- with control bytes), or cut with its length when long.
 local function join(path, key)
   if type(key) == 'number' then return path .. '[' .. key .. ']' end
+  if #key > 64 then
+    return string.format('%s[%s... (%d bytes)]', path, json.encode(key:sub(1, 40)):sub(1, -2), #key)
+  end
+  if key == '' or key:find('[%z\1-\31\127]') then return path .. '[' .. json.encode(key) .. ']' end
   return path == '' and key or path .. '.' .. key
 end
 
@@ -145,8 +151,11 @@ local function check_value(ctx, path, v, f)
     if type(v) == 'boolean' then return v end
     problem(ctx, path, 'must be true or false, got ' .. describe(v))
   elseif k == 'int' then
-    if finite(v) and v == math.floor(v) then return in_range(ctx, path, v, f) end
-    problem(ctx, path, 'must be an integer, got ' .. describe(v))
+    -- past 2^63 a whole double is no integer C can hold (1e308); 2^63 itself
+    -- is how JSON's 9223372036854775807 (Python's sys.maxsize) reads
+    if finite(v) and v == math.floor(v) and v >= -2 ^ 63 and v <= 2 ^ 63 then return in_range(ctx, path, v, f) end
+    problem(ctx, path, 'must be an integer' .. (finite(v) and v == math.floor(v)
+            and ' between -2^63 and 2^63 - 1' or '') .. ', got ' .. describe(v))
   elseif k == 'num' then
     if finite(v) then return in_range(ctx, path, v, f) end
     problem(ctx, path, 'must be a number, got ' .. describe(v))
@@ -661,10 +670,13 @@ local FLOPS_PROFILER = { fields = {
 
 -- Top level: runtime/config.py get_* helpers and constants.py defaults.
 -- The batch triple has no default: DeepSpeed fills it (resolve_batch).
+-- Batch sizes count samples and steps: past 2^31 - 1 they are a mistake
+-- (a step that never comes), not a size.
+local BATCH_MAX = 2 ^ 31 - 1
 local TOP = { fields = {
-  train_batch_size = int(nil, nil, { nullable = true }),
-  train_micro_batch_size_per_gpu = int(nil, nil, { nullable = true }),
-  gradient_accumulation_steps = int(nil, nil, { nullable = true }),
+  train_batch_size = int(nil, nil, { nullable = true, max = BATCH_MAX }),
+  train_micro_batch_size_per_gpu = int(nil, nil, { nullable = true, max = BATCH_MAX }),
+  gradient_accumulation_steps = int(nil, nil, { nullable = true, max = BATCH_MAX }),
   steps_per_print = int(10, 1),
   gradient_clipping = num(0, 0),
   wall_clock_breakdown = bool(false),
@@ -1144,13 +1156,13 @@ local function read_source(ctx, src)
   if type(src) ~= 'string' then
     return problem(ctx, '', 'the config must be a file name or a table, got ' .. describe(src))
   end
-  local f, err = io.open(src, 'rb')
-  if not f then
+  -- read in C: a FIFO or a device is refused instead of blocking the open
+  local ok, text = pcall(require('dslua.core').data_core.read_file, src)
+  if not ok then
+    local err = tostring(text)
     if err:sub(1, #src + 2) == src .. ': ' then err = err:sub(#src + 3) end
-    return problem(ctx, '', 'cannot read: ' .. err)
+    return problem(ctx, '', 'cannot read: ' .. err:gsub('^cannot open %((.*)%)$', '%1'))
   end
-  local text = f:read('*a')
-  f:close()
   local ok, v, dups = pcall(json.decode, text, src, true)
   if not ok then
     ctx.raw_error = v

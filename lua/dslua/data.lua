@@ -190,6 +190,14 @@ function M.mnist(opts)
     fail(fname, '%s has %d images, %s has %d labels', images, n_images, labels, n_labels)
   end
   local n, h, w = px:size(1), px:size(2), px:size(3)
+  -- MNIST's declared ranges, checked here rather than deep in a model
+  if n_images == 0 then fail(fname, '%s holds 0 images', images) end
+  if h < 1 or w < 1 then fail(fname, '%s: images are %dx%d', images, h, w) end
+  if n > 0 and lab:amax():item() > 9 then
+    local at = lab:gt(9):to('i32'):argmax():item()        -- the first label past 9, 0-based in the slice
+    fail(fname, '%s: label %d at item %d (byte offset %d), expected 0-9', labels, lab:narrow(1, at + 1, 1):item(),
+         first + at, 8 + first - 1 + at)
+  end
   local d = rows_dataset('mnist', {
     x = to_unit(px:reshape({ n, 1, h, w }), mean, std),
     y = lab:to('i64'),
@@ -315,12 +323,7 @@ function M.text(opts)
   local text = check_type(fname, opts, 'text', 'string')
   if (path == nil) == (text == nil) then fail(fname, 'needs exactly one of path (a file) and text (a string)') end
   local T, stride = check_window(fname, opts, 1)
-  if path then
-    local f, err = io.open(path, 'rb')
-    if not f or C.is_dir(path) then fail(fname, 'cannot open %s (%s)', path, err or 'is a directory') end
-    text = f:read('*a')
-    f:close()
-  end
+  if path then text = try(fname, C.read_file, path) end
   local source = path or 'the text'
   if #text < T + 1 then
     fail(fname, 'block_size %d is larger than %s: %d characters, a sample needs block_size + 1 = %d', T, source,
@@ -341,13 +344,15 @@ function M.text(opts)
   })
 end
 
-local SHARD_OPTS = { 'paths', 'pattern', 'block_size', 'stride' }
+local SHARD_OPTS = { 'paths', 'pattern', 'block_size', 'stride', 'vocab_size' }
 
 -- ds.data.shards{paths = {...} | pattern = 'dir/*_train_*.bin', block_size = T,
--- stride = T}: llm.c token shards (256 int32 header: magic 20240520,
--- version 1, token count; then uint16 tokens). Windows stay inside a shard;
--- stride defaults to block_size (non-overlapping sequences, as llm.c reads
--- them). dataset.tokens (i32), dataset.lengths, dataset.paths.
+-- stride = T, vocab_size = V}: llm.c token shards (256 int32 header: magic
+-- 20240520, version 1, token count; then uint16 tokens). Windows stay inside
+-- a shard; stride defaults to block_size (non-overlapping sequences, as
+-- llm.c reads them). Every shard must hold a window (block_size + 1
+-- tokens); with vocab_size every token must be below it (GPT-2: 50257).
+-- dataset.tokens (i32), dataset.lengths, dataset.paths.
 function M.shards(opts)
   local fname = 'ds.data.shards'
   check_opts(fname, opts, SHARD_OPTS)
@@ -361,7 +366,20 @@ function M.shards(opts)
   elseif #paths == 0 then
     fail(fname, 'paths is an empty list')
   end
+  local vocab = check_int(fname, opts, 'vocab_size', nil, 1)
   local tokens, lengths = try(fname, C.read_shards, paths)
+  local at = 0
+  for k, len in ipairs(lengths) do
+    if len < T + 1 then
+      fail(fname, '%s: %d token%s, a window of block_size %d needs %d', paths[k], len, len == 1 and '' or 's', T, T + 1)
+    end
+    if vocab and tokens:narrow(1, at + 1, len):amax():item() >= vocab then
+      local i = tokens:narrow(1, at + 1, len):ge(vocab):to('i32'):argmax():item()
+      fail(fname, '%s: token %d at position %d (byte offset %d) is outside the vocabulary [0, %d)', paths[k],
+           tokens:narrow(1, at + i + 1, 1):item(), i + 1, 1024 + 2 * i, vocab)
+    end
+    at = at + len
+  end
   local c = try(fname, C.windows, tokens, lengths, T, stride)
   return dataset('shards', c, { tokens = tokens, lengths = lengths, paths = paths, block_size = T, stride = stride })
 end

@@ -275,6 +275,12 @@ function Engine:destroy()
   if self.reload then self.reload:close() end
   if self.monitor then self.monitor:close() end
   self.zero, self.steps, self.optimizer, self.lr_scheduler = nil, nil, nil, nil
+  -- the verbs that need what went say so, rather than index a nil field
+  for _, verb in ipairs({ 'backward', 'step', 'join' }) do
+    self[verb] = function()
+      error('engine:' .. verb .. ': the engine was destroyed (engine:destroy()); make a new one with ds.initialize', 2)
+    end
+  end
 end
 
 ---------------------------------------------------------------- loader

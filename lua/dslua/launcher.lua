@@ -297,7 +297,7 @@ function M.command(opts, script, m)
     all_local = all_local and is_local(h.host, m)
   end
   local plan = { ranks = ranks, hosts = hosts, master_port = opts.master_port or M.MASTER_PORT,
-                 master_addr = opts.master_addr or (all_local and '127.0.0.1' or hosts[1].host) }
+                 master_addr = opts.master_addr or (all_local and '127.0.0.1' or hosts[1].host), all_local = all_local }
 
   local cmd = { m.mpirun or 'mpirun' }
   local function add(...) for _, a in ipairs({ ... }) do cmd[#cmd + 1] = tostring(a) end end
@@ -309,6 +309,17 @@ function M.command(opts, script, m)
   add('--bind-to', 'none')
   if #hosts == 1 then add('--mca', 'btl', 'self,vader') end
   if not opts.hostfile and ranks > m.cores then add('--oversubscribe') end
+  if all_local then
+    -- nothing leaves this machine: the runtime's control traffic on
+    -- loopback (the listener itself is moved there by the preloaded
+    -- libdslua_loopback.so, core/cli/ds_loopback.c), and the session
+    -- directory and shared-memory segments in the job's own scratch
+    -- folder, which the launcher removes however the job ends
+    add('--mca', 'oob_tcp_if_include', 'lo')
+    if m.scratch then
+      add('--mca', 'orte_tmpdir_base', m.scratch, '--mca', 'btl_vader_backing_directory', m.scratch)
+    end
+  end
   local exports = { 'MASTER_ADDR=' .. plan.master_addr, 'MASTER_PORT=' .. plan.master_port }
   if not all_local then
     local names = {}
@@ -345,9 +356,13 @@ function M.quote(argv)
   return table.concat(out, ' ')
 end
 
--- main(argv, exe) -> the mpirun argv for lua_main.c to exec. argv: the
--- dslua arguments from the first launcher option on; exe: this binary.
-function M.main(argv, exe)
+-- main(argv, exe, scratch, loopback) -> the mpirun argv for
+-- core/cli/lua_launch.c to run, and whether the job stays on this machine
+-- (then mpirun runs with libdslua_loopback.so preloaded). argv: the dslua
+-- arguments from the first launcher option on; exe: this binary; scratch:
+-- a new folder for the job's Open MPI files (nil: none could be made);
+-- loopback: whether libdslua_loopback.so is next to the binary.
+function M.main(argv, exe, scratch, loopback)
   local size = os.getenv('OMPI_COMM_WORLD_SIZE')
   if size then
     fail('launcher options given to rank %s of %s, already started by mpirun: run `dslua -n N script` '
@@ -358,10 +373,15 @@ function M.main(argv, exe)
   if not m.mpirun then
     fail("mpirun not found on PATH: the launcher runs ranks with Open MPI's mpirun (Debian: openmpi-bin)")
   end
-  local cmd = M.command(opts, { unpack(argv, at) }, m)
+  m.scratch = scratch
+  local cmd, plan = M.command(opts, { unpack(argv, at) }, m)
   io.stderr:write('[launcher] cmd = ', M.quote(cmd), '\n')
+  if plan.all_local and not loopback then
+    io.stderr:write("[launcher] warning: no libdslua_loopback.so next to the dslua binary: mpirun's control port "
+                    .. 'listens on every interface\n')
+  end
   io.stderr:flush()
-  return cmd
+  return cmd, plan.all_local
 end
 
 return M

@@ -28,6 +28,19 @@ elseif mode == 'timeout' and last then
   sleep(30)                                   -- never joins; the others time out
 elseif mode == 'mismatch' and last then
   c.broadcast(t, 0)
+elseif mode == 'count' then
+  -- the same call with another count on the last rank: refused on every
+  -- rank before a byte moves (without the agreement, a heap overrun)
+  local ok, err = pcall(c.all_reduce, last and ds.ones(10000) or t)
+  c.print(ok and 'count accepted' or 'refused: ' .. err)
+  c.print(c.flight_record()[2].what .. ' ' .. c.flight_record()[2].state)
+elseif mode == 'stop' and last then
+  os.execute('kill -STOP $PPID')              -- stopped: never answers
+elseif mode == 'stuck' then
+  -- the last rank keeps busy after its last collective; the others exit
+  if last then sleep(30) end
+  c.print('END')
+  os.exit(0)
 elseif mode == 'recv' then
   if r == 0 then c.recv(t, n - 1) elseif last then os.exit(0) end
 elseif mode == 'stagger' then

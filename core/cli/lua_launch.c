@@ -1,0 +1,148 @@
+/* The launcher's process side: dslua.launcher builds the mpirun command;
+ * this process starts mpirun, passes signals on, waits, and then removes
+ * what Open MPI leaves behind when ranks are killed.
+ *
+ * For a job on this machine the launcher gives Open MPI a scratch folder
+ * of the job's own (its session directory and the shared-memory segments,
+ * otherwise /tmp/ompi.* and /dev/shm/vader_segment.*), removed whole
+ * however mpirun ends, and preloads libdslua_loopback.so into mpirun so
+ * that its control port listens on loopback only. */
+#define _GNU_SOURCE      /* nftw */
+#include "lua_launch.h"
+#include "lua_module.h"
+
+#include <lauxlib.h>
+#include <errno.h>
+#include <ftw.h>
+#include <limits.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static volatile sig_atomic_t child, caught;
+
+/* A signal for the launcher goes on to mpirun, which ends the ranks; one
+ * the terminal sent the whole group (Ctrl-C) reached mpirun already. */
+static void pass_on(int sig, siginfo_t *info, void *ctx) {
+    (void)ctx;
+    caught = sig;
+    if (child > 0 && info->si_code != SI_KERNEL) kill(child, sig);
+}
+
+static const int passed[] = { SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1, SIGUSR2 };
+
+static int remove_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+    (void)st; (void)flag; (void)ftw;
+    remove(path);
+    return 0;
+}
+
+/* A new folder of this user only: in /dev/shm (shared-memory segments
+ * belong on a tmpfs), else $TMPDIR or /tmp. NULL when none can be made. */
+static char *make_scratch(char *buf, size_t n) {
+    const char *tmp = getenv("TMPDIR");
+    const char *bases[] = { "/dev/shm", tmp && *tmp ? tmp : "/tmp" };
+    for (size_t i = 0; i < sizeof bases / sizeof *bases; i++) {
+        snprintf(buf, n, "%s/dslua.XXXXXX", bases[i]);
+        if (mkdtemp(buf)) return buf;
+    }
+    return NULL;
+}
+
+/* <this binary's folder>/libdslua_loopback.so when it is there */
+static bool loopback_library(const char *exe, char *buf, size_t n) {
+    const char *slash = strrchr(exe, '/');
+    snprintf(buf, n, "%.*s/libdslua_loopback.so", slash ? (int)(slash - exe) : 1, slash ? exe : ".");
+    return access(buf, R_OK) == 0;
+}
+
+/* Starts cmd with lib preloaded (when given), waits for it: its status. */
+static int run_mpirun(char **cmd, const char *lib) {
+    struct sigaction sa, old[sizeof passed / sizeof *passed];
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = pass_on;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &sa, &old[i]);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &old[i], NULL);
+        if (lib) {
+            const char *prev = getenv("LD_PRELOAD");
+            char *both = malloc(strlen(lib) + (prev ? strlen(prev) : 0) + 2);
+            if (both) {
+                sprintf(both, "%s%s%s", lib, prev && *prev ? ":" : "", prev && *prev ? prev : "");
+                setenv("LD_PRELOAD", both, 1);
+            }
+        }
+        execv(cmd[0], cmd);
+        fprintf(stderr, "dslua: cannot run %s: %s\n", cmd[0], strerror(errno));
+        _exit(127);
+    }
+    if (pid < 0) {
+        fprintf(stderr, "dslua: cannot start %s: %s\n", cmd[0], strerror(errno));
+        return -1;
+    }
+    child = pid;
+    int status = 0;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
+    child = 0;
+    for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &old[i], NULL);
+    return status;
+}
+
+int dsL_launch(lua_State *L, char **args, int nargs) {
+    char exe[PATH_MAX], scratch[PATH_MAX], lib[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n < 0) { fprintf(stderr, "dslua: cannot read /proc/self/exe: %s\n", strerror(errno)); return 1; }
+    exe[n] = '\0';
+    lua_getglobal(L, "require");
+    lua_pushliteral(L, "dslua.launcher");
+    if (dsL_pcall(L, 1, 1)) {
+        fprintf(stderr, "dslua: %s\n", lua_tostring(L, -1));
+        return 1;
+    }
+    lua_getfield(L, -1, "main");
+    lua_createtable(L, nargs, 0);
+    for (int i = 0; i < nargs; i++) {
+        lua_pushstring(L, args[i]);
+        lua_rawseti(L, -2, i + 1);
+    }
+    lua_pushstring(L, exe);
+    char *dir = make_scratch(scratch, sizeof scratch);
+    if (dir) lua_pushstring(L, dir);
+    else lua_pushnil(L);
+    lua_pushboolean(L, loopback_library(exe, lib, sizeof lib));
+    if (lua_pcall(L, 4, 2, 0) != 0) {      /* a usage error: the message alone */
+        fprintf(stderr, "dslua: %s\n", lua_tostring(L, -1) ? lua_tostring(L, -1) : "(error)");
+        if (dir) rmdir(dir);
+        return 1;
+    }
+    bool local = lua_toboolean(L, -1);
+    lua_pop(L, 1);
+    int ncmd = (int)lua_objlen(L, -1);
+    char **cmd = calloc((size_t)ncmd + 1, sizeof *cmd);
+    if (!cmd) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
+    for (int i = 0; i < ncmd; i++) {
+        lua_rawgeti(L, -1, i + 1);
+        cmd[i] = (char *)lua_tostring(L, -1);     /* kept alive by the table */
+        lua_pop(L, 1);
+    }
+    int status = run_mpirun(cmd, local && lib[0] && access(lib, R_OK) == 0 ? lib : NULL);
+    free(cmd);
+    /* whatever ended mpirun: the job's files go (a killed rank removes nothing) */
+    if (dir) nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    fflush(NULL);
+    int sig = status >= 0 && WIFSIGNALED(status) ? WTERMSIG(status) : caught;
+    if (sig) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+    }
+    return status < 0 ? 1 : WIFEXITED(status) ? WEXITSTATUS(status) : 1;
+}
