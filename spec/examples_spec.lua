@@ -9,19 +9,6 @@ local ds = H.ds
 
 local bin = 'DSLUA_DEVICE=cpu ' .. H.bin()
 
--- A copy of an example's ds.json with edit(config) applied, in a temp file.
-local function config(path, edit)
-  local f = assert(io.open(path, 'rb'))
-  local cfg = ds.json.decode(f:read('*a'), path)
-  f:close()
-  edit(cfg)
-  local out = os.tmpname()
-  f = assert(io.open(out, 'w'))
-  f:write(ds.json.encode(cfg, 2))
-  f:close()
-  return out
-end
-
 -- said: the line naming the device (default DSLUA_DEVICE's; false: none,
 -- for a run that skips before it picks one)
 local function run(cmd, said)
@@ -33,7 +20,7 @@ end
 
 describe('examples', function()
   it('quickstart: trains 20 steps on its embedded corpus and samples', function()
-    local cfg = config('examples/quickstart/ds.json', function(c) c.steps_per_print = 10 end)
+    local cfg = H.edited_config('examples/quickstart/ds.json', function(c) c.steps_per_print = 10 end)
     local out = run('examples/quickstart/train.lua --config ' .. cfg .. ' --steps 20')
     os.remove(cfg)
     assert.matches('%[Rank 0%] step=10, skipped=0, lr=%[', out)
@@ -114,7 +101,7 @@ describe('examples', function()
   it('shakespeare: trains 6 steps, the val loss falls, and it samples from "ROMEO:"', function()
     local dir = H.shared_data('tinyshakespeare/input.txt')
     if not dir then return end
-    local cfg = config('examples/shakespeare/ds.json', function(c)
+    local cfg = H.edited_config('examples/shakespeare/ds.json', function(c)
       c.steps_per_print = 3
       c.scheduler.params.warmup_num_steps = 2
     end)

@@ -94,6 +94,33 @@ function H.tensor(rec)
 end
 
 -- Loads spec/fixtures/<name>.lua, written by spec/fixtures/gen_<name>.py.
+-- x and y [B, T] (i64, on dev or the CPU) from windows of T + 1 tokens, flat
+-- (the models fixtures' batches).
+function H.token_batch(flat, B, T, dev)
+  local x, y = {}, {}
+  for b = 1, B do
+    x[b], y[b] = {}, {}
+    for t = 1, T do
+      x[b][t] = flat[(b - 1) * (T + 1) + t]
+      y[b][t] = flat[(b - 1) * (T + 1) + t + 1]
+    end
+  end
+  return { x = ds.tensor(x, 'i64'):to(dev or 'cpu'), y = ds.tensor(y, 'i64'):to(dev or 'cpu') }
+end
+
+-- A copy of an example's ds.json with edit(config) applied, in a temp file.
+function H.edited_config(path, edit)
+  local f = assert(io.open(path, 'rb'))
+  local cfg = ds.json.decode(f:read('*a'), path)
+  f:close()
+  edit(cfg)
+  local out = os.tmpname()
+  f = assert(io.open(out, 'w'))
+  f:write(ds.json.encode(cfg, 2))
+  f:close()
+  return out
+end
+
 function H.fixture(name)
   local path = 'spec/fixtures/' .. name .. '.lua'
   local chunk = assert(loadfile(path), 'missing fixture ' .. path .. ' (run spec/fixtures/generate.sh)')

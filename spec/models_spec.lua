@@ -52,19 +52,6 @@ local function state(weights)
   return sd
 end
 
--- x and y [B, T] (i64) from windows of T + 1 tokens, flat.
-local function batch(flat, B, T)
-  local x, y = {}, {}
-  for b = 1, B do
-    x[b], y[b] = {}, {}
-    for t = 1, T do
-      x[b][t] = flat[(b - 1) * (T + 1) + t]
-      y[b][t] = flat[(b - 1) * (T + 1) + t + 1]
-    end
-  end
-  return { x = ds.tensor(x, 'i64'), y = ds.tensor(y, 'i64') }
-end
-
 local function rel_diff(a, b) return math.abs(a - b) / math.abs(b) end
 
 local function max_rel(a, b)
@@ -119,7 +106,7 @@ describe('models.gpt2 against PyTorch (nanoGPT, same initial weights)', function
 
   it('gives PyTorch\'s logits and loss for the initial weights', function()
     local model = gpt_from_fixture(F)
-    local b = batch(F.windows[1], F.batch, F.seq)
+    local b = H.token_batch(F.windows[1], F.batch, F.seq)
     local loss, logits = model(b)
     local dl = max_rel(logits, record(F.logits))
     local dloss = rel_diff(loss:item(), F.loss)
@@ -132,7 +119,7 @@ describe('models.gpt2 against PyTorch (nanoGPT, same initial weights)', function
 
   it('gives PyTorch\'s gradient for every parameter', function()
     local model = gpt_from_fixture(F)
-    model(batch(F.windows[1], F.batch, F.seq)):backward()
+    model(H.token_batch(F.windows[1], F.batch, F.seq)):backward()
     local worst, worst_norm = check_grads(model, H.fixture('models_gpt2_grads').grads)
     print(string.format('gpt2 gradient parity: worst element off by %.3g of its tensor\'s max |grad|, '
                         .. 'worst norm rel diff %.3g', worst, worst_norm))
@@ -148,7 +135,7 @@ describe('models.gpt2 against PyTorch (nanoGPT, same initial weights)', function
     local opt = ds.optim.AdamW(model:parameters(), { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 })
     local worst = 0
     for step, w in ipairs(F.windows) do
-      local loss = model(batch(w, F.batch, F.seq))
+      local loss = model(H.token_batch(w, F.batch, F.seq))
       local d = rel_diff(loss:item(), F.losses[step])
       assert.is_true(d < 1e-4, string.format('step %d: loss %.9g, PyTorch %.9g (rel diff %.3g)', step, loss:item(),
                                              F.losses[step], d))
@@ -181,7 +168,7 @@ describe('models.llama against PyTorch (rotate_half rotary, GQA, same initial we
   it('gives PyTorch\'s logits, loss and every gradient', function()
     local model = Llama(cfg)
     model:load_state_dict(state(F.weights))
-    local loss, logits = model(batch(F.window, F.batch, F.seq))
+    local loss, logits = model(H.token_batch(F.window, F.batch, F.seq))
     local dl, dloss = max_rel(logits, record(F.logits)), rel_diff(loss:item(), F.loss)
     loss:backward()
     local worst, worst_norm = check_grads(model, F.grads)

@@ -9,19 +9,6 @@
 local H = require 'helpers'
 local ds = H.ds
 
--- A copy of an example's ds.json with edit(config) applied, in a temp file.
-local function config(path, edit)
-  local f = assert(io.open(path, 'rb'))
-  local cfg = ds.json.decode(f:read('*a'), path)
-  f:close()
-  edit(cfg)
-  local out = os.tmpname()
-  f = assert(io.open(out, 'w'))
-  f:write(ds.json.encode(cfg, 2))
-  f:close()
-  return out
-end
-
 -- Runs `dslua <cmd>` with env; it must succeed and say it uses cuda:0 for `why`.
 local function run(cmd, env, why)
   local out, status = H.run('env -u DSLUA_DEVICE ' .. (env or '') .. ' ' .. H.bin() .. ' ' .. cmd)
@@ -41,7 +28,7 @@ describe('#gpu examples on the GPU', function()
   if not H.has_cuda() then pending('skipped: no CUDA device') return end
 
   it('quickstart: 60 steps, the loss falls, and it samples', function()
-    local cfg = config('examples/quickstart/ds.json', function(c)
+    local cfg = H.edited_config('examples/quickstart/ds.json', function(c)
       c.steps_per_print = 20
       c.scheduler.params.total_num_steps = 60
       c.scheduler.params.warmup_num_steps = 10
@@ -59,7 +46,7 @@ describe('#gpu examples on the GPU', function()
   it('shakespeare: 20 steps with DSLUA_DEVICE=cuda, the val loss falls, and it samples', function()
     local dir = H.shared_data('tinyshakespeare/input.txt')
     if not dir then return end
-    local cfg = config('examples/shakespeare/ds.json', function(c)
+    local cfg = H.edited_config('examples/shakespeare/ds.json', function(c)
       c.steps_per_print = 10
       c.scheduler.params.warmup_num_steps = 5
     end)

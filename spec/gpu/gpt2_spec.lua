@@ -5,26 +5,13 @@ local H = require 'helpers'
 local ds = H.ds
 local GPT = require 'models.gpt2'
 
--- x and y [B, T] (i64) from windows of T + 1 tokens, flat (as models_spec)
-local function batch(flat, B, T, dev)
-  local x, y = {}, {}
-  for b = 1, B do
-    x[b], y[b] = {}, {}
-    for t = 1, T do
-      x[b][t] = flat[(b - 1) * (T + 1) + t]
-      y[b][t] = flat[(b - 1) * (T + 1) + t + 1]
-    end
-  end
-  return { x = ds.tensor(x, 'i64'):to(dev), y = ds.tensor(y, 'i64'):to(dev) }
-end
-
 local function train(F, dev, steps)
   ds.manual_seed(1337)
   local model = GPT(F.config):to(dev)
   local opt = ds.optim.AdamW(model:parameters(), { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 })
   local losses = {}
   for step = 1, steps do
-    local loss = model(batch(F.windows[step], F.batch, F.seq, dev))
+    local loss = model(H.token_batch(F.windows[step], F.batch, F.seq, dev))
     assert.are.equal(dev, loss:device())
     losses[step] = loss:item()
     opt:zero_grad()

@@ -7,18 +7,6 @@ local H = require 'helpers'
 local ds = H.ds
 local GPT = require 'models.gpt2'
 
-local function batch(flat, B, T, dev)
-  local x, y = {}, {}
-  for b = 1, B do
-    x[b], y[b] = {}, {}
-    for t = 1, T do
-      x[b][t] = flat[(b - 1) * (T + 1) + t]
-      y[b][t] = flat[(b - 1) * (T + 1) + t + 1]
-    end
-  end
-  return { x = ds.tensor(x, 'i64'):to(dev), y = ds.tensor(y, 'i64'):to(dev) }
-end
-
 local function train(F, stage, bf16)
   ds.manual_seed(1337)
   local model = GPT(F.config)
@@ -29,7 +17,7 @@ local function train(F, stage, bf16)
   local dev = engine.device
   local losses = {}
   for step = 1, 20 do
-    local loss = engine(batch(F.windows[step], F.batch, F.seq, dev))
+    local loss = engine(H.token_batch(F.windows[step], F.batch, F.seq, dev))
     losses[step] = loss:item()
     engine:backward(loss)
     engine:step()
