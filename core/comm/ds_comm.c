@@ -858,13 +858,17 @@ ds_comm_work *ds_comm_work_local(ds_comm_work *w) {
     return w;
 }
 
-/* The backend says w is done: out of the list, results ready. */
-static void complete(ds_comm_work *w) {
+/* The backend says w is done: out of the list, results ready. An orphan
+ * (its owner let go while it flew) is freed here: true then, and the
+ * caller must not touch w again. */
+static bool complete(ds_comm_work *w) {
     w->be->free_req(w->req);
     w->req = NULL;
     unlink_work(w);
     flight_mark(w->flight, finish(w) ? F_FAILED : F_DONE);
-    if (w->orphan) ds_comm_work_free(w);
+    if (!w->orphan) return false;
+    ds_comm_work_free(w);
+    return true;
 }
 
 int ds_comm_work_test(ds_comm_work *w, bool *done) {
@@ -878,7 +882,10 @@ int ds_comm_work_test(ds_comm_work *w, bool *done) {
             return -1;
         }
         if (!d) return 0;
-        complete(w);
+        if (complete(w)) {
+            *done = true;
+            return 0;
+        }
     }
     *done = true;
     if (w->state < 0) return ds_fail(DS_ERR_STATE, "%s failed", w->what), -1;
@@ -891,7 +898,7 @@ int ds_comm_work_wait(ds_comm_work *w) {
             w->state = -1;
             return -1;
         }
-        complete(w);
+        if (complete(w)) return 0;
     }
     if (w->state < 0) return ds_fail(DS_ERR_STATE, "%s failed", w->what), -1;
     return 0;
