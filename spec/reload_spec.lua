@@ -15,6 +15,13 @@ local function ranks_cmd(np, dir)
     .. H.ranks_cmd(np):gsub(' %-np ', ' -x DSLUA_ATTACH_DIR -np ')
 end
 
+-- a fresh folder only this user may open, as attach wants its socket folder
+local function private_dir()
+  local dir = H.tmpdir()
+  os.execute('chmod 700 ' .. dir)
+  return dir
+end
+
 local function write_json(path, t)
   H.write(path, ds.json.encode(t))
   return path
@@ -261,10 +268,7 @@ end)
 
 describe('the attach socket', function()
   local dir
-  before_each(function()
-    dir = H.tmpdir()
-    os.execute('chmod 700 ' .. dir)
-  end)
+  before_each(function() dir = private_dir() end)
   after_each(function() os.execute('rm -rf ' .. dir) end)
 
   it('refuses a peer of another uid (SO_PEERCRED), telling both sides', function()
@@ -324,10 +328,7 @@ end)
 describe('dslua attach', function()
   local dir
   local glob = require('dslua.core').data_core.glob
-  before_each(function()
-    dir = H.tmpdir()
-    os.execute('chmod 700 ' .. dir)
-  end)
+  before_each(function() dir = private_dir() end)
   after_each(function() os.execute('rm -rf ' .. dir) end)
 
   it('says what is wrong, lists the jobs, and clears the sockets of jobs that died', function()

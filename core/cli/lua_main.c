@@ -169,11 +169,11 @@ static int check_config(lua_State *L, const char *path, const char *world_size) 
     return lua_toboolean(L, -1) ? 0 : 1;
 }
 
-/* `dslua attach ...`: dslua.attach_cli.main(args) returns an exit status,
- * or the prompt of a REPL whose inputs run in the job; leaving it detaches. */
-static int attach(lua_State *L, char **args, int nargs) {
+/* A subcommand: require(module).main(args), its result on the stack above
+ * the module. Nonzero when it raised (reported). */
+static int run_subcommand(lua_State *L, const char *module, char **args, int nargs) {
     lua_getglobal(L, "require");
-    lua_pushliteral(L, "dslua.attach_cli");
+    lua_pushstring(L, module);
     if (report(L, dsL_pcall(L, 1, 1))) return 1;
     lua_getfield(L, -1, "main");
     lua_createtable(L, nargs, 0);
@@ -181,7 +181,13 @@ static int attach(lua_State *L, char **args, int nargs) {
         lua_pushstring(L, args[i]);
         lua_rawseti(L, -2, i + 1);
     }
-    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    return report(L, dsL_pcall(L, 1, 1));
+}
+
+/* `dslua attach ...`: dslua.attach_cli.main(args) returns an exit status,
+ * or the prompt of a REPL whose inputs run in the job; leaving it detaches. */
+static int attach(lua_State *L, char **args, int nargs) {
+    if (run_subcommand(L, "dslua.attach_cli", args, nargs)) return 1;
     if (!lua_isstring(L, -1) || lua_isnumber(L, -1)) return (int)lua_tointeger(L, -1);
     char *prompt = strdup(lua_tostring(L, -1));
     if (!prompt) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
@@ -194,16 +200,7 @@ static int attach(lua_State *L, char **args, int nargs) {
 
 /* `dslua plot ...`: dslua.plot.main(args) returns an exit status. */
 static int plot(lua_State *L, char **args, int nargs) {
-    lua_getglobal(L, "require");
-    lua_pushliteral(L, "dslua.plot");
-    if (report(L, dsL_pcall(L, 1, 1))) return 1;
-    lua_getfield(L, -1, "main");
-    lua_createtable(L, nargs, 0);
-    for (int i = 0; i < nargs; i++) {
-        lua_pushstring(L, args[i]);
-        lua_rawseti(L, -2, i + 1);
-    }
-    if (report(L, dsL_pcall(L, 1, 1))) return 1;
+    if (run_subcommand(L, "dslua.plot", args, nargs)) return 1;
     return (int)lua_tointeger(L, -1);
 }
 

@@ -261,6 +261,16 @@ done:
     return rc;
 }
 
+/* s's bytes as the i64 token ids id[] gives them. */
+static ds_tensor *ids_of(const unsigned char *s, size_t n, const int16_t *id) {
+    int64_t len = (int64_t)n;
+    ds_tensor *t = ds_tensor_new(1, &len, DS_I64, DS_CPU_DEVICE);
+    if (!t) return NULL;
+    int64_t *out = ds_tensor_data(t);
+    for (size_t i = 0; i < n; i++) out[i] = id[s[i]];
+    return t;
+}
+
 ds_tensor *ds_data_char_tokens(const unsigned char *s, size_t n, unsigned char vocab[256], int *nvocab) {
     int16_t id[256];
     bool seen[256] = { false };
@@ -271,12 +281,7 @@ ds_tensor *ds_data_char_tokens(const unsigned char *s, size_t n, unsigned char v
         if (seen[c]) vocab[v++] = (unsigned char)c;
     }
     *nvocab = v;
-    int64_t len = (int64_t)n;
-    ds_tensor *t = ds_tensor_new(1, &len, DS_I64, DS_CPU_DEVICE);
-    if (!t) return NULL;
-    int64_t *out = ds_tensor_data(t);
-    for (size_t i = 0; i < n; i++) out[i] = id[s[i]];
-    return t;
+    return ids_of(s, n, id);
 }
 
 ds_tensor *ds_data_encode(const unsigned char *s, size_t n, const unsigned char *vocab, int nvocab) {
@@ -287,12 +292,7 @@ ds_tensor *ds_data_encode(const unsigned char *s, size_t n, const unsigned char 
         if (id[s[i]] < 0)
             return ds_fail(DS_ERR_ARG, "encode: byte 0x%02x ('%c') at position %zu is not in the vocabulary of %d",
                            s[i], s[i] >= 32 && s[i] < 127 ? s[i] : '?', i + 1, nvocab);
-    int64_t len = (int64_t)n;
-    ds_tensor *t = ds_tensor_new(1, &len, DS_I64, DS_CPU_DEVICE);
-    if (!t) return NULL;
-    int64_t *out = ds_tensor_data(t);
-    for (size_t i = 0; i < n; i++) out[i] = id[s[i]];
-    return t;
+    return ids_of(s, n, id);
 }
 
 int ds_data_decode(const ds_tensor *ids, const unsigned char *vocab, int nvocab, unsigned char *out) {

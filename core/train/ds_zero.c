@@ -16,10 +16,6 @@ double ds_zero_now(void) {
 
 void ds_zero_log(ds_zero *z, const char *name, const ds_tensor *t, double since) {
     if (!z->logging) return;
-    if (z->n_read) {
-        z->n_log = 0;
-        z->n_read = 0;
-    }
     if (z->n_log == z->cap_log) {
         int cap = z->cap_log ? 2 * z->cap_log : 64;
         ds_zero_comm_record *r = realloc(z->log, sizeof *r * (size_t)cap);
@@ -34,8 +30,8 @@ void ds_zero_log(ds_zero *z, const char *name, const ds_tensor *t, double since)
 void ds_zero_set_logging(ds_zero *z, bool on) { z->logging = on; }
 
 const ds_zero_comm_record *ds_zero_comm_records(ds_zero *z, int *n) {
-    *n = z->n_read ? 0 : z->n_log;
-    z->n_read = 1;
+    *n = z->n_log;
+    z->n_log = 0;       /* the records stay readable until the next one is logged */
     return z->log;
 }
 

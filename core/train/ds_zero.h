@@ -134,7 +134,7 @@ ds_optim *ds_zero_optimizer(const ds_zero *z);
 /* The collectives the engine ran since the last call, for the comms
  * logger: while logging is on, each is recorded with the name DeepSpeed
  * logs it under, its bytes and its milliseconds from launch to completion.
- * *n is set; the records stay valid until the next call. */
+ * *n is set; the records stay valid until the engine logs again. */
 typedef struct { const char *name; int64_t bytes; double ms; } ds_zero_comm_record;
 void ds_zero_set_logging(ds_zero *z, bool on);
 const ds_zero_comm_record *ds_zero_comm_records(ds_zero *z, int *n);

@@ -76,7 +76,7 @@ struct ds_zero {
     ds_zero_stats stats;
     bool logging;
     ds_zero_comm_record *log;       /* since the last read */
-    int n_log, cap_log, n_read;
+    int n_log, cap_log;
     /* stage 3 */
     int n_modules;
     zmodule *modules;

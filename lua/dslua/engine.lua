@@ -167,7 +167,7 @@ function M.initialize(opts)
   local rank = ds.comm and ds.comm.rank() or 0
   local optimizer, zero
   if model.is_pipeline and (Zero.wanted(cfg) or world_size > 1) then
-    error('initialize: a PipelineModule with ZeRO or with data parallel stages is not implemented yet (issue 16)', 2)
+    error('initialize: a PipelineModule runs without ZeRO and with one rank per stage for now', 2)
   end
   if Zero.wanted(cfg) then
     zero = build_zero(opts, cfg, model, params, rank, world_size, device)

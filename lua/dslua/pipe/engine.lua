@@ -105,7 +105,7 @@ local function mean_loss(engine, m, total, gas)
   local t = ds.tensor({ total / gas }, 'f64')
   if m.num_stages > 1 then
     if m.dp_size > 1 then
-      error('pipeline: pipe x data parallel is not implemented yet (issue 16)', 0)
+      error('pipeline: pipe x data parallel is not supported yet: give every stage one rank', 0)
     end
     ds.comm.broadcast(t, peer(m, m.num_stages - 1))
   end
