@@ -84,16 +84,18 @@ static int l_synchronize(lua_State *L) {
 }
 
 /* ds.cuda.memory_info([index]): the caching allocator of cuda:index
- * (default this rank's): allocated and cached bytes, cudaMalloc calls,
+ * (default this rank's): allocated bytes and their peak, cached bytes, cudaMalloc calls,
  * cache hits; and the page-locked host memory of every device's uploads:
  * pinned bytes held, cudaHostAlloc calls. */
 static int l_memory_info(lua_State *L) {
     int index = lua_isnoneornil(L, 1) ? rank_device(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
     ds_cuda_mem_info m;
     if (ds_cuda_memory_info(index, &m)) return dsL_error(L);
-    lua_createtable(L, 0, 6);
+    lua_createtable(L, 0, 7);
     lua_pushnumber(L, (lua_Number)m.allocated);
     lua_setfield(L, -2, "allocated");
+    lua_pushnumber(L, (lua_Number)m.peak);
+    lua_setfield(L, -2, "peak");
     lua_pushnumber(L, (lua_Number)m.cached);
     lua_setfield(L, -2, "cached");
     lua_pushnumber(L, (lua_Number)m.device_allocs);
@@ -105,6 +107,13 @@ static int l_memory_info(lua_State *L) {
     lua_pushnumber(L, (lua_Number)m.pinned_allocs);
     lua_setfield(L, -2, "pinned_allocs");
     return 1;
+}
+
+/* ds.cuda.reset_peak([index]): memory_info's peak starts again from now */
+static int l_reset_peak(lua_State *L) {
+    int index = lua_isnoneornil(L, 1) ? rank_device(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
+    if (ds_cuda_reset_peak(index)) return dsL_error(L);
+    return 0;
 }
 
 static int l_empty_cache(lua_State *L) {
@@ -131,7 +140,7 @@ static const luaL_Reg tensor_methods[] = {
 static const luaL_Reg cuda_functions[] = {
     {"is_built", l_is_built}, {"is_available", l_is_available}, {"device_count", l_device_count},
     {"unavailable_reason", l_unavailable_reason}, {"synchronize", l_synchronize},
-    {"memory_info", l_memory_info}, {"empty_cache", l_empty_cache}, {"allow_tf32", l_allow_tf32},
+    {"memory_info", l_memory_info}, {"reset_peak", l_reset_peak}, {"empty_cache", l_empty_cache}, {"allow_tf32", l_allow_tf32},
     {NULL, NULL}
 };
 

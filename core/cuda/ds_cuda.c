@@ -139,6 +139,12 @@ int ds_cuda_memory_info(int index, ds_cuda_mem_info *out) {
     return 0;
 }
 
+int ds_cuda_reset_peak(int index) {
+    if (ds_cuda_check_device("reset_peak", index)) return -1;
+    ds_cuda_alloc_reset_peak(index);
+    return 0;
+}
+
 void ds_cuda_empty_cache(void) { ds_cuda_alloc_trim(-1); }
 
 int ds_cuda_allow_tf32(int on) {

@@ -27,6 +27,7 @@ int ds_cuda_synchronize(void);
 
 typedef struct {
     int64_t allocated;     /* bytes in live blocks (size classes, tensors and scratch) */
+    int64_t peak;          /* the most `allocated` has been since start or the last reset */
     int64_t cached;        /* bytes in freed blocks kept for reuse */
     int64_t device_allocs; /* cudaMalloc calls so far */
     int64_t cache_hits;    /* allocations served from the cache */
@@ -36,6 +37,8 @@ typedef struct {
 
 /* The caching allocator of cuda:index; 0 or -1 with the error set. */
 int ds_cuda_memory_info(int index, ds_cuda_mem_info *out);
+/* Starts cuda:index's peak again from what is allocated now. */
+int ds_cuda_reset_peak(int index);
 /* Returns every cached block of every device to the driver. */
 void ds_cuda_empty_cache(void);
 

@@ -151,6 +151,7 @@ static void *block_alloc(size_t n) {
         return NULL;
     }
     A.info[d].allocated += (int64_t)size;
+    if (A.info[d].allocated > A.info[d].peak) A.info[d].peak = A.info[d].allocated;
     pthread_mutex_unlock(&A.lock);
     return b->ptr;
 }
@@ -222,6 +223,12 @@ static void host_trim(void) {
         }
     }
     pthread_mutex_unlock(&H.lock);
+}
+
+void ds_cuda_alloc_reset_peak(int index) {
+    pthread_mutex_lock(&A.lock);
+    A.info[index].peak = A.info[index].allocated;
+    pthread_mutex_unlock(&A.lock);
 }
 
 static void *host_alloc(ds_allocator *self, size_t nbytes) {

@@ -37,6 +37,7 @@ extern ds_allocator ds_cuda_host_allocator;
 /* Frees the cached blocks of cuda:index (-1: every device). */
 void ds_cuda_alloc_trim(int index);
 void ds_cuda_alloc_info(int index, ds_cuda_mem_info *out);
+void ds_cuda_alloc_reset_peak(int index);
 
 /* ds_backend.transfer of the CUDA backend (ds_cuda_copy.c). */
 int ds_cuda_transfer(ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev);

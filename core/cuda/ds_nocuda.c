@@ -28,6 +28,8 @@ int ds_cuda_memory_info(int index, ds_cuda_mem_info *out) {
     return ds_cuda_check_device("memory_info", index);
 }
 
+int ds_cuda_reset_peak(int index) { return ds_cuda_check_device("reset_peak", index); }
+
 void ds_cuda_empty_cache(void) {}
 
 int ds_cuda_allow_tf32(int on) {

@@ -1,0 +1,157 @@
+-- dslua's side of bench/gpu.sh, on the GPU:
+--   dslua bench/gpu.lua train B DTYPE [quick]   GPT-2 124M, T=1024, AdamW, clip 1.0
+--   dslua bench/gpu.lua ops [quick]              the per-op rows
+--   dslua bench/gpu.lua steps B DTYPE N           N plain steps, for a profiler
+-- Prints `result dslua <row> <shape> <value> <unit>` lines that
+-- bench/gpu_table.lua joins with bench/gpu_torch.py's.
+local ds = require 'dslua'
+local GPT = require 'models.gpt2'
+
+local mode, quick = arg[1], arg[#arg] == 'quick'
+local dev = 'cuda'
+if ds.device() == 'cpu' then
+  io.stderr:write('bench/gpu.lua: no GPU: ' .. ds.cuda.unavailable_reason() .. '\n')
+  os.exit(2)
+end
+local sync = ds.cuda.synchronize
+
+local function median(xs)
+  table.sort(xs)
+  return xs[math.floor((#xs + 1) / 2)]
+end
+
+local function result(row, shape, value, unit)
+  print(string.format('result\tdslua\t%s\t%s\t%.6g\t%s', row, shape, value, unit))
+  io.stdout:flush()
+end
+
+-- Seconds per call: warm-up, then the median of 5 samples of k calls,
+-- the device synchronized around each sample.
+local function time_per_call(fn)
+  fn(); sync()
+  local t0 = ds.wall_time()
+  fn(); sync()
+  local k = math.max(1, math.floor((quick and 0.02 or 0.2) / math.max(ds.wall_time() - t0, 1e-6)))
+  local t = {}
+  for s = 1, 5 do
+    t0 = ds.wall_time()
+    for _ = 1, k do fn() end
+    sync()
+    t[s] = (ds.wall_time() - t0) / k
+  end
+  return median(t)
+end
+
+local function randn(shape, dt) return ds.randn(shape, dt, dev) end
+
+local T = 1024
+
+-- The engine over GPT-2 124M and four random batches of B x T tokens.
+local function setup(B, dtype)
+  ds.manual_seed(0)
+  local model = GPT { vocab_size = 50257, block_size = T, n_layer = 12, n_head = 12, n_embd = 768, bias = true }
+  local engine = ds.initialize { model = model, config = {
+    train_batch_size = B, steps_per_print = 1e9, gradient_clipping = 1.0,
+    bf16 = { enabled = dtype == 'bf16' },
+    optimizer = { type = 'AdamW', params = { lr = 3e-4, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-8 } },
+  } }
+  local batches = {}
+  for i = 1, 4 do
+    local ids = (ds.rand(B, T + 1) * 50257):to('i64')
+    batches[i] = { x = ids:narrow(2, 1, T):contiguous():to(dev), y = ids:narrow(2, 2, T):contiguous():to(dev) }
+  end
+  return engine, batches, model:num_parameters()
+end
+
+local function train(B, dtype)
+  local n_steps = quick and 3 or 10
+  local engine, batches, n_params = setup(B, dtype)
+  local function step(i)
+    engine:backward(engine(batches[(i - 1) % #batches + 1]))
+    engine:step()
+  end
+  for i = 1, 3 do step(i) end
+  sync()
+  ds.cuda.reset_peak()
+  local t0 = ds.wall_time()
+  for i = 1, n_steps do step(i) end
+  sync()
+  local sec = (ds.wall_time() - t0) / n_steps
+  local shape = string.format('B%dxT%d_%s', B, T, dtype)
+  result('gpt2_124M', shape, B * T / sec, 'tokens/s')
+  result('gpt2_124M_peak', shape, ds.cuda.memory_info().peak / 2^30, 'GiB')
+  -- Phases apart, each synchronized: where a step's time goes.
+  local f, b, s = {}, {}, {}
+  for i = 1, quick and 2 or 5 do
+    sync(); local t = ds.wall_time()
+    local loss = engine(batches[i % #batches + 1]); sync(); f[i] = ds.wall_time() - t; t = ds.wall_time()
+    engine:backward(loss); sync(); b[i] = ds.wall_time() - t; t = ds.wall_time()
+    engine:step(); sync(); s[i] = ds.wall_time() - t
+  end
+  result('gpt2_124M_forward', shape, median(f), 's')
+  result('gpt2_124M_backward', shape, median(b), 's')
+  result('gpt2_124M_step', shape, median(s), 's')
+  io.stderr:write(string.format('bench/gpu.lua: %s %d params, %.1f ms/step, last loss %.4f\n', shape, n_params,
+                                1000 * sec, engine.last_loss or 0))
+end
+
+-- N steps and nothing else: what bench/gpu_kernels.sh profiles.
+local function steps(B, dtype, n)
+  local engine, batches = setup(B, dtype)
+  local t0
+  for i = 1, n do
+    if i == 2 then sync(); t0 = ds.wall_time() end
+    engine:backward(engine(batches[(i - 1) % #batches + 1]))
+    engine:step()
+  end
+  sync()
+  if n > 1 then print(string.format('%.1f ms/step after the first', 1000 * (ds.wall_time() - t0) / (n - 1))) end
+end
+
+local function ops()
+  for _, dt in ipairs { 'bf16', 'f32' } do
+    local q, k, v = randn({ 8, 12, 1024, 64 }, dt), randn({ 8, 12, 1024, 64 }, dt), randn({ 8, 12, 1024, 64 }, dt)
+    result('attention_fwd', '8x12x1024x64_' .. dt, time_per_call(function()
+      ds.scaled_dot_product_attention(q, k, v)
+    end), 's')
+    q:requires_grad_(); k:requires_grad_(); v:requires_grad_()
+    local g = randn({ 8, 12, 1024, 64 }, dt)
+    result('attention_fwd_bwd', '8x12x1024x64_' .. dt, time_per_call(function()
+      ds.scaled_dot_product_attention(q, k, v):backward(g)
+    end), 's')
+    q, k, v, g = nil, nil, nil, nil
+    local x, w, b = randn({ 8192, 768 }, dt), randn({ 768 }, dt), randn({ 768 }, dt)
+    result('layer_norm', '8192x768_' .. dt, time_per_call(function() ds.layer_norm(x, w, b) end), 's')
+    local h = randn({ 8192, 3072 }, dt)
+    result('gelu_tanh', '8192x3072_' .. dt, time_per_call(function() ds.gelu(h, 'tanh') end), 's')
+    local wl, bl = randn({ 2304, 768 }, dt), randn({ 2304 }, dt)
+    result('linear_bias', '8192x768x2304_' .. dt, time_per_call(function() ds.linear(x, wl, bl) end), 's')
+    local logits = randn({ 8192, 50257 }, dt):requires_grad_()
+    local y = (ds.rand(8192) * 50257):to('i64'):to(dev)
+    result('cross_entropy_fwd_bwd', '8192x50257_' .. dt, time_per_call(function()
+      ds.cross_entropy(logits, y):backward()
+    end), 's')
+    logits = nil
+    local a, c = randn({ 124 * 2^20 }, dt), randn({ 124 * 2^20 }, dt)
+    result('add', '124Mi_' .. dt, time_per_call(function() local _ = a + c end), 's')
+    local n = 8192
+    local m1, m2 = randn({ n, n }, dt), randn({ n, n }, dt)
+    local sec = time_per_call(function() ds.matmul(m1, m2) end)
+    result('matmul', '8192^3_' .. dt, 2 * n ^ 3 / sec / 1e12, 'TFLOP/s')
+    a, c, m1, m2 = nil, nil, nil, nil
+    collectgarbage(); collectgarbage()
+  end
+  local big = randn({ 2^28 }, 'f32')
+  local out = ds.zeros({ 2^28 }, 'f32', dev)
+  local sec = time_per_call(function() out:copy_(big) end)
+  result('copy', '1GiB', 2 * 2^30 / sec / 1e12, 'TB/s')
+end
+
+print(string.format('info\tdslua\tdevice\t%s', ds.device()))
+if mode == 'train' then train(tonumber(arg[2]), arg[3])
+elseif mode == 'ops' then ops()
+elseif mode == 'steps' then steps(tonumber(arg[2]), arg[3], tonumber(arg[4]))
+else
+  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32 [quick] | ops [quick]\n')
+  os.exit(2)
+end

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# dslua against PyTorch on the same GPU in one run: GPT-2 124M training
+# tokens/s (T=1024, AdamW, clip 1.0) at B=8 and B=16 in bf16 and fp32, peak
+# memory, MFU against the bf16 GEMM rate measured here, where a step's time
+# goes, and the per-op table. Needs a CUDA build of dslua and python3 with
+# torch on a GPU machine (../shared/device/README.md says how to carry the
+# build to one).
+set -euo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: bench/gpu.sh [-b BUILD_DIR] [-o RESULTS] [-c] [-q]
+  -b BUILD_DIR  dslua's build (default: build; built first where it holds a CMake cache)
+  -o RESULTS    also keep the raw result lines in this file
+  -c            also time torch.compile at B=16 in bf16 (a minute of compiling)
+  -q            quick: few steps and short samples (a smoke test, not a measurement)
+EOF
+}
+
+me=bench/gpu.sh
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
+build=$root/build
+results=
+compiled=
+quick=
+while getopts "b:o:cqh" opt; do
+    case $opt in
+    b) build=$(realpath -m "$OPTARG") ;;
+    o) results=$OPTARG ;;
+    c) compiled=1 ;;
+    q) quick=quick ;;
+    h) usage; exit 0 ;;
+    *) usage >&2; exit 2 ;;
+    esac
+done
+if [[ -f $build/CMakeCache.txt ]]; then bench_build; fi
+py=python3
+if ! $py -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+    echo "$me: python3 has no torch with CUDA here; the torch columns show n/a" >&2
+    py=
+fi
+raw=$(mktemp)
+trap 'rm -f "$raw"' EXIT
+cd "$root"
+
+run() { "$@" | tee -a "$raw" | grep -v '^result' || true; }
+run "$build/dslua" bench/gpu.lua ops $quick
+[[ -n $py ]] && run $py bench/gpu_torch.py ops $quick
+for B in 8 16; do
+    for dt in bf16 f32; do
+        run "$build/dslua" bench/gpu.lua train $B $dt $quick
+        [[ -n $py ]] && run $py bench/gpu_torch.py train $B $dt $quick
+    done
+done
+[[ -n $py && -n $compiled ]] && run $py bench/gpu_torch.py train 16 bf16 compile $quick
+[[ -n $results ]] && cp "$raw" "$results"
+
+# The table: one row per (row, shape); ratio > 1 means dslua is faster.
+# MFU: nanoGPT's 6N + 12 L H Q T FLOPs per token over torch's bf16 GEMM rate.
+awk -F'\t' '
+$1 == "info" { dev[$2] = $4 }
+$1 == "result" {
+    key = $3 "\t" $4
+    if (!(key in unit)) order[++n] = key
+    val[$2, key] = $5; unit[key] = $6
+}
+END {
+    printf "GPU: %s\n", dev["torch"] != "" ? dev["torch"] : dev["dslua"]
+    gemm = val["torch", "matmul\t8192^3_bf16"]
+    flops = 6 * 124439808 + 12 * 12 * 12 * 64 * 1024
+    printf "%-24s %-22s %12s %12s %14s %8s\n", "row", "shape", "dslua", "torch", "torch.compile", "ratio"
+    for (i = 1; i <= n; i++) {
+        key = order[i]; split(key, k, "\t"); u = unit[key]
+        d = val["dslua", key]; t = val["torch", key]; c = val["torch_compile", key]
+        ratio = "n/a"
+        if (d != "" && t != "" && d > 0 && t > 0)
+            ratio = sprintf("%.2fx", (u == "s" || u == "GiB") ? t / d : d / t)
+        printf "%-24s %-22s %12s %12s %14s %8s  %s\n", k[1], k[2], d == "" ? "-" : d, t == "" ? "-" : t,
+               c == "" ? "" : c, ratio, u
+        if (k[1] == "gpt2_124M" && gemm > 0) {
+            mfu = ""
+            if (d != "") mfu = mfu sprintf(" dslua %.1f%%", 100 * d * flops / (gemm * 1e12))
+            if (t != "") mfu = mfu sprintf(" torch %.1f%%", 100 * t * flops / (gemm * 1e12))
+            if (c != "") mfu = mfu sprintf(" torch.compile %.1f%%", 100 * c * flops / (gemm * 1e12))
+            printf "%-24s %-22s MFU vs %.0f TFLOP/s:%s\n", "", "", gemm, mfu
+        }
+    }
+}' "$raw"

@@ -1,0 +1,155 @@
+"""PyTorch's side of bench/gpu.sh, on the same GPU and the same rows as
+bench/gpu.lua:
+    python3 bench/gpu_torch.py train B bf16|f32 [compile] [quick]
+    python3 bench/gpu_torch.py ops [quick]
+GPT-2 124M as nanoGPT writes it (SDPA attention, tied lm_head), fused AdamW,
+bf16 through autocast over fp32 weights, gradient clipping 1.0."""
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+args = sys.argv[1:]
+quick = "quick" in args
+dev = "cuda"
+
+
+def result(row, shape, value, unit, impl="torch"):
+    print(f"result\t{impl}\t{row}\t{shape}\t{value:.6g}\t{unit}", flush=True)
+
+
+def time_per_call(fn):
+    fn(); torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn(); torch.cuda.synchronize()
+    k = max(1, int((0.02 if quick else 0.2) / max(time.perf_counter() - t0, 1e-6)))
+    ts = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(k):
+            fn()
+        torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) / k)
+    return statistics.median(ts)
+
+
+class Block(nn.Module):
+    def __init__(s, C, H):
+        super().__init__()
+        s.H = H
+        s.ln_1, s.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        s.c_attn, s.c_proj = nn.Linear(C, 3 * C), nn.Linear(C, C)
+        s.c_fc, s.mlp_proj = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
+
+    def forward(s, x):
+        B, T, C = x.shape
+        q, k, v = s.c_attn(s.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, s.H, C // s.H).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + s.c_proj(y)
+        return x + s.mlp_proj(F.gelu(s.c_fc(s.ln_2(x)), approximate="tanh"))
+
+
+class GPT(nn.Module):
+    def __init__(s, V=50257, T=1024, L=12, H=12, C=768):
+        super().__init__()
+        s.wte, s.wpe = nn.Embedding(V, C), nn.Embedding(T, C)
+        s.h = nn.ModuleList(Block(C, H) for _ in range(L))
+        s.ln_f = nn.LayerNorm(C)
+        s.lm_head = nn.Linear(C, V, bias=False)
+        s.lm_head.weight = s.wte.weight
+
+    def forward(s, idx, y):
+        x = s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in s.h:
+            x = b(x)
+        logits = s.lm_head(s.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def train(B, dtype, compiled):
+    T, steps = 1024, 3 if quick else 10
+    torch.manual_seed(0)
+    model = GPT().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    fwd = torch.compile(model) if compiled else model
+    batches = [torch.randint(0, 50257, (B, T + 1), device=dev) for _ in range(4)]
+
+    def step(i):
+        ids = batches[i % 4]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            loss = fwd(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(3):
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        loss = step(i)
+    torch.cuda.synchronize()
+    sec = (time.perf_counter() - t0) / steps
+    impl = "torch_compile" if compiled else "torch"
+    shape = f"B{B}xT{T}_{dtype}"
+    result("gpt2_124M", shape, B * T / sec, "tokens/s", impl)
+    result("gpt2_124M_peak", shape, torch.cuda.max_memory_allocated() / 2**30, "GiB", impl)
+    print(f"bench/gpu_torch.py: {impl} {shape} {1000 * sec:.1f} ms/step, last loss {loss.item():.4f}",
+          file=sys.stderr)
+
+
+def ops():
+    torch.set_grad_enabled(True)
+    for dt in ("bf16", "f32"):
+        tdt = torch.bfloat16 if dt == "bf16" else torch.float32
+        r = lambda *s: torch.randn(*s, device=dev, dtype=tdt)
+        q, k, v = r(8, 12, 1024, 64), r(8, 12, 1024, 64), r(8, 12, 1024, 64)
+        with torch.no_grad():
+            result("attention_fwd", f"8x12x1024x64_{dt}",
+                   time_per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), "s")
+        for t in (q, k, v):
+            t.requires_grad_()
+        g = r(8, 12, 1024, 64)
+        result("attention_fwd_bwd", f"8x12x1024x64_{dt}",
+               time_per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)), "s")
+        del q, k, v, g
+        x, w, b = r(8192, 768), r(768), r(768)
+        h = r(8192, 3072)
+        wl, bl = r(2304, 768), r(2304)
+        with torch.no_grad():
+            result("layer_norm", f"8192x768_{dt}", time_per_call(lambda: F.layer_norm(x, (768,), w, b)), "s")
+            result("gelu_tanh", f"8192x3072_{dt}", time_per_call(lambda: F.gelu(h, approximate="tanh")), "s")
+            result("linear_bias", f"8192x768x2304_{dt}", time_per_call(lambda: F.linear(x, wl, bl)), "s")
+        logits = r(8192, 50257).requires_grad_()
+        y = torch.randint(0, 50257, (8192,), device=dev)
+        result("cross_entropy_fwd_bwd", f"8192x50257_{dt}",
+               time_per_call(lambda: F.cross_entropy(logits, y).backward()), "s")
+        del logits
+        a, c = r(124 * 2**20), r(124 * 2**20)
+        with torch.no_grad():
+            result("add", f"124Mi_{dt}", time_per_call(lambda: a + c), "s")
+            n = 8192
+            m1, m2 = r(n, n), r(n, n)
+            sec = time_per_call(lambda: m1 @ m2)
+            result("matmul", f"8192^3_{dt}", 2 * n**3 / sec / 1e12, "TFLOP/s")
+        del a, c, m1, m2
+        torch.cuda.empty_cache()
+    big = torch.randn(2**28, device=dev)
+    out = torch.empty_like(big)
+    result("copy", "1GiB", 2 * 2**30 / time_per_call(lambda: out.copy_(big)) / 1e12, "TB/s")
+
+
+print(f"info\ttorch\tdevice\t{torch.cuda.get_device_name()}")
+if args and args[0] == "train":
+    train(int(args[1]), args[2], "compile" in args)
+elif args and args[0] == "ops":
+    ops()
+else:
+    sys.exit("usage: python3 bench/gpu_torch.py train B bf16|f32 [compile] [quick] | ops [quick]")
