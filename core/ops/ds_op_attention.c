@@ -56,9 +56,14 @@ static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale) {
     if (check_args(q, k, v, causal)) return NULL;
     if (isnan(scale)) scale = 1.0 / sqrt((double)q->shape[3]);
-    int64_t shape[4] = { q->shape[0], q->shape[1], q->shape[2], v->shape[3] };
+    int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Dv = v->shape[3];
+    int64_t shape[4] = { B, H, Tq, Dv }, bthd[4] = { B, Tq, H, Dv }, stride[4] = { Tq * H * Dv, Dv, H * Dv, 1 };
     ds_device dev = ds_tensor_device(q);
-    ds_tensor *out = ds_tensor_new(4, shape, q->dtype, dev);
+    /* out [B,H,Tq,Dv] is laid out [B,Tq,H,Dv] in memory: the heads merge
+     * back into [B,Tq,H*Dv] (out:transpose(2, 3):reshape) without a copy. */
+    ds_tensor *mem = ds_tensor_new(4, bthd, q->dtype, dev);
+    ds_tensor *out = mem ? ds_tensor_view_of(mem, 4, shape, stride, 0) : NULL;
+    ds_tensor_release(mem);
     ds_tensor *lse = ds_tensor_new(3, shape, q->dtype == DS_F64 ? DS_F64 : DS_F32, dev);
     if (!out || !lse) {
         ds_tensor_release(out); ds_tensor_release(lse);

@@ -14,6 +14,7 @@
  * tile's dK and dV, each accumulator element owned by one thread; another
  * kernel per query block does the same walk for dQ. */
 #include "cuda_common.cuh"
+#include "cuda_attention_mma.h"
 #include "../ds_attention.h"
 
 #include <math.h>
@@ -386,6 +387,8 @@ static int cuda_attention_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
     if (check_views(lse, q, k, v)) return -1;
     if (k.shape[2] == 0 && q.shape[2] > 0) return ds_kernel_fail("no keys to attend to");
     if (q.shape[0] * q.shape[1] * q.shape[2] == 0) return 0;
+    ds_kview views[4] = { q, k, v, out };
+    if (ds_cuda_attention_mma_fits(views, 4)) return ds_cuda_attention_mma_forward(out, lse, q, k, v, scale, causal);
     return q.dtype == DS_F64 ? forward_run<double>(out, lse, q, k, v, scale, causal)
                              : forward_run<float>(out, lse, q, k, v, scale, causal);
 }
@@ -393,6 +396,9 @@ static int cuda_attention_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
 static int cuda_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal) {
     if (check_views(lse, q, k, v)) return -1;
+    ds_kview views[8] = { q, k, v, out, dq, dk, dv, dout };
+    if (q.shape[0] * q.shape[1] * q.shape[2] > 0 && ds_cuda_attention_mma_fits(views, 8))
+        return ds_cuda_attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
     return q.dtype == DS_F64 ? backward_run<double>(dq, dk, dv, dout, q, k, v, out, lse, scale, causal)
                              : backward_run<float>(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
 }

@@ -424,6 +424,9 @@ describe('attention on the GPU #gpu', function()
     { 'many tiles', 1, 2, 150, 150, 32, 32, { causal = true } },
     { 'head dim 64', 2, 2, 65, 65, 64, 64, { causal = true } },
     { 'head dim 128', 1, 2, 40, 40, 128, 128, { causal = true } },
+    { 'head dim 64, many tiles', 1, 2, 200, 200, 64, 64, { causal = true } },
+    { 'head dim 64, cross attention', 1, 2, 70, 130, 64, 64, { causal = false, scale = 0.2 } },
+    { 'head dim 128, many tiles', 1, 1, 130, 130, 128, 128, { causal = false } },
     { 'one query', 1, 1, 1, 1, 8, 8, { causal = true } },
   }
   for _, c in ipairs(cases) do
