@@ -202,7 +202,9 @@ describe('nn.Module', function()
     m.head.weight = m.emb.weight
     m:register_buffer('buf', ds.zeros({ 2 }))
     local w = m.emb.weight:clone()
-    m:to('f64')
+    local old_bias = m.head.bias
+    local _, moved = m:to('f64')
+    assert.is_true(rawequal(moved[old_bias], m.head.bias))
     assert.are.equal('f64', m.emb.weight:dtype())
     assert.are.equal('f64', m.head.bias:dtype())
     assert.are.equal('f64', m.buf:dtype())

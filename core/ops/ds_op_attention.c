@@ -32,10 +32,25 @@ static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal) {
     return 0;
 }
 
+/* A [B,H,T,D] tensor laid out [B,T,H,D] in memory, the layout of a fused
+ * projection's heads: the output and the gradients of q, k and v go back
+ * to [B,T,H*D] (transpose(2, 3) then view) without a copy. */
+static ds_tensor *new_heads_inner(int64_t B, int64_t H, int64_t T, int64_t D, ds_dtype dtype, ds_device dev) {
+    int64_t shape[4] = { B, H, T, D }, mem_shape[4] = { B, T, H, D }, stride[4] = { T * H * D, D, H * D, 1 };
+    ds_tensor *mem = ds_tensor_new(4, mem_shape, dtype, dev);
+    ds_tensor *t = mem ? ds_tensor_view_of(mem, 4, shape, stride, 0) : NULL;
+    ds_tensor_release(mem);
+    return t;
+}
+
+static ds_tensor *new_heads_like(const ds_tensor *x) {
+    return new_heads_inner(x->shape[0], x->shape[1], x->shape[2], x->shape[3], x->dtype, ds_tensor_device(x));
+}
+
 static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *out = n->saved[3], *lse = n->saved[4];
     ds_tensor *gc = g->dtype == q->dtype ? (ds_tensor_retain(g), g) : ds_to_dtype(g, q->dtype);
-    ds_tensor *dq = ds_tensor_new_like(q), *dk = ds_tensor_new_like(k), *dv = ds_tensor_new_like(v);
+    ds_tensor *dq = new_heads_like(q), *dk = new_heads_like(k), *dv = new_heads_like(v);
     int rc = gc && dq && dk && dv ? 0 : -1;
     if (rc == 0 && ds_tensor_kernels(q)->attention->backward(
             ds_tensor_kview(dq), ds_tensor_kview(dk), ds_tensor_kview(dv), ds_tensor_kview(gc),
@@ -56,14 +71,9 @@ static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale) {
     if (check_args(q, k, v, causal)) return NULL;
     if (isnan(scale)) scale = 1.0 / sqrt((double)q->shape[3]);
-    int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Dv = v->shape[3];
-    int64_t shape[4] = { B, H, Tq, Dv }, bthd[4] = { B, Tq, H, Dv }, stride[4] = { Tq * H * Dv, Dv, H * Dv, 1 };
+    int64_t shape[3] = { q->shape[0], q->shape[1], q->shape[2] };
     ds_device dev = ds_tensor_device(q);
-    /* out [B,H,Tq,Dv] is laid out [B,Tq,H,Dv] in memory: the heads merge
-     * back into [B,Tq,H*Dv] (out:transpose(2, 3):reshape) without a copy. */
-    ds_tensor *mem = ds_tensor_new(4, bthd, q->dtype, dev);
-    ds_tensor *out = mem ? ds_tensor_view_of(mem, 4, shape, stride, 0) : NULL;
-    ds_tensor_release(mem);
+    ds_tensor *out = new_heads_inner(q->shape[0], q->shape[1], q->shape[2], v->shape[3], q->dtype, dev);
     ds_tensor *lse = ds_tensor_new(3, shape, q->dtype == DS_F64 ? DS_F64 : DS_F32, dev);
     if (!out || !lse) {
         ds_tensor_release(out); ds_tensor_release(lse);

@@ -133,18 +133,29 @@ __device__ __forceinline__ void probs_times_tile(float acc[D / 8][4], const floa
     }
 }
 
-/* Rows t0..t0+63 of x[b, h] into a shared tile, 16 bytes per load; rows at
- * or past `end` are zero. */
+/* Starts copying rows t0..t0+63 of x[b, h] into a shared tile, 16 bytes
+ * per cp.async; rows at or past `end` are filled with zeros. The copy lands
+ * after cp_async_wait and a barrier, so the next tile streams in while the
+ * block computes on the current one. */
 template <typename T, int D>
 __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, int64_t h, int64_t t0, int64_t end) {
     const int ld = D + MMA_PAD, chunks = D / 8;
     const T *base = (const T *)x.data + b * x.stride[0] + h * x.stride[1];
     for (int e = threadIdx.x; e < MMA_ROWS * chunks; e += MMA_THREADS) {
         int r = e / chunks, c = e % chunks;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (t0 + r < end) v = *(const uint4 *)(base + (t0 + r) * x.stride[2] + c * 8);
-        *(uint4 *)(s + r * ld + c * 8) = v;
+        bool real = t0 + r < end;
+        const T *src = real ? base + (t0 + r) * x.stride[2] + c * 8 : base;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                     :: "r"(smem_addr(s + r * ld + c * 8)), "l"(src), "r"(real ? 16 : 0));
     }
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+/* Waits for all but the newest `pending` groups of copies (0 or 1). */
+__device__ __forceinline__ void cp_async_wait(int pending) {
+    if (pending) asm volatile("cp.async.wait_group 1;\n" ::);
+    else asm volatile("cp.async.wait_group 0;\n" ::);
 }
 
 /* Stores a warp's 16 x D accumulator rows (row0 = this block's first row)
@@ -194,20 +205,28 @@ template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD;
-    T *qs = (T *)smem, *ks = qs + MMA_ROWS * ld, *vs = ks + MMA_ROWS * ld;
+    const int ld = D + MMA_PAD, tile = MMA_ROWS * ld;
+    T *qs = (T *)smem, *kv = qs + tile;          /* then K and V tiles, twice: [buffer][K, V] */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
     block_task(g, (g.Tq + MMA_ROWS - 1) / MMA_ROWS, g.causal, &b, &h, &blk);
     int64_t i0 = blk * MMA_ROWS, r0 = i0 + warp * 16 + l / 4, r1 = r0 + 8;
-    load_tile<T, D>(qs, q, b, h, i0, g.Tq);
     float o[D / 8][4] = {};
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;   /* running max (base 2) and partial sums */
     int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
-    for (int64_t j0 = 0; j0 < kend; j0 += MMA_ROWS) {
-        __syncthreads();                         /* every warp is done with the previous tile */
-        load_tile<T, D>(ks, k, b, h, j0, g.Tk);
-        load_tile<T, D>(vs, v, b, h, j0, g.Tk);
+    load_tile<T, D>(qs, q, b, h, i0, g.Tq);
+    load_tile<T, D>(kv, k, b, h, 0, g.Tk);
+    load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
+    cp_async_commit();
+    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
+        T *ks = kv + (it & 1) * 2 * tile, *vs = ks + tile, *next = kv + (~it & 1) * 2 * tile;
+        bool more = j0 + MMA_ROWS < kend;
+        if (more) {
+            load_tile<T, D>(next, k, b, h, j0 + MMA_ROWS, g.Tk);
+            load_tile<T, D>(next + tile, v, b, h, j0 + MMA_ROWS, g.Tk);
+            cp_async_commit();
+        }
+        cp_async_wait(more);
         __syncthreads();
         float s[8][4];
         rows_times_tile<T, D>(s, qs, warp * 16, ks);
@@ -245,6 +264,7 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
             o[n][2] *= a1; o[n][3] *= a1;
         }
         probs_times_tile<T, D>(o, s, vs);
+        __syncthreads();                         /* every warp is done with this buffer before it refills */
     }
     l0 = quad_sum(l0);
     l1 = quad_sum(l1);
@@ -282,23 +302,32 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds
               mma_geom g) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD;
-    T *qs = (T *)smem, *gs = qs + MMA_ROWS * ld, *ks = gs + MMA_ROWS * ld, *vs = ks + MMA_ROWS * ld;
+    const int tile = MMA_ROWS * ld;
+    T *qs = (T *)smem, *gs = qs + tile, *kv = gs + tile;   /* then K and V tiles, twice */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
     block_task(g, (g.Tq + MMA_ROWS - 1) / MMA_ROWS, g.causal, &b, &h, &blk);
     int64_t i0 = blk * MMA_ROWS, r0 = i0 + warp * 16 + l / 4, r1 = r0 + 8;
     load_tile<T, D>(qs, q, b, h, i0, g.Tq);
     load_tile<T, D>(gs, dout, b, h, i0, g.Tq);
+    load_tile<T, D>(kv, k, b, h, 0, g.Tk);
+    load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
+    cp_async_commit();
     const float *L = (const float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
     const float *Dl = delta + (b * g.H + h) * g.Tq;
     float lse0 = r0 < g.Tq ? L[r0 * lse.stride[2]] * LOG2E : 0.f, lse1 = r1 < g.Tq ? L[r1 * lse.stride[2]] * LOG2E : 0.f;
     float d0 = r0 < g.Tq ? Dl[r0] : 0.f, d1 = r1 < g.Tq ? Dl[r1] : 0.f;
     float acc[D / 8][4] = {};
     int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
-    for (int64_t j0 = 0; j0 < kend; j0 += MMA_ROWS) {
-        __syncthreads();
-        load_tile<T, D>(ks, k, b, h, j0, g.Tk);
-        load_tile<T, D>(vs, v, b, h, j0, g.Tk);
+    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
+        T *ks = kv + (it & 1) * 2 * tile, *vs = ks + tile, *next = kv + (~it & 1) * 2 * tile;
+        bool more = j0 + MMA_ROWS < kend;
+        if (more) {
+            load_tile<T, D>(next, k, b, h, j0 + MMA_ROWS, g.Tk);
+            load_tile<T, D>(next + tile, v, b, h, j0 + MMA_ROWS, g.Tk);
+            cp_async_commit();
+        }
+        cp_async_wait(more);
         __syncthreads();
         float s[8][4], dp[8][4];
         rows_times_tile<T, D>(s, qs, warp * 16, ks);
@@ -315,6 +344,7 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds
             }
         }
         probs_times_tile<T, D>(acc, s, ks);
+        __syncthreads();
     }
     store_rows<T, D>(dq, b, h, i0 + warp * 16, g.Tq, acc, g.scale, g.scale);
 }
@@ -328,26 +358,40 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                 const float *delta, mma_geom g) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD;
-    T *ks = (T *)smem, *vs = ks + MMA_ROWS * ld, *qs = vs + MMA_ROWS * ld, *gs = qs + MMA_ROWS * ld;
-    float *lrow = (float *)(gs + MMA_ROWS * ld), *drow = lrow + MMA_ROWS;
+    const int tile = MMA_ROWS * ld;
+    T *ks = (T *)smem, *vs = ks + tile, *qg = vs + tile;    /* then Q and dO tiles, twice */
+    float *rows = (float *)(qg + 4 * tile);                /* then lse and delta of each buffer's rows */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
     block_task(g, (g.Tk + MMA_ROWS - 1) / MMA_ROWS, false, &b, &h, &blk);
     int64_t j0 = blk * MMA_ROWS, key0 = j0 + warp * 16 + l / 4, key1 = key0 + 8;
-    load_tile<T, D>(ks, k, b, h, j0, g.Tk);
-    load_tile<T, D>(vs, v, b, h, j0, g.Tk);
     const float *L = (const float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
     const float *Dl = delta + (b * g.H + h) * g.Tq;
     float dka[D / 8][4] = {}, dva[D / 8][4] = {};
     /* under a causal mask the queries before this block see none of its keys */
-    for (int64_t i0 = g.causal ? j0 : 0; i0 < g.Tq; i0 += MMA_ROWS) {
-        __syncthreads();
+    int64_t first = g.causal ? j0 : 0;
+    auto fetch = [&](int buf, int64_t i0) {
+        T *qs = qg + buf * 2 * tile;
         load_tile<T, D>(qs, q, b, h, i0, g.Tq);
-        load_tile<T, D>(gs, dout, b, h, i0, g.Tq);
+        load_tile<T, D>(qs + tile, dout, b, h, i0, g.Tq);
+        cp_async_commit();
+        float *lrow = rows + buf * 2 * MMA_ROWS, *drow = lrow + MMA_ROWS;
         for (int r = threadIdx.x; r < MMA_ROWS; r += MMA_THREADS) {
             lrow[r] = i0 + r < g.Tq ? L[(i0 + r) * lse.stride[2]] * LOG2E : 0.f;
             drow[r] = i0 + r < g.Tq ? Dl[i0 + r] : 0.f;
         }
+    };
+    load_tile<T, D>(ks, k, b, h, j0, g.Tk);
+    load_tile<T, D>(vs, v, b, h, j0, g.Tk);
+    cp_async_commit();
+    if (first < g.Tq) fetch(0, first);
+    for (int64_t i0 = first, it = 0; i0 < g.Tq; i0 += MMA_ROWS, it++) {
+        int buf = (int)(it & 1);
+        T *qs = qg + buf * 2 * tile, *gs = qs + tile;
+        float *lrow = rows + buf * 2 * MMA_ROWS, *drow = lrow + MMA_ROWS;
+        bool more = i0 + MMA_ROWS < g.Tq;
+        if (more) fetch(buf ^ 1, i0 + MMA_ROWS);
+        cp_async_wait(more);
         __syncthreads();
         float p[8][4], ds[8][4];
         rows_times_tile<T, D>(p, ks, warp * 16, qs);
@@ -367,6 +411,7 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
         }
         probs_times_tile<T, D>(dva, p, gs);
         probs_times_tile<T, D>(dka, ds, qs);
+        __syncthreads();
     }
     store_rows<T, D>(dk, b, h, j0 + warp * 16, g.Tk, dka, g.scale, g.scale);
     store_rows<T, D>(dv, b, h, j0 + warp * 16, g.Tk, dva, 1.f, 1.f);
@@ -407,7 +452,7 @@ static size_t tile_bytes(int D, int tiles) { return (size_t)tiles * MMA_ROWS * (
 
 template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
-    size_t sm = tile_bytes(D, 3);
+    size_t sm = tile_bytes(D, 5);
     if (allow_smem(mma_forward_kernel<T, D>, sm)) return -1;
     unsigned blocks = (unsigned)(g.B * g.H * ((g.Tq + MMA_ROWS - 1) / MMA_ROWS));
     mma_forward_kernel<T, D><<<blocks, MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
@@ -424,7 +469,7 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     int rc = 0;
     mma_delta_kernel<T, D><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, st>>>(delta, dout, out, g);
     rc = ds_cuda_launched("attention mma_delta_kernel");
-    size_t sq = tile_bytes(D, 4), skv = tile_bytes(D, 4) + 2 * MMA_ROWS * sizeof(float);
+    size_t sq = tile_bytes(D, 6), skv = tile_bytes(D, 6) + 4 * MMA_ROWS * sizeof(float);
     if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq);
     if (rc == 0) {
         unsigned blocks = (unsigned)(g.B * g.H * ((g.Tq + MMA_ROWS - 1) / MMA_ROWS));

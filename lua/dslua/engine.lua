@@ -119,6 +119,27 @@ end
 
 -- Mixed precision or ZeRO (dslua/zero.lua): every rank starts from rank
 -- 0's weights, then the partitioned optimizer takes the parameters over.
+-- model_parameters (tensors, or groups {params = {...}, ...}) with every
+-- tensor that model:to(device) replaced swapped for its replacement.
+local function moved_params(list, moved)
+  local function swap(ts)
+    local out = {}
+    for i, t in ipairs(ts) do out[i] = moved[t] or t end
+    return out
+  end
+  if not ds.is_tensor(list[1]) and type(list[1]) == 'table' then
+    local groups = {}
+    for i, g in ipairs(list) do
+      local c = {}
+      for k, v in pairs(g) do c[k] = v end
+      c.params = type(g.params) == 'table' and swap(g.params) or g.params
+      groups[i] = c
+    end
+    return groups
+  end
+  return swap(list)
+end
+
 local function build_zero(opts, cfg, model, params, rank, world_size, device)
   if type(opts.optimizer) == 'table' then
     error('initialize: with bf16, fp16 or zero_optimization.stage >= 1 the optimizer is built over the fp32 '
@@ -162,8 +183,8 @@ function M.initialize(opts)
   -- collective: too many ranks for the GPUs is an error here, not NCCL's
   local ok, device = pcall(ds.device)
   if not ok then error('initialize: ' .. (tostring(device):gsub('^[^\n]-:%d+: ', '')), 2) end
-  model:to(device)
-  local params = opts.model_parameters or model:parameters()
+  local _, moved = model:to(device)
+  local params = opts.model_parameters and moved_params(opts.model_parameters, moved) or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
   local optimizer, zero
   if model.is_pipeline and (Zero.wanted(cfg) or world_size > 1) then

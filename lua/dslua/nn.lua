@@ -436,7 +436,9 @@ end
 
 -- Moves or converts every parameter and buffer (t:to(what): a dtype or a
 -- device). Converted tensors are new (gradients dropped); tensors already
--- there are kept as they are; tied tensors stay tied.
+-- there are kept as they are; tied tensors stay tied. Returns the module
+-- and a table from each old tensor to its replacement, for lists of
+-- parameters made before the move.
 function Module:to(what)
   if what == 'cuda' then what = 'cuda:0' end    -- the name t:device() gives, so tensors already there stay
   local done = {}
@@ -460,7 +462,7 @@ function Module:to(what)
       if t ~= nil then rawset(m, k, convert(t, false)) end
     end
   end
-  return self
+  return self, done
 end
 
 -- The device of the first parameter (or buffer), where the module runs;
