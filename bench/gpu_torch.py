@@ -4,6 +4,7 @@ bench/gpu.lua:
     python3 bench/gpu_torch.py ops [quick]
 GPT-2 124M as nanoGPT writes it (SDPA attention, tied lm_head), fused AdamW,
 bf16 through autocast over fp32 weights, gradient clipping 1.0."""
+import math
 import statistics
 import sys
 import time
@@ -61,6 +62,12 @@ class GPT(nn.Module):
         s.ln_f = nn.LayerNorm(C)
         s.lm_head = nn.Linear(C, V, bias=False)
         s.lm_head.weight = s.wte.weight
+        for name, p in s.named_parameters():   # nanoGPT's init, as models/gpt2.lua
+            if p.dim() >= 2:
+                std = 0.02 / math.sqrt(2 * L) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+            else:
+                nn.init.zeros_(p) if name.endswith("bias") else nn.init.ones_(p)
 
     def forward(s, idx, y):
         x = s.wte(idx) + s.wpe(torch.arange(idx.shape[1], device=idx.device))

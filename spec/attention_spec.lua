@@ -152,3 +152,50 @@ describe('scaled_dot_product_attention', function()
     fails('tensor expected', a, a, nil)
   end)
 end)
+
+describe('qkv_attention', function()
+  -- The unfused path it replaces: split, heads as [B,H,T,D], attention,
+  -- heads merged back into [B,T,C].
+  local function unfused(qkv, nh, opts)
+    local B, T, C = qkv:size(1), qkv:size(2), qkv:size(3) / 3
+    local parts = qkv:split(C, 3)
+    local function heads(x) return x:view({ B, T, nh, C / nh }):transpose(2, 3) end
+    return sdpa(heads(parts[1]), heads(parts[2]), heads(parts[3]), opts):transpose(2, 3):reshape({ B, T, C })
+  end
+
+  it('equals split, attention and merge, output and qkv gradient', function()
+    for _, case in ipairs {
+      { 2, 37, 3, 4, nil }, { 1, 70, 2, 8, { causal = false, scale = 0.3 } }, { 1, 1, 1, 2, nil },
+    } do
+      local B, T, nh, D, opts = unpack(case)
+      local x = ds.randn({ B, T, 3 * nh * D })
+      local w = ds.randn({ B, T, nh * D })
+      local a, b = x:clone():requires_grad_(), x:clone():requires_grad_()
+      local ya, yb = ds.qkv_attention(a, nh, opts), unfused(b, nh, opts)
+      assert.are.same({ B, T, nh * D }, ya:size())
+      H.assert_close(ya, yb, H.tol.f32, 'output')
+      ;(ya * w):sum():backward()
+      ;(yb * w):sum():backward()
+      H.assert_close(a.grad, b.grad, H.tol.f32, 'qkv gradient')
+    end
+  end)
+
+  it('gradients match finite differences in f64', function()
+    H.gradcheck(function(qkv) return ds.qkv_attention(qkv, 2) end, { leaf({ 2, 5, 12 }, 'f64') })
+    H.gradcheck(function(qkv) return ds.qkv_attention(qkv, 1, { causal = false }) end, { leaf({ 1, 4, 6 }, 'f64') })
+  end)
+
+  it('rejects bad inputs, naming the op and the shape', function()
+    local function fails(pattern, ...)
+      local args = { ... }
+      local ok, err = pcall(function() return ds.qkv_attention(unpack(args, 1, 3)) end)
+      assert.is_false(ok)
+      assert.matches(pattern, err)
+    end
+    fails('qkv_attention: qkv must be %[B,T,3%*C%] with C divisible by n_head 2, got %[2,5,9%]', ds.zeros(2, 5, 9), 2)
+    fails('n_head 0', ds.zeros(2, 5, 12), 0)
+    fails('got %[5,12%]', ds.zeros(5, 12), 2)
+    fails('qkv_attention: qkv must be a floating point tensor, got i64', ds.zeros(2, 5, 12):long(), 2)
+    fails("qkv_attention: unknown option 'casual'", ds.zeros(2, 5, 12), 2, { casual = true })
+  end)
+end)

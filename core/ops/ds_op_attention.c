@@ -98,3 +98,114 @@ ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor
     ds_tensor_release(lse);    /* the node keeps its own reference */
     return out;
 }
+
+/* The q, k and v heads of a fused projection qkv [B,T,3*H*D], as [B,H,T,D]
+ * views without history. */
+static int qkv_heads(ds_tensor *qkv, int64_t H, ds_tensor *heads[3]) {
+    int64_t C = qkv->shape[2] / 3, D = C / H, unit = qkv->stride[2];
+    int64_t shape[4] = { qkv->shape[0], H, qkv->shape[1], D };
+    int64_t stride[4] = { qkv->stride[0], D * unit, qkv->stride[1], unit };
+    for (int i = 0; i < 3; i++) {
+        heads[i] = ds_tensor_view_of(qkv, 4, shape, stride, qkv->offset + i * C * unit);
+        if (!heads[i]) {
+            while (i-- > 0) ds_tensor_release(heads[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_heads(ds_tensor *heads[3]) {
+    for (int i = 0; i < 3; i++) ds_tensor_release(heads[i]);
+}
+
+/* [B,T,H*D] with unit last stride read as heads [B,H,T,D]. */
+static ds_tensor *split_heads(ds_tensor *x, int64_t H) {
+    int64_t D = x->shape[2] / H;
+    int64_t shape[4] = { x->shape[0], H, x->shape[1], D }, stride[4] = { x->stride[0], D, x->stride[1], 1 };
+    return ds_tensor_view_of(x, 4, shape, stride, x->offset);
+}
+
+#define QKV_OP "qkv_attention"
+
+static int qkv_attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *qkv = n->saved[0], *out = n->saved[1], *lse = n->saved[2];
+    int64_t H = n->i[1];
+    ds_tensor *gt = g->dtype == qkv->dtype ? (ds_tensor_retain(g), g) : ds_to_dtype(g, qkv->dtype);
+    ds_tensor *gc = gt ? ds_contiguous(gt) : NULL;
+    ds_tensor_release(gt);
+    ds_tensor *dqkv = ds_tensor_new_like(qkv);
+    ds_tensor *heads[3] = { NULL }, *dheads[3] = { NULL };
+    ds_tensor *g4 = gc ? split_heads(gc, H) : NULL, *out4 = split_heads(out, H);
+    int rc = g4 && out4 && dqkv && qkv_heads(qkv, H, heads) == 0 ? 0 : -1;
+    if (rc == 0 && qkv_heads(dqkv, H, dheads)) {
+        release_heads(heads);
+        rc = -1;
+    }
+    if (rc == 0) {
+        if (ds_tensor_kernels(qkv)->attention->backward(
+                ds_tensor_kview(dheads[0]), ds_tensor_kview(dheads[1]), ds_tensor_kview(dheads[2]),
+                ds_tensor_kview(g4), ds_tensor_kview(heads[0]), ds_tensor_kview(heads[1]),
+                ds_tensor_kview(heads[2]), ds_tensor_kview(out4), ds_tensor_kview(lse), n->f[0], (int)n->i[0])) {
+            ds_fail(DS_ERR_STATE, "%s: %s", QKV_OP, ds_kernel_error());
+            rc = -1;
+        }
+        release_heads(heads);
+        release_heads(dheads);
+    }
+    ds_tensor_release(g4); ds_tensor_release(out4); ds_tensor_release(gc);
+    if (rc) {
+        ds_tensor_release(dqkv);
+        return -1;
+    }
+    gin[0] = dqkv;
+    return 0;
+}
+
+ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double scale) {
+    char s[96];
+    if (qkv->ndim != 3 || n_head <= 0 || qkv->shape[2] % (3 * n_head) != 0)
+        return ds_fail(DS_ERR_ARG, "%s: qkv must be [B,T,3*C] with C divisible by n_head %lld, got %s", QKV_OP,
+                       (long long)n_head, ds_shape_str(qkv, s, sizeof s));
+    if (!ds_dtype_is_float(qkv->dtype))
+        return ds_fail(DS_ERR_ARG, "%s: qkv must be a floating point tensor, got %s", QKV_OP, ds_dtype_name(qkv->dtype));
+    if (qkv->shape[2] == 0 || qkv->shape[1] == 0)
+        return ds_fail(DS_ERR_ARG, "%s: needs a head dim and at least one position, got %s", QKV_OP,
+                       ds_shape_str(qkv, s, sizeof s));
+    ds_tensor *heads[3];
+    if (qkv_heads(qkv, n_head, heads)) return NULL;
+    if (check_args(heads[0], heads[1], heads[2], causal)) {
+        release_heads(heads);
+        return NULL;
+    }
+    int64_t B = qkv->shape[0], T = qkv->shape[1], C = qkv->shape[2] / 3, D = C / n_head;
+    if (isnan(scale)) scale = 1.0 / sqrt((double)D);
+    int64_t lse_shape[3] = { B, n_head, T }, shape[3] = { B, T, C }, stride[3] = { T * C, C, 1 };
+    ds_device dev = ds_tensor_device(qkv);
+    ds_tensor *out4 = new_heads_inner(B, n_head, T, D, qkv->dtype, dev);
+    ds_tensor *out = out4 ? ds_tensor_view_of(out4, 3, shape, stride, 0) : NULL;
+    ds_tensor *lse = ds_tensor_new(3, lse_shape, qkv->dtype == DS_F64 ? DS_F64 : DS_F32, dev);
+    int rc = out && lse ? 0 : -1;
+    if (rc == 0 && ds_tensor_kernels(qkv)->attention->forward(ds_tensor_kview(out4), ds_tensor_kview(lse),
+                                                              ds_tensor_kview(heads[0]), ds_tensor_kview(heads[1]),
+                                                              ds_tensor_kview(heads[2]), scale, causal)) {
+        ds_fail(DS_ERR_STATE, "%s: %s", QKV_OP, ds_kernel_error());
+        rc = -1;
+    }
+    release_heads(heads);
+    ds_tensor_release(out4);
+    ds_node *n = rc == 0 ? ds_autograd_record(QKV_OP, qkv_attention_backward, 1, &qkv, out) : NULL;
+    if (n) {
+        n->f[0] = scale;
+        n->i[0] = causal;
+        n->i[1] = n_head;
+        if (ds_node_save(n, 0, qkv) || ds_node_save(n, 1, out) || ds_node_save(n, 2, lse)) rc = -1;
+    }
+    ds_tensor_release(lse);
+    if (rc) {
+        ds_tensor_release(out);
+        return NULL;
+    }
+    return out;
+}
+

@@ -13,4 +13,10 @@
  * 1/sqrt(D), as torch's scaled_dot_product_attention. */
 ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale);
 
+/* The same over the heads of a fused projection: qkv [B,T,3*C] holds q, k
+ * and v side by side, each n_head heads of C/n_head; returns [B,T,C], the
+ * heads merged. Backward writes the gradient of qkv in one buffer, with
+ * no split, transpose or concatenation around the op. */
+ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double scale);
+
 #endif

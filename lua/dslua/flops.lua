@@ -5,7 +5,8 @@
 -- written to output_file.
 --
 -- MACs come from the ops that carry the arithmetic (ds.linear, ds.matmul,
--- ds.mm, ds.bmm, ds.conv2d, ds.scaled_dot_product_attention), counted from
+-- ds.mm, ds.bmm, ds.conv2d, ds.scaled_dot_product_attention,
+-- ds.qkv_attention), counted from
 -- their shapes while the step runs, charged to the innermost module
 -- running; a module's MACs are its own and its children's (containers
 -- that are never called, like ModuleList, still sum their children). Element-wise ops and ops called as tensor methods
@@ -45,6 +46,8 @@ local COUNTERS = {
   bmm = function(out, a) return numel_out(out) * last(a) end,
   conv2d = function(out, x, w) return numel_out(out) * (w:numel() / w:size()[1]) end,
   scaled_dot_product_attention = function(out, q, k) return 2 * q:numel() * k:size()[#k:size() - 1] end,
+  -- q k^T and p v over the heads of qkv [B, T, 3C]: 2 * (B T C) * T
+  qkv_attention = function(out, qkv) return 2 * out:numel() * qkv:size(2) end,
 }
 
 -- new(engine) -> a profiler, or nil when off or off rank 0; the output

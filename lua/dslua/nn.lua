@@ -819,17 +819,16 @@ function CausalSelfAttention:forward(x)
   end
   local B, T, C = x:size(1), x:size(2), x:size(3)
   local nh = self.n_head
-  local qkv = self.c_attn(x):split(C, 3)
-  local q = qkv[1]:view({ B, T, nh, C / nh }):transpose(2, 3)
-  local k = qkv[2]:view({ B, T, nh, C / nh }):transpose(2, 3)
-  local v = qkv[3]:view({ B, T, nh, C / nh }):transpose(2, 3)
   local y
   if self.attn_dropout.training and self.attn_dropout.p > 0 then
-    y = attention_with_dropout(q, k, v, self.attn_dropout.p)
+    local qkv = self.c_attn(x):split(C, 3)
+    local q = qkv[1]:view({ B, T, nh, C / nh }):transpose(2, 3)
+    local k = qkv[2]:view({ B, T, nh, C / nh }):transpose(2, 3)
+    local v = qkv[3]:view({ B, T, nh, C / nh }):transpose(2, 3)
+    y = attention_with_dropout(q, k, v, self.attn_dropout.p):transpose(2, 3):reshape({ B, T, C })
   else
-    y = ds.scaled_dot_product_attention(q, k, v)
+    y = ds.qkv_attention(self.c_attn(x), nh)    -- no split, transposes or concatenation in backward
   end
-  y = y:transpose(2, 3):reshape({ B, T, C })
   return self.resid_dropout(self.c_proj(y))
 end
 

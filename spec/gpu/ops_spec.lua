@@ -438,6 +438,15 @@ describe('attention on the GPU #gpu', function()
              { randn(dt, B, Tq, Hn, D), randn(dt, B, Tk, Hn, D), randn(dt, B, Hn, Tk, Dv) }
     end)
   end
+
+  -- the heads of a fused projection, as GPT-2's attention runs them
+  for _, c in ipairs { { 'causal', 2, 100, 3, 64, nil }, { 'not causal', 1, 70, 2, 128, { causal = false } },
+                       { 'head dim 16', 2, 33, 2, 16, nil } } do
+    local name, B, T, Hn, D, opts = unpack(c)
+    each(FLOATS, 'qkv_attention ' .. name .. ', head dim ' .. D, function(dt)
+      return function(qkv) return ds.qkv_attention(qkv, Hn, opts) end, { randn(dt, B, T, 3 * Hn * D) }
+    end)
+  end
 end)
 
 describe('optimizer steps on the GPU #gpu', function()
