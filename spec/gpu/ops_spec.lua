@@ -296,6 +296,14 @@ describe('matrix products on the GPU #gpu', function()
   each(FLOATS, 'linear', function(dt)
     return function(x, w, b) return ds.linear(x, w, b) end, { randn(dt, 2, 3, 7), randn(dt, 4, 7), randn(dt, 4) }
   end)
+  -- the bias in cuBLASLt's epilogue, and copied first where the epilogue does not take it
+  each(FLOATS, 'linear with bias of training shapes', function(dt)
+    return function(x, w, b) return ds.linear(x, w, b) end, { randn(dt, 4, 16, 64), randn(dt, 48, 64), randn(dt, 48) }
+  end)
+  each(FLOATS, 'linear with a misaligned bias view and a strided input', function(dt)
+    return function(x, w, b) return ds.linear(x:transpose(1, 2), w, b:narrow(1, 2, 24)) end,
+           { randn(dt, 32, 5), randn(dt, 24, 32), randn(dt, 25) }
+  end)
   each(FLOATS, 'linear without bias', function(dt)
     return function(x, w) return ds.linear(x, w) end, { randn(dt, 6, 7), randn(dt, 4, 7) }
   end)
