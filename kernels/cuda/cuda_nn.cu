@@ -172,10 +172,10 @@ __device__ __forceinline__ void lse_add(float &m, float &s, float v) {
 }
 
 /* f32, bf16 and f16 logits in place, in one read: the same loss in f32,
- * 8 logits a load when vec (rows 16-byte aligned). */
+ * 8 logits a load from each row's first 16-byte boundary, the few before
+ * it and after the last one by one (rows of an odd vocab start anywhere). */
 static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows,
-                                     int64_t C, int64_t ld, int64_t ignore, float eps, bool vec) {
-    int64_t cv = vec ? C / PW_VEC * PW_VEC : 0;
+                                     int64_t C, int64_t ld, int64_t ignore, float eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld;
         if (t == ignore) {
@@ -185,16 +185,17 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
             }
             continue;
         }
+        int64_t h = min(pw_head(logits.dtype, logits.data, base), C), cv = h + (C - h) / PW_VEC * PW_VEC;
         float m = -INFINITY, s = 0, sx = 0, x[PW_VEC];
-        for (int64_t j = threadIdx.x * PW_VEC; j < cv; j += blockDim.x * PW_VEC) {
+        for (int64_t j = h + threadIdx.x * PW_VEC; j < cv; j += blockDim.x * PW_VEC) {
             pw_load8(logits.dtype, logits.data, base + j, x);
             for (int k = 0; k < PW_VEC; k++) {
                 lse_add(m, s, x[k]);
                 sx += x[k];
             }
         }
-        for (int64_t j = cv + threadIdx.x; j < C; j += blockDim.x) {
-            float v = pw_loadf(logits.dtype, logits.data, base + j);
+        for (int64_t q = threadIdx.x; q < h + C - cv; q += blockDim.x) {
+            float v = pw_loadf(logits.dtype, logits.data, base + (q < h ? q : cv + q - h));
             lse_add(m, s, v);
             sx += v;
         }
@@ -210,11 +211,6 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
     }
 }
 
-/* Rows of the f32 kernels go 8 logits a load when every row starts on 16 bytes. */
-static bool ce_vec(const ds_kview &a, const ds_kview &b, int64_t ld) {
-    return ld % PW_VEC == 0 && pw_aligned(a.data) && pw_aligned(b.data);
-}
-
 static int cuda_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
                               int64_t ld, int64_t ignore_index, double smoothing, int64_t *count) {
     if (target.dtype != DS_I64 && target.dtype != DS_I32)
@@ -228,9 +224,8 @@ static int cuda_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_k
                                                                                     C, ld, ignore_index, smoothing);
         return ds_cuda_launched("ce_f64_kernel");
     }
-    bool vec = ce_vec(logits, logits, ld);
-    ce_f32_kernel<<<row_blocks(rows), pw_row_threads(vec ? C / PW_VEC : C), 0, ds_cuda_stream()>>>(
-        loss, lse, logits, target, rows, C, ld, ignore_index, (float)smoothing, vec);
+    ce_f32_kernel<<<row_blocks(rows), pw_row_threads(C / PW_VEC), 0, ds_cuda_stream()>>>(
+        loss, lse, logits, target, rows, C, ld, ignore_index, (float)smoothing);
     return ds_cuda_launched("ce_f32_kernel");
 }
 
@@ -260,22 +255,24 @@ __device__ __forceinline__ float ce_grad(float x, int64_t j, int64_t C, int64_t 
 }
 
 /* The same in f32, a block per row: one read of the logits, one write of
- * dlogits in their dtype, 8 a thread access when vec. */
+ * dlogits in their dtype, 8 a thread access from the rows' first 16-byte
+ * boundary when vec (the two tensors equally far from one). */
 static __global__ void ce_backward_f32_kernel(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
                                               ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore,
                                               float eps, double scale, int64_t dstride, bool vec) {
-    int64_t lv = vec ? ld : 0;
     float off = eps / (float)C;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld, c = t == ignore ? 0 : C;   /* c: the columns with a gradient */
+        int64_t h = vec ? min(pw_head(dlogits.dtype, dlogits.data, base), ld) : ld, lv = h + (ld - h) / PW_VEC * PW_VEC;
         float s = c ? (float)(scale * ds_load(dloss.dtype, dloss.data, r * dstride)) : 0.0f;
         float l = c ? pw_loadf(lse.dtype, lse.data, r) : 0.0f, hit = s * (1.0f - eps), x[PW_VEC] = {};
-        for (int64_t j = threadIdx.x * PW_VEC; j < lv; j += blockDim.x * PW_VEC) {
+        for (int64_t j = h + threadIdx.x * PW_VEC; j < lv; j += blockDim.x * PW_VEC) {
             if (j < c) pw_load8(logits.dtype, logits.data, base + j, x);
             for (int k = 0; k < PW_VEC; k++) x[k] = ce_grad(x[k], j + k, c, t, s, l, off, hit);
             pw_store8(dlogits.dtype, dlogits.data, base + j, x);
         }
-        for (int64_t j = lv + threadIdx.x; j < ld; j += blockDim.x) {
+        for (int64_t q = threadIdx.x; q < h + ld - lv; q += blockDim.x) {
+            int64_t j = q < h ? q : lv + q - h;
             float v = j < c ? pw_loadf(logits.dtype, logits.data, base + j) : 0.0f;
             pw_storef(dlogits.dtype, dlogits.data, base + j, ce_grad(v, j, c, t, s, l, off, hit));
         }
@@ -293,7 +290,7 @@ static int cuda_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kvie
             dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, smoothing, scale, ds);
         return ds_cuda_launched("ce_backward_f64_kernel");
     }
-    bool vec = ce_vec(logits, dlogits, ld);
+    bool vec = logits.dtype == dlogits.dtype && ((uintptr_t)logits.data - (uintptr_t)dlogits.data) % 16 == 0;
     ce_backward_f32_kernel<<<row_blocks(rows), pw_row_threads(vec ? ld / PW_VEC : ld), 0, ds_cuda_stream()>>>(
         dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, (float)smoothing, scale, ds, vec);
     return ds_cuda_launched("ce_backward_f32_kernel");

@@ -96,29 +96,38 @@ __device__ __forceinline__ void pw_storef(ds_dtype t, void *p, int64_t i, float 
     else ((uint16_t *)p)[i] = t == DS_BF16 ? ds_f32_to_bf16(v) : ds_f32_to_f16(v);
 }
 
-/* Elements i..i+7 (i a multiple of 8, p 16-byte aligned) into x. */
+/* Elements i..i+7 into x; element i must sit on 16 bytes. */
 __device__ __forceinline__ void pw_load8(ds_dtype t, const void *p, int64_t i, float *x) {
     if (t == DS_F32) {
-        float4 a = ((const float4 *)p)[i / 4], b = ((const float4 *)p)[i / 4 + 1];
+        const float4 *q = (const float4 *)((const float *)p + i);
+        float4 a = q[0], b = q[1];
         x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
         x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
         return;
     }
-    uint4 w = ((const uint4 *)p)[i / PW_VEC];
+    uint4 w = *(const uint4 *)((const uint16_t *)p + i);
     const uint16_t *h = (const uint16_t *)&w;
     for (int k = 0; k < PW_VEC; k++) x[k] = t == DS_BF16 ? ds_bf16_to_f32(h[k]) : ds_f16_to_f32(h[k]);
 }
 
 __device__ __forceinline__ void pw_store8(ds_dtype t, void *p, int64_t i, const float *x) {
     if (t == DS_F32) {
-        ((float4 *)p)[i / 4] = make_float4(x[0], x[1], x[2], x[3]);
-        ((float4 *)p)[i / 4 + 1] = make_float4(x[4], x[5], x[6], x[7]);
+        float4 *q = (float4 *)((float *)p + i);
+        q[0] = make_float4(x[0], x[1], x[2], x[3]);
+        q[1] = make_float4(x[4], x[5], x[6], x[7]);
         return;
     }
     uint4 w;
     uint16_t *h = (uint16_t *)&w;
     for (int k = 0; k < PW_VEC; k++) h[k] = t == DS_BF16 ? ds_f32_to_bf16(x[k]) : ds_f32_to_f16(x[k]);
-    ((uint4 *)p)[i / PW_VEC] = w;
+    *(uint4 *)((uint16_t *)p + i) = w;
+}
+
+/* Elements of dtype t from p to the next 16-byte boundary: where a row
+ * that may start anywhere begins its 8-at-a-time part. */
+__device__ __forceinline__ int64_t pw_head(ds_dtype t, const void *p, int64_t i) {
+    size_t es = t == DS_F32 ? 4 : 2;
+    return (int64_t)((16 - ((uintptr_t)p + (uintptr_t)i * es) % 16) % 16 / es);
 }
 
 /* How the fast paths find element i of a coalesced input: at i (0), at
