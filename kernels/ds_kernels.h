@@ -105,16 +105,20 @@ typedef struct ds_kernels_nn {
     int (*softmax)(ds_kview y, ds_kview x, int64_t outer, int64_t n, int64_t inner, int as_log);
     int (*softmax_backward)(ds_kview dx, ds_kview g, ds_kview y, int64_t outer, int64_t n, int64_t inner,
                             int as_log);
-    /* logits [rows, C], target (rows elements) i64 or i32 class ids.
-     * Writes each row's loss (0 where target == ignore_index) and
-     * log-sum-exp, and the number of rows not ignored into *count. A target
-     * outside [0, C) fails, naming it and its row, before anything else. */
+    /* logits: contiguous rows of ld >= C values of which the first C are
+     * the classes (the rest, a padded vocab's columns, are never read);
+     * target (rows elements) i64 or i32 class ids. Writes each row's loss
+     * (0 where target == ignore_index) and log-sum-exp, and the number of
+     * rows not ignored into *count. A target outside [0, C) fails, naming
+     * it and its row, before anything else. */
     int (*cross_entropy)(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
-                         int64_t ignore_index, double smoothing, int64_t *count);
-    /* dlogits = dloss[r] scale (softmax - (1-smoothing) onehot - smoothing/C),
-     * 0 on ignored rows; dloss is 1-D [rows], stride 0 for a reduced loss. */
+                         int64_t ld, int64_t ignore_index, double smoothing, int64_t *count);
+    /* dlogits (rows of ld, like logits) = dloss[r] scale (softmax -
+     * (1-smoothing) onehot - smoothing/C) over the first C columns, 0 past
+     * them and on ignored rows; dloss is 1-D [rows], stride 0 for a
+     * reduced loss. */
     int (*cross_entropy_backward)(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
-                                  ds_kview target, int64_t rows, int64_t C, int64_t ignore_index,
+                                  ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
                                   double smoothing, double scale);
     /* x, y, g, dx [rows, n]; w, b [n] with data NULL when absent; mean and
      * rstd [rows]. dw, db with data NULL are not computed. */

@@ -9,6 +9,7 @@
 --   local model = GPT{ n_layer = 4, n_head = 4, n_embd = 128, vocab_size = 65, block_size = 128 }
 --   local loss = model{ x = ids, y = targets }                -- or model(ids, targets); logits without y
 --   local out = model:generate(ids, 100, { temperature = 0.8, top_k = 40 })
+--   local fast = GPT{ name = 'gpt2', padded_vocab_size = 50304 }  -- GEMM-friendly lm_head
 local ds = require 'dslua'
 local nn = ds.nn
 
@@ -32,6 +33,11 @@ M.defaults = {
   bias = true,          -- biases in the Linears and LayerNorms
   gelu = 'tanh',        -- GPT-2's approximation; 'none' for the erf form
   checkpoint = false,   -- activation checkpointing: true (every block) or k (segments of k blocks)
+  -- Rows of wte and lm_head, false for vocab_size. A round size (50304 for
+  -- 50257, as nanoGPT and llm.c) keeps the lm_head GEMMs on cuBLAS's fast
+  -- kernels; the padded rows start at zero, and the loss and the logits
+  -- returned count only the first vocab_size columns.
+  padded_vocab_size = false,
   dtype = 'f32', device = 'cpu',
 }
 
@@ -44,6 +50,11 @@ function M.config(cfg)
     error(string.format('gpt2: n_embd %d is not divisible by n_head %d', out.n_embd, out.n_head), 0)
   end
   ds.checkpointing.interval('gpt2', out.checkpoint)
+  local pv = out.padded_vocab_size
+  if pv and (type(pv) ~= 'number' or pv ~= math.floor(pv) or pv < out.vocab_size) then
+    error(string.format('gpt2: padded_vocab_size must be false or an integer >= vocab_size %d, got %s',
+                        out.vocab_size, tostring(pv)), 0)
+  end
   return out
 end
 
@@ -92,12 +103,16 @@ function GPT:init(cfg)
       nn.init.normal_(t, 0, name:match('c_proj%.weight$') and 0.02 / math.sqrt(2 * cfg.n_layer) or 0.02)
     end
   end
+  local rows = self.transformer.wte.weight:size(1)
+  if rows > cfg.vocab_size then
+    ds.no_grad(function() self.transformer.wte.weight:narrow(1, cfg.vocab_size + 1, rows - cfg.vocab_size):fill_(0) end)
+  end
 end
 
 function GPT:build(cfg)
   local where = { dtype = cfg.dtype, device = cfg.device }
   local tr = nn.Module()
-  tr.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, where)
+  tr.wte = nn.Embedding(cfg.padded_vocab_size or cfg.vocab_size, cfg.n_embd, where)
   tr.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, where)
   tr.drop = nn.Dropout(cfg.dropout)
   local blocks = {}
@@ -105,7 +120,8 @@ function GPT:build(cfg)
   tr.h = nn.ModuleList(blocks)
   tr.ln_f = nn.LayerNorm(cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
   self.transformer = tr
-  self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, { bias = false, dtype = cfg.dtype, device = cfg.device })
+  self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size or cfg.vocab_size,
+                           { bias = false, dtype = cfg.dtype, device = cfg.device })
   self.lm_head.weight = tr.wte.weight
 end
 
@@ -131,15 +147,20 @@ end
 -- the logits when targets are given, else the logits [B, T, vocab].
 function GPT:forward(idx, targets)
   if type(idx) == 'table' then idx, targets = idx.x, idx.y end
+  local V = self.config.vocab_size
   local logits = self.lm_head(self:hidden(idx))
-  if targets == nil then return logits end
-  return ds.cross_entropy(logits, targets, { ignore_index = -1 }), logits
+  local real = logits:size(3) > V and logits:narrow(3, 1, V) or logits
+  if targets == nil then return real end
+  -- the loss reads the padded logits in place: no copy of the real columns
+  return ds.cross_entropy(logits, targets, { ignore_index = -1, classes = V }), real
 end
 
 -- Logits [B, vocab] of the last position only: what sampling needs.
 function GPT:last_logits(idx)
   local x = self:hidden(idx)
-  return self.lm_head(x:narrow(2, x:size(2), 1)):reshape({ idx:size(1), self.config.vocab_size })
+  local logits = self.lm_head(x:narrow(2, x:size(2), 1))
+  local V = self.config.vocab_size
+  return logits:narrow(3, 1, V):reshape({ idx:size(1), V })
 end
 
 -- generate(idx, max_new_tokens [, {temperature = 1, top_k}]) -> idx with
@@ -213,6 +234,12 @@ function M.from_hf(path, overrides)
     if named.n_embd == cfg.n_embd then cfg.n_head = named.n_head end
   end
   for k, v in pairs(overrides or {}) do cfg[k] = v end
+  local pv = cfg.padded_vocab_size
+  if pv and pv > cfg.vocab_size then     -- zero rows below the file's vocab (tied: one tensor for both names)
+    local padded = ds.zeros({ pv, cfg.n_embd }, wte:dtype())
+    padded:narrow(1, 1, cfg.vocab_size):copy_(wte)
+    sd['transformer.wte.weight'], sd['lm_head.weight'] = padded, padded
+  end
   if not cfg.n_head then
     error(string.format('gpt2: no named size has n_embd %d: pass n_head in the overrides', cfg.n_embd), 0)
   end

@@ -429,6 +429,13 @@ describe('export and import', function()
     assert.are.equal(2, m.config.n_layer)
     local logits = ds.no_grad(function() return m(H.tensor(fx.hf.ids)) end)
     H.assert_close(logits, H.tensor(fx.hf.logits), { rtol = 1e-4, atol = 1e-5 }, 'logits (file by ' .. fx.hf.writer .. ')')
+    local V = m.config.vocab_size
+    local p = require('models.gpt2').from_hf('spec/fixtures/gpt2_hf_tiny.safetensors',
+                                             { n_head = 2, padded_vocab_size = V + 5 })
+    assert.are.equal(V + 5, p.lm_head.weight:size(1))
+    assert.are.equal(0, p.transformer.wte.weight:narrow(1, V + 1, 5):abs():amax():item())
+    local padded = ds.no_grad(function() return p(H.tensor(fx.hf.ids)) end)
+    H.assert_close(padded, H.tensor(fx.hf.logits), { rtol = 1e-4, atol = 1e-5 }, 'logits of the padded model')
   end)
 
   it('writes files PyTorch reads under nanoGPT\'s names (the committed fixture)', function()

@@ -224,6 +224,32 @@ describe('models.gpt2', function()
     assert.is_true(math.abs(part:item() - want:item() / 2) < 1e-5)
   end)
 
+  it('pads the vocab (padded_vocab_size): the loss and logits of the unpadded model on the same weights', function()
+    ds.manual_seed(5)
+    local m = GPT(tiny)
+    local p = GPT { n_layer = 2, n_head = 2, n_embd = 16, vocab_size = 11, block_size = 8, padded_vocab_size = 16 }
+    assert.are.equal('16x16', shape(p.transformer.wte.weight))
+    assert.is_true(p.lm_head.weight == p.transformer.wte.weight)
+    assert.are.equal(0, p.transformer.wte.weight:narrow(1, 12, 5):abs():amax():item())
+    local sd = m:state_dict()
+    local wte = ds.zeros({ 16, 16 })
+    wte:narrow(1, 1, 11):copy_(sd['transformer.wte.weight'])
+    sd['transformer.wte.weight'], sd['lm_head.weight'] = wte, wte
+    p:load_state_dict(sd)
+    local x, y = ds.tensor({ { 1, 2, 3, 4 }, { 5, 6, 7, 10 } }, 'i64'), ds.tensor({ { 2, -1, 4, 5 }, { 6, 7, 10, 0 } }, 'i64')
+    local lm, logits_m = m(x, y)
+    local lp, logits_p = p(x, y)
+    assert.is_true(math.abs(lm:item() - lp:item()) <= 1e-6, string.format('%.9g vs %.9g', lm:item(), lp:item()))
+    assert.are.equal('2x4x11', shape(logits_p))
+    assert.is_true((logits_m - logits_p):abs():amax():item() <= 1e-6)
+    lp:backward()
+    assert.are.equal(0, p.transformer.wte.weight.grad:narrow(1, 12, 5):abs():amax():item())
+    assert.are.equal('2x12', shape(p:generate(x, 8, { temperature = 0 })))
+    assert.are.same(m:generate(x, 8, { temperature = 0 }):totable(), p:generate(x, 8, { temperature = 0 }):totable())
+    fails('gpt2: padded_vocab_size must be false or an integer >= vocab_size 11, got 8', GPT,
+          { n_layer = 1, n_head = 2, n_embd = 16, vocab_size = 11, block_size = 8, padded_vocab_size = 8 })
+  end)
+
   it('uses dropout only in training', function()
     local m = GPT { n_layer = 1, n_head = 2, n_embd = 16, vocab_size = 11, block_size = 8, dropout = 0.2 }
     local x = ds.tensor({ { 1, 2, 3, 4 } }, 'i64')

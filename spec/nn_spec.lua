@@ -196,6 +196,26 @@ describe('cross_entropy', function()
     H.assert_close(xg.grad, xd.grad:to('f32'), { rtol = 1e-4, atol = 1e-9 })
   end)
 
+  it('counts only the first `classes` columns (a padded vocab): the narrowed logits\' loss, zero gradient past them', function()
+    for _, dt in ipairs({ 'f32', 'f64', 'bf16' }) do
+      local x, t = (ds.randn(6, 13) * 3):to(dt), ds.tensor({ 0, 9, -100, 4, 8, 1 }, 'i64')
+      for _, opts in ipairs({ {}, { label_smoothing = 0.1 }, { reduction = 'none' } }) do
+        local xp, xn = x:clone():requires_grad_(), x:narrow(2, 1, 10):contiguous():requires_grad_()
+        local o = { classes = 10 }
+        for k, v in pairs(opts) do o[k] = v end
+        local lp, ln = ds.cross_entropy(xp, t, o), ds.cross_entropy(xn, t, opts)
+        assert.are.equal(0, (lp - ln):to('f64'):abs():amax():item(), dt)
+        lp:sum():backward()
+        ln:sum():backward()
+        assert.are.equal(0, (xp.grad:narrow(2, 1, 10) - xn.grad):to('f64'):abs():amax():item(), dt)
+        assert.are.equal(0, xp.grad:narrow(2, 11, 3):to('f64'):abs():amax():item(), dt)
+      end
+    end
+    fails('target 10 at row 1', ds.cross_entropy, ds.randn(2, 13), ds.tensor({ 10, 0 }, 'i64'), { classes = 10 })
+    fails('cross_entropy: classes must be in %[1, 13%]', ds.cross_entropy, ds.randn(2, 13), ds.zeros(2, 'i64'), { classes = 14 })
+    fails('cross_entropy: classes must be a positive integer', ds.cross_entropy, ds.randn(2, 13), ds.zeros(2, 'i64'), { classes = 0 })
+  end)
+
   it('names an out-of-range target and its row', function()
     local x = ds.randn(3, 5)
     fails('cross_entropy: target 7 at row 2 %(1%-based%) is out of range: class ids are 0%-based, in %[0, 5%)',

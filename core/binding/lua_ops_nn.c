@@ -1,6 +1,6 @@
 /* Lua bindings of the nn row ops:
  *   ds.softmax(x [, dim=-1]), x:softmax(dim), ds.log_softmax, x:log_softmax
- *   ds.cross_entropy(logits, target [, {ignore_index=-100, label_smoothing=0, reduction='mean'}])
+ *   ds.cross_entropy(logits, target [, {ignore_index=-100, label_smoothing=0, reduction='mean', classes=all}])
  *   ds.mse_loss(input, target [, reduction='mean'])
  *   ds.layer_norm(x, weight|nil, bias|nil [, eps=1e-5])
  *   ds.layer_norm(x, normalized_shape, weight|nil, bias|nil [, eps])    (torch form)
@@ -38,7 +38,7 @@ static double option_number(lua_State *L, const char *key) {
 
 static int l_cross_entropy(lua_State *L) {
     ds_tensor *logits = dsL_checktensor(L, 1), *target = dsL_checktensor(L, 2);
-    double ignore = -100, smoothing = 0;
+    double ignore = -100, smoothing = 0, classes = 0;
     const char *red = "mean";
     if (!lua_isnoneornil(L, 3)) {
         luaL_checktype(L, 3, LUA_TTABLE);
@@ -51,18 +51,22 @@ static int l_cross_entropy(lua_State *L) {
                     return luaL_error(L, "cross_entropy: ignore_index must be an integer, got %f", ignore);
             } else if (strcmp(key, "label_smoothing") == 0) {
                 smoothing = option_number(L, key);
+            } else if (strcmp(key, "classes") == 0) {
+                classes = option_number(L, key);
+                if (classes != floor(classes) || classes < 1 || classes > 9.0e15)
+                    return luaL_error(L, "cross_entropy: classes must be a positive integer, got %f", classes);
             } else if (strcmp(key, "reduction") == 0) {
                 if (lua_type(L, -1) != LUA_TSTRING)
                     return luaL_error(L, "cross_entropy: option reduction must be a string, got %s", luaL_typename(L, -1));
                 red = lua_tostring(L, -1);
             } else {
-                return luaL_error(L, "cross_entropy: unknown option '%s' (ignore_index, label_smoothing, reduction)", key);
+                return luaL_error(L, "cross_entropy: unknown option '%s' (ignore_index, label_smoothing, reduction, classes)", key);
             }
             lua_pop(L, 1);
         }
     }
     ds_nn_reduction r = check_reduction(L, "cross_entropy", red);
-    return dsL_pushtensor(L, ds_cross_entropy(logits, target, (int64_t)ignore, smoothing, r));
+    return dsL_pushtensor(L, ds_cross_entropy(logits, target, (int64_t)ignore, smoothing, (int64_t)classes, r));
 }
 
 static int l_mse_loss(lua_State *L) {

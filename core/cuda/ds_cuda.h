@@ -7,6 +7,7 @@
 #define DS_CUDA_H
 
 #include "ds_device.h"
+#include "ds_kview.h"
 
 #include <stdio.h>
 
@@ -45,6 +46,14 @@ void ds_cuda_empty_cache(void);
 /* f32 matmuls and convolutions on the GPU may round inputs to TF32 (off
  * by default): on 1 or 0 sets it, -1 only asks. Returns the setting. */
 int ds_cuda_allow_tf32(int on);
+
+/* c = a @ b + bias (bias [n] added to every row) in one cuBLASLt call, its
+ * BIAS epilogue, on the current device: a linear's forward without a copy
+ * of the bias into c first. Views as ds_cuda_gemm_epilogue takes them.
+ * 0, or -1 with the kernel error set where the epilogue does not apply
+ * (the caller copies the bias and runs the plain GEMM then); always -1
+ * without CUDA. */
+int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias);
 
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL
  * versions and the GPUs, one "name: value" line each. */

@@ -37,6 +37,11 @@ int ds_cuda_allow_tf32(int on) {
     return 0;
 }
 
+int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias) {
+    (void)c, (void)a, (void)b, (void)bias;
+    return -1;
+}
+
 void ds_cuda_report(FILE *f) {
     fprintf(f, "CUDA: not built (configure with -DDSLUA_CUDA=ON where nvcc is installed)\n");
 }

@@ -1,5 +1,6 @@
 #include "ds_ops.h"
 #include "ds_error.h"
+#include "ds_cuda.h"
 
 #include <string.h>
 
@@ -256,17 +257,22 @@ ds_tensor *ds_linear(ds_tensor *x, ds_tensor *w, ds_tensor *bias) {
     if (!out) { ds_tensor_release(x2); return NULL; }
     int64_t cshape[2] = { rows, outf };
     ds_kview cv = contiguous_view(ds_tensor_data(out), out->dtype, 2, cshape);
+    ds_kview wt = matrix_view(w);
+    transpose_view(&wt);
+    /* on the GPU the bias rides in the GEMM's epilogue (ds_tensor_kernels
+     * makes out's device current); elsewhere, or where cuBLASLt has no
+     * epilogue for these views, it is copied into out first */
+    bool fused = bias && ds_tensor_device(out).type == DS_DEV_CUDA && ds_tensor_kernels(out)
+                 && ds_cuda_gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0;
     int rc = 0;
-    if (bias) {
+    if (bias && !fused) {
         ds_kview bv = expand_view(ds_tensor_data(bias), bias->dtype, 1, bias->shape, bias->stride, 2, cshape);
         if (ds_tensor_kernels(out)->core->copy(cv, bv)) {
             ds_fail(DS_ERR_STATE, "linear: %s", ds_kernel_error());
             rc = -1;
         }
     }
-    ds_kview wt = matrix_view(w);
-    transpose_view(&wt);
-    if (rc == 0) rc = run_gemm("linear", out, cv, matrix_view(x2), wt, bias ? 1.0 : 0.0);
+    if (rc == 0 && !fused) rc = run_gemm("linear", out, cv, matrix_view(x2), wt, bias ? 1.0 : 0.0);
     ds_tensor *in3[3] = { x, w, bias };
     ds_node *n = rc == 0 ? ds_autograd_record("linear", linear_backward, 3, in3, out) : NULL;
     if (n && (ds_node_save(n, 0, x2) || ds_node_save(n, 1, w))) rc = -1;

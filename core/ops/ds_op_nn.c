@@ -87,7 +87,7 @@ enum { CE_LOGITS, CE_LSE, CE_TARGET };
 
 static int cross_entropy_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *logits = n->saved[CE_LOGITS], *lse = n->saved[CE_LSE], *target = n->saved[CE_TARGET];
-    int64_t rows = n->i[1], C = n->i[2];
+    int64_t rows = n->i[1], C = n->i[2], ld = logits->shape[logits->ndim - 1];
     ds_tensor *gc = ds_contiguous(g);
     ds_tensor *dl = gc ? ds_tensor_new(logits->ndim, logits->shape, logits->dtype, ds_tensor_device(logits)) : NULL;
     if (!dl) { ds_tensor_release(gc); return -1; }
@@ -98,14 +98,14 @@ static int cross_entropy_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     gv.stride[0] = n->i[3] == DS_NN_NONE ? 1 : 0;
     int rc = ds_tensor_kernels(logits)->nn->cross_entropy_backward(ds_tensor_kview(dl), gv, ds_tensor_kview(logits),
                                                                     ds_tensor_kview(lse), ds_tensor_kview(target),
-                                                                    rows, C, n->i[0], n->f[0], n->f[1]);
+                                                                    rows, C, ld, n->i[0], n->f[0], n->f[1]);
     ds_tensor_release(gc);
     if (rc) { kernel_failed(dl, "cross_entropy"); return -1; }
     gin[0] = dl;
     return 0;
 }
 
-static int check_cross_entropy(ds_tensor *logits, ds_tensor *target, double smoothing) {
+static int check_cross_entropy(ds_tensor *logits, ds_tensor *target, double smoothing, int64_t classes) {
     char s1[96], s2[96];
     if (need_float("cross_entropy", "logits", logits) || ds_check_same_device("cross_entropy", logits, target)) return -1;
     if (target->dtype != DS_I64 && target->dtype != DS_I32) {
@@ -128,6 +128,12 @@ static int check_cross_entropy(ds_tensor *logits, ds_tensor *target, double smoo
         ds_fail(DS_ERR_ARG, "cross_entropy: label_smoothing must be in [0, 1], got %g", smoothing);
         return -1;
     }
+    int64_t C = logits->shape[logits->ndim - 1];
+    if (classes < 0 || classes > C) {
+        ds_fail(DS_ERR_ARG, "cross_entropy: classes must be in [1, %lld] (the class dim of logits %s) or 0 for all, got %lld",
+                (long long)C, ds_shape_str(logits, s1, sizeof s1), (long long)classes);
+        return -1;
+    }
     return 0;
 }
 
@@ -147,9 +153,10 @@ static ds_tensor *reduce_loss(ds_tensor *loss, ds_tensor *target, ds_dtype dtype
 }
 
 ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore_index, double smoothing,
-                            ds_nn_reduction red) {
-    if (check_cross_entropy(logits, target, smoothing)) return NULL;
-    int64_t C = logits->shape[logits->ndim - 1], rows = ds_tensor_numel(target), count = 0;
+                            int64_t classes, ds_nn_reduction red) {
+    if (check_cross_entropy(logits, target, smoothing, classes)) return NULL;
+    int64_t ld = logits->shape[logits->ndim - 1], C = classes ? classes : ld;
+    int64_t rows = ds_tensor_numel(target), count = 0;
     ds_device dev = ds_tensor_device(logits);
     ds_dtype st = stat_dtype(logits->dtype);
     bool prev = ds_set_grad_enabled(false);
@@ -159,7 +166,7 @@ ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore
     int rc = -1;
     if (lc && tc && loss && lse) {
         rc = ds_tensor_kernels(logits)->nn->cross_entropy(ds_tensor_kview(loss), ds_tensor_kview(lse),
-                                                           ds_tensor_kview(lc), ds_tensor_kview(tc), rows, C,
+                                                           ds_tensor_kview(lc), ds_tensor_kview(tc), rows, C, ld,
                                                            ignore_index, smoothing, &count);
         if (rc) ds_fail(DS_ERR_ARG, "cross_entropy: %s", ds_kernel_error());
         else out = reduce_loss(loss, target, logits->dtype, red, count);

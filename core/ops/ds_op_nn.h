@@ -21,9 +21,12 @@ ds_tensor *ds_log_softmax(ds_tensor *x, int64_t dim);
  * more than 2 dims), target [...] i64 or i32 0-based class ids: [N, C]
  * with [N], [B, T, C] with [B, T], [C] with a 0-dim target. Rows whose
  * target is ignore_index contribute 0 and are not counted by the mean.
- * label_smoothing in [0, 1] mixes the one-hot target with uniform. */
+ * label_smoothing in [0, 1] mixes the one-hot target with uniform.
+ * classes (0: all) counts only the first classes columns of the class dim,
+ * for a vocab padded to a round size (llm.c): the others never enter the
+ * softmax and get a zero gradient. */
 ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore_index, double label_smoothing,
-                            ds_nn_reduction reduction);
+                            int64_t classes, ds_nn_reduction reduction);
 /* (input - target)^2, broadcast, reduced */
 ds_tensor *ds_mse_loss(ds_tensor *input, ds_tensor *target, ds_nn_reduction reduction);
 

@@ -123,7 +123,7 @@ static int64_t target_at(const ds_kview *t, int64_t r) {
 }
 
 static int cpu_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
-                             int64_t ignore_index, double smoothing, int64_t *count) {
+                             int64_t ld, int64_t ignore_index, double smoothing, int64_t *count) {
     if (target.dtype != DS_I64 && target.dtype != DS_I32)
         return ds_kernel_fail("target must hold i64 or i32 class ids");
     int64_t kept = 0;
@@ -144,9 +144,9 @@ static int cpu_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kv
         for (int64_t r = 0; r < rows; r++) {
             int64_t t = target_at(&target, r);
             if (t == ignore_index) { lf[r] = 0; sf[r] = 0; continue; }
-            float sum, l = ds_row_lse_f(x + r * C, C, &sum);
+            float sum, l = ds_row_lse_f(x + r * ld, C, &sum);
             sf[r] = l;
-            lf[r] = l - (1.0f - eps) * x[r * C + t] - eps / (float)C * sum;
+            lf[r] = l - (1.0f - eps) * x[r * ld + t] - eps / (float)C * sum;
         }
         return 0;
     }
@@ -161,7 +161,7 @@ static int cpu_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kv
             continue;
         }
         double *row = thread_buf(buf, C), sum;
-        load_row(row, &logits, r * C, C, 1);
+        load_row(row, &logits, r * ld, C, 1);
         double l = ds_row_lse_d(row, C, &sum);
         ds_store(lse.dtype, lse.data, r, l);
         ds_store(loss.dtype, loss.data, r, l - (1.0 - smoothing) * row[t] - smoothing / (double)C * sum);
@@ -171,7 +171,7 @@ static int cpu_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kv
 }
 
 static int cpu_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
-                                      ds_kview target, int64_t rows, int64_t C, int64_t ignore_index,
+                                      ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
                                       double smoothing, double scale) {
     int64_t ds = dloss.ndim ? dloss.stride[0] : 0;
     const ds_kview *v[3] = { &dlogits, &logits, &lse };
@@ -181,29 +181,26 @@ static int cpu_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kview
         #pragma omp parallel for schedule(static) if (rows * C > CPU_PARALLEL_MIN)
         for (int64_t r = 0; r < rows; r++) {
             int64_t t = target_at(&target, r);
-            if (t == ignore_index) {
-                for (int64_t j = 0; j < C; j++) d[r * C + j] = 0;
-                continue;
-            }
+            for (int64_t j = t == ignore_index ? 0 : C; j < ld; j++) d[r * ld + j] = 0;
+            if (t == ignore_index) continue;
             float s = (float)(scale * ds_load(dloss.dtype, dloss.data, r * ds));
-            ds_row_ce_backward_f(d + r * C, x + r * C, C, t, sf[r], s, (float)smoothing);
+            ds_row_ce_backward_f(d + r * ld, x + r * ld, C, t, sf[r], s, (float)smoothing);
         }
         return 0;
     }
-    double *buf = scratch(2 * C);
+    double *buf = scratch(2 * ld);
     if (!buf) return -1;
     #pragma omp parallel for schedule(static) if (rows * C > CPU_PARALLEL_MIN / 4)
     for (int64_t r = 0; r < rows; r++) {
-        double *row = thread_buf(buf, 2 * C), *out = row + C;
+        double *row = thread_buf(buf, 2 * ld), *out = row + ld;
         int64_t t = target_at(&target, r);
-        if (t == ignore_index) {
-            for (int64_t j = 0; j < C; j++) out[j] = 0;
-        } else {
-            load_row(row, &logits, r * C, C, 1);
+        for (int64_t j = t == ignore_index ? 0 : C; j < ld; j++) out[j] = 0;
+        if (t != ignore_index) {
+            load_row(row, &logits, r * ld, C, 1);
             double s = scale * ds_load(dloss.dtype, dloss.data, r * ds);
             ds_row_ce_backward_d(out, row, C, t, ds_load(lse.dtype, lse.data, r), s, smoothing);
         }
-        store_row(&dlogits, r * C, C, 1, out);
+        store_row(&dlogits, r * ld, ld, 1, out);
     }
     free(buf);
     return 0;

@@ -16,6 +16,8 @@
 #include <cublasLt.h>
 #include <cublas_v2.h>
 #include <limits.h>
+#include <pthread.h>
+#include <string.h>
 
 #define BLAS_MAX_DEVICES 64
 #define LT_MAX_WORKSPACE ((uint64_t)32 << 20)   /* what cuBLASLt asks for at most on Hopper */
@@ -155,6 +157,12 @@ static void lt_release(lt_call *L) {
     if (L->op) cublasLtMatmulDescDestroy(L->op);
 }
 
+/* Scratch for the chosen algorithm, per call. */
+static int lt_workspace(lt_call *L) {
+    if (L->algo.workspaceSize > 0 && !(L->ws = ds_cuda_scratch(L->algo.workspaceSize))) return -1;
+    return 0;
+}
+
 static int lt_layout(cublasLtMatrixLayout_t *l, ds_dtype t, int64_t rows, int64_t cols, int64_t ld,
                      const gemm_plan *p, int64_t stride) {
     if (blas_ok(cublasLtMatrixLayoutCreate(l, cuda_type(t), (uint64_t)rows, (uint64_t)cols, ld),
@@ -173,6 +181,52 @@ static int lt_layout(cublasLtMatrixLayout_t *l, ds_dtype t, int64_t rows, int64_
 static int lt_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr, uint32_t value,
                    const char *name) {
     return blas_ok(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof value), name);
+}
+
+/* ---- the heuristic's choice, cached per distinct product: a training
+ * step repeats the same few dozen shapes, and the query costs tens of
+ * microseconds of host time each call. Entries live for the process. ---- */
+
+#define LT_CACHE 1024
+
+/* Everything the heuristic is asked about. Zeroed before filling, so that
+ * memcmp sees no stray padding. */
+typedef struct {
+    int dev, tf32, ta, tb;
+    ds_dtype dtype;
+    cublasLtEpilogue_t epilogue;
+    int64_t m, n, k, lda, ldb, ldc, count, sa, sb, sc;
+    uint32_t aa, ab, ac;
+} lt_key;
+
+static struct {
+    pthread_mutex_t lock;
+    int used;
+    lt_key key[LT_CACHE];
+    cublasLtMatmulHeuristicResult_t algo[LT_CACHE];
+} lt_cache = { PTHREAD_MUTEX_INITIALIZER, 0, {}, {} };
+
+/* The cached algorithm for key into *algo: 1, or 0 when not cached. */
+static int lt_cache_get(const lt_key *key, cublasLtMatmulHeuristicResult_t *algo) {
+    pthread_mutex_lock(&lt_cache.lock);
+    int hit = 0;
+    for (int i = 0; i < lt_cache.used && !hit; i++)
+        if (memcmp(&lt_cache.key[i], key, sizeof *key) == 0) {
+            *algo = lt_cache.algo[i];
+            hit = 1;
+        }
+    pthread_mutex_unlock(&lt_cache.lock);
+    return hit;
+}
+
+/* Past LT_CACHE distinct products the heuristic simply runs every call. */
+static void lt_cache_put(const lt_key *key, const cublasLtMatmulHeuristicResult_t *algo) {
+    pthread_mutex_lock(&lt_cache.lock);
+    if (lt_cache.used < LT_CACHE) {
+        lt_cache.key[lt_cache.used] = *key;
+        lt_cache.algo[lt_cache.used++] = *algo;
+    }
+    pthread_mutex_unlock(&lt_cache.lock);
 }
 
 static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_kview *a, const ds_kview *b) {
@@ -201,9 +255,23 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
                      batch_stride(p, a))
         || lt_layout(&L->lc, p->dtype, p->n, p->m, p->lc.ld, p, batch_stride(p, c)))
         return -1;
+    uint32_t ac = align_of(c, &p->lc);
+    lt_key key;
+    memset(&key, 0, sizeof key);
+    if (device_index(&key.dev)) return -1;
+    key.tf32 = tf32_on;
+    key.ta = p->lb.trans;
+    key.tb = p->la.trans;
+    key.dtype = p->dtype;
+    key.epilogue = p->epilogue;
+    key.m = p->m, key.n = p->n, key.k = p->k;
+    key.lda = p->la.ld, key.ldb = p->lb.ld, key.ldc = p->lc.ld;
+    key.count = p->bdim >= 0 ? p->count : 0;
+    key.sa = batch_stride(p, a), key.sb = batch_stride(p, b), key.sc = batch_stride(p, c);
+    key.aa = align_of(a, &p->la), key.ab = align_of(b, &p->lb), key.ac = ac;
+    if (lt_cache_get(&key, &L->algo)) return lt_workspace(L);
     if (blas_ok(cublasLtMatmulPreferenceCreate(&L->pref), "cublasLtMatmulPreferenceCreate")) return -1;
     uint64_t ws = LT_MAX_WORKSPACE;
-    uint32_t ac = align_of(c, &p->lc);
     if (blas_ok(cublasLtMatmulPreferenceSetAttribute(L->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                      sizeof ws),
                 "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)")
@@ -231,8 +299,8 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
                               "elements (alignments %u, %u, %u bytes)", (long long)p->m, (long long)p->n,
                               (long long)p->k, (int)ds_dtype_size(p->dtype), align_of(a, &p->la),
                               align_of(b, &p->lb), ac);
-    if (L->algo.workspaceSize > 0 && !(L->ws = ds_cuda_scratch(L->algo.workspaceSize))) return -1;
-    return 0;
+    lt_cache_put(&key, &L->algo);
+    return lt_workspace(L);
 }
 
 static int lt_run(const lt_call *L, const gemm_plan *p, const void *A, const void *B, void *C, double beta) {
@@ -334,6 +402,8 @@ extern "C" int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kvie
     if (bias.data && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != c.dtype || (n > 1 && bias.stride[0] != 1)))
         return ds_kernel_fail("gemm epilogue: bias must be a unit-stride [%lld] vector of the output's dtype",
                               (long long)n);
+    if ((uintptr_t)bias.data % 16)
+        return ds_kernel_fail("gemm epilogue: bias must start on 16 bytes (a view one element in does not)");
     cublasLtEpilogue_t e = bias.data ? (gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
                                      : (gelu ? CUBLASLT_EPILOGUE_GELU : CUBLASLT_EPILOGUE_DEFAULT);
     return gemm_impl(c, a, b, 1.0, 0.0, bias.data, e);

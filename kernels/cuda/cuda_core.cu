@@ -1,7 +1,7 @@
 /* Copies, fills and random numbers on the GPU: the CPU's semantics
  * (kernels/cpu/cpu_core.c) element for element, with the same Philox
  * counters, so random tensors are equal on both devices. */
-#include "cuda_common.cuh"
+#include "cuda_pointwise.cuh"
 #include "../ds_philox.h"
 
 /* ---- copy ---- */
@@ -15,6 +15,12 @@ static __global__ void copy_raw(ds_kview dst, ds_kview src, int64_t n, int dflat
         ((W *)dst.data)[od] = ((const W *)src.data)[os];
     }
 }
+
+/* Across float dtypes on the fast path: through f32, the same bits as
+ * through double (f32, bf16 and f16 all convert exactly to f32). */
+struct cast_f {
+    __device__ float operator()(const float *a) const { return a[0]; }
+};
 
 /* Across dtypes: through double, as ds_load/ds_store do on the CPU. */
 static __global__ void copy_cast(ds_kview dst, ds_kview src, int64_t n, int dflat, int sflat) {
@@ -62,6 +68,9 @@ static int cuda_copy(ds_kview dst, ds_kview src) {
     if (dst.dtype == src.dtype && dflat && sflat)
         return copy_bytes(dst.data, src.data, (size_t)n * ds_dtype_size(dst.dtype));
     if (dst.dtype == src.dtype) return launch_copy_raw(dst, src, n, dflat, sflat);
+    const ds_kview *in[1] = { &src };
+    int rc;
+    if (pw_fast_try<1>(cast_f{}, dst, in, n, "copy_cast fast kernel", &rc)) return rc;
     copy_cast<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(dst, src, n, dflat,
                                                                                             sflat);
     return ds_cuda_launched("copy_cast");

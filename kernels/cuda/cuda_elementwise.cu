@@ -1,9 +1,49 @@
 /* Elementwise kernels on the GPU: one thread per element, grid-stride.
  * Views are coalesced on the host; a flat view is read at i, others
  * through their strides. All-f32 binary and unary ops compute in f32 (the
- * CPU's fast loops), everything else through double, as on the CPU. */
+ * CPU's fast loops), everything else through double, as on the CPU.
+ * Contiguous f32/bf16/f16 operands (and a bias row or one value broadcast)
+ * take pw_fast_kernel instead: 16-byte accesses, f32 math, which for
+ * bf16/f16 is within a unit in the last place of the f64 route. */
 #include "cuda_pointwise.cuh"
 #include "../ds_elem.h"
+
+struct binary_f {
+    ds_binary_op op;
+    __device__ float operator()(const float *a) const { return ds_binary_apply_f(op, a[0], a[1]); }
+};
+
+/* the f32 loops' GELU for GELU-tanh, ds_unary_apply_f for the rest */
+__device__ __forceinline__ float unary_f32(ds_unary_op op, float v, float p) {
+    return op == DS_UN_GELU_TANH ? ds_gelu_tanh_f(v) : ds_unary_apply_f(op, v, p);
+}
+
+struct unary_f {
+    ds_unary_op op;
+    float p;
+    __device__ float operator()(const float *a) const { return unary_f32(op, a[0], p); }
+};
+
+/* d/dx of ds_gelu_tanh_f's x s(2u): s + 2 x s (1 - s) du/dx */
+__device__ __forceinline__ float gelu_tanh_grad_f(float x) {
+    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    float s = 1.0f / (1.0f + ds_expf(-2.0f * u));
+    return s + 2.0f * x * s * (1.0f - s) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x);
+}
+
+/* inputs g, x: GELU-tanh, the training hot spot, in f32 without reading y */
+struct gelu_tanh_backward_f {
+    __device__ float operator()(const float *a) const { return a[0] * gelu_tanh_grad_f(a[1]); }
+};
+
+/* inputs g, x, y: through ds_unary_derivative in double, as the strided path */
+struct unary_backward_f {
+    ds_unary_op op;
+    double p;
+    __device__ float operator()(const float *a) const {
+        return (float)((double)a[0] * ds_unary_derivative(op, a[1], a[2], p));
+    }
+};
 
 static __global__ void binary_kernel(ds_binary_op op, ds_kview out, ds_kview a, ds_kview b, int64_t n, int64_t so,
                                      int64_t sa, int64_t sb) {
@@ -23,6 +63,9 @@ static int cuda_binary(ds_binary_op op, ds_kview out, ds_kview a, ds_kview b) {
     cpu_coalesce(v, 3);
     int64_t n = ds_kview_numel(&out);
     if (n == 0) return 0;
+    const ds_kview *in[2] = { &a, &b };
+    int rc;
+    if (pw_fast_try<2>(binary_f{ op }, out, in, n, "binary fast kernel", &rc)) return rc;
     binary_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
         op, out, a, b, n, pw_step(out), pw_step(a), pw_step(b));
     return ds_cuda_launched("binary_kernel");
@@ -35,8 +78,7 @@ static __global__ void unary_kernel(ds_unary_op op, ds_kview out, ds_kview x, do
     DS_CUDA_LOOP(i, n) {
         int64_t io = pw_at(out, so, i), ix = pw_at(x, sx, i);
         if (f32) {
-            float v = ((const float *)x.data)[ix];
-            ((float *)out.data)[io] = op == DS_UN_GELU_TANH ? ds_gelu_tanh_f(v) : ds_unary_apply_f(op, v, pf);
+            ((float *)out.data)[io] = unary_f32(op, ((const float *)x.data)[ix], pf);
         } else {
             ds_store(out.dtype, out.data, io, ds_unary_apply(op, ds_load(x.dtype, x.data, ix), param));
         }
@@ -48,6 +90,9 @@ static int cuda_unary(ds_unary_op op, ds_kview out, ds_kview x, double param) {
     cpu_coalesce(v, 2);
     int64_t n = ds_kview_numel(&out);
     if (n == 0) return 0;
+    const ds_kview *in[1] = { &x };
+    int rc;
+    if (pw_fast_try<1>(unary_f{ op, (float)param }, out, in, n, "unary fast kernel", &rc)) return rc;
     unary_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
         op, out, x, param, n, pw_step(out), pw_step(x));
     return ds_cuda_launched("unary_kernel");
@@ -69,6 +114,11 @@ static int cuda_unary_backward(ds_unary_op op, ds_kview dx, ds_kview g, ds_kview
     cpu_coalesce(v, 4);
     int64_t n = ds_kview_numel(&dx);
     if (n == 0) return 0;
+    const ds_kview *in[3] = { &g, &x, &y };
+    int rc;
+    if (op == DS_UN_GELU_TANH ? pw_fast_try<2>(gelu_tanh_backward_f{}, dx, in, n, "gelu backward fast kernel", &rc)
+                              : pw_fast_try<3>(unary_backward_f{ op, param }, dx, in, n, "unary_backward fast kernel", &rc))
+        return rc;
     unary_backward_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
         op, dx, g, x, y, param, n, pw_step(dx), pw_step(g), pw_step(x), pw_step(y));
     return ds_cuda_launched("unary_backward_kernel");

@@ -129,12 +129,12 @@ static int ce_check(ds_kview target, int64_t rows, int64_t C, int64_t ignore, in
     return 0;
 }
 
-/* loss = lse - (1 - eps) x[t] - eps/C sum_j x[j]; 0 (and lse 0) when ignored */
-template <typename T>
-static __global__ void ce_kernel(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows,
-                                 int64_t C, int64_t ignore, T eps) {
+/* loss = lse - (1 - eps) x[t] - eps/C sum_j x[j]; 0 (and lse 0) when
+ * ignored. Rows are ld apart, of which the first C are classes. f64 data. */
+static __global__ void ce_f64_kernel(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows,
+                                     int64_t C, int64_t ld, int64_t ignore, double eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        int64_t t = pw_index(target, r), base = r * C;
+        int64_t t = pw_index(target, r), base = r * ld;
         if (t == ignore) {
             if (threadIdx.x == 0) {
                 ds_store(loss.dtype, loss.data, r, 0);
@@ -142,75 +142,158 @@ static __global__ void ce_kernel(ds_kview loss, ds_kview lse, ds_kview logits, d
             }
             continue;
         }
-        T m = -INFINITY, sx = 0, s = 0;
+        double m = -INFINITY, sx = 0, s = 0;
         for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
-            T v = pw_load<T>(logits, base + j);
+            double v = pw_load<double>(logits, base + j);
             m = fmax(m, v);
             sx += v;
         }
         m = pw_block_max(m);
         sx = pw_block_sum(sx);
-        for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += pw_exp(pw_load<T>(logits, base + j) - m);
+        for (int64_t j = threadIdx.x; j < C; j += blockDim.x) s += exp(pw_load<double>(logits, base + j) - m);
         s = pw_block_sum(s);
         if (threadIdx.x == 0) {
-            T l = m + log(s);
+            double l = m + log(s);
             ds_store(lse.dtype, lse.data, r, l);
-            ds_store(loss.dtype, loss.data, r, l - ((T)1 - eps) * pw_load<T>(logits, base + t) - eps / (T)C * sx);
+            ds_store(loss.dtype, loss.data, r, l - (1 - eps) * pw_load<double>(logits, base + t) - eps / (double)C * sx);
+        }
+    }
+}
+
+/* Folds v into a running max m and sum s of exp(x - m): one pass over the
+ * row (online softmax). -inf adds nothing; NaN reaches the sum. */
+__device__ __forceinline__ void lse_add(float &m, float &s, float v) {
+    if (v > m) {
+        s = s * ds_expf(m - v) + 1.0f;
+        m = v;
+    } else if (v != -INFINITY) {
+        s += ds_expf(v - m);
+    }
+}
+
+/* f32, bf16 and f16 logits in place, in one read: the same loss in f32,
+ * 8 logits a load from each row's first 16-byte boundary, the few before
+ * it and after the last one by one (rows of an odd vocab start anywhere). */
+static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows,
+                                     int64_t C, int64_t ld, int64_t ignore, float eps) {
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int64_t t = pw_index(target, r), base = r * ld;
+        if (t == ignore) {
+            if (threadIdx.x == 0) {
+                ds_store(loss.dtype, loss.data, r, 0);
+                ds_store(lse.dtype, lse.data, r, 0);
+            }
+            continue;
+        }
+        int64_t h = min(pw_head(logits.dtype, logits.data, base), C), cv = h + (C - h) / PW_VEC * PW_VEC;
+        float m = -INFINITY, s = 0, sx = 0, x[PW_VEC];
+        for (int64_t j = h + threadIdx.x * PW_VEC; j < cv; j += blockDim.x * PW_VEC) {
+            pw_load8(logits.dtype, logits.data, base + j, x);
+            for (int k = 0; k < PW_VEC; k++) {
+                lse_add(m, s, x[k]);
+                sx += x[k];
+            }
+        }
+        for (int64_t q = threadIdx.x; q < h + C - cv; q += blockDim.x) {
+            float v = pw_loadf(logits.dtype, logits.data, base + (q < h ? q : cv + q - h));
+            lse_add(m, s, v);
+            sx += v;
+        }
+        float M = pw_block_max(m);
+        s = pw_block_sum(m == -INFINITY ? 0.0f : s * ds_expf(m - M));
+        sx = pw_block_sum(sx);
+        if (threadIdx.x == 0) {
+            float l = M + logf(s);
+            ds_store(lse.dtype, lse.data, r, l);
+            ds_store(loss.dtype, loss.data, r,
+                     l - (1.0f - eps) * pw_loadf(logits.dtype, logits.data, base + t) - eps / (float)C * sx);
         }
     }
 }
 
 static int cuda_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
-                              int64_t ignore_index, double smoothing, int64_t *count) {
+                              int64_t ld, int64_t ignore_index, double smoothing, int64_t *count) {
     if (target.dtype != DS_I64 && target.dtype != DS_I32)
         return ds_kernel_fail("target must hold i64 or i32 class ids");
     *count = 0;
     if (rows == 0) return 0;
     if (ce_check(target, rows, C, ignore_index, count)) return -1;
     const ds_kview *v[3] = { &loss, &lse, &logits };
-    int th = pw_row_threads(C);
-    if (pw_any_f64(v, 3))
-        ce_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(loss, lse, logits, target, rows, C,
-                                                                         ignore_index, smoothing);
-    else
-        ce_kernel<float><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(loss, lse, logits, target, rows, C,
-                                                                        ignore_index, (float)smoothing);
-    return ds_cuda_launched("ce_kernel");
+    if (pw_any_f64(v, 3)) {
+        ce_f64_kernel<<<row_blocks(rows), pw_row_threads(C), 0, ds_cuda_stream()>>>(loss, lse, logits, target, rows,
+                                                                                    C, ld, ignore_index, smoothing);
+        return ds_cuda_launched("ce_f64_kernel");
+    }
+    ce_f32_kernel<<<row_blocks(rows), pw_row_threads(C / PW_VEC), 0, ds_cuda_stream()>>>(
+        loss, lse, logits, target, rows, C, ld, ignore_index, (float)smoothing);
+    return ds_cuda_launched("ce_f32_kernel");
 }
 
 /* dx = s (softmax(x) - eps/C) - s (1 - eps) onehot(t), s = scale dloss[r];
- * one thread per logit, 0 on ignored rows */
-template <typename T>
-static __global__ void ce_backward_kernel(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
-                                          ds_kview target, int64_t rows, int64_t C, int64_t ignore, T eps,
-                                          double scale, int64_t dstride) {
-    T off = eps / (T)C;
-    DS_CUDA_LOOP(e, rows * C) {
-        int64_t r = e / C, t = pw_index(target, r);
-        T v = 0;
-        if (t != ignore) {
-            T s = (T)(scale * ds_load(dloss.dtype, dloss.data, r * dstride));
-            v = s * (pw_exp(pw_load<T>(logits, e) - pw_load<T>(lse, r)) - off);
-            if (e % C == t) v -= s * ((T)1 - eps);
+ * one thread per logit, 0 on ignored rows and past C. f64 data. */
+static __global__ void ce_backward_f64_kernel(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
+                                              ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore,
+                                              double eps, double scale, int64_t dstride) {
+    DS_CUDA_LOOP(e, rows * ld) {
+        int64_t r = e / ld, j = e % ld, t = pw_index(target, r);
+        double v = 0;
+        if (t != ignore && j < C) {
+            double s = scale * ds_load(dloss.dtype, dloss.data, r * dstride);
+            v = s * (exp(pw_load<double>(logits, e) - pw_load<double>(lse, r)) - eps / (double)C);
+            if (j == t) v -= s * (1 - eps);
         }
         ds_store(dlogits.dtype, dlogits.data, e, v);
     }
 }
 
+/* Column j's gradient from its logit x, in the f32 kernel's terms. */
+__device__ __forceinline__ float ce_grad(float x, int64_t j, int64_t C, int64_t t, float s, float l, float off,
+                                         float hit) {
+    if (j >= C) return 0;
+    float v = s * (ds_expf(x - l) - off);
+    return j == t ? v - hit : v;
+}
+
+/* The same in f32, a block per row: one read of the logits, one write of
+ * dlogits in their dtype, 8 a thread access from the rows' first 16-byte
+ * boundary when vec (the two tensors equally far from one). */
+static __global__ void ce_backward_f32_kernel(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
+                                              ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore,
+                                              float eps, double scale, int64_t dstride, bool vec) {
+    float off = eps / (float)C;
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int64_t t = pw_index(target, r), base = r * ld, c = t == ignore ? 0 : C;   /* c: the columns with a gradient */
+        int64_t h = vec ? min(pw_head(dlogits.dtype, dlogits.data, base), ld) : ld, lv = h + (ld - h) / PW_VEC * PW_VEC;
+        float s = c ? (float)(scale * ds_load(dloss.dtype, dloss.data, r * dstride)) : 0.0f;
+        float l = c ? pw_loadf(lse.dtype, lse.data, r) : 0.0f, hit = s * (1.0f - eps), x[PW_VEC] = {};
+        for (int64_t j = h + threadIdx.x * PW_VEC; j < lv; j += blockDim.x * PW_VEC) {
+            if (j < c) pw_load8(logits.dtype, logits.data, base + j, x);
+            for (int k = 0; k < PW_VEC; k++) x[k] = ce_grad(x[k], j + k, c, t, s, l, off, hit);
+            pw_store8(dlogits.dtype, dlogits.data, base + j, x);
+        }
+        for (int64_t q = threadIdx.x; q < h + ld - lv; q += blockDim.x) {
+            int64_t j = q < h ? q : lv + q - h;
+            float v = j < c ? pw_loadf(logits.dtype, logits.data, base + j) : 0.0f;
+            pw_storef(dlogits.dtype, dlogits.data, base + j, ce_grad(v, j, c, t, s, l, off, hit));
+        }
+    }
+}
+
 static int cuda_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
-                                       ds_kview target, int64_t rows, int64_t C, int64_t ignore_index,
+                                       ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
                                        double smoothing, double scale) {
-    int64_t n = rows * C, ds = dloss.ndim ? dloss.stride[0] : 0;
+    int64_t n = rows * ld, ds = dloss.ndim ? dloss.stride[0] : 0;
     if (n == 0) return 0;
     const ds_kview *v[3] = { &dlogits, &logits, &lse };
-    unsigned grid = ds_cuda_blocks(n, DS_CUDA_THREADS);
-    if (pw_any_f64(v, 3))
-        ce_backward_kernel<double><<<grid, DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-            dlogits, dloss, logits, lse, target, rows, C, ignore_index, smoothing, scale, ds);
-    else
-        ce_backward_kernel<float><<<grid, DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-            dlogits, dloss, logits, lse, target, rows, C, ignore_index, (float)smoothing, scale, ds);
-    return ds_cuda_launched("ce_backward_kernel");
+    if (pw_any_f64(v, 3)) {
+        ce_backward_f64_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+            dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, smoothing, scale, ds);
+        return ds_cuda_launched("ce_backward_f64_kernel");
+    }
+    bool vec = logits.dtype == dlogits.dtype && ((uintptr_t)logits.data - (uintptr_t)dlogits.data) % 16 == 0;
+    ce_backward_f32_kernel<<<row_blocks(rows), pw_row_threads(vec ? ld / PW_VEC : ld), 0, ds_cuda_stream()>>>(
+        dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, (float)smoothing, scale, ds, vec);
+    return ds_cuda_launched("ce_backward_f32_kernel");
 }
 
 /* ---- layer norm and RMS norm, one kernel each way: RMS norm is layer
@@ -245,12 +328,69 @@ static __global__ void norm_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_
     }
 }
 
+/* The f32 path for rows of a multiple of 8 values: a warp per row, 8
+ * values a load, the same math as norm_kernel<float> over 32 lanes. Rows
+ * of GPT-2 (768) are 3 loads a lane, with no block-wide barriers. */
+#define NORM_WARPS 8
+
+__device__ __forceinline__ void norm_load8(const ds_kview &v, int64_t i, float *x, float absent) {
+    if (v.data) pw_load8(v.dtype, v.data, i, x);
+    else for (int k = 0; k < PW_VEC; k++) x[k] = absent;
+}
+
+static __global__ void norm_warp_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
+                                        int64_t rows, int64_t n, float eps, bool centered) {
+    int lane = threadIdx.x & 31;
+    for (int64_t r = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5); r < rows;
+         r += (int64_t)gridDim.x * NORM_WARPS) {
+        int64_t base = r * n;
+        float m = 0, v = 0, xv[PW_VEC], wv[PW_VEC], bv[PW_VEC];
+        if (centered) {
+            for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
+                pw_load8(x.dtype, x.data, base + j, xv);
+                for (int k = 0; k < PW_VEC; k++) m += xv[k];
+            }
+            m = pw_warp_reduce(m, pw_sum()) / (float)n;
+        }
+        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
+            pw_load8(x.dtype, x.data, base + j, xv);
+            for (int k = 0; k < PW_VEC; k++) v += (xv[k] - m) * (xv[k] - m);
+        }
+        float rs = 1.0f / sqrtf(pw_warp_reduce(v, pw_sum()) / (float)n + eps);
+        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
+            pw_load8(x.dtype, x.data, base + j, xv);
+            norm_load8(w, j, wv, 1.0f);
+            norm_load8(b, j, bv, 0.0f);
+            for (int k = 0; k < PW_VEC; k++) xv[k] = (xv[k] - m) * rs * wv[k] + bv[k];
+            pw_store8(y.dtype, y.data, base + j, xv);
+        }
+        if (lane == 0) {
+            if (centered) pw_storef(mean.dtype, mean.data, r, m);
+            pw_storef(rstd.dtype, rstd.data, r, rs);
+        }
+    }
+}
+
+/* Whether rows of n go through the warp kernels: n a multiple of 8 and
+ * every view given f32, bf16 or f16 on 16 bytes. */
+static bool norm_vec(int64_t n, const ds_kview *const *v, int k) {
+    if (n % PW_VEC) return false;
+    for (int i = 0; i < k; i++)
+        if (v[i]->data && (!pw_is_f32ish(v[i]->dtype) || !pw_aligned(v[i]->data))) return false;
+    return true;
+}
+
 static int norm_forward(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, int64_t rows,
                         int64_t n, double eps) {
     if (rows == 0) return 0;
-    const ds_kview *v[4] = { &y, &mean, &rstd, &x };
+    const ds_kview *v[6] = { &y, &mean, &rstd, &x, &w, &b };
     int th = pw_row_threads(n);
     bool centered = mean.data != NULL;
+    if (norm_vec(n, v, 6)) {
+        norm_warp_kernel<<<ds_cuda_blocks(rows, NORM_WARPS), 32 * NORM_WARPS, 0, ds_cuda_stream()>>>(
+            y, mean, rstd, x, w, b, rows, n, (float)eps, centered);
+        return ds_cuda_launched("norm_warp_kernel");
+    }
     if (pw_any_f64(v, 4))
         norm_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, rows, n, eps,
                                                                            centered);
@@ -279,6 +419,37 @@ static __global__ void norm_backward_kernel(ds_kview dx, ds_kview g, ds_kview x,
             T xh = (pw_load<T>(x, base + j) - m) * rs;
             T wg = (w.data ? pw_load<T>(w, j) : (T)1) * pw_load<T>(g, base + j);
             ds_store(dx.dtype, dx.data, base + j, (wg - a - xh * c) * rs);
+        }
+    }
+}
+
+/* The same over a warp per row, as norm_warp_kernel. */
+static __global__ void norm_backward_warp_kernel(ds_kview dx, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
+                                                 ds_kview rstd, int64_t rows, int64_t n) {
+    int lane = threadIdx.x & 31;
+    for (int64_t r = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5); r < rows;
+         r += (int64_t)gridDim.x * NORM_WARPS) {
+        int64_t base = r * n;
+        float m = mean.data ? pw_loadf(mean.dtype, mean.data, r) : 0.0f, rs = pw_loadf(rstd.dtype, rstd.data, r);
+        float a = 0, c = 0, gv[PW_VEC], xv[PW_VEC], wv[PW_VEC];
+        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
+            pw_load8(g.dtype, g.data, base + j, gv);
+            pw_load8(x.dtype, x.data, base + j, xv);
+            norm_load8(w, j, wv, 1.0f);
+            for (int k = 0; k < PW_VEC; k++) {
+                float wg = wv[k] * gv[k];
+                a += wg;
+                c += wg * (xv[k] - m) * rs;
+            }
+        }
+        a = mean.data ? pw_warp_reduce(a, pw_sum()) / (float)n : 0.0f;
+        c = pw_warp_reduce(c, pw_sum()) / (float)n;
+        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
+            pw_load8(g.dtype, g.data, base + j, gv);
+            pw_load8(x.dtype, x.data, base + j, xv);
+            norm_load8(w, j, wv, 1.0f);
+            for (int k = 0; k < PW_VEC; k++) xv[k] = (wv[k] * gv[k] - a - (xv[k] - m) * rs * c) * rs;
+            pw_store8(dx.dtype, dx.data, base + j, xv);
         }
     }
 }
@@ -358,9 +529,13 @@ static int param_grads(ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kvie
 static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
                          ds_kview rstd, int64_t rows, int64_t n) {
     if (n == 0) return 0;
-    const ds_kview *v[5] = { &dx, &g, &x, &mean, &rstd };
+    const ds_kview *v[6] = { &dx, &g, &x, &mean, &rstd, &w };
     bool f64 = pw_any_f64(v, 5);
-    if (rows > 0) {
+    if (rows > 0 && norm_vec(n, v, 6)) {
+        norm_backward_warp_kernel<<<ds_cuda_blocks(rows, NORM_WARPS), 32 * NORM_WARPS, 0, ds_cuda_stream()>>>(
+            dx, g, x, w, mean, rstd, rows, n);
+        if (ds_cuda_launched("norm_backward_warp_kernel")) return -1;
+    } else if (rows > 0) {
         int th = pw_row_threads(n);
         if (f64)
             norm_backward_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(dx, g, x, w, mean, rstd,

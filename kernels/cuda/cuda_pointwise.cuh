@@ -74,6 +74,149 @@ template <typename T> __device__ __forceinline__ T pw_block_max(T v) {
     return pw_block_reduce(v, pw_max(), (T)-INFINITY);
 }
 
+/* ---- the float fast paths: f32, bf16 and f16 data computed in f32, read
+ * and written 8 elements at a time (one 16-byte word of bf16/f16, two of
+ * f32). Rounding to bf16/f16 is ds_store's, bit for bit. ---- */
+
+#define PW_VEC 8
+
+static inline bool pw_is_f32ish(ds_dtype t) { return t == DS_F32 || t == DS_BF16 || t == DS_F16; }
+
+/* p can be read in 16-byte words */
+static inline bool pw_aligned(const void *p) { return ((uintptr_t)p & 15) == 0; }
+
+__device__ __forceinline__ float pw_loadf(ds_dtype t, const void *p, int64_t i) {
+    if (t == DS_F32) return ((const float *)p)[i];
+    uint16_t h = ((const uint16_t *)p)[i];
+    return t == DS_BF16 ? ds_bf16_to_f32(h) : ds_f16_to_f32(h);
+}
+
+__device__ __forceinline__ void pw_storef(ds_dtype t, void *p, int64_t i, float v) {
+    if (t == DS_F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = t == DS_BF16 ? ds_f32_to_bf16(v) : ds_f32_to_f16(v);
+}
+
+/* Elements i..i+7 into x; element i must sit on 16 bytes. */
+__device__ __forceinline__ void pw_load8(ds_dtype t, const void *p, int64_t i, float *x) {
+    if (t == DS_F32) {
+        const float4 *q = (const float4 *)((const float *)p + i);
+        float4 a = q[0], b = q[1];
+        x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+        x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+        return;
+    }
+    uint4 w = *(const uint4 *)((const uint16_t *)p + i);
+    const uint16_t *h = (const uint16_t *)&w;
+    for (int k = 0; k < PW_VEC; k++) x[k] = t == DS_BF16 ? ds_bf16_to_f32(h[k]) : ds_f16_to_f32(h[k]);
+}
+
+__device__ __forceinline__ void pw_store8(ds_dtype t, void *p, int64_t i, const float *x) {
+    if (t == DS_F32) {
+        float4 *q = (float4 *)((float *)p + i);
+        q[0] = make_float4(x[0], x[1], x[2], x[3]);
+        q[1] = make_float4(x[4], x[5], x[6], x[7]);
+        return;
+    }
+    uint4 w;
+    uint16_t *h = (uint16_t *)&w;
+    for (int k = 0; k < PW_VEC; k++) h[k] = t == DS_BF16 ? ds_f32_to_bf16(x[k]) : ds_f32_to_f16(x[k]);
+    *(uint4 *)((uint16_t *)p + i) = w;
+}
+
+/* Elements of dtype t from p to the next 16-byte boundary: where a row
+ * that may start anywhere begins its 8-at-a-time part. */
+__device__ __forceinline__ int64_t pw_head(ds_dtype t, const void *p, int64_t i) {
+    size_t es = t == DS_F32 ? 4 : 2;
+    return (int64_t)((16 - ((uintptr_t)p + (uintptr_t)i * es) % 16) % 16 / es);
+}
+
+/* How the fast paths find element i of a coalesced input: at i (0), at
+ * i % mod (a row of mod values repeated over rows, as a bias [C] added to
+ * [N, C]; mod 1: one value everywhere), or not at all (-1: strided). */
+static inline int64_t pw_fast_mod(const ds_kview &v) {
+    if (ds_kview_is_contiguous(&v)) return 0;
+    if (v.ndim == 1 && v.stride[0] == 0) return 1;
+    if (v.ndim == 2 && v.stride[0] == 0 && v.stride[1] == 1) return v.shape[1];
+    return -1;
+}
+
+/* Whether a contiguous out and inputs in[0..k) take the float fast path:
+ * every dtype f32, bf16 or f16, every input found by pw_fast_mod (into
+ * mod[]). *vec: all of them can be read 8 at a time as well. */
+static inline bool pw_fast(const ds_kview &out, const ds_kview *const *in, int k, int64_t *mod, bool *vec) {
+    if (!pw_is_f32ish(out.dtype) || !ds_kview_is_contiguous(&out)) return false;
+    *vec = pw_aligned(out.data);
+    for (int i = 0; i < k; i++) {
+        mod[i] = pw_fast_mod(*in[i]);
+        if (!pw_is_f32ish(in[i]->dtype) || mod[i] < 0) return false;
+        if (mod[i] != 1 && (mod[i] % PW_VEC != 0 || !pw_aligned(in[i]->data))) *vec = false;
+    }
+    return true;
+}
+
+/* Blocks for a fast kernel over n elements: one thread per 8 when vec. */
+static inline unsigned pw_fast_blocks(int64_t n, bool vec) {
+    return ds_cuda_blocks(vec ? (n + PW_VEC - 1) / PW_VEC : n, DS_CUDA_THREADS);
+}
+
+__device__ __forceinline__ int64_t pw_mod_at(int64_t mod, int64_t i) { return mod ? i % mod : i; }
+
+/* Element i of a fast-path input, and elements i..i+7 (i a multiple of 8). */
+__device__ __forceinline__ float pw_fetch(const ds_kview &v, int64_t mod, int64_t i) {
+    return pw_loadf(v.dtype, v.data, pw_mod_at(mod, i));
+}
+
+__device__ __forceinline__ void pw_fetch8(const ds_kview &v, int64_t mod, int64_t i, float *x) {
+    if (mod == 1) {
+        float c = pw_loadf(v.dtype, v.data, 0);
+        for (int k = 0; k < PW_VEC; k++) x[k] = c;
+    } else {
+        pw_load8(v.dtype, v.data, pw_mod_at(mod, i), x);
+    }
+}
+
+/* The K inputs of a fast kernel and how each is found. */
+template <int K> struct pw_inputs {
+    ds_kview v[K];
+    int64_t mod[K];
+};
+
+/* out[i] = f(inputs at i) in f32: 8 elements a thread while vec, then the
+ * tail (or everything) one by one. f maps the K input values to one. */
+template <int K, typename F>
+static __global__ void pw_fast_kernel(F f, ds_kview out, pw_inputs<K> in, int64_t n, bool vec) {
+    int64_t nv = vec ? n / PW_VEC : 0;
+    DS_CUDA_LOOP(c, nv) {
+        float x[K][PW_VEC], y[PW_VEC], a[K];
+        for (int j = 0; j < K; j++) pw_fetch8(in.v[j], in.mod[j], c * PW_VEC, x[j]);
+        for (int k = 0; k < PW_VEC; k++) {
+            for (int j = 0; j < K; j++) a[j] = x[j][k];
+            y[k] = f(a);
+        }
+        pw_store8(out.dtype, out.data, c * PW_VEC, y);
+    }
+    DS_CUDA_LOOP(t, n - nv * PW_VEC) {
+        int64_t i = nv * PW_VEC + t;
+        float a[K];
+        for (int j = 0; j < K; j++) a[j] = pw_fetch(in.v[j], in.mod[j], i);
+        pw_storef(out.dtype, out.data, i, f(a));
+    }
+}
+
+/* Runs f over out's n elements when pw_fast takes out and in[0..K): 1
+ * when launched (*rc: 0 or -1 as the launch went), 0 for the caller's
+ * strided path. */
+template <int K, typename F>
+static int pw_fast_try(F f, const ds_kview &out, const ds_kview *const *in, int64_t n, const char *name, int *rc) {
+    pw_inputs<K> p;
+    bool vec;
+    if (!pw_fast(out, in, K, p.mod, &vec)) return 0;
+    for (int j = 0; j < K; j++) p.v[j] = *in[j];
+    pw_fast_kernel<K, F><<<pw_fast_blocks(n, vec), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(f, out, p, n, vec);
+    *rc = ds_cuda_launched(name);
+    return 1;
+}
+
 /* Index values are i64 or i32. */
 __device__ __forceinline__ int64_t pw_index(const ds_kview &idx, int64_t off) {
     return idx.dtype == DS_I64 ? ((const int64_t *)idx.data)[off] : ((const int32_t *)idx.data)[off];

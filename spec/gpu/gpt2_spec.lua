@@ -5,9 +5,23 @@ local H = require 'helpers'
 local ds = H.ds
 local GPT = require 'models.gpt2'
 
-local function train(F, dev, steps)
+-- pad: rows of wte/lm_head; the padded model starts from the unpadded
+-- one's weights (zero rows below), so both follow the same losses.
+local function train(F, dev, steps, pad)
   ds.manual_seed(1337)
-  local model = GPT(F.config):to(dev)
+  local model = GPT(F.config)
+  if pad then
+    local cfg = {}
+    for k, v in pairs(F.config) do cfg[k] = v end
+    cfg.padded_vocab_size = pad
+    local padded, sd = GPT(cfg), model:state_dict()
+    local wte = ds.zeros({ pad, cfg.n_embd })
+    wte:narrow(1, 1, cfg.vocab_size):copy_(sd['transformer.wte.weight'])
+    sd['transformer.wte.weight'], sd['lm_head.weight'] = wte, wte
+    padded:load_state_dict(sd)
+    model = padded
+  end
+  model = model:to(dev)
   local opt = ds.optim.AdamW(model:parameters(), { lr = 1e-3, betas = { 0.9, 0.95 }, eps = 1e-8, weight_decay = 0.1 })
   local losses = {}
   for step = 1, steps do
@@ -39,6 +53,17 @@ describe('#gpu models.gpt2 on the GPU', function()
     assert.is_true(gpu[20] < gpu[1] - 0.1, 'the loss falls')
     print(string.format('gpt2 GPU parity: 20 AdamW steps, loss %.4f -> %.4f, max relative diff from the CPU %.3g',
                         gpu[1], gpu[20], worst))
+  end)
+
+  it('with a padded vocab (65 -> 128 rows) follows the unpadded CPU model\'s loss within 1e-4 relative', function()
+    local F = H.fixture('models_gpt2')
+    local cpu = train(F, 'cpu', 10)
+    local gpu = train(F, ds.device(), 10, 128)
+    for step = 1, 10 do
+      local d = math.abs(gpu[step] - cpu[step]) / math.abs(cpu[step])
+      assert.is_true(d < 1e-4, string.format('step %d: padded GPU loss %.9g, CPU %.9g (rel diff %.3g)', step, gpu[step],
+                                             cpu[step], d))
+    end
   end)
 
   it('generates from CPU ids on the model\'s GPU, returning CPU ids as the CPU model does (GPT-2 and Llama)', function()

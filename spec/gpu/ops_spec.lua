@@ -166,6 +166,33 @@ describe('elementwise ops on the GPU #gpu', function()
       return t, u
     end, { randn(dt, 4, 5), randn(dt, 5) }, { grad = false }
   end)
+  -- The float fast path (contiguous f32/bf16/f16, 8 elements a thread
+  -- access, a bias row or one value broadcast) against the strided one.
+  each(FLOATS, 'add, mul, div of contiguous tensors (8 at a time, 8 over)', function(dt)
+    return function(a, b) return (a + b) * a / (b:abs() + 1) end, { randn(dt, 37, 24), randn(dt, 37, 24) }
+  end)
+  each(FLOATS, 'add and sub of contiguous tensors with a tail (n % 8 ~= 0)', function(dt)
+    return function(a, b) return a + b - a * 0.5 end, { randn(dt, 1001), randn(dt, 1001) }
+  end)
+  each(FLOATS, 'bias add [N, C] + [C], C a multiple of 8 and not', function(dt)
+    return function(a, w, b, v) return a + w, b + v, w + a end,
+           { randn(dt, 33, 64), randn(dt, 64), randn(dt, 33, 13), randn(dt, 13) }
+  end)
+  each(FLOATS, 'misaligned contiguous views (one element in)', function(dt)
+    return function(a, b) return a:narrow(1, 2, 999) + b:narrow(1, 1, 999), a:narrow(1, 2, 999):tanh() end,
+           { randn(dt, 1001), randn(dt, 1001) }
+  end)
+  each(FLOATS, 'gelu (tanh) of long rows, forward and backward', function(dt)
+    return function(x) return x:gelu('tanh') end, { randn(dt, 64, 3 * 8 + 40) * 3 }
+  end)
+  each(FLOATS, 'tanh and sigmoid backward (8 at a time)', function(dt)
+    return function(x) return x:tanh() + x:sigmoid() end, { randn(dt, 40, 16) }
+  end)
+  for _, n in ipairs { 4096, 4099 } do
+    each({ 'f32', 'bf16', 'f16' }, 'casts of ' .. n .. ' contiguous elements', function(dt)
+      return function(x) return x:to('f32'), x:to('bf16'), x:to('f16') end, { randn(dt, n) * 100 }
+    end)
+  end
   for _, from in ipairs(FLOATS) do
     each(FLOATS, 'to from ' .. from, function(dt)
       return function(x) return x:to(dt) * 1 end, { randn(from, 9, 11):transpose(1, 2) }
@@ -268,6 +295,14 @@ describe('matrix products on the GPU #gpu', function()
   end)
   each(FLOATS, 'linear', function(dt)
     return function(x, w, b) return ds.linear(x, w, b) end, { randn(dt, 2, 3, 7), randn(dt, 4, 7), randn(dt, 4) }
+  end)
+  -- the bias in cuBLASLt's epilogue, and copied first where the epilogue does not take it
+  each(FLOATS, 'linear with bias of training shapes', function(dt)
+    return function(x, w, b) return ds.linear(x, w, b) end, { randn(dt, 4, 16, 64), randn(dt, 48, 64), randn(dt, 48) }
+  end)
+  each(FLOATS, 'linear with a misaligned bias view and a strided input', function(dt)
+    return function(x, w, b) return ds.linear(x:transpose(1, 2), w, b:narrow(1, 2, 24)) end,
+           { randn(dt, 32, 5), randn(dt, 24, 32), randn(dt, 25) }
   end)
   each(FLOATS, 'linear without bias', function(dt)
     return function(x, w) return ds.linear(x, w) end, { randn(dt, 6, 7), randn(dt, 4, 7) }
@@ -384,6 +419,19 @@ describe('nn row ops on the GPU #gpu', function()
   each(FLOATS, 'cross_entropy of many classes', function(dt)
     return function(x, t) return ds.cross_entropy(x, t) end, { randn(dt, 4, 3000), index({ 5, 2999, 0, 1234 }) }
   end)
+  each(FLOATS, 'cross_entropy of many classes, not a multiple of 8', function(dt)
+    return function(x, t) return ds.cross_entropy(x, t, { label_smoothing = 0.1 }) end,
+           { randn(dt, 4, 3001) * 4, index({ 5, 3000, 0, 1234 }) }
+  end)
+  -- a padded vocab (classes): 8 a load when the row length is a multiple of 8
+  for _, c in ipairs { { 72, 67 }, { 70, 65 }, { 50304, 50257 } } do
+    each(FLOATS, 'cross_entropy of ' .. c[2] .. ' classes in rows of ' .. c[1], function(dt)
+      local rows = c[1] > 1000 and 4 or 6
+      local t = { 2, -100, c[2] - 1, 0, 7, 1 }
+      return function(x, tt) return ds.cross_entropy(x, tt, { classes = c[2], label_smoothing = 0.1 }) end,
+             { randn(dt, rows, c[1]) * 3, index({ unpack(t, 1, rows) }) }
+    end)
+  end
   for _, red in ipairs { 'mean', 'sum', 'none' } do
     each(FLOATS, 'mse_loss ' .. red, function(dt)
       return function(a, b) return ds.mse_loss(a, b, red) end, { randn(dt, 4, 6), randn(dt, 4, 6) }
@@ -398,6 +446,15 @@ describe('nn row ops on the GPU #gpu', function()
   end)
   each(FLOATS, 'layer_norm without affine of long rows', function(dt)
     return function(x) return ds.layer_norm(x, nil, nil) end, { randn(dt, 3, 4000) }
+  end)
+  each(FLOATS, 'layer_norm of GPT-2 rows (a warp a row, 8 at a time)', function(dt)
+    return function(x, w, b) return ds.layer_norm(x, w, b) end, { randn(dt, 2, 37, 768) * 2 + 1, randn(dt, 768), randn(dt, 768) }
+  end)
+  each(FLOATS, 'layer_norm of a misaligned view, weight only', function(dt)
+    return function(x, w) return ds.layer_norm(x:narrow(2, 2, 64), w, nil) end, { randn(dt, 9, 65), randn(dt, 64) }
+  end)
+  each(FLOATS, 'rms_norm of rows of 8 (the warp kernels)', function(dt)
+    return function(x, w) return ds.rms_norm(x, w, 1e-6) end, { randn(dt, 50, 8), randn(dt, 8) }
   end)
   each(FLOATS, 'rms_norm', function(dt)
     return function(x, w) return ds.rms_norm(x, w, 1e-6) end, { randn(dt, 5, 24), randn(dt, 24) }
