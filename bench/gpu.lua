@@ -1,7 +1,7 @@
 -- dslua's side of bench/gpu.sh, on the GPU:
---   dslua bench/gpu.lua train B DTYPE [quick]   GPT-2 124M, T=1024, AdamW, clip 1.0
+--   dslua bench/gpu.lua train B DTYPE V [quick] GPT-2 124M, T=1024, AdamW, clip 1.0
 --   dslua bench/gpu.lua ops [quick]              the per-op rows
---   dslua bench/gpu.lua steps B DTYPE N           N plain steps, for a profiler
+--   dslua bench/gpu.lua steps B DTYPE V N         N plain steps, for a profiler
 -- Prints `result dslua <row> <shape> <value> <unit>` lines that
 -- bench/gpu_table.lua joins with bench/gpu_torch.py's.
 local ds = require 'dslua'
@@ -46,14 +46,14 @@ local function randn(shape, dt) return ds.randn(shape, dt, dev) end
 
 local T = 1024
 
--- The engine over GPT-2 124M and four random batches of B x T tokens. The
--- vocab is padded to 50304 rows as nanoGPT and llm.c train it (the loss
--- still over the 50257 real classes): N = 50257 sends cuBLAS to a slow
--- kernel for the three lm_head GEMMs.
-local function setup(B, dtype)
+-- The engine over GPT-2 124M and four random batches of B x T tokens. V
+-- 50304 pads the vocab as nanoGPT and llm.c train it (the loss still over
+-- the 50257 real classes): N = 50257 sends cuBLAS to a slow kernel for the
+-- three lm_head GEMMs.
+local function setup(B, dtype, V)
   ds.manual_seed(0)
-  local model = GPT { vocab_size = 50257, padded_vocab_size = 50304, block_size = T, n_layer = 12, n_head = 12,
-                      n_embd = 768, bias = true }
+  local model = GPT { vocab_size = 50257, padded_vocab_size = V > 50257 and V or nil, block_size = T, n_layer = 12,
+                      n_head = 12, n_embd = 768, bias = true }
   local engine = ds.initialize { model = model, config = {
     train_batch_size = B, steps_per_print = 1e9, gradient_clipping = 1.0,
     bf16 = { enabled = dtype == 'bf16' },
@@ -67,9 +67,9 @@ local function setup(B, dtype)
   return engine, batches, model:num_parameters()
 end
 
-local function train(B, dtype)
+local function train(B, dtype, V)
   local n_steps = quick and 3 or 10
-  local engine, batches, n_params = setup(B, dtype)
+  local engine, batches, n_params = setup(B, dtype, V)
   local function step(i)
     engine:backward(engine(batches[(i - 1) % #batches + 1]))
     engine:step()
@@ -81,7 +81,7 @@ local function train(B, dtype)
   for i = 1, n_steps do step(i) end
   sync()
   local sec = (ds.wall_time() - t0) / n_steps
-  local shape = string.format('B%dxT%d_%s', B, T, dtype)
+  local shape = string.format('B%dxT%d_%s_V%d', B, T, dtype, V)
   result('gpt2_124M', shape, B * T / sec, 'tokens/s')
   result('gpt2_124M_peak', shape, ds.cuda.memory_info().peak / 2^30, 'GiB')
   -- Phases apart, each synchronized: where a step's time goes.
@@ -100,8 +100,8 @@ local function train(B, dtype)
 end
 
 -- N steps and nothing else: what bench/gpu_kernels.sh profiles.
-local function steps(B, dtype, n)
-  local engine, batches = setup(B, dtype)
+local function steps(B, dtype, V, n)
+  local engine, batches = setup(B, dtype, V)
   local t0
   for i = 1, n do
     if i == 2 then sync(); t0 = ds.wall_time() end
@@ -152,10 +152,10 @@ local function ops()
 end
 
 print(string.format('info\tdslua\tdevice\t%s', ds.device()))
-if mode == 'train' then train(tonumber(arg[2]), arg[3])
+if mode == 'train' then train(tonumber(arg[2]), arg[3], tonumber(arg[4]))
 elseif mode == 'ops' then ops()
-elseif mode == 'steps' then steps(tonumber(arg[2]), arg[3], tonumber(arg[4]))
+elseif mode == 'steps' then steps(tonumber(arg[2]), arg[3], tonumber(arg[4]), tonumber(arg[5]))
 else
-  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32 [quick] | ops [quick]\n')
+  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32 V [quick] | ops [quick] | steps B bf16|f32 V N\n')
   os.exit(2)
 end

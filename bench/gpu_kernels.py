@@ -1,8 +1,8 @@
 """Where the GPU time of dslua's training steps goes, kernel by kernel:
-runs `dslua bench/gpu.lua steps B DTYPE N` under Nsight Compute (only the
+runs `dslua bench/gpu.lua steps B DTYPE V N` under Nsight Compute (only the
 kernel durations, clocks left as they are) and prints each kernel's total
 time per step, largest first, against the steps' wall time without ncu.
-    python3 bench/gpu_kernels.py [B] [bf16|f32] [N]   (defaults 8 bf16 3)
+    python3 bench/gpu_kernels.py [B] [bf16|f32] [V] [N]   (defaults 8 bf16 50304 3)
 N includes the first, slow step; the table divides by N."""
 import collections
 import csv
@@ -10,8 +10,8 @@ import io
 import subprocess
 import sys
 
-B, dtype, n = (sys.argv[1:] + ["8", "bf16", "3"][len(sys.argv) - 1:])[:3]
-cmd = ["build/dslua", "bench/gpu.lua", "steps", B, dtype, n]
+B, dtype, V, n = (sys.argv[1:] + ["8", "bf16", "50304", "3"][len(sys.argv) - 1:])[:4]
+cmd = ["build/dslua", "bench/gpu.lua", "steps", B, dtype, V, n]
 wall = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
 out = subprocess.run(["ncu", "--csv", "--clock-control", "none", "--metrics", "gpu__time_duration.sum"] + cmd,
                      check=True, capture_output=True, text=True).stdout
@@ -26,7 +26,7 @@ for r in rows[1:]:
     count[name] += 1
 steps = int(n)
 gpu = sum(total.values()) / steps
-print(f"{B}x1024 {dtype}: without ncu {wall}; kernels {gpu:.1f} ms/step over {steps} steps, "
+print(f"{B}x1024 {dtype} V{V}: without ncu {wall}; kernels {gpu:.1f} ms/step over {steps} steps, "
       f"{sum(count.values()) // steps} launches/step")
 print(f"{'kernel':<62}{'ms/step':>9}{'calls':>7}{'share':>7}")
 for name, t in total.most_common(40):

@@ -1,9 +1,10 @@
 """PyTorch's side of bench/gpu.sh, on the same GPU and the same rows as
 bench/gpu.lua:
-    python3 bench/gpu_torch.py train B bf16|f32 [compile] [quick]
+    python3 bench/gpu_torch.py train B bf16|f32 V [compile] [quick]
     python3 bench/gpu_torch.py ops [quick]
 GPT-2 124M as nanoGPT writes it (SDPA attention, tied lm_head), fused AdamW,
-bf16 through autocast over fp32 weights, gradient clipping 1.0."""
+bf16 through autocast over fp32 weights, gradient clipping 1.0. V is the
+vocab: 50257, or 50304 as nanoGPT pads it (its loss then over all 50304)."""
 import math
 import statistics
 import sys
@@ -77,10 +78,10 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
 
 
-def train(B, dtype, compiled):
+def train(B, dtype, V, compiled):
     T, steps = 1024, 3 if quick else 10
     torch.manual_seed(0)
-    model = GPT().to(dev)
+    model = GPT(V=V).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     fwd = torch.compile(model) if compiled else model
     batches = [torch.randint(0, 50257, (B, T + 1), device=dev) for _ in range(4)]
@@ -105,7 +106,7 @@ def train(B, dtype, compiled):
     torch.cuda.synchronize()
     sec = (time.perf_counter() - t0) / steps
     impl = "torch_compile" if compiled else "torch"
-    shape = f"B{B}xT{T}_{dtype}"
+    shape = f"B{B}xT{T}_{dtype}_V{V}"
     result("gpt2_124M", shape, B * T / sec, "tokens/s", impl)
     result("gpt2_124M_peak", shape, torch.cuda.max_memory_allocated() / 2**30, "GiB", impl)
     print(f"bench/gpu_torch.py: {impl} {shape} {1000 * sec:.1f} ms/step, last loss {loss.item():.4f}",
@@ -155,8 +156,8 @@ def ops():
 
 print(f"info\ttorch\tdevice\t{torch.cuda.get_device_name()}")
 if args and args[0] == "train":
-    train(int(args[1]), args[2], "compile" in args)
+    train(int(args[1]), args[2], int(args[3]), "compile" in args)
 elif args and args[0] == "ops":
     ops()
 else:
-    sys.exit("usage: python3 bench/gpu_torch.py train B bf16|f32 [compile] [quick] | ops [quick]")
+    sys.exit("usage: python3 bench/gpu_torch.py train B bf16|f32 V [compile] [quick] | ops [quick]")
