@@ -121,6 +121,29 @@ static int place_flat(ds_zero *z, ds_optim *o) {
     return 0;
 }
 
+/* Stage 0 (and 1-2 on one rank): each group's parameters moved into one
+ * buffer laid out as its master. A parameter that cannot move (pinned by a
+ * transfer, say) leaves its group on per-parameter copies. */
+static int make_flat_params(ds_zero *z) {
+    z->flat_params = calloc((size_t)z->n_groups, sizeof *z->flat_params);
+    if (!z->flat_params) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    for (int g = 0; g < z->n_groups; g++) {
+        int64_t n = z->group_len[g];
+        z->flat_params[g] = n > 0 ? ds_tensor_new(1, &n, z->dtype, param_device(z)) : NULL;
+        if (n > 0 && !z->flat_params[g]) return -1;
+    }
+    for (int i = 0; i < z->n; i++) {
+        zparam *q = &z->p[i];
+        ds_tensor *flat = z->flat_params[q->group];
+        if (flat && (q->param->dtype != z->dtype || ds_tensor_reseat(q->param, flat->storage, q->offset))) {
+            ds_error_clear();
+            ds_tensor_release(flat);
+            z->flat_params[q->group] = NULL;
+        }
+    }
+    return 0;
+}
+
 /* Masters mode: this rank's shards of each group's parameters. */
 static int make_masters(ds_zero *z) {
     int r = z->parts > 1 ? z->rank : 0;
@@ -152,7 +175,7 @@ static int make_masters(ds_zero *z) {
         rc = ds_zero_copy_elements(z->masters[q->group], q->offset, q->param, (int64_t)r * q->shard, ds_zero_shard_len(q, r));
     }
     ds_set_grad_enabled(prev);
-    return rc;
+    return rc == 0 && z->parts == 1 && z->c.stage != 3 ? make_flat_params(z) : rc;
 }
 
 /* ---------------------------------------------------------------- building */
@@ -252,7 +275,9 @@ void ds_zero_free(ds_zero *z) {
     for (int g = 0; z->masters && g < z->n_groups; g++) {
         ds_tensor_release(z->masters[g]);
         ds_tensor_release(z->master_grads[g]);
+        if (z->flat_params) ds_tensor_release(z->flat_params[g]);
     }
+    free(z->flat_params);
     free(z->masters);
     free(z->master_grads);
     free(z->group_len);
@@ -609,9 +634,11 @@ static int zero_grads(ds_zero *z) {
 static int refresh(ds_zero *z, ds_tensor *const *masters) {
     int rc = 0;
     if (z->parts == 1 && z->c.stage != 3) {
+        for (int g = 0; g < z->n_groups && rc == 0; g++)
+            if (z->flat_params[g]) rc = ds_zero_copy_elements(z->flat_params[g], 0, masters[g], 0, z->group_len[g]);
         for (int i = 0; i < z->n && rc == 0; i++) {
             zparam *q = &z->p[i];
-            rc = ds_zero_copy_elements(q->param, 0, masters[q->group], q->offset, q->numel);
+            if (!z->flat_params[q->group]) rc = ds_zero_copy_elements(q->param, 0, masters[q->group], q->offset, q->numel);
         }
         return rc;
     }

@@ -64,6 +64,10 @@ struct ds_zero {
     zbucket *b;
     ds_optim *optim;
     ds_tensor **masters, **master_grads;   /* masters mode, per group */
+    /* masters mode, nothing partitioned: each group's parameters back to
+     * back in the model's dtype (NULL where a parameter could not move in),
+     * so the copy from the masters is one cast per group */
+    ds_tensor **flat_params;
     int64_t *group_len;             /* masters mode: elements of each group's master */
     /* the armed backward */
     bool armed, in_backward;
