@@ -129,19 +129,24 @@ static int ce_check(ds_kview target, int64_t rows, int64_t C, int64_t ignore, in
     return 0;
 }
 
+/* True when row r's target t is ignored; its loss and lse are then 0. */
+__device__ __forceinline__ bool ce_ignored(const ds_kview &loss, const ds_kview &lse, int64_t r, int64_t t,
+                                           int64_t ignore) {
+    if (t != ignore) return false;
+    if (threadIdx.x == 0) {
+        ds_store(loss.dtype, loss.data, r, 0);
+        ds_store(lse.dtype, lse.data, r, 0);
+    }
+    return true;
+}
+
 /* loss = lse - (1 - eps) x[t] - eps/C sum_j x[j]; 0 (and lse 0) when
  * ignored. Rows are ld apart, of which the first C are classes. f64 data. */
 static __global__ void ce_f64_kernel(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows,
                                      int64_t C, int64_t ld, int64_t ignore, double eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld;
-        if (t == ignore) {
-            if (threadIdx.x == 0) {
-                ds_store(loss.dtype, loss.data, r, 0);
-                ds_store(lse.dtype, lse.data, r, 0);
-            }
-            continue;
-        }
+        if (ce_ignored(loss, lse, r, t, ignore)) continue;
         double m = -INFINITY, sx = 0, s = 0;
         for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
             double v = pw_load<double>(logits, base + j);
@@ -178,13 +183,7 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
                                      int64_t C, int64_t ld, int64_t ignore, float eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld;
-        if (t == ignore) {
-            if (threadIdx.x == 0) {
-                ds_store(loss.dtype, loss.data, r, 0);
-                ds_store(lse.dtype, lse.data, r, 0);
-            }
-            continue;
-        }
+        if (ce_ignored(loss, lse, r, t, ignore)) continue;
         int64_t h = min(pw_head(logits.dtype, logits.data, base), C), cv = h + (C - h) / PW_VEC * PW_VEC;
         float m = -INFINITY, s = 0, sx = 0, x[PW_VEC];
         for (int64_t j = h + threadIdx.x * PW_VEC; j < cv; j += blockDim.x * PW_VEC) {
