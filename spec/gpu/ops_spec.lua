@@ -231,6 +231,11 @@ describe('reductions on the GPU #gpu', function()
     end)
   end
   each(FLOATS, 'sum of many elements', function(dt) return function(x) return x:sum() end, { randn(dt, 100003) } end)
+  -- column sums with 8 neighbouring outputs a thread (inner a multiple of 8), short and long lines
+  each(FLOATS, 'sum and mean over rows of 8-multiple columns', function(dt)
+    return function(x, y) return x:sum(1), x:mean(1, true), y:sum(2), y:sum(1) end,
+           { randn(dt, 300, 264), randn(dt, 3, 5000, 16) }
+  end)
   for _, op in ipairs { 'sum', 'amax', 'amin' } do
     each(INTS, op, function(dt)
       return function(x) return x[op](x), x[op](x, 2) end, { ints(dt, -1000, 1000, 9, 333) }
