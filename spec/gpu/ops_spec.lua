@@ -213,6 +213,16 @@ describe('shape ops on the GPU #gpu', function()
       return y:unsqueeze(2):squeeze(2):clone() * 1.5
     end, { randn(dt, 2, 3, 4, 5):view(6, 5, 4) }
   end)
+  -- strided copies whose rows are whole 16-byte words go a word a thread
+  each(FLOATS, 'contiguous of transposed heads [B, T, H, D] (rows of 16-byte words) and of narrowed rows', function(dt)
+    return function(x)
+      return x:transpose(2, 3):contiguous(), x:narrow(4, 2, 15):transpose(2, 3):contiguous(),
+             x:narrow(4, 1, 8):contiguous()
+    end, { randn(dt, 2, 5, 3, 16) }
+  end)
+  each(INTS, 'contiguous of transposed heads', function(dt)
+    return function(x) return x:transpose(1, 2):contiguous() end, { ints(dt, -99, 99, 6, 4, 8) }
+  end)
 end)
 
 describe('reductions on the GPU #gpu', function()
