@@ -248,6 +248,12 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
                                                               sizeof p->bias),
                                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))
             return -1;
+        /* the vector (bias, or the bias gradient written) in c's dtype, said
+         * outright rather than left to the default's exceptions */
+        int32_t bt = (int32_t)cuda_type(p->dtype);
+        if (p->bias && blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt),
+                               "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)"))
+            return -1;
     }
     if (lt_layout(&L->la, p->dtype, p->lb.trans ? p->k : p->n, p->lb.trans ? p->n : p->k, p->lb.ld, p,
                   batch_stride(p, b))
