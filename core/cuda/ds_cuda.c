@@ -156,6 +156,10 @@ int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias) {
     return ds_cuda_gemm_epilogue(c, a, b, bias, 0);
 }
 
+int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
+    return ds_cuda_gemm_bgrad(c, a, b, grad);
+}
+
 static void print_version(FILE *f, const char *what, int v, int major_div, int minor_div) {
     if (v <= 0) fprintf(f, "%s: none\n", what);
     else fprintf(f, "%s: %d.%d.%d\n", what, v / major_div, v % major_div / minor_div, v % minor_div);

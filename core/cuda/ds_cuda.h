@@ -54,6 +54,10 @@ int ds_cuda_allow_tf32(int on);
  * (the caller copies the bias and runs the plain GEMM then); always -1
  * without CUDA. */
 int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias);
+/* c = a @ b (2-D) and grad = the sums of a's rows, in one cuBLASLt call
+ * (BGRADB): a linear's weight and bias gradients together. 0, or -1 with
+ * the kernel error set where it does not apply; always -1 without CUDA. */
+int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
 
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL
  * versions and the GPUs, one "name: value" line each. */

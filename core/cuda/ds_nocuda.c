@@ -42,6 +42,11 @@ int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias) {
     return -1;
 }
 
+int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
+    (void)c, (void)a, (void)b, (void)grad;
+    return -1;
+}
+
 void ds_cuda_report(FILE *f) {
     fprintf(f, "CUDA: not built (configure with -DDSLUA_CUDA=ON where nvcc is installed)\n");
 }

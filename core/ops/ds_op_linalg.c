@@ -220,9 +220,18 @@ static int linear_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
         gin[1] = ds_tensor_new(2, w->shape, w->dtype, ds_tensor_device(w));
         ds_kview gt = gv;
         transpose_view(&gt);
-        rc = !gin[1] || run_gemm("linear", w, matrix_view(gin[1]), gt, matrix_view(x2), 0.0);
+        /* on the GPU the bias gradient comes out of the weight gradient's
+         * GEMM (the BGRADB epilogue) where cuBLASLt has one for it */
+        if (gin[1] && needs_grad(n, 2) && ds_tensor_device(w).type == DS_DEV_CUDA && ds_tensor_kernels(w)) {
+            gin[2] = ds_tensor_new(1, &outf, w->dtype, ds_tensor_device(w));
+            if (gin[2] && ds_cuda_gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2]))) {
+                ds_tensor_release(gin[2]);
+                gin[2] = NULL;
+            }
+        }
+        rc = !gin[1] || (!gin[2] && run_gemm("linear", w, matrix_view(gin[1]), gt, matrix_view(x2), 0.0));
     }
-    if (rc == 0 && needs_grad(n, 2)) {
+    if (rc == 0 && needs_grad(n, 2) && !gin[2]) {
         ds_tensor *g2 = ds_reshape(gc, 2, gshape);
         int64_t rows_dim = 0;
         gin[2] = g2 ? ds_sum(g2, 1, &rows_dim, false) : NULL;

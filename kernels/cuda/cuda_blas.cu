@@ -248,6 +248,12 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
                                                               sizeof p->bias),
                                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))
             return -1;
+        /* the vector (bias, or the bias gradient written) in c's dtype, said
+         * outright rather than left to the default's exceptions */
+        int32_t bt = (int32_t)cuda_type(p->dtype);
+        if (p->bias && blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt),
+                               "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)"))
+            return -1;
     }
     if (lt_layout(&L->la, p->dtype, p->lb.trans ? p->k : p->n, p->lb.trans ? p->n : p->k, p->lb.ld, p,
                   batch_stride(p, b))
@@ -389,7 +395,10 @@ static int cuda_gemm(ds_kview c, ds_kview a, ds_kview b, double alpha, double be
     return gemm_impl(c, a, b, alpha, beta, NULL, CUBLASLT_EPILOGUE_DEFAULT);
 }
 
-extern "C" int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kview bias, int gelu) {
+/* What every epilogue needs: a float dtype but f64, no summed batch dims
+ * of c, a nonzero inner dim, and a vector (bias, or the bias gradient, of n
+ * elements; data NULL for none) of c's dtype, unit stride, on 16 bytes. */
+static int epilogue_check(const ds_kview &c, const ds_kview &a, const ds_kview &vec, int64_t n) {
     if (c.dtype == DS_F64 || !ds_dtype_is_float(c.dtype))
         return ds_kernel_fail("gemm epilogue: needs f32, bf16 or f16, got a %d-byte dtype %d",
                               (int)ds_dtype_size(c.dtype), (int)c.dtype);
@@ -398,15 +407,29 @@ extern "C" int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kvie
     for (int d = 0; d < c.ndim - 2; d++)
         if (c.stride[d] == 0 && c.shape[d] > 1)
             return ds_kernel_fail("gemm epilogue: the output cannot sum over batch dim %d", d);
-    int64_t n = c.shape[c.ndim - 1];
-    if (bias.data && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != c.dtype || (n > 1 && bias.stride[0] != 1)))
-        return ds_kernel_fail("gemm epilogue: bias must be a unit-stride [%lld] vector of the output's dtype",
+    if (vec.data && (vec.ndim != 1 || vec.shape[0] != n || vec.dtype != c.dtype || (n > 1 && vec.stride[0] != 1)))
+        return ds_kernel_fail("gemm epilogue: the bias must be a unit-stride [%lld] vector of the output's dtype",
                               (long long)n);
-    if ((uintptr_t)bias.data % 16)
-        return ds_kernel_fail("gemm epilogue: bias must start on 16 bytes (a view one element in does not)");
+    if ((uintptr_t)vec.data % 16)
+        return ds_kernel_fail("gemm epilogue: the bias must start on 16 bytes (a view one element in does not)");
+    return 0;
+}
+
+extern "C" int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kview bias, int gelu) {
+    if (epilogue_check(c, a, bias, c.shape[c.ndim > 0 ? c.ndim - 1 : 0])) return -1;
     cublasLtEpilogue_t e = bias.data ? (gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
                                      : (gelu ? CUBLASLT_EPILOGUE_GELU : CUBLASLT_EPILOGUE_DEFAULT);
     return gemm_impl(c, a, b, 1.0, 0.0, bias.data, e);
+}
+
+/* cuBLASLt runs the row-major c = a b as the column-major c^T = b^T a^T:
+ * a is its B, and the sums of a's rows over k are BGRADB's, one per
+ * column of its D (a row of c). */
+extern "C" int ds_cuda_gemm_bgrad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
+    if (!grad.data) return ds_kernel_fail("gemm bias gradient: no vector to write");
+    if (epilogue_check(c, a, grad, c.shape[c.ndim > 1 ? c.ndim - 2 : 0])) return -1;
+    if (c.ndim != 2) return ds_kernel_fail("gemm bias gradient: needs matrices, got %d dims", c.ndim);
+    return gemm_impl(c, a, b, 1.0, 0.0, grad.data, CUBLASLT_EPILOGUE_BGRADB);
 }
 
 extern "C" const ds_kernels_blas ds_cuda_blas = { cuda_gemm };

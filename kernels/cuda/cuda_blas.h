@@ -24,6 +24,13 @@ int ds_cuda_tf32(void);
  * plus separate ops then). */
 int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kview bias, int gelu);
 
+/* c = a @ b for 2-D views, and grad [m] = the sums of a's rows (over k),
+ * in one cuBLASLt call (its BGRADB epilogue): a linear's weight gradient
+ * g^T x with the bias gradient, the column sums of g, on the way. grad is
+ * c's dtype, unit stride, on 16 bytes. 0, or -1 after ds_kernel_fail()
+ * (the caller runs the GEMM and the sum apart then). */
+int ds_cuda_gemm_bgrad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
+
 #ifdef __cplusplus
 }
 #endif

@@ -129,19 +129,24 @@ static int ce_check(ds_kview target, int64_t rows, int64_t C, int64_t ignore, in
     return 0;
 }
 
+/* True when row r's target t is ignored; its loss and lse are then 0. */
+__device__ __forceinline__ bool ce_ignored(const ds_kview &loss, const ds_kview &lse, int64_t r, int64_t t,
+                                           int64_t ignore) {
+    if (t != ignore) return false;
+    if (threadIdx.x == 0) {
+        ds_store(loss.dtype, loss.data, r, 0);
+        ds_store(lse.dtype, lse.data, r, 0);
+    }
+    return true;
+}
+
 /* loss = lse - (1 - eps) x[t] - eps/C sum_j x[j]; 0 (and lse 0) when
  * ignored. Rows are ld apart, of which the first C are classes. f64 data. */
 static __global__ void ce_f64_kernel(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows,
                                      int64_t C, int64_t ld, int64_t ignore, double eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld;
-        if (t == ignore) {
-            if (threadIdx.x == 0) {
-                ds_store(loss.dtype, loss.data, r, 0);
-                ds_store(lse.dtype, lse.data, r, 0);
-            }
-            continue;
-        }
+        if (ce_ignored(loss, lse, r, t, ignore)) continue;
         double m = -INFINITY, sx = 0, s = 0;
         for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
             double v = pw_load<double>(logits, base + j);
@@ -178,13 +183,7 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
                                      int64_t C, int64_t ld, int64_t ignore, float eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld;
-        if (t == ignore) {
-            if (threadIdx.x == 0) {
-                ds_store(loss.dtype, loss.data, r, 0);
-                ds_store(lse.dtype, lse.data, r, 0);
-            }
-            continue;
-        }
+        if (ce_ignored(loss, lse, r, t, ignore)) continue;
         int64_t h = min(pw_head(logits.dtype, logits.data, base), C), cv = h + (C - h) / PW_VEC * PW_VEC;
         float m = -INFINITY, s = 0, sx = 0, x[PW_VEC];
         for (int64_t j = h + threadIdx.x * PW_VEC; j < cv; j += blockDim.x * PW_VEC) {
@@ -457,6 +456,19 @@ static __global__ void norm_backward_warp_kernel(ds_kview dx, ds_kview g, ds_kvi
 #define PARAM_COLS 32
 #define PARAM_ROWS 8
 
+/* Column col of the PARAM_ROWS rows of partials in sw, sb (rows ld apart),
+ * summed in order, into pw[at] and pb[at]. */
+template <typename T>
+__device__ __forceinline__ void param_fold(T *pw, T *pb, const T *sw, const T *sb, int ld, int col, int64_t at) {
+    T s = 0, t = 0;
+    for (int k = 0; k < PARAM_ROWS; k++) {
+        s += sw[k * ld + col];
+        t += sb[k * ld + col];
+    }
+    pw[at] = s;
+    if (pb) pb[at] = t;
+}
+
 /* Stage 1 of dw = sum_r g xh and db = sum_r g: block (cb, chunk) sums the
  * rows of its chunk for 32 columns into pw[chunk][j], pb[chunk][j]. */
 template <typename T>
@@ -477,49 +489,96 @@ static __global__ void param_partial_kernel(T *pw, T *pb, ds_kview g, ds_kview x
         sw[ty][tx] = aw;
         sb[ty][tx] = ab;
         __syncthreads();
+        if (ty == 0 && j < n) param_fold(pw, pb, &sw[0][0], &sb[0][0], PARAM_COLS, tx, blockIdx.y * n + j);
+        __syncthreads();
+    }
+}
+
+/* The same for f32/bf16/f16 rows of a multiple of 8 on 16 bytes (the
+ * warp kernels' rows): a thread takes 8 columns with 16-byte loads, a
+ * block 256 columns, each column of a chunk summed in the order above. */
+static __global__ void param_partial_vec_kernel(float *pw, float *pb, ds_kview g, ds_kview x, ds_kview mean,
+                                                ds_kview rstd, int64_t rows, int64_t n, int64_t chunk) {
+    __shared__ float sw[PARAM_ROWS][PARAM_COLS * PW_VEC], sb[PARAM_ROWS][PARAM_COLS * PW_VEC];
+    int tx = threadIdx.x, ty = threadIdx.y, t = ty * PARAM_COLS + tx;
+    int64_t r0 = blockIdx.y * chunk, r1 = r0 + chunk < rows ? r0 + chunk : rows;
+    for (int64_t cb = blockIdx.x; cb * PARAM_COLS * PW_VEC < n; cb += gridDim.x) {
+        int64_t j = (cb * PARAM_COLS + tx) * PW_VEC;
+        float aw[PW_VEC] = {}, ab[PW_VEC] = {}, gv[PW_VEC], xv[PW_VEC];
+        for (int64_t r = r0 + ty; j < n && r < r1; r += PARAM_ROWS) {
+            pw_load8(g.dtype, g.data, r * n + j, gv);
+            pw_load8(x.dtype, x.data, r * n + j, xv);
+            float m = mean.data ? pw_loadf(mean.dtype, mean.data, r) : 0.0f, rs = pw_loadf(rstd.dtype, rstd.data, r);
+            for (int k = 0; k < PW_VEC; k++) {
+                aw[k] += gv[k] * ((xv[k] - m) * rs);
+                ab[k] += gv[k];
+            }
+        }
+        for (int k = 0; k < PW_VEC; k++) {
+            sw[ty][tx * PW_VEC + k] = aw[k];
+            sb[ty][tx * PW_VEC + k] = ab[k];
+        }
+        __syncthreads();
+        int64_t jc = cb * PARAM_COLS * PW_VEC + t;     /* thread t sums column t of the block's 256 */
+        if (jc < n) param_fold(pw, pb, &sw[0][0], &sb[0][0], PARAM_COLS * PW_VEC, t, blockIdx.y * n + jc);
+        __syncthreads();
+    }
+}
+
+/* Stage 2: lane ty of column j sums chunks ty, ty + 8, ... in order, then
+ * the 8 lanes in order: a fixed tree, with 8 times the threads of one
+ * per column. */
+template <typename T>
+static __global__ void param_sum_kernel(ds_kview dw, ds_kview db, const T *pw, const T *pb, int64_t chunks,
+                                        int64_t n) {
+    __shared__ T sw[PARAM_ROWS][PARAM_COLS], sb[PARAM_ROWS][PARAM_COLS];
+    int tx = threadIdx.x, ty = threadIdx.y;
+    for (int64_t cb = blockIdx.x; cb * PARAM_COLS < n; cb += gridDim.x) {
+        int64_t j = cb * PARAM_COLS + tx;
+        T s = 0, t = 0;
+        for (int64_t c = ty; j < n && c < chunks; c += PARAM_ROWS) {
+            s += pw[c * n + j];
+            if (pb) t += pb[c * n + j];
+        }
+        sw[ty][tx] = s;
+        sb[ty][tx] = t;
+        __syncthreads();
         if (ty == 0 && j < n) {
-            T s = 0, t = 0;
-            for (int k = 0; k < PARAM_ROWS; k++) {
+            for (int k = 1; k < PARAM_ROWS; k++) {
                 s += sw[k][tx];
                 t += sb[k][tx];
             }
-            pw[blockIdx.y * n + j] = s;
-            if (pb) pb[blockIdx.y * n + j] = t;
+            if (dw.data) ds_store(dw.dtype, dw.data, j, s);
+            if (db.data) ds_store(db.dtype, db.data, j, t);
         }
         __syncthreads();
     }
 }
 
-/* Stage 2: the chunks of each column in order. */
-template <typename T>
-static __global__ void param_sum_kernel(ds_kview dw, ds_kview db, const T *pw, const T *pb, int64_t chunks,
-                                        int64_t n) {
-    DS_CUDA_LOOP(j, n) {
-        T s = 0, t = 0;
-        for (int64_t c = 0; c < chunks; c++) {
-            s += pw[c * n + j];
-            if (pb) t += pb[c * n + j];
-        }
-        if (dw.data) ds_store(dw.dtype, dw.data, j, s);
-        if (db.data) ds_store(db.dtype, db.data, j, t);
-    }
-}
-
+/* vec: the rows suit param_partial_vec_kernel (f32 only) */
 template <typename T>
 static int param_grads(ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview mean, ds_kview rstd, int64_t rows,
-                       int64_t n) {
-    /* at most 1024 chunks of at least 256 rows (one chunk when rows is 0) */
-    int64_t chunk = rows / 1024 + 1 > 256 ? rows / 1024 + 1 : 256, chunks = rows > 0 ? (rows + chunk - 1) / chunk : 1;
+                       int64_t n, bool vec) {
+    /* at most 1024 chunks of at least `least` rows (one chunk when rows is 0);
+     * the vec kernel's blocks span 8 times the columns, so 4 times the chunks */
+    int64_t least = vec ? 64 : 256, chunk = rows / 1024 + 1 > least ? rows / 1024 + 1 : least;
+    int64_t chunks = rows > 0 ? (rows + chunk - 1) / chunk : 1;
     size_t part = (size_t)(chunks * n);
     T *pw = (T *)ds_cuda_scratch((db.data ? 2 : 1) * part * sizeof(T));
     if (!pw) return -1;
     T *pb = db.data ? pw + part : NULL;
-    dim3 grid(ds_cuda_blocks(n, PARAM_COLS), (unsigned)chunks), block(PARAM_COLS, PARAM_ROWS);
-    param_partial_kernel<T><<<grid, block, 0, ds_cuda_stream()>>>(pw, pb, g, x, mean, rstd, rows, n, chunk);
+    dim3 block(PARAM_COLS, PARAM_ROWS);
+    if (vec) {
+        dim3 grid(ds_cuda_blocks(n, PARAM_COLS * PW_VEC), (unsigned)chunks);
+        param_partial_vec_kernel<<<grid, block, 0, ds_cuda_stream()>>>((float *)pw, (float *)pb, g, x, mean, rstd,
+                                                                       rows, n, chunk);
+    } else {
+        dim3 grid(ds_cuda_blocks(n, PARAM_COLS), (unsigned)chunks);
+        param_partial_kernel<T><<<grid, block, 0, ds_cuda_stream()>>>(pw, pb, g, x, mean, rstd, rows, n, chunk);
+    }
     int rc = ds_cuda_launched("param_partial_kernel");
     if (rc == 0) {
-        param_sum_kernel<T><<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-            dw, db, pw, pb, chunks, n);
+        param_sum_kernel<T><<<ds_cuda_blocks(n, PARAM_COLS), block, 0, ds_cuda_stream()>>>(dw, db, pw, pb, chunks, n);
         rc = ds_cuda_launched("param_sum_kernel");
     }
     ds_cuda_scratch_free(pw);
@@ -530,8 +589,8 @@ static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_k
                          ds_kview rstd, int64_t rows, int64_t n) {
     if (n == 0) return 0;
     const ds_kview *v[6] = { &dx, &g, &x, &mean, &rstd, &w };
-    bool f64 = pw_any_f64(v, 5);
-    if (rows > 0 && norm_vec(n, v, 6)) {
+    bool f64 = pw_any_f64(v, 5), vec = norm_vec(n, v, 6);
+    if (rows > 0 && vec) {
         norm_backward_warp_kernel<<<ds_cuda_blocks(rows, NORM_WARPS), 32 * NORM_WARPS, 0, ds_cuda_stream()>>>(
             dx, g, x, w, mean, rstd, rows, n);
         if (ds_cuda_launched("norm_backward_warp_kernel")) return -1;
@@ -546,8 +605,8 @@ static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_k
         if (ds_cuda_launched("norm_backward_kernel")) return -1;
     }
     if (!dw.data && !db.data) return 0;
-    return f64 ? param_grads<double>(dw, db, g, x, mean, rstd, rows, n)
-               : param_grads<float>(dw, db, g, x, mean, rstd, rows, n);
+    return f64 ? param_grads<double>(dw, db, g, x, mean, rstd, rows, n, false)
+               : param_grads<float>(dw, db, g, x, mean, rstd, rows, n, vec);
 }
 
 static int cuda_layer_norm(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, int64_t rows,

@@ -213,6 +213,16 @@ describe('shape ops on the GPU #gpu', function()
       return y:unsqueeze(2):squeeze(2):clone() * 1.5
     end, { randn(dt, 2, 3, 4, 5):view(6, 5, 4) }
   end)
+  -- strided copies whose rows are whole 16-byte words go a word a thread
+  each(FLOATS, 'contiguous of transposed heads [B, T, H, D] (rows of 16-byte words) and of narrowed rows', function(dt)
+    return function(x)
+      return x:transpose(2, 3):contiguous(), x:narrow(4, 2, 15):transpose(2, 3):contiguous(),
+             x:narrow(4, 1, 8):contiguous()
+    end, { randn(dt, 2, 5, 3, 16) }
+  end)
+  each(INTS, 'contiguous of transposed heads', function(dt)
+    return function(x) return x:transpose(1, 2):contiguous() end, { ints(dt, -99, 99, 6, 4, 8) }
+  end)
 end)
 
 describe('reductions on the GPU #gpu', function()
@@ -231,6 +241,11 @@ describe('reductions on the GPU #gpu', function()
     end)
   end
   each(FLOATS, 'sum of many elements', function(dt) return function(x) return x:sum() end, { randn(dt, 100003) } end)
+  -- column sums with 8 neighbouring outputs a thread (inner a multiple of 8), short and long lines
+  each(FLOATS, 'sum and mean over rows of 8-multiple columns', function(dt)
+    return function(x, y) return x:sum(1), x:mean(1, true), y:sum(2), y:sum(1) end,
+           { randn(dt, 300, 264), randn(dt, 3, 5000, 16) }
+  end)
   for _, op in ipairs { 'sum', 'amax', 'amin' } do
     each(INTS, op, function(dt)
       return function(x) return x[op](x), x[op](x, 2) end, { ints(dt, -1000, 1000, 9, 333) }
