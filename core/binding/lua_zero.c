@@ -4,7 +4,8 @@
  *   _zero.engine{stage, masters, comm_dtype, master_device, bucket_size,
  *                prescale, predivide, persistence_threshold,
  *                prefetch_bucket_size, max_live_parameters,
- *                max_reuse_distance, groups = {{p...}...}, optimizer}
+ *                max_reuse_distance, groups = {{p...}...}, optimizer,
+ *                group}    (group: the ranks that reduce, ds.comm.new_group's; nil: the world)
  *                              -> z (optimizer: the flat mode's, else nil)
  *   z:master(g), z:master_grad(g), z:attach(optimizer), z:stream()
  *   z:backward(loss | nil, reduce)   z:scale_grads(f)
@@ -179,6 +180,9 @@ static void read_config(lua_State *L, int t, ds_zero_config *c) {
     c->prefetch_bucket_size = opt_elements(L, t, "prefetch_bucket_size", 5e7);
     c->max_live_parameters = opt_elements(L, t, "max_live_parameters", 1e9);
     c->max_reuse_distance = opt_elements(L, t, "max_reuse_distance", 1e9);
+    lua_getfield(L, t, "group");
+    c->group = lua_isnil(L, -1) ? NULL : *(ds_comm_group **)luaL_checkudata(L, -1, DSL_GROUP_MT);
+    lua_pop(L, 1);
 }
 
 /* engine{...}: the groups' parameters flattened, counted per group. */

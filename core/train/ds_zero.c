@@ -191,8 +191,13 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
     ds_zero *z = calloc(1, sizeof *z);
     if (!z) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory");
     z->c = *c;
-    z->rank = ds_comm_rank(NULL);
-    z->world = ds_comm_size(NULL);
+    z->rank = ds_comm_rank(c->group);
+    z->world = ds_comm_size(c->group);
+    if (z->rank < 0) {
+        free(z);
+        return ds_fail(DS_ERR_ARG, "step engine: rank %d is not in its group %s", ds_comm_rank(NULL),
+                       ds_comm_group_name(c->group));
+    }
     z->parts = c->masters && c->stage > 0 ? z->world : 1;
     z->dtype = params[0]->dtype;
     z->n_groups = n_groups;
@@ -372,14 +377,14 @@ static ds_comm_work *launch_rows(ds_zero *z, zbucket *b, ds_tensor **buf) {
     ds_comm_work *w;
     if (P == 1) {
         ds_tensor *v = ds_zero_elements(rows, 0, b->width);
-        w = v ? ds_comm_all_reduce(v, DS_COMM_SUM, NULL) : NULL;
+        w = v ? ds_comm_all_reduce(v, DS_COMM_SUM, z->c.group) : NULL;
         ds_tensor_release(v);
     } else {
         ds_tensor *list[P];
         int made = 0;
         for (; made < P; made++)
             if (!(list[made] = ds_zero_elements(rows, made * b->width, b->width))) break;
-        w = made == P ? ds_comm_reduce_scatter(list, P, DS_COMM_SUM, NULL) : NULL;
+        w = made == P ? ds_comm_reduce_scatter(list, P, DS_COMM_SUM, z->c.group) : NULL;
         for (int r = 0; r < made; r++) ds_tensor_release(list[r]);
     }
     if (!w) { ds_tensor_release(rows); return NULL; }
@@ -393,7 +398,7 @@ static ds_comm_work *launch_flat(ds_zero *z, zbucket *b, ds_tensor **buf) {
     ds_tensor *v = ds_zero_elements(z->optim->groups[b->group].flat_grads, b->offset, b->width);
     if (!v) return NULL;
     double f = z->c.prescale ? 1.0 / z->world : z->c.predivide != 1 ? 1.0 / z->c.predivide : 1;
-    ds_comm_work *w = f == 1 || scale_(v, f) == 0 ? ds_comm_all_reduce(v, DS_COMM_SUM, NULL) : NULL;
+    ds_comm_work *w = f == 1 || scale_(v, f) == 0 ? ds_comm_all_reduce(v, DS_COMM_SUM, z->c.group) : NULL;
     if (!w) { ds_tensor_release(v); return NULL; }
     *buf = v;
     return w;
@@ -555,7 +560,7 @@ static int grad_stats(ds_zero *z, int n, ds_tensor *const *t, bool agree, double
         if (rc) ds_fail(DS_ERR_STATE, "step engine: gradient norm: %s", ds_kernel_error());
     }
     if (rc == 0 && agree) {
-        ds_comm_work *w = ds_comm_all_reduce(acc, DS_COMM_SUM, NULL);
+        ds_comm_work *w = ds_comm_all_reduce(acc, DS_COMM_SUM, z->c.group);
         rc = w ? ds_comm_work_wait(w) : -1;
         ds_comm_work_release(w);
     }
@@ -571,11 +576,11 @@ static int grad_stats(ds_zero *z, int n, ds_tensor *const *t, bool agree, double
 
 /* Lamb's per-piece squares summed over the ranks holding the other shards. */
 static int sum_over_ranks(double *values, int n, void *ud) {
-    (void)ud;
+    ds_zero *z = ud;
     ds_tensor *t = ds_tensor_new(1, (int64_t[]){ n }, DS_F64, DS_CPU_DEVICE);
     if (!t) return -1;
     memcpy(ds_tensor_data(t), values, sizeof *values * (size_t)n);
-    ds_comm_work *w = ds_comm_all_reduce(t, DS_COMM_SUM, NULL);
+    ds_comm_work *w = ds_comm_all_reduce(t, DS_COMM_SUM, z->c.group);
     int rc = w ? ds_comm_work_wait(w) : -1;
     ds_comm_work_release(w);
     if (rc == 0) memcpy(values, ds_tensor_data(t), sizeof *values * (size_t)n);
@@ -633,7 +638,7 @@ static int refresh(ds_zero *z, ds_tensor *const *masters) {
         }
         if (rc || !whole) continue;
         ds_tensor *send = copy_out(masters[b->group], b->offset, b->width, z->dtype, param_device(z));
-        works[bi] = send ? ds_comm_all_gather(send, NULL) : NULL;
+        works[bi] = send ? ds_comm_all_gather(send, z->c.group) : NULL;
         if (!works[bi]) rc = -1;
         sent[bi] = send;
     }

@@ -9,7 +9,7 @@
  *   masters  bf16/fp16 or stage >= 1: each param group has one fp32 master,
  *            this rank's shard of every parameter back to back (a parameter
  *            of n elements is cut into P shards of ceil(n / P), the last
- *            padded with zeros; P is the world size from stage 1, else 1),
+ *            padded with zeros; P is the group's size from stage 1, else 1),
  *            on the master device (the model's, or the CPU for
  *            offload_optimizer). The optimizer is built over the masters.
  *
@@ -37,6 +37,7 @@
 #ifndef DS_ZERO_H
 #define DS_ZERO_H
 
+#include "ds_comm.h"
 #include "ds_optim.h"
 #include "ds_tensor.h"
 
@@ -46,6 +47,7 @@ typedef struct ds_zero ds_zero;
 
 typedef struct {
     int stage;                    /* 0-3 */
+    ds_comm_group *group;         /* the data-parallel ranks (a pipeline stage's); NULL: the world */
     bool masters;                 /* fp32 masters (see above); false: flat */
     ds_dtype comm_dtype;          /* masters: gradients travel in it */
     ds_device master_device;      /* masters: where masters, their gradients and state live */
