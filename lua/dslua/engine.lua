@@ -110,10 +110,11 @@ local function build_scheduler(opts, cfg, optimizer)
   return nil
 end
 
--- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights.
+-- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights
+-- (a pipeline stage's ranks from the stage's first rank).
 local function broadcast_model(model)
   for _, list in ipairs({ model:named_parameters(), model:named_buffers() }) do
-    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], 0) end
+    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], model.dp_root or 0, model.dp_group) end
   end
 end
 
@@ -166,9 +167,7 @@ function M.initialize(opts)
   local params = opts.model_parameters or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
   local optimizer, zero
-  if model.is_pipeline and (Zero.wanted(cfg) or world_size > 1) then
-    error('initialize: a PipelineModule runs without ZeRO and with one rank per stage for now', 2)
-  end
+  if model.is_pipeline then require('dslua.pipe.engine').check(model, cfg) end
   if Zero.wanted(cfg) then
     zero = build_zero(opts, cfg, model, params, rank, world_size, device)
     optimizer = zero.optimizer
@@ -222,7 +221,7 @@ function M.initialize(opts)
     -- DeepSpeed's loader: a DistributedSampler (shuffle, seed 0) on N
     -- ranks; on one rank the loader's own shuffle, the same order
     local sampler = world_size > 1 and require('samplers.distributed').new(opts.training_data, {
-      num_replicas = world_size, rank = self.rank,
+      num_replicas = world_size, rank = model.dp_rank or self.rank,
     }) or nil
     loader = ds.data.loader(opts.training_data, {
       batch_size = cfg.train_micro_batch_size_per_gpu, shuffle = sampler == nil, sampler = sampler,
@@ -254,7 +253,7 @@ function Engine:_setup_steps()
     end
   end
   self.steps = require('dslua.core')._zero.engine(Zero.engine_options(cfg, {
-    masters = false, optimizer = self.optimizer, groups = lists,
+    masters = false, optimizer = self.optimizer, groups = lists, group = self.module.dp_group,
     prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
   }))
 end
@@ -404,7 +403,9 @@ Engine.__call = Engine.forward
 
 -- The loss is divided by gradient_accumulation_steps, so the accumulated
 -- gradient is the mean over the global batch, as DeepSpeed scales it.
-function Engine:backward(loss)
+-- allreduce_gradients false: the boundary's reduction is left to the caller
+-- (engine:_backward(nil, true)), as DeepSpeed's backward(loss, allreduce_gradients).
+function Engine:backward(loss, allreduce_gradients)
   if not ds.is_tensor(loss) then error('backward: expected the loss tensor, got ' .. type(loss), 2) end
   self:_start('backward')
   self.last_loss = loss:item()
@@ -420,7 +421,7 @@ function Engine:backward(loss)
   end
   if self.scaler then loss = loss * self.scaler.cur_scale end
   local t0 = now()
-  self:_backward(loss, boundary)
+  self:_backward(loss, boundary and allreduce_gradients ~= false)
   if self.weighted then self.window_seconds = self.window_seconds + (now() - t0) end
   self:_stop('backward')
   return loss
