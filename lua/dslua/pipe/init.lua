@@ -257,15 +257,20 @@ function PipelineModule:init(opts)
     if is_tied(l) and not key_first[l.key] then key_first[l.key] = i end
   end
   local first, last = parts[self.stage_id + 1], parts[self.stage_id + 2] - 1
-  local funcs, mods, tied = {}, {}, {}
+  local funcs, mods, tied, tied_weights = {}, {}, {}, {}
   for i = first, last do
     local l = layers[i]
     if is_tied(l) then
       local mod = tied[l.key]
       if not mod then
+        local spec = layers[key_first[l.key]]
         mod = build(key_first[l.key])
         tied[l.key] = mod
         mods[#mods + 1] = mod
+        tied_weights[l.key] = {}
+        for _, path in ipairs(spec.tied_weight_attr) do
+          table.insert(tied_weights[l.key], tied_tensor(spec, mod, path))
+        end
       end
       local f = l.forward_fn
       funcs[#funcs + 1] = f and function(x) return f(mod, x) end or mod
@@ -278,6 +283,7 @@ function PipelineModule:init(opts)
   ds.set_rng_state(rng)
   rawset(self, 'funcs', funcs)
   rawset(self, 'tied_modules', tied)   -- key -> this stage's module of it
+  rawset(self, 'tied_weights', tied_weights)   -- key -> its tied tensors here
   self.layers = nn.ModuleList(mods)
   self:_make_groups(layers)
 
@@ -304,7 +310,7 @@ end
 -- each tied key held by several stages, the ranks of one data index on
 -- those stages (tied_groups: {key, group, tensors}).
 function PipelineModule:_make_groups(layers)
-  local topo, S, dp, tied = self.topology, self.num_stages, self.dp_size, self.tied_modules
+  local topo, S, dp = self.topology, self.num_stages, self.dp_size
   if dp > 1 then
     for s = 0, S - 1 do
       local ranks = {}
@@ -333,12 +339,8 @@ function PipelineModule:_make_groups(layers)
         local ranks = {}
         for _, s in ipairs(stages[k]) do ranks[#ranks + 1] = topo:get_rank(s, d) end
         local g = ds.comm.new_group(ranks)
-        if tied[k] and d == self.dp_rank then
-          local spec
-          for _, l in ipairs(layers) do if is_tied(l) and l.key == k then spec = l break end end
-          local tensors = {}
-          for _, path in ipairs(spec.tied_weight_attr) do tensors[#tensors + 1] = tied_tensor(spec, tied[k], path) end
-          groups[#groups + 1] = { key = k, group = g, tensors = tensors }
+        if self.tied_weights[k] and d == self.dp_rank then
+          groups[#groups + 1] = { key = k, group = g, tensors = self.tied_weights[k] }
         end
       end
     end
