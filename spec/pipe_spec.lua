@@ -74,9 +74,10 @@ describe('ds.pipe.PipeDataParallelTopology', function()
     assert.are.equal(4, topo:get_rank(1, 1))
     assert.are.equal(3, topo:get_dim('data'))
     local layers = MLP.pipe_layers { input_size = 8, hidden = { 4 }, num_classes = 3 }
-    local ok, err = pcall(pipe.PipelineModule, { layers = layers, topology = topo })
+    local ok, err = pcall(pipe.PipelineModule, { layers = layers,
+                                                 topology = pipe.PipeDataParallelTopology { num_pp = 1, num_dp = 3 } })
     assert.is_false(ok)
-    assert.matches('the topology has 2 pipe x 3 data = 6 ranks, the world 1', err, 1, true)
+    assert.matches('the topology has 1 pipe x 3 data = 3 ranks, the world 1', err, 1, true)
     local m = pipe.PipelineModule { layers = layers, topology = pipe.PipeDataParallelTopology { num_pp = 1, num_dp = 1 } }
     assert.are.equal(1, m.num_stages)
   end)
