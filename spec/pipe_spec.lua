@@ -206,21 +206,24 @@ describe('ds.pipe across ranks', function()
     return count
   end
 
-  it('trains the MLP in 2 stages, and 2 stages x 2 data ranks with ZeRO-1, as on one rank', function()
+  it('trains the MLP in 2 stages, and 2 stages x 2 data ranks with and without ZeRO-1, as on one rank', function()
     local one = run('mlp', 1, 1)
     assert.are.same({ 0, 5 }, one.stages)
     local two = run('mlp', 2, 2)
     assert.are.same({ 0, 1 }, two.stages)   -- stage 0: Flatten and the first Linear
     assert.are.equal(6, same(one, two, '2 stages'))
+    same(one, run('mlp', 4, 2), '2x2')
     same(one, run('mlp', 4, 2, 1), '2x2 ZeRO-1')
   end)
 
-  it('trains a tiny GPT-2 with its tied embedding in 2 stages, and 2x2 with ZeRO-1, as on one rank', function()
+  it('trains a tiny GPT-2 with its tied embedding in 2 stages, with ZeRO-1 too, and 2x2 with ZeRO-1, as on one rank',
+     function()
     local one = run('gpt', 1, 1)
     local two = run('gpt', 2, 2)
     assert.are.same({ 0, 2 }, two.stages)   -- wte, positions, block 1 | block 2, ln_f, lm_head (wte)
     assert.is_not_nil(two.weights['tied.wte.weight'])
     same(one, two, '2 stages')
+    same(one, run('gpt', 2, 2, 1), '2 stages ZeRO-1')
     same(one, run('gpt', 4, 2, 1), '2x2 ZeRO-1')
   end)
 

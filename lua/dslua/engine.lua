@@ -327,7 +327,9 @@ end
 
 -- a PipelineModule's verbs (dslua/pipe/engine.lua)
 function Engine:train_batch(data_iter) return require('dslua.pipe.engine').train_batch(self, data_iter) end
-function Engine:eval_batch(data_iter) return require('dslua.pipe.engine').eval_batch(self, data_iter) end
+function Engine:eval_batch(data_iter, return_logits)
+  return require('dslua.pipe.engine').eval_batch(self, data_iter, return_logits)
+end
 
 function Engine:train_batch_size() return self.config.train_batch_size end
 function Engine:train_micro_batch_size_per_gpu() return self.config.train_micro_batch_size_per_gpu end

@@ -219,12 +219,14 @@ function M.train_batch(engine, data_iter)
   return loss
 end
 
-function M.eval_batch(engine, data_iter)
+-- eval_batch(data_iter [, return_logits]) -> the mean loss [, on the last
+-- stage the list of each micro batch's outputs (nil elsewhere)]
+function M.eval_batch(engine, data_iter, return_logits)
   data_iter = check_iter(engine, data_iter, 'eval_batch')
   local m = engine.module
   local gas = engine:gradient_accumulation_steps()
   local first, last = m.stage_id == 0, m.stage_id == m.num_stages - 1
-  local sends, total = {}, 0
+  local sends, total, outputs = {}, 0, {}
   engine:eval()
   ds.no_grad(function()
     for mb = 1, gas do
@@ -232,13 +234,19 @@ function M.eval_batch(engine, data_iter)
       if first or last then x, labels = split(next_batch(data_iter)) end
       if not first then x = recv_activation(peer(m, m.stage_id - 1)) end
       local out, loss = forward(m, x, mb, labels)
-      if last then total = total + loss:item()
-      else send_activation(out, peer(m, m.stage_id + 1), sends) end
+      if last then
+        total = total + loss:item()
+        outputs[mb] = out
+      else
+        send_activation(out, peer(m, m.stage_id + 1), sends)
+      end
     end
   end)
   for _, s in ipairs(sends) do s[1]:wait() end
   engine:train()
-  return mean_loss(m, total, gas)
+  local loss = mean_loss(m, total, gas)
+  if return_logits then return loss, last and outputs or nil end
+  return loss
 end
 
 return M

@@ -311,7 +311,8 @@ end
 -- those stages (tied_groups: {key, group, tensors}).
 function PipelineModule:_make_groups(layers)
   local topo, S, dp = self.topology, self.num_stages, self.dp_size
-  if dp > 1 then
+  -- one rank per stage too: the step engine's nil group is the world
+  if ds.comm.world_size() > 1 then
     for s = 0, S - 1 do
       local ranks = {}
       for d = 0, dp - 1 do ranks[#ranks + 1] = topo:get_rank(s, d) end
