@@ -299,7 +299,7 @@ function Engine:_watch_loader(loader)
     local steps = math.floor((sampler and sampler:steps() or #l) / engine:gradient_accumulation_steps())
     -- under mpirun a rank's stdout is a pty of mpirun's, not the user's
     -- terminal: multi-rank runs print plain lines
-    if steps > 0 and engine.rank == 0 and engine.world_size == 1 and ds.isatty(1) then
+    if steps > 0 and engine.rank == 0 and ds.comm.world_size() == 1 and ds.isatty(1) then
       engine.bar = progress.new { total = steps, label = string.format('epoch %s', tostring(e)),
                                   unit = 'samples', tty = true }
       engine.bar_first_step = engine.global_steps

@@ -9,7 +9,10 @@
 -- of the batch), receives block: with blocking sends two neighbouring
 -- stages could both wait in a send (one an activation, the other a
 -- gradient). The first and last stage read the data iterator (inputs and
--- labels), once per micro batch.
+-- labels), once per micro batch; each data-parallel rank of a stage talks
+-- to the rank of its own data index on the next stage. Tied weights'
+-- gradients are summed across their stages after the last backward, before
+-- the data-parallel reduction (DeepSpeed's ReduceTiedGrads, ReduceGrads).
 local ds = require 'dslua'
 
 local M = {}

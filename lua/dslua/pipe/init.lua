@@ -9,11 +9,13 @@
 --   local loss = engine:train_batch(data_iter)
 --
 -- The layers split into num_stages contiguous stages; rank r holds stage
--- floor(r / dp) (DeepSpeed's pipe x data topology, pipe outermost) and
--- builds only its own stage's LayerSpecs. Each layer is built from the
--- seed base_seed + its index, so a model has the same weights however it
--- is split. A layer is a LayerSpec, a module already built, or a function
--- of the activation.
+-- floor(r / dp) (DeepSpeed's pipe x data topology, pipe outermost; or a
+-- `topology` given) and builds only its own stage's LayerSpecs. The dp
+-- ranks of a stage are data parallel over their own group (dp_group), where
+-- the step engine reduces and ZeRO-1 partitions. Each layer is built from
+-- the seed base_seed + its index, so a model has the same weights however
+-- it is split. A layer is a LayerSpec, a TiedLayerSpec, a module already
+-- built, or a function of the activation.
 local ds = require 'dslua'
 local nn = ds.nn
 
