@@ -182,11 +182,11 @@ describe('ds.pipe across ranks', function()
   end
   local dir = H.tmpdir()
 
-  -- equiv.lua's JSON for a model on np ranks in `stages` stages with ZeRO stage zero
-  local function run(model, np, stages, zero)
-    local path = string.format('%s/%s-%d-%d-%d.json', dir, model, np, stages, zero or 0)
-    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d 2>&1', H.ranks_cmd(np), path, model, stages,
-                                    zero or 0), path)
+  -- equiv.lua's JSON for a model on np ranks in `stages` stages with ZeRO stage zero and gradient_clipping clip
+  local function run(model, np, stages, zero, clip)
+    local path = string.format('%s/%s-%d-%d-%d-%g.json', dir, model, np, stages, zero or 0, clip or 0)
+    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g 2>&1', H.ranks_cmd(np), path, model, stages,
+                                    zero or 0, clip or 0), path)
   end
 
   local function same(one, other, what)
@@ -203,6 +203,7 @@ describe('ds.pipe across ranks', function()
       count = count + 1
     end
     assert.are.equal(0, other.spread, what .. ': copies of a weight differ')   -- replicas and tied copies
+    if one.norm then assert(math.abs(other.norm - one.norm) <= 1e-5 * one.norm, what .. ': gradient norm') end
     return count
   end
 
@@ -225,6 +226,13 @@ describe('ds.pipe across ranks', function()
     same(one, two, '2 stages')
     same(one, run('gpt', 2, 2, 1), '2 stages ZeRO-1')
     same(one, run('gpt', 4, 2, 1), '2x2 ZeRO-1')
+  end)
+
+  it('clips by the norm of the whole model, the tied weight counted once, as one rank does', function()
+    local one = run('gpt', 1, 1, 0, 0.05)
+    assert(one.norm > 0.1, 'the norm is not above the clip: nothing is clipped')
+    same(one, run('gpt', 2, 2, 0, 0.05), '2 stages, clipped')
+    same(one, run('gpt', 4, 2, 1, 0.05), '2x2 ZeRO-1, clipped')
   end)
 
   local function fails(case, want)

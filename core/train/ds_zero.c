@@ -548,22 +548,46 @@ static int drain(ds_zero *z) {
     return rc;
 }
 
-/* Sum of squares and inf/nan count over tensors, summed over ranks when
- * agree: one pass each, one host synchronisation in all. */
+static int sum_squares(ds_tensor *acc, ds_tensor *t) {
+    int rc = t ? ds_tensor_kernels(t)->reduce->sum_squares(ds_tensor_kview(acc), ds_tensor_kview(t)) : -1;
+    if (rc && t) ds_fail(DS_ERR_STATE, "step engine: gradient norm: %s", ds_kernel_error());
+    return rc;
+}
+
+static int sum_over(ds_tensor *acc, ds_comm_group *g) {
+    ds_comm_work *w = ds_comm_all_reduce(acc, DS_COMM_SUM, g);
+    int rc = w ? ds_comm_work_wait(w) : -1;
+    ds_comm_work_release(w);
+    return rc;
+}
+
+/* Sum of squares and inf/nan count over tensors, less the excluded
+ * parameters' gradients, summed over the group when agree and over a
+ * pipeline's stages: one pass each, one host synchronisation in all. */
 static int grad_stats(ds_zero *z, int n, ds_tensor *const *t, bool agree, double *sq, double *bad) {
     ds_device dev = ds_tensor_device(t[0]);
     ds_tensor *acc = ds_tensor_full(1, (int64_t[]){ 2 }, DS_F64, dev, 0.0);
-    if (!acc) return -1;
-    int rc = 0;
-    for (int i = 0; i < n && rc == 0; i++) {
-        rc = ds_tensor_kernels(t[i])->reduce->sum_squares(ds_tensor_kview(acc), ds_tensor_kview(t[i]));
-        if (rc) ds_fail(DS_ERR_STATE, "step engine: gradient norm: %s", ds_kernel_error());
+    ds_tensor *out = ds_tensor_full(1, (int64_t[]){ 2 }, DS_F64, dev, 0.0);
+    int rc = acc && out ? 0 : -1;
+    bool excluded = false;
+    for (int i = 0; i < n && rc == 0; i++) rc = sum_squares(acc, t[i]);
+    for (int i = 0; i < z->n && rc == 0; i++) {
+        zparam *q = &z->p[i];
+        if (!q->no_norm) continue;
+        excluded = true;
+        if (!z->c.masters) {
+            rc = sum_squares(out, q->view);
+            continue;
+        }
+        ds_tensor *g = ds_zero_elements(z->master_grads[q->group], q->offset, q->shard);
+        rc = sum_squares(out, g);
+        ds_tensor_release(g);
     }
-    if (rc == 0 && agree) {
-        ds_comm_work *w = ds_comm_all_reduce(acc, DS_COMM_SUM, z->c.group);
-        rc = w ? ds_comm_work_wait(w) : -1;
-        ds_comm_work_release(w);
-    }
+    if (rc == 0 && excluded) rc = scale_(out, -1);
+    if (rc == 0 && excluded) rc = ds_add_(acc, out);
+    if (rc == 0 && agree) rc = sum_over(acc, z->c.group);
+    if (rc == 0 && z->c.stages) rc = sum_over(acc, z->c.stages);
+    ds_tensor_release(out);
     ds_tensor *host = rc == 0 ? ds_to_device(acc, DS_CPU_DEVICE) : NULL;
     if (host) {
         *sq = ds_tensor_get(host, 0);
@@ -580,9 +604,7 @@ static int sum_over_ranks(double *values, int n, void *ud) {
     ds_tensor *t = ds_tensor_new(1, (int64_t[]){ n }, DS_F64, DS_CPU_DEVICE);
     if (!t) return -1;
     memcpy(ds_tensor_data(t), values, sizeof *values * (size_t)n);
-    ds_comm_work *w = ds_comm_all_reduce(t, DS_COMM_SUM, z->c.group);
-    int rc = w ? ds_comm_work_wait(w) : -1;
-    ds_comm_work_release(w);
+    int rc = sum_over(t, z->c.group);
     if (rc == 0) memcpy(values, ds_tensor_data(t), sizeof *values * (size_t)n);
     ds_tensor_release(t);
     return rc;
@@ -673,7 +695,8 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
     double sq = 0, bad = 0;
     if (!z->c.masters) {
         /* plain data parallel: the reduced gradients are the same on every
-         * rank, so clipping needs no agreement (torch's clip_grad_norm_) */
+         * rank, so clipping needs no agreement (torch's clip_grad_norm_)
+         * but over a pipeline's stages */
         if (clip > 0) {
             ds_tensor *grads[z->optim->n_groups];
             for (int g = 0; g < z->optim->n_groups; g++) grads[g] = z->optim->groups[g].flat_grads;
@@ -752,6 +775,16 @@ bool ds_zero_stats_get(const ds_zero *z, ds_zero_stats *out) {
 int ds_zero_n_buckets(const ds_zero *z) { return z->nb; }
 
 int ds_zero_n_params(const ds_zero *z) { return z->n; }
+
+int ds_zero_exclude_from_norm(ds_zero *z, const ds_tensor *param) {
+    for (int i = 0; i < z->n; i++) {
+        if (z->p[i].param == param) {
+            z->p[i].no_norm = true;
+            return 0;
+        }
+    }
+    return ds_fail(DS_ERR_ARG, "step engine: exclude_from_norm: the tensor is not one of its parameters"), -1;
+}
 
 ds_optim *ds_zero_optimizer(const ds_zero *z) { return z->optim; }
 

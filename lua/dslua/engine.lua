@@ -254,6 +254,7 @@ function Engine:_setup_steps()
   end
   self.steps = require('dslua.core')._zero.engine(Zero.engine_options(cfg, {
     masters = false, optimizer = self.optimizer, groups = lists, group = self.module.dp_group,
+    stages = self.module.pipe_group,
     prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
   }))
 end

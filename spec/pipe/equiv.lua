@@ -1,16 +1,18 @@
 -- Run by spec/pipe_spec.lua on 1 rank and under mpirun: trains a model
 -- (mlp: the MNIST-shaped MLP; gpt: a tiny GPT-2 with its embedding tied to
 -- the lm_head) as a PipelineModule of `stages` stages (the other ranks
--- data parallel, with ZeRO stage `zero`) with engine:train_batch on the
--- same batches: each step's 4 micro batches split over the data-parallel
--- ranks. Rank 0 writes every step's loss, the evaluation loss, every
--- weight (keyed by the layer's global index, tied ones by key) and the
--- largest difference between copies of one weight (data-parallel replicas,
--- tied copies) as JSON to the output path.
+-- data parallel, with ZeRO stage `zero` and gradient_clipping `clip`) with
+-- engine:train_batch on the same batches: each step's 4 micro batches
+-- split over the data-parallel ranks. Rank 0 writes every step's loss, the
+-- evaluation loss, the last gradient norm, every weight (keyed by the
+-- layer's global index, tied ones by key) and the largest difference
+-- between copies of one weight (data-parallel replicas, tied copies) as
+-- JSON to the output path.
 local ds = require 'dslua'
 
-local out_path, kind, stages, zero = arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4] or 0)
-assert(out_path and (kind == 'mlp' or kind == 'gpt') and stages, 'usage: equiv.lua out.json mlp|gpt stages [zero]')
+local out_path, kind, stages = arg[1], arg[2], tonumber(arg[3])
+local zero, clip = tonumber(arg[4] or 0), tonumber(arg[5] or 0)
+assert(out_path and (kind == 'mlp' or kind == 'gpt') and stages, 'usage: equiv.lua out.json mlp|gpt stages [zero [clip]]')
 local world = ds.comm.world_size()
 local MICRO, STEPS = 4, 3
 local dp = world / stages
@@ -50,7 +52,7 @@ end
 local engine = ds.initialize { model = model, config = {
   train_micro_batch_size_per_gpu = kind == 'mlp' and 4 or 2, gradient_accumulation_steps = gas,
   steps_per_print = 1000, optimizer = { type = 'AdamW', params = { lr = 1e-2 } },
-  zero_optimization = { stage = zero },
+  zero_optimization = { stage = zero }, gradient_clipping = clip,
 } }
 local it = batches()
 local losses = {}
@@ -93,7 +95,7 @@ if ds.comm.rank() == 0 then
     end
   end
   local f = assert(io.open(out_path, 'w'))
-  f:write(ds.json.encode { losses = losses, eval = eval, weights = w, spread = spread,
+  f:write(ds.json.encode { losses = losses, eval = eval, weights = w, spread = spread, norm = engine.grad_norm,
                            stages = { model:stage_layers(0) } })
   f:close()
 elseif world > 1 then

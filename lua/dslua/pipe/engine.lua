@@ -45,19 +45,12 @@ end
 
 -- What initialize checks of a pipeline's config, and the pipeline block
 -- it applies: ZeRO-1 over the data-parallel ranks of each stage at most
--- (DeepSpeed's PipelineEngine refuses gradient partitioning); the
--- gradient norm and the fp16 overflow check are one stage's here, so
--- clipping and fp16 need one stage.
+-- (DeepSpeed's PipelineEngine refuses gradient partitioning).
 function M.check(m, cfg)
   local stage = cfg.zero_optimization.stage
   if stage >= 2 then
     error(fmt('initialize: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (zero_optimization.stage '
               .. 'is %d): use stage 0 or 1', stage), 0)
-  end
-  if m.num_stages > 1 and (cfg.gradient_clipping > 0 or cfg.fp16.enabled) then
-    error(fmt('initialize: %s with a pipeline of %d stages: the gradient norm and the overflow check would be '
-              .. 'each stage\'s alone; use bf16 or fp32 without gradient_clipping', cfg.fp16.enabled and 'fp16'
-              or 'gradient_clipping', m.num_stages), 0)
   end
   if cfg.sampler then
     error('initialize: the sampler block does not run with a pipeline (every stage reads the same micro batches)', 0)
@@ -161,9 +154,22 @@ local function mean_loss(m, total, gas)
   return ds.comm.all_reduce(t, 'sum'):item()
 end
 
+-- A tied weight counts once in the gradient norm: on its first stage.
+local function exclude_tied(engine, m)
+  if engine.pipe_norm_set then return end
+  engine.pipe_norm_set = true
+  local steps = engine.zero and engine.zero.engine or engine.steps
+  for _, t in ipairs(m.tied_groups) do
+    if not t.first then
+      for _, w in ipairs(t.tensors) do steps:exclude_from_norm(w) end
+    end
+  end
+end
+
 function M.train_batch(engine, data_iter)
   data_iter = check_iter(engine, data_iter, 'train_batch')
   local m = engine.module
+  exclude_tied(engine, m)
   -- tied weights: their gradients are summed across stages before the
   -- data-parallel reduction, which then starts after the last backward
   local tied = #m.tied_groups > 0

@@ -308,9 +308,11 @@ function PipelineModule:init(opts)
 end
 
 -- The groups every rank makes alike (ds.comm.new_group): the data-parallel
--- ranks of each stage (dp_group, where the step engine reduces), and for
--- each tied key held by several stages, the ranks of one data index on
--- those stages (tied_groups: {key, group, tensors}).
+-- ranks of each stage (dp_group, where the step engine reduces), the ranks
+-- of each data index (pipe_group, over which the gradient norm sums), and
+-- for each tied key held by several stages, the ranks of one data index on
+-- those stages (tied_groups: {key, group, tensors, first: this stage is
+-- the key's first, where the norm counts it}).
 function PipelineModule:_make_groups(layers)
   local topo, S, dp = self.topology, self.num_stages, self.dp_size
   -- one rank per stage too: the step engine's nil group is the world
@@ -320,6 +322,14 @@ function PipelineModule:_make_groups(layers)
       for d = 0, dp - 1 do ranks[#ranks + 1] = topo:get_rank(s, d) end
       local g = ds.comm.new_group(ranks)
       if s == self.stage_id then rawset(self, 'dp_group', g) end
+    end
+  end
+  if S > 1 then
+    for d = 0, dp - 1 do
+      local ranks = {}
+      for s = 0, S - 1 do ranks[#ranks + 1] = topo:get_rank(s, d) end
+      local g = ds.comm.new_group(ranks)
+      if d == self.dp_rank then rawset(self, 'pipe_group', g) end
     end
   end
   local keys, stages = {}, {}
@@ -343,7 +353,8 @@ function PipelineModule:_make_groups(layers)
         for _, s in ipairs(stages[k]) do ranks[#ranks + 1] = topo:get_rank(s, d) end
         local g = ds.comm.new_group(ranks)
         if self.tied_weights[k] and d == self.dp_rank then
-          groups[#groups + 1] = { key = k, group = g, tensors = self.tied_weights[k] }
+          groups[#groups + 1] = { key = k, group = g, tensors = self.tied_weights[k],
+                                  first = stages[k][1] == self.stage_id }
         end
       end
     end
