@@ -374,6 +374,8 @@ local function place(device, dtype, v)
   return v
 end
 
+M.place = place
+
 local function place_inputs(device, dtype, ...)
   local args = { n = select('#', ...), ... }
   for i = 1, args.n do args[i] = place(device, dtype, args[i]) end

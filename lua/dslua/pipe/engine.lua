@@ -94,11 +94,16 @@ local function next_batch(data_iter)
   return batch
 end
 
--- the inputs and labels of a batch: {x = .., y = ..} or {inputs, labels}
-local function split(batch)
-  if type(batch) ~= 'table' or ds.is_tensor(batch) then return batch, nil end
-  if batch.x ~= nil then return batch.x, batch.y end
-  return batch[1], batch[2]
+-- the inputs and labels of a batch: {x = .., y = ..} or {inputs, labels},
+-- on the engine's device, floats in its compute dtype (as engine:forward)
+local function split(engine, batch)
+  local x, y = batch, nil
+  if type(batch) == 'table' and not ds.is_tensor(batch) then
+    if batch.x ~= nil then x, y = batch.x, batch.y else x, y = batch[1], batch[2] end
+  end
+  local place = require('dslua.engine').place
+  local dtype = engine.zero and engine.zero.dtype ~= 'f32' and engine.zero.dtype or nil
+  return place(engine.device, dtype, x), place(engine.device, dtype, y)
 end
 
 -- one micro batch forward on this stage: the output, and the loss on the last
@@ -183,7 +188,7 @@ function M.train_batch(engine, data_iter)
     local kind, mb = action[1], action[2]
     if kind == 'F' then
       local x, labels
-      if first or last then x, labels = split(next_batch(data_iter)) end
+      if first or last then x, labels = split(engine, next_batch(data_iter)) end
       if not first then
         x = recv_activation(peer(m, m.stage_id - 1))
         if x:dtype():match('^b?f') then x:requires_grad_(true) end
@@ -240,7 +245,7 @@ function M.eval_batch(engine, data_iter, return_logits)
   ds.no_grad(function()
     for mb = 1, gas do
       local x, labels
-      if first or last then x, labels = split(next_batch(data_iter)) end
+      if first or last then x, labels = split(engine, next_batch(data_iter)) end
       if not first then x = recv_activation(peer(m, m.stage_id - 1)) end
       local out, loss = forward(m, x, mb, labels)
       if last then
