@@ -256,6 +256,11 @@ describe('ds.pipe across ranks', function()
     fails('no_params', 'stage 1 %(layers 2%.%.3: ReLU, Tanh%) has no parameters')
   end)
 
+  it('refuses to checkpoint a pipeline of several ranks, saying what to do instead', function()
+    fails('checkpoint', 'save_checkpoint: a PipelineModule on 2 ranks %(2 stages x 1 data parallel%) does not '
+                        .. 'checkpoint yet')
+  end)
+
   it('names both stages and the shape when an activation does not fit the next stage', function()
     fails('shapes', 'stage 1 %(from layer 1%) failed on the %[3x6%] activation stage 0 sent %(micro batch 1%)')
   end)

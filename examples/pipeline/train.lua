@@ -25,11 +25,7 @@ for i = 1, #rest, 2 do
     error(string.format("unknown argument '%s' (expected --stages N, --steps N, --data DIR)", rest[i]), 0)
   end
 end
-local dir = mnist.data_dir(here, opts.data)
-if not mnist.has_t10k(dir) then
-  print(string.format('skipping: no MNIST t10k files in %s (pass --data DIR)', dir))
-  os.exit(0)
-end
+local dir = mnist.data_or_skip(here, opts.data)
 
 ds.manual_seed(42)
 local train, test = mnist.datasets(dir)

@@ -315,23 +315,33 @@ end
 -- the key's first, where the norm counts it}).
 function PipelineModule:_make_groups(layers)
   local topo, S, dp = self.topology, self.num_stages, self.dp_size
+  -- n groups, group i (0-based) of the ranks ranks_of(i); this rank's is group mine
+  local function make(n, ranks_of, mine)
+    local out
+    for i = 0, n - 1 do
+      local g = ds.comm.new_group(ranks_of(i))
+      if i == mine then out = g end
+    end
+    return out
+  end
+  -- the ranks of a list of stages at one data index
+  local function at(stages)
+    return function(d)
+      local ranks = {}
+      for _, s in ipairs(stages) do ranks[#ranks + 1] = topo:get_rank(s, d) end
+      return ranks
+    end
+  end
+  local function stage_ranks(s)
+    local ranks = {}
+    for d = 0, dp - 1 do ranks[#ranks + 1] = topo:get_rank(s, d) end
+    return ranks
+  end
+  local all = {}
+  for s = 0, S - 1 do all[#all + 1] = s end
   -- one rank per stage too: the step engine's nil group is the world
-  if ds.comm.world_size() > 1 then
-    for s = 0, S - 1 do
-      local ranks = {}
-      for d = 0, dp - 1 do ranks[#ranks + 1] = topo:get_rank(s, d) end
-      local g = ds.comm.new_group(ranks)
-      if s == self.stage_id then rawset(self, 'dp_group', g) end
-    end
-  end
-  if S > 1 then
-    for d = 0, dp - 1 do
-      local ranks = {}
-      for s = 0, S - 1 do ranks[#ranks + 1] = topo:get_rank(s, d) end
-      local g = ds.comm.new_group(ranks)
-      if d == self.dp_rank then rawset(self, 'pipe_group', g) end
-    end
-  end
+  if ds.comm.world_size() > 1 then rawset(self, 'dp_group', make(S, stage_ranks, self.stage_id)) end
+  if S > 1 then rawset(self, 'pipe_group', make(dp, at(all), self.dp_rank)) end
   local keys, stages = {}, {}
   for s = 0, S - 1 do
     for i = self.parts[s + 1], self.parts[s + 2] - 1 do
@@ -348,14 +358,10 @@ function PipelineModule:_make_groups(layers)
   local groups = {}
   for _, k in ipairs(keys) do
     if #stages[k] > 1 then
-      for d = 0, dp - 1 do
-        local ranks = {}
-        for _, s in ipairs(stages[k]) do ranks[#ranks + 1] = topo:get_rank(s, d) end
-        local g = ds.comm.new_group(ranks)
-        if self.tied_weights[k] and d == self.dp_rank then
-          groups[#groups + 1] = { key = k, group = g, tensors = self.tied_weights[k],
-                                  first = stages[k][1] == self.stage_id }
-        end
+      local g = make(dp, at(stages[k]), self.dp_rank)
+      if self.tied_weights[k] then
+        groups[#groups + 1] = { key = k, group = g, tensors = self.tied_weights[k],
+                                first = stages[k][1] == self.stage_id }
       end
     end
   end
