@@ -184,11 +184,12 @@ describe('ds.pipe across ranks', function()
 
   -- equiv.lua's JSON for a model on np ranks in `stages` stages with ZeRO
   -- stage zero, gradient_clipping clip and precision (fp16, bf16 or fp32)
-  local function run(model, np, stages, zero, clip, precision)
-    local path = string.format('%s/%s-%d-%d-%d-%g-%s.json', dir, model, np, stages, zero or 0, clip or 0,
-                               precision or 'fp32')
-    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g %s 2>&1', H.ranks_cmd(np), path, model,
-                                    stages, zero or 0, clip or 0, precision or 'fp32'), path)
+  -- and activation checkpointing every `interval` layers
+  local function run(model, np, stages, zero, clip, precision, interval)
+    local path = string.format('%s/%s-%d-%d-%d-%g-%s-%d.json', dir, model, np, stages, zero or 0, clip or 0,
+                               precision or 'fp32', interval or 0)
+    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g %s %d 2>&1', H.ranks_cmd(np), path, model,
+                                    stages, zero or 0, clip or 0, precision or 'fp32', interval or 0), path)
   end
 
   -- losses, weights and norm within tol (relative; weights absolute)
@@ -229,6 +230,7 @@ describe('ds.pipe across ranks', function()
     assert.is_not_nil(two.weights['tied.wte.weight'])
     same(one, two, '2 stages')
     same(one, run('gpt', 2, 2, 1), '2 stages ZeRO-1')
+    same(one, run('gpt', 2, 2, 0, 0, 'fp32', 1), '2 stages, every layer checkpointed')
     same(one, run('gpt', 4, 2, 1), '2x2 ZeRO-1')
   end)
 

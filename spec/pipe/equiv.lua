@@ -1,8 +1,9 @@
 -- Run by spec/pipe_spec.lua on 1 rank and under mpirun: trains a model
 -- (mlp: the MNIST-shaped MLP; gpt: a tiny GPT-2 with its embedding tied to
 -- the lm_head) as a PipelineModule of `stages` stages (the other ranks
--- data parallel, with ZeRO stage `zero`, gradient_clipping `clip` and
--- fp16 or bf16 when `precision` says) with
+-- data parallel, with ZeRO stage `zero`, gradient_clipping `clip`, fp16
+-- or bf16 when `precision` says, and the pipeline block's
+-- activation_checkpoint_interval `interval`) with
 -- engine:train_batch on the same batches: each step's 4 micro batches
 -- split over the data-parallel ranks. Rank 0 writes every step's loss, the
 -- evaluation loss, the last gradient norm, every weight (keyed by the
@@ -12,9 +13,9 @@
 local ds = require 'dslua'
 
 local out_path, kind, stages = arg[1], arg[2], tonumber(arg[3])
-local zero, clip, precision = tonumber(arg[4] or 0), tonumber(arg[5] or 0), arg[6]
+local zero, clip, precision, interval = tonumber(arg[4] or 0), tonumber(arg[5] or 0), arg[6], tonumber(arg[7] or 0)
 assert(out_path and (kind == 'mlp' or kind == 'gpt') and stages,
-       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16]]]')
+       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16|fp32 [checkpoint interval]]]]')
 local world = ds.comm.world_size()
 local MICRO, STEPS = 4, 3
 local dp = world / stages
@@ -56,6 +57,7 @@ local engine = ds.initialize { model = model, config = {
   steps_per_print = 1000, optimizer = { type = 'AdamW', params = { lr = 1e-2 } },
   zero_optimization = { stage = zero }, gradient_clipping = clip,
   fp16 = { enabled = precision == 'fp16' }, bf16 = { enabled = precision == 'bf16' },
+  pipeline = { activation_checkpoint_interval = interval },
 } }
 local it = batches()
 local losses = {}
