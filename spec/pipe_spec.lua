@@ -146,7 +146,7 @@ describe('ds.pipe with the engine on one rank', function()
     assert.are.equal(1, m.activation_checkpoint_interval)
   end)
 
-  it('train_batch() reads the engine\'s training loader, epoch after epoch', function()
+  it('train_batch() reads the engine\'s training loader, epoch after epoch; both verbs want a pipeline', function()
     ds.manual_seed(3)
     local data = ds.data.tensors { x = ds.randn(6, 8), y = (ds.rand(6) * 2.99):to('i64') }
     local function run(with_loader)
@@ -172,6 +172,10 @@ describe('ds.pipe with the engine on one rank', function()
     local ok, err = pcall(engine.train_batch, engine)
     assert.is_false(ok)
     assert.matches('no data iterator given and no training_data given to ds.initialize', err, 1, true)
+    engine = ds.initialize { model = MLP { input_size = 8, hidden = { 4 }, num_classes = 3 }, config = config() }
+    ok, err = pcall(engine.eval_batch, engine, function() end)
+    assert.is_false(ok)
+    assert.matches('eval_batch: the model is not a ds.pipe.PipelineModule', err, 1, true)
   end)
 end)
 

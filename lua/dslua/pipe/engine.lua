@@ -143,6 +143,9 @@ local function loader_iter(engine, who)
 end
 
 local function check_iter(engine, data_iter, who)
+  if not engine.module.is_pipeline then
+    error(fmt('%s: the model is not a ds.pipe.PipelineModule; train it with engine:forward, backward and step', who), 3)
+  end
   if data_iter == nil and who == 'train_batch' then return loader_iter(engine, who) end
   if type(data_iter) ~= 'function' then
     error(fmt('%s: expected a data iterator (a function returning the next batch), got %s', who, type(data_iter)), 3)
