@@ -59,14 +59,15 @@ function M.check(m, cfg)
   if p.stages ~= 'auto' and p.stages ~= m.num_stages then
     error(fmt('initialize: pipeline.stages is %d, the PipelineModule has %d stages', p.stages, m.num_stages), 0)
   end
-  if m.activation_checkpoint_interval == 0 then rawset(m, 'activation_checkpoint_interval', p.activation_checkpoint_interval) end
+  if m.activation_checkpoint_interval == 0 then
+    rawset(m, 'activation_checkpoint_interval', p.activation_checkpoint_interval)
+  end
 end
 
 local function shape_str(t) return '[' .. table.concat(t:size(), 'x') .. ']' end
 
-local function peer(m, stage)
-  return stage * m.dp_size + ds.comm.rank() % m.dp_size
-end
+-- the rank of this data index on another stage
+local function peer(m, stage) return m.topology:get_rank(stage, m.dp_rank) end
 
 local function send_activation(t, dst, sends)
   local code = CODE[t:dtype()]
