@@ -26,13 +26,15 @@ describe('ds.pipe.partition', function()
   local layers = MLP.pipe_layers { input_size = 784, hidden = { 256, 256 }, num_classes = 10 }
   -- Flatten, Linear 784x256, ReLU, Linear 256x256, ReLU, Linear 256x10
 
-  it("'parameters' balances parameter counts", function()
-    assert.are.same({ 1, 3, 7 }, pipe.partition(layers, 2, 'parameters'))
+  it("'parameters' balances parameter counts, earlier stages filled first among equal splits", function()
+    assert.are.same({ 1, 4, 7 }, pipe.partition(layers, 2, 'parameters'))
+    -- not Flatten alone in stage 0 (a stage without parameters), as DeepSpeed's fill
+    assert.are.same({ 1, 4, 6, 7 }, pipe.partition(layers, 3, 'parameters'))
   end)
 
   it("'uniform' balances layer counts, 'type:<regex>' the layers whose class matches", function()
     assert.are.same({ 1, 4, 7 }, pipe.partition(layers, 2, 'uniform'))
-    assert.are.same({ 1, 3, 5, 7 }, pipe.partition(layers, 3, 'type:linear'))
+    assert.are.same({ 1, 4, 6, 7 }, pipe.partition(layers, 3, 'type:linear'))
   end)
 
   it('names what is wrong', function()
@@ -220,7 +222,7 @@ describe('ds.pipe across ranks', function()
     local one = run('mlp', 1, 1)
     assert.are.same({ 0, 5 }, one.stages)
     local two = run('mlp', 2, 2)
-    assert.are.same({ 0, 1 }, two.stages)   -- stage 0: Flatten and the first Linear
+    assert.are.same({ 0, 2 }, two.stages)   -- stage 0: Flatten, the first Linear and its ReLU
     assert.are.equal(6, same(one, two, '2 stages'))
     same(one, run('mlp', 4, 2), '2x2')
     same(one, run('mlp', 4, 2, 1), '2x2 ZeRO-1')

@@ -89,8 +89,10 @@ end
 ------------------------------------------------------------------------
 -- Partitioning: contiguous stages, each with at least one layer, the
 -- largest stage weight as small as it can be (DeepSpeed's
--- partition_balanced). parts[s] is the first layer of stage s, parts[S+1]
--- one past the last.
+-- partition_balanced); among equal ones, earlier stages take as many layers
+-- as they can, as DeepSpeed's left-to-right fill does (a weightless Flatten
+-- goes with the Linear after it, not into a stage of its own). parts[s] is
+-- the first layer of stage s, parts[S+1] one past the last.
 
 local function partition_balanced(w, S)
   local L = #w
@@ -106,7 +108,7 @@ local function partition_balanced(w, S)
       local b, c = math.huge, nil
       for j = k - 1, i - 1 do
         local v = math.max(best[k - 1][j], pre[i] - pre[j])
-        if v < b then b, c = v, j end
+        if v <= b then b, c = v, j end
       end
       best[k][i], cut[k][i] = b, c
     end
