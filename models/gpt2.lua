@@ -178,11 +178,15 @@ end
 
 function Positions:forward(x) return self.drop(x + self.wpe(ds.arange(x:size(2), 'i64', x:device()))) end
 
--- cls(...) with nanoGPT's init
-local function initialized(n_layer, cls, ...)
-  local m = nn.skip_init(cls, ...)
-  init_weights(m, n_layer)
-  return m
+-- cls with nanoGPT's init instead of its own, under cls's name (so
+-- partition_method 'type:Block' finds the blocks)
+local function initialized(cls, n_layer)
+  local c = cls:extend(cls.__name)
+  function c:init(...)
+    nn.skip_init(cls.init, self, ...)
+    init_weights(self, n_layer)
+  end
+  return c
 end
 
 local function logits(wte, x) return ds.linear(x, wte.weight) end
@@ -197,11 +201,12 @@ function M.pipe_layers(cfg)
   local pipe = ds.pipe
   local where = { dtype = cfg.dtype, device = cfg.device }
   local function wte(forward_fn)
-    return pipe.TiedLayerSpec { 'wte', initialized, cfg.n_layer, nn.Embedding, cfg.vocab_size, cfg.n_embd, where,
+    return pipe.TiedLayerSpec { 'wte', initialized(nn.Embedding, cfg.n_layer), cfg.vocab_size, cfg.n_embd, where,
                                 forward_fn = forward_fn }
   end
-  local layers = { wte(), pipe.LayerSpec(initialized, cfg.n_layer, Positions, cfg) }
-  for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(initialized, cfg.n_layer, Block, cfg) end
+  local layers = { wte(), pipe.LayerSpec(initialized(Positions, cfg.n_layer), cfg) }
+  local block = initialized(Block, cfg.n_layer)
+  for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(block, cfg) end
   layers[#layers + 1] = pipe.LayerSpec(nn.LayerNorm, cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
   layers[#layers + 1] = wte(logits)
   return layers

@@ -35,6 +35,10 @@ describe('ds.pipe.partition', function()
   it("'uniform' balances layer counts, 'type:<regex>' the layers whose class matches", function()
     assert.are.same({ 1, 4, 7 }, pipe.partition(layers, 2, 'uniform'))
     assert.are.same({ 1, 4, 6, 7 }, pipe.partition(layers, 3, 'type:linear'))
+    -- GPT-2's layers: the token embedding, positions, 2 blocks, ln_f, the lm_head (the embedding again)
+    local gpt = require('models.gpt2').pipe_layers { n_layer = 2, n_head = 2, n_embd = 16, vocab_size = 32,
+                                                     block_size = 8 }
+    assert.are.same({ 1, 4, 7 }, pipe.partition(gpt, 2, 'type:block'))
   end)
 
   it('names what is wrong', function()
