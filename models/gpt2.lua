@@ -91,18 +91,22 @@ end
 local GPT = nn.Module:extend('GPT')
 M.GPT = GPT
 
+-- nanoGPT's _init_weights: N(0, 0.02) weights and embeddings, the
+-- residual projections scaled by 1/sqrt(2 n_layer); biases stay zero.
+local function init_weights(module, n_layer)
+  for _, p in ipairs(module:named_parameters()) do
+    local name, t = p[1], p[2]
+    if t:dim() >= 2 then
+      nn.init.normal_(t, 0, name:match('c_proj%.weight$') and 0.02 / math.sqrt(2 * n_layer) or 0.02)
+    end
+  end
+end
+
 function GPT:init(cfg)
   cfg = M.config(cfg)
   self.config = cfg
   nn.skip_init(self.build, self, cfg)
-  -- nanoGPT's _init_weights: N(0, 0.02) weights and embeddings, the
-  -- residual projections scaled by 1/sqrt(2 n_layer); biases stay zero.
-  for _, p in ipairs(self:named_parameters()) do
-    local name, t = p[1], p[2]
-    if t:dim() >= 2 then
-      nn.init.normal_(t, 0, name:match('c_proj%.weight$') and 0.02 / math.sqrt(2 * cfg.n_layer) or 0.02)
-    end
-  end
+  init_weights(self, cfg.n_layer)
   local rows = self.transformer.wte.weight:size(1)
   if rows > cfg.vocab_size then
     ds.no_grad(function() self.transformer.wte.weight:narrow(1, cfg.vocab_size + 1, rows - cfg.vocab_size):fill_(0) end)
@@ -181,6 +185,56 @@ function GPT:extra_repr()
   return string.format('n_layer=%d, n_head=%d, n_embd=%d, vocab_size=%d, block_size=%d', c.n_layer, c.n_head,
                        c.n_embd, c.vocab_size, c.block_size)
 end
+
+---------------------------------------------------------------- pipeline layers
+
+-- The position embedding and dropout after the token embedding.
+local Positions = nn.Module:extend('Positions')
+M.Positions = Positions
+
+function Positions:init(cfg)
+  self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, { dtype = cfg.dtype, device = cfg.device })
+  self.drop = nn.Dropout(cfg.dropout)
+end
+
+function Positions:forward(x) return self.drop(x + self.wpe(ds.arange(x:size(2), 'i64', x:device()))) end
+
+-- cls with nanoGPT's init instead of its own, under cls's name (so
+-- partition_method 'type:Block' finds the blocks)
+local function initialized(cls, n_layer)
+  local c = cls:extend(cls.__name)
+  function c:init(...)
+    nn.skip_init(cls.init, self, ...)
+    init_weights(self, n_layer)
+  end
+  return c
+end
+
+local function logits(wte, x) return ds.linear(x, wte.weight) end
+
+-- The GPT of cfg as ds.pipe layers: the token embedding (TiedLayerSpec
+-- 'wte', tied to the lm_head in the last layer), the positions, the
+-- blocks, ln_f, the lm_head; loss_fn = M.pipe_loss. Weights start as
+-- GPT's do; the PipelineModule's activation_checkpoint_interval takes the
+-- place of the checkpoint option.
+function M.pipe_layers(cfg)
+  cfg = M.config(cfg)
+  local pipe = ds.pipe
+  local where = { dtype = cfg.dtype, device = cfg.device }
+  local function wte(forward_fn)
+    return pipe.TiedLayerSpec { 'wte', initialized(nn.Embedding, cfg.n_layer), cfg.vocab_size, cfg.n_embd, where,
+                                forward_fn = forward_fn }
+  end
+  local layers = { wte(), pipe.LayerSpec(initialized(Positions, cfg.n_layer), cfg) }
+  local block = initialized(Block, cfg.n_layer)
+  for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(block, cfg) end
+  layers[#layers + 1] = pipe.LayerSpec(nn.LayerNorm, cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
+  layers[#layers + 1] = wte(logits)
+  return layers
+end
+
+-- The pipeline's loss: GPT's (targets -1 ignored).
+function M.pipe_loss(out, targets) return ds.cross_entropy(out, targets, { ignore_index = -1 }) end
 
 ---------------------------------------------------------------- Hugging Face's weights
 

@@ -98,6 +98,29 @@ describe('examples', function()
     assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
   end)
 
+  it('pipeline: 2 stages x 2 data ranks train 20 steps with train_batch() and report the test accuracy', function()
+    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return end
+    if not H.have_mpirun() then
+      print('skipping: mpirun is not on PATH')
+      return
+    end
+    local cmd = H.ranks_cmd(4) .. ' examples/pipeline/train.lua --config examples/pipeline/ds.json --data ' .. dir
+                .. '/mnist --steps 20'
+    local out, status = H.run(cmd .. ' 2>&1')
+    assert(status == 0, string.format('`%s` exited with %s:\n%s', cmd, tostring(status), out))
+    H.has(out, '4 ranks: 2 stages x 2 data parallel; 2 micro batches of 16 a step; 20 steps')
+    H.has(out, 'stage 0: layers 0..2, 401920 parameters')
+    H.has(out, 'stage 1: layers 3..5, 133898 parameters')
+    local acc = tonumber(out:match('accuracy ([%d.]+)%% %(%d+/2000%) after 20 steps'))
+    assert(acc and acc > 50, 'accuracy after 20 steps in:\n' .. out)
+  end)
+
+  it('pipeline: says it skips and exits 0 when the data folder is absent', function()
+    local out = run('examples/pipeline/train.lua --data /nonexistent/mnist', false)
+    assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
+  end)
+
   it('shakespeare: trains 6 steps, the val loss falls, and it samples from "ROMEO:"', function()
     local dir = H.shared_data('tinyshakespeare/input.txt')
     if not dir then return end

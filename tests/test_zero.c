@@ -3,7 +3,8 @@
  * (bf16 parameters, fp32 masters) SGD step under a loss scale against the
  * fp32 step; the overflow skip; and ZeRO-Offload's layout (parameters on
  * a device, masters and optimizer on the CPU) on a stand-in "cuda" device
- * made of the CPU kernels, through stages 1 and 3. */
+ * made of the CPU kernels, through stages 1 and 3; a parameter left out of
+ * the gradient norm. */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_zero.h"
@@ -251,8 +252,53 @@ static void test_errors(void) {
     for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
 }
 
+/* A parameter left out of the norm (a pipeline's tied copy), flat and with
+ * masters: the norm is the others' alone; a foreign tensor is refused. */
+static void test_exclude_from_norm(void) {
+    for (int masters = 0; masters <= 1; masters++) {
+        ds_tensor *p[NP];
+        make_params(p, DS_F32);
+        ds_optim *o = ds_optim_new(DS_OPTIM_SGD);
+        ds_optim_hparams h = { .lr = 0.1 };
+        ds_zero_config c = config(masters);
+        int counts[1] = { NP };
+        ds_zero *z = masters ? ds_zero_new(&c, 1, counts, p, NULL)
+                             : (ds_optim_add_group(o, NP, p, &h) == 0 ? ds_zero_new(&c, 1, counts, p, o) : NULL);
+        check(z != NULL, "engine: %s", ds_error_message());
+        if (!z) return;
+        ds_tensor *master = masters ? ds_zero_master(z, 0) : NULL;
+        if (masters) {
+            check(ds_optim_add_group(o, 1, &master, &h) == 0 && ds_zero_attach(z, o) == 0, "attach: %s",
+                  ds_error_message());
+        }
+        check(ds_zero_exclude_from_norm(z, p[1]) == 0, "exclude: %s", ds_error_message());
+        ds_tensor *other = ds_tensor_new(1, &SIZES[0], DS_F32, DS_CPU_DEVICE);
+        check(ds_zero_exclude_from_norm(z, other) == -1 && strstr(ds_error_message(), "not one of its parameters"),
+              "a foreign tensor: %s", ds_error_message());
+        double sq = 0;
+        for (int k = 0; k < NP; k++)
+            for (int64_t i = 0; i < SIZES[k] && k != 1; i++) {
+                double g = 2 * (k + 1) * ds_tensor_get(p[k], i);
+                sq += g * g;
+            }
+        ds_tensor *loss = loss_of(p, 1);
+        check(ds_zero_backward(z, loss, masters) == 0, "backward: %s", ds_error_message());
+        ds_zero_result r;
+        check(ds_zero_step(z, &h, 1, 1e9, false, &r) == 0, "step: %s", ds_error_message());
+        check(fabs(r.grad_norm - sqrt(sq)) < 1e-5 * sqrt(sq), "%s: norm %g without parameter 2, want %g",
+              masters ? "masters" : "flat", r.grad_norm, sqrt(sq));
+        ds_tensor_release(other);
+        ds_tensor_release(loss);
+        ds_tensor_release(master);
+        ds_zero_free(z);
+        ds_optim_free(o);
+        for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
+    }
+}
+
 int main(void) {
     test_flat_buckets_and_clip();
+    test_exclude_from_norm();
     test_masters_step();
     test_errors();
     test_offload();

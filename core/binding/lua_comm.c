@@ -10,7 +10,6 @@
 #include <stdlib.h>
 
 #define DSL_WORK_MT "dslua.CommWork"
-#define DSL_GROUP_MT "dslua.CommGroup"
 
 enum { RESULT_NONE, RESULT_ONE, RESULT_LIST };
 

@@ -12,6 +12,7 @@
 #include <lauxlib.h>
 
 #define DSL_TENSOR_MT "dslua.Tensor"
+#define DSL_GROUP_MT "dslua.CommGroup"     /* ds.comm.new_group's groups (lua_comm.c) */
 
 /* A tensor argument whose data an op will read: a released partitioned
  * parameter is fetched first (the autograd fetch function). */

@@ -4,7 +4,10 @@
  *   _zero.engine{stage, masters, comm_dtype, master_device, bucket_size,
  *                prescale, predivide, persistence_threshold,
  *                prefetch_bucket_size, max_live_parameters,
- *                max_reuse_distance, groups = {{p...}...}, optimizer}
+ *                max_reuse_distance, groups = {{p...}...}, optimizer,
+ *                group, stages}    (ds.comm.new_group's groups: group, the ranks that
+ *                reduce (nil: the world); stages, a pipeline's ranks of this data
+ *                index, over which the gradient norm sums too (nil: none))
  *                              -> z (optimizer: the flat mode's, else nil)
  *   z:master(g), z:master_grad(g), z:attach(optimizer), z:stream()
  *   z:backward(loss | nil, reduce)   z:scale_grads(f)
@@ -17,6 +20,7 @@
  *   z:add_module({i...}) -> id | nil (it holds no partitioned parameter)
  *   z:pre_forward(id)  z:post_forward(id)  z:gather_all()  z:release_all()
  *   z:shard(i)  z:persistent(i)  z:close()
+ *   z:exclude_from_norm(param)  (a tied weight a pipeline's earlier stage counts)
  *
  *   _zero.set_fetch(fn)        fn(t) must make a released tensor whole; it is
  *                              called when an op or a backward node reads one
@@ -179,6 +183,11 @@ static void read_config(lua_State *L, int t, ds_zero_config *c) {
     c->prefetch_bucket_size = opt_elements(L, t, "prefetch_bucket_size", 5e7);
     c->max_live_parameters = opt_elements(L, t, "max_live_parameters", 1e9);
     c->max_reuse_distance = opt_elements(L, t, "max_reuse_distance", 1e9);
+    lua_getfield(L, t, "group");
+    c->group = lua_isnil(L, -1) ? NULL : *(ds_comm_group **)luaL_checkudata(L, -1, DSL_GROUP_MT);
+    lua_getfield(L, t, "stages");
+    c->stages = lua_isnil(L, -1) ? NULL : *(ds_comm_group **)luaL_checkudata(L, -1, DSL_GROUP_MT);
+    lua_pop(L, 2);
 }
 
 /* engine{...}: the groups' parameters flattened, counted per group. */
@@ -415,7 +424,13 @@ static int l_close(lua_State *L) {
     return 0;
 }
 
+static int l_exclude_from_norm(lua_State *L) {
+    if (ds_zero_exclude_from_norm(check_engine(L), dsL_checktensor(L, 2))) return dsL_error(L);
+    return 0;
+}
+
 static const luaL_Reg engine_methods[] = {
+    {"exclude_from_norm", l_exclude_from_norm},
     {"master", l_master}, {"master_grad", l_master_grad}, {"attach", l_attach}, {"stream", l_stream}, {"backward", l_backward},
     {"scale_grads", l_scale_grads}, {"step", l_step}, {"refresh", l_refresh}, {"sync_params", l_sync_params}, {"stats", l_stats},
     {"buckets", l_buckets}, {"bucket", l_bucket}, {"add_module", l_add_module}, {"pre_forward", l_pre_forward},

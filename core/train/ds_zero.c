@@ -214,8 +214,13 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
     ds_zero *z = calloc(1, sizeof *z);
     if (!z) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory");
     z->c = *c;
-    z->rank = ds_comm_rank(NULL);
-    z->world = ds_comm_size(NULL);
+    z->rank = ds_comm_rank(c->group);
+    z->world = ds_comm_size(c->group);
+    if (z->rank < 0) {
+        free(z);
+        return ds_fail(DS_ERR_ARG, "step engine: rank %d is not in its group %s", ds_comm_rank(NULL),
+                       ds_comm_group_name(c->group));
+    }
     z->parts = c->masters && c->stage > 0 ? z->world : 1;
     z->dtype = params[0]->dtype;
     z->n_groups = n_groups;
@@ -397,14 +402,14 @@ static ds_comm_work *launch_rows(ds_zero *z, zbucket *b, ds_tensor **buf) {
     ds_comm_work *w;
     if (P == 1) {
         ds_tensor *v = ds_zero_elements(rows, 0, b->width);
-        w = v ? ds_comm_all_reduce(v, DS_COMM_SUM, NULL) : NULL;
+        w = v ? ds_comm_all_reduce(v, DS_COMM_SUM, z->c.group) : NULL;
         ds_tensor_release(v);
     } else {
         ds_tensor *list[P];
         int made = 0;
         for (; made < P; made++)
             if (!(list[made] = ds_zero_elements(rows, made * b->width, b->width))) break;
-        w = made == P ? ds_comm_reduce_scatter(list, P, DS_COMM_SUM, NULL) : NULL;
+        w = made == P ? ds_comm_reduce_scatter(list, P, DS_COMM_SUM, z->c.group) : NULL;
         for (int r = 0; r < made; r++) ds_tensor_release(list[r]);
     }
     if (!w) { ds_tensor_release(rows); return NULL; }
@@ -418,7 +423,7 @@ static ds_comm_work *launch_flat(ds_zero *z, zbucket *b, ds_tensor **buf) {
     ds_tensor *v = ds_zero_elements(z->optim->groups[b->group].flat_grads, b->offset, b->width);
     if (!v) return NULL;
     double f = z->c.prescale ? 1.0 / z->world : z->c.predivide != 1 ? 1.0 / z->c.predivide : 1;
-    ds_comm_work *w = f == 1 || scale_(v, f) == 0 ? ds_comm_all_reduce(v, DS_COMM_SUM, NULL) : NULL;
+    ds_comm_work *w = f == 1 || scale_(v, f) == 0 ? ds_comm_all_reduce(v, DS_COMM_SUM, z->c.group) : NULL;
     if (!w) { ds_tensor_release(v); return NULL; }
     *buf = v;
     return w;
@@ -568,22 +573,46 @@ static int drain(ds_zero *z) {
     return rc;
 }
 
-/* Sum of squares and inf/nan count over tensors, summed over ranks when
- * agree: one pass each, one host synchronisation in all. */
+static int sum_squares(ds_tensor *acc, ds_tensor *t) {
+    int rc = t ? ds_tensor_kernels(t)->reduce->sum_squares(ds_tensor_kview(acc), ds_tensor_kview(t)) : -1;
+    if (rc && t) ds_fail(DS_ERR_STATE, "step engine: gradient norm: %s", ds_kernel_error());
+    return rc;
+}
+
+static int sum_over(ds_tensor *acc, ds_comm_group *g) {
+    ds_comm_work *w = ds_comm_all_reduce(acc, DS_COMM_SUM, g);
+    int rc = w ? ds_comm_work_wait(w) : -1;
+    ds_comm_work_release(w);
+    return rc;
+}
+
+/* Sum of squares and inf/nan count over tensors, less the excluded
+ * parameters' gradients, summed over the group when agree and over a
+ * pipeline's stages: one pass each, one host synchronisation in all. */
 static int grad_stats(ds_zero *z, int n, ds_tensor *const *t, bool agree, double *sq, double *bad) {
     ds_device dev = ds_tensor_device(t[0]);
     ds_tensor *acc = ds_tensor_full(1, (int64_t[]){ 2 }, DS_F64, dev, 0.0);
-    if (!acc) return -1;
-    int rc = 0;
-    for (int i = 0; i < n && rc == 0; i++) {
-        rc = ds_tensor_kernels(t[i])->reduce->sum_squares(ds_tensor_kview(acc), ds_tensor_kview(t[i]));
-        if (rc) ds_fail(DS_ERR_STATE, "step engine: gradient norm: %s", ds_kernel_error());
+    ds_tensor *out = ds_tensor_full(1, (int64_t[]){ 2 }, DS_F64, dev, 0.0);
+    int rc = acc && out ? 0 : -1;
+    bool excluded = false;
+    for (int i = 0; i < n && rc == 0; i++) rc = sum_squares(acc, t[i]);
+    for (int i = 0; i < z->n && rc == 0; i++) {
+        zparam *q = &z->p[i];
+        if (!q->no_norm) continue;
+        excluded = true;
+        if (!z->c.masters) {
+            rc = sum_squares(out, q->view);
+            continue;
+        }
+        ds_tensor *g = ds_zero_elements(z->master_grads[q->group], q->offset, q->shard);
+        rc = sum_squares(out, g);
+        ds_tensor_release(g);
     }
-    if (rc == 0 && agree) {
-        ds_comm_work *w = ds_comm_all_reduce(acc, DS_COMM_SUM, NULL);
-        rc = w ? ds_comm_work_wait(w) : -1;
-        ds_comm_work_release(w);
-    }
+    if (rc == 0 && excluded) rc = scale_(out, -1);
+    if (rc == 0 && excluded) rc = ds_add_(acc, out);
+    if (rc == 0 && agree) rc = sum_over(acc, z->c.group);
+    if (rc == 0 && z->c.stages) rc = sum_over(acc, z->c.stages);
+    ds_tensor_release(out);
     ds_tensor *host = rc == 0 ? ds_to_device(acc, DS_CPU_DEVICE) : NULL;
     if (host) {
         *sq = ds_tensor_get(host, 0);
@@ -596,13 +625,11 @@ static int grad_stats(ds_zero *z, int n, ds_tensor *const *t, bool agree, double
 
 /* Lamb's per-piece squares summed over the ranks holding the other shards. */
 static int sum_over_ranks(double *values, int n, void *ud) {
-    (void)ud;
+    ds_zero *z = ud;
     ds_tensor *t = ds_tensor_new(1, (int64_t[]){ n }, DS_F64, DS_CPU_DEVICE);
     if (!t) return -1;
     memcpy(ds_tensor_data(t), values, sizeof *values * (size_t)n);
-    ds_comm_work *w = ds_comm_all_reduce(t, DS_COMM_SUM, NULL);
-    int rc = w ? ds_comm_work_wait(w) : -1;
-    ds_comm_work_release(w);
+    int rc = sum_over(t, z->c.group);
     if (rc == 0) memcpy(values, ds_tensor_data(t), sizeof *values * (size_t)n);
     ds_tensor_release(t);
     return rc;
@@ -660,7 +687,7 @@ static int refresh(ds_zero *z, ds_tensor *const *masters) {
         }
         if (rc || !whole) continue;
         ds_tensor *send = copy_out(masters[b->group], b->offset, b->width, z->dtype, param_device(z));
-        works[bi] = send ? ds_comm_all_gather(send, NULL) : NULL;
+        works[bi] = send ? ds_comm_all_gather(send, z->c.group) : NULL;
         if (!works[bi]) rc = -1;
         sent[bi] = send;
     }
@@ -695,7 +722,8 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
     double sq = 0, bad = 0;
     if (!z->c.masters) {
         /* plain data parallel: the reduced gradients are the same on every
-         * rank, so clipping needs no agreement (torch's clip_grad_norm_) */
+         * rank, so clipping needs no agreement (torch's clip_grad_norm_)
+         * but over a pipeline's stages */
         if (clip > 0) {
             ds_tensor *grads[z->optim->n_groups];
             for (int g = 0; g < z->optim->n_groups; g++) grads[g] = z->optim->groups[g].flat_grads;
@@ -774,6 +802,16 @@ bool ds_zero_stats_get(const ds_zero *z, ds_zero_stats *out) {
 int ds_zero_n_buckets(const ds_zero *z) { return z->nb; }
 
 int ds_zero_n_params(const ds_zero *z) { return z->n; }
+
+int ds_zero_exclude_from_norm(ds_zero *z, const ds_tensor *param) {
+    for (int i = 0; i < z->n; i++) {
+        if (z->p[i].param == param) {
+            z->p[i].no_norm = true;
+            return 0;
+        }
+    }
+    return ds_fail(DS_ERR_ARG, "step engine: exclude_from_norm: the tensor is not one of its parameters"), -1;
+}
 
 ds_optim *ds_zero_optimizer(const ds_zero *z) { return z->optim; }
 

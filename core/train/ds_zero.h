@@ -9,7 +9,7 @@
  *   masters  bf16/fp16 or stage >= 1: each param group has one fp32 master,
  *            this rank's shard of every parameter back to back (a parameter
  *            of n elements is cut into P shards of ceil(n / P), the last
- *            padded with zeros; P is the world size from stage 1, else 1),
+ *            padded with zeros; P is the group's size from stage 1, else 1),
  *            on the master device (the model's, or the CPU for
  *            offload_optimizer). The optimizer is built over the masters.
  *
@@ -37,6 +37,7 @@
 #ifndef DS_ZERO_H
 #define DS_ZERO_H
 
+#include "ds_comm.h"
 #include "ds_optim.h"
 #include "ds_tensor.h"
 
@@ -46,6 +47,9 @@ typedef struct ds_zero ds_zero;
 
 typedef struct {
     int stage;                    /* 0-3 */
+    ds_comm_group *group;         /* the data-parallel ranks (a pipeline stage's); NULL: the world */
+    ds_comm_group *stages;        /* a pipeline's ranks of this data index, one per stage: the gradient
+                                   * norm and the overflow count sum over them too; NULL: one stage */
     bool masters;                 /* fp32 masters (see above); false: flat */
     ds_dtype comm_dtype;          /* masters: gradients travel in it */
     ds_device master_device;      /* masters: where masters, their gradients and state live */
@@ -128,6 +132,10 @@ typedef struct {
 bool ds_zero_stats_get(const ds_zero *z, ds_zero_stats *out);
 
 int ds_zero_n_params(const ds_zero *z);
+/* param (one of the engine's) stays out of the gradient norm and the
+ * overflow count: a pipeline's tied weight on every stage but the first
+ * that holds it, so the norm counts it once. */
+int ds_zero_exclude_from_norm(ds_zero *z, const ds_tensor *param);
 /* The optimizer stepping the weights, NULL while none is attached. */
 ds_optim *ds_zero_optimizer(const ds_zero *z);
 

@@ -28,7 +28,7 @@ static zgather *start_gather(ds_zero *z, int n, const int *list) {
         at += (int)q->shard;
     }
     g->started = ds_zero_now();
-    if (rc == 0 && !(g->work = ds_comm_all_gather(g->send, NULL))) rc = -1;
+    if (rc == 0 && !(g->work = ds_comm_all_gather(g->send, z->c.group))) rc = -1;
     if (rc) {
         ds_tensor_release(g->send);
         free(g->params);

@@ -17,6 +17,7 @@ typedef struct {
     int64_t offset;         /* of its shard in the group's master, or of its gradient in the flat gradients */
     int bucket;
     bool done;              /* gradient complete in the armed backward */
+    bool no_norm;           /* left out of the norm (ds_zero_exclude_from_norm) */
     ds_tensor *view;        /* flat: where its gradient lives */
     /* stage 3 */
     ds_tensor *own;         /* this rank's shard (model dtype); NULL when persistent */

@@ -1,12 +1,12 @@
--- What the MNIST examples (examples/mnist, examples/uneven) share: where the
--- data is, the train/test split of the t10k files, the random shifts, and
--- the test accuracy.
+-- What the MNIST examples (examples/mnist, examples/uneven,
+-- examples/pipeline) share: where the data is, the train/test split of the
+-- t10k files, the random shifts, and the test accuracy.
 local ds = require 'dslua'
 local M = {}
 
 -- --data DIR, else $DSLUA_DATA/mnist, else <project>/../shared/data/mnist
 -- (seen from the script folder `here`, `dir/..` pairs folded for the log).
-function M.data_dir(here, data)
+local function data_dir(here, data)
   if data then return data end
   if os.getenv('DSLUA_DATA') then return os.getenv('DSLUA_DATA') .. '/mnist' end
   local path, n = here .. '/../../../shared/data/mnist', 1
@@ -20,8 +20,13 @@ local function exists(path)
   return f ~= nil
 end
 
-function M.has_t10k(dir)
-  return exists(dir .. '/t10k-images-idx3-ubyte.gz') or exists(dir .. '/t10k-images-idx3-ubyte')
+-- The folder of the t10k files (data_dir's), or: rank 0 says why the
+-- example skips, and every rank exits 0.
+function M.data_or_skip(here, data)
+  local dir = data_dir(here, data)
+  if exists(dir .. '/t10k-images-idx3-ubyte.gz') or exists(dir .. '/t10k-images-idx3-ubyte') then return dir end
+  if ds.comm.rank() == 0 then print(string.format('skipping: no MNIST t10k files in %s (pass --data DIR)', dir)) end
+  os.exit(0)
 end
 
 -- The first 8,000 t10k images to train on, the last 2,000 to test on.

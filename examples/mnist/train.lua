@@ -26,11 +26,7 @@ while i <= #rest do
   end
   i = i + 2
 end
-local dir = mnist.data_dir(here, opts.data)
-if not mnist.has_t10k(dir) then
-  print(string.format('skipping: no MNIST t10k files in %s (pass --data DIR)', dir))
-  os.exit(0)
-end
+local dir = mnist.data_or_skip(here, opts.data)
 
 ds.manual_seed(42)
 math.randomseed(42)

@@ -27,12 +27,8 @@ while i <= #rest do
   end
   i = i + 2
 end
-local dir = mnist.data_dir(here, opts.data)
+local dir = mnist.data_or_skip(here, opts.data)
 local rank = ds.comm.rank()
-if not mnist.has_t10k(dir) then
-  if rank == 0 then print(string.format('skipping: no MNIST t10k files in %s (pass --data DIR)', dir)) end
-  os.exit(0)
-end
 
 ds.manual_seed(42)                 -- every rank the same init (rank 0's is broadcast anyway)
 math.randomseed(42 + rank)         -- each rank its own shifts

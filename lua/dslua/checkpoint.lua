@@ -53,6 +53,18 @@ local MANIFEST = 'manifest.json'
 
 local function fail(fmt, ...) error(string.format(fmt, ...), 0) end
 
+-- A pipeline on several ranks has no checkpoint layout yet: its stages hold
+-- different parameters, and the files and collectives here are the data
+-- parallel ranks'.
+local function refuse_pipeline(engine, verb)
+  local m = engine.module
+  if m.is_pipeline and ds.comm.world_size() > 1 then
+    fail('%s: a PipelineModule on %d ranks (%d stages x %d data parallel) does not checkpoint yet; save each '
+         .. "stage's weights with ds.checkpoint.save_file(path, engine.module:state_dict())", verb,
+         ds.comm.world_size(), m.num_stages, m.dp_size)
+  end
+end
+
 local function file_name(r) return string.format('rank_%05d.safetensors', r) end
 
 local function ceil_div(a, b) return math.floor((a + b - 1) / b) end
@@ -415,6 +427,7 @@ end
 -- engine:save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
 -- true; save_latest = false leaves `latest` where it was (DeepSpeed's).
 function M.save(engine, dir, tag, client_state, save_latest)
+  refuse_pipeline(engine, 'save_checkpoint')
   if type(dir) ~= 'string' or dir == '' then fail('save_checkpoint: save_dir must be a path, got %s', type(dir)) end
   tag = tag or ('global_step' .. engine.global_steps)
   check_tag(tag, 'save_checkpoint')
@@ -796,6 +809,7 @@ end
 
 -- engine:load_checkpoint(dir [, tag [, opts]]) -> path, client_state
 function M.load(engine, dir, tag, opts)
+  refuse_pipeline(engine, 'load_checkpoint')
   if type(dir) ~= 'string' or dir == '' then fail('load_checkpoint: load_dir must be a path, got %s', type(dir)) end
   local o = load_options(opts)
   if tag == nil then
@@ -945,6 +959,7 @@ end
 -- under bf16/fp16. Stage 3 gathers the parameters, which DeepSpeed allows
 -- with stage3_gather_16bit_weights_on_model_save.
 function M.save_model(engine, path, dtype)
+  refuse_pipeline(engine, 'save_16bit_model')
   local z = engine.zero
   if z and z.stage == 3 and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save then
     fail('save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false: the stage 3 '

@@ -25,7 +25,7 @@ M.ignored_keys = {
 -- DeepSpeed features dslua does not implement: accepted only switched off.
 M.unsupported_keys = {
   'amp', 'compression_training', 'curriculum_learning', 'data_efficiency', 'eigenvalue', 'elasticity',
-  'hybrid_engine', 'pipeline', 'progressive_layer_drop', 'quantize_training', 'sparse_attention',
+  'hybrid_engine', 'progressive_layer_drop', 'quantize_training', 'sparse_attention',
   'torch_autocast',
 }
 
@@ -626,7 +626,7 @@ local CHECKPOINT = { fields = {
   use_node_local_storage = bool(false),
   parallel_write = block({ fields = {
     pipeline_stage = field('custom', false, { check = has_effect_note(
-      'dslua has no pipeline parallelism; every rank writes its own file in parallel anyway') }),
+      'every rank writes its own file in parallel anyway') }),
   } }),
   checkpoint_serialization = bool(true),     -- torch.save's zipfile format: dslua writes safetensors
   writer = any({ nullable = true }),         -- DeepSpeed's writer engines: dslua has its own
@@ -642,6 +642,34 @@ local ACT_CKPT = { fields = {
   number_checkpoints = int(nil, 1, { nullable = true }),
   synchronize_checkpoint_boundary = bool(false),
   profile = bool(false),
+} }
+
+-- runtime/config.py get_pipeline_config's keys. stages ('auto' or the
+-- PipelineModule's num_stages) and activation_checkpoint_interval (for a
+-- module that sets none) are checked against the model at initialize;
+-- partition and seed_layers are the module's to decide (partition_method,
+-- base_seed), as in DeepSpeed; the partitioned keys split activations over
+-- tensor-parallel ranks, which dslua has none of.
+local function check_stages(ctx, path, v)
+  if v == 'auto' or (type(v) == 'number' and v >= 1 and v % 1 == 0) then return v end
+  problem(ctx, path, 'must be "auto" or a number of stages, got ' .. describe(v))
+end
+
+local function module_decides(f)
+  return field('custom', f.default, { check = function(ctx, path, v)
+    v = check_value(ctx, path, v, f)
+    note(ctx, path, "the PipelineModule decides this (partition_method, base_seed); no effect, as in DeepSpeed")
+    return v
+  end })
+end
+
+local PIPELINE = { fields = {
+  stages = field('custom', 'auto', { check = check_stages }),
+  partition = module_decides(field('str', 'best')),
+  seed_layers = module_decides(bool(false)),
+  activation_checkpoint_interval = int(0, 0),
+  pipe_partitioned = bool(true),
+  grad_partitioned = bool(true),
 } }
 
 -- The monitors: deepspeed/monitor/config.py's pydantic models (extra keys
@@ -690,6 +718,7 @@ local TOP = { fields = {
   comms_logger = block(COMMS),
   checkpoint = block(CHECKPOINT),
   activation_checkpointing = block(ACT_CKPT),
+  pipeline = block(PIPELINE),
   tensorboard = block(TENSORBOARD),
   csv_monitor = block(TENSORBOARD),
   wandb = block(WANDB),

@@ -110,10 +110,11 @@ local function build_scheduler(opts, cfg, optimizer)
   return nil
 end
 
--- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights.
+-- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights
+-- (a pipeline stage's ranks from the stage's first rank).
 local function broadcast_model(model)
   for _, list in ipairs({ model:named_parameters(), model:named_buffers() }) do
-    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], 0) end
+    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], model.dp_root or 0, model.dp_group) end
   end
 end
 
@@ -187,9 +188,7 @@ function M.initialize(opts)
   local params = opts.model_parameters and moved_params(opts.model_parameters, moved) or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
   local optimizer, zero
-  if model.is_pipeline and (Zero.wanted(cfg) or world_size > 1) then
-    error('initialize: a PipelineModule runs without ZeRO and with one rank per stage for now', 2)
-  end
+  if model.is_pipeline then require('dslua.pipe.engine').check(model, cfg) end
   if Zero.wanted(cfg) then
     zero = build_zero(opts, cfg, model, params, rank, world_size, device)
     optimizer = zero.optimizer
@@ -243,7 +242,7 @@ function M.initialize(opts)
     -- DeepSpeed's loader: a DistributedSampler (shuffle, seed 0) on N
     -- ranks; on one rank the loader's own shuffle, the same order
     local sampler = world_size > 1 and require('samplers.distributed').new(opts.training_data, {
-      num_replicas = world_size, rank = self.rank,
+      num_replicas = world_size, rank = model.dp_rank or self.rank,
     }) or nil
     loader = ds.data.loader(opts.training_data, {
       batch_size = cfg.train_micro_batch_size_per_gpu, shuffle = sampler == nil, sampler = sampler,
@@ -275,7 +274,8 @@ function Engine:_setup_steps()
     end
   end
   self.steps = require('dslua.core')._zero.engine(Zero.engine_options(cfg, {
-    masters = false, optimizer = self.optimizer, groups = lists,
+    masters = false, optimizer = self.optimizer, groups = lists, group = self.module.dp_group,
+    stages = self.module.pipe_group,
     prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
   }))
 end
@@ -321,7 +321,7 @@ function Engine:_watch_loader(loader)
     local steps = math.floor((sampler and sampler:steps() or #l) / engine:gradient_accumulation_steps())
     -- under mpirun a rank's stdout is a pty of mpirun's, not the user's
     -- terminal: multi-rank runs print plain lines
-    if steps > 0 and engine.rank == 0 and engine.world_size == 1 and ds.isatty(1) then
+    if steps > 0 and engine.rank == 0 and ds.comm.world_size() == 1 and ds.isatty(1) then
       engine.bar = progress.new { total = steps, label = string.format('epoch %s', tostring(e)),
                                   unit = 'samples', tty = true }
       engine.bar_first_step = engine.global_steps
@@ -349,7 +349,9 @@ end
 
 -- a PipelineModule's verbs (dslua/pipe/engine.lua)
 function Engine:train_batch(data_iter) return require('dslua.pipe.engine').train_batch(self, data_iter) end
-function Engine:eval_batch(data_iter) return require('dslua.pipe.engine').eval_batch(self, data_iter) end
+function Engine:eval_batch(data_iter, return_logits)
+  return require('dslua.pipe.engine').eval_batch(self, data_iter, return_logits)
+end
 
 function Engine:train_batch_size() return self.config.train_batch_size end
 function Engine:train_micro_batch_size_per_gpu() return self.config.train_micro_batch_size_per_gpu end
@@ -393,6 +395,8 @@ local function place(device, dtype, v)
   return v
 end
 
+M.place = place
+
 local function place_inputs(device, dtype, ...)
   local args = { n = select('#', ...), ... }
   for i = 1, args.n do args[i] = place(device, dtype, args[i]) end
@@ -425,7 +429,9 @@ Engine.__call = Engine.forward
 
 -- The loss is divided by gradient_accumulation_steps, so the accumulated
 -- gradient is the mean over the global batch, as DeepSpeed scales it.
-function Engine:backward(loss)
+-- allreduce_gradients false: the boundary's reduction is left to the caller
+-- (engine:_backward(nil, true)), as DeepSpeed's backward(loss, allreduce_gradients).
+function Engine:backward(loss, allreduce_gradients)
   if not ds.is_tensor(loss) then error('backward: expected the loss tensor, got ' .. type(loss), 2) end
   self:_start('backward')
   self.last_loss = loss:item()
@@ -441,7 +447,7 @@ function Engine:backward(loss)
   end
   if self.scaler then loss = loss * self.scaler.cur_scale end
   local t0 = now()
-  self:_backward(loss, boundary)
+  self:_backward(loss, boundary and allreduce_gradients ~= false)
   if self.weighted then self.window_seconds = self.window_seconds + (now() - t0) end
   self:_stop('backward')
   return loss

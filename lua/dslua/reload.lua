@@ -416,7 +416,7 @@ Session.__index = Session
 function M.session(engine, cfg)
   local rc = cfg.reload
   local self = setmetatable({
-    engine = engine, rank = engine.rank, world_size = engine.world_size, enabled = rc.enabled, every = rc.every,
+    engine = engine, rank = engine.rank, world_size = ds.comm.world_size(), enabled = rc.enabled, every = rc.every,
     entries = {}, outbox = {}, paused = false, last_end = now(), step_time = nil,
   }, Session)
   sessions[self] = true

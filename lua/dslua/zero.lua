@@ -135,7 +135,8 @@ function M.new(opts)
   -- optimizer state live in host memory and the step runs on the CPU
   local master_device = z.offload ~= 'none' and 'cpu' or (opts.device or 'cpu')
   z.engine = Z0.engine(M.engine_options(cfg, { masters = true, comm_dtype = comm_dtype, master_device = master_device,
-                                               groups = lists }))
+                                               groups = lists, group = opts.model.dp_group,
+                                               stages = opts.model.pipe_group }))
   z:_build_optimizer(opts)
   if z.stage == 3 then z:_install_hooks() end
   return z

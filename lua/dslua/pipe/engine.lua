@@ -9,7 +9,10 @@
 -- of the batch), receives block: with blocking sends two neighbouring
 -- stages could both wait in a send (one an activation, the other a
 -- gradient). The first and last stage read the data iterator (inputs and
--- labels), once per micro batch.
+-- labels), once per micro batch; each data-parallel rank of a stage talks
+-- to the rank of its own data index on the next stage. Tied weights'
+-- gradients are summed across their stages after the last backward, before
+-- the data-parallel reduction (DeepSpeed's ReduceTiedGrads, ReduceGrads).
 local ds = require 'dslua'
 
 local M = {}
@@ -40,11 +43,31 @@ function M.schedule(stage, S, gas)
   return out
 end
 
+-- What initialize checks of a pipeline's config, and the pipeline block
+-- it applies: ZeRO-1 over the data-parallel ranks of each stage at most
+-- (DeepSpeed's PipelineEngine refuses gradient partitioning).
+function M.check(m, cfg)
+  local stage = cfg.zero_optimization.stage
+  if stage >= 2 then
+    error(fmt('initialize: ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (zero_optimization.stage '
+              .. 'is %d): use stage 0 or 1', stage), 0)
+  end
+  if cfg.sampler then
+    error('initialize: the sampler block does not run with a pipeline (every stage reads the same micro batches)', 0)
+  end
+  local p = cfg.pipeline
+  if p.stages ~= 'auto' and p.stages ~= m.num_stages then
+    error(fmt('initialize: pipeline.stages is %d, the PipelineModule has %d stages', p.stages, m.num_stages), 0)
+  end
+  if m.activation_checkpoint_interval == 0 then
+    rawset(m, 'activation_checkpoint_interval', p.activation_checkpoint_interval)
+  end
+end
+
 local function shape_str(t) return '[' .. table.concat(t:size(), 'x') .. ']' end
 
-local function peer(m, stage)
-  return stage * m.dp_size + ds.comm.rank() % m.dp_size
-end
+-- the rank of this data index on another stage
+local function peer(m, stage) return m.topology:get_rank(stage, m.dp_rank) end
 
 local function send_activation(t, dst, sends)
   local code = CODE[t:dtype()]
@@ -72,11 +95,16 @@ local function next_batch(data_iter)
   return batch
 end
 
--- the inputs and labels of a batch: {x = .., y = ..} or {inputs, labels}
-local function split(batch)
-  if type(batch) ~= 'table' or ds.is_tensor(batch) then return batch, nil end
-  if batch.x ~= nil then return batch.x, batch.y end
-  return batch[1], batch[2]
+-- the inputs and labels of a batch: {x = .., y = ..} or {inputs, labels},
+-- on the engine's device, floats in its compute dtype (as engine:forward)
+local function split(engine, batch)
+  local x, y = batch, nil
+  if type(batch) == 'table' and not ds.is_tensor(batch) then
+    if batch.x ~= nil then x, y = batch.x, batch.y else x, y = batch[1], batch[2] end
+  end
+  local place = require('dslua.engine').place
+  local dtype = engine.zero and engine.zero.dtype ~= 'f32' and engine.zero.dtype or nil
+  return place(engine.device, dtype, x), place(engine.device, dtype, y)
 end
 
 -- one micro batch forward on this stage: the output, and the loss on the last
@@ -93,28 +121,67 @@ local function forward(m, x, mb, labels)
   return out, out
 end
 
-local function check_iter(data_iter, who)
+-- The engine's training loader, repeated epoch after epoch (DeepSpeed's
+-- RepeatingLoader), as an iterator of batches.
+local function loader_iter(engine, who)
+  local loader = engine.training_dataloader
+  if not loader then
+    error(who .. ': no data iterator given and no training_data given to ds.initialize', 3)
+  end
+  if not engine.pipe_data then
+    local it
+    engine.pipe_data = function()
+      for _ = 1, 2 do
+        it = it or loader:epoch()
+        local step, batch = it()
+        if step ~= nil then return batch end
+        it = nil
+      end
+      error(who .. ': the training loader has no batch', 0)
+    end
+  end
+  return engine.pipe_data
+end
+
+local function check_iter(engine, data_iter, who)
+  if not engine.module.is_pipeline then
+    error(fmt('%s: the model is not a ds.pipe.PipelineModule; train it with engine:forward, backward and step', who), 3)
+  end
+  if data_iter == nil and who == 'train_batch' then return loader_iter(engine, who) end
   if type(data_iter) ~= 'function' then
     error(fmt('%s: expected a data iterator (a function returning the next batch), got %s', who, type(data_iter)), 3)
   end
+  return data_iter
 end
 
--- The mean loss over the micro batches, on every stage of this pipe
--- (DeepSpeed's _aggregate_total_loss).
-local function mean_loss(engine, m, total, gas)
-  local t = ds.tensor({ total / gas }, 'f64')
-  if m.num_stages > 1 then
-    if m.dp_size > 1 then
-      error('pipeline: pipe x data parallel is not supported yet: give every stage one rank', 0)
+-- The mean loss over the micro batches and data-parallel ranks, on every
+-- rank (DeepSpeed's _aggregate_total_loss): only last stages add theirs.
+local function mean_loss(m, total, gas)
+  if ds.comm.world_size() == 1 then return total / gas end
+  local last = m.stage_id == m.num_stages - 1
+  local t = ds.tensor({ last and total / (gas * m.dp_size) or 0 }, 'f64')
+  return ds.comm.all_reduce(t, 'sum'):item()
+end
+
+-- A tied weight counts once in the gradient norm: on its first stage.
+local function exclude_tied(engine, m)
+  if engine.pipe_norm_set then return end
+  engine.pipe_norm_set = true
+  local steps = engine.zero and engine.zero.engine or engine.steps
+  for _, t in ipairs(m.tied_groups) do
+    if not t.first then
+      for _, w in ipairs(t.tensors) do steps:exclude_from_norm(w) end
     end
-    ds.comm.broadcast(t, peer(m, m.num_stages - 1))
   end
-  return t:item()
 end
 
 function M.train_batch(engine, data_iter)
-  check_iter(data_iter, 'train_batch')
+  data_iter = check_iter(engine, data_iter, 'train_batch')
   local m = engine.module
+  exclude_tied(engine, m)
+  -- tied weights: their gradients are summed across stages before the
+  -- data-parallel reduction, which then starts after the last backward
+  local tied = #m.tied_groups > 0
   local gas = engine:gradient_accumulation_steps()
   local first, last = m.stage_id == 0, m.stage_id == m.num_stages - 1
   local inputs, outputs, losses, sends = {}, {}, {}, {}
@@ -125,7 +192,7 @@ function M.train_batch(engine, data_iter)
     local kind, mb = action[1], action[2]
     if kind == 'F' then
       local x, labels
-      if first or last then x, labels = split(next_batch(data_iter)) end
+      if first or last then x, labels = split(engine, next_batch(data_iter)) end
       if not first then
         x = recv_activation(peer(m, m.stage_id - 1))
         if x:dtype():match('^b?f') then x:requires_grad_(true) end
@@ -139,51 +206,65 @@ function M.train_batch(engine, data_iter)
         send_activation(out, peer(m, m.stage_id + 1), sends)
       end
     else
+      local boundary = engine:is_gradient_accumulation_boundary()
       if last then
         total = total + losses[mb]:item()
-        engine:backward(losses[mb])
+        engine:backward(losses[mb], not tied)
       else
         local out = outputs[mb]
         local g = ds.comm.recv(ds.zeros(out:size(), out:dtype()), peer(m, m.stage_id + 1))
         -- d/d out of sum(out * g) is g itself: backward with the gradient
         -- the next stage sent, through the step engine like any loss
-        engine:_backward((out * g):sum(), engine:is_gradient_accumulation_boundary())
+        engine:_backward((out * g):sum(), boundary and not tied)
       end
       if not first then
         local gx = inputs[mb].grad
         if not gx then gx = ds.zeros(inputs[mb]:size(), inputs[mb]:dtype()) end
         sends[#sends + 1] = { ds.comm.isend(gx, peer(m, m.stage_id - 1)), gx }
       end
+      -- after the send: the stage before may still wait for that gradient
+      if tied and boundary then
+        m:allreduce_tied_weight_gradients()
+        engine:_backward(nil, true)
+      end
       inputs[mb], outputs[mb], losses[mb] = nil, nil, nil
       engine:step()
     end
   end
   for _, s in ipairs(sends) do s[1]:wait() end
-  local loss = mean_loss(engine, m, total, gas)
+  local loss = mean_loss(m, total, gas)
   engine.last_loss = loss
   return loss
 end
 
-function M.eval_batch(engine, data_iter)
-  check_iter(data_iter, 'eval_batch')
+-- eval_batch(data_iter [, return_logits]) -> the mean loss [, on the last
+-- stage the list of each micro batch's outputs (nil elsewhere)]
+function M.eval_batch(engine, data_iter, return_logits)
+  data_iter = check_iter(engine, data_iter, 'eval_batch')
   local m = engine.module
   local gas = engine:gradient_accumulation_steps()
   local first, last = m.stage_id == 0, m.stage_id == m.num_stages - 1
-  local sends, total = {}, 0
+  local sends, total, outputs = {}, 0, {}
   engine:eval()
   ds.no_grad(function()
     for mb = 1, gas do
       local x, labels
-      if first or last then x, labels = split(next_batch(data_iter)) end
+      if first or last then x, labels = split(engine, next_batch(data_iter)) end
       if not first then x = recv_activation(peer(m, m.stage_id - 1)) end
       local out, loss = forward(m, x, mb, labels)
-      if last then total = total + loss:item()
-      else send_activation(out, peer(m, m.stage_id + 1), sends) end
+      if last then
+        total = total + loss:item()
+        outputs[mb] = out
+      else
+        send_activation(out, peer(m, m.stage_id + 1), sends)
+      end
     end
   end)
   for _, s in ipairs(sends) do s[1]:wait() end
   engine:train()
-  return mean_loss(engine, m, total, gas)
+  local loss = mean_loss(m, total, gas)
+  if return_logits then return loss, last and outputs or nil end
+  return loss
 end
 
 return M

@@ -9,11 +9,13 @@
 --   local loss = engine:train_batch(data_iter)
 --
 -- The layers split into num_stages contiguous stages; rank r holds stage
--- floor(r / dp) (DeepSpeed's pipe x data topology, pipe outermost) and
--- builds only its own stage's LayerSpecs. Each layer is built from the
--- seed base_seed + its index, so a model has the same weights however it
--- is split. A layer is a LayerSpec, a module already built, or a function
--- of the activation.
+-- floor(r / dp) (DeepSpeed's pipe x data topology, pipe outermost; or a
+-- `topology` given) and builds only its own stage's LayerSpecs. The dp
+-- ranks of a stage are data parallel over their own group (dp_group), where
+-- the step engine reduces and ZeRO-1 partitions. Each layer is built from
+-- the seed base_seed + its index, so a model has the same weights however
+-- it is split. A layer is a LayerSpec, a TiedLayerSpec, a module already
+-- built, or a function of the activation.
 local ds = require 'dslua'
 local nn = ds.nn
 
@@ -38,7 +40,45 @@ function LayerSpec:build() return self.cls(unpack(self.args, 1, self.n)) end
 
 function LayerSpec:name() return type(self.cls) == 'table' and self.cls.__name or 'function' end
 
-local function is_spec(l) return getmetatable(l) == LayerSpec end
+------------------------------------------------------------------------
+-- TiedLayerSpec{key, cls, ..., forward_fn = f, tied_weight_attr = 'weight'}:
+-- every layer of one key is one module on a stage (built once there), and
+-- the stages that hold the key keep its tied weights equal: their
+-- gradients are summed across those stages before each step. forward_fn(
+-- module, x) replaces module(x) (GPT-2's lm_head reads the embedding's
+-- weight). tied_weight_attr names the tied tensors: a dotted path into the
+-- module, or a list of them.
+
+local TiedLayerSpec = setmetatable({}, { __index = LayerSpec })
+TiedLayerSpec.__index = TiedLayerSpec
+
+function M.TiedLayerSpec(opts)
+  if type(opts) ~= 'table' or opts[1] == nil or opts[2] == nil then
+    error('TiedLayerSpec: expected {key, cls, args..., forward_fn = f, tied_weight_attr = name}', 2)
+  end
+  local spec = M.LayerSpec(opts[2], unpack(opts, 3, table.maxn(opts)))
+  spec.key = opts[1]
+  spec.forward_fn = opts.forward_fn
+  local attr = opts.tied_weight_attr or 'weight'
+  spec.tied_weight_attr = type(attr) == 'table' and attr or { attr }
+  return setmetatable(spec, TiedLayerSpec)
+end
+
+local function is_spec(l) return getmetatable(l) == LayerSpec or getmetatable(l) == TiedLayerSpec end
+local function is_tied(l) return getmetatable(l) == TiedLayerSpec end
+
+-- module's tensor at a dotted path ('wte.weight')
+local function tied_tensor(spec, module, path)
+  local t = module
+  for part in path:gmatch('[^.]+') do
+    t = type(t) == 'table' and t[part] or nil
+  end
+  if not ds.is_tensor(t) then
+    error(fmt("TiedLayerSpec '%s': tied_weight_attr '%s' is not a tensor of the %s", tostring(spec.key), path,
+              spec:name()), 0)
+  end
+  return t
+end
 
 local function layer_name(l)
   if is_spec(l) then return l:name() end
@@ -49,8 +89,10 @@ end
 ------------------------------------------------------------------------
 -- Partitioning: contiguous stages, each with at least one layer, the
 -- largest stage weight as small as it can be (DeepSpeed's
--- partition_balanced). parts[s] is the first layer of stage s, parts[S+1]
--- one past the last.
+-- partition_balanced); among equal ones, earlier stages take as many layers
+-- as they can, as DeepSpeed's left-to-right fill does (a weightless Flatten
+-- goes with the Linear after it, not into a stage of its own). parts[s] is
+-- the first layer of stage s, parts[S+1] one past the last.
 
 local function partition_balanced(w, S)
   local L = #w
@@ -66,7 +108,7 @@ local function partition_balanced(w, S)
       local b, c = math.huge, nil
       for j = k - 1, i - 1 do
         local v = math.max(best[k - 1][j], pre[i] - pre[j])
-        if v < b then b, c = v, j end
+        if v <= b then b, c = v, j end
       end
       best[k][i], cut[k][i] = b, c
     end
@@ -125,12 +167,39 @@ function M.partition(layers, S, method, seed)
 end
 
 ------------------------------------------------------------------------
+-- PipeDataParallelTopology{num_pp, num_dp}: DeepSpeed's topology of axes
+-- pipe and data, pipe outermost: rank = pipe * num_dp + data.
+
+local Topology = {}
+Topology.__index = Topology
+
+function M.PipeDataParallelTopology(opts)
+  local pp, dp = type(opts) == 'table' and opts.num_pp, type(opts) == 'table' and opts.num_dp
+  for _, v in ipairs({ pp, dp }) do
+    if type(v) ~= 'number' or v < 1 or v % 1 ~= 0 then
+      error('PipeDataParallelTopology: expected {num_pp = n, num_dp = n}, positive integers', 2)
+    end
+  end
+  return setmetatable({ num_pp = pp, num_dp = dp }, Topology)
+end
+
+function Topology:get_dim(axis)
+  if axis == 'pipe' then return self.num_pp end
+  if axis == 'data' then return self.num_dp end
+  error(fmt("topology: no axis '%s' (pipe, data)", tostring(axis)), 2)
+end
+
+function Topology:world_size() return self.num_pp * self.num_dp end
+function Topology:get_rank(pipe, data) return pipe * self.num_dp + data end
+function Topology:get_coord(rank) return { pipe = math.floor(rank / self.num_dp), data = rank % self.num_dp } end
+
+------------------------------------------------------------------------
 -- PipelineModule
 
 local PipelineModule = nn.Module:extend('PipelineModule')
 M.PipelineModule = PipelineModule
 
-local OPTIONS = { layers = true, num_stages = true, loss_fn = true, partition_method = true,
+local OPTIONS = { layers = true, num_stages = true, topology = true, loss_fn = true, partition_method = true,
                   activation_checkpoint_interval = true, base_seed = true }
 
 function PipelineModule:init(opts)
@@ -138,8 +207,17 @@ function PipelineModule:init(opts)
   for k in pairs(opts) do
     if not OPTIONS[k] then error(fmt("PipelineModule: unknown option '%s'", tostring(k)), 3) end
   end
-  local layers, S = opts.layers, opts.num_stages
+  local layers, S, topo = opts.layers, opts.num_stages, opts.topology
   if type(layers) ~= 'table' or #layers == 0 then error('PipelineModule: layers must be a non-empty list', 3) end
+  if topo ~= nil then
+    if getmetatable(topo) ~= Topology then
+      error('PipelineModule: topology must be a ds.pipe.PipeDataParallelTopology', 3)
+    end
+    if S ~= nil and S ~= topo.num_pp then
+      error(fmt('PipelineModule: num_stages %s and the topology\'s %d pipe stages differ', tostring(S), topo.num_pp), 3)
+    end
+    S = topo.num_pp
+  end
   if type(S) ~= 'number' or S < 1 or S % 1 ~= 0 then
     error('PipelineModule: num_stages must be a positive integer, got ' .. tostring(S), 3)
   end
@@ -150,10 +228,19 @@ function PipelineModule:init(opts)
   if world % S ~= 0 then
     error(fmt('PipelineModule: %d ranks do not split into %d stages (world size must be a multiple)', world, S), 3)
   end
-  local dp = world / S
+  topo = topo or M.PipeDataParallelTopology { num_pp = S, num_dp = world / S }
+  if topo:world_size() ~= world then
+    error(fmt('PipelineModule: the topology has %d pipe x %d data = %d ranks, the world %d', topo.num_pp,
+              topo.num_dp, topo:world_size(), world), 3)
+  end
+  local dp = topo.num_dp
+  local coord = topo:get_coord(ds.comm.rank())
+  rawset(self, 'topology', topo)
   rawset(self, 'num_stages', S)
   rawset(self, 'dp_size', dp)
-  rawset(self, 'stage_id', math.floor(ds.comm.rank() / dp))
+  rawset(self, 'stage_id', coord.pipe)
+  rawset(self, 'dp_rank', coord.data)
+  rawset(self, 'dp_root', topo:get_rank(coord.pipe, 0))   -- the stage's first rank: broadcasts start there
   rawset(self, 'loss_fn', opts.loss_fn)
   rawset(self, 'activation_checkpoint_interval', opts.activation_checkpoint_interval or 0)
   rawset(self, 'is_pipeline', true)
@@ -168,17 +255,41 @@ function PipelineModule:init(opts)
     ds.manual_seed(seed + i)
     return layers[i]:build()
   end
+  -- a tied key's module is built from its first layer's seed, on every stage alike
+  local key_first = {}
+  for i, l in ipairs(layers) do
+    if is_tied(l) and not key_first[l.key] then key_first[l.key] = i end
+  end
   local first, last = parts[self.stage_id + 1], parts[self.stage_id + 2] - 1
-  local funcs, mods = {}, {}
+  local funcs, mods, tied, tied_weights = {}, {}, {}, {}
   for i = first, last do
     local l = layers[i]
-    if is_spec(l) then l = build(i) end
-    funcs[#funcs + 1] = l
-    if type(l) == 'table' and l.parameters then mods[#mods + 1] = l end
+    if is_tied(l) then
+      local mod = tied[l.key]
+      if not mod then
+        local spec = layers[key_first[l.key]]
+        mod = build(key_first[l.key])
+        tied[l.key] = mod
+        mods[#mods + 1] = mod
+        tied_weights[l.key] = {}
+        for _, path in ipairs(spec.tied_weight_attr) do
+          table.insert(tied_weights[l.key], tied_tensor(spec, mod, path))
+        end
+      end
+      local f = l.forward_fn
+      funcs[#funcs + 1] = f and function(x) return f(mod, x) end or mod
+    else
+      if is_spec(l) then l = build(i) end
+      funcs[#funcs + 1] = l
+      if type(l) == 'table' and l.parameters then mods[#mods + 1] = l end
+    end
   end
   ds.set_rng_state(rng)
   rawset(self, 'funcs', funcs)
+  rawset(self, 'tied_modules', tied)   -- key -> this stage's module of it
+  rawset(self, 'tied_weights', tied_weights)   -- key -> its tied tensors here
   self.layers = nn.ModuleList(mods)
+  self:_make_groups(layers)
 
   -- every stage needs parameters: the optimizer of a stage without any
   -- has nothing to do and DeepSpeed's engine fails later, less clearly
@@ -194,6 +305,81 @@ function PipelineModule:init(opts)
       for i = parts[s], parts[s + 1] - 1 do names[#names + 1] = layer_name(layers[i]) end
       error(fmt('PipelineModule: stage %d (layers %d..%d: %s) has no parameters; use another partition_method '
                 .. 'or fewer stages', s - 1, parts[s] - 1, parts[s + 1] - 2, table.concat(names, ', ')), 3)
+    end
+  end
+end
+
+-- The groups every rank makes alike (ds.comm.new_group): the data-parallel
+-- ranks of each stage (dp_group, where the step engine reduces), the ranks
+-- of each data index (pipe_group, over which the gradient norm sums), and
+-- for each tied key held by several stages, the ranks of one data index on
+-- those stages (tied_groups: {key, group, tensors, first: this stage is
+-- the key's first, where the norm counts it}).
+function PipelineModule:_make_groups(layers)
+  local topo, S, dp = self.topology, self.num_stages, self.dp_size
+  -- n groups, group i (0-based) of the ranks ranks_of(i); this rank's is group mine
+  local function make(n, ranks_of, mine)
+    local out
+    for i = 0, n - 1 do
+      local g = ds.comm.new_group(ranks_of(i))
+      if i == mine then out = g end
+    end
+    return out
+  end
+  -- the ranks of a list of stages at one data index
+  local function at(stages)
+    return function(d)
+      local ranks = {}
+      for _, s in ipairs(stages) do ranks[#ranks + 1] = topo:get_rank(s, d) end
+      return ranks
+    end
+  end
+  local function stage_ranks(s)
+    local ranks = {}
+    for d = 0, dp - 1 do ranks[#ranks + 1] = topo:get_rank(s, d) end
+    return ranks
+  end
+  local all = {}
+  for s = 0, S - 1 do all[#all + 1] = s end
+  -- one rank per stage too: the step engine's nil group is the world
+  if ds.comm.world_size() > 1 then rawset(self, 'dp_group', make(S, stage_ranks, self.stage_id)) end
+  if S > 1 then rawset(self, 'pipe_group', make(dp, at(all), self.dp_rank)) end
+  local keys, stages = {}, {}
+  for s = 0, S - 1 do
+    for i = self.parts[s + 1], self.parts[s + 2] - 1 do
+      local k = is_tied(layers[i]) and layers[i].key
+      if k then
+        if not stages[k] then
+          keys[#keys + 1] = k
+          stages[k] = {}
+        end
+        if stages[k][#stages[k]] ~= s then stages[k][#stages[k] + 1] = s end
+      end
+    end
+  end
+  local groups = {}
+  for _, k in ipairs(keys) do
+    if #stages[k] > 1 then
+      local g = make(dp, at(stages[k]), self.dp_rank)
+      if self.tied_weights[k] then
+        groups[#groups + 1] = { key = k, group = g, tensors = self.tied_weights[k],
+                                first = stages[k][1] == self.stage_id }
+      end
+    end
+  end
+  rawset(self, 'tied_groups', groups)
+end
+
+-- DeepSpeed's allreduce_tied_weight_gradients: each tied weight's gradient
+-- summed over the stages that hold it (before the data-parallel reduction).
+function PipelineModule:allreduce_tied_weight_gradients()
+  for _, t in ipairs(self.tied_groups) do
+    for _, w in ipairs(t.tensors) do
+      if not w.grad then
+        error(fmt("pipeline: stage %d: the tied weight '%s' got no gradient in this batch", self.stage_id,
+                  tostring(t.key)), 0)
+      end
+      ds.comm.all_reduce(w.grad, 'sum', t.group)
     end
   end
 end
