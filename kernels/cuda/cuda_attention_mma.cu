@@ -158,6 +158,25 @@ __device__ __forceinline__ void cp_async_wait(int pending) {
     else asm volatile("cp.async.wait_group 0;\n" ::);
 }
 
+/* The K and V tiles of key block j0 (the it-th of the walk), from the
+ * buffer pair it % 2 of kv, once they have landed; the next block's pair
+ * starts streaming into the other buffer first. */
+template <typename T, int D>
+__device__ __forceinline__ T *kv_tiles(T *kv, const ds_kview &k, const ds_kview &v, int64_t b, int64_t h, int64_t j0,
+                                       int64_t it, int64_t kend, int64_t Tk) {
+    const int tile = MMA_ROWS * (D + MMA_PAD);
+    T *next = kv + (~it & 1) * 2 * tile;
+    bool more = j0 + MMA_ROWS < kend;
+    if (more) {
+        load_tile<T, D>(next, k, b, h, j0 + MMA_ROWS, Tk);
+        load_tile<T, D>(next + tile, v, b, h, j0 + MMA_ROWS, Tk);
+        cp_async_commit();
+    }
+    cp_async_wait(more);
+    __syncthreads();
+    return kv + (it & 1) * 2 * tile;
+}
+
 /* Stores a warp's 16 x D accumulator rows (row0 = this block's first row)
  * times mul into x[b, h], two elements per store, rows at or past end skipped. */
 template <typename T, int D>
@@ -219,15 +238,7 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
     load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
     cp_async_commit();
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
-        T *ks = kv + (it & 1) * 2 * tile, *vs = ks + tile, *next = kv + (~it & 1) * 2 * tile;
-        bool more = j0 + MMA_ROWS < kend;
-        if (more) {
-            load_tile<T, D>(next, k, b, h, j0 + MMA_ROWS, g.Tk);
-            load_tile<T, D>(next + tile, v, b, h, j0 + MMA_ROWS, g.Tk);
-            cp_async_commit();
-        }
-        cp_async_wait(more);
-        __syncthreads();
+        T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
         float s[8][4];
         rows_times_tile<T, D>(s, qs, warp * 16, ks);
         float bm0 = -INFINITY, bm1 = -INFINITY;
@@ -320,15 +331,7 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds
     float acc[D / 8][4] = {};
     int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
-        T *ks = kv + (it & 1) * 2 * tile, *vs = ks + tile, *next = kv + (~it & 1) * 2 * tile;
-        bool more = j0 + MMA_ROWS < kend;
-        if (more) {
-            load_tile<T, D>(next, k, b, h, j0 + MMA_ROWS, g.Tk);
-            load_tile<T, D>(next + tile, v, b, h, j0 + MMA_ROWS, g.Tk);
-            cp_async_commit();
-        }
-        cp_async_wait(more);
-        __syncthreads();
+        T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
         float s[8][4], dp[8][4];
         rows_times_tile<T, D>(s, qs, warp * 16, ks);
         rows_times_tile<T, D>(dp, gs, warp * 16, vs);
