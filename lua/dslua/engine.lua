@@ -129,6 +129,15 @@ local function build_zero(opts, cfg, model, params, rank, world_size, device)
                     build_optimizer = function(groups) return build_optimizer(opts, cfg, groups) end }
 end
 
+-- What the config's "auto" values resolve from (ds.config.check's given):
+-- the optimizer passed in (its first group) and the model's hidden size.
+local function config_given(opts, model)
+  local o, c = opts.optimizer, rawget(model, 'config')
+  return { optimizer = type(o) == 'table' and type(o.param_groups) == 'table' and o.param_groups[1] or nil,
+           optimizer_function = type(o) == 'function',
+           hidden_size = type(c) == 'table' and (c.hidden_size or c.n_embd) or nil }
+end
+
 local KNOWN_OPTS = {
   model = true, config = true, config_params = true, training_data = true, model_parameters = true,
   optimizer = true, lr_scheduler = true, collate_fn = true, args = true,
@@ -152,7 +161,7 @@ function M.initialize(opts)
   local world_size = ds.comm and ds.comm.world_size() or 1
   -- a pipeline's ranks split into stages: data parallel runs across dp_size
   if model.is_pipeline then world_size = model.dp_size end
-  local cfg = ds.config.load(source, { world_size = world_size })
+  local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
   require('dslua.checkpointing').configure(cfg.activation_checkpointing)
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
@@ -165,6 +174,10 @@ function M.initialize(opts)
   model:to(device)
   local params = opts.model_parameters or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
+  if rank == 0 and #notes > 0 then      -- once: what dslua does not act on, "auto" as resolved
+    io.stdout:write(table.concat(notes, '\n'), '\n')
+    io.stdout:flush()
+  end
   local optimizer, zero
   if model.is_pipeline and (Zero.wanted(cfg) or world_size > 1) then
     error('initialize: a PipelineModule runs without ZeRO and with one rank per stage for now', 2)

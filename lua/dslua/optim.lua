@@ -289,6 +289,20 @@ local CONFIG_KEYS = {
 }
 CONFIG_KEYS.adamw = CONFIG_KEYS.adam
 
+-- What from_config gives a type's params its block leaves out, where it
+-- differs from the kind's own default (FusedAdam's weight decay, FusedLion's).
+local CONFIG_DEFAULTS = { adam = { weight_decay = 0 }, adamw = { weight_decay = 0 },
+                          lion = { lr = 1e-3, betas = { 0.9, 0.999 } } }
+local CONFIG_KINDS = { adam = 'AdamW', adamw = 'AdamW', sgd = 'SGD', adagrad = 'Adagrad', lamb = 'Lamb', lion = 'Lion' }
+
+-- The value param k of a block of type kind (lower case) takes when the
+-- block leaves it out (nil: none, or no such param).
+function M.config_default(kind, k)
+  local own = CONFIG_DEFAULTS[kind]
+  if own and own[k] ~= nil then return copy_value(own[k]) end
+  return CONFIG_KINDS[kind] and copy_value(DEFAULTS[CONFIG_KINDS[kind]][k])
+end
+
 -- ds.optim.from_config(params, {type = ..., params = {...}}): the optimizer
 -- DeepSpeed's engine builds from its config block (_configure_basic_optimizer):
 -- type names case-insensitive; Adam and AdamW are FusedAdam with adam_w_mode
@@ -330,8 +344,9 @@ function M.from_config(params, block)
     if not torch_adam and p.weight_decay == nil then p.weight_decay = 0 end
     return (decoupled and M.AdamW or M.Adam)(params, p)
   elseif kind == 'lion' then
-    if p.lr == nil then p.lr = 1e-3 end
-    if p.betas == nil then p.betas = { 0.9, 0.999 } end
+    for k, v in pairs(CONFIG_DEFAULTS.lion) do
+      if p[k] == nil then p[k] = copy_value(v) end
+    end
     return M.Lion(params, p)
   end
   local ctor = ({ sgd = M.SGD, adagrad = M.Adagrad, lamb = M.Lamb })[kind]
