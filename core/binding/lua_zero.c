@@ -127,11 +127,13 @@ static int l_key(lua_State *L) {
 
 /* ---------------------------------------------------------------- the engine */
 
-static ds_zero *check_engine(lua_State *L) {
-    ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
+ds_zero *dsL_checkzero(lua_State *L, int idx) {
+    ds_zero **z = luaL_checkudata(L, idx, DSL_ZERO_MT);
     if (!*z) luaL_error(L, "step engine: used after close()");
     return *z;
 }
+
+static ds_zero *check_engine(lua_State *L) { return dsL_checkzero(L, 1); }
 
 static double opt_number(lua_State *L, int t, const char *key, double def) {
     lua_getfield(L, t, key);

@@ -583,7 +583,15 @@ static int sum_over_ranks(double *values, int n, void *ud) {
     return rc;
 }
 
+int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud) {
+    if (z->c.masters) return ds_fail(DS_ERR_STATE, "step engine: a step function replaces a flat optimizer only"), -1;
+    z->step_fn = fn;
+    z->step_ud = ud;
+    return 0;
+}
+
 static int optimizer_step(ds_zero *z, const ds_optim_hparams *h) {
+    if (z->step_fn) return z->step_fn(z->step_ud, h);
     for (int g = 0; g < z->optim->n_groups; g++) {
         if (ds_optim_check_hparams(z->optim->kind, &h[g], g)) return -1;
         bool shared = z->parts > 1 && z->world > 1;

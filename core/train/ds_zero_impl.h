@@ -63,6 +63,8 @@ struct ds_zero {
     int nb;
     zbucket *b;
     ds_optim *optim;
+    ds_zero_step_fn step_fn;        /* flat: steps instead of optim (ds_zero_set_step_fn) */
+    void *step_ud;
     ds_tensor **masters, **master_grads;   /* masters mode, per group */
     int64_t *group_len;             /* masters mode: elements of each group's master */
     /* the armed backward */
