@@ -369,7 +369,7 @@ describe('ds.config errors', function()
         "scheduler.type: DeepSpeed does not recognize LR scheduler WarmupLr, did you mean 'WarmupLR'?")
     has(problems({ train_batch_size = 8, optimizer = { type = 'Adamm' } }),
         "optimizer.type: unknown optimizer \"Adamm\", did you mean 'Adam'?")
-    has(problems({ train_batch_size = 8, optimizer = { type = 'OneBitAdam' } }),
+    has(problems({ train_batch_size = 8, optimizer = { type = 'MuAdam' } }),
         'is a DeepSpeed optimizer dslua does not implement')
     has(problems({ train_batch_size = 8, optimizer = { params = {} } }), 'optimizer.type: missing: required')
     has(problems({ train_batch_size = 8, scheduler = { type = 'WarmupDecayLR' } }),

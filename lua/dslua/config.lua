@@ -540,10 +540,22 @@ local OPTIMIZERS = {
     lr = lr, betas = betas, weight_decay = wd, set_grad_none = bool(),
   } } },
 }
-local OPTIMIZER_NAMES = { 'Adam', 'AdamW', 'SGD', 'Adagrad', 'Lamb', 'Lion' }
+-- deepspeed/runtime/fp16/onebit: adam.py OnebitAdam, zoadam.py ZeroOneAdam
+local ONEBIT_COMMON = { lr = lr, betas = betas, eps = eps, weight_decay = wd, bias_correction = bool(),
+                        eps_inside_sqrt = bool(), amsgrad = bool(), cuda_aware = bool(),
+                        comm_backend_name = enum(nil, { 'nccl', 'mpi', 'hccl', 'compressed' }) }
+local function onebit(name, own)
+  local fields = {}
+  for k, f in pairs(ONEBIT_COMMON) do fields[k] = f end
+  for k, f in pairs(own) do fields[k] = f end
+  return { name = name, onebit = true, schema = { nofill = true, fields = fields } }
+end
+OPTIMIZERS.onebitadam = onebit('OneBitAdam', { freeze_step = int(nil, 0) })
+OPTIMIZERS.zerooneadam = onebit('ZeroOneAdam', { var_freeze_step = int(nil, 0), var_update_scaler = int(nil, 1),
+                                                 local_step_scaler = int(nil, 1), local_step_clipper = int(nil, 1) })
+local OPTIMIZER_NAMES = { 'Adam', 'AdamW', 'SGD', 'Adagrad', 'Lamb', 'Lion', 'OneBitAdam', 'ZeroOneAdam' }
 -- in DeepSpeed's DEEPSPEED_OPTIMIZERS, not in dslua
-local DEEPSPEED_ONLY = { onebitadam = true, zerooneadam = true, onebitlamb = true, muadam = true,
-                         muadamw = true, musgd = true, muon = true }
+local DEEPSPEED_ONLY = { onebitlamb = true, muadam = true, muadamw = true, musgd = true, muon = true }
 
 local OPTIMIZER_BLOCK = { fields = {
   type = str({ required = true }),
@@ -561,7 +573,8 @@ local function check_optimizer(ctx, path, v)
   if not spec then
     problem(ctx, join(path, 'type'), DEEPSPEED_ONLY[o.type:lower()]
             and describe(o.type) .. ' is a DeepSpeed optimizer dslua does not implement (dslua has '
-                .. table.concat(OPTIMIZER_NAMES, ', ') .. ')'
+                .. table.concat(OPTIMIZER_NAMES, ', ') .. (o.type:lower() == 'onebitlamb'
+                  and '; OneBitAdam is its 1-bit Adam counterpart, Lamb its uncompressed one' or '') .. ')'
             or unknown(o.type, OPTIMIZER_NAMES, 'optimizer'))
     return o
   end
@@ -577,8 +590,23 @@ local function check_optimizer(ctx, path, v)
   o.params = check_block(ctx, pp, params, spec.schema)
   ctx.optimizer_lr = o.params.lr or require('dslua.optim').config_default(o.type:lower(), 'lr')
   if o.params.amsgrad then
-    problem(ctx, join(pp, 'amsgrad'), string.format('Fused%s does not support the AMSGrad variant.',
-                                                    spec.name == 'Lamb' and 'Lamb' or 'Adam'))
+    problem(ctx, join(pp, 'amsgrad'), spec.onebit and spec.name .. ' does not support the AMSGrad variant.'
+            or string.format('Fused%s does not support the AMSGrad variant.', spec.name == 'Lamb' and 'Lamb' or 'Adam'))
+  end
+  if spec.onebit then
+    ctx.onebit = spec.name
+    for _, k in ipairs({ 'cuda_aware', 'comm_backend_name' }) do
+      if o.params[k] ~= nil then
+        note(ctx, join(pp, k), "dslua's collectives pick their transport by the tensors' device (MPI for host "
+             .. 'memory, NCCL for GPU memory); this setting changes nothing')
+      end
+    end
+    for _, k in ipairs({ 'bias_correction', 'eps_inside_sqrt' }) do
+      if o.params[k] ~= nil then
+        note(ctx, join(pp, k), spec.name .. ' takes it and reads it nowhere (as in DeepSpeed): no bias correction, '
+             .. 'eps outside the square root')
+      end
+    end
   end
   if o.params.nesterov and ((o.params.momentum or 0) <= 0 or (o.params.dampening or 0) ~= 0) then
     problem(ctx, join(pp, 'nesterov'), 'Nesterov momentum requires a momentum and zero dampening')
@@ -993,6 +1021,11 @@ local function cross_checks(ctx, cfg)
     problem(ctx, 'fp16.enabled', 'bfloat16 and fp16 modes cannot be simultaneously enabled')
   end
   local stage = cfg.zero_optimization.stage
+  if ctx.onebit and (stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled) then
+    problem(ctx, 'optimizer.type', string.format('%s runs in fp32 at ZeRO stage 0 in dslua (its compressed '
+            .. 'all-reduce is not on the mixed precision and ZeRO step yet): drop %s, or use Adam with it', ctx.onebit,
+            stage > 0 and 'zero_optimization.stage' or cfg.fp16.enabled and 'fp16' or 'bf16'))
+  end
   if cfg.zero_optimization.offload_optimizer.device == 'nvme' and cfg.optimizer
      and type(cfg.optimizer.type) == 'string' and cfg.optimizer.type:lower() == 'lamb' then
     problem(ctx, 'optimizer.type', 'Lamb cannot be streamed from nvme (offload_optimizer.device): its trust '

@@ -270,6 +270,10 @@ function Engine:_setup_steps()
     masters = false, optimizer = self.optimizer, groups = lists,
     prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
   }))
+  -- OneBitAdam, ZeroOneAdam: they step, and say when backward reduces
+  if self.optimizer.onebit then
+    self.onebit = require('dslua.core')._onebit.new(self.steps, self.optimizer, self.optimizer.onebit)
+  end
 end
 
 -- The end of training: prints the comms logger's summary (DeepSpeed's
@@ -284,6 +288,7 @@ end
 function Engine:destroy()
   if self.training_dataloader then self.training_dataloader.epoch = nil end   -- the engine's wrapper goes
   if self.zero then self.zero:close() end
+  if self.onebit then self.onebit:close() end
   if self.steps then self.steps:close() end
   if self.reload then self.reload:close() end
   if self.monitor then self.monitor:close() end
@@ -445,7 +450,7 @@ function Engine:_backward(loss, boundary)
   if self.zero then
     self.zero:backward(loss, boundary)
   else
-    self.steps:backward(loss, boundary and self.world_size > 1)
+    self.steps:backward(loss, boundary and self.world_size > 1 and (not self.onebit or self.onebit:reduces()))
   end
 end
 
@@ -597,6 +602,7 @@ function Engine:_take_step()
   end
   local engine = self.zero and self.zero.engine or self.steps
   if self.world_size > 1 then self.comm_stats = engine:stats() end
+  if self.onebit then self.onebit_stats = self.onebit:stats() end
   if ds.comm.logging() then
     for _, r in ipairs(engine:comm_records()) do ds.comm.log_collective(r[1], r[2], r[3]) end
   end

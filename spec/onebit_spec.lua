@@ -1,0 +1,109 @@
+-- DeepSpeed's 1-bit optimizers on the step engine (core/train/ds_onebit.h):
+-- the compressed all-reduce with error feedback (spec/onebit/allreduce.lua)
+-- and OneBitAdam and ZeroOneAdam against their uncompressed counterpart, an
+-- AdamW without bias correction (spec/onebit/run.lua), on 2 and 4 ranks.
+local H = require 'helpers'
+local config = require 'dslua.config'
+
+local STEPS = 300
+local ONEBIT = 'OneBitAdam 300 freeze_step=100'
+local ZERO_ONE = 'ZeroOneAdam 300 var_freeze_step=100 var_update_scaler=8 local_step_scaler=16 local_step_clipper=4'
+local ADAM = 'AdamW 300 bias_correction=false'
+
+local function run(np, script, args)
+  local out = os.tmpname()
+  local t = H.run_json(H.ranks_cmd(np) .. ' spec/onebit/' .. script .. ' ' .. out .. ' ' .. args, out)
+  os.remove(out)
+  return t
+end
+
+local function rel_err(a, exact)
+  local d, s = 0, 0
+  for i = 1, #a do d, s = d + (a[i] - exact[i]) ^ 2, s + exact[i] ^ 2 end
+  return math.sqrt(d / s)
+end
+
+-- the mean loss over steps [i - 49, i]
+local function window(t, i)
+  local s = 0
+  for k = i - 49, i do s = s + t.steps[k].loss end
+  return s / 50
+end
+
+-- N padded to a multiple of W lcm(W, 8); every rank's signs and scale, then
+-- its chunk's signs and scale
+local function compressed_bytes(n, W)
+  local a, b = W, 8
+  while b > 0 do a, b = b, a % b end
+  local unit = W * (W * 8 / a)
+  local N = math.ceil(n / unit) * unit
+  return N / 8 + 4 + N / (8 * W) + 4
+end
+
+describe('the compressed all-reduce', function()
+  for _, np in ipairs({ 2, 4 }) do
+    it('averages over ' .. np .. ' ranks in 1 bit per element, its errors fed back', function()
+      local t = run(np, 'allreduce.lua', '1000 200')
+      assert.is_true(t.same, 'every rank gets the same result')
+      -- one call is coarse; the mean of 200 carries the errors back in
+      local first, mean = rel_err(t.first, t.exact), rel_err(t.mean, t.exact)
+      assert(first < 1, 'first call: relative error ' .. first)
+      assert(mean < 0.05, 'mean of 200 calls: relative error ' .. mean)
+      assert.are.equal(compressed_bytes(1000, np), t.bytes)
+    end)
+  end
+end)
+
+describe('1-bit optimizers', function()
+  for _, np in ipairs({ 2, 4 }) do
+    it('equal AdamW without bias correction in warm-up and converge with it after, on ' .. np .. ' ranks', function()
+      local adam, onebit, zero_one = run(np, 'run.lua', ADAM), run(np, 'run.lua', ONEBIT), run(np, 'run.lua', ZERO_ONE)
+      local full = adam.steps[1].bytes
+      assert(full > 0)
+      -- warm-up: the same steps (OneBitAdam's freeze_step, ZeroOneAdam's first var_update_scaler)
+      for i = 1, 100 do assert.are.equal(adam.steps[i].loss, onebit.steps[i].loss, 'OneBitAdam step ' .. i) end
+      for i = 1, 8 do assert.are.equal(adam.steps[i].loss, zero_one.steps[i].loss, 'ZeroOneAdam step ' .. i) end
+      assert.is_false(onebit.steps[100].compressed)
+      assert.is_true(onebit.steps[101].compressed)
+      -- after: 1 bit per element (and two scales) instead of 32
+      local one = compressed_bytes(full / 4, np)
+      for i = 101, STEPS do
+        assert.is_true(onebit.steps[i].compressed)
+        assert.are.equal(one, onebit.steps[i].bytes)
+      end
+      assert(one * 15 < full, string.format('%d compressed bytes against %d', one, full))
+      -- ZeroOneAdam: full steps ever rarer, compressed gradients between;
+      -- after var_freeze_step local steps (nothing sent) and compressed syncs
+      local seen = {}
+      for i = 9, STEPS do
+        local s = zero_one.steps[i]
+        local want = s.compressed and { [one] = true, [0] = i > 100 } or { [full] = i <= 100 }
+        assert(want[s.bytes], 'ZeroOneAdam step ' .. i .. ': ' .. s.bytes .. ' bytes')
+        seen[s.bytes] = true
+      end
+      assert(seen[0] and seen[one] and seen[full])
+      -- convergence: the last 50 steps' mean loss near AdamW's, far below the start's
+      local ref = window(adam, STEPS)
+      for name, t in pairs({ OneBitAdam = onebit, ZeroOneAdam = zero_one }) do
+        local got = window(t, STEPS)
+        assert(got < 2 * ref, string.format('%s: mean loss %.4g over the last 50 steps, AdamW %.4g', name, got, ref))
+        assert(got < window(t, 50) / 10, string.format('%s: mean loss %.4g, at the start %.4g', name, got,
+                                                       window(t, 50)))
+      end
+    end)
+  end
+
+  it('are DeepSpeed\'s config blocks, refused where dslua cannot run them', function()
+    local cfg, notes = config.load({ train_batch_size = 8, optimizer = { type = 'OneBitAdam', params = {
+      lr = 1e-3, freeze_step = 10, cuda_aware = false, comm_backend_name = 'nccl' } } })
+    assert.are.equal(10, cfg.optimizer.params.freeze_step)
+    H.has(table.concat(notes, '\n'), "optimizer.params.cuda_aware: dslua's collectives pick their transport")
+    local _, problems = config.check({ train_batch_size = 8, fp16 = { enabled = true },
+                                       optimizer = { type = 'ZeroOneAdam', params = { var_freeze_step = 10 } } })
+    H.has(table.concat(problems, '\n'), 'optimizer.type: ZeroOneAdam runs in fp32 at ZeRO stage 0 in dslua')
+    _, problems = config.check({ train_batch_size = 8, optimizer = { type = 'OneBitAdam', params = { freeze = 1 } } })
+    H.has(table.concat(problems, '\n'), "optimizer.params.freeze: unknown key, did you mean 'freeze_step'?")
+    _, problems = config.check({ train_batch_size = 8, optimizer = { type = 'OneBitLamb' } })
+    H.has(table.concat(problems, '\n'), 'OneBitAdam is its 1-bit Adam counterpart, Lamb its uncompressed one')
+  end)
+end)
