@@ -1,10 +1,12 @@
 /* The 1-bit optimizers (core/train/ds_onebit.h) as ds.core._onebit:
  *
- *   _onebit.new(engine, optimizer, {kind = "OneBitAdam" | "ZeroOneAdam",
- *               freeze_step, var_freeze_step, var_update_scaler,
- *               local_step_scaler, local_step_clipper}) -> b
+ *   _onebit.new(engine, optimizer, {kind = "OneBitAdam" | "ZeroOneAdam" |
+ *               "OneBitLamb", freeze_step, var_freeze_step, var_update_scaler,
+ *               local_step_scaler, local_step_clipper, coeff_beta, factor_max,
+ *               factor_min, factor_threshold}) -> b
  *                        the engine (a flat _zero.engine over optimizer, an
- *                        AdamW without bias correction) then steps through b
+ *                        AdamW or for OneBitLamb a Lamb, without bias
+ *                        correction) then steps through b
  *   b:reduces() -> whether the next step takes all-reduced gradients
  *   b:stats() -> {steps, compressed, bytes} (the last step's)
  *   b:allreduce(g, x)    x: the compressed average over the ranks (group g's errors)
@@ -42,9 +44,9 @@ static ds_zero *open_engine(lua_State *L) {
     return z ? *z : NULL;
 }
 
-static int64_t field_int(lua_State *L, int t, const char *key, int64_t def) {
+static double field(lua_State *L, int t, const char *key, double def) {
     lua_getfield(L, t, key);
-    int64_t v = lua_isnil(L, -1) ? def : (int64_t)luaL_checknumber(L, -1);
+    double v = lua_isnil(L, -1) ? def : luaL_checknumber(L, -1);
     lua_pop(L, 1);
     return v;
 }
@@ -57,16 +59,22 @@ static int l_new(lua_State *L) {
     luaL_checktype(L, 3, LUA_TTABLE);
     lua_getfield(L, 3, "kind");
     const char *kind = luaL_checkstring(L, -1);
+    /* DeepSpeed's defaults */
     ds_onebit_config c = {
-        .kind = strcmp(kind, "ZeroOneAdam") == 0 ? DS_ZERO_ONE_ADAM : DS_ONEBIT_ADAM,
-        .freeze_step = field_int(L, 3, "freeze_step", 100000),
-        .var_freeze_step = field_int(L, 3, "var_freeze_step", 100000),
-        .var_update_scaler = field_int(L, 3, "var_update_scaler", 16),
-        .local_step_scaler = field_int(L, 3, "local_step_scaler", 32678),
-        .local_step_clipper = field_int(L, 3, "local_step_clipper", 16),
+        .kind = strcmp(kind, "ZeroOneAdam") == 0 ? DS_ZERO_ONE_ADAM
+              : strcmp(kind, "OneBitLamb") == 0 ? DS_ONEBIT_LAMB : DS_ONEBIT_ADAM,
+        .freeze_step = (int64_t)field(L, 3, "freeze_step", 100000),
+        .coeff_beta = field(L, 3, "coeff_beta", 0.9),
+        .factor_max = field(L, 3, "factor_max", 4.0),
+        .factor_min = field(L, 3, "factor_min", 0.5),
+        .factor_threshold = field(L, 3, "factor_threshold", 0.1),
+        .var_freeze_step = (int64_t)field(L, 3, "var_freeze_step", 100000),
+        .var_update_scaler = (int64_t)field(L, 3, "var_update_scaler", 16),
+        .local_step_scaler = (int64_t)field(L, 3, "local_step_scaler", 32678),
+        .local_step_clipper = (int64_t)field(L, 3, "local_step_clipper", 16),
     };
-    if (strcmp(kind, "ZeroOneAdam") != 0 && strcmp(kind, "OneBitAdam") != 0)
-        return luaL_error(L, "1-bit optimizer: unknown kind '%s' (OneBitAdam, ZeroOneAdam)", kind);
+    if (strcmp(kind, "ZeroOneAdam") != 0 && strcmp(kind, "OneBitAdam") != 0 && strcmp(kind, "OneBitLamb") != 0)
+        return luaL_error(L, "1-bit optimizer: unknown kind '%s' (OneBitAdam, ZeroOneAdam, OneBitLamb)", kind);
     onebit_ud *u = lua_newuserdata(L, sizeof *u);
     u->b = NULL;
     luaL_getmetatable(L, DSL_ONEBIT_MT);

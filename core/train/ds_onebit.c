@@ -18,6 +18,9 @@ typedef struct {
     ds_tensor *server_bits;    /* u8 [N / 8W] */
     ds_tensor *acc;            /* ZeroOneAdam: f32 [n], the local updates since the last sync */
     double lrs;                /* ZeroOneAdam: the lrs summed over those steps */
+    /* OnebitLamb: f32 [n] each; per piece (ds_optim_group's seg) on the host */
+    ds_tensor *fresh_v, *last_m;
+    double *coeff_freeze, *last_factor, *scaling;
 } onebit_group;
 
 struct ds_onebit {
@@ -42,8 +45,25 @@ static ds_tensor *elements(ds_tensor *t, int64_t lo, int64_t n) {
 }
 
 static void group_free(onebit_group *gr) {
-    ds_tensor *all[] = { gr->x, gr->worker_error, gr->server_error, gr->bits, gr->server, gr->server_bits, gr->acc };
+    ds_tensor *all[] = { gr->x, gr->worker_error, gr->server_error, gr->bits, gr->server, gr->server_bits, gr->acc,
+                         gr->fresh_v, gr->last_m };
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ds_tensor_release(all[i]);
+    free(gr->coeff_freeze);
+    free(gr->last_factor);
+    free(gr->scaling);
+}
+
+/* OnebitLamb's per-piece state: frozen trust ratios 0, last factors 1. */
+static int lamb_state(onebit_group *gr, const ds_optim_group *og, ds_device dev) {
+    size_t k = (size_t)og->n_seg + 1;
+    if (!(gr->fresh_v = zeros(gr->n, DS_F32, dev)) || !(gr->last_m = zeros(gr->n, DS_F32, dev))) return -1;
+    gr->coeff_freeze = calloc(k, sizeof *gr->coeff_freeze);
+    gr->last_factor = calloc(k, sizeof *gr->last_factor);
+    gr->scaling = calloc(k, sizeof *gr->scaling);
+    if (!gr->coeff_freeze || !gr->last_factor || !gr->scaling)
+        return ds_fail(DS_ERR_NOMEM, "OneBitLamb: out of memory for %d pieces", og->n_seg), -1;
+    for (size_t i = 0; i < k; i++) gr->last_factor[i] = 1;
+    return 0;
 }
 
 void ds_onebit_free(ds_onebit *b) {
@@ -54,8 +74,11 @@ void ds_onebit_free(ds_onebit *b) {
 }
 
 ds_onebit *ds_onebit_new(const ds_onebit_config *c, ds_optim *o) {
-    if (o->kind != DS_OPTIM_ADAMW)
-        return ds_fail(DS_ERR_ARG, "1-bit optimizers: they step over an AdamW, got %s", ds_optim_name(o->kind)), NULL;
+    ds_optim_kind over = c->kind == DS_ONEBIT_LAMB ? DS_OPTIM_LAMB : DS_OPTIM_ADAMW;
+    if (o->kind != over)
+        return ds_fail(DS_ERR_ARG, "1-bit optimizers: %s steps over %s, got %s",
+                       c->kind == DS_ONEBIT_LAMB ? "OneBitLamb" : c->kind == DS_ZERO_ONE_ADAM ? "ZeroOneAdam" : "OneBitAdam",
+                       ds_optim_name(over), ds_optim_name(o->kind)), NULL;
     if (c->kind == DS_ZERO_ONE_ADAM && (c->var_update_scaler < 1 || c->local_step_scaler < 1 || c->local_step_clipper < 1))
         return ds_fail(DS_ERR_ARG, "ZeroOneAdam: var_update_scaler, local_step_scaler and local_step_clipper must be "
                        ">= 1"), NULL;
@@ -82,7 +105,8 @@ ds_onebit *ds_onebit_new(const ds_onebit_config *c, ds_optim *o) {
         if (!(gr->x = zeros(gr->padded, DS_F32, dev)) || !(gr->worker_error = zeros(gr->padded, DS_F32, dev)) ||
             !(gr->server_error = zeros(gr->chunk, DS_F32, dev)) || !(gr->bits = zeros(gr->padded / 8, DS_U8, dev)) ||
             !(gr->server = zeros(gr->chunk, DS_F32, dev)) || !(gr->server_bits = zeros(gr->chunk / 8, DS_U8, dev)) ||
-            (c->kind == DS_ZERO_ONE_ADAM && !(gr->acc = zeros(gr->n, DS_F32, dev)))) {
+            (c->kind == DS_ZERO_ONE_ADAM && !(gr->acc = zeros(gr->n, DS_F32, dev))) ||
+            (c->kind == DS_ONEBIT_LAMB && lamb_state(gr, &o->groups[g], dev))) {
             ds_onebit_free(b);
             return NULL;
         }
@@ -279,17 +303,154 @@ static int zero_one_advance(ds_onebit *b, int64_t t) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- OnebitLamb */
+
+static int scale_(ds_tensor *t, double f) {
+    ds_tensor *k = ds_scalar_like(t, f);
+    int rc = k ? ds_binary_(DS_BIN_MUL, t, k) : -1;
+    ds_tensor_release(k);
+    return rc;
+}
+
+/* y += a x */
+static int axpy_(ds_tensor *y, double a, ds_tensor *x) {
+    ds_tensor *t = ds_mul_scalar(x, a);
+    int rc = t ? ds_add_(y, t) : -1;
+    ds_tensor_release(t);
+    return rc;
+}
+
+/* The 2-norm (max: the largest element) of elements [lo, lo + n) of t, on
+ * the host; -1 with the error set. */
+static int piece_stat(ds_tensor *t, int64_t lo, int64_t n, bool max, double *out) {
+    ds_tensor *v = elements(t, lo, n);
+    ds_tensor *r = v ? (max ? ds_amax(v, -1, NULL, false) : ds_norm(v, 2, -1, NULL, false)) : NULL;
+    ds_tensor *host = r ? ds_to_device(r, DS_CPU_DEVICE) : NULL;
+    if (host) *out = ds_tensor_get(host, 0);
+    ds_tensor_release(host);
+    ds_tensor_release(r);
+    ds_tensor_release(v);
+    return host ? 0 : -1;
+}
+
+/* Each piece's momentum times f[k] (or divided by it). */
+static int scale_pieces(ds_tensor *m, const ds_optim_group *og, const double *f, bool divide) {
+    for (int k = 0; k < og->n_seg; k++) {
+        int64_t lo = og->seg[k], n = og->seg[k + 1] - lo;
+        if (n == 0) continue;
+        ds_tensor *v = elements(m, lo, n);
+        int rc = v ? scale_(v, divide ? 1 / f[k] : f[k]) : -1;
+        ds_tensor_release(v);
+        if (rc) return -1;
+    }
+    return 0;
+}
+
+/* After a warm-up step: each piece's trust ratio into its average, and the
+ * variance the fresh one starts from at the last warm-up step. */
+static int lamb_warmup_done(ds_onebit *b, int g, int64_t t) {
+    const ds_optim_group *og = &b->o->groups[g];
+    onebit_group *gr = &b->g[g];
+    for (int k = 0; k < og->n_seg; k++)
+        if (og->lamb_coeffs[k] != 1.0)
+            gr->coeff_freeze[k] = b->c.coeff_beta * gr->coeff_freeze[k] + (1 - b->c.coeff_beta) * og->lamb_coeffs[k];
+    return t == b->c.freeze_step ? ds_copy_(gr->fresh_v, og->state[1]) : 0;
+}
+
+/* At the first compressed step: each piece's momentum is scaled to the
+ * mean over every group's pieces of their sizes |m| / sqrt(n). */
+static int lamb_scaling(ds_onebit *b) {
+    double sum = 0;
+    int count = 0;
+    for (int g = 0; g < b->o->n_groups; g++) {
+        const ds_optim_group *og = &b->o->groups[g];
+        for (int k = 0; k < og->n_seg; k++) {
+            int64_t n = og->seg[k + 1] - og->seg[k];
+            double norm = 0;
+            if (n > 0 && piece_stat(og->state[0], og->seg[k], n, false, &norm)) return -1;
+            b->g[g].scaling[k] = n > 0 ? norm / sqrt((double)n) : 0;
+            sum += b->g[g].scaling[k];
+            count++;
+        }
+    }
+    double united = count ? sum / count : 1;
+    for (int g = 0; g < b->o->n_groups; g++)
+        for (int k = 0; k < b->o->groups[g].n_seg; k++) {
+            double s = b->g[g].scaling[k];
+            b->g[g].scaling[k] = s > 0 ? united / s : 1;   /* a zero momentum stays as it is */
+        }
+    return 0;
+}
+
+/* The factor of piece k: the largest ratio of frozen to fresh denominator,
+ * blended toward 1 by the share of weight decay in the update, clamped. */
+static double lamb_factor(const ds_onebit *b, onebit_group *gr, int k, double ratio_max, double pre_norm,
+                          double upd_norm, double wd) {
+    double f = ratio_max;
+    if (wd > 0 && upd_norm > 0) {
+        double r = pre_norm / upd_norm < 1 ? pre_norm / upd_norm : 1;
+        f = f * r + (1 - r);
+    }
+    f = f > b->c.factor_max ? b->c.factor_max : f < b->c.factor_min ? b->c.factor_min : f;
+    double hi = gr->last_factor[k] * (1 + b->c.factor_threshold), lo = gr->last_factor[k] * (1 - b->c.factor_threshold);
+    f = f > hi ? hi : f < lo ? lo : f;
+    gr->last_factor[k] = f;
+    return f;
+}
+
+/* A compressed OnebitLamb step of group g (lamb.py's compression stage). */
+static int onebit_lamb_step(ds_onebit *b, int g, const ds_optim_hparams *h) {
+    ds_optim_group *og = &b->o->groups[g];
+    onebit_group *gr = &b->g[g];
+    ds_tensor *m = og->state[0], *v = og->state[1], *p = og->flat_params;
+    if (ds_copy_(gr->last_m, m) || update(b, g, DS_ONEBIT_MOMENTUM, h, og->flat_grads, NULL) ||
+        scale_pieces(m, og, gr->scaling, false) || ds_onebit_allreduce(b, g, m) || scale_pieces(m, og, gr->scaling, true))
+        return -1;
+    /* the gradient the averaged momentum implies feeds the fresh variance */
+    ds_tensor *rec = ds_mul_scalar(gr->last_m, -h->beta1), *sq = NULL, *denom = NULL, *real = NULL, *pre = NULL,
+              *upd = NULL, *ratio = NULL, *eps = NULL;
+    int rc = rec && ds_add_(rec, m) == 0 && scale_(rec, 1 / (1 - h->beta1)) == 0 && (sq = ds_mul(rec, rec)) &&
+             scale_(gr->fresh_v, h->beta2) == 0 && axpy_(gr->fresh_v, 1 - h->beta2, sq) == 0 ? 0 : -1;
+    if (rc == 0 && ((eps = ds_scalar_like(v, h->eps)) == NULL || (denom = ds_unary(DS_UN_SQRT, v, 0)) == NULL ||
+                    ds_add_(denom, eps) || (real = ds_unary(DS_UN_SQRT, gr->fresh_v, 0)) == NULL || ds_add_(real, eps) ||
+                    (pre = ds_div(m, denom)) == NULL || (ratio = ds_div(denom, real)) == NULL ||
+                    (upd = ds_mul_scalar(p, h->weight_decay)) == NULL || ds_add_(upd, pre)))
+        rc = -1;
+    for (int k = 0; k < og->n_seg && rc == 0; k++) {
+        int64_t lo = og->seg[k], n = og->seg[k + 1] - lo;
+        double upd_norm = 0, pre_norm = 0, ratio_max = 0;
+        if (n == 0) continue;
+        if (piece_stat(upd, lo, n, false, &upd_norm) || piece_stat(pre, lo, n, false, &pre_norm) ||
+            piece_stat(ratio, lo, n, true, &ratio_max)) {
+            rc = -1;
+            break;
+        }
+        double coeff = gr->coeff_freeze[k] * lamb_factor(b, gr, k, ratio_max, pre_norm, upd_norm, h->weight_decay);
+        og->lamb_coeffs[k] = coeff;
+        ds_tensor *pv = elements(p, lo, n), *uv = elements(upd, lo, n);
+        rc = pv && uv ? axpy_(pv, -h->lr * coeff, uv) : -1;
+        ds_tensor_release(pv);
+        ds_tensor_release(uv);
+    }
+    ds_tensor *all[] = { rec, sq, denom, real, pre, upd, ratio, eps };
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ds_tensor_release(all[i]);
+    return rc;
+}
+
 int ds_onebit_step(ds_onebit *b, const ds_optim_hparams *h) {
     int64_t t = b->steps + 1;
     bool full = b->reduce_next;
     b->stats.bytes = 0;
     bool prev = ds_set_grad_enabled(false);
     int rc = 0;
+    if (!full && b->c.kind == DS_ONEBIT_LAMB && t == b->c.freeze_step + 1) rc = lamb_scaling(b);
     for (int g = 0; g < b->o->n_groups && rc == 0; g++) {
         if (full) {
             rc = ds_optim_step(b->o, g, &h[g]);
+            if (rc == 0 && b->c.kind == DS_ONEBIT_LAMB) rc = lamb_warmup_done(b, g, t);
         } else {
-            rc = b->c.kind == DS_ONEBIT_ADAM ? onebit_adam_step(b, g, &h[g]) : zero_one_step(b, g, &h[g], t);
+            rc = b->c.kind == DS_ONEBIT_ADAM ? onebit_adam_step(b, g, &h[g])
+               : b->c.kind == DS_ONEBIT_LAMB ? onebit_lamb_step(b, g, &h[g]) : zero_one_step(b, g, &h[g], t);
             b->o->groups[g].step++;
         }
     }
@@ -297,7 +458,7 @@ int ds_onebit_step(ds_onebit *b, const ds_optim_hparams *h) {
     if (rc) return -1;
     b->steps = t;
     b->stats = (ds_onebit_stats){ t, !full, b->stats.bytes };
-    if (b->c.kind == DS_ONEBIT_ADAM) {
+    if (b->c.kind != DS_ZERO_ONE_ADAM) {
         b->reduce_next = t < b->c.freeze_step;
         return 0;
     }

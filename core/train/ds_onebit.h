@@ -1,6 +1,7 @@
 /* DeepSpeed's 1-bit optimizers on the step engine (plain data parallel,
- * fp32): OnebitAdam and ZeroOneAdam (deepspeed/runtime/fp16/onebit/adam.py,
- * zoadam.py), over an AdamW without bias correction (ds_optim.h) whose
+ * fp32): OnebitAdam, ZeroOneAdam and OnebitLamb
+ * (deepspeed/runtime/fp16/onebit/adam.py, zoadam.py, lamb.py), over an
+ * AdamW (a Lamb for OnebitLamb) without bias correction (ds_optim.h) whose
  * flat moments they share.
  *
  * OnebitAdam: the first freeze_step steps are that AdamW over all-reduced
@@ -8,6 +9,16 @@
  * then on the variance is frozen, backward no longer reduces, and each
  * step folds this rank's own gradient into the momentum, averages the
  * momentum with the compressed all-reduce below, and updates with it.
+ *
+ * OnebitLamb: freeze_step steps of that Lamb, keeping an average of each
+ * parameter's trust ratio (coeff_beta). Then each parameter's momentum is
+ * scaled to one common size before the compressed all-reduce and back
+ * after; a fresh variance follows the gradients the averaged momentum
+ * implies, and each parameter steps with its frozen trust ratio times a
+ * factor: the largest ratio of the frozen to the fresh denominator, in
+ * [factor_min, factor_max] and within factor_threshold of the last one.
+ * (DeepSpeed compresses every group's momenta as one buffer; here each
+ * group is one.)
  *
  * ZeroOneAdam: full-precision steps only every var_interval steps (which
  * doubles after each var_update_scaler of them); in between the gradient
@@ -32,11 +43,12 @@
 
 #include <stdbool.h>
 
-typedef enum { DS_ONEBIT_ADAM, DS_ZERO_ONE_ADAM } ds_onebit_kind;
+typedef enum { DS_ONEBIT_ADAM, DS_ZERO_ONE_ADAM, DS_ONEBIT_LAMB } ds_onebit_kind;
 
 typedef struct {
     ds_onebit_kind kind;
-    int64_t freeze_step;              /* OnebitAdam: full-precision steps */
+    int64_t freeze_step;              /* OnebitAdam, OnebitLamb: full-precision steps */
+    double coeff_beta, factor_max, factor_min, factor_threshold;   /* OnebitLamb */
     int64_t var_freeze_step;          /* ZeroOneAdam: steps before the variance freezes */
     int64_t var_update_scaler;        /* full-precision steps per var_interval */
     int64_t local_step_scaler;        /* local steps per local_step_interval */
@@ -45,8 +57,8 @@ typedef struct {
 
 typedef struct ds_onebit ds_onebit;
 
-/* Over o (borrowed; outlives b): an AdamW with bias_correction off, on one
- * device. W is the world size. NULL with the error set. */
+/* Over o (borrowed; outlives b): an AdamW (OnebitLamb: a Lamb) with
+ * bias_correction off, on one device. NULL with the error set. */
 ds_onebit *ds_onebit_new(const ds_onebit_config *c, ds_optim *o);
 void ds_onebit_free(ds_onebit *b);
 
