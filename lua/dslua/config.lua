@@ -553,9 +553,12 @@ end
 OPTIMIZERS.onebitadam = onebit('OneBitAdam', { freeze_step = int(nil, 0) })
 OPTIMIZERS.zerooneadam = onebit('ZeroOneAdam', { var_freeze_step = int(nil, 0), var_update_scaler = int(nil, 1),
                                                  local_step_scaler = int(nil, 1), local_step_clipper = int(nil, 1) })
-local OPTIMIZER_NAMES = { 'Adam', 'AdamW', 'SGD', 'Adagrad', 'Lamb', 'Lion', 'OneBitAdam', 'ZeroOneAdam' }
+OPTIMIZERS.onebitlamb = onebit('OneBitLamb', { freeze_step = int(nil, 0), max_coeff = num(nil, 0), min_coeff = num(nil, 0),
+                                               coeff_beta = num(nil, 0, { max = 1 }), factor_max = num(nil, 0),
+                                               factor_min = num(nil, 0), factor_threshold = num(nil, 0) })
+local OPTIMIZER_NAMES = { 'Adam', 'AdamW', 'SGD', 'Adagrad', 'Lamb', 'Lion', 'OneBitAdam', 'ZeroOneAdam', 'OneBitLamb' }
 -- in DeepSpeed's DEEPSPEED_OPTIMIZERS, not in dslua
-local DEEPSPEED_ONLY = { onebitlamb = true, muadam = true, muadamw = true, musgd = true, muon = true }
+local DEEPSPEED_ONLY = { muadam = true, muadamw = true, musgd = true, muon = true }
 
 local OPTIMIZER_BLOCK = { fields = {
   type = str({ required = true }),
@@ -573,8 +576,7 @@ local function check_optimizer(ctx, path, v)
   if not spec then
     problem(ctx, join(path, 'type'), DEEPSPEED_ONLY[o.type:lower()]
             and describe(o.type) .. ' is a DeepSpeed optimizer dslua does not implement (dslua has '
-                .. table.concat(OPTIMIZER_NAMES, ', ') .. (o.type:lower() == 'onebitlamb'
-                  and '; OneBitAdam is its 1-bit Adam counterpart, Lamb its uncompressed one' or '') .. ')'
+                .. table.concat(OPTIMIZER_NAMES, ', ') .. ')'
             or unknown(o.type, OPTIMIZER_NAMES, 'optimizer'))
     return o
   end

@@ -289,14 +289,18 @@ local CONFIG_KEYS = {
 }
 CONFIG_KEYS.adamw = CONFIG_KEYS.adam
 -- DeepSpeed's 1-bit optimizers (deepspeed/runtime/fp16/onebit): an AdamW
--- without bias correction that the step engine drives (dslua/engine.lua,
--- core/train/ds_onebit.h); their own keys go to optimizer.onebit.
+-- (OneBitLamb: a Lamb) without bias correction that the step engine drives
+-- (dslua/engine.lua, core/train/ds_onebit.h); their own keys go to
+-- optimizer.onebit.
 local ONEBIT_COMMON = { 'lr', 'bias_correction', 'betas', 'eps', 'eps_inside_sqrt', 'weight_decay', 'amsgrad',
                         'cuda_aware', 'comm_backend_name' }
 local ONEBIT = {
   onebitadam = { name = 'OneBitAdam', keys = { 'freeze_step' } },
   zerooneadam = { name = 'ZeroOneAdam',
                   keys = { 'var_freeze_step', 'var_update_scaler', 'local_step_scaler', 'local_step_clipper' } },
+  onebitlamb = { name = 'OneBitLamb', lamb = true,
+                 keys = { 'freeze_step', 'coeff_beta', 'factor_max', 'factor_min', 'factor_threshold', 'max_coeff',
+                          'min_coeff' } },
 }
 for kind, o in pairs(ONEBIT) do
   CONFIG_KEYS[kind] = { unpack(ONEBIT_COMMON) }
@@ -307,9 +311,10 @@ end
 -- differs from the kind's own default (FusedAdam's weight decay, FusedLion's).
 local CONFIG_DEFAULTS = { adam = { weight_decay = 0 }, adamw = { weight_decay = 0 },
                           onebitadam = { weight_decay = 0 }, zerooneadam = { weight_decay = 0 },
+                          onebitlamb = { weight_decay = 0 },
                           lion = { lr = 1e-3, betas = { 0.9, 0.999 } } }
 local CONFIG_KINDS = { adam = 'AdamW', adamw = 'AdamW', sgd = 'SGD', adagrad = 'Adagrad', lamb = 'Lamb', lion = 'Lion',
-                       onebitadam = 'AdamW', zerooneadam = 'AdamW' }
+                       onebitadam = 'AdamW', zerooneadam = 'AdamW', onebitlamb = 'Lamb' }
 
 -- The value param k of a block of type kind (lower case) takes when the
 -- block leaves it out (nil: none, or no such param).
@@ -352,9 +357,13 @@ function M.from_config(params, block)
     end
   end
   if ONEBIT[kind] then
-    -- DeepSpeed's update m / (sqrt v + eps) + wd p: AdamW, no bias correction
-    local o = M.AdamW(params, { lr = p.lr, betas = p.betas, eps = p.eps, weight_decay = p.weight_decay or 0,
-                                bias_correction = false })
+    -- DeepSpeed's update m / (sqrt v + eps) + wd p (times the trust ratio
+    -- for Lamb): AdamW or Lamb, no bias correction
+    local o = ONEBIT[kind].lamb
+      and M.Lamb(params, { lr = p.lr, betas = p.betas, eps = p.eps, weight_decay = p.weight_decay or 0,
+                           max_coeff = p.max_coeff, min_coeff = p.min_coeff, bias_correction = false })
+      or M.AdamW(params, { lr = p.lr, betas = p.betas, eps = p.eps, weight_decay = p.weight_decay or 0,
+                           bias_correction = false })
     o.onebit = { kind = ONEBIT[kind].name }
     for _, k in ipairs(ONEBIT[kind].keys) do o.onebit[k] = p[k] end
     return o
