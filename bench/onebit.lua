@@ -1,10 +1,11 @@
--- The 1-bit optimizers against their uncompressed counterpart on N ranks
+-- The 1-bit optimizers against their uncompressed counterparts on N ranks
 -- (run by bench/onebit.sh under mpirun): an MLP classifier trained data
 -- parallel with an AdamW without bias correction (what OneBitAdam and
--- ZeroOneAdam are during warm-up), OneBitAdam and ZeroOneAdam, from the same
--- start on the same batches. Per window of steps: each one's mean loss
--- (over the window and the ranks) and the bytes a rank handed to
--- collectives per step; then the totals and their ratios.
+-- ZeroOneAdam are during warm-up), OneBitAdam, ZeroOneAdam, a Lamb without
+-- bias correction and OneBitLamb, from the same start on the same batches.
+-- Per window of steps: each one's mean loss (over the window and the
+-- ranks) and the bytes a rank handed to collectives per step; then the
+-- totals and their ratios against the counterpart.
 --   dslua bench/onebit.lua [steps] [freeze] [quick]
 local ds = require 'dslua'
 
@@ -25,13 +26,16 @@ local RUNS = {
   { name = 'OneBitAdam', type = 'OneBitAdam', params = { freeze_step = FREEZE } },
   { name = 'ZeroOneAdam', type = 'ZeroOneAdam', params = { var_freeze_step = FREEZE, var_update_scaler = 16,
                                                            local_step_scaler = 64, local_step_clipper = 8 } },
+  { name = 'Lamb', type = 'Lamb', lr = 1e-2, params = { bias_correction = false } },
+  { name = 'OneBitLamb', type = 'OneBitLamb', lr = 1e-2, params = { freeze_step = FREEZE } },
 }
+local BASE = { 1, 1, 1, 4, 4 }     -- each run's uncompressed counterpart
 
 local function train(run)
   ds.manual_seed(11)
   local model = ds.nn.Sequential(ds.nn.Linear(d, hidden), ds.nn.GELU(), ds.nn.Linear(hidden, hidden), ds.nn.GELU(),
                                  ds.nn.Linear(hidden, classes))
-  run.params.lr, run.params.weight_decay = 1e-3, 0.01
+  run.params.lr, run.params.weight_decay = run.lr or 1e-3, 0.01
   local engine, _, loader = ds.initialize {
     model = model, training_data = data,
     config = { train_micro_batch_size_per_gpu = 32, steps_per_print = 1e9,
@@ -65,10 +69,12 @@ local function mean(t, lo, hi)
   return s / (hi - lo + 1)
 end
 
-print(string.format('%d ranks, %d steps, freeze at %d (OneBitAdam freeze_step, ZeroOneAdam var_freeze_step)', N,
-                    STEPS, FREEZE))
-print(string.format('%-11s | %-29s | %s', 'steps', 'mean loss', 'bytes sent per step per rank'))
-print(string.format('%-11s | %9s %9s %9s | %9s %9s %9s', '', 'AdamW', '1-bit', '0/1', 'AdamW', '1-bit', '0/1'))
+print(string.format('%d ranks, %d steps, freeze at %d (freeze_step, ZeroOneAdam var_freeze_step)', N, STEPS, FREEZE))
+local heads = { 'AdamW', '1bitAdam', '0/1Adam', 'Lamb', '1bitLamb' }
+local head = {}
+for i, h in ipairs(heads) do head[i] = string.format('%9s', h) end
+print(string.format('%-11s | %-49s | %s', 'steps', 'mean loss', 'bytes sent per step per rank'))
+print(string.format('%-11s | %s | %s', '', table.concat(head, ' '), table.concat(head, ' ')))
 for lo = 1, STEPS, WINDOW do
   local hi = math.min(STEPS, lo + WINDOW - 1)
   local row = { string.format('%4d-%-6d |', lo, hi) }
@@ -77,18 +83,14 @@ for lo = 1, STEPS, WINDOW do
   for _, r in ipairs(results) do row[#row + 1] = string.format('%9.0f', mean(r.bytes, lo, hi)) end
   print(table.concat(row, ' '))
 end
-local total = {}
-for i, r in ipairs(results) do total[i] = mean(r.bytes, 1, STEPS) * STEPS end
-local after = {}
-for i, r in ipairs(results) do after[i] = mean(r.bytes, FREEZE + 1, STEPS) end
-print(string.format('bytes, all steps: AdamW %.0f, OneBitAdam %.0f (x%.1f less), ZeroOneAdam %.0f (x%.1f less)',
-                    total[1], total[2], total[1] / total[2], total[3], total[1] / total[3]))
-print(string.format('bytes per step after the freeze: AdamW %.0f, OneBitAdam %.0f (x%.1f less), ZeroOneAdam %.0f '
-                    .. '(x%.1f less)', after[1], after[2], after[1] / after[2], after[3],
-                    after[1] / math.max(after[3], 1)))
 local last = math.max(1, STEPS - WINDOW + 1)
-print(string.format('mean loss of the last %d steps: AdamW %.4f, OneBitAdam %.4f (%+.1f%%), ZeroOneAdam %.4f (%+.1f%%)',
-                    STEPS - last + 1, mean(results[1].losses, last, STEPS), mean(results[2].losses, last, STEPS),
-                    100 * (mean(results[2].losses, last, STEPS) / mean(results[1].losses, last, STEPS) - 1),
-                    mean(results[3].losses, last, STEPS),
-                    100 * (mean(results[3].losses, last, STEPS) / mean(results[1].losses, last, STEPS) - 1)))
+print(string.format('%-11s | %14s %14s %14s | %s', '', 'bytes, all', 'per step after', 'vs', 'mean loss, last '
+                    .. (STEPS - last + 1) .. ' steps'))
+for i, run in ipairs(RUNS) do
+  local r, base = results[i], results[BASE[i]]
+  local total, after = mean(r.bytes, 1, STEPS) * STEPS, mean(r.bytes, FREEZE + 1, STEPS)
+  local loss, ref = mean(r.losses, last, STEPS), mean(base.losses, last, STEPS)
+  print(string.format('%-11s | %14.0f %14.0f %13.1fx | %.4f (%+.1f%% vs %s)', run.name, total, after,
+                      mean(base.bytes, FREEZE + 1, STEPS) / math.max(after, 1), loss, 100 * (loss / ref - 1),
+                      RUNS[BASE[i]].name))
+end
