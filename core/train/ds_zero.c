@@ -636,7 +636,7 @@ static int refresh(ds_zero *z, ds_tensor *const *masters) {
         bool whole = false;
         for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
             zparam *q = &z->p[i];
-            if (q->own) rc = ds_zero_copy_elements(q->own, 0, masters[b->group], q->offset, q->shard);
+            if (q->own) rc = ds_zero_store_shard(z, q, masters[b->group], q->offset);
             else whole = true;
         }
         if (rc || !whole) continue;

@@ -159,6 +159,11 @@ int ds_zero_post_forward(ds_zero *z, int module);
 /* Every parameter whole (every rank calls it), and released again. */
 int ds_zero_gather_all(ds_zero *z);
 int ds_zero_release_all(ds_zero *z);
+/* Stage 3's offload_param: each rank's shards leave the device, into host
+ * memory (page-locked when the device is a GPU; file NULL) or into file
+ * (nvme: written back to back, read for each gather, rewritten at each
+ * step's refresh). 0, or -1 with the error naming the file. */
+int ds_zero_offload_params(ds_zero *z, const char *file);
 /* Does parameter i stay whole (small)? Its shard size in elements. */
 bool ds_zero_persistent(const ds_zero *z, int i);
 int64_t ds_zero_shard(const ds_zero *z, int i);
