@@ -35,6 +35,8 @@ local CASES = {
     'note: spec/dsconfigs/quiet_blocks.json: memory_breakdown: a DeepSpeed setting dslua does not act on',
     'zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradients are not in dslua',
     'zero_optimization.mics_shard_size: MiCS is not in dslua' } },
+  { 'offload_param', 2, true, {
+    'zero_optimization.offload_param.buffer_count: dslua reads each shard into a buffer of its own' } },
   { 'lamb_fp16', 1, true, {} },
   { 'sampler_fp16', 1, true, { 'train_batch_size: 4 = sum(sampler.micro_batch_per_rank)' } },
   { 'nvme_lamb', 1, false, { 'optimizer.type: Lamb cannot be streamed from nvme (offload_optimizer.device)' } },
@@ -85,6 +87,13 @@ describe('DeepSpeed configs', function()
       end
     end)
   end
+
+  it('offloads stage 3 parameters as offload_param says, and says so', function()
+    local ran = H.run(H.ranks_cmd(2) .. ' ' .. dir .. 'run.lua --config ' .. dir .. 'offload_param.json')
+    H.has(ran, 'ZeRO stage 3 | rank 1 | optimizer holds')
+    H.has(ran, '| parameter offload cpu')
+    H.has(ran, 'ZeRO | offload_param device cpu: the parameter shards are in host memory already here (no-op)')
+  end)
 
   it('resolves "auto" optimizer and scheduler params from the optimizer passed to initialize', function()
     local ran, status = H.run(H.ranks_cmd(1) .. ' ' .. dir .. 'run.lua --config ' .. dir .. 'hf_auto.json --pass-optimizer')

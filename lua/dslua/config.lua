@@ -424,8 +424,11 @@ local DEPRECATED_ZERO = {
 -- Settings DeepSpeed acts on and dslua does not (noted when set): the key,
 -- whether it is set, what dslua does instead.
 local ZERO_INERT = {
-  { 'offload_param', function(z) return z.offload_param.device ~= 'none' end,
-    'dslua keeps stage 3 parameter shards on the device; offload_param is not implemented' },
+  { 'offload_param', function(z) return z.offload_param.device ~= 'none' and z.stage ~= 3 end,
+    'read at stage 3 only (as DeepSpeed): the parameters stay whole on the device' },
+  { 'offload_param.buffer_count', function(z) return z.offload_param.device ~= 'none' and z.stage == 3 end,
+    'dslua reads each shard into a buffer of its own as its module gathers it: buffer_count, buffer_size and '
+    .. 'max_in_cpu do not apply' },
   { 'zero_quantized_weights', function(z) return z.zero_quantized_weights or z.zero_quantized_nontrainable_weights end,
     'ZeRO++ quantized weights are not in dslua: parameters are gathered in the compute dtype' },
   { 'zero_quantized_gradients', function(z) return z.zero_quantized_gradients end,

@@ -210,6 +210,9 @@ function M.initialize(opts)
       if zero.offload == 'cpu' and device == 'cpu' then
         io.stdout:write('ZeRO | offload_optimizer device cpu: the optimizer already runs on the CPU here (no-op)\n')
       end
+      if zero.param_offload == 'cpu' and device == 'cpu' then
+        io.stdout:write('ZeRO | offload_param device cpu: the parameter shards are in host memory already here (no-op)\n')
+      end
       io.stdout:flush()
     end
   else
