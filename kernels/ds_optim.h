@@ -98,6 +98,20 @@ DS_HOSTDEV void ds_lion_elem(float *p, float *m, float g, float lr, float beta1,
     *m = beta2 * *m + (1.0f - beta2) * g;
 }
 
+/* The 1-bit kernels' buffers (host side): x and err (absent: NULL data)
+ * contiguous f32 of one length, a multiple of 8; bits contiguous u8 of an
+ * eighth of it. */
+static inline int ds_onebit_check(const char *op, ds_kview x, ds_kview err, ds_kview bits) {
+    int64_t n = ds_kview_numel(&x);
+    if (x.dtype != DS_F32 || !ds_kview_is_contiguous(&x) || n % 8 != 0)
+        return ds_kernel_fail("%s: x must be contiguous f32 of a multiple of 8 elements (%lld)", op, (long long)n);
+    if (err.data && (err.dtype != DS_F32 || !ds_kview_is_contiguous(&err) || ds_kview_numel(&err) != n))
+        return ds_kernel_fail("%s: err must be contiguous f32 of %lld elements", op, (long long)n);
+    if (bits.dtype != DS_U8 || !ds_kview_is_contiguous(&bits) || ds_kview_numel(&bits) != n / 8)
+        return ds_kernel_fail("%s: bits must be contiguous u8 of %lld bytes", op, (long long)(n / 8));
+    return 0;
+}
+
 /* 1-bit compression of 8 elements into one byte: bit k set when x[k] >= 0
  * (NaN and -0 count as positive, as torch's sign() + 1 cast to bool), and
  * err[k] = what scale times the sign misses. */

@@ -192,21 +192,8 @@ static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h)
 
 /* ---- the 1-bit optimizers ---- */
 
-/* x and err: contiguous f32 of one length, a multiple of 8; bits:
- * contiguous u8 of an eighth of it */
-static int onebit_check(const char *op, ds_kview x, ds_kview err, ds_kview bits) {
-    int64_t n = ds_kview_numel(&x);
-    if (x.dtype != DS_F32 || !ds_kview_is_contiguous(&x) || n % 8 != 0)
-        return ds_kernel_fail("%s: x must be contiguous f32 of a multiple of 8 elements (%lld)", op, (long long)n);
-    if (err.data && (err.dtype != DS_F32 || !ds_kview_is_contiguous(&err) || ds_kview_numel(&err) != n))
-        return ds_kernel_fail("%s: err must be contiguous f32 of %lld elements", op, (long long)n);
-    if (bits.dtype != DS_U8 || !ds_kview_is_contiguous(&bits) || ds_kview_numel(&bits) != n / 8)
-        return ds_kernel_fail("%s: bits must be contiguous u8 of %lld bytes", op, (long long)(n / 8));
-    return 0;
-}
-
 static int cpu_onebit_pack(ds_kview x, ds_kview err, ds_kview bits, double scale) {
-    if (onebit_check("onebit_pack", x, err, bits)) return -1;
+    if (ds_onebit_check("onebit_pack", x, err, bits)) return -1;
     const float *xs = x.data;
     float *e = err.data, sc = (float)scale;
     uint8_t *b = bits.data;
@@ -218,7 +205,7 @@ static int cpu_onebit_pack(ds_kview x, ds_kview err, ds_kview bits, double scale
 
 static int cpu_onebit_unpack(ds_kview out, ds_kview bits, double scale, int accumulate) {
     ds_kview none = { 0 };
-    if (onebit_check("onebit_unpack", out, none, bits)) return -1;
+    if (ds_onebit_check("onebit_unpack", out, none, bits)) return -1;
     float *o = out.data, sc = (float)scale;
     const uint8_t *b = bits.data;
     int64_t n = ds_kview_numel(&out);

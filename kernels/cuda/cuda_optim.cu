@@ -277,23 +277,12 @@ static int cuda_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h
 
 /* ---- the 1-bit optimizers: one thread per byte of signs, or per element ---- */
 
-static int onebit_check(const char *op, ds_kview x, ds_kview err, ds_kview bits) {
-    int64_t n = ds_kview_numel(&x);
-    if (x.dtype != DS_F32 || !ds_kview_is_contiguous(&x) || n % 8 != 0)
-        return ds_kernel_fail("%s: x must be contiguous f32 of a multiple of 8 elements (%lld)", op, (long long)n);
-    if (err.data && (err.dtype != DS_F32 || !ds_kview_is_contiguous(&err) || ds_kview_numel(&err) != n))
-        return ds_kernel_fail("%s: err must be contiguous f32 of %lld elements", op, (long long)n);
-    if (bits.dtype != DS_U8 || !ds_kview_is_contiguous(&bits) || ds_kview_numel(&bits) != n / 8)
-        return ds_kernel_fail("%s: bits must be contiguous u8 of %lld bytes", op, (long long)(n / 8));
-    return 0;
-}
-
 static __global__ void onebit_pack_kernel(const float *x, float *err, uint8_t *bits, int64_t nb, float scale) {
     DS_CUDA_LOOP(i, nb) bits[i] = ds_onebit_pack8(x + 8 * i, err + 8 * i, scale);
 }
 
 static int cuda_onebit_pack(ds_kview x, ds_kview err, ds_kview bits, double scale) {
-    if (onebit_check("onebit_pack", x, err, bits)) return -1;
+    if (ds_onebit_check("onebit_pack", x, err, bits)) return -1;
     int64_t nb = ds_kview_numel(&bits);
     if (nb == 0) return 0;
     onebit_pack_kernel<<<elem_blocks(nb), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
@@ -311,7 +300,7 @@ static __global__ void onebit_unpack_kernel(float *out, const uint8_t *bits, int
 static int cuda_onebit_unpack(ds_kview out, ds_kview bits, double scale, int accumulate) {
     ds_kview none;
     memset(&none, 0, sizeof none);
-    if (onebit_check("onebit_unpack", out, none, bits)) return -1;
+    if (ds_onebit_check("onebit_unpack", out, none, bits)) return -1;
     int64_t n = ds_kview_numel(&out);
     if (n == 0) return 0;
     onebit_unpack_kernel<<<elem_blocks(n), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(

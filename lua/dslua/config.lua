@@ -488,33 +488,40 @@ local function check_zero(ctx, path, v)
   return z
 end
 
--- "auto" optimizer params, as Hugging Face fills lr, betas, eps and
--- weight_decay from its arguments: from the optimizer passed to initialize
--- (ctx.given.optimizer, its first param group), else the value the block
--- would get without the key. A copy of params without "auto".
-local function resolve_optimizer_autos(ctx, path, kind, params)
-  local out, from = {}, ctx.given.optimizer
+-- params without their "auto" values, each resolved by fill(k) -> value,
+-- how (noted), or nil, why not (a problem naming the key).
+local function resolve_param_autos(ctx, path, params, fill)
+  local out = {}
   for k, x in pairs(params) do
-    if x == 'auto' then
-      local v, how = from and from[k], 'from the optimizer passed to initialize'
-      if v == nil and ctx.given.optimizer_function then
-        v, how = require('dslua.optim').config_default(kind, k), 'the default; the optimizer function passed to '
-                                                                   .. 'initialize builds what steps, not this block'
-      elseif v == nil then
-        v, how = require('dslua.optim').config_default(kind, k), "the optimizer's default (no optimizer passed "
-                                                                  .. 'to initialize sets it)'
-      end
-      if v == nil then
-        problem(ctx, join(path, k), '"auto": nothing passed to initialize sets it and it has no default; give a value')
-      else
-        note(ctx, join(path, k), '"auto" resolved to ' .. describe_value(v) .. ', ' .. how)
-        out[k] = copy(v)
-      end
-    else
+    if x ~= 'auto' then
       out[k] = x
+    else
+      local v, how = fill(k)
+      if v ~= nil then
+        note(ctx, join(path, k), '"auto" resolved to ' .. describe_value(v) .. ' (' .. how .. ')')
+        out[k] = copy(v)
+      else
+        problem(ctx, join(path, k), how)
+      end
     end
   end
   return out
+end
+
+-- "auto" optimizer params, as Hugging Face fills lr, betas, eps and
+-- weight_decay from its arguments: from the optimizer passed to initialize
+-- (ctx.given.optimizer, its first param group), else the value the block
+-- would get without the key.
+local function optimizer_auto(ctx, kind)
+  return function(k)
+    local from = ctx.given.optimizer
+    if from and from[k] ~= nil then return from[k], 'from the optimizer passed to initialize' end
+    local v = require('dslua.optim').config_default(kind, k)
+    if v == nil then return nil, '"auto": nothing passed to initialize sets it and it has no default; give a value' end
+    return v, ctx.given.optimizer_function and 'the default; the optimizer function passed to initialize builds '
+                                                .. 'what steps, not this block'
+                                            or "the optimizer's default: no optimizer passed to initialize sets it"
+  end
 end
 
 -- Parameter names per optimizer: the keyword arguments of what DeepSpeed's
@@ -591,7 +598,7 @@ local function check_optimizer(ctx, path, v)
     params.max_grad_norm = nil
   end
   local pp = join(path, 'params')
-  params = resolve_optimizer_autos(ctx, pp, o.type:lower(), params)
+  params = resolve_param_autos(ctx, pp, params, optimizer_auto(ctx, o.type:lower()))
   o.params = check_block(ctx, pp, params, spec.schema)
   ctx.optimizer_lr = o.params.lr or require('dslua.optim').config_default(o.type:lower(), 'lr')
   if o.params.amsgrad then
@@ -690,27 +697,18 @@ local SCHEDULER_AUTO = {
   end,
 }
 
-local function resolve_scheduler_autos(ctx, path, params)
-  local out = {}
-  for k, x in pairs(params) do
-    if x == 'auto' then
-      local fill = SCHEDULER_AUTO[k]
-      local v, how
-      if fill then v, how = fill(ctx) end
-      if v ~= nil then
-        note(ctx, join(path, k), '"auto" resolved to ' .. describe_value(v) .. ' (' .. how .. ')')
-        out[k] = v
-      elseif k == 'warmup_num_steps' or k == 'total_num_steps' then
-        problem(ctx, join(path, k), "\"auto\" is filled by Hugging Face's Trainer from its own step count, which "
-                .. 'dslua cannot know; give the number of steps')
-      else
-        problem(ctx, join(path, k), '"auto": nothing passed to initialize sets it; give a value')
-      end
-    else
-      out[k] = x
+local function scheduler_auto(ctx)
+  return function(k)
+    if SCHEDULER_AUTO[k] then
+      local v, how = SCHEDULER_AUTO[k](ctx)
+      if v ~= nil then return v, how end
     end
+    if k == 'warmup_num_steps' or k == 'total_num_steps' then
+      return nil, "\"auto\" is filled by Hugging Face's Trainer from its own step count, which dslua cannot know; "
+                  .. 'give the number of steps'
+    end
+    return nil, '"auto": nothing passed to initialize sets it; give a value'
   end
-  return out
 end
 
 local function check_scheduler(ctx, path, v)
@@ -726,8 +724,8 @@ local function check_scheduler(ctx, path, v)
             .. (sug and ', ' .. sug or ' (dslua has ' .. table.concat(SCHEDULER_NAMES, ', ') .. ')'))
     return s
   end
-  s.params = check_block(ctx, join(path, 'params'), resolve_scheduler_autos(ctx, join(path, 'params'), s.params),
-                         schema)
+  local pp = join(path, 'params')
+  s.params = check_block(ctx, pp, resolve_param_autos(ctx, pp, s.params, scheduler_auto(ctx)), schema)
   return s
 end
 
