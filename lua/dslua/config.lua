@@ -1018,6 +1018,49 @@ local function resolve_autos(ctx, cfg)
   end
 end
 
+-- A directory dslua will make under path: its nearest existing ancestor
+-- must be a directory this process can write (probed as make_dir probes).
+-- nil, or why not.
+local function unwritable(path)
+  local at = path == '' and '.' or path
+  while true do
+    local probe = at .. '/.dslua-write-check'
+    local f = io.open(probe, 'w')
+    if f then
+      f:close()
+      os.remove(probe)
+      return nil
+    end
+    local exists = io.open(at, 'r')
+    if exists then
+      exists:close()
+      return string.format('%s is not a directory this process can write', at)
+    end
+    local parent = at:match('^(.*)/[^/]*$')
+    if not parent then parent = '.' elseif parent == '' then parent = '/' end
+    if parent == at then return string.format('%s is not a directory this process can write', at) end
+    at = parent
+  end
+end
+
+-- The folders a run writes (the monitors', the nvme offloads') checked
+-- with the config, so --check-config refuses what initialize would.
+local function check_paths(ctx, cfg)
+  local list = {}
+  for _, d in pairs(require('dslua.monitor').dirs(cfg)) do list[#list + 1] = d end
+  for _, name in ipairs({ 'offload_optimizer', 'offload_param' }) do
+    local o = cfg.zero_optimization[name]
+    if o.device == 'nvme' and type(o.nvme_path) == 'string' then
+      list[#list + 1] = { 'zero_optimization.' .. name .. '.nvme_path', o.nvme_path }
+    end
+  end
+  table.sort(list, function(a, b) return a[1] < b[1] end)
+  for _, d in ipairs(list) do
+    local why = unwritable(d[2])
+    if why then problem(ctx, d[1], string.format('cannot create "%s": %s', d[2], why)) end
+  end
+end
+
 -- DeepSpeedConfig._initialize_params and _do_error_check across blocks.
 local function cross_checks(ctx, cfg)
   if cfg.fp16.enabled and cfg.bf16.enabled then
@@ -1513,6 +1556,7 @@ function M.check(src, opts)
       end
       resolve_autos(ctx, cfg)
       cross_checks(ctx, cfg)
+      check_paths(ctx, cfg)
     end
   end
   for _, n in ipairs(ctx.notes) do n.kind = n.kind or 'note' end
