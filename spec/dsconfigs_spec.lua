@@ -108,6 +108,17 @@ describe('DeepSpeed configs', function()
     H.has(checked, "scheduler.params.warmup_max_lr: \"auto\" resolved to 0.001 (the optimizer block's lr)")
   end)
 
+  it('resolves "auto" scheduler params from the scheduler passed to initialize', function()
+    local ran, status = H.run(H.ranks_cmd(1) .. ' ' .. dir .. 'run.lua --config ' .. dir
+                              .. 'hf_auto_steps.json --pass-scheduler')
+    assert.are.equal(0, status, ran)
+    H.has(ran, 'scheduler.params.warmup_num_steps: "auto" resolved to 3 (from the scheduler passed to initialize)')
+    H.has(ran, 'scheduler.params.total_num_steps: "auto" resolved to 40 (from the scheduler passed to initialize)')
+    -- without one the step counts cannot be known
+    local checked = H.run(H.bin() .. ' --check-config ' .. dir .. 'hf_auto_steps.json')
+    H.has(checked, "scheduler.params.total_num_steps: \"auto\" is filled by Hugging Face's Trainer")
+  end)
+
   it('resolves ZeRO\'s "auto" bucket sizes from the model\'s hidden size, as Hugging Face does', function()
     local config = require 'dslua.config'
     local block = { train_batch_size = 8, zero_optimization = { stage = 3, reduce_bucket_size = 'auto',

@@ -685,9 +685,11 @@ local SCHEDULER_BLOCK = { fields = {
   params = field('object', function() return {} end),
 }, nofill = true }
 
--- "auto" scheduler params as Hugging Face fills them: the warmup's lowest
--- lr 0 and its highest the optimizer's lr; the step counts Hugging Face
--- takes from its trainer's length, which dslua cannot know.
+-- "auto" scheduler params: from the scheduler passed to initialize (the
+-- params it was built with, ctx.given.scheduler), else as Hugging Face
+-- fills them: the warmup's lowest lr 0 and its highest the optimizer's lr;
+-- the step counts Hugging Face takes from its trainer's length, which
+-- dslua cannot know.
 local SCHEDULER_AUTO = {
   warmup_min_lr = function() return 0, "Hugging Face's value" end,
   warmup_max_lr = function(ctx)
@@ -699,6 +701,8 @@ local SCHEDULER_AUTO = {
 
 local function scheduler_auto(ctx)
   return function(k)
+    local from = ctx.given.scheduler
+    if from and from[k] ~= nil then return from[k], 'from the scheduler passed to initialize' end
     if SCHEDULER_AUTO[k] then
       local v, how = SCHEDULER_AUTO[k](ctx)
       if v ~= nil then return v, how end
@@ -1524,7 +1528,9 @@ end
 
 -- check(path_or_table [, {world_size = 1, source = name, given = {optimizer
 -- = the first param group of the optimizer passed to initialize,
--- hidden_size = the model's}}]) -> resolved or nil, problems (list of
+-- optimizer_function = true when a function builds it, scheduler = the
+-- params the scheduler passed to it was built with, hidden_size = the
+-- model's}}]) -> resolved or nil, problems (list of
 -- lines), notes (list of lines: what dslua does not act on, "auto" values
 -- as resolved, unknown top-level keys). Never raises. initialize and
 -- --check-config both run it, and nothing else checks the config.

@@ -130,10 +130,12 @@ local function build_zero(opts, cfg, model, params, rank, world_size, device)
 end
 
 -- What the config's "auto" values resolve from (ds.config.check's given):
--- the optimizer passed in (its first group) and the model's hidden size.
+-- the optimizer passed in (its first group), the params the scheduler
+-- passed in was built with, and the model's hidden size.
 local function config_given(opts, model)
-  local o, c = opts.optimizer, rawget(model, 'config')
+  local o, s, c = opts.optimizer, opts.lr_scheduler, rawget(model, 'config')
   return { optimizer = type(o) == 'table' and type(o.param_groups) == 'table' and o.param_groups[1] or nil,
+           scheduler = type(s) == 'table' and type(s.params) == 'table' and s.params or nil,
            optimizer_function = type(o) == 'function',
            hidden_size = type(c) == 'table' and (c.hidden_size or c.n_embd) or nil }
 end
