@@ -108,6 +108,20 @@ describe('1-bit optimizers', function()
     end)
   end
 
+  it('resume from a checkpoint where they left off (OneBitLamb from step 0 only)', function()
+    local dir = H.tmpdir()
+    local a = run(2, 'resume.lua', 'OneBitAdam ' .. dir .. '/a 20 30 freeze_step=10')
+    local z = run(2, 'resume.lua', 'ZeroOneAdam ' .. dir .. '/z 20 30 var_freeze_step=10 var_update_scaler=2')
+    for _, t in ipairs({ a, z }) do
+      assert.is_nil(t.error, t.error)
+      assert.are.equal(10, #t.steps)
+      for i, s in ipairs(t.steps) do assert.is_true(s.compressed, 'resumed step ' .. i) end
+    end
+    local l = run(2, 'resume.lua', 'OneBitLamb ' .. dir .. '/l 20 30 freeze_step=10')
+    H.has(l.error, 'OneBitLamb: resuming at step 20: its averaged trust ratios are not in the checkpoint')
+    os.execute('rm -rf ' .. dir)
+  end)
+
   it('are DeepSpeed\'s config blocks, refused where dslua cannot run them', function()
     local cfg, notes = config.load({ train_batch_size = 8, optimizer = { type = 'OneBitAdam', params = {
       lr = 1e-3, freeze_step = 10, cuda_aware = false, comm_backend_name = 'nccl' } } })

@@ -114,8 +114,6 @@ ds_onebit *ds_onebit_new(const ds_onebit_config *c, ds_optim *o) {
     return b;
 }
 
-bool ds_onebit_reduces(const ds_onebit *b) { return b->reduce_next; }
-
 void ds_onebit_stats_get(const ds_onebit *b, ds_onebit_stats *out) { *out = b->stats; }
 
 /* ---------------------------------------------------------------- compression */
@@ -278,7 +276,7 @@ static int zero_one_step(ds_onebit *b, int g, const ds_optim_hparams *h, int64_t
 }
 
 /* ZeroOneAdam's schedule after step t (zoadam.py's counters). */
-static int zero_one_advance(ds_onebit *b, int64_t t) {
+static void zero_one_schedule(ds_onebit *b, int64_t t) {
     if (!b->var_frozen) {
         if (t % b->var_interval == 0 && ++b->var_counter == b->c.var_update_scaler) {
             b->var_counter = 0;
@@ -294,13 +292,40 @@ static int zero_one_advance(ds_onebit *b, int64_t t) {
         b->var_frozen = true;
         b->reduce_next = false;
     }
-    /* the errors held gradients so far; from here they hold updates */
-    if (b->var_frozen && !b->errors_reset) {
-        for (int g = 0; g < b->o->n_groups; g++)
-            if (ds_fill_(b->g[g].worker_error, 0) || ds_fill_(b->g[g].server_error, 0)) return -1;
-        b->errors_reset = true;
-    }
+}
+
+static int zero_errors(ds_onebit *b) {
+    for (int g = 0; g < b->o->n_groups; g++)
+        if (ds_fill_(b->g[g].worker_error, 0) || ds_fill_(b->g[g].server_error, 0)) return -1;
     return 0;
+}
+
+/* The optimizer's step count changed under b (a checkpoint was loaded):
+ * the schedule as of that step, the errors zeroed (as DeepSpeed's
+ * load_state_dict does: they are this rank's and were not saved), the
+ * accumulated local updates dropped. OnebitLamb's averaged trust ratios
+ * are not in the checkpoint: it resumes from step 0 only. */
+static int resync(ds_onebit *b) {
+    int64_t step = b->o->groups[0].step;
+    if (step == b->steps) return 0;
+    if (b->c.kind == DS_ONEBIT_LAMB && step > 0)
+        return ds_fail(DS_ERR_STATE, "OneBitLamb: resuming at step %lld: its averaged trust ratios are not in the "
+                       "checkpoint (resume from step 0, or use Lamb)", (long long)step), -1;
+    b->steps = step;
+    b->reduce_next = step < b->c.freeze_step;
+    if (b->c.kind == DS_ZERO_ONE_ADAM) {
+        b->reduce_next = true;
+        b->var_interval = b->local_interval = 1;
+        b->var_counter = b->local_counter = 0;
+        b->var_frozen = false;
+        for (int64_t t = 1; t <= step; t++) zero_one_schedule(b, t);
+        b->errors_reset = b->var_frozen;
+        for (int g = 0; g < b->o->n_groups; g++) {
+            b->g[g].lrs = 0;
+            if (ds_fill_(b->g[g].acc, 0)) return -1;
+        }
+    }
+    return zero_errors(b);
 }
 
 /* ---------------------------------------------------------------- OnebitLamb */
@@ -437,7 +462,13 @@ static int onebit_lamb_step(ds_onebit *b, int g, const ds_optim_hparams *h) {
     return rc;
 }
 
+bool ds_onebit_reduces(ds_onebit *b) {
+    resync(b);     /* a failure is the step's to report */
+    return b->reduce_next;
+}
+
 int ds_onebit_step(ds_onebit *b, const ds_optim_hparams *h) {
+    if (resync(b)) return -1;
     int64_t t = b->steps + 1;
     bool full = b->reduce_next;
     b->stats.bytes = 0;
@@ -462,5 +493,9 @@ int ds_onebit_step(ds_onebit *b, const ds_optim_hparams *h) {
         b->reduce_next = t < b->c.freeze_step;
         return 0;
     }
-    return zero_one_advance(b, t);
+    zero_one_schedule(b, t);
+    /* the errors held gradients so far; from here they hold updates */
+    if (!b->var_frozen || b->errors_reset) return 0;
+    b->errors_reset = true;
+    return zero_errors(b);
 }

@@ -63,8 +63,11 @@ ds_onebit *ds_onebit_new(const ds_onebit_config *c, ds_optim *o);
 void ds_onebit_free(ds_onebit *b);
 
 /* Does the next step take all-reduced gradients? (false: backward leaves
- * this rank's own.) */
-bool ds_onebit_reduces(const ds_onebit *b);
+ * this rank's own.) After a checkpoint load (the optimizer's step count
+ * changed) b first takes up the schedule at that step, its errors zeroed
+ * as DeepSpeed's load does; OnebitLamb resumes from step 0 only (its
+ * averaged trust ratios are not in the checkpoint: the step says so). */
+bool ds_onebit_reduces(ds_onebit *b);
 
 /* One step over every group, h one per group, after the gradients are
  * clipped: the AdamW's own step when they were reduced, else the
