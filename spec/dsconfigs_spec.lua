@@ -17,6 +17,12 @@ local CASES = {
     "warning: spec/dsconfigs/unknown_top.json: launcher_extras: unknown key, ignored (as DeepSpeed ignores it); "
     .. "the nearest known key is 'scheduler'" } },
   { 'typo_top', 1, false, { "gradient_clippin: unknown key, did you mean 'gradient_clipping'?" } },
+  -- blocks DeepSpeed reads key by key, as the top level
+  { 'lenient_blocks', 1, true, {
+    'warning: spec/dsconfigs/lenient_blocks.json: activation_checkpointing.cpu_offload_hint: unknown key, ignored',
+    'warning: spec/dsconfigs/lenient_blocks.json: flops_profiler.output_format: unknown key, ignored',
+    'warning: spec/dsconfigs/lenient_blocks.json: checkpoint.async_save: unknown key, ignored' } },
+  { 'lenient_typo', 1, false, { "flops_profiler.profile_stepp: unknown key, did you mean 'profile_step'?" } },
   { 'strict_block', 1, false, { 'bf16.loss_scale: unknown key (expected one of: bf16_master_weights_and_grads,' } },
   { 'hf_auto', 2, true, {
     'train_batch_size: "auto" resolved to 8 (train_batch_size = train_micro_batch_size_per_gpu * '

@@ -270,7 +270,7 @@ check_block = function(ctx, path, v, schema)
       for n in pairs(fields) do names[#names + 1] = n end
       for a in pairs(aliases) do names[#names + 1] = a end
       if schema.lenient and not suggest.nearest(key, names) then
-        -- DeepSpeed reads the top level key by key and never sees the rest
+        -- DeepSpeed reads such a block key by key and never sees the rest
         note(ctx, kp, string.format("unknown key, ignored (as DeepSpeed ignores it); the nearest known key is '%s'",
                                     suggest.closest(key, names)), 'warning')
       else
@@ -831,7 +831,10 @@ local function has_effect_note(what)
   end
 end
 
-local CHECKPOINT = { fields = {
+-- DeepSpeed reads the checkpoint, activation_checkpointing and
+-- flops_profiler blocks key by key (get_scalar_param): an unknown key is a
+-- warning there, as at the top level.
+local CHECKPOINT = { lenient = true, fields = {
   tag_validation = field('custom', nil, { check = check_tag_validation, fill = true }),
   load_universal = field('custom', false, { check = has_effect_note(
     "dslua's checkpoints load on any world size and ZeRO stage already; nothing changes") }),
@@ -847,7 +850,7 @@ local CHECKPOINT = { fields = {
 -- runtime/activation_checkpointing/config.py: the block configures
 -- ds.checkpointing; checkpointing itself is what the model asks for.
 local ACT_CKPT_NOTE = 'dslua keeps a checkpointed block\'s inputs where they are (no model parallelism to partition over)'
-local ACT_CKPT = { fields = {
+local ACT_CKPT = { lenient = true, fields = {
   partition_activations = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
   contiguous_memory_optimization = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
   cpu_checkpointing = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
@@ -874,7 +877,7 @@ local COMET = { fields = {
 } }
 
 -- profiling/config.py (DeepSpeedFlopsProfilerConfig); dslua/flops.lua runs it.
-local FLOPS_PROFILER = { fields = {
+local FLOPS_PROFILER = { lenient = true, fields = {
   enabled = bool(false), recompute_fwd_factor = num(0.0, 0), profile_step = int(1, 1),
   module_depth = int(-1, -1), top_modules = int(1, 1), detailed = bool(true),
   output_file = str({ nullable = true }),
