@@ -18,6 +18,7 @@
  *   z:pre_forward(id)  z:post_forward(id)  z:gather_all()  z:release_all()
  *   z:shard(i)  z:persistent(i)  z:close()
  *   z:offload_params(file | nil)  stage 3's shards into host memory, or the file
+ *   z:take_local_grads()       masters at stage 0: this rank's unreduced gradients into the masters'
  *
  *   _zero.set_fetch(fn)        fn(t) must make a released tensor whole; it is
  *                              called when an op or a backward node reads one
@@ -416,6 +417,11 @@ static int l_offload_params(lua_State *L) {
     return 0;
 }
 
+static int l_take_local_grads(lua_State *L) {
+    if (ds_zero_take_local_grads(check_engine(L))) return dsL_error(L);
+    return 0;
+}
+
 static int l_close(lua_State *L) {
     ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
     ds_zero_free(*z);
@@ -429,7 +435,8 @@ static const luaL_Reg engine_methods[] = {
     {"buckets", l_buckets}, {"bucket", l_bucket}, {"add_module", l_add_module}, {"pre_forward", l_pre_forward},
     {"post_forward", l_post_forward}, {"gather_all", l_gather_all}, {"release_all", l_release_all},
     {"shard", l_shard}, {"persistent", l_persistent}, {"set_logging", l_set_logging},
-    {"comm_records", l_comm_records}, {"offload_params", l_offload_params}, {"close", l_close},
+    {"comm_records", l_comm_records}, {"offload_params", l_offload_params},
+    {"take_local_grads", l_take_local_grads}, {"close", l_close},
     {NULL, NULL}
 };
 

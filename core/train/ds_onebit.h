@@ -1,5 +1,7 @@
-/* DeepSpeed's 1-bit optimizers on the step engine (plain data parallel,
- * fp32): OnebitAdam, ZeroOneAdam and OnebitLamb
+/* DeepSpeed's 1-bit optimizers on the step engine (ZeRO stage 0: plain
+ * data parallel in fp32, or fp32 masters under bf16 and fp16, whose
+ * compressed steps take this rank's gradients through
+ * ds_zero_take_local_grads): OnebitAdam, ZeroOneAdam and OnebitLamb
  * (deepspeed/runtime/fp16/onebit/adam.py, zoadam.py, lamb.py), over an
  * AdamW (a Lamb for OnebitLamb) without bias correction (ds_optim.h) whose
  * flat moments they share.

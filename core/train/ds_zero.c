@@ -584,7 +584,7 @@ static int sum_over_ranks(double *values, int n, void *ud) {
 }
 
 int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud) {
-    if (z->c.masters) return ds_fail(DS_ERR_STATE, "step engine: a step function replaces a flat optimizer only"), -1;
+    if (z->c.stage != 0) return ds_fail(DS_ERR_STATE, "step engine: a step function replaces the optimizer at stage 0 only"), -1;
     z->step_fn = fn;
     z->step_ud = ud;
     return 0;

@@ -97,12 +97,16 @@ typedef struct {
     double grad_norm;     /* of the averaged, unscaled gradients (NAN when skipped) */
 } ds_zero_result;
 
-/* flat: fn steps instead of the optimizer (ds_optim_step over each group)
- * at every ds_zero_step, once the gradients are clipped; h: one per group.
- * NULL: the optimizer's own step again. The 1-bit optimizers step this way
- * (ds_onebit.h). 0, or -1 with masters. */
+/* Stage 0: fn steps instead of the optimizer (ds_optim_step over each
+ * group) at every ds_zero_step, once the gradients are unscaled and
+ * clipped; h: one per group. NULL: the optimizer's own step again. The
+ * 1-bit optimizers step this way (ds_onebit.h). 0, or -1 past stage 0. */
 typedef int (*ds_zero_step_fn)(void *ud, const ds_optim_hparams *h);
 int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud);
+/* masters at stage 0, before a step whose backward did not reduce: this
+ * rank's own gradients (left in the parameters) into the master gradients,
+ * an overflow on any rank made every rank's (ds_zero_local.c). */
+int ds_zero_take_local_grads(ds_zero *z);
 
 /* The step of an accumulation boundary. h: the optimizer's hyperparameters,
  * one per group (read by the caller at this step). loss_scale: what the
