@@ -1074,10 +1074,10 @@ local function cross_checks(ctx, cfg)
     problem(ctx, 'fp16.enabled', 'bfloat16 and fp16 modes cannot be simultaneously enabled')
   end
   local stage = cfg.zero_optimization.stage
-  if ctx.onebit and (stage > 0 or cfg.fp16.enabled or cfg.bf16.enabled) then
-    problem(ctx, 'optimizer.type', string.format('%s runs in fp32 at ZeRO stage 0 in dslua (its compressed '
-            .. 'all-reduce is not on the mixed precision and ZeRO step yet): drop %s, or use Adam with it', ctx.onebit,
-            stage > 0 and 'zero_optimization.stage' or cfg.fp16.enabled and 'fp16' or 'bf16'))
+  if ctx.onebit and stage > 0 then
+    problem(ctx, 'optimizer.type', string.format('%s runs at ZeRO stage 0 (its compressed all-reduce takes '
+            .. 'whole momenta, which ZeRO partitions): drop zero_optimization.stage, or use %s with it', ctx.onebit,
+            ctx.onebit == 'OneBitLamb' and 'Lamb' or 'Adam'))
   end
   if cfg.zero_optimization.offload_optimizer.device == 'nvme' and cfg.optimizer
      and type(cfg.optimizer.type) == 'string' and cfg.optimizer.type:lower() == 'lamb' then

@@ -222,6 +222,10 @@ function M.initialize(opts)
     self:_setup_steps()
   end
   if cfg.comms_logger.enabled then (zero and zero.engine or self.steps):set_logging(true) end
+  -- the 1-bit optimizers step through the step engine (stage 0), and say when backward reduces
+  if optimizer.onebit then
+    self.onebit = require('dslua.core')._onebit.new(zero and zero.engine or self.steps, optimizer, optimizer.onebit)
+  end
 
   -- the engine's loader hands out batches on the device; on a GPU two
   -- threads gather them into page-locked memory and each batch goes up
@@ -275,10 +279,6 @@ function Engine:_setup_steps()
     masters = false, optimizer = self.optimizer, groups = lists,
     prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
   }))
-  -- OneBitAdam, ZeroOneAdam: they step, and say when backward reduces
-  if self.optimizer.onebit then
-    self.onebit = require('dslua.core')._onebit.new(self.steps, self.optimizer, self.optimizer.onebit)
-  end
 end
 
 -- The end of training: prints the comms logger's summary (DeepSpeed's
@@ -452,10 +452,13 @@ end
 -- One backward through the step engine (loss nil: none, for a rank that
 -- has run out of data); at the boundary the gradients are reduced.
 function Engine:_backward(loss, boundary)
+  -- a 1-bit optimizer's compressed steps take this rank's own gradients
+  local reduce = boundary and (not self.onebit or self.onebit:reduces())
+  self.onebit_local = boundary and not reduce
   if self.zero then
-    self.zero:backward(loss, boundary)
+    self.zero:backward(loss, reduce)
   else
-    self.steps:backward(loss, boundary and self.world_size > 1 and (not self.onebit or self.onebit:reduces()))
+    self.steps:backward(loss, reduce and self.world_size > 1)
   end
 end
 
@@ -601,6 +604,7 @@ function Engine:_take_step()
   local scaler = self.scaler
   local overflow, norm
   if self.zero then
+    if self.onebit_local then self.zero.engine:take_local_grads() end
     overflow, norm = self.zero:step(scaler and scaler.cur_scale or 1, clip, scaler ~= nil)
   else
     overflow, norm = self.steps:step(self.optimizer.param_groups, 1, clip, false)
