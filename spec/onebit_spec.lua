@@ -124,6 +124,15 @@ describe('1-bit optimizers', function()
     end
   end)
 
+  it('skip an fp16 step on every rank when one rank\'s own gradients overflow', function()
+    local t = run(2, 'overflow.lua', '')
+    for step = 1, 8 do
+      local s = t.steps[step]
+      assert.are.equal(step >= 3, s.compressed, 'step ' .. step)
+      for r = 1, 2 do assert.are.equal(step == 6, s.skipped[r], 'step ' .. step .. ' rank ' .. (r - 1)) end
+    end
+  end)
+
   it('resume from a checkpoint where they left off (OneBitLamb from step 0 only)', function()
     local dir = H.tmpdir()
     local a = run(2, 'resume.lua', 'OneBitAdam ' .. dir .. '/a 20 30 freeze_step=10')
