@@ -550,7 +550,7 @@ local OPTIMIZERS = {
     lr = lr, betas = betas, weight_decay = wd, set_grad_none = bool(),
   } } },
 }
--- deepspeed/runtime/fp16/onebit: adam.py OnebitAdam, zoadam.py ZeroOneAdam
+-- deepspeed/runtime/fp16/onebit: adam.py OnebitAdam, zoadam.py ZeroOneAdam, lamb.py OnebitLamb
 local ONEBIT_COMMON = { lr = lr, betas = betas, eps = eps, weight_decay = wd, bias_correction = bool(),
                         eps_inside_sqrt = bool(), amsgrad = bool(), cuda_aware = bool(),
                         comm_backend_name = enum(nil, { 'nccl', 'mpi', 'hccl', 'compressed' }) }
