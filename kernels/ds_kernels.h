@@ -183,6 +183,15 @@ typedef struct {
     int eps_inside_sqrt;
 } ds_lamb_params;
 typedef struct { double lr, beta1, beta2, decay; } ds_lion_params;   /* decay: 1 - lr wd */
+/* The 1-bit optimizers' pointwise steps (core/train/ds_onebit.h; the
+ * per-element math is ds_onebit_elem in ds_optim.h). */
+typedef enum {
+    DS_ONEBIT_MOMENTUM,   /* m = beta1 m + (1 - beta1) g */
+    DS_ONEBIT_APPLY,      /* u = m / (sqrt v + eps) + wd p; p -= lr u; acc -= lr u when acc is given */
+    DS_ONEBIT_UNDO,       /* 0/1 Adam's sync, before: p -= acc; acc *= sqrt v + eps */
+    DS_ONEBIT_REDO,       /* and after: m = -acc / lrs; p += acc / (sqrt v + eps); acc = 0 */
+} ds_onebit_op;
+typedef struct { double beta1, eps, lr, weight_decay, lrs; } ds_onebit_params;
 
 typedef struct ds_kernels_optim {
     /* buf.data is NULL when momentum is 0; first starts the buffer */
@@ -201,6 +210,16 @@ typedef struct ds_kernels_optim {
     int (*lamb_apply)(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg, int nseg, const double *coeff,
                       const ds_lamb_params *h);
     int (*lion)(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h);
+    /* 1-bit compression: bits (u8, x's length / 8; the length a multiple
+     * of 8) get x's signs, element i in bit i % 8 of byte i / 8, set when
+     * x >= 0 (as torch's sign() + 1 is true), and err = x - scale sign(x).
+     * unpack: out = scale sign(bits), added to out when accumulate. */
+    int (*onebit_pack)(ds_kview x, ds_kview err, ds_kview bits, double scale);
+    int (*onebit_unpack)(ds_kview out, ds_kview bits, double scale, int accumulate);
+    /* p, g, m, v, acc of one length; g and acc have NULL data where op
+     * does not read them */
+    int (*onebit_update)(ds_onebit_op op, ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview acc,
+                         const ds_onebit_params *h);
 } ds_kernels_optim;
 
 typedef struct ds_kernels {

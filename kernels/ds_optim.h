@@ -98,4 +98,55 @@ DS_HOSTDEV void ds_lion_elem(float *p, float *m, float g, float lr, float beta1,
     *m = beta2 * *m + (1.0f - beta2) * g;
 }
 
+/* The 1-bit kernels' buffers (host side): x and err (absent: NULL data)
+ * contiguous f32 of one length, a multiple of 8; bits contiguous u8 of an
+ * eighth of it. */
+static inline int ds_onebit_check(const char *op, ds_kview x, ds_kview err, ds_kview bits) {
+    int64_t n = ds_kview_numel(&x);
+    if (x.dtype != DS_F32 || !ds_kview_is_contiguous(&x) || n % 8 != 0)
+        return ds_kernel_fail("%s: x must be contiguous f32 of a multiple of 8 elements (%lld)", op, (long long)n);
+    if (err.data && (err.dtype != DS_F32 || !ds_kview_is_contiguous(&err) || ds_kview_numel(&err) != n))
+        return ds_kernel_fail("%s: err must be contiguous f32 of %lld elements", op, (long long)n);
+    if (bits.dtype != DS_U8 || !ds_kview_is_contiguous(&bits) || ds_kview_numel(&bits) != n / 8)
+        return ds_kernel_fail("%s: bits must be contiguous u8 of %lld bytes", op, (long long)(n / 8));
+    return 0;
+}
+
+/* 1-bit compression of 8 elements into one byte: bit k set when x[k] >= 0
+ * (NaN and -0 count as positive, as torch's sign() + 1 cast to bool), and
+ * err[k] = what scale times the sign misses. */
+DS_HOSTDEV uint8_t ds_onebit_pack8(const float *x, float *err, float scale) {
+    uint8_t b = 0;
+    for (int k = 0; k < 8; k++) {
+        int pos = !(x[k] < 0.0f);
+        b = (uint8_t)(b | (pos << k));
+        err[k] = x[k] - (pos ? scale : -scale);
+    }
+    return b;
+}
+
+DS_HOSTDEV float ds_onebit_unpack1(uint8_t byte, int k, float scale) { return (byte >> k) & 1 ? scale : -scale; }
+
+/* The pointwise steps of DeepSpeed's OnebitAdam and ZeroOneAdam
+ * (ds_onebit_op says what each does). g and acc may be NULL where op does
+ * not read them. */
+DS_HOSTDEV void ds_onebit_elem(int op, float *p, const float *g, float *m, const float *v, float *acc, float beta1,
+                               float eps, float lr, float wd, float lrs) {
+    float d = sqrtf(*v) + eps;
+    if (op == DS_ONEBIT_MOMENTUM) {
+        *m = beta1 * *m + (1.0f - beta1) * *g;
+    } else if (op == DS_ONEBIT_APPLY) {
+        float u = *m / d + wd * *p;
+        *p -= lr * u;
+        if (acc) *acc -= lr * u;
+    } else if (op == DS_ONEBIT_UNDO) {
+        *p -= *acc;
+        *acc *= d;
+    } else {
+        *m = -*acc / lrs;
+        *p += *acc / d;
+        *acc = 0.0f;
+    }
+}
+
 #endif

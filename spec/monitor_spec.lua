@@ -213,7 +213,7 @@ e:destroy()
     end
   end)
 
-  it('refuses bad output paths at initialize, naming the key and the path', function()
+  it('refuses bad output paths at initialize and under --check-config, naming the key and the path', function()
     local dir = H.tmpdir()
     local file = H.write(dir .. '/plain', 'x')
     local base = { train_batch_size = 2, optimizer = { type = 'SGD', params = { lr = 0.1 } } }
@@ -224,9 +224,15 @@ e:destroy()
       return ds.initialize { model = ds.nn.Linear(2, 1), config = cfg }
     end
     local e = H.err(init, { csv_monitor = { enabled = true, output_path = file, job_name = 'j' } })
-    H.has(e, 'initialize: csv_monitor.output_path: cannot create "' .. file .. '/j"')
+    H.has(e, 'config: csv_monitor.output_path: cannot create "' .. file .. '/j": ' .. file
+             .. ' is not a directory this process can write')
     e = H.err(init, { tensorboard = { enabled = true, output_path = file .. '/x' } })
-    H.has(e, 'initialize: tensorboard.output_path: cannot create "' .. file .. '/x/DeepSpeedJobName"')
+    H.has(e, 'config: tensorboard.output_path: cannot create "' .. file .. '/x/DeepSpeedJobName"')
+    local json = H.write(dir .. '/ds.json', ds.json.encode({ train_batch_size = 2, csv_monitor = {
+      enabled = true, output_path = file, job_name = 'j' } }))
+    local out, status = H.run(H.bin() .. ' --check-config ' .. json)
+    assert.are.equal(1, status)
+    H.has(out, json .. ': csv_monitor.output_path: cannot create "' .. file .. '/j"')
     H.has(H.err(init, { tensorboard = { enabled = true, outputpath = dir } }),
           "tensorboard.outputpath: unknown key, did you mean 'output_path'")
     H.has(H.err(init, { csv_monitor = { enabled = true, output_path = 3 } }),

@@ -120,6 +120,12 @@ describe('ZeRO and mixed precision', function()
       end
       same(r.z2_nvme, r.z2, SAME_RTOL, 'nvme')
       assert.is_true(weight_err(r.z2_nvme.weights, r.z2.weights) <= SAME_RTOL)
+      -- offload_param: the shards in host memory or a file, fetched for each module
+      for _, name in ipairs({ 'z3_param_cpu', 'z3_param_nvme' }) do
+        same(r[name], r.z3, SAME_RTOL, name)
+        assert.is_true(weight_err(r[name].weights, r.z3.weights) <= SAME_RTOL, name)
+        assert.is_truthy(r[name].zero_lines[1]:find('parameter offload ' .. name:match('_(%a+)$'), 1, true))
+      end
       for _, name in ipairs({ 'z0', 'z1', 'z2', 'z0_bf16', 'z1_bf16', 'z2_bf16', 'z1_gas2_clip', 'z2_nvme' }) do
         assert.are.equal(0, r[name].rank_diff, name .. ': every rank holds rank 0\'s weights')
       end
@@ -172,6 +178,9 @@ describe('ZeRO and mixed precision', function()
         -- nvme: the state lives in files; memory holds the piece buffers
         assert.is_true(r.z2_nvme.memory[rank].optimizer_state < b.optimizer_state)
         assert.are.equal(0, r.z2_nvme.memory[rank].master_weights)
+        -- offload_param nvme: no shard stays in memory between steps
+        assert.are.equal(0, r.z3_param_nvme.memory[rank].parameters)
+        assert.are.equal(r.z3.memory[rank].parameters, r.z3_param_cpu.memory[rank].parameters)
       end
     end)
   end

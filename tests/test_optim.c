@@ -401,6 +401,35 @@ static void test_lamb_errors(void) {
     ds_tensor_release(q);
 }
 
+/* The 1-bit kernels: signs packed 8 to a byte (0 and -0 positive), the
+ * error what scale times the sign misses, and unpacking gives scale times
+ * the signs back (accumulated when asked). */
+static void test_onebit_kernels(void) {
+    const ds_kernels_optim *k = ds_cpu_kernels.optim;
+    float xs[16] = { 1, -2, 0, -0.0f, 3, -1, 0.5f, -0.5f, -4, 4, -3, 3, 2, -2, 1, -1 };
+    int64_t n = 16, nb = 2;
+    ds_tensor *x = ds_tensor_new(1, &n, DS_F32, DS_CPU_DEVICE), *err = ds_tensor_full(1, &n, DS_F32, DS_CPU_DEVICE, 0);
+    ds_tensor *bits = ds_tensor_new(1, &nb, DS_U8, DS_CPU_DEVICE), *out = ds_tensor_full(1, &n, DS_F32, DS_CPU_DEVICE, 1);
+    for (int i = 0; i < 16; i++) ds_tensor_set(x, i, xs[i]);
+    check(k->onebit_pack(ds_tensor_kview(x), ds_tensor_kview(err), ds_tensor_kview(bits), 2) == 0, "onebit_pack");
+    const uint8_t *b = ds_tensor_data(bits);
+    check(b[0] == 0x5d && b[1] == 0x5a, "onebit_pack: bytes %02x %02x, expected 5d 5a", b[0], b[1]);
+    for (int i = 0; i < 16; i++) {
+        double sign = xs[i] < 0 ? -1 : 1;
+        check(ds_tensor_get(err, i) == xs[i] - 2 * sign, "onebit_pack: err[%d] = %g", i, ds_tensor_get(err, i));
+    }
+    check(k->onebit_unpack(ds_tensor_kview(out), ds_tensor_kview(bits), 0.5, 1) == 0, "onebit_unpack");
+    for (int i = 0; i < 16; i++)
+        check(ds_tensor_get(out, i) == 1 + (xs[i] < 0 ? -0.5 : 0.5), "onebit_unpack: out[%d] = %g", i,
+              ds_tensor_get(out, i));
+    int64_t seven = 7;
+    ds_tensor *odd = ds_tensor_full(1, &seven, DS_F32, DS_CPU_DEVICE, 0);
+    check(k->onebit_pack(ds_tensor_kview(odd), ds_tensor_kview(odd), ds_tensor_kview(bits), 1) != 0 &&
+          strstr(ds_kernel_error(), "multiple of 8"), "onebit_pack: 7 elements refused");
+    ds_tensor *all[] = { x, err, bits, out, odd };
+    for (int i = 0; i < 5; i++) ds_tensor_release(all[i]);
+}
+
 int main(void) {
     test_reseat();
     test_adam_step();
@@ -411,5 +440,6 @@ int main(void) {
         for (int padded = 0; padded <= 1; padded++)
             for (int clipped = 0; clipped <= 1; clipped++) test_lamb_partitioned(P, padded, clipped);
     test_lamb_errors();
+    test_onebit_kernels();
     return check_summary("test_optim");
 }

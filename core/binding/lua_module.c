@@ -65,6 +65,7 @@ int luaopen_dslua_core(lua_State *L) {
     dsL_open_aio(L);
     dsL_open_ckpt(L);
     dsL_open_zero(L);
+    dsL_open_onebit(L);
     dsL_open_cuda(L);
     dsL_open_reload(L);
     dsL_open_attach(L);

@@ -75,6 +75,9 @@ void dsL_open_comm(lua_State *L);
 void dsL_open_aio(lua_State *L);
 void dsL_open_ckpt(lua_State *L);
 void dsL_open_zero(lua_State *L);
+/* The step engine (ds_zero.h) of the handle at idx; raises if closed. */
+struct ds_zero *dsL_checkzero(lua_State *L, int idx);
+void dsL_open_onebit(lua_State *L);
 void dsL_open_cuda(lua_State *L);
 void dsL_open_reload(lua_State *L);
 void dsL_open_attach(lua_State *L);

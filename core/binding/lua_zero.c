@@ -21,6 +21,8 @@
  *   z:pre_forward(id)  z:post_forward(id)  z:gather_all()  z:release_all()
  *   z:shard(i)  z:persistent(i)  z:close()
  *   z:exclude_from_norm(param)  (a tied weight a pipeline's earlier stage counts)
+ *   z:offload_params(file | nil)  stage 3's shards into host memory, or the file
+ *   z:take_local_grads()       masters at stage 0: this rank's unreduced gradients into the masters'
  *
  *   _zero.set_fetch(fn)        fn(t) must make a released tensor whole; it is
  *                              called when an op or a backward node reads one
@@ -131,11 +133,13 @@ static int l_key(lua_State *L) {
 
 /* ---------------------------------------------------------------- the engine */
 
-static ds_zero *check_engine(lua_State *L) {
-    ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
+ds_zero *dsL_checkzero(lua_State *L, int idx) {
+    ds_zero **z = luaL_checkudata(L, idx, DSL_ZERO_MT);
     if (!*z) luaL_error(L, "step engine: used after close()");
     return *z;
 }
+
+static ds_zero *check_engine(lua_State *L) { return dsL_checkzero(L, 1); }
 
 static double opt_number(lua_State *L, int t, const char *key, double def) {
     lua_getfield(L, t, key);
@@ -417,6 +421,16 @@ static int l_persistent(lua_State *L) {
     return 1;
 }
 
+static int l_offload_params(lua_State *L) {
+    if (ds_zero_offload_params(check_engine(L), luaL_optstring(L, 2, NULL))) return dsL_error(L);
+    return 0;
+}
+
+static int l_take_local_grads(lua_State *L) {
+    if (ds_zero_take_local_grads(check_engine(L))) return dsL_error(L);
+    return 0;
+}
+
 static int l_close(lua_State *L) {
     ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
     ds_zero_free(*z);
@@ -436,7 +450,8 @@ static const luaL_Reg engine_methods[] = {
     {"buckets", l_buckets}, {"bucket", l_bucket}, {"add_module", l_add_module}, {"pre_forward", l_pre_forward},
     {"post_forward", l_post_forward}, {"gather_all", l_gather_all}, {"release_all", l_release_all},
     {"shard", l_shard}, {"persistent", l_persistent}, {"set_logging", l_set_logging},
-    {"comm_records", l_comm_records}, {"close", l_close},
+    {"comm_records", l_comm_records}, {"offload_params", l_offload_params},
+    {"take_local_grads", l_take_local_grads}, {"close", l_close},
     {NULL, NULL}
 };
 

@@ -635,7 +635,15 @@ static int sum_over_ranks(double *values, int n, void *ud) {
     return rc;
 }
 
+int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud) {
+    if (z->c.stage != 0) return ds_fail(DS_ERR_STATE, "step engine: a step function replaces the optimizer at stage 0 only"), -1;
+    z->step_fn = fn;
+    z->step_ud = ud;
+    return 0;
+}
+
 static int optimizer_step(ds_zero *z, const ds_optim_hparams *h) {
+    if (z->step_fn) return z->step_fn(z->step_ud, h);
     for (int g = 0; g < z->optim->n_groups; g++) {
         if (ds_optim_check_hparams(z->optim->kind, &h[g], g)) return -1;
         bool shared = z->parts > 1 && z->world > 1;
@@ -682,7 +690,7 @@ static int refresh(ds_zero *z, ds_tensor *const *masters) {
         bool whole = false;
         for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
             zparam *q = &z->p[i];
-            if (q->own) rc = ds_zero_copy_elements(q->own, 0, masters[b->group], q->offset, q->shard);
+            if (q->own) rc = ds_zero_store_shard(z, q, masters[b->group], q->offset);
             else whole = true;
         }
         if (rc || !whole) continue;

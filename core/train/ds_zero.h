@@ -101,6 +101,17 @@ typedef struct {
     double grad_norm;     /* of the averaged, unscaled gradients (NAN when skipped) */
 } ds_zero_result;
 
+/* Stage 0: fn steps instead of the optimizer (ds_optim_step over each
+ * group) at every ds_zero_step, once the gradients are unscaled and
+ * clipped; h: one per group. NULL: the optimizer's own step again. The
+ * 1-bit optimizers step this way (ds_onebit.h). 0, or -1 past stage 0. */
+typedef int (*ds_zero_step_fn)(void *ud, const ds_optim_hparams *h);
+int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud);
+/* masters at stage 0, before a step whose backward did not reduce: this
+ * rank's own gradients (left in the parameters) into the master gradients,
+ * an overflow on any rank made every rank's (ds_zero_local.c). */
+int ds_zero_take_local_grads(ds_zero *z);
+
 /* The step of an accumulation boundary. h: the optimizer's hyperparameters,
  * one per group (read by the caller at this step). loss_scale: what the
  * loss was multiplied by (1 without fp16); clip: gradient_clipping (0:
@@ -160,6 +171,11 @@ int ds_zero_post_forward(ds_zero *z, int module);
 /* Every parameter whole (every rank calls it), and released again. */
 int ds_zero_gather_all(ds_zero *z);
 int ds_zero_release_all(ds_zero *z);
+/* Stage 3's offload_param: each rank's shards leave the device, into host
+ * memory (page-locked when the device is a GPU; file NULL) or into file
+ * (nvme: written back to back, read for each gather, rewritten at each
+ * step's refresh). 0, or -1 with the error naming the file. */
+int ds_zero_offload_params(ds_zero *z, const char *file);
 /* Does parameter i stay whole (small)? Its shard size in elements. */
 bool ds_zero_persistent(const ds_zero *z, int i);
 int64_t ds_zero_shard(const ds_zero *z, int i);

@@ -5,7 +5,71 @@
 #include "ds_error.h"
 #include "ds_ops.h"
 
+#include <stdio.h>
 #include <stdlib.h>
+
+/* offload_param nvme: q's shard between the file and a host buffer */
+static int shard_io(ds_zero *z, zparam *q, ds_tensor *host, bool write) {
+    ds_aio_req *r = write ? ds_aio_write(z->param_file, host, q->home) : ds_aio_read(z->param_file, host, q->home);
+    int rc = r ? ds_aio_wait(r) : -1;
+    ds_aio_req_free(r);
+    return rc;
+}
+
+static ds_tensor *host_shard(ds_zero *z, zparam *q) {
+    return ds_tensor_new_staging(1, &q->shard, z->dtype, ds_tensor_device(q->param));
+}
+
+/* q's shard into dst's elements from at, from wherever it lives. */
+static int load_shard(ds_zero *z, zparam *q, ds_tensor *dst, int64_t at) {
+    if (!z->param_file) return ds_zero_copy_elements(dst, at, q->own, 0, q->shard);
+    ds_tensor *host = host_shard(z, q);
+    int rc = host && shard_io(z, q, host, false) == 0 ? ds_zero_copy_elements(dst, at, host, 0, q->shard) : -1;
+    ds_tensor_release(host);
+    return rc;
+}
+
+int ds_zero_store_shard(ds_zero *z, zparam *q, ds_tensor *src, int64_t at) {
+    if (!z->param_file) return ds_zero_copy_elements(q->own, 0, src, at, q->shard);
+    ds_tensor *host = host_shard(z, q);
+    int rc = host && ds_zero_copy_elements(host, 0, src, at, q->shard) == 0 ? shard_io(z, q, host, true) : -1;
+    ds_tensor_release(host);
+    return rc;
+}
+
+int ds_zero_offload_params(ds_zero *z, const char *file) {
+    if (z->c.stage != 3) return ds_fail(DS_ERR_STATE, "step engine: offload_param is for stage 3"), -1;
+    if (z->param_file) return ds_fail(DS_ERR_STATE, "step engine: the parameters are offloaded already"), -1;
+    int64_t bytes = 0;
+    for (int i = 0; i < z->n; i++) {
+        zparam *q = &z->p[i];
+        if (!q->own) continue;
+        q->home = bytes;
+        bytes += q->shard * (int64_t)ds_dtype_size(z->dtype);
+    }
+    if (file && !(z->param_file = ds_aio_open(file, bytes > 0 ? bytes : 1))) return -1;
+    bool prev = ds_set_grad_enabled(false);
+    int rc = 0;
+    for (int i = 0; i < z->n && rc == 0; i++) {
+        zparam *q = &z->p[i];
+        if (!q->own) continue;
+        ds_tensor *host = host_shard(z, q);
+        rc = host && ds_zero_copy_elements(host, 0, q->own, 0, q->shard) == 0 ? 0 : -1;
+        if (rc == 0 && file) {
+            /* the file holds it; own keeps its shape, without data */
+            rc = shard_io(z, q, host, true);
+            if (rc == 0) rc = ds_tensor_release_data(q->own);
+        } else if (rc == 0) {
+            ds_tensor_set_category(host, DS_MEM_PARAM);
+            ds_tensor_release(q->own);
+            q->own = host;
+            host = NULL;
+        }
+        ds_tensor_release(host);
+    }
+    ds_set_grad_enabled(prev);
+    return rc;
+}
 
 static bool waiting(const zparam *q) { return q->own && ds_tensor_is_released(q->param) && !q->in_flight; }
 
@@ -24,7 +88,7 @@ static zgather *start_gather(ds_zero *z, int n, const int *list) {
     for (int k = 0, at = 0; k < n && rc == 0; k++) {
         zparam *q = &z->p[list[k]];
         g->params[k] = list[k];
-        rc = ds_zero_copy_elements(g->send, at, q->own, 0, q->shard);
+        rc = load_shard(z, q, g->send, at);
         at += (int)q->shard;
     }
     g->started = ds_zero_now();
@@ -274,6 +338,15 @@ void ds_zero_free_stage3(ds_zero *z) {
         }
         ds_tensor_release(z->p[i].own);
         z->p[i].own = NULL;
+    }
+    if (z->param_file) {
+        /* the shards were this job's alone */
+        const char *path = ds_aio_path(z->param_file);
+        char copy[4096];
+        snprintf(copy, sizeof copy, "%s", path);
+        ds_aio_close(z->param_file);
+        remove(copy);
+        z->param_file = NULL;
     }
     for (int m = 0; m < z->n_modules; m++) free(z->modules[m].params);
     free(z->modules);

@@ -4,6 +4,7 @@
 #define DS_ZERO_IMPL_H
 
 #include "ds_zero.h"
+#include "ds_aio.h"
 #include "ds_comm.h"
 
 typedef struct zgather zgather;
@@ -20,7 +21,9 @@ typedef struct {
     bool no_norm;           /* left out of the norm (ds_zero_exclude_from_norm) */
     ds_tensor *view;        /* flat: where its gradient lives */
     /* stage 3 */
-    ds_tensor *own;         /* this rank's shard (model dtype); NULL when persistent */
+    ds_tensor *own;         /* this rank's shard (model dtype); NULL when persistent; a released
+                               placeholder when the shard lives in param_file */
+    int64_t home;           /* its byte offset in param_file */
     int owner;              /* the module that gathers it, -1 none */
     zgather *in_flight;
 } zparam;
@@ -64,6 +67,8 @@ struct ds_zero {
     int nb;
     zbucket *b;
     ds_optim *optim;
+    ds_zero_step_fn step_fn;        /* flat: steps instead of optim (ds_zero_set_step_fn) */
+    void *step_ud;
     ds_tensor **masters, **master_grads;   /* masters mode, per group */
     /* masters mode, nothing partitioned: each group's parameters back to
      * back in the model's dtype (NULL where a parameter could not move in),
@@ -89,6 +94,7 @@ struct ds_zero {
     int *trace, trace_len;
     bool *keep_after_forward;       /* per trace place */
     int64_t live;                   /* gathered elements of partitioned parameters */
+    ds_aio_file *param_file;        /* offload_param nvme: every shard, back to back */
 };
 
 double ds_zero_now(void);
@@ -107,6 +113,8 @@ int ds_zero_param_index(const ds_zero *z, const ds_tensor *t);
 int ds_zero_partition(ds_zero *z);
 int ds_zero_gather_now(ds_zero *z, int n, const int *params);
 void ds_zero_release(ds_zero *z, int i);
+/* q's shard = src's shard elements from at (a step's refresh), wherever it lives. */
+int ds_zero_store_shard(ds_zero *z, zparam *q, ds_tensor *src, int64_t at);
 int ds_zero_finish_recording(ds_zero *z);
 int ds_zero_after_backward(ds_zero *z);
 void ds_zero_free_stage3(ds_zero *z);

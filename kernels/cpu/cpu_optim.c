@@ -190,6 +190,48 @@ static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h)
     return 0;
 }
 
+/* ---- the 1-bit optimizers ---- */
+
+static int cpu_onebit_pack(ds_kview x, ds_kview err, ds_kview bits, double scale) {
+    if (ds_onebit_check("onebit_pack", x, err, bits)) return -1;
+    const float *xs = x.data;
+    float *e = err.data, sc = (float)scale;
+    uint8_t *b = bits.data;
+    int64_t nb = ds_kview_numel(&bits);
+    #pragma omp parallel for schedule(static) if (nb * 8 > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < nb; i++) b[i] = ds_onebit_pack8(xs + 8 * i, e + 8 * i, sc);
+    return 0;
+}
+
+static int cpu_onebit_unpack(ds_kview out, ds_kview bits, double scale, int accumulate) {
+    ds_kview none = { 0 };
+    if (ds_onebit_check("onebit_unpack", out, none, bits)) return -1;
+    float *o = out.data, sc = (float)scale;
+    const uint8_t *b = bits.data;
+    int64_t n = ds_kview_numel(&out);
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) {
+        float s = ds_onebit_unpack1(b[i / 8], (int)(i % 8), sc);
+        o[i] = accumulate ? o[i] + s : s;
+    }
+    return 0;
+}
+
+static int cpu_onebit_update(ds_onebit_op op, ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview acc,
+                             const ds_onebit_params *h) {
+    ds_kview b[5] = { p, m, v, g, acc };
+    if (ds_optim_check_buffers("onebit_update", b, 5)) return -1;
+    float *pp = p.data, *mm = m.data, *aa = acc.data;
+    const float *gg = g.data, *vv = v.data;
+    float b1 = (float)h->beta1, eps = (float)h->eps, lr = (float)h->lr, wd = (float)h->weight_decay,
+          lrs = (float)h->lrs;
+    int64_t n = ds_kview_numel(&p);
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++)
+        ds_onebit_elem(op, &pp[i], gg ? &gg[i] : NULL, &mm[i], &vv[i], aa ? &aa[i] : NULL, b1, eps, lr, wd, lrs);
+    return 0;
+}
+
 const ds_kernels_optim ds_cpu_optim = {
     .sgd = cpu_sgd,
     .adam = cpu_adam,
@@ -197,4 +239,7 @@ const ds_kernels_optim ds_cpu_optim = {
     .lamb_norms = cpu_lamb_norms,
     .lamb_apply = cpu_lamb_apply,
     .lion = cpu_lion,
+    .onebit_pack = cpu_onebit_pack,
+    .onebit_unpack = cpu_onebit_unpack,
+    .onebit_update = cpu_onebit_update,
 };

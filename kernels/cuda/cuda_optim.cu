@@ -275,6 +275,58 @@ static int cuda_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h
     return ds_cuda_launched("lion_kernel");
 }
 
+/* ---- the 1-bit optimizers: one thread per byte of signs, or per element ---- */
+
+static __global__ void onebit_pack_kernel(const float *x, float *err, uint8_t *bits, int64_t nb, float scale) {
+    DS_CUDA_LOOP(i, nb) bits[i] = ds_onebit_pack8(x + 8 * i, err + 8 * i, scale);
+}
+
+static int cuda_onebit_pack(ds_kview x, ds_kview err, ds_kview bits, double scale) {
+    if (ds_onebit_check("onebit_pack", x, err, bits)) return -1;
+    int64_t nb = ds_kview_numel(&bits);
+    if (nb == 0) return 0;
+    onebit_pack_kernel<<<elem_blocks(nb), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+        (const float *)x.data, (float *)err.data, (uint8_t *)bits.data, nb, (float)scale);
+    return ds_cuda_launched("onebit_pack_kernel");
+}
+
+static __global__ void onebit_unpack_kernel(float *out, const uint8_t *bits, int64_t n, float scale, int accumulate) {
+    DS_CUDA_LOOP(i, n) {
+        float s = ds_onebit_unpack1(bits[i / 8], (int)(i % 8), scale);
+        out[i] = accumulate ? out[i] + s : s;
+    }
+}
+
+static int cuda_onebit_unpack(ds_kview out, ds_kview bits, double scale, int accumulate) {
+    ds_kview none;
+    memset(&none, 0, sizeof none);
+    if (ds_onebit_check("onebit_unpack", out, none, bits)) return -1;
+    int64_t n = ds_kview_numel(&out);
+    if (n == 0) return 0;
+    onebit_unpack_kernel<<<elem_blocks(n), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+        (float *)out.data, (const uint8_t *)bits.data, n, (float)scale, accumulate);
+    return ds_cuda_launched("onebit_unpack_kernel");
+}
+
+static __global__ void onebit_update_kernel(int op, float *p, const float *g, float *m, const float *v, float *acc,
+                                            int64_t n, float b1, float eps, float lr, float wd, float lrs) {
+    DS_CUDA_LOOP(i, n) ds_onebit_elem(op, &p[i], g ? &g[i] : NULL, &m[i], &v[i], acc ? &acc[i] : NULL, b1, eps, lr, wd,
+                                      lrs);
+}
+
+static int cuda_onebit_update(ds_onebit_op op, ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview acc,
+                              const ds_onebit_params *h) {
+    ds_kview b[5] = { p, m, v, g, acc };
+    if (ds_optim_check_buffers("onebit_update", b, 5)) return -1;
+    int64_t n = ds_kview_numel(&p);
+    if (n == 0) return 0;
+    onebit_update_kernel<<<elem_blocks(n), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+        (int)op, (float *)p.data, (const float *)g.data, (float *)m.data, (const float *)v.data, (float *)acc.data, n,
+        (float)h->beta1, (float)h->eps, (float)h->lr, (float)h->weight_decay, (float)h->lrs);
+    return ds_cuda_launched("onebit_update_kernel");
+}
+
 extern "C" const ds_kernels_optim ds_cuda_optim = {
     cuda_sgd, cuda_adam, cuda_adagrad, cuda_lamb_norms, cuda_lamb_apply, cuda_lion,
+    cuda_onebit_pack, cuda_onebit_unpack, cuda_onebit_update,
 };

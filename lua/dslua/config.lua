@@ -24,9 +24,18 @@ M.ignored_keys = {
 
 -- DeepSpeed features dslua does not implement: accepted only switched off.
 M.unsupported_keys = {
-  'amp', 'compression_training', 'curriculum_learning', 'data_efficiency', 'eigenvalue', 'elasticity',
+  'amp', 'curriculum_learning', 'eigenvalue', 'elasticity',
   'hybrid_engine', 'progressive_layer_drop', 'quantize_training', 'sparse_attention',
   'torch_autocast',
+}
+
+-- DeepSpeed libraries dslua does not have yet (later work), by what they
+-- are: refused while anything in them is enabled.
+M.later_work = {
+  compression_training = "DeepSpeed's model compression library (quantization-aware training, pruning of "
+    .. 'weights, attention heads, rows and channels, layer reduction)',
+  data_efficiency = "DeepSpeed's data efficiency library (curriculum data sampling, random layerwise token "
+    .. 'dropping)',
 }
 
 ------------------------------------------------------------------------
@@ -42,6 +51,12 @@ local function describe(v)
     return (json.is_array(v) or (#v > 0 and next(v, #v) == nil)) and 'a list' or 'an object'
   end
   return 'a ' .. t
+end
+
+-- A resolved value as JSON writes it.
+local function describe_value(v)
+  if type(v) == 'table' then return json.encode(json.array({ unpack(v) })) end
+  return json.encode(v)
 end
 
 -- A key in a path: as it is, or quoted when it would not show (empty, or
@@ -72,8 +87,8 @@ local function problem(ctx, path, msg)
   ctx.bad[path] = true
 end
 
-local function note(ctx, path, msg)
-  ctx.notes[#ctx.notes + 1] = { path = path, msg = msg }
+local function note(ctx, path, msg, kind)
+  ctx.notes[#ctx.notes + 1] = { path = path, msg = msg, kind = kind }
 end
 
 ------------------------------------------------------------------------
@@ -233,9 +248,11 @@ end
 
 -- Checks the object v (nil: absent) against schema = {fields = {name =
 -- field}, aliases = {other_name = name}, auto = true for DeepSpeed's
--- pydantic models (they drop "auto" values, left for Hugging Face to fill),
+-- pydantic models (they drop "auto" values, left for Hugging Face to fill;
+-- a field's own auto = true does the same for it; resolve_autos fills them),
 -- nofill = true to keep only the given keys, open = true to pass unknown keys
--- through}. Returns the resolved table and {name = the key given}.
+-- through, lenient = true to warn of unknown keys that are no near miss
+-- of a known one}. Returns the resolved table and {name = the key given}.
 check_block = function(ctx, path, v, schema)
   local out, given = {}, {}
   local fields, aliases = schema.fields, schema.aliases or {}
@@ -252,19 +269,27 @@ check_block = function(ctx, path, v, schema)
       local names = {}
       for n in pairs(fields) do names[#names + 1] = n end
       for a in pairs(aliases) do names[#names + 1] = a end
-      problem(ctx, kp, unknown(key, names))
+      if schema.lenient and not suggest.nearest(key, names) then
+        -- DeepSpeed reads such a block key by key and never sees the rest
+        note(ctx, kp, string.format("unknown key, ignored (as DeepSpeed ignores it); the nearest known key is '%s'",
+                                    suggest.closest(key, names)), 'warning')
+      else
+        problem(ctx, kp, unknown(key, names))
+      end
     elseif given[name] then
       problem(ctx, kp, string.format("give only one of '%s' and '%s'", given[name], key))
     else
       given[name] = key
-      if not ((schema.auto and x == 'auto') or (x == json.null and f.nullable)) then
+      if (schema.auto or f.auto) and x == 'auto' then
+        ctx.autos[#ctx.autos + 1] = { path = kp, key = join(path, name), block = out, name = name }
+      elseif not (x == json.null and f.nullable) then
         out[name] = check_value(ctx, kp, x, f)
       end
     end
   end
   for _, name in ipairs(sorted_keys(fields)) do
     local f = fields[name]
-    if f.required and given[name] == nil then
+    if f.required and given[name] == nil and not ctx.bad[join(path, name)] then
       problem(ctx, join(path, name), 'missing: required' .. (schema.what and ' by ' .. schema.what or ''))
     end
     if out[name] == nil and not schema.nofill then
@@ -370,6 +395,7 @@ local ZERO = { auto = true, fields = {
   pipeline_loading_checkpoint = bool(false),
   override_module_apply = bool(true),
   log_trace_cache_warnings = bool(false),
+  zenflow = any({ nullable = true }),
   -- deprecated, mapped onto their replacements below
   cpu_offload = bool(nil, { nullable = true }),
   cpu_offload_param = bool(nil, { nullable = true }),
@@ -393,6 +419,26 @@ local DEPRECATED_ZERO = {
   { 'cpu_offload_param', 'offload_param', function(z) z.offload_param.device = 'cpu' end },
   { 'stage3_gather_fp16_weights_on_model_save', 'stage3_gather_16bit_weights_on_model_save',
     function(z, old) z.stage3_gather_16bit_weights_on_model_save = old end },
+}
+
+-- Settings DeepSpeed acts on and dslua does not (noted when set): the key,
+-- whether it is set, what dslua does instead.
+local ZERO_INERT = {
+  { 'offload_param', function(z) return z.offload_param.device ~= 'none' and z.stage ~= 3 end,
+    'read at stage 3 only (as DeepSpeed): the parameters stay whole on the device' },
+  { 'offload_param.buffer_count', function(z) return z.offload_param.device ~= 'none' and z.stage == 3 end,
+    'dslua reads each shard into a buffer of its own as its module gathers it: buffer_count, buffer_size and '
+    .. 'max_in_cpu do not apply' },
+  { 'zero_quantized_weights', function(z) return z.zero_quantized_weights or z.zero_quantized_nontrainable_weights end,
+    'ZeRO++ quantized weights are not in dslua: parameters are gathered in the compute dtype' },
+  { 'zero_quantized_gradients', function(z) return z.zero_quantized_gradients end,
+    'ZeRO++ quantized gradients are not in dslua: gradients travel in communication_data_type' },
+  { 'zero_hpz_partition_size', function(z) return z.zero_hpz_partition_size > 1 end,
+    'ZeRO++ hierarchical partitioning is not in dslua: parameters are gathered across every rank' },
+  { 'mics_shard_size', function(z) return z.mics_shard_size > 0 end,
+    'MiCS is not in dslua: shards span every rank' },
+  { 'zenflow', function(z) return z.zenflow ~= nil end,
+    'ZenFlow is not in dslua: every parameter is stepped at every step (no top-k selection, no deferred updates)' },
 }
 
 local function check_zero(ctx, path, v)
@@ -433,10 +479,49 @@ local function check_zero(ctx, path, v)
     end
   end
   if z.overlap_comm == nil then z.overlap_comm = z.stage == 3 end
+  for _, inert in ipairs(ZERO_INERT) do
+    if inert[2](z) then note(ctx, join(path, inert[1]), inert[3]) end
+  end
   if z.offload_optimizer.ratio < 1 and z.stage ~= 3 then
     problem(ctx, join(path, 'offload_optimizer.ratio'), 'Partial offloading only supported for ZeRO Stage 3.')
   end
   return z
+end
+
+-- params without their "auto" values, each resolved by fill(k) -> value,
+-- how (noted), or nil, why not (a problem naming the key).
+local function resolve_param_autos(ctx, path, params, fill)
+  local out = {}
+  for k, x in pairs(params) do
+    if x ~= 'auto' then
+      out[k] = x
+    else
+      local v, how = fill(k)
+      if v ~= nil then
+        note(ctx, join(path, k), '"auto" resolved to ' .. describe_value(v) .. ' (' .. how .. ')')
+        out[k] = copy(v)
+      else
+        problem(ctx, join(path, k), how)
+      end
+    end
+  end
+  return out
+end
+
+-- "auto" optimizer params, as Hugging Face fills lr, betas, eps and
+-- weight_decay from its arguments: from the optimizer passed to initialize
+-- (ctx.given.optimizer, its first param group), else the value the block
+-- would get without the key.
+local function optimizer_auto(ctx, kind)
+  return function(k)
+    local from = ctx.given.optimizer
+    if from and from[k] ~= nil then return from[k], 'from the optimizer passed to initialize' end
+    local v = require('dslua.optim').config_default(kind, k)
+    if v == nil then return nil, '"auto": nothing passed to initialize sets it and it has no default; give a value' end
+    return v, ctx.given.optimizer_function and 'the default; the optimizer function passed to initialize builds '
+                                                .. 'what steps, not this block'
+                                            or "the optimizer's default: no optimizer passed to initialize sets it"
+  end
 end
 
 -- Parameter names per optimizer: the keyword arguments of what DeepSpeed's
@@ -465,10 +550,25 @@ local OPTIMIZERS = {
     lr = lr, betas = betas, weight_decay = wd, set_grad_none = bool(),
   } } },
 }
-local OPTIMIZER_NAMES = { 'Adam', 'AdamW', 'SGD', 'Adagrad', 'Lamb', 'Lion' }
+-- deepspeed/runtime/fp16/onebit: adam.py OnebitAdam, zoadam.py ZeroOneAdam, lamb.py OnebitLamb
+local ONEBIT_COMMON = { lr = lr, betas = betas, eps = eps, weight_decay = wd, bias_correction = bool(),
+                        eps_inside_sqrt = bool(), amsgrad = bool(), cuda_aware = bool(),
+                        comm_backend_name = enum(nil, { 'nccl', 'mpi', 'hccl', 'compressed' }) }
+local function onebit(name, own)
+  local fields = {}
+  for k, f in pairs(ONEBIT_COMMON) do fields[k] = f end
+  for k, f in pairs(own) do fields[k] = f end
+  return { name = name, onebit = true, schema = { nofill = true, fields = fields } }
+end
+OPTIMIZERS.onebitadam = onebit('OneBitAdam', { freeze_step = int(nil, 0) })
+OPTIMIZERS.zerooneadam = onebit('ZeroOneAdam', { var_freeze_step = int(nil, 0), var_update_scaler = int(nil, 1),
+                                                 local_step_scaler = int(nil, 1), local_step_clipper = int(nil, 1) })
+OPTIMIZERS.onebitlamb = onebit('OneBitLamb', { freeze_step = int(nil, 0), max_coeff = num(nil, 0), min_coeff = num(nil, 0),
+                                               coeff_beta = num(nil, 0, { max = 1 }), factor_max = num(nil, 0),
+                                               factor_min = num(nil, 0), factor_threshold = num(nil, 0) })
+local OPTIMIZER_NAMES = { 'Adam', 'AdamW', 'SGD', 'Adagrad', 'Lamb', 'Lion', 'OneBitAdam', 'ZeroOneAdam', 'OneBitLamb' }
 -- in DeepSpeed's DEEPSPEED_OPTIMIZERS, not in dslua
-local DEEPSPEED_ONLY = { onebitadam = true, zerooneadam = true, onebitlamb = true, muadam = true,
-                         muadamw = true, musgd = true, muon = true }
+local DEEPSPEED_ONLY = { muadam = true, muadamw = true, musgd = true, muon = true }
 
 local OPTIMIZER_BLOCK = { fields = {
   type = str({ required = true }),
@@ -498,10 +598,27 @@ local function check_optimizer(ctx, path, v)
     params.max_grad_norm = nil
   end
   local pp = join(path, 'params')
+  params = resolve_param_autos(ctx, pp, params, optimizer_auto(ctx, o.type:lower()))
   o.params = check_block(ctx, pp, params, spec.schema)
+  ctx.optimizer_lr = o.params.lr or require('dslua.optim').config_default(o.type:lower(), 'lr')
   if o.params.amsgrad then
-    problem(ctx, join(pp, 'amsgrad'), string.format('Fused%s does not support the AMSGrad variant.',
-                                                    spec.name == 'Lamb' and 'Lamb' or 'Adam'))
+    problem(ctx, join(pp, 'amsgrad'), spec.onebit and spec.name .. ' does not support the AMSGrad variant.'
+            or string.format('Fused%s does not support the AMSGrad variant.', spec.name == 'Lamb' and 'Lamb' or 'Adam'))
+  end
+  if spec.onebit then
+    ctx.onebit = spec.name
+    for _, k in ipairs({ 'cuda_aware', 'comm_backend_name' }) do
+      if o.params[k] ~= nil then
+        note(ctx, join(pp, k), "dslua's collectives pick their transport by the tensors' device (MPI for host "
+             .. 'memory, NCCL for GPU memory); this setting changes nothing')
+      end
+    end
+    for _, k in ipairs({ 'bias_correction', 'eps_inside_sqrt' }) do
+      if o.params[k] ~= nil then
+        note(ctx, join(pp, k), spec.name .. ' takes it and reads it nowhere (as in DeepSpeed): no bias correction, '
+             .. 'eps outside the square root')
+      end
+    end
   end
   if o.params.nesterov and ((o.params.momentum or 0) <= 0 or (o.params.dampening or 0) ~= 0) then
     problem(ctx, join(pp, 'nesterov'), 'Nesterov momentum requires a momentum and zero dampening')
@@ -568,6 +685,36 @@ local SCHEDULER_BLOCK = { fields = {
   params = field('object', function() return {} end),
 }, nofill = true }
 
+-- "auto" scheduler params: from the scheduler passed to initialize (the
+-- params it was built with, ctx.given.scheduler), else as Hugging Face
+-- fills them: the warmup's lowest lr 0 and its highest the optimizer's lr;
+-- the step counts Hugging Face takes from its trainer's length, which
+-- dslua cannot know.
+local SCHEDULER_AUTO = {
+  warmup_min_lr = function() return 0, "Hugging Face's value" end,
+  warmup_max_lr = function(ctx)
+    local o = ctx.given.optimizer
+    if o and o.lr then return o.lr, "the lr of the optimizer passed to initialize" end
+    return ctx.optimizer_lr, "the optimizer block's lr"
+  end,
+}
+
+local function scheduler_auto(ctx)
+  return function(k)
+    local from = ctx.given.scheduler
+    if from and from[k] ~= nil then return from[k], 'from the scheduler passed to initialize' end
+    if SCHEDULER_AUTO[k] then
+      local v, how = SCHEDULER_AUTO[k](ctx)
+      if v ~= nil then return v, how end
+    end
+    if k == 'warmup_num_steps' or k == 'total_num_steps' then
+      return nil, "\"auto\" is filled by Hugging Face's Trainer from its own step count, which dslua cannot know; "
+                  .. 'give the number of steps'
+    end
+    return nil, '"auto": nothing passed to initialize sets it; give a value'
+  end
+end
+
 local function check_scheduler(ctx, path, v)
   if v == json.null then return nil end
   if not is_object(v) then return problem(ctx, path, 'must be an object, got ' .. describe(v)) end
@@ -581,7 +728,8 @@ local function check_scheduler(ctx, path, v)
             .. (sug and ', ' .. sug or ' (dslua has ' .. table.concat(SCHEDULER_NAMES, ', ') .. ')'))
     return s
   end
-  s.params = check_block(ctx, join(path, 'params'), s.params, schema)
+  local pp = join(path, 'params')
+  s.params = check_block(ctx, pp, resolve_param_autos(ctx, pp, s.params, scheduler_auto(ctx)), schema)
   return s
 end
 
@@ -595,6 +743,70 @@ end
 
 local function check_ignored(ctx, path, v)
   note(ctx, path, 'a DeepSpeed setting dslua does not act on; passed through')
+  return copy(v)
+end
+
+local function any_enabled(v)
+  if type(v) ~= 'table' then return false end
+  if v.enabled == true then return true end
+  for _, x in pairs(v) do
+    if any_enabled(x) then return true end
+  end
+  return false
+end
+
+local function check_later_work(ctx, path, v)
+  local what = M.later_work[path]
+  if v == json.null or (is_object(v) and not any_enabled(v)) then
+    note(ctx, path, what .. ': dslua does not have it; accepted as nothing in it is enabled')
+    return copy(v)
+  end
+  problem(ctx, path, what .. ': dslua does not have it yet (later work); remove the block, or switch off '
+          .. 'everything in it ("enabled": false)')
+end
+
+-- Newer DeepSpeed blocks dslua accepts and does not act on. DeepSpeed's
+-- models forbid unknown keys, but their fields change from release to
+-- release: only the switches that matter here are checked.
+local COMPILE = { open = true, fields = { deepcompile = bool(false) } }
+
+local function check_compile(ctx, path, v)
+  local c = check_value(ctx, path, v, block(COMPILE))
+  if c then
+    note(ctx, path, 'DeepCompile (compiled ZeRO graphs) is not in dslua; the model runs op by op'
+         .. (c.deepcompile and ', the same training' or ' (deepcompile is off anyway)'))
+  end
+  return c
+end
+
+local TENSOR_PARALLEL = { open = true, fields = {
+  autotp_size = int(0, 0), tp = block({ open = true, fields = { tp_size = int(1, 1) } }),
+} }
+
+local function check_tensor_parallel(ctx, path, v)
+  local t = check_value(ctx, path, v, block(TENSOR_PARALLEL))
+  if not t then return nil end
+  local size = math.max(t.autotp_size, t.tp.tp_size)
+  if size > 1 then
+    return problem(ctx, path, string.format('tensor parallelism over %d ranks (AutoTP): dslua has none, every '
+                   .. 'rank holds whole layers; use "autotp_size": 0 (data parallel over every rank)', size))
+  end
+  note(ctx, path, 'AutoTP is off (size <= 1): nothing for dslua to do')
+  return t
+end
+
+local function check_sequence_parallel(ctx, path, v)
+  local n = check_value(ctx, path, v, int(1, 1))
+  if n and n > 1 then
+    return problem(ctx, path, string.format('sequence parallelism over %d ranks (DeepSpeed-Ulysses): dslua has '
+                   .. 'none, every rank holds whole sequences; use 1', n))
+  end
+  return n
+end
+
+local function check_cuda_visible_devices(ctx, path, v)
+  note(ctx, path, "read by DeepSpeed's launcher scripts, not its engine; dslua picks each rank's GPU with "
+       .. '--device, DSLUA_DEVICE or CUDA_VISIBLE_DEVICES in the environment')
   return copy(v)
 end
 
@@ -619,7 +831,10 @@ local function has_effect_note(what)
   end
 end
 
-local CHECKPOINT = { fields = {
+-- DeepSpeed reads the checkpoint, activation_checkpointing and
+-- flops_profiler blocks key by key (get_scalar_param): an unknown key is a
+-- warning there, as at the top level.
+local CHECKPOINT = { lenient = true, fields = {
   tag_validation = field('custom', nil, { check = check_tag_validation, fill = true }),
   load_universal = field('custom', false, { check = has_effect_note(
     "dslua's checkpoints load on any world size and ZeRO stage already; nothing changes") }),
@@ -635,7 +850,7 @@ local CHECKPOINT = { fields = {
 -- runtime/activation_checkpointing/config.py: the block configures
 -- ds.checkpointing; checkpointing itself is what the model asks for.
 local ACT_CKPT_NOTE = 'dslua keeps a checkpointed block\'s inputs where they are (no model parallelism to partition over)'
-local ACT_CKPT = { fields = {
+local ACT_CKPT = { lenient = true, fields = {
   partition_activations = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
   contiguous_memory_optimization = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
   cpu_checkpointing = field('custom', false, { check = has_effect_note(ACT_CKPT_NOTE) }),
@@ -690,7 +905,7 @@ local COMET = { fields = {
 } }
 
 -- profiling/config.py (DeepSpeedFlopsProfilerConfig); dslua/flops.lua runs it.
-local FLOPS_PROFILER = { fields = {
+local FLOPS_PROFILER = { lenient = true, fields = {
   enabled = bool(false), recompute_fwd_factor = num(0.0, 0), profile_step = int(1, 1),
   module_depth = int(-1, -1), top_modules = int(1, 1), detailed = bool(true),
   output_file = str({ nullable = true }),
@@ -701,12 +916,12 @@ local FLOPS_PROFILER = { fields = {
 -- Batch sizes count samples and steps: past 2^31 - 1 they are a mistake
 -- (a step that never comes), not a size.
 local BATCH_MAX = 2 ^ 31 - 1
-local TOP = { fields = {
-  train_batch_size = int(nil, nil, { nullable = true, max = BATCH_MAX }),
-  train_micro_batch_size_per_gpu = int(nil, nil, { nullable = true, max = BATCH_MAX }),
-  gradient_accumulation_steps = int(nil, nil, { nullable = true, max = BATCH_MAX }),
+local TOP = { lenient = true, fields = {
+  train_batch_size = int(nil, nil, { nullable = true, max = BATCH_MAX, auto = true }),
+  train_micro_batch_size_per_gpu = int(nil, nil, { nullable = true, max = BATCH_MAX, auto = true }),
+  gradient_accumulation_steps = int(nil, nil, { nullable = true, max = BATCH_MAX, auto = true }),
   steps_per_print = int(10, 1),
-  gradient_clipping = num(0, 0),
+  gradient_clipping = num(0, 0, { auto = true }),
   wall_clock_breakdown = bool(false),
   dump_state = bool(false),
   prescale_gradients = bool(false),
@@ -731,6 +946,11 @@ local TOP = { fields = {
 for _, k in ipairs(M.extension_keys) do TOP.fields[k] = any() end
 for _, k in ipairs(M.ignored_keys) do TOP.fields[k] = field('custom', nil, { check = check_ignored }) end
 for _, k in ipairs(M.unsupported_keys) do TOP.fields[k] = field('custom', nil, { check = check_unsupported }) end
+for k in pairs(M.later_work) do TOP.fields[k] = field('custom', nil, { check = check_later_work }) end
+TOP.fields.compile = field('custom', nil, { check = check_compile })
+TOP.fields.tensor_parallel = field('custom', nil, { check = check_tensor_parallel })
+TOP.fields.sequence_parallel_size = field('custom', 1, { check = check_sequence_parallel })
+TOP.fields.cuda_visible_devices = field('custom', nil, { check = check_cuda_visible_devices })
 
 ------------------------------------------------------------------------
 -- The batch triple: DeepSpeedConfig._set_batch_related_parameters, then
@@ -797,12 +1017,102 @@ local function resolve_batch(ctx, cfg, ws)
   cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps = tb, mb, ga
 end
 
+-- Hugging Face fills these "auto" values (trainer_config_process and
+-- _finalize) from what the trainer knows; here from what initialize was
+-- given (ctx.given.hidden_size: the model's). -> value, how; nil: the
+-- default stays.
+local HF_AUTO = {
+  gradient_clipping = function() return 1.0, "Hugging Face's max_grad_norm default" end,
+  ['zero_optimization.reduce_bucket_size'] = function(h) return h and h * h, 'hidden size^2' end,
+  ['zero_optimization.stage3_prefetch_bucket_size'] = function(h)
+    return h and math.floor(0.9 * h * h), '0.9 * hidden size^2'
+  end,
+  ['zero_optimization.stage3_param_persistence_threshold'] = function(h) return h and 10 * h, '10 * hidden size' end,
+}
+
+-- Every "auto" value dropped while checking, now resolved (the batch triple
+-- from the other two and the world size, the rest by HF_AUTO or the default).
+local function resolve_autos(ctx, cfg)
+  for _, a in ipairs(ctx.autos) do
+    local fill = HF_AUTO[a.key]
+    local v, how
+    if fill then v, how = fill(ctx.given.hidden_size) end
+    if v ~= nil then
+      a.block[a.name] = v
+    else
+      v = a.block[a.name]
+      if a.block == cfg and (a.name == 'train_batch_size' or a.name == 'train_micro_batch_size_per_gpu'
+                             or a.name == 'gradient_accumulation_steps') then
+        how = string.format('train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * '
+                            .. 'world size = %d * %d * %d', cfg.train_micro_batch_size_per_gpu or 0,
+                            cfg.gradient_accumulation_steps or 0, ctx.world_size)
+      else
+        how = "DeepSpeed's default"
+      end
+    end
+    if v ~= nil then note(ctx, a.path, '"auto" resolved to ' .. describe_value(v) .. ' (' .. how .. ')') end
+  end
+end
+
+-- A directory dslua will make under path: its nearest existing ancestor
+-- must be a directory this process can write (probed as make_dir probes).
+-- nil, or why not.
+local function unwritable(path)
+  local at = path == '' and '.' or path
+  while true do
+    local probe = at .. '/.dslua-write-check'
+    local f = io.open(probe, 'w')
+    if f then
+      f:close()
+      os.remove(probe)
+      return nil
+    end
+    local exists = io.open(at, 'r')
+    if exists then
+      exists:close()
+      return string.format('%s is not a directory this process can write', at)
+    end
+    local parent = at:match('^(.*)/[^/]*$')
+    if not parent then parent = '.' elseif parent == '' then parent = '/' end
+    if parent == at then return string.format('%s is not a directory this process can write', at) end
+    at = parent
+  end
+end
+
+-- The folders a run writes (the monitors', the nvme offloads') checked
+-- with the config, so --check-config refuses what initialize would.
+local function check_paths(ctx, cfg)
+  local list = {}
+  for _, d in pairs(require('dslua.monitor').dirs(cfg)) do list[#list + 1] = d end
+  for _, name in ipairs({ 'offload_optimizer', 'offload_param' }) do
+    local o = cfg.zero_optimization[name]
+    if o.device == 'nvme' and type(o.nvme_path) == 'string' then
+      list[#list + 1] = { 'zero_optimization.' .. name .. '.nvme_path', o.nvme_path }
+    end
+  end
+  table.sort(list, function(a, b) return a[1] < b[1] end)
+  for _, d in ipairs(list) do
+    local why = unwritable(d[2])
+    if why then problem(ctx, d[1], string.format('cannot create "%s": %s', d[2], why)) end
+  end
+end
+
 -- DeepSpeedConfig._initialize_params and _do_error_check across blocks.
 local function cross_checks(ctx, cfg)
   if cfg.fp16.enabled and cfg.bf16.enabled then
     problem(ctx, 'fp16.enabled', 'bfloat16 and fp16 modes cannot be simultaneously enabled')
   end
   local stage = cfg.zero_optimization.stage
+  if ctx.onebit and stage > 0 then
+    problem(ctx, 'optimizer.type', string.format('%s runs at ZeRO stage 0 (its compressed all-reduce takes '
+            .. 'whole momenta, which ZeRO partitions): drop zero_optimization.stage, or use %s with it', ctx.onebit,
+            ctx.onebit == 'OneBitLamb' and 'Lamb' or 'Adam'))
+  end
+  if cfg.zero_optimization.offload_optimizer.device == 'nvme' and cfg.optimizer
+     and type(cfg.optimizer.type) == 'string' and cfg.optimizer.type:lower() == 'lamb' then
+    problem(ctx, 'optimizer.type', 'Lamb cannot be streamed from nvme (offload_optimizer.device): its trust '
+            .. 'ratio needs whole parameters; use Adam, AdamW, SGD, Adagrad or Lion, or offload to "cpu"')
+  end
   if cfg.fp16.fp16_master_weights_and_grads and stage == 0 then
     problem(ctx, 'fp16.fp16_master_weights_and_grads',
             'Fp16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3.')
@@ -1020,6 +1330,38 @@ local function check_sampler(ctx, path, v)
   return ok and out or nil
 end
 
+-- The uneven policy steps every rank together, so the rank that needs the
+-- most steps for its share (share / micro batch largest) sets how many;
+-- a rank whose share is thinner fills only part of its micro batch each
+-- step, and the batch is not the train_batch_size the config reads. An
+-- error per such rank, with shares and micro batches that agree. -> ok
+local function check_layout(ctx, micro, share)
+  local most, by = 0, 1
+  for r, m in ipairs(micro) do
+    if share[r] / m > most then most, by = share[r] / m, r end
+  end
+  local fit, prop, sum = {}, {}, 0
+  for _, m in ipairs(micro) do sum = sum + m end
+  for r, m in ipairs(micro) do
+    fit[r] = math.max(1, math.floor(share[r] / most + 0.5))
+    prop[r] = json.number(m / sum)
+  end
+  local ok = true
+  for r, m in ipairs(micro) do
+    local batch = share[r] / most
+    if batch < m * (1 - M.share_tolerance) then
+      ok = false
+      problem(ctx, string.format('sampler.data_share[%d]', r - 1), string.format(
+        'rank %d: its share %s fills about %s of its micro batch %d each step (rank %d, share %s in micro '
+        .. 'batches of %d, sets the number of steps), so its batch would be cut; give shares in proportion to '
+        .. 'the micro batches (%s) or micro_batch_per_rank %s', r - 1, json.number(share[r]),
+        json.number(math.floor(batch * 100 + 0.5) / 100), m, by - 1, json.number(share[by]), micro[by],
+        table.concat(prop, ', '), table.concat(fit, ', ')))
+    end
+  end
+  return ok
+end
+
 -- The per-rank micro batches set the batch: train_batch_size =
 -- sum(micro_batch_per_rank) * gradient_accumulation_steps (DeepSpeed's
 -- micro * accumulation * world size when the micro batches are equal).
@@ -1065,6 +1407,7 @@ local function resolve_sampler_batch(ctx, cfg)
     return true, problem(ctx, 'train_batch_size', string.format(
       '%d != sum(%s) * gradient_accumulation_steps = %d * %d', tb, mp, sum, ga))
   end
+  if s.policy == 'uneven' and s.data_share and not check_layout(ctx, micro, s.data_share) then return true end
   cfg.train_batch_size, cfg.gradient_accumulation_steps = sum * ga, ga
   cfg.train_micro_batch_size_per_gpu = largest
   note(ctx, 'train_batch_size', string.format('%d = sum(%s) * gradient_accumulation_steps = (%s) * %d%s',
@@ -1164,7 +1507,8 @@ TOP.fields.hooks = field('custom', nil, { check = check_hooks })
 -- train_micro_batch_size_per_gpu when the block has no micro_batch_per_rank.
 function M.check_sampler(v, opts)
   opts = opts or {}
-  local ctx = { problems = {}, notes = {}, bad = {}, source = opts.source, world_size = opts.world_size or 1 }
+  local ctx = { problems = {}, notes = {}, bad = {}, autos = {}, given = {}, source = opts.source,
+                world_size = opts.world_size or 1 }
   local s = check_sampler(ctx, 'sampler', v)
   if s then finish_sampler(ctx, { sampler = s, train_micro_batch_size_per_gpu = opts.micro_batch }) end
   if #ctx.problems > 0 or not s then
@@ -1204,19 +1548,30 @@ local function read_source(ctx, src)
   return v
 end
 
+-- Problems as "source: path: msg"; notes as "note: ..." or "warning: ...".
 local function render(ctx, list)
   local lines = {}
   for i, p in ipairs(list) do
-    lines[i] = ctx.source .. ': ' .. (p.path ~= '' and p.path .. ': ' or '') .. p.msg
+    lines[i] = (p.kind and p.kind .. ': ' or '') .. ctx.source .. ': ' .. (p.path ~= '' and p.path .. ': ' or '')
+               .. p.msg
   end
   return lines
 end
 
--- check(path_or_table [, {world_size = 1, source = name}]) -> resolved or
--- nil, problems (list of lines), notes (list of lines). Never raises.
+-- check(path_or_table [, {world_size = 1, source = name, given = {optimizer
+-- = the first param group of the optimizer passed to initialize,
+-- optimizer_function = true when a function builds it, scheduler = the
+-- params the scheduler passed to it was built with, hidden_size = the
+-- model's}}]) -> resolved or nil, problems (list of
+-- lines), notes (list of lines: what dslua does not act on, "auto" values
+-- as resolved, unknown top-level keys). Never raises. initialize and
+-- --check-config both run it, and nothing else checks the config.
+-- Unknown top-level keys are warnings (DeepSpeed reads the top level key by
+-- key), errors when a near miss of a known key; inside a block DeepSpeed
+-- validates they are errors.
 function M.check(src, opts)
   opts = opts or {}
-  local ctx = { problems = {}, notes = {}, bad = {},
+  local ctx = { problems = {}, notes = {}, bad = {}, autos = {}, given = opts.given or {},
                 source = opts.source or (type(src) == 'string' and src) or 'config' }
   local ws = opts.world_size or 1
   if not (finite(ws) and ws >= 1 and ws == math.floor(ws)) then
@@ -1237,9 +1592,12 @@ function M.check(src, opts)
         if not resolve_sampler_batch(ctx, cfg) then resolve_batch(ctx, cfg, ws) end
         finish_sampler(ctx, cfg)
       end
+      resolve_autos(ctx, cfg)
       cross_checks(ctx, cfg)
+      check_paths(ctx, cfg)
     end
   end
+  for _, n in ipairs(ctx.notes) do n.kind = n.kind or 'note' end
   if #ctx.problems > 0 then return nil, render(ctx, ctx.problems), render(ctx, ctx.notes) end
   return cfg, {}, render(ctx, ctx.notes)
 end
@@ -1265,7 +1623,7 @@ function M.check_cli(path, world_size)
     end
   end
   local cfg, problems, notes = M.check(path, { world_size = ws })
-  for _, n in ipairs(notes) do io.stderr:write('note: ', n, '\n') end
+  for _, n in ipairs(notes) do io.stderr:write(n, '\n') end
   if not cfg then
     for _, p in ipairs(problems) do io.stderr:write(p, '\n') end
     return false

@@ -151,6 +151,17 @@ local function build_zero(opts, cfg, model, params, rank, world_size, device)
                     build_optimizer = function(groups) return build_optimizer(opts, cfg, groups) end }
 end
 
+-- What the config's "auto" values resolve from (ds.config.check's given):
+-- the optimizer passed in (its first group), the params the scheduler
+-- passed in was built with, and the model's hidden size.
+local function config_given(opts, model)
+  local o, s, c = opts.optimizer, opts.lr_scheduler, rawget(model, 'config')
+  return { optimizer = type(o) == 'table' and type(o.param_groups) == 'table' and o.param_groups[1] or nil,
+           scheduler = type(s) == 'table' and type(s.params) == 'table' and s.params or nil,
+           optimizer_function = type(o) == 'function',
+           hidden_size = type(c) == 'table' and (c.hidden_size or c.n_embd) or nil }
+end
+
 local KNOWN_OPTS = {
   model = true, config = true, config_params = true, training_data = true, model_parameters = true,
   optimizer = true, lr_scheduler = true, collate_fn = true, args = true,
@@ -174,7 +185,7 @@ function M.initialize(opts)
   local world_size = ds.comm and ds.comm.world_size() or 1
   -- a pipeline's ranks split into stages: data parallel runs across dp_size
   if model.is_pipeline then world_size = model.dp_size end
-  local cfg = ds.config.load(source, { world_size = world_size })
+  local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
   require('dslua.checkpointing').configure(cfg.activation_checkpointing)
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
@@ -187,6 +198,10 @@ function M.initialize(opts)
   local _, moved = model:to(device)
   local params = opts.model_parameters and moved_params(opts.model_parameters, moved) or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
+  if rank == 0 and #notes > 0 then      -- once: what dslua does not act on, "auto" as resolved
+    io.stdout:write(table.concat(notes, '\n'), '\n')
+    io.stdout:flush()
+  end
   local optimizer, zero
   if model.is_pipeline then require('dslua.pipe.engine').check(model, cfg) end
   if Zero.wanted(cfg) then
@@ -217,6 +232,9 @@ function M.initialize(opts)
       if zero.offload == 'cpu' and device == 'cpu' then
         io.stdout:write('ZeRO | offload_optimizer device cpu: the optimizer already runs on the CPU here (no-op)\n')
       end
+      if zero.param_offload == 'cpu' and device == 'cpu' then
+        io.stdout:write('ZeRO | offload_param device cpu: the parameter shards are in host memory already here (no-op)\n')
+      end
       io.stdout:flush()
     end
   else
@@ -224,6 +242,10 @@ function M.initialize(opts)
     self:_setup_steps()
   end
   if cfg.comms_logger.enabled then (zero and zero.engine or self.steps):set_logging(true) end
+  -- the 1-bit optimizers step through the step engine (stage 0), and say when backward reduces
+  if optimizer.onebit then
+    self.onebit = require('dslua.core')._onebit.new(zero and zero.engine or self.steps, optimizer, optimizer.onebit)
+  end
 
   -- the engine's loader hands out batches on the device; on a GPU two
   -- threads gather them into page-locked memory and each batch goes up
@@ -292,6 +314,7 @@ end
 function Engine:destroy()
   if self.training_dataloader then self.training_dataloader.epoch = nil end   -- the engine's wrapper goes
   if self.zero then self.zero:close() end
+  if self.onebit then self.onebit:close() end
   if self.steps then self.steps:close() end
   if self.reload then self.reload:close() end
   if self.monitor then self.monitor:close() end
@@ -456,10 +479,13 @@ end
 -- One backward through the step engine (loss nil: none, for a rank that
 -- has run out of data); at the boundary the gradients are reduced.
 function Engine:_backward(loss, boundary)
+  -- a 1-bit optimizer's compressed steps take this rank's own gradients
+  local reduce = boundary and (not self.onebit or self.onebit:reduces())
+  self.onebit_local = boundary and not reduce
   if self.zero then
-    self.zero:backward(loss, boundary)
+    self.zero:backward(loss, reduce)
   else
-    self.steps:backward(loss, boundary and self.world_size > 1)
+    self.steps:backward(loss, reduce and self.world_size > 1)
   end
 end
 
@@ -605,12 +631,14 @@ function Engine:_take_step()
   local scaler = self.scaler
   local overflow, norm
   if self.zero then
+    if self.onebit_local then self.zero.engine:take_local_grads() end
     overflow, norm = self.zero:step(scaler and scaler.cur_scale or 1, clip, scaler ~= nil)
   else
     overflow, norm = self.steps:step(self.optimizer.param_groups, 1, clip, false)
   end
   local engine = self.zero and self.zero.engine or self.steps
   if self.world_size > 1 then self.comm_stats = engine:stats() end
+  if self.onebit then self.onebit_stats = self.onebit:stats() end
   if ds.comm.logging() then
     for _, r in ipairs(engine:comm_records()) do ds.comm.log_collective(r[1], r[2], r[3]) end
   end

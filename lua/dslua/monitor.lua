@@ -12,8 +12,10 @@
 --     TensorBoard files under wandb/<project> and comet/<project> (below
 --     WANDB_DIR / COMET_DIR when set), and initialize says once how to
 --     upload them.
--- Directories are made and checked at initialize: a bad path is an error
--- naming the key and the path there, not mid-run.
+-- Directories are checked with the config (ds.config.check, through
+-- M.dirs: a bad path is an error naming the key and the path, at
+-- initialize and under --check-config alike, not mid-run) and made at
+-- initialize.
 local core = require 'dslua.core'
 
 local M = {}
@@ -58,25 +60,36 @@ local function tfevents(key, dir)
   return w
 end
 
+-- The directories the enabled monitors write: {key, dir} by name.
+function M.dirs(cfg)
+  local tb, csv, wandb, comet = cfg.tensorboard, cfg.csv_monitor, cfg.wandb, cfg.comet
+  local out = {}
+  if csv.enabled then out.csv = { 'csv_monitor.output_path', join(csv.output_path, csv.job_name) } end
+  if tb.enabled then out.tensorboard = { 'tensorboard.output_path', join(tb.output_path, tb.job_name) } end
+  if wandb.enabled then out.wandb = { 'wandb', join(join(os.getenv('WANDB_DIR') or '', 'wandb'), wandb.project) } end
+  if comet.enabled then
+    out.comet = { 'comet', join(join(os.getenv('COMET_DIR') or '', 'comet'), comet.project or 'deepspeed') }
+  end
+  return out
+end
+
 -- new(cfg, rank) -> a monitor, or nil when no monitor is enabled (or on
 -- ranks other than 0, which write nothing, as DeepSpeed's).
 function M.new(cfg, rank)
   if rank ~= 0 then return nil end
   local self = setmetatable({ writers = {}, csv_headers = {}, window = { sum = 0, n = 0 } }, Monitor)
-  local tb, csv, wandb, comet = cfg.tensorboard, cfg.csv_monitor, cfg.wandb, cfg.comet
-  if csv.enabled then self.csv_dir = make_dir('csv_monitor.output_path', join(csv.output_path, csv.job_name)) end
-  if tb.enabled then
-    self.writers[#self.writers + 1] = tfevents('tensorboard.output_path', join(tb.output_path, tb.job_name))
-  end
-  if wandb.enabled then
-    local dir = join(join(os.getenv('WANDB_DIR') or '', 'wandb'), wandb.project)
+  local dirs, wandb = M.dirs(cfg), cfg.wandb
+  if dirs.csv then self.csv_dir = make_dir(dirs.csv[1], dirs.csv[2]) end
+  if dirs.tensorboard then self.writers[#self.writers + 1] = tfevents(dirs.tensorboard[1], dirs.tensorboard[2]) end
+  if dirs.wandb then
+    local dir = dirs.wandb[2]
     self.writers[#self.writers + 1] = tfevents('wandb', dir)
     local args = ' --project ' .. wandb.project .. (wandb.team and ' --entity ' .. wandb.team or '')
     io.stdout:write(string.format('wandb: no wandb client in dslua: the metrics are TensorBoard events in %s; '
                                   .. 'upload them with `wandb sync --sync-tensorboard%s %s`\n', dir, args, dir))
   end
-  if comet.enabled then
-    local dir = join(join(os.getenv('COMET_DIR') or '', 'comet'), comet.project or 'deepspeed')
+  if dirs.comet then
+    local dir = dirs.comet[2]
     self.writers[#self.writers + 1] = tfevents('comet', dir)
     io.stdout:write(string.format('comet: no comet_ml client in dslua: the metrics are TensorBoard events in %s; '
                                   .. 'log that folder to Comet from Python (comet_ml) or view it with '

@@ -288,6 +288,41 @@ local CONFIG_KEYS = {
   lion = { 'lr', 'betas', 'weight_decay', 'set_grad_none' },
 }
 CONFIG_KEYS.adamw = CONFIG_KEYS.adam
+-- DeepSpeed's 1-bit optimizers (deepspeed/runtime/fp16/onebit): an AdamW
+-- (OneBitLamb: a Lamb) without bias correction that the step engine drives
+-- (dslua/engine.lua, core/train/ds_onebit.h); their own keys go to
+-- optimizer.onebit.
+local ONEBIT_COMMON = { 'lr', 'bias_correction', 'betas', 'eps', 'eps_inside_sqrt', 'weight_decay', 'amsgrad',
+                        'cuda_aware', 'comm_backend_name' }
+local ONEBIT = {
+  onebitadam = { name = 'OneBitAdam', keys = { 'freeze_step' } },
+  zerooneadam = { name = 'ZeroOneAdam',
+                  keys = { 'var_freeze_step', 'var_update_scaler', 'local_step_scaler', 'local_step_clipper' } },
+  onebitlamb = { name = 'OneBitLamb', lamb = true,
+                 keys = { 'freeze_step', 'coeff_beta', 'factor_max', 'factor_min', 'factor_threshold', 'max_coeff',
+                          'min_coeff' } },
+}
+for kind, o in pairs(ONEBIT) do
+  CONFIG_KEYS[kind] = { unpack(ONEBIT_COMMON) }
+  for _, k in ipairs(o.keys) do table.insert(CONFIG_KEYS[kind], k) end
+end
+
+-- What from_config gives a type's params its block leaves out, where it
+-- differs from the kind's own default (FusedAdam's weight decay, FusedLion's).
+local CONFIG_DEFAULTS = { adam = { weight_decay = 0 }, adamw = { weight_decay = 0 },
+                          onebitadam = { weight_decay = 0 }, zerooneadam = { weight_decay = 0 },
+                          onebitlamb = { weight_decay = 0 },
+                          lion = { lr = 1e-3, betas = { 0.9, 0.999 } } }
+local CONFIG_KINDS = { adam = 'AdamW', adamw = 'AdamW', sgd = 'SGD', adagrad = 'Adagrad', lamb = 'Lamb', lion = 'Lion',
+                       onebitadam = 'AdamW', zerooneadam = 'AdamW', onebitlamb = 'Lamb' }
+
+-- The value param k of a block of type kind (lower case) takes when the
+-- block leaves it out (nil: none, or no such param).
+function M.config_default(kind, k)
+  local own = CONFIG_DEFAULTS[kind]
+  if own and own[k] ~= nil then return copy_value(own[k]) end
+  return CONFIG_KINDS[kind] and copy_value(DEFAULTS[CONFIG_KINDS[kind]][k])
+end
 
 -- ds.optim.from_config(params, {type = ..., params = {...}}): the optimizer
 -- DeepSpeed's engine builds from its config block (_configure_basic_optimizer):
@@ -321,7 +356,18 @@ function M.from_config(params, block)
                           table.concat(names, ', ')), 2)
     end
   end
-  if kind == 'adam' or kind == 'adamw' then
+  if ONEBIT[kind] then
+    -- DeepSpeed's update m / (sqrt v + eps) + wd p (times the trust ratio
+    -- for Lamb): AdamW or Lamb, no bias correction
+    local o = ONEBIT[kind].lamb
+      and M.Lamb(params, { lr = p.lr, betas = p.betas, eps = p.eps, weight_decay = p.weight_decay or 0,
+                           max_coeff = p.max_coeff, min_coeff = p.min_coeff, bias_correction = false })
+      or M.AdamW(params, { lr = p.lr, betas = p.betas, eps = p.eps, weight_decay = p.weight_decay or 0,
+                           bias_correction = false })
+    o.onebit = { kind = ONEBIT[kind].name }
+    for _, k in ipairs(ONEBIT[kind].keys) do o.onebit[k] = p[k] end
+    return o
+  elseif kind == 'adam' or kind == 'adamw' then
     local torch_adam = p.torch_adam
     local w_mode = p.adam_w_mode
     if w_mode == nil then w_mode = true end
@@ -330,8 +376,9 @@ function M.from_config(params, block)
     if not torch_adam and p.weight_decay == nil then p.weight_decay = 0 end
     return (decoupled and M.AdamW or M.Adam)(params, p)
   elseif kind == 'lion' then
-    if p.lr == nil then p.lr = 1e-3 end
-    if p.betas == nil then p.betas = { 0.9, 0.999 } end
+    for k, v in pairs(CONFIG_DEFAULTS.lion) do
+      if p[k] == nil then p[k] = copy_value(v) end
+    end
     return M.Lion(params, p)
   end
   local ctor = ({ sgd = M.SGD, adagrad = M.Adagrad, lamb = M.Lamb })[kind]

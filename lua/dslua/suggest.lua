@@ -79,6 +79,22 @@ function M.nearest(word, candidates)
   return best
 end
 
+-- closest(word, candidates) -> the candidate fewest edits away, however
+-- far (ties: the first in sorted order); nil without candidates.
+function M.closest(word, candidates)
+  local sorted = {}
+  for _, c in ipairs(candidates) do
+    if type(c) == 'string' then sorted[#sorted + 1] = c end
+  end
+  table.sort(sorted)
+  local best, bd
+  for _, c in ipairs(sorted) do
+    local dd = distance(word:sub(1, 256), c)    -- a runaway key costs no more than a long one
+    if not bd or dd < bd then best, bd = c, dd end
+  end
+  return best
+end
+
 -- "did you mean 'x'?" for the nearest candidate, or nil.
 function M.did_you_mean(word, candidates)
   local s = M.nearest(word, candidates)

@@ -138,8 +138,27 @@ function M.new(opts)
                                                groups = lists, group = opts.model.dp_group,
                                                stages = opts.model.pipe_group }))
   z:_build_optimizer(opts)
-  if z.stage == 3 then z:_install_hooks() end
+  if z.stage == 3 then
+    z:_offload_params(zc.offload_param)
+    z:_install_hooks()
+  end
   return z
+end
+
+-- offload_param: stage 3's shards in host memory, or in
+-- <nvme_path>/rank<r>/params.bin (read for each gather)
+function Zero:_offload_params(op)
+  if op.device == 'none' then return end
+  self.param_offload = op.device
+  local file
+  if op.device == 'nvme' then
+    local dir = string.format('%s/rank%d', op.nvme_path, self.rank)
+    local ok, err = require('dslua.core').aio.mkdir(dir)
+    if not ok then error('config: zero_optimization.offload_param.nvme_path: ' .. err, 4) end
+    file = dir .. '/params.bin'
+  end
+  local ok, err = pcall(self.engine.offload_params, self.engine, file)
+  if not ok then error('config: zero_optimization.offload_param: ' .. tostring(err), 4) end
 end
 
 function Zero:_build_optimizer(opts)
@@ -284,6 +303,7 @@ function Zero:describe()
     end
     if self.dtype ~= 'f32' then parts[#parts + 1] = string.format('%s compute, fp32 master', self.dtype) end
     if self.offload ~= 'none' then parts[#parts + 1] = 'optimizer offload ' .. self.offload end
+    if self.param_offload then parts[#parts + 1] = 'parameter offload ' .. self.param_offload end
     lines[#lines + 1] = table.concat(parts, ' | ')
   end
   return lines

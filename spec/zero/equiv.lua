@@ -36,9 +36,11 @@ CASES[#CASES + 1] = { name = 'z0_lamb', stage = 0, cfg = { optimizer = LAMB } }
 CASES[#CASES + 1] = { name = 'z1_lamb', stage = 1, cfg = { optimizer = LAMB } }
 CASES[#CASES + 1] = { name = 'z3_lamb', stage = 3, cfg = { optimizer = LAMB } }
 CASES[#CASES + 1] = { name = 'z2_lamb_bf16', stage = 2, cfg = { optimizer = LAMB, bf16 = { enabled = true } } }
+CASES[#CASES + 1] = { name = 'z3_param_cpu', stage = 3, offload_param = { device = 'cpu' } }
 if nvme_dir then
   CASES[#CASES + 1] = { name = 'z2_nvme', stage = 2,
                         offload = { device = 'nvme', nvme_path = nvme_dir }, sub_group_size = 1000 }
+  CASES[#CASES + 1] = { name = 'z3_param_nvme', stage = 3, offload_param = { device = 'nvme', nvme_path = nvme_dir } }
 end
 
 local KEYS = { 'parameters', 'gradients', 'master_weights', 'optimizer_state' }
@@ -50,7 +52,8 @@ local function run(case)
     optimizer = { type = 'AdamW', params = { lr = 1e-2, weight_decay = 0.01 } },
     zero_optimization = { stage = case.stage, reduce_bucket_size = 3000, stage3_param_persistence_threshold = 0,
                           stage3_prefetch_bucket_size = 2000, stage3_gather_16bit_weights_on_model_save = true,
-                          offload_optimizer = case.offload, sub_group_size = case.sub_group_size },
+                          offload_optimizer = case.offload, sub_group_size = case.sub_group_size,
+                          offload_param = case.offload_param },
   }
   for k, v in pairs(case.cfg or {}) do cfg[k] = v end
   jit.flush()      -- compiled traces keep the objects they specialised on (the last engine) alive

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# 1-bit optimizers benchmark: loss and bytes sent per step of OneBitAdam and
+# ZeroOneAdam against AdamW without bias correction, on N ranks of this
+# machine (bench/onebit.lua). Bytes are counted, not timed: the table means
+# the same on a loaded machine.
+set -euo pipefail
+
+usage() {
+    cat <<'EOF2'
+usage: bench/onebit.sh [-b BUILD_DIR] [-n RANKS] [-s STEPS] [-f FREEZE] [-q]
+  -b BUILD_DIR  a Release build of dslua, configured here if absent (default: build)
+  -n RANKS      ranks (default: 2)
+  -s STEPS      steps per optimizer (default: 600)
+  -f FREEZE     OneBitAdam's freeze_step and ZeroOneAdam's var_freeze_step (default: 150)
+  -q            quick: a small model, a smoke test, not a measurement
+EOF2
+}
+
+me=bench/onebit.sh
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
+build=$root/build
+ranks=2
+steps=600
+freeze=150
+quick=
+while getopts "b:n:s:f:qh" opt; do
+    case $opt in
+    b) build=$(realpath -m "$OPTARG") ;;
+    n) ranks=$OPTARG ;;
+    s) steps=$OPTARG ;;
+    f) freeze=$OPTARG ;;
+    q) quick=quick ;;
+    h) usage; exit 0 ;;
+    *) usage >&2; exit 2 ;;
+    esac
+done
+if ! [[ $ranks =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $freeze =~ ^[0-9]+$ ]] || ((ranks < 2)); then
+    echo "$me: -n wants a whole number >= 2, -s one >= 1 and -f one >= 0 (got '$ranks', '$steps', '$freeze')" >&2
+    exit 2
+fi
+
+bench_build
+threads=$((cores / ranks > 0 ? cores / ranks : 1))
+export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads DSLUA_DEVICE=cpu
+
+commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
+echo "dslua 1-bit optimizers bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
+(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
+    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_DEVICE \
+    -np "$ranks" "$build/dslua" bench/onebit.lua "$steps" "$freeze" $quick 2>&1) | grep -v '^attach:\|uses the CPU'

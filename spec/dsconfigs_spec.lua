@@ -1,0 +1,142 @@
+-- DeepSpeed's configs as users bring them (spec/dsconfigs/*.json): each runs
+-- (spec/dsconfigs/run.lua: initialize and two steps) or stops at once with
+-- one message naming the key, and `dslua --check-config` says the same
+-- thing initialize does: the same verdict, the same message, the same notes.
+local H = require 'helpers'
+
+local dir = 'spec/dsconfigs/'
+
+-- name, ranks, runs?, pieces both outputs hold
+local CASES = {
+  { 'newer_keys', 1, true, {
+    "note: spec/dsconfigs/newer_keys.json: cuda_visible_devices: read by DeepSpeed's launcher scripts",
+    'compile: DeepCompile (compiled ZeRO graphs) is not in dslua',
+    'tensor_parallel: AutoTP is off (size <= 1)',
+    'zero_optimization.zenflow: ZenFlow is not in dslua' } },
+  { 'unknown_top', 1, true, {
+    "warning: spec/dsconfigs/unknown_top.json: launcher_extras: unknown key, ignored (as DeepSpeed ignores it); "
+    .. "the nearest known key is 'scheduler'" } },
+  { 'typo_top', 1, false, { "gradient_clippin: unknown key, did you mean 'gradient_clipping'?" } },
+  -- blocks DeepSpeed reads key by key, as the top level
+  { 'lenient_blocks', 1, true, {
+    'warning: spec/dsconfigs/lenient_blocks.json: activation_checkpointing.cpu_offload_hint: unknown key, ignored',
+    'warning: spec/dsconfigs/lenient_blocks.json: flops_profiler.output_format: unknown key, ignored',
+    'warning: spec/dsconfigs/lenient_blocks.json: checkpoint.async_save: unknown key, ignored' } },
+  { 'lenient_typo', 1, false, { "flops_profiler.profile_stepp: unknown key, did you mean 'profile_step'?" } },
+  { 'strict_block', 1, false, { 'bf16.loss_scale: unknown key (expected one of: bf16_master_weights_and_grads,' } },
+  { 'hf_auto', 2, true, {
+    'train_batch_size: "auto" resolved to 8 (train_batch_size = train_micro_batch_size_per_gpu * '
+    .. 'gradient_accumulation_steps * world size = 4 * 1 * 2)',
+    'gradient_accumulation_steps: "auto" resolved to 1',
+    "gradient_clipping: \"auto\" resolved to 1 (Hugging Face's max_grad_norm default)",
+    'fp16.enabled: "auto" resolved to false',
+    'scheduler.params.warmup_min_lr: "auto" resolved to 0' } },
+  { 'auto_steps', 1, false, { "scheduler.params.total_num_steps: \"auto\" is filled by Hugging Face's Trainer "
+                              .. 'from its own step count, which dslua cannot know; give the number of steps' } },
+  { 'compression', 1, false, { "compression_training: DeepSpeed's model compression library (quantization-aware "
+                               .. 'training,', 'dslua does not have it yet (later work)' }, never_unknown = true },
+  { 'data_efficiency', 1, false, { "data_efficiency: DeepSpeed's data efficiency library",
+                                   'dslua does not have it yet (later work)' }, never_unknown = true },
+  { 'quiet_blocks', 1, true, {
+    'note: spec/dsconfigs/quiet_blocks.json: memory_breakdown: a DeepSpeed setting dslua does not act on',
+    'zero_optimization.zero_quantized_gradients: ZeRO++ quantized gradients are not in dslua',
+    'zero_optimization.mics_shard_size: MiCS is not in dslua' } },
+  { 'offload_param', 2, true, {
+    'zero_optimization.offload_param.buffer_count: dslua reads each shard into a buffer of its own' } },
+  { 'lamb_fp16', 1, true, {} },
+  { 'sampler_fp16', 1, true, { 'train_batch_size: 4 = sum(sampler.micro_batch_per_rank)' } },
+  { 'nvme_lamb', 1, false, { 'optimizer.type: Lamb cannot be streamed from nvme (offload_optimizer.device)' } },
+  { 'layout', 2, false, { 'sampler.data_share[0]: rank 0: its share 0.5 fills about 16 of its micro batch 48 each '
+                          .. 'step (rank 1, share 0.5 in micro batches of 16, sets the number of steps), so its batch '
+                          .. 'would be cut; give shares in proportion to the micro batches (0.75, 0.25) or '
+                          .. 'micro_batch_per_rank 16, 16' } },
+  { 'sequence_parallel', 1, false, { 'sequence_parallel_size: sequence parallelism over 2 ranks (DeepSpeed-Ulysses): '
+                                     .. 'dslua has none' } },
+  { 'tensor_parallel', 1, false, { 'tensor_parallel: tensor parallelism over 2 ranks (AutoTP): dslua has none' } },
+}
+
+local function lines_of(text, prefix)
+  local out = {}
+  for line in text:gmatch('[^\n]+') do
+    if line:sub(1, #prefix) == prefix then out[#out + 1] = line end
+  end
+  table.sort(out)
+  return out
+end
+
+describe('DeepSpeed configs', function()
+  for _, c in ipairs(CASES) do
+    local name, np, runs, pieces = c[1], c[2], c[3], c[4]
+    it(name .. (runs and ' runs' or ' stops at once') .. ', and --check-config agrees', function()
+      local file = dir .. name .. '.json'
+      local checked, cstatus = H.run(H.bin() .. ' --check-config ' .. file .. ' --world-size ' .. np)
+      local ran, rstatus = H.run(H.ranks_cmd(np) .. ' ' .. dir .. 'run.lua --config ' .. file)
+      assert.are.equal(runs, cstatus == 0, checked)
+      assert.are.equal(runs, rstatus == 0, ran)
+      for _, piece in ipairs(pieces) do
+        H.has(checked, piece)
+        H.has(ran, piece)
+      end
+      if c.never_unknown then       -- refused for what it is
+        assert.is_nil(checked:find('unknown key', 1, true), checked)
+        assert.is_nil(ran:find('unknown key', 1, true), ran)
+      end
+      if runs then
+        H.has(ran, 'ran 2 steps')
+        -- rank 0 prints each note once, the ones --check-config prints
+        for _, prefix in ipairs({ 'note: ', 'warning: ' }) do
+          assert.are.same(lines_of(checked, prefix), lines_of(ran, prefix))
+        end
+      else
+        local first = checked:match('[^\n]+')
+        H.has(ran, first)      -- the same first problem
+      end
+    end)
+  end
+
+  it('offloads stage 3 parameters as offload_param says, and says so', function()
+    local ran = H.run(H.ranks_cmd(2) .. ' ' .. dir .. 'run.lua --config ' .. dir .. 'offload_param.json')
+    H.has(ran, 'ZeRO stage 3 | rank 1 | optimizer holds')
+    H.has(ran, '| parameter offload cpu')
+    H.has(ran, 'ZeRO | offload_param device cpu: the parameter shards are in host memory already here (no-op)')
+  end)
+
+  it('resolves "auto" optimizer and scheduler params from the optimizer passed to initialize', function()
+    local ran, status = H.run(H.ranks_cmd(1) .. ' ' .. dir .. 'run.lua --config ' .. dir .. 'hf_auto.json --pass-optimizer')
+    assert.are.equal(0, status, ran)
+    H.has(ran, 'optimizer.params.lr: "auto" resolved to 0.005 (from the optimizer passed to initialize)')
+    H.has(ran, 'optimizer.params.weight_decay: "auto" resolved to 0.02 (from the optimizer passed to initialize)')
+    H.has(ran, 'optimizer.params.betas: "auto" resolved to [0.9,0.999] (from the optimizer passed to initialize)')
+    H.has(ran, 'scheduler.params.warmup_max_lr: "auto" resolved to 0.005 (the lr of the optimizer passed to initialize)')
+    -- without one, what the block gets by default, and --check-config says so
+    local checked = H.run(H.bin() .. ' --check-config ' .. dir .. 'hf_auto.json')
+    H.has(checked, "optimizer.params.lr: \"auto\" resolved to 0.001 (the optimizer's default")
+    H.has(checked, "scheduler.params.warmup_max_lr: \"auto\" resolved to 0.001 (the optimizer block's lr)")
+  end)
+
+  it('resolves "auto" scheduler params from the scheduler passed to initialize', function()
+    local ran, status = H.run(H.ranks_cmd(1) .. ' ' .. dir .. 'run.lua --config ' .. dir
+                              .. 'hf_auto_steps.json --pass-scheduler')
+    assert.are.equal(0, status, ran)
+    H.has(ran, 'scheduler.params.warmup_num_steps: "auto" resolved to 3 (from the scheduler passed to initialize)')
+    H.has(ran, 'scheduler.params.total_num_steps: "auto" resolved to 40 (from the scheduler passed to initialize)')
+    -- without one the step counts cannot be known
+    local checked = H.run(H.bin() .. ' --check-config ' .. dir .. 'hf_auto_steps.json')
+    H.has(checked, "scheduler.params.total_num_steps: \"auto\" is filled by Hugging Face's Trainer")
+  end)
+
+  it('resolves ZeRO\'s "auto" bucket sizes from the model\'s hidden size, as Hugging Face does', function()
+    local config = require 'dslua.config'
+    local block = { train_batch_size = 8, zero_optimization = { stage = 3, reduce_bucket_size = 'auto',
+                    stage3_prefetch_bucket_size = 'auto', stage3_param_persistence_threshold = 'auto' } }
+    local cfg, notes = config.load(block, { given = { hidden_size = 64 } })
+    assert.are.equal(4096, cfg.zero_optimization.reduce_bucket_size)
+    assert.are.equal(3686, cfg.zero_optimization.stage3_prefetch_bucket_size)
+    assert.are.equal(640, cfg.zero_optimization.stage3_param_persistence_threshold)
+    H.has(table.concat(notes, '\n'), 'zero_optimization.reduce_bucket_size: "auto" resolved to 4096 (hidden size^2)')
+    cfg, notes = config.load(block)
+    assert.are.equal(5e8, cfg.zero_optimization.reduce_bucket_size)
+    H.has(table.concat(notes, '\n'), "zero_optimization.reduce_bucket_size: \"auto\" resolved to 500000000 "
+          .. "(DeepSpeed's default)")
+  end)
+end)

@@ -1,0 +1,49 @@
+-- Trains a small MLP data parallel with one optimizer block and writes each
+-- step's loss (the mean over ranks), whether its communication was
+-- compressed and the bytes this rank handed to collectives, with the final
+-- weights, as JSON: run.lua OUT.json TYPE STEPS [key=value ...] (the
+-- optimizer's params: numbers, true or false; precision=bf16 or fp16 turns
+-- that block on). Every rank trains on its own samples.
+local ds = require 'dslua'
+local out, kind, steps = arg[1], arg[2], tonumber(arg[3])
+local params, precision = { lr = 2e-3, weight_decay = 0.01 }, nil
+for i = 4, #arg do
+  local k, v = arg[i]:match('^(%w[%w_]*)=(.*)$')
+  if k == 'precision' then precision = v elseif k then params[k] = tonumber(v) or v == 'true' end
+end
+ds.manual_seed(7)
+local n, d = 2048, 32
+local x = ds.randn(n, d)
+local w_true = ds.randn(d, 4)
+local y = (x:matmul(w_true) + ds.randn(n, 4) * 0.1):argmax(2)
+local model = ds.nn.Sequential(ds.nn.Linear(d, 64), ds.nn.GELU(), ds.nn.Linear(64, 64), ds.nn.GELU(),
+                               ds.nn.Linear(64, 4))
+local engine, _, loader = ds.initialize {
+  model = model, training_data = ds.data.tensors { x = x, y = y },
+  config = { train_micro_batch_size_per_gpu = 16, steps_per_print = 100000,
+             optimizer = { type = kind, params = params },
+             bf16 = { enabled = precision == 'bf16' }, fp16 = { enabled = precision == 'fp16' } },
+}
+local rows, done = {}, false
+while not done do
+  for _, b in loader:epoch() do
+    local loss = ds.cross_entropy(engine(b.x):to('f32'), b.y)
+    engine:backward(loss)
+    engine:step()
+    local mean = ds.tensor({ loss:item() }, 'f64')
+    ds.comm.all_reduce(mean, 'avg')
+    local ob = engine.onebit_stats
+    local compressed = ob ~= nil and ob.compressed
+    rows[#rows + 1] = { loss = mean:item(), compressed = compressed, skipped = engine.overflow or false,
+                        bytes = compressed and ob.bytes or (engine.comm_stats and engine.comm_stats.bytes or 0) }
+    if #rows == steps then done = true break end
+  end
+end
+local weights = {}
+for _, e in ipairs(model:named_parameters()) do weights[e[1]] = e[2]:to('f32'):view(-1):totable() end
+if engine.rank == 0 then
+  local f = assert(io.open(out, 'w'))
+  f:write(ds.json.encode({ steps = rows, weights = weights, world_size = engine.world_size }))
+  f:close()
+end
+engine:finish()
