@@ -36,6 +36,29 @@ struct gelu_tanh_backward_f {
     __device__ float operator()(const float *a) const { return a[0] * gelu_tanh_grad_f(a[1]); }
 };
 
+/* GELU-tanh's sigmoid(2u) on the hardware's exp and reciprocal, for bf16
+ * and f16 results: their rounding hides the few ulps between it and the
+ * CPU's ds_expf (f32 results keep that), and the MLP's two passes become
+ * bound by memory rather than by the polynomial. */
+__device__ __forceinline__ float gelu_tanh_sigmoid_fast(float x) {
+    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    return __frcp_rn(1.0f + __expf(-2.0f * u));
+}
+
+struct gelu_tanh_fast_f {
+    __device__ float operator()(const float *a) const {
+        float x = a[0];
+        return x < -10.0f ? -0.0f : x * gelu_tanh_sigmoid_fast(x);
+    }
+};
+
+struct gelu_tanh_backward_fast_f {
+    __device__ float operator()(const float *a) const {
+        float x = a[1], s = gelu_tanh_sigmoid_fast(x);
+        return a[0] * (s + 2.0f * x * s * (1.0f - s) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x));
+    }
+};
+
 /* inputs g, x, y: through ds_unary_derivative in double, as the strided path */
 struct unary_backward_f {
     ds_unary_op op;
@@ -92,6 +115,9 @@ static int cuda_unary(ds_unary_op op, ds_kview out, ds_kview x, double param) {
     if (n == 0) return 0;
     const ds_kview *in[1] = { &x };
     int rc;
+    bool half_out = out.dtype == DS_BF16 || out.dtype == DS_F16;
+    if (op == DS_UN_GELU_TANH && half_out && pw_fast_try<1>(gelu_tanh_fast_f{}, out, in, n, "gelu fast kernel", &rc))
+        return rc;
     if (pw_fast_try<1>(unary_f{ op, (float)param }, out, in, n, "unary fast kernel", &rc)) return rc;
     unary_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
         op, out, x, param, n, pw_step(out), pw_step(x));
@@ -116,6 +142,10 @@ static int cuda_unary_backward(ds_unary_op op, ds_kview dx, ds_kview g, ds_kview
     if (n == 0) return 0;
     const ds_kview *in[3] = { &g, &x, &y };
     int rc;
+    bool half_out = dx.dtype == DS_BF16 || dx.dtype == DS_F16;
+    if (op == DS_UN_GELU_TANH && half_out
+        && pw_fast_try<2>(gelu_tanh_backward_fast_f{}, dx, in, n, "gelu backward fast kernel", &rc))
+        return rc;
     if (op == DS_UN_GELU_TANH ? pw_fast_try<2>(gelu_tanh_backward_f{}, dx, in, n, "gelu backward fast kernel", &rc)
                               : pw_fast_try<3>(unary_backward_f{ op, param }, dx, in, n, "unary_backward fast kernel", &rc))
         return rc;
