@@ -15,10 +15,13 @@ bench_threads() {
     export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
 }
 
-# Builds dslua in $build, configuring it as Release if absent. Timings of a
-# Debug build mean nothing: refuse one rather than reconfigure it.
+# Builds dslua in $build, configuring it as Release if absent (a bare
+# binary there is used as it is). Timings of a Debug build mean nothing:
+# refuse one rather than reconfigure it.
 bench_build() {
     local type log
+    # a binary carried to a GPU machine without its build tree (../shared/device)
+    if [[ ! -f $build/CMakeCache.txt && -x $build/dslua ]]; then return; fi
     if [[ -f $build/CMakeCache.txt ]]; then
         type=$(sed -n 's/^CMAKE_BUILD_TYPE:[A-Z]*=//p' "$build/CMakeCache.txt")
         if [[ $type != Release ]]; then

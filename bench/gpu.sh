@@ -11,7 +11,7 @@ set -euo pipefail
 usage() {
     cat <<'EOF'
 usage: bench/gpu.sh [-b BUILD_DIR] [-o RESULTS] [-c] [-q]
-  -b BUILD_DIR  dslua's build (default: build; built first where it holds a CMake cache)
+  -b BUILD_DIR  dslua's build (default: build; built first unless it holds only a carried binary)
   -o RESULTS    also keep the raw result lines in this file
   -c            also time torch.compile at B=16 in bf16 (a minute of compiling)
   -q            quick: few steps and short samples (a smoke test, not a measurement)
@@ -35,7 +35,7 @@ while getopts "b:o:cqh" opt; do
     *) usage >&2; exit 2 ;;
     esac
 done
-if [[ -f $build/CMakeCache.txt ]]; then bench_build; fi
+bench_build
 py=python3
 if ! $py -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
     echo "$me: python3 has no torch with CUDA here; the torch columns show n/a" >&2
