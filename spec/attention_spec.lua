@@ -194,6 +194,7 @@ describe('qkv_attention', function()
     end
     fails('qkv_attention: qkv must be %[B,T,3%*C%] with C divisible by n_head 2, got %[2,5,9%]', ds.zeros(2, 5, 9), 2)
     fails('n_head 0', ds.zeros(2, 5, 12), 0)
+    fails('n_head 4611686018427387904', ds.zeros(2, 5, 12), 2 ^ 62)
     fails('got %[5,12%]', ds.zeros(5, 12), 2)
     fails('qkv_attention: qkv must be a floating point tensor, got i64', ds.zeros(2, 5, 12):long(), 2)
     fails("qkv_attention: unknown option 'casual'", ds.zeros(2, 5, 12), 2, { casual = true })

@@ -164,7 +164,9 @@ static int qkv_attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 
 ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double scale) {
     char s[96];
-    if (qkv->ndim != 3 || n_head <= 0 || qkv->shape[2] % (3 * n_head) != 0)
+    /* n_head first: 3 * n_head could overflow */
+    if (qkv->ndim != 3 || n_head <= 0 || n_head > qkv->shape[2] || qkv->shape[2] % 3 != 0 ||
+        qkv->shape[2] / 3 % n_head != 0)
         return ds_fail(DS_ERR_ARG, "%s: qkv must be [B,T,3*C] with C divisible by n_head %lld, got %s", QKV_OP,
                        (long long)n_head, ds_shape_str(qkv, s, sizeof s));
     if (!ds_dtype_is_float(qkv->dtype))
