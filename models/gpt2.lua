@@ -236,6 +236,31 @@ end
 -- The pipeline's loss: GPT's (targets -1 ignored).
 function M.pipe_loss(out, targets) return ds.cross_entropy(out, targets, { ignore_index = -1 }) end
 
+-- A pipeline's weights by layer (engine:save_16bit_model's layer_05.weight,
+-- the layers of M.pipe_layers) under GPT's names, for GPT:load_state_dict:
+-- layer 0 the embedding (the lm_head's too), 1 the positions, then the
+-- blocks and ln_f.
+function M.from_pipe_state_dict(sd)
+  local out, last = {}, 0    -- last: ln_f, the last layer saved (the lm_head is layer 0's)
+  for name in pairs(sd) do last = math.max(last, tonumber(name:match('^layer_(%d+)%.')) or 0) end
+  for name, t in pairs(sd) do
+    local i, rest = name:match('^layer_(%d+)%.(.+)$')
+    i = tonumber(i)
+    if i == 0 and rest == 'weight' then
+      out['transformer.wte.weight'], out['lm_head.weight'] = t, t
+    elseif i == 1 then
+      out['transformer.' .. rest] = t
+    elseif i and i >= 2 and i < last then
+      out[string.format('transformer.h.%d.%s', i - 2, rest)] = t
+    elseif i == last then
+      out['transformer.ln_f.' .. rest] = t
+    else
+      error(string.format("from_pipe_state_dict: '%s' is not a tensor of GPT-2's pipeline layers", name), 2)
+    end
+  end
+  return out
+end
+
 ---------------------------------------------------------------- Hugging Face's weights
 
 -- Hugging Face's GPT-2 keeps these four as Conv1D weights, [in, out]: the

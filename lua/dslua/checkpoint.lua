@@ -53,16 +53,44 @@ local MANIFEST = 'manifest.json'
 
 local function fail(fmt, ...) error(string.format(fmt, ...), 0) end
 
--- A pipeline on several ranks has no checkpoint layout yet: its stages hold
--- different parameters, and the files and collectives here are the data
--- parallel ranks'.
-local function refuse_pipeline(engine, verb)
+-- Every rank writes a file: a pipeline engine's world_size counts only the
+-- data-parallel ranks of its stage.
+local function nranks(engine)
+  return engine.module.is_pipeline and ds.comm.world_size() or engine.world_size
+end
+
+-- {name, tensor, owned} for a list of {state_dict name, tensor}: a
+-- pipeline's under its checkpoint names (layer_05.weight, the same on any
+-- split), owned where this stage saves them; every name owned otherwise.
+local function named(engine, list)
   local m = engine.module
-  if m.is_pipeline and ds.comm.world_size() > 1 then
-    fail('%s: a PipelineModule on %d ranks (%d stages x %d data parallel) does not checkpoint yet; save each '
-         .. "stage's weights with ds.checkpoint.save_file(path, engine.module:state_dict())", verb,
-         ds.comm.world_size(), m.num_stages, m.dp_size)
+  local out = {}
+  for i, e in ipairs(list) do
+    if m.is_pipeline then
+      local name, owned = m:checkpoint_name(e[1])
+      out[i] = { name, e[2], owned }
+    else
+      out[i] = { e[1], e[2], true }
+    end
   end
+  return out
+end
+
+local function named_parameters(engine) return named(engine, engine.module:named_parameters()) end
+local function state_entries(engine) return named(engine, engine.module:state_entries()) end
+
+-- A layout in words, for messages: a manifest's pipeline block (nil: not a
+-- pipeline) on `world` ranks.
+local function layout_str(p, world)
+  if not p then return string.format('a model on %d ranks, not a pipeline', world) end
+  local stages = {}
+  for s = 1, p.stages do stages[s] = string.format('%d..%d', p.firsts[s], (p.firsts[s + 1] or p.layers) - 1) end
+  return string.format('a pipeline of %d layers in %d stages (layers %s) x %d data parallel', p.layers, p.stages,
+                       table.concat(stages, ' | '), p.data_parallel)
+end
+
+local function engine_layout_str(engine)
+  return layout_str(engine.module.is_pipeline and engine.module:layout() or nil, nranks(engine))
 end
 
 local function file_name(r) return string.format('rank_%05d.safetensors', r) end
@@ -162,15 +190,26 @@ end
 -- (read_buffers gives each group's flat f32 buffers), mode: 'flat' (fp32 stage 0: the optimizer's own buffers hold whole
 -- parameters), 'masters' (this rank's shards back to back), 'nvme' (the
 -- same, streamed through files: read with state_dict).
+-- A checkpoint cuts each parameter into `parts` shards, rank `part`'s
+-- file holding shard `part` of those it owns: the world's ranks, or in a
+-- pipeline the data-parallel ranks of the stage that owns it (`ranks`).
 local function engine_layout(engine)
   local names = {}
-  for _, e in ipairs(engine.module:named_parameters()) do names[e[2]] = e[1] end
+  for _, e in ipairs(named_parameters(engine)) do names[e[2]] = e end
   local L = { params = {}, pieces = {}, by_name = {} }
+  local m = engine.module
+  if m.is_pipeline then
+    L.parts, L.part, L.pipeline, L.ranks = m.dp_size, m.dp_rank, m:layout(), {}
+    for d = 0, m.dp_size - 1 do L.ranks[d + 1] = m.topology:get_rank(m.stage_id, d) end
+  else
+    L.parts, L.part = engine.world_size, engine.rank
+  end
   local function add(p, g, lo, hi, offset)
     local i = #L.params + 1
-    local name = names[p]
-    if not name then fail('checkpoint: parameter %d of param group %d is not a parameter of the model', i, g) end
-    L.params[i] = { name = name, shape = p:size(), numel = p:numel(), group = g }
+    local e = names[p]
+    if not e then fail('checkpoint: parameter %d of param group %d is not a parameter of the model', i, g) end
+    local name = e[1]
+    L.params[i] = { name = name, shape = p:size(), numel = p:numel(), group = g, owned = e[3] }
     L.pieces[i] = { lo = lo, hi = hi, offset = offset }
     L.by_name[name] = i
   end
@@ -187,7 +226,7 @@ local function engine_layout(engine)
   else
     L.mode = z.offload == 'nvme' and 'nvme' or 'masters'
     L.optimizer = z.optimizer
-    local r = z.parts > 1 and z.rank or 0
+    local r = z.parts > 1 and L.part or 0
     for g, group in ipairs(z.groups) do
       local off = 0
       for _, p in ipairs(group.params) do
@@ -239,15 +278,16 @@ local function hyperparams(group)
 end
 
 -- Model tensors that are not trainable parameters (buffers, frozen
--- parameters), by state_dict name: rank 0 saves them whole.
+-- parameters), {name, tensor, owned}: rank 0 (a pipeline stage's first
+-- rank) saves them whole.
 local function module_tensors(engine, L)
   local trainable = {}
-  for _, e in ipairs(engine.module:named_parameters()) do
+  for _, e in ipairs(named_parameters(engine)) do
     if L.by_name[e[1]] then trainable[e[2]] = true end
   end
   local out = {}
-  for _, e in ipairs(engine.module:state_entries()) do
-    if not trainable[e[2]] then out[#out + 1] = { e[1], e[2] } end
+  for _, e in ipairs(state_entries(engine)) do
+    if not trainable[e[2]] then out[#out + 1] = e end
   end
   return out
 end
@@ -299,8 +339,8 @@ end
 -- DeepSpeed's _checkpoint_tag_validation: every rank must save the same tag.
 local function validate_tag(engine, tag)
   local mode = engine.config.checkpoint.tag_validation
-  if engine.world_size == 1 or mode == 'IGNORE' then return end
-  local tags = gather_strings(tag, engine.world_size)
+  if nranks(engine) == 1 or mode == 'IGNORE' then return end
+  local tags = gather_strings(tag, nranks(engine))
   for r, t in ipairs(tags) do
     if t ~= tags[1] then
       local msg = string.format("checkpoint tag '%s' of rank %d differs from rank 0's '%s': all ranks must save "
@@ -318,10 +358,11 @@ local function is_leader(engine)
   return engine.rank == 0
 end
 
--- This rank's file: its shards, and rank 0's whole module tensors and
--- client tensors. Returns the report rank 0 puts in the manifest.
+-- This rank's file: its shards of the parameters it owns, and the whole
+-- module tensors and client tensors it saves. Returns the report rank 0
+-- puts in the manifest.
 local function write_rank_file(engine, L, bufs, path, extra_tensors, rank_state)
-  local W, r = engine.world_size, engine.rank
+  local W, part, r = L.parts, L.part, engine.rank
   local entries, saved_states = {}, {}
   for g = 1, #L.groups do
     saved_states[g] = {}
@@ -330,8 +371,8 @@ local function write_rank_file(engine, L, bufs, path, extra_tensors, rank_state)
     end
   end
   for i, p in ipairs(L.params) do
-    local lo, hi = shard_range(p.numel, r, W)
-    if hi > lo then
+    local lo, hi = shard_range(p.numel, part, W)
+    if hi > lo and p.owned then
       local piece = L.pieces[i]
       if lo < piece.lo or hi > piece.hi then
         fail('save_checkpoint: rank %d holds [%d, %d) of %s, not its shard [%d, %d)', r, piece.lo, piece.hi, p.name,
@@ -382,38 +423,51 @@ local function rank_state(engine, tensors)
   return st
 end
 
--- The manifest rank 0 writes (see the top of this file).
-local function manifest(engine, L, steps, tag, files, saved_states, client)
+-- The parameters whose shards this rank's file starts (shard 0, so each
+-- once), as the manifest lists them: a pipeline's with the ranks whose
+-- files hold their shards (the owning stage's, by data index).
+local function saved_params(L)
+  local out = {}
+  if L.part ~= 0 then return json.array(out) end
+  for _, p in ipairs(L.params) do
+    if p.owned then
+      out[#out + 1] = { name = p.name, shape = json.array(p.shape), numel = p.numel, group = p.group,
+                        shard = ceil_div(p.numel, L.parts), ranks = L.ranks and json.array(L.ranks) }
+    end
+  end
+  return json.array(out)
+end
+
+-- The manifest rank 0 writes (see the top of this file), from every rank's
+-- report: its parameters and module tensors.
+local function manifest(engine, L, steps, tag, files, reports, client)
   local z = engine.zero
-  local params = {}
-  for i, p in ipairs(L.params) do
-    params[i] = { name = p.name, shape = json.array(p.shape), numel = p.numel, group = p.group,
-                  shard = ceil_div(p.numel, engine.world_size) }
+  local params, module = {}, {}
+  for _, rep in ipairs(reports) do
+    for _, p in ipairs(rep.params) do params[#params + 1] = p end
+    for _, e in ipairs(rep.module) do module[#module + 1] = e end
   end
   local groups = {}
   for g, group in ipairs(L.groups) do
     local names = {}
-    for i, p in ipairs(L.params) do
-      if p.group == g then names[#names + 1] = L.params[i].name end
+    for _, p in ipairs(params) do
+      if p.group == g then names[#names + 1] = p.name end
     end
     groups[g] = { hyperparameters = hyperparams(group), step = steps[g], params = json.array(names),
-                  state = json.array(saved_states[g]) }
+                  state = json.array(reports[1].saved_states[g]) }
   end
   -- state_dict names of trainable parameters under a second name (tied)
   local aliases, seen = {}, {}
-  for _, e in ipairs(engine.module:named_parameters()) do seen[e[2]] = e[1] end
-  for _, e in ipairs(engine.module:state_entries()) do
+  for _, e in ipairs(named_parameters(engine)) do seen[e[2]] = e[1] end
+  for _, e in ipairs(state_entries(engine)) do
     local first = seen[e[2]]
     if first and first ~= e[1] and L.by_name[first] then aliases[e[1]] = first end
   end
-  local module = {}
-  for _, e in ipairs(module_tensors(engine, L)) do
-    module[#module + 1] = { name = e[1], dtype = e[2]:dtype(), shape = json.array(e[2]:size()) }
-  end
   return {
     format = FORMAT, format_version = FORMAT_VERSION, dslua_version = core.version, tag = tag,
-    world_size = engine.world_size, zero_stage = z and z.stage or 0, dtype = z and z.dtype or 'f32',
+    world_size = nranks(engine), zero_stage = z and z.stage or 0, dtype = z and z.dtype or 'f32',
     device = engine.device, parameters = params, module = json.array(module), aliases = aliases,
+    pipeline = L.pipeline,
     optimizer = { type = L.optimizer.name, param_groups = groups },
     engine = { global_steps = engine.global_steps, global_samples = engine.global_samples,
                micro_steps = engine.micro_steps, skipped_steps = engine.skipped_steps, epoch = engine.epoch },
@@ -427,7 +481,6 @@ end
 -- engine:save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
 -- true; save_latest = false leaves `latest` where it was (DeepSpeed's).
 function M.save(engine, dir, tag, client_state, save_latest)
-  refuse_pipeline(engine, 'save_checkpoint')
   if type(dir) ~= 'string' or dir == '' then fail('save_checkpoint: save_dir must be a path, got %s', type(dir)) end
   tag = tag or ('global_step' .. engine.global_steps)
   check_tag(tag, 'save_checkpoint')
@@ -436,7 +489,7 @@ function M.save(engine, dir, tag, client_state, save_latest)
     fail('save_checkpoint: micro step %d is inside a gradient accumulation window of %d (its gradients are not '
          .. 'saved): save after engine:step() at a boundary', engine.micro_steps, gas)
   end
-  local W, r = engine.world_size, engine.rank
+  local W, r = nranks(engine), engine.rank
   local t0 = ds.wall_time()
   validate_tag(engine, tag)
   local final = dir .. '/' .. tag
@@ -451,14 +504,20 @@ function M.save(engine, dir, tag, client_state, save_latest)
   end)
   local L = engine_layout(engine)
   local bufs, steps = read_buffers(engine, L)
-  local extra, client = {}, nil
-  if r == 0 then
-    for _, e in ipairs(module_tensors(engine, L)) do extra[#extra + 1] = { 'module/' .. e[1], e[2] } end
-    if client_state ~= nil then client = split_client(client_state, '', extra) end
+  local extra, client, module = {}, nil, {}
+  if L.part == 0 then
+    for _, e in ipairs(module_tensors(engine, L)) do
+      if e[3] then
+        extra[#extra + 1] = { 'module/' .. e[1], e[2] }
+        module[#module + 1] = { name = e[1], dtype = e[2]:dtype(), shape = json.array(e[2]:size()), rank = r }
+      end
+    end
   end
+  if r == 0 and client_state ~= nil then client = split_client(client_state, '', extra) end
   local report = everywhere(W, 'save_checkpoint', function()
     local state = rank_state(engine, extra)
     local rep = write_rank_file(engine, L, bufs, partial .. '/' .. file_name(r), extra, state)
+    rep.params, rep.module = saved_params(L), json.array(module)
     maybe_kill(r, 'written')
     return rep
   end)
@@ -467,13 +526,14 @@ function M.save(engine, dir, tag, client_state, save_latest)
   if leader then
     ok, err = pcall(function()
       C.fsync_dir(partial)
-      local files = {}
+      local files, reps = {}, {}
       for k, text in ipairs(reports) do
         local rep = json.decode(text)
         files[k] = { file = file_name(k - 1), rank = k - 1, bytes = rep.bytes, sha256 = rep.sha256,
                      tensors = rep.tensors }
+        reps[k] = rep
       end
-      local m = manifest(engine, L, steps, tag, files, json.decode(reports[1]).saved_states, client)
+      local m = manifest(engine, L, steps, tag, files, reps, client)
       C.write_atomic(partial .. '/' .. MANIFEST, json.encode(m, 1) .. '\n')
       maybe_kill(r, 'manifest')
       C.replace_dir(partial, final)
@@ -542,9 +602,10 @@ end
 -- P. A mismatch is pinned on the tensor whose bytes changed (its CRC-32)
 -- when the header still reads.
 local function verify_files(engine, path, m)
-  everywhere(engine.world_size, 'load_checkpoint', function()
+  local P = nranks(engine)
+  everywhere(P, 'load_checkpoint', function()
     for k, entry in ipairs(m.files) do
-      if (k - 1) % engine.world_size == engine.rank then
+      if (k - 1) % P == engine.rank then
         local file = path .. '/' .. entry.file
         if not C.exists(file) then fail("'%s' is missing", file) end
         if C.sha256_file(file) ~= entry.sha256 then
@@ -586,13 +647,14 @@ local function opener(path, m)
 end
 
 -- Elements [a, b) of the saved parameter sp's kind ('fp32', 'exp_avg'...)
--- into dst (1-D) from element at, from whichever shards hold them.
+-- into dst (1-D) from element at, from whichever shards hold them (shard
+-- k in rank k's file, or a pipeline stage's k-th rank's).
 local function read_range(get, m, sp, kind, a, b, dst, at)
   if b <= a then return end
-  local s, W = sp.shard, m.world_size
+  local s, W = sp.shard, sp.ranks and #sp.ranks or m.world_size
   local key = kind .. '/' .. sp.name
   for rs = math.floor(a / s), math.floor((b - 1) / s) do
-    local f = get(rs)
+    local f = get(sp.ranks and sp.ranks[rs + 1] or rs)
     local e = f:entry(key)
     local slo, shi = shard_range(sp.numel, rs, W)
     if not e then fail("load_checkpoint: '%s' has no tensor '%s'", f:path(), key) end
@@ -605,8 +667,18 @@ local function read_range(get, m, sp, kind, a, b, dst, at)
   end
 end
 
+-- Whether a saved parameter belongs on this rank: any, or in a pipeline
+-- those of this stage's layers.
+local function on_this_stage(engine, name)
+  local mod = engine.module
+  if not mod.is_pipeline then return true end
+  local index = tonumber(name:match('^layer_(%d+)%.'))
+  local first, last = mod:stage_layers(mod.stage_id)
+  return index ~= nil and index >= first and index <= last
+end
+
 -- The parameters of the checkpoint against the engine's: names and shapes.
-local function match_params(path, m, L, strict)
+local function match_params(engine, path, m, L, strict)
   local saved, missing, unexpected = {}, {}, {}
   for _, sp in ipairs(m.parameters) do saved[sp.name] = sp end
   for _, p in ipairs(L.params) do
@@ -619,7 +691,7 @@ local function match_params(path, m, L, strict)
     end
   end
   for _, sp in ipairs(m.parameters) do
-    if not L.by_name[sp.name] then unexpected[#unexpected + 1] = sp.name end
+    if not L.by_name[sp.name] and on_this_stage(engine, sp.name) then unexpected[#unexpected + 1] = sp.name end
   end
   if strict and (#missing > 0 or #unexpected > 0) then
     local lines = {}
@@ -647,7 +719,15 @@ local function match_optimizer(path, m, L)
     for _, p in ipairs(L.params) do
       if p.group == g then mine[#mine + 1] = p.name end
     end
-    if table.concat(sg.params, '\n') ~= table.concat(mine, '\n') then
+    local same = table.concat(sg.params, '\n') == table.concat(mine, '\n')
+    if L.pipeline then
+      -- a stage's group holds its own layers' share of the saved group
+      local saved = {}
+      for _, name in ipairs(sg.params) do saved[name] = true end
+      same = true
+      for _, name in ipairs(mine) do same = same and saved[name] == true end
+    end
+    if not same then
       fail("load_checkpoint: '%s': param group %d holds other parameters than this engine's: load with "
            .. 'load_optimizer_states = false', path, g)
     end
@@ -714,15 +794,16 @@ local function load_tensors(engine, L, path, m, saved, get, with_state)
   end)
 end
 
--- Buffers and frozen parameters: rank 0's file, whole.
+-- Buffers and frozen parameters, whole: from rank 0's file (a pipeline
+-- stage's first rank's).
 local function load_module_tensors(engine, L, path, m, get, strict)
   local saved = {}
   for _, e in ipairs(m.module) do saved[e.name] = e end
-  local f = get(0)
   ds.no_grad(function()
     for _, e in ipairs(module_tensors(engine, L)) do
       local name, t = e[1], e[2]
       if saved[name] then
+        local f = get(saved[name].rank or 0)
         local key = 'module/' .. name
         local got = f:entry(key)
         if not got then fail("load_checkpoint: '%s' has no tensor '%s'", f:path(), key) end
@@ -775,9 +856,9 @@ local function compare_code(engine, m)
 end
 
 -- This rank's state of the saved run: its own rank's, or rank 0's on a
--- new world size.
+-- new world size or pipeline layout.
 local function restore_rank_state(engine, m, get)
-  local same = m.world_size == engine.world_size
+  local same = layout_str(m.pipeline, m.world_size) == engine_layout_str(engine)
   local f = get(same and engine.rank or 0)
   local text = f:metadata().dslua
   local ok, st = pcall(json.decode, text or '')
@@ -800,7 +881,7 @@ local function restore_rank_state(engine, m, get)
     local samples = 0
     for j = 1, step do samples = samples + (engine.sampler and engine.sampler:batch_size(j) or l.batch_size) end
     note(engine, 'load_checkpoint: saved on %d ranks, loaded on %d: the data loader resumes epoch %d at step %d of '
-         .. '%d (the saved run was at %d of %d on rank 0)', m.world_size, engine.world_size, pos.epoch, step, steps,
+         .. '%d (the saved run was at %d of %d on rank 0)', m.world_size, nranks(engine), pos.epoch, step, steps,
          pos.step, pos.steps)
     pos = { epoch = pos.epoch, step = step, samples = samples }
   end
@@ -809,7 +890,6 @@ end
 
 -- engine:load_checkpoint(dir [, tag [, opts]]) -> path, client_state
 function M.load(engine, dir, tag, opts)
-  refuse_pipeline(engine, 'load_checkpoint')
   if type(dir) ~= 'string' or dir == '' then fail('load_checkpoint: load_dir must be a path, got %s', type(dir)) end
   local o = load_options(opts)
   if tag == nil then
@@ -823,14 +903,22 @@ function M.load(engine, dir, tag, opts)
   end
   check_tag(tag, 'load_checkpoint')
   local path = dir .. '/' .. tag
-  local m = everywhere(engine.world_size, 'load_checkpoint', function() return M.read_manifest(path) end)
-  if o.verify then verify_files(engine, path, m) end
+  local P = nranks(engine)
+  local m = everywhere(P, 'load_checkpoint', function() return M.read_manifest(path) end)
+  local saved_layout, layout = layout_str(m.pipeline, m.world_size), engine_layout_str(engine)
   local L = engine_layout(engine)
+  -- a pipeline's parameters are named by layer index: another number of
+  -- stages or ranks reshards, another model (or none) cannot load
+  if (m.pipeline == nil) ~= (L.pipeline == nil) or (m.pipeline and m.pipeline.layers ~= L.pipeline.layers) then
+    fail("load_checkpoint: '%s' was saved from %s; this engine runs %s: its parameters are named otherwise", path,
+         saved_layout, layout)
+  end
+  if o.verify then verify_files(engine, path, m) end
   local with_state = o.load_optimizer_states and not o.load_module_only
   local get, close = opener(path, m)
   local client
-  everywhere(engine.world_size, 'load_checkpoint', function()
-    local saved = match_params(path, m, L, o.load_module_strict)
+  everywhere(P, 'load_checkpoint', function()
+    local saved = match_params(engine, path, m, L, o.load_module_strict)
     if with_state then match_optimizer(path, m, L) end
     load_tensors(engine, L, path, m, saved, get, with_state)
     load_module_tensors(engine, L, path, m, get, o.load_module_strict)
@@ -850,9 +938,10 @@ function M.load(engine, dir, tag, opts)
     client = join_client(m.client_state, get)
   end)
   close()
-  note(engine, 'loaded checkpoint %s (saved on %d ranks at ZeRO stage %d in %s; loaded on %d at stage %d in %s)',
-       path, m.world_size, m.zero_stage, m.dtype, engine.world_size, engine.zero and engine.zero.stage or 0,
-       engine.zero and engine.zero.dtype or 'f32')
+  note(engine, 'loaded checkpoint %s (saved on %d ranks at ZeRO stage %d in %s; loaded on %d at stage %d in %s)%s',
+       path, m.world_size, m.zero_stage, m.dtype, P, engine.zero and engine.zero.stage or 0,
+       engine.zero and engine.zero.dtype or 'f32',
+       L.pipeline and string.format(': saved as %s, loaded as %s', saved_layout, layout) or '')
   return path, client
 end
 
@@ -953,14 +1042,36 @@ function M.zero_to_fp32(dir, out_file, tag, dtype)
   return out_file
 end
 
+-- A pipeline's entries on rank 0, in stage order: each stage's first rank
+-- sends its own (the names and shapes first, in one all-gather).
+local function gather_stages(engine, entries)
+  local heads = {}
+  for i, e in ipairs(entries) do heads[i] = { e[1], e[2]:dtype(), json.array(e[2]:size()) } end
+  local lists = gather_strings(json.encode(json.array(heads)), nranks(engine))
+  if engine.rank ~= 0 then
+    for _, e in ipairs(entries) do ds.comm.send(e[2]:to(engine.device), 0) end
+    return entries
+  end
+  local out = {}
+  for r, text in ipairs(lists) do
+    for i, h in ipairs(json.decode(text)) do
+      out[#out + 1] = { h[1], r == 1 and entries[i][2]
+                                or ds.comm.recv(ds.zeros(h[3], h[2]):to(engine.device), r - 1):to('cpu') }
+    end
+  end
+  return out
+end
+
 -- The engine's whole model in one safetensors file (every rank calls;
 -- rank 0 writes), state_dict names: the weights in the model's dtype
 -- (DeepSpeed's save_16bit_model), or dtype = 'f32' for the fp32 masters
 -- under bf16/fp16. Stage 3 gathers the parameters, which DeepSpeed allows
--- with stage3_gather_16bit_weights_on_model_save.
+-- with stage3_gather_16bit_weights_on_model_save. A pipeline's layers come
+-- from their stages, each once, under their checkpoint names
+-- (layer_05.weight; models.gpt2.from_pipe_state_dict renames GPT-2's).
 function M.save_model(engine, path, dtype)
-  refuse_pipeline(engine, 'save_16bit_model')
   local z = engine.zero
+  local pipe = engine.module.is_pipeline
   if z and z.stage == 3 and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save then
     fail('save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false: the stage 3 '
          .. 'weights stay partitioned (set it to gather them)')
@@ -977,7 +1088,8 @@ function M.save_model(engine, path, dtype)
       if piece.hi > piece.lo then
         mine:narrow(1, 1, piece.hi - piece.lo):copy_(bufs[p.group].fp32:narrow(1, piece.offset + 1, piece.hi - piece.lo))
       end
-      local whole = z.parts > 1 and ds.cat(ds.comm.all_gather(mine:to(engine.device))):to('cpu') or mine
+      local whole = z.parts > 1 and ds.cat(ds.comm.all_gather(mine:to(engine.device), engine.module.dp_group)):to('cpu')
+                    or mine
       masters[p.name] = whole:narrow(1, 1, p.numel):view(p.shape)
     end
   end
@@ -985,18 +1097,22 @@ function M.save_model(engine, path, dtype)
   local entries = {}
   local ok, err = pcall(function()
     local names = {}
-    for _, e in ipairs(engine.module:named_parameters()) do names[e[2]] = e[1] end
-    for _, e in ipairs(engine.module:state_entries()) do
-      local t = masters[names[e[2]] or ''] or e[2]:detach():to('cpu'):clone()
-      if dtype and t:dtype() ~= dtype and (t:dtype() == 'f32' or t:dtype() == 'bf16' or t:dtype() == 'f16') then
-        t = t:to(dtype)
+    for _, e in ipairs(named_parameters(engine)) do names[e[2]] = e[1] end
+    for _, e in ipairs(state_entries(engine)) do
+      -- a pipeline stage's first rank: the layers this stage owns
+      if e[3] and not (pipe and engine.module.dp_rank > 0) then
+        local t = masters[names[e[2]] or ''] or e[2]:detach():to('cpu'):clone()
+        if dtype and t:dtype() ~= dtype and (t:dtype() == 'f32' or t:dtype() == 'bf16' or t:dtype() == 'f16') then
+          t = t:to(dtype)
+        end
+        entries[#entries + 1] = { e[1], t }
       end
-      entries[#entries + 1] = { e[1], t }
     end
   end)
   if z and z.stage == 3 then z.engine:release_all() end
-  if not ok then error(err, 0) end
-  everywhere(engine.world_size, 'save_16bit_model', function()
+  everywhere(nranks(engine), 'save_16bit_model', function() if not ok then error(err, 0) end end)
+  if pipe then entries = gather_stages(engine, entries) end
+  everywhere(nranks(engine), 'save_16bit_model', function()
     if engine.rank == 0 then
       C.mkdirs(path:match('^(.*)/[^/]*$') or '.')
       M.save_file(path, entries)

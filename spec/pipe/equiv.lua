@@ -9,13 +9,17 @@
 -- evaluation loss, the last gradient norm, every weight (keyed by the
 -- layer's global index, tied ones by key) and the largest difference
 -- between copies of one weight (data-parallel replicas, tied copies) as
--- JSON to the output path.
+-- JSON to the output path. With `save:<dir>` it saves a checkpoint in dir
+-- after the first step (client_state {step = 1}) and the 16-bit model
+-- after the last (dir/model.safetensors); with `load:<dir>` it loads that
+-- checkpoint and runs the steps after it (losses: those steps').
 local ds = require 'dslua'
 
 local out_path, kind, stages = arg[1], arg[2], tonumber(arg[3])
 local zero, clip, precision, interval = tonumber(arg[4] or 0), tonumber(arg[5] or 0), arg[6], tonumber(arg[7] or 0)
+local ckpt, ckpt_dir = (arg[8] or ''):match('^(%a+):(.+)$')
 assert(out_path and (kind == 'mlp' or kind == 'gpt') and stages,
-       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16|fp32 [checkpoint interval]]]]')
+       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16|fp32 [checkpoint interval [save:dir|load:dir]]]]]')
 local world = ds.comm.world_size()
 local MICRO, STEPS = 4, 3
 local dp = world / stages
@@ -60,8 +64,18 @@ local engine = ds.initialize { model = model, config = {
   pipeline = { activation_checkpoint_interval = interval },
 } }
 local it = batches()
-local losses = {}
-for step = 1, STEPS do losses[step] = engine:train_batch(it) end
+local losses, first, client = {}, 1, nil
+if ckpt == 'load' then
+  local _
+  _, client = engine:load_checkpoint(ckpt_dir)
+  first = engine.global_steps + 1
+  for _ = 1, gas * engine.global_steps do it() end     -- the saved steps' batches
+end
+for step = first, STEPS do
+  losses[#losses + 1] = engine:train_batch(it)
+  if ckpt == 'save' and step == 1 then engine:save_checkpoint(ckpt_dir, nil, { step = 1 }) end
+end
+if ckpt == 'save' then engine:save_16bit_model(ckpt_dir, 'model.safetensors') end
 local eval = engine:eval_batch(batches())
 
 local function weights()
@@ -101,7 +115,7 @@ if ds.comm.rank() == 0 then
   end
   local f = assert(io.open(out_path, 'w'))
   f:write(ds.json.encode { losses = losses, eval = eval, weights = w, spread = spread, norm = engine.grad_norm,
-                           stages = { model:stage_layers(0) } })
+                           stages = { model:stage_layers(0) }, client = client })
   f:close()
 elseif world > 1 then
   local bytes = {}

@@ -262,6 +262,7 @@ function PipelineModule:init(opts)
   end
   local first, last = parts[self.stage_id + 1], parts[self.stage_id + 2] - 1
   local funcs, mods, tied, tied_weights = {}, {}, {}, {}
+  local layer_of = {}    -- mods[k]'s layer index (0-based; a tied key's: its first layer's)
   for i = first, last do
     local l = layers[i]
     if is_tied(l) then
@@ -271,6 +272,7 @@ function PipelineModule:init(opts)
         mod = build(key_first[l.key])
         tied[l.key] = mod
         mods[#mods + 1] = mod
+        layer_of[#mods] = key_first[l.key] - 1
         tied_weights[l.key] = {}
         for _, path in ipairs(spec.tied_weight_attr) do
           table.insert(tied_weights[l.key], tied_tensor(spec, mod, path))
@@ -281,13 +283,18 @@ function PipelineModule:init(opts)
     else
       if is_spec(l) then l = build(i) end
       funcs[#funcs + 1] = l
-      if type(l) == 'table' and l.parameters then mods[#mods + 1] = l end
+      if type(l) == 'table' and l.parameters then
+        mods[#mods + 1] = l
+        layer_of[#mods] = i - 1
+      end
     end
   end
   ds.set_rng_state(rng)
   rawset(self, 'funcs', funcs)
   rawset(self, 'tied_modules', tied)   -- key -> this stage's module of it
   rawset(self, 'tied_weights', tied_weights)   -- key -> its tied tensors here
+  rawset(self, 'layer_of', layer_of)
+  rawset(self, 'num_layers', #layers)
   self.layers = nn.ModuleList(mods)
   self:_make_groups(layers)
 
@@ -395,6 +402,27 @@ end
 -- the layer indices (0-based, as DeepSpeed prints them) of stage s
 function PipelineModule:stage_layers(s)
   return self.parts[s + 1] - 1, self.parts[s + 2] - 2
+end
+
+-- A state_dict name ('layers.2.weight', this stage's third module) as
+-- checkpoints name it: by the layer's global index ('layer_05.weight', as
+-- DeepSpeed's layer_05-model_states.pt), the same however the model is
+-- split; a tied key's tensors by its first layer. Returns the name and
+-- whether this stage owns it (holds that layer, so saves it).
+function PipelineModule:checkpoint_name(name)
+  local k, rest = name:match('^layers%.(%d+)%.(.+)$')
+  local index = k and self.layer_of[tonumber(k) + 1]
+  if not index then error(fmt("pipeline: '%s' is not a tensor of a layer of stage %d", name, self.stage_id), 0) end
+  local first, last = self:stage_layers(self.stage_id)
+  return fmt('layer_%02d.%s', index, rest), index >= first and index <= last
+end
+
+-- The layout a checkpoint records: stages, data-parallel ranks, and each
+-- stage's first layer.
+function PipelineModule:layout()
+  local firsts = {}
+  for s = 1, self.num_stages do firsts[s] = self.parts[s] - 1 end
+  return { stages = self.num_stages, data_parallel = self.dp_size, layers = self.num_layers, firsts = firsts }
 end
 
 return M
