@@ -925,7 +925,12 @@ function M.load(engine, dir, tag, opts)
     if not o.load_module_only then
       local e = m.engine
       engine.global_steps, engine.global_samples = e.global_steps, e.global_samples
-      engine.micro_steps, engine.skipped_steps, engine.epoch = e.micro_steps, e.skipped_steps, e.epoch
+      engine.skipped_steps, engine.epoch = e.skipped_steps, e.epoch
+      -- saved at a boundary: as many accumulation windows, each of this
+      -- run's length (another number of data-parallel ranks changes it)
+      local gas = engine:gradient_accumulation_steps()
+      local saved_gas = (m.config or {}).gradient_accumulation_steps or gas
+      engine.micro_steps = math.floor(e.micro_steps / saved_gas) * gas
       engine.resumed_samples = e.global_samples
       engine.last_report = { busy = engine.busy_time, samples = e.global_samples }
       if o.load_lr_scheduler_states and engine.lr_scheduler and m.lr_scheduler then

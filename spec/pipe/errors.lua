@@ -4,16 +4,18 @@ local ds = require 'dslua'
 local nn = ds.nn
 local LayerSpec = ds.pipe.LayerSpec
 
-local case = assert(arg[1], 'usage: errors.lua no_params|shapes|checkpoint')
+local case = assert(arg[1], 'usage: errors.lua no_params|shapes|layout')
 if case == 'no_params' then
   ds.pipe.PipelineModule { layers = { LayerSpec(nn.Linear, 4, 4), LayerSpec(nn.ReLU), LayerSpec(nn.ReLU),
                                       LayerSpec(nn.Tanh) }, num_stages = 2, partition_method = 'uniform' }
-elseif case == 'checkpoint' then
+elseif case == 'layout' then
+  -- a pipeline's checkpoint loaded into the same layers as one model
+  local config = { train_micro_batch_size_per_gpu = 3, optimizer = { type = 'SGD', params = { lr = 0.1 } } }
+  local dir = arg[2]
   local model = ds.pipe.PipelineModule { layers = { LayerSpec(nn.Linear, 4, 6), LayerSpec(nn.Linear, 6, 2) },
                                          num_stages = 2 }
-  local engine = ds.initialize { model = model, config = {
-    train_micro_batch_size_per_gpu = 3, optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
-  engine:save_checkpoint(os.tmpname())
+  ds.initialize { model = model, config = config }:save_checkpoint(dir, 'pipe')
+  ds.initialize { model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), config = config }:load_checkpoint(dir, 'pipe')
 else
   -- stage 0 ends in a [B, 6] activation, stage 1 starts with a Linear of 5 inputs
   local model = ds.pipe.PipelineModule {
