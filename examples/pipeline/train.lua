@@ -4,9 +4,11 @@
 -- test accuracy through eval_batch.
 --   dslua -n 2 examples/pipeline/train.lua --config examples/pipeline/ds.json      # 2 stages
 --   dslua -n 4 examples/pipeline/train.lua --config examples/pipeline/ds.json      # 2 stages x 2 data
---         [--stages N] [--steps N] [--data DIR]
+--         [--stages N] [--steps N] [--data DIR] [--save DIR] [--load DIR]
 -- --stages defaults to 2 (1 on one rank); the other ranks are data
 -- parallel. --steps defaults to one epoch of the 8,000 training images.
+-- --save DIR saves a checkpoint there after the last step; --load DIR
+-- resumes from its latest one and trains up to --steps.
 local ds = require 'dslua'
 
 local here = arg[0]:match('^(.*)/') or '.'
@@ -17,12 +19,13 @@ local opts = { stages = math.min(2, world) }
 local rest = ds.args.rest
 for i = 1, #rest, 2 do
   local key, value = rest[i]:match('^%-%-(%w+)$'), rest[i + 1]
-  if key == 'data' then
-    opts.data = assert(value, '--data needs a value')
+  if key == 'data' or key == 'save' or key == 'load' then
+    opts[key] = assert(value, '--' .. key .. ' needs a value')
   elseif key == 'stages' or key == 'steps' then
     opts[key] = assert(tonumber(value), '--' .. key .. ' needs a number')
   else
-    error(string.format("unknown argument '%s' (expected --stages N, --steps N, --data DIR)", rest[i]), 0)
+    error(string.format("unknown argument '%s' (expected --stages N, --steps N, --data DIR, --save DIR, --load DIR)",
+                        rest[i]), 0)
   end
 end
 local dir = mnist.data_or_skip(here, opts.data)
@@ -52,7 +55,9 @@ if ds.comm.rank() == 0 then
   end
 end
 
-for _ = 1, steps do engine:train_batch() end
+if opts.load then engine:load_checkpoint(opts.load) end
+for _ = engine.global_steps + 1, steps do engine:train_batch() end
+if opts.save then engine:save_checkpoint(opts.save) end
 
 -- The test set in one eval_batch: gas x dp micro batches, this data rank's
 -- share of them; the last stage counts what it classifies right.

@@ -85,8 +85,8 @@ local function layout_str(p, world)
   if not p then return string.format('a model on %d ranks, not a pipeline', world) end
   local stages = {}
   for s = 1, p.stages do stages[s] = string.format('%d..%d', p.firsts[s], (p.firsts[s + 1] or p.layers) - 1) end
-  return string.format('a pipeline of %d layers in %d stages (layers %s) x %d data parallel', p.layers, p.stages,
-                       table.concat(stages, ' | '), p.data_parallel)
+  return string.format('a pipeline of %d layers in %d stage%s (layers %s) x %d data parallel', p.layers, p.stages,
+                       p.stages > 1 and 's' or '', table.concat(stages, ' | '), p.data_parallel)
 end
 
 local function engine_layout_str(engine)
@@ -1020,7 +1020,7 @@ function M.read_full(dir, tag, with_states)
   end
   local module = {}
   for _, e in ipairs(m.module) do
-    local t = get(0):read('module/' .. e.name)
+    local t = get(e.rank or 0):read('module/' .. e.name)
     module[e.name] = #e.shape > 0 and t:view(e.shape) or t:view({})
   end
   close()
