@@ -21,6 +21,17 @@
 --     damaged file changed).
 -- and <dir>/latest names the newest complete tag.
 --
+-- A pipeline (ds.pipe.PipelineModule) names its tensors by layer as
+-- DeepSpeed's layer_XX-model_states.pt files do: layer_05.weight, a tied
+-- key's by its first layer, the same however the layers are split. Each
+-- stage saves only its own layers (a tied weight once, by the stage of its
+-- first layer), cut over the stage's data-parallel ranks instead of the
+-- world: the manifest lists the ranks whose files hold each parameter's
+-- shards, and its pipeline block the stages, data-parallel ranks and each
+-- stage's first layer. A load reads by name, so another number of stages
+-- or data ranks (one rank too) reshards; a pipeline's checkpoint does not
+-- load into a model that is not one (nor with another number of layers).
+--
 -- A save is atomic: every rank writes its file into <tag>.partial (temp
 -- name, fsync, rename); all ranks report (an all-gather, so the tag is
 -- complete everywhere); rank 0 writes the manifest, puts the folder in
