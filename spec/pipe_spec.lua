@@ -293,6 +293,13 @@ describe('ds.pipe across ranks', function()
     assert.are.same({ 'layer_00.weight', { 0, 1 } }, { wte.name, wte.ranks })
     assert.are.equal(28, #m.parameters)   -- every weight once, as the JSON counts them (the tied one by key)
     assert.are.equal(28, same_end(gpt, resumed(gpt_dir, 'gpt', 4, 2, 1), 'GPT-2, 2x2 ZeRO-1', 1e-6))
+    -- stage 1's first rank killed halfway through its file while the same
+    -- run saves global_step1 again: the saved checkpoint stays whole
+    local _, status = H.run('DSLUA_CKPT_KILL=2:half ' .. H.ranks_cmd(4):gsub('%-x DSLUA_NUM_THREADS',
+      '-x DSLUA_CKPT_KILL -x DSLUA_NUM_THREADS') .. string.format(' spec/pipe/equiv.lua %s/killed.json gpt 2 1 0 fp32 0 '
+      .. 'save:%s 2>&1', dir, gpt_dir))
+    assert.are_not.equal(0, status)
+    same_end(gpt, resumed(gpt_dir, 'gpt', 4, 2, 1), 'GPT-2, 2x2 ZeRO-1, after a killed save', 1e-6)
     same_end(gpt, resumed(gpt_dir, 'gpt', 1, 1, 0), 'GPT-2, 2x2 ZeRO-1 loaded on one rank', 1e-5)
 
     -- save_16bit_model: every layer once on rank 0, into models.gpt2 by from_pipe_state_dict
