@@ -316,6 +316,10 @@ describe('ds.pipe across ranks', function()
     local model = GPT { n_layer = 2, n_head = 2, n_embd = 16, vocab_size = 32, block_size = 8 }
     model:load_state_dict(GPT.from_pipe_state_dict(sd))     -- strict: every tensor of the model given
     assert.are.same(gpt.weights['3.mlp.c_fc.weight'], model.transformer.h[2].mlp.c_fc.weight:to('f64'):reshape({ -1 }):totable())
+    -- zero_to_fp32 consolidates the step 1 checkpoint under the same names
+    local fp32 = ds.checkpoint.load_file(ds.checkpoint.zero_to_fp32(gpt_dir, dir .. '/fp32.safetensors'))
+    model:load_state_dict(GPT.from_pipe_state_dict(fp32))
+    assert.are.same(fp32['layer_00.weight']:totable(), model.lm_head.weight:totable())
   end)
 
   local function fails(case, want)
