@@ -259,17 +259,18 @@ describe('ds.pipe across ranks', function()
   end)
 
   -- equiv.lua's run that saves a checkpoint after step 1 (in dir/<name>),
-  -- and runs that load it on np ranks in `stages` stages with ZeRO stage zero
-  local function saved(model, np, stages, zero)
-    local ckpt = string.format('%s/ckpt-%s-%d-%d', dir, model, np, zero)
+  -- and runs that load it on np ranks in `stages` stages with ZeRO stage
+  -- zero (fp32, or precision with clipping at 0.05)
+  local function saved(model, np, stages, zero, precision)
+    local ckpt = string.format('%s/ckpt-%s-%d-%d-%s', dir, model, np, zero, precision or 'fp32')
     local path = ckpt .. '.json'
-    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d 0 fp32 0 save:%s 2>&1', H.ranks_cmd(np), path,
-                                    model, stages, zero, ckpt), path), ckpt
+    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g %s 0 save:%s 2>&1', H.ranks_cmd(np), path,
+                                    model, stages, zero, precision and 0.05 or 0, precision or 'fp32', ckpt), path), ckpt
   end
-  local function resumed(ckpt, model, np, stages, zero)
+  local function resumed(ckpt, model, np, stages, zero, precision)
     local path = string.format('%s-on-%d-%d-%d.json', ckpt, np, stages, zero)
-    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d 0 fp32 0 load:%s 2>&1', H.ranks_cmd(np), path,
-                                    model, stages, zero, ckpt), path)
+    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g %s 0 load:%s 2>&1', H.ranks_cmd(np), path,
+                                    model, stages, zero, precision and 0.05 or 0, precision or 'fp32', ckpt), path)
   end
 
   -- the run that resumed at step 2 ended as the one that went on: losses
@@ -320,6 +321,11 @@ describe('ds.pipe across ranks', function()
     local fp32 = ds.checkpoint.load_file(ds.checkpoint.zero_to_fp32(gpt_dir, dir .. '/fp32.safetensors'))
     model:load_state_dict(GPT.from_pipe_state_dict(fp32))
     assert.are.same(fp32['layer_00.weight']:totable(), model.lm_head.weight:totable())
+  end)
+
+  it('resumes fp16 in 2x2 with ZeRO-1 and clipping exactly: fp32 masters, the loss scaler', function()
+    local went_on, ckpt = saved('gpt', 4, 2, 1, 'fp16')
+    same_end(went_on, resumed(ckpt, 'gpt', 4, 2, 1, 'fp16'), 'GPT-2 fp16, 2x2 ZeRO-1', 1e-6)
   end)
 
   local function fails(case, want)
