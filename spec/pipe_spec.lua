@@ -261,16 +261,17 @@ describe('ds.pipe across ranks', function()
   -- equiv.lua's run that saves a checkpoint after step 1 (in dir/<name>),
   -- and runs that load it on np ranks in `stages` stages with ZeRO stage
   -- zero (fp32, or precision with clipping at 0.05)
+  local function with_ckpt(mode, ckpt, path, model, np, stages, zero, precision)
+    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g %s 0 %s:%s 2>&1', H.ranks_cmd(np), path,
+                                    model, stages, zero, precision and 0.05 or 0, precision or 'fp32', mode, ckpt), path)
+  end
   local function saved(model, np, stages, zero, precision)
     local ckpt = string.format('%s/ckpt-%s-%d-%d-%s', dir, model, np, zero, precision or 'fp32')
-    local path = ckpt .. '.json'
-    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g %s 0 save:%s 2>&1', H.ranks_cmd(np), path,
-                                    model, stages, zero, precision and 0.05 or 0, precision or 'fp32', ckpt), path), ckpt
+    return with_ckpt('save', ckpt, ckpt .. '.json', model, np, stages, zero, precision), ckpt
   end
   local function resumed(ckpt, model, np, stages, zero, precision)
     local path = string.format('%s-on-%d-%d-%d.json', ckpt, np, stages, zero)
-    return H.run_json(string.format('%s spec/pipe/equiv.lua %s %s %d %d %g %s 0 load:%s 2>&1', H.ranks_cmd(np), path,
-                                    model, stages, zero, precision and 0.05 or 0, precision or 'fp32', ckpt), path)
+    return with_ckpt('load', ckpt, path, model, np, stages, zero, precision)
   end
 
   -- the run that resumed at step 2 ended as the one that went on: losses
@@ -282,8 +283,8 @@ describe('ds.pipe across ranks', function()
     return same(one, resumed_run, what, tol)
   end
 
-  it('saves a checkpoint of 2 stages and of 2x2 with ZeRO-1, resumed exactly on the same layout and on one rank',
-     function()
+  it('checkpoints 2 stages and 2x2 with ZeRO-1: resumed exactly on the same layout (after a killed save too) and on '
+     .. 'one rank; save_16bit_model and zero_to_fp32 load into models.gpt2', function()
     local mlp, mlp_dir = saved('mlp', 2, 2, 0)
     assert.are.equal(6, same_end(mlp, resumed(mlp_dir, 'mlp', 2, 2, 0), 'MLP, 2 stages', 1e-6))
     same_end(mlp, resumed(mlp_dir, 'mlp', 1, 1, 0), 'MLP, 2 stages loaded on one rank', 1e-5)
@@ -296,9 +297,9 @@ describe('ds.pipe across ranks', function()
     assert.are.equal(28, same_end(gpt, resumed(gpt_dir, 'gpt', 4, 2, 1), 'GPT-2, 2x2 ZeRO-1', 1e-6))
     -- stage 1's first rank killed halfway through its file while the same
     -- run saves global_step1 again: the saved checkpoint stays whole
-    local _, status = H.run('DSLUA_CKPT_KILL=2:half ' .. H.ranks_cmd(4):gsub('%-x DSLUA_NUM_THREADS',
-      '-x DSLUA_CKPT_KILL -x DSLUA_NUM_THREADS') .. string.format(' spec/pipe/equiv.lua %s/killed.json gpt 2 1 0 fp32 0 '
-      .. 'save:%s 2>&1', dir, gpt_dir))
+    local mpirun = H.ranks_cmd(4):gsub('%-x DSLUA_NUM_THREADS', '-x DSLUA_CKPT_KILL -x DSLUA_NUM_THREADS')
+    local _, status = H.run(string.format('DSLUA_CKPT_KILL=2:half %s spec/pipe/equiv.lua %s/killed.json gpt 2 1 0 fp32 '
+                                          .. '0 save:%s 2>&1', mpirun, dir, gpt_dir))
     assert.are_not.equal(0, status)
     same_end(gpt, resumed(gpt_dir, 'gpt', 4, 2, 1), 'GPT-2, 2x2 ZeRO-1, after a killed save', 1e-6)
     same_end(gpt, resumed(gpt_dir, 'gpt', 1, 1, 0), 'GPT-2, 2x2 ZeRO-1 loaded on one rank', 1e-5)
@@ -316,7 +317,8 @@ describe('ds.pipe across ranks', function()
     assert.are.equal(28, n)
     local model = GPT { n_layer = 2, n_head = 2, n_embd = 16, vocab_size = 32, block_size = 8 }
     model:load_state_dict(GPT.from_pipe_state_dict(sd))     -- strict: every tensor of the model given
-    assert.are.same(gpt.weights['3.mlp.c_fc.weight'], model.transformer.h[2].mlp.c_fc.weight:to('f64'):reshape({ -1 }):totable())
+    local c_fc = model.transformer.h[2].mlp.c_fc.weight        -- the second block: layer 3
+    assert.are.same(gpt.weights['3.mlp.c_fc.weight'], c_fc:to('f64'):reshape({ -1 }):totable())
     -- zero_to_fp32 consolidates the step 1 checkpoint under the same names
     local fp32 = ds.checkpoint.load_file(ds.checkpoint.zero_to_fp32(gpt_dir, dir .. '/fp32.safetensors'))
     model:load_state_dict(GPT.from_pipe_state_dict(fp32))

@@ -19,7 +19,7 @@ local out_path, kind, stages = arg[1], arg[2], tonumber(arg[3])
 local zero, clip, precision, interval = tonumber(arg[4] or 0), tonumber(arg[5] or 0), arg[6], tonumber(arg[7] or 0)
 local ckpt, ckpt_dir = (arg[8] or ''):match('^(%a+):(.+)$')
 assert(out_path and (kind == 'mlp' or kind == 'gpt') and stages,
-       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16|fp32 [checkpoint interval [save:dir|load:dir]]]]]')
+       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16|fp32 [interval [save:dir|load:dir]]]]]')
 local world = ds.comm.world_size()
 local MICRO, STEPS = 4, 3
 local dp = world / stages

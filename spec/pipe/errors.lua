@@ -15,7 +15,8 @@ elseif case == 'layout' then
   local model = ds.pipe.PipelineModule { layers = { LayerSpec(nn.Linear, 4, 6), LayerSpec(nn.Linear, 6, 2) },
                                          num_stages = 2 }
   ds.initialize { model = model, config = config }:save_checkpoint(dir, 'pipe')
-  ds.initialize { model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), config = config }:load_checkpoint(dir, 'pipe')
+  local plain = ds.initialize { model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)), config = config }
+  plain:load_checkpoint(dir, 'pipe')
 else
   -- stage 0 ends in a [B, 6] activation, stage 1 starts with a Linear of 5 inputs
   local model = ds.pipe.PipelineModule {
