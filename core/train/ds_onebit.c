@@ -255,7 +255,7 @@ static int onebit_adam_step(ds_onebit *b, int g, const ds_optim_hparams *h) {
 
 /* ZeroOneAdam between full-precision steps: before the variance freezes
  * the gradient travels compressed; after, local steps accumulate their
- * updates and every local_interval-th step syncs them. */
+ * updates and every local_interval-th step (DeepSpeed's count) syncs them. */
 static int zero_one_step(ds_onebit *b, int g, const ds_optim_hparams *h, int64_t t) {
     ds_optim_group *og = &b->o->groups[g];
     onebit_group *gr = &b->g[g];
@@ -267,7 +267,7 @@ static int zero_one_step(ds_onebit *b, int g, const ds_optim_hparams *h, int64_t
     gr->lrs += h->lr;
     if (update(b, g, DS_ONEBIT_MOMENTUM, h, og->flat_grads, NULL) || update(b, g, DS_ONEBIT_APPLY, h, NULL, gr->acc))
         return -1;
-    if (t % b->local_interval != 0) return 0;
+    if ((t + 1) % b->local_interval != 0) return 0;     /* DeepSpeed's step count (zero_one_schedule) */
     if (update(b, g, DS_ONEBIT_UNDO, h, NULL, gr->acc) || ds_onebit_allreduce(b, g, gr->acc) ||
         update(b, g, DS_ONEBIT_REDO, h, NULL, gr->acc))
         return -1;
@@ -275,20 +275,23 @@ static int zero_one_step(ds_onebit *b, int g, const ds_optim_hparams *h, int64_t
     return 0;
 }
 
-/* ZeroOneAdam's schedule after step t (zoadam.py's counters). */
+/* ZeroOneAdam's schedule after step t (zoadam.py's counters). Its step
+ * count s = t + 1 counts DeepSpeed's first call, which only makes buffers:
+ * the full steps, the freeze and the syncs fall where DeepSpeed's do. */
 static void zero_one_schedule(ds_onebit *b, int64_t t) {
+    int64_t s = t + 1;
     if (!b->var_frozen) {
-        if (t % b->var_interval == 0 && ++b->var_counter == b->c.var_update_scaler) {
+        if (s % b->var_interval == 0 && ++b->var_counter == b->c.var_update_scaler) {
             b->var_counter = 0;
             b->var_interval *= 2;
         }
-        b->reduce_next = (t + 1) % b->var_interval == 0;
+        b->reduce_next = (s + 1) % b->var_interval == 0;
     } else if (++b->local_counter == b->c.local_step_scaler) {
         b->local_counter = 0;
         b->local_interval = b->local_interval * 2 < b->c.local_step_clipper ? b->local_interval * 2
                                                                             : b->c.local_step_clipper;
     }
-    if (t > b->c.var_freeze_step) {
+    if (s > b->c.var_freeze_step) {
         b->var_frozen = true;
         b->reduce_next = false;
     }

@@ -27,7 +27,9 @@
  * itself travels compressed and the variance stays. After var_freeze_step
  * steps the variance is frozen and ranks take local steps, syncing the
  * accumulated update (compressed) every local_step_interval steps (which
- * doubles every local_step_scaler steps, up to local_step_clipper).
+ * doubles every local_step_scaler steps, up to local_step_clipper). These
+ * fall on DeepSpeed's steps: its count includes its first call, which only
+ * makes buffers (dslua's step t is its t + 1).
  *
  * The compressed all-reduce (deepspeed/runtime/comm/nccl.py): a group's
  * buffer of n elements is padded to N, a multiple of W lcm(W, 8) for W
