@@ -33,14 +33,15 @@ local function window(t, i)
   return s / 50
 end
 
--- N padded to a multiple of W lcm(W, 8); every rank's signs and scale, then
--- its chunk's signs and scale
+-- N padded to a multiple of W lcm(W, 8); the signs of every other rank's
+-- chunk (an all-to-all) and the scale, then this rank's chunk's signs and
+-- scale
 local function compressed_bytes(n, W)
   local a, b = W, 8
   while b > 0 do a, b = b, a % b end
   local unit = W * (W * 8 / a)
   local N = math.ceil(n / unit) * unit
-  return N / 8 + 4 + N / (8 * W) + 4
+  return (N / 8 - N / (8 * W)) + 4 + N / (8 * W) + 4
 end
 
 -- zoadam.py's counters over its step count s, which counts its first call

@@ -145,15 +145,20 @@ static ds_tensor *compress(ds_tensor *x, ds_tensor *err, ds_tensor *bits) {
     return ds_tensor_full(1, (int64_t[]){ 1 }, DS_F32, ds_tensor_device(x), scale);
 }
 
-/* t all-gathered: work with one result per rank, or NULL. */
-static ds_comm_work *gather(ds_tensor *t, int64_t *bytes) {
-    ds_comm_work *w = ds_comm_all_gather(t, NULL);
+/* w waited for, or NULL; the bytes of t it sent to other ranks counted
+ * (an all-to-all keeps this rank's piece). */
+static ds_comm_work *done(ds_comm_work *w, ds_tensor *t, int world, bool all_to_all, int64_t *bytes) {
     if (w && ds_comm_work_wait(w)) {
         ds_comm_work_release(w);
         return NULL;
     }
-    *bytes += ds_tensor_numel(t) * (int64_t)ds_dtype_size(t->dtype);
+    int64_t n = ds_tensor_numel(t) * (int64_t)ds_dtype_size(t->dtype);
+    *bytes += all_to_all ? n - n / world : n;
     return w;
+}
+
+static ds_comm_work *gather(ds_tensor *t, int world, int64_t *bytes) {
+    return done(ds_comm_all_gather(t, NULL), t, world, false, bytes);
 }
 
 static int unpack(ds_tensor *out, ds_tensor *bits, double scale, bool accumulate) {
@@ -175,7 +180,7 @@ static int scales_of(ds_comm_work *w, double *out, int n) {
     return 0;
 }
 
-/* Rank r's chunk of a gathered result per rank: its bytes [lo, lo + n). */
+/* Elements [lo, lo + n) of w's result r. */
 static ds_tensor *result_part(ds_comm_work *w, int r, int64_t lo, int64_t n) {
     ds_tensor *t = ds_comm_work_result(w, r);
     ds_tensor *v = t ? elements(t, lo, n) : NULL;
@@ -195,19 +200,21 @@ int ds_onebit_allreduce(ds_onebit *b, int g, ds_tensor *x) {
     int rc = head && tail && ds_copy_(head, x) == 0 && ds_fill_(tail, 0) == 0 ? 0 : -1;
     ds_tensor *ws = NULL, *ss = NULL;
     ds_comm_work *wbits = NULL, *wscale = NULL, *sbits = NULL, *sscale = NULL;
-    /* worker: every rank's signs and scale; then this rank's chunk of their mean */
+    /* worker: each rank's signs of this rank's chunk (an all-to-all) and
+     * every rank's scale; then this rank's chunk of their mean */
+    int64_t *sent = &b->stats.bytes;
     if (rc == 0 && (!(ws = compress(gr->x, gr->worker_error, gr->bits)) ||
-                    !(wbits = gather(gr->bits, &b->stats.bytes)) || !(wscale = gather(ws, &b->stats.bytes)) ||
-                    scales_of(wscale, scale, W)))
+                    !(wbits = done(ds_comm_all_to_all(gr->bits, NULL), gr->bits, W, true, sent)) ||
+                    !(wscale = gather(ws, W, sent)) || scales_of(wscale, scale, W)))
         rc = -1;
     for (int r = 0; r < W && rc == 0; r++) {
-        ds_tensor *part = result_part(wbits, r, (int64_t)b->rank * gr->chunk / 8, gr->chunk / 8);
+        ds_tensor *part = result_part(wbits, 0, r * gr->chunk / 8, gr->chunk / 8);
         rc = part ? unpack(gr->server, part, scale[r] / W, r > 0) : -1;
         ds_tensor_release(part);
     }
     /* server: the chunk compressed again, every chunk to every rank */
     if (rc == 0 && (!(ss = compress(gr->server, gr->server_error, gr->server_bits)) ||
-                    !(sbits = gather(gr->server_bits, &b->stats.bytes)) || !(sscale = gather(ss, &b->stats.bytes)) ||
+                    !(sbits = gather(gr->server_bits, W, sent)) || !(sscale = gather(ss, W, sent)) ||
                     scales_of(sscale, server_scale, W)))
         rc = -1;
     for (int r = 0; r < W && rc == 0; r++) {

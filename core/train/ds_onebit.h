@@ -34,9 +34,8 @@
  * The compressed all-reduce (deepspeed/runtime/comm/nccl.py): a group's
  * buffer of n elements is padded to N, a multiple of W lcm(W, 8) for W
  * ranks. Worker: x += worker error; scale = |x| / sqrt(N); the signs of x
- * (1 bit each) and the scale go to every rank (an all-gather here, where
- * DeepSpeed sends rank j only its chunk j with an all-to-all); worker error
- * = x - scale sign(x). Server, for this rank's chunk j of N / W elements:
+ * (1 bit each), chunk j to rank j (an all-to-all), and the scale to every
+ * rank; worker error = x - scale sign(x). Server, for this rank's chunk j of N / W elements:
  * the mean over ranks of scale_r sign_r, plus the server error, compressed
  * the same way (one scale per chunk) and all-gathered; each rank unpacks
  * every chunk. Both errors feed back into the next call. */
@@ -85,7 +84,8 @@ int ds_onebit_allreduce(ds_onebit *b, int g, ds_tensor *x);
 typedef struct {
     int64_t steps;            /* steps taken */
     bool compressed;          /* the last step's communication was compressed */
-    int64_t bytes;            /* bytes this rank handed to the compressed all-reduces since the last step began */
+    int64_t bytes;            /* bytes this rank handed to the compressed all-reduces since the last step began
+                                 (of an all-to-all, the pieces for other ranks) */
 } ds_onebit_stats;
 void ds_onebit_stats_get(const ds_onebit *b, ds_onebit_stats *out);
 
