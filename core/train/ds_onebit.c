@@ -33,6 +33,7 @@ struct ds_onebit {
     /* ZeroOneAdam's schedule */
     int64_t var_interval, var_counter, local_interval, local_counter;
     bool var_frozen, errors_reset;
+    int64_t lamb_loaded;         /* OnebitLamb: the step its loaded state is of (0: none loaded) */
     ds_onebit_stats stats;
 };
 
@@ -313,14 +314,15 @@ static int zero_errors(ds_onebit *b) {
 /* The optimizer's step count changed under b (a checkpoint was loaded):
  * the schedule as of that step, the errors zeroed (as DeepSpeed's
  * load_state_dict does: they are this rank's and were not saved), the
- * accumulated local updates dropped. OnebitLamb's averaged trust ratios
- * are not in the checkpoint: it resumes from step 0 only. */
+ * accumulated local updates dropped. OnebitLamb needs its own state of
+ * that step loaded too. */
 static int resync(ds_onebit *b) {
     int64_t step = b->o->groups[0].step;
     if (step == b->steps) return 0;
-    if (b->c.kind == DS_ONEBIT_LAMB && step > 0)
-        return ds_fail(DS_ERR_STATE, "OneBitLamb: resuming at step %lld: its averaged trust ratios are not in the "
-                       "checkpoint (resume from step 0, or use Lamb)", (long long)step), -1;
+    if (b->c.kind == DS_ONEBIT_LAMB && step > 0 && step != b->lamb_loaded)
+        return ds_fail(DS_ERR_STATE, "OneBitLamb: resuming at step %lld: its averaged trust ratios and fresh variance "
+                       "were not loaded for that step (a checkpoint without onebit/ tensors: resume from step 0, or "
+                       "use Lamb)", (long long)step), -1;
     b->steps = step;
     b->reduce_next = step < b->c.freeze_step;
     if (b->c.kind == DS_ZERO_ONE_ADAM) {
@@ -470,6 +472,61 @@ static int onebit_lamb_step(ds_onebit *b, int g, const ds_optim_hparams *h) {
     ds_tensor *all[] = { rec, sq, denom, real, pre, upd, ratio, eps };
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ds_tensor_release(all[i]);
     return rc;
+}
+
+static int lamb_group(const ds_onebit *b, int g, const char *what) {
+    if (b->c.kind != DS_ONEBIT_LAMB)
+        return ds_fail(DS_ERR_ARG, "1-bit optimizers: %s: only OneBitLamb has its own state", what), -1;
+    if (g < 0 || g >= b->o->n_groups)
+        return ds_fail(DS_ERR_ARG, "OneBitLamb: %s: group %d of %d", what, g + 1, b->o->n_groups), -1;
+    return 0;
+}
+
+int ds_onebit_lamb_state(const ds_onebit *b, int g, ds_tensor **fresh_v, ds_tensor **pieces) {
+    if (lamb_group(b, g, "state")) return -1;
+    const onebit_group *gr = &b->g[g];
+    int64_t k = b->o->groups[g].n_seg;
+    *fresh_v = ds_clone(gr->fresh_v);
+    *pieces = *fresh_v ? ds_tensor_new(1, (int64_t[]){ 3 * k }, DS_F64, DS_CPU_DEVICE) : NULL;
+    if (!*pieces) {
+        ds_tensor_release(*fresh_v);
+        return -1;
+    }
+    double *d = ds_tensor_data(*pieces);
+    for (int64_t i = 0; i < k; i++) {
+        d[i] = gr->coeff_freeze[i];
+        d[k + i] = gr->last_factor[i];
+        d[2 * k + i] = gr->scaling[i];
+    }
+    return 0;
+}
+
+int ds_onebit_lamb_load(ds_onebit *b, int g, int64_t step, ds_tensor *fresh_v, ds_tensor *pieces) {
+    if (lamb_group(b, g, "load")) return -1;
+    onebit_group *gr = &b->g[g];
+    int64_t k = b->o->groups[g].n_seg;
+    if (fresh_v->dtype != DS_F32 || ds_tensor_numel(fresh_v) != gr->n)
+        return ds_fail(DS_ERR_ARG, "OneBitLamb: load: group %d's fresh variance must be f32 of %lld elements, got %s of "
+                       "%lld", g + 1, (long long)gr->n, ds_dtype_name(fresh_v->dtype),
+                       (long long)ds_tensor_numel(fresh_v)), -1;
+    if (pieces->dtype != DS_F64 || ds_tensor_numel(pieces) != 3 * k || !ds_tensor_is_contiguous(pieces) ||
+        !ds_device_equal(ds_tensor_device(pieces), DS_CPU_DEVICE))
+        return ds_fail(DS_ERR_ARG, "OneBitLamb: load: group %d's piece state must be contiguous f64 [%lld] on the CPU "
+                       "(3 per piece), got %s [%lld]", g + 1, (long long)(3 * k), ds_dtype_name(pieces->dtype),
+                       (long long)ds_tensor_numel(pieces)), -1;
+    /* read from a file onto the host: to the group's device */
+    ds_tensor *here = ds_to_device(fresh_v, ds_tensor_device(gr->fresh_v));
+    int rc = here ? ds_copy_(gr->fresh_v, here) : -1;
+    ds_tensor_release(here);
+    if (rc) return -1;
+    const double *d = ds_tensor_data(pieces);
+    for (int64_t i = 0; i < k; i++) {
+        gr->coeff_freeze[i] = d[i];
+        gr->last_factor[i] = d[k + i];
+        gr->scaling[i] = d[2 * k + i];
+    }
+    b->lamb_loaded = step;
+    return 0;
 }
 
 bool ds_onebit_reduces(ds_onebit *b) {

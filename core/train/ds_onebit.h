@@ -68,9 +68,18 @@ void ds_onebit_free(ds_onebit *b);
 /* Does the next step take all-reduced gradients? (false: backward leaves
  * this rank's own.) After a checkpoint load (the optimizer's step count
  * changed) b first takes up the schedule at that step, its errors zeroed
- * as DeepSpeed's load does; OnebitLamb resumes from step 0 only (its
- * averaged trust ratios are not in the checkpoint: the step says so). */
+ * as DeepSpeed's load does; OnebitLamb past step 0 only with its own
+ * state loaded for that step (ds_onebit_lamb_load; else the step fails). */
 bool ds_onebit_reduces(ds_onebit *b);
+
+/* OnebitLamb's own state of group g, which a checkpoint keeps beside its
+ * Lamb's (DeepSpeed's exp_avg_sq_fresh, lamb_coeff_freeze, last_factor,
+ * scaling_coeff): new copies of the fresh variance (f32 [n], on the
+ * group's device) and of each piece's averaged trust ratio, last factor
+ * and momentum scaling (f64 [3 pieces] on the host, in that order). */
+int ds_onebit_lamb_state(const ds_onebit *b, int g, ds_tensor **fresh_v, ds_tensor **pieces);
+/* Sets them back as saved when the optimizer had taken step steps. */
+int ds_onebit_lamb_load(ds_onebit *b, int g, int64_t step, ds_tensor *fresh_v, ds_tensor *pieces);
 
 /* One step over every group, h one per group, after the gradients are
  * clipped: the AdamW's own step when they were reduced, else the
