@@ -44,6 +44,14 @@ local function compressed_bytes(n, W)
   return (N / 8 - N / (8 * W)) + 4 + N / (8 * W) + 4
 end
 
+-- OneBitAdam and ZeroOneAdam compress each parameter on its own, as
+-- DeepSpeed does (OneBitLamb all at once: compressed_bytes of the total)
+local function per_parameter_bytes(t, W)
+  local s = 0
+  for _, w in pairs(t.weights) do s = s + compressed_bytes(#w, W) end
+  return s
+end
+
 -- zoadam.py's counters over its step count s, which counts its first call
 -- (buffers only): dslua's step t is s - 1. What each step of dslua's does:
 -- full precision, the gradient compressed, a local step, or a local step
@@ -97,12 +105,13 @@ describe('1-bit optimizers', function()
       assert.is_false(onebit.steps[100].compressed)
       assert.is_true(onebit.steps[101].compressed)
       -- after: 1 bit per element (and two scales) instead of 32
-      local one = compressed_bytes(full / 4, np)
+      local one = per_parameter_bytes(onebit, np)
       for i = 101, STEPS do
         assert.is_true(onebit.steps[i].compressed)
         assert.are.equal(one, onebit.steps[i].bytes)
       end
       assert(one * 15 < full, string.format('%d compressed bytes against %d', one, full))
+      assert(one > compressed_bytes(full / 4, np), 'a padded buffer and two scales per parameter')
       -- ZeroOneAdam: full steps ever rarer, compressed gradients between;
       -- after var_freeze_step local steps (nothing sent) and compressed
       -- syncs, on DeepSpeed's steps
@@ -114,14 +123,15 @@ describe('1-bit optimizers', function()
       end
       assert(seen.full and seen.compressed and seen.sync and seen['local'])
       -- convergence: the last 50 steps' mean loss near AdamW's (measured,
-      -- Release and RelWithDebInfo builds: OneBitAdam 0.6-1.1x, ZeroOneAdam,
-      -- whose local steps drift between syncs, 1.5-2.2x), far below the start's
+      -- Release build: OneBitAdam 1.4x on 2 ranks, ZeroOneAdam, whose local
+      -- steps drift between syncs, 1.6x), far below the start's (AdamW's is
+      -- 1/9 of it)
       local ref = window(adam, STEPS)
       for name, t in pairs({ OneBitAdam = onebit, ZeroOneAdam = zero_one }) do
         local got, within = window(t, STEPS), name == 'OneBitAdam' and 2 or 3
         assert(got < within * ref, string.format('%s: mean loss %.4g over the last 50 steps, AdamW %.4g', name, got,
                                                  ref))
-        assert(got < window(t, 50) / 10, string.format('%s: mean loss %.4g, at the start %.4g', name, got,
+        assert(got < window(t, 50) / 5, string.format('%s: mean loss %.4g, at the start %.4g', name, got,
                                                        window(t, 50)))
       end
     end)
@@ -139,13 +149,23 @@ describe('1-bit optimizers', function()
     end)
   end
 
+  it('OneBitLamb compresses every param group\'s momenta as one buffer, as DeepSpeed does', function()
+    local t = run(2, 'run.lua', 'OneBitLamb 110 freeze_step=100 groups=2')
+    local n = 0
+    for _, w in pairs(t.weights) do n = n + #w end
+    for i = 101, 110 do assert.are.equal(compressed_bytes(n, 2), t.steps[i].bytes, 'step ' .. i) end
+    local first, last = 0, 0
+    for i = 1, 10 do first, last = first + t.steps[i].loss / 10, last + t.steps[100 + i].loss / 10 end
+    assert(last < 0.95 * first, string.format('compressed steps: mean loss %.4g, the first 10: %.4g', last, first))
+  end)
+
   it('run in bf16 and fp16 as in fp32: equal to AdamW in warm-up, compressed and converging after, on 2 ranks',
      function()
     for _, p in ipairs({ 'bf16', 'fp16' }) do
       local adam = run(2, 'run.lua', 'AdamW 160 bias_correction=false precision=' .. p)
       local onebit = run(2, 'run.lua', 'OneBitAdam 160 freeze_step=60 precision=' .. p)
       for i = 1, 60 do assert.are.equal(adam.steps[i].loss, onebit.steps[i].loss, p .. ' step ' .. i) end
-      local one = compressed_bytes(adam.steps[1].bytes / 2, 2)     -- gradients travel in 2 bytes
+      local one = per_parameter_bytes(onebit, 2)
       for i = 61, 160 do
         assert.is_true(onebit.steps[i].compressed, p .. ' step ' .. i)
         assert.are.equal(one, onebit.steps[i].bytes)

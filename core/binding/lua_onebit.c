@@ -9,7 +9,8 @@
  *                        correction) then steps through b
  *   b:reduces() -> whether the next step takes all-reduced gradients
  *   b:stats() -> {steps, compressed, bytes} (the last step's)
- *   b:allreduce(g, x)    x: the compressed average over the ranks (group g's errors)
+ *   b:allreduce(g, x)    x: the compressed average over the ranks, parameter by
+ *                        parameter (group g's errors; OneBitAdam, ZeroOneAdam)
  *   b:lamb_state(g) -> fresh_v, pieces        OneBitLamb's own state of group g (copies)
  *   b:load_lamb_state(g, step, fresh_v, pieces)   set back, as saved at optimizer step `step`
  *   b:close()            the engine steps with its optimizer again

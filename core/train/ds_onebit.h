@@ -19,8 +19,6 @@
  * implies, and each parameter steps with its frozen trust ratio times a
  * factor: the largest ratio of the frozen to the fresh denominator, in
  * [factor_min, factor_max] and within factor_threshold of the last one.
- * (DeepSpeed compresses every group's momenta as one buffer; here each
- * group is one.)
  *
  * ZeroOneAdam: full-precision steps only every var_interval steps (which
  * doubles after each var_update_scaler of them); in between the gradient
@@ -31,14 +29,16 @@
  * fall on DeepSpeed's steps: its count includes its first call, which only
  * makes buffers (dslua's step t is its t + 1).
  *
- * The compressed all-reduce (deepspeed/runtime/comm/nccl.py): a group's
- * buffer of n elements is padded to N, a multiple of W lcm(W, 8) for W
- * ranks. Worker: x += worker error; scale = |x| / sqrt(N); the signs of x
- * (1 bit each), chunk j to rank j (an all-to-all), and the scale to every
- * rank; worker error = x - scale sign(x). Server, for this rank's chunk j of N / W elements:
- * the mean over ranks of scale_r sign_r, plus the server error, compressed
- * the same way (one scale per chunk) and all-gathered; each rank unpacks
- * every chunk. Both errors feed back into the next call. */
+ * The compressed all-reduce (deepspeed/runtime/comm/nccl.py), as DeepSpeed
+ * calls it: once per parameter for OnebitAdam and ZeroOneAdam, once over
+ * every group's momenta for OnebitLamb. A buffer of n elements is padded to
+ * N, a multiple of W lcm(W, 8) for W ranks. Worker: x += worker error;
+ * scale = |x| / sqrt(N); the signs of x (1 bit each), chunk j to rank j (an
+ * all-to-all), and the scale to every rank; worker error = x - scale
+ * sign(x). Server, for this rank's chunk j of N / W elements: the mean over
+ * ranks of scale_r sign_r, plus the server error, compressed the same way
+ * (one scale per chunk) and all-gathered; each rank unpacks every chunk.
+ * Both errors feed back into the next call. */
 #ifndef DS_ONEBIT_H
 #define DS_ONEBIT_H
 
@@ -87,7 +87,8 @@ int ds_onebit_lamb_load(ds_onebit *b, int g, int64_t step, ds_tensor *fresh_v, d
 int ds_onebit_step(ds_onebit *b, const ds_optim_hparams *h);
 
 /* x (contiguous 1-D f32 of group g's length, on its device) replaced by
- * its compressed average over the ranks, with group g's error buffers. */
+ * its compressed average over the ranks, parameter by parameter with
+ * group g's error buffers (OnebitAdam, ZeroOneAdam). */
 int ds_onebit_allreduce(ds_onebit *b, int g, ds_tensor *x);
 
 typedef struct {
