@@ -6,12 +6,13 @@
 -- Per window of steps: each one's mean loss (over the window and the
 -- ranks) and the bytes a rank handed to collectives per step; then the
 -- totals and their ratios against the counterpart.
---   dslua bench/onebit.lua [steps] [freeze] [quick]
+--   dslua bench/onebit.lua [steps] [freeze] [adam_lr] [quick]
 local ds = require 'dslua'
 
 local STEPS = tonumber(arg[1] or 600)
 local FREEZE = tonumber(arg[2] or 150)
-local quick = arg[3] == 'quick'
+local ADAM_LR = tonumber(arg[3] or 1e-3)
+local quick = arg[4] == 'quick'
 local WINDOW = math.max(1, math.floor(STEPS / 12))
 local rank, N = ds.comm.rank(), ds.comm.world_size()
 local d, hidden, classes, n = 64, quick and 64 or 512, 10, 8192
@@ -35,7 +36,7 @@ local function train(run)
   ds.manual_seed(11)
   local model = ds.nn.Sequential(ds.nn.Linear(d, hidden), ds.nn.GELU(), ds.nn.Linear(hidden, hidden), ds.nn.GELU(),
                                  ds.nn.Linear(hidden, classes))
-  run.params.lr, run.params.weight_decay = run.lr or 1e-3, 0.01
+  run.params.lr, run.params.weight_decay = run.lr or ADAM_LR, 0.01
   local engine, _, loader = ds.initialize {
     model = model, training_data = data,
     config = { train_micro_batch_size_per_gpu = 32, steps_per_print = 1e9,
@@ -69,7 +70,8 @@ local function mean(t, lo, hi)
   return s / (hi - lo + 1)
 end
 
-print(string.format('%d ranks, %d steps, freeze at %d (freeze_step, ZeroOneAdam var_freeze_step)', N, STEPS, FREEZE))
+print(string.format('%d ranks, %d steps, freeze at %d (freeze_step, ZeroOneAdam var_freeze_step), Adam lr %g', N, STEPS,
+                    FREEZE, ADAM_LR))
 local heads = { 'AdamW', '1bitAdam', '0/1Adam', 'Lamb', '1bitLamb' }
 local head = {}
 for i, h in ipairs(heads) do head[i] = string.format('%9s', h) end

@@ -7,11 +7,12 @@ set -euo pipefail
 
 usage() {
     cat <<'EOF2'
-usage: bench/onebit.sh [-b BUILD_DIR] [-n RANKS] [-s STEPS] [-f FREEZE] [-q]
+usage: bench/onebit.sh [-b BUILD_DIR] [-n RANKS] [-s STEPS] [-f FREEZE] [-l LR] [-q]
   -b BUILD_DIR  a Release build of dslua, configured here if absent (default: build)
   -n RANKS      ranks (default: 2)
   -s STEPS      steps per optimizer (default: 600)
   -f FREEZE     OneBitAdam's freeze_step and ZeroOneAdam's var_freeze_step (default: 150)
+  -l LR         the lr of AdamW, OneBitAdam and ZeroOneAdam (default: 1e-3; the Lambs keep 1e-2)
   -q            quick: a small model, a smoke test, not a measurement
 EOF2
 }
@@ -23,20 +24,25 @@ build=$root/build
 ranks=2
 steps=600
 freeze=150
+lr=1e-3
 quick=
-while getopts "b:n:s:f:qh" opt; do
+while getopts "b:n:s:f:l:qh" opt; do
     case $opt in
     b) build=$(realpath -m "$OPTARG") ;;
     n) ranks=$OPTARG ;;
     s) steps=$OPTARG ;;
     f) freeze=$OPTARG ;;
+    l) lr=$OPTARG ;;
     q) quick=quick ;;
     h) usage; exit 0 ;;
     *) usage >&2; exit 2 ;;
     esac
 done
-if ! [[ $ranks =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $freeze =~ ^[0-9]+$ ]] || ((ranks < 2)); then
-    echo "$me: -n wants a whole number >= 2, -s one >= 1 and -f one >= 0 (got '$ranks', '$steps', '$freeze')" >&2
+number='^[0-9]*\.?[0-9]+([eE]-?[0-9]+)?$'
+if ! [[ $ranks =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $freeze =~ ^[0-9]+$ && $lr =~ $number ]] ||
+    ((ranks < 2)); then
+    echo "$me: -n wants a whole number >= 2, -s one >= 1, -f one >= 0 and -l a number (got '$ranks', '$steps'," \
+        "'$freeze', '$lr')" >&2
     exit 2
 fi
 
@@ -48,4 +54,4 @@ commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
 echo "dslua 1-bit optimizers bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
 (cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
     -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_DEVICE \
-    -np "$ranks" "$build/dslua" bench/onebit.lua "$steps" "$freeze" $quick 2>&1) | grep -v '^attach:\|uses the CPU'
+    -np "$ranks" "$build/dslua" bench/onebit.lua "$steps" "$freeze" "$lr" $quick 2>&1) | grep -v '^attach:\|uses the CPU'

@@ -150,7 +150,7 @@ describe('ds.comm under mpirun', function()
   end
 
   -- PASS lines of primitives.lua per rank, on 2, 3 and 4 ranks
-  local expected = { [2] = { 148, 140 }, [3] = { 164, 148, 148 }, [4] = { 180, 156, 156, 155 } }
+  local expected = { [2] = { 157, 149 }, [3] = { 173, 157, 157 }, [4] = { 189, 165, 165, 164 } }
   for _, np in ipairs({ 2, 3, 4 }) do
     it('checks every primitive on ' .. np .. ' ranks', function()
       local dir = H.tmpdir()
@@ -260,6 +260,8 @@ describe('ds.comm under mpirun', function()
       H.has(out, '[rank ' .. q .. '] refused: comm check: rank 1 called all_reduce(f32, 10000 elements) #2 while ' ..
             'rank 0 called all_reduce(f32, 10 elements) #2')
       H.has(out, '[rank ' .. q .. '] all_reduce(f32, ' .. (q == 1 and '10000' or '10') .. ' elements) #2 failed')
+      H.has(out, '[rank ' .. q .. '] refused: comm check: rank 1 called all_to_all(f32, 4 elements) #3 while ' ..
+            'rank 0 called all_to_all(f32, 2 elements) #3')
       H.has(out, '[rank ' .. q .. '] second collective done')
     end
   end)

@@ -33,14 +33,48 @@ local function window(t, i)
   return s / 50
 end
 
--- N padded to a multiple of W lcm(W, 8); every rank's signs and scale, then
--- its chunk's signs and scale
+-- N padded to a multiple of W lcm(W, 8); the signs of every other rank's
+-- chunk (an all-to-all) and the scale, then this rank's chunk's signs and
+-- scale
 local function compressed_bytes(n, W)
   local a, b = W, 8
   while b > 0 do a, b = b, a % b end
   local unit = W * (W * 8 / a)
   local N = math.ceil(n / unit) * unit
-  return N / 8 + 4 + N / (8 * W) + 4
+  return (N / 8 - N / (8 * W)) + 4 + N / (8 * W) + 4
+end
+
+-- OneBitAdam and ZeroOneAdam compress each parameter on its own, as
+-- DeepSpeed does (OneBitLamb all at once: compressed_bytes of the total)
+local function per_parameter_bytes(t, W)
+  local s = 0
+  for _, w in pairs(t.weights) do s = s + compressed_bytes(#w, W) end
+  return s
+end
+
+-- zoadam.py's counters over its step count s, which counts its first call
+-- (buffers only): dslua's step t is s - 1. What each step of dslua's does:
+-- full precision, the gradient compressed, a local step, or a local step
+-- and the compressed sync.
+local function zero_one_plan(steps, freeze, scaler, local_scaler, clipper)
+  local plan, interval, counter, reduce, frozen, every, taken = {}, 1, 0, true, false, 1, 0
+  for t = 1, steps do
+    local s = t + 1
+    if frozen then
+      plan[t] = s % every == 0 and 'sync' or 'local'
+      taken = taken + 1
+      if taken == local_scaler then taken, every = 0, math.min(clipper, every * 2) end
+    else
+      plan[t] = reduce and 'full' or 'compressed'
+      if s % interval == 0 then
+        counter = counter + 1
+        if counter == scaler then counter, interval = 0, interval * 2 end
+      end
+      reduce = (s + 1) % interval == 0
+    end
+    frozen = frozen or s > freeze
+  end
+  return plan
 end
 
 describe('the compressed all-reduce', function()
@@ -65,35 +99,39 @@ describe('1-bit optimizers', function()
       assert(full > 0)
       -- warm-up: the same steps (OneBitAdam's freeze_step, ZeroOneAdam's first var_update_scaler)
       for i = 1, 100 do assert.are.equal(adam.steps[i].loss, onebit.steps[i].loss, 'OneBitAdam step ' .. i) end
-      for i = 1, 8 do assert.are.equal(adam.steps[i].loss, zero_one.steps[i].loss, 'ZeroOneAdam step ' .. i) end
+      -- ZeroOneAdam's first var_update_scaler steps and the one after (its
+      -- interval doubles to 2 on DeepSpeed's step 9, an odd step)
+      for i = 1, 9 do assert.are.equal(adam.steps[i].loss, zero_one.steps[i].loss, 'ZeroOneAdam step ' .. i) end
       assert.is_false(onebit.steps[100].compressed)
       assert.is_true(onebit.steps[101].compressed)
       -- after: 1 bit per element (and two scales) instead of 32
-      local one = compressed_bytes(full / 4, np)
+      local one = per_parameter_bytes(onebit, np)
       for i = 101, STEPS do
         assert.is_true(onebit.steps[i].compressed)
         assert.are.equal(one, onebit.steps[i].bytes)
       end
       assert(one * 15 < full, string.format('%d compressed bytes against %d', one, full))
+      assert(one > compressed_bytes(full / 4, np), 'a padded buffer and two scales per parameter')
       -- ZeroOneAdam: full steps ever rarer, compressed gradients between;
-      -- after var_freeze_step local steps (nothing sent) and compressed syncs
-      local seen = {}
-      for i = 9, STEPS do
-        local s = zero_one.steps[i]
-        local want = s.compressed and { [one] = true, [0] = i > 100 } or { [full] = i <= 100 }
-        assert(want[s.bytes], 'ZeroOneAdam step ' .. i .. ': ' .. s.bytes .. ' bytes')
-        seen[s.bytes] = true
+      -- after var_freeze_step local steps (nothing sent) and compressed
+      -- syncs, on DeepSpeed's steps
+      local plan, seen = zero_one_plan(STEPS, 100, 8, 16, 4), {}
+      local bytes = { full = full, compressed = one, sync = one, ['local'] = 0 }
+      for i = 1, STEPS do
+        assert.are.equal(bytes[plan[i]], zero_one.steps[i].bytes, 'ZeroOneAdam step ' .. i .. ' (' .. plan[i] .. ')')
+        seen[plan[i]] = true
       end
-      assert(seen[0] and seen[one] and seen[full])
+      assert(seen.full and seen.compressed and seen.sync and seen['local'])
       -- convergence: the last 50 steps' mean loss near AdamW's (measured,
-      -- Release and RelWithDebInfo builds: OneBitAdam 0.6-1.1x, ZeroOneAdam,
-      -- whose local steps drift between syncs, 1.5-2.2x), far below the start's
+      -- Release build: OneBitAdam 1.4x on 2 ranks, ZeroOneAdam, whose local
+      -- steps drift between syncs, 1.6x), far below the start's (AdamW's is
+      -- 1/9 of it)
       local ref = window(adam, STEPS)
       for name, t in pairs({ OneBitAdam = onebit, ZeroOneAdam = zero_one }) do
         local got, within = window(t, STEPS), name == 'OneBitAdam' and 2 or 3
         assert(got < within * ref, string.format('%s: mean loss %.4g over the last 50 steps, AdamW %.4g', name, got,
                                                  ref))
-        assert(got < window(t, 50) / 10, string.format('%s: mean loss %.4g, at the start %.4g', name, got,
+        assert(got < window(t, 50) / 5, string.format('%s: mean loss %.4g, at the start %.4g', name, got,
                                                        window(t, 50)))
       end
     end)
@@ -111,13 +149,23 @@ describe('1-bit optimizers', function()
     end)
   end
 
+  it('OneBitLamb compresses every param group\'s momenta as one buffer, as DeepSpeed does', function()
+    local t = run(2, 'run.lua', 'OneBitLamb 110 freeze_step=100 groups=2')
+    local n = 0
+    for _, w in pairs(t.weights) do n = n + #w end
+    for i = 101, 110 do assert.are.equal(compressed_bytes(n, 2), t.steps[i].bytes, 'step ' .. i) end
+    local first, last = 0, 0
+    for i = 1, 10 do first, last = first + t.steps[i].loss / 10, last + t.steps[100 + i].loss / 10 end
+    assert(last < 0.95 * first, string.format('compressed steps: mean loss %.4g, the first 10: %.4g', last, first))
+  end)
+
   it('run in bf16 and fp16 as in fp32: equal to AdamW in warm-up, compressed and converging after, on 2 ranks',
      function()
     for _, p in ipairs({ 'bf16', 'fp16' }) do
       local adam = run(2, 'run.lua', 'AdamW 160 bias_correction=false precision=' .. p)
       local onebit = run(2, 'run.lua', 'OneBitAdam 160 freeze_step=60 precision=' .. p)
       for i = 1, 60 do assert.are.equal(adam.steps[i].loss, onebit.steps[i].loss, p .. ' step ' .. i) end
-      local one = compressed_bytes(adam.steps[1].bytes / 2, 2)     -- gradients travel in 2 bytes
+      local one = per_parameter_bytes(onebit, 2)
       for i = 61, 160 do
         assert.is_true(onebit.steps[i].compressed, p .. ' step ' .. i)
         assert.are.equal(one, onebit.steps[i].bytes)
@@ -136,17 +184,32 @@ describe('1-bit optimizers', function()
     end
   end)
 
-  it('resume from a checkpoint where they left off (OneBitLamb from step 0 only)', function()
+  it('resume from a checkpoint where they left off', function()
     local dir = H.tmpdir()
     local a = run(2, 'resume.lua', 'OneBitAdam ' .. dir .. '/a 20 30 freeze_step=10')
     local z = run(2, 'resume.lua', 'ZeroOneAdam ' .. dir .. '/z 20 30 var_freeze_step=10 var_update_scaler=2')
-    for _, t in ipairs({ a, z }) do
+    local l = run(2, 'resume.lua', 'OneBitLamb ' .. dir .. '/l 20 30 freeze_step=10')
+    for _, t in ipairs({ a, z, l }) do
       assert.is_nil(t.error, t.error)
       assert.are.equal(10, #t.steps)
       for i, s in ipairs(t.steps) do assert.is_true(s.compressed, 'resumed step ' .. i) end
     end
-    local l = run(2, 'resume.lua', 'OneBitLamb ' .. dir .. '/l 20 30 freeze_step=10')
-    H.has(l.error, 'OneBitLamb: resuming at step 20: its averaged trust ratios are not in the checkpoint')
+    -- OneBitLamb past the freeze: its trust ratios, factors, scalings and
+    -- fresh variance as saved; only the compression errors start again
+    -- from zero (DeepSpeed's load resets them), so the run stays within
+    -- 0.5% of the one that went on (measured: under 0.08%)
+    assert.are.equal(l.straight[1], l.steps[1].loss)
+    for i, s in ipairs(l.steps) do
+      assert(math.abs(s.loss / l.straight[i] - 1) < 5e-3, string.format('step %d: %.7g, went on: %.7g', 20 + i,
+                                                                         s.loss, l.straight[i]))
+    end
+    -- saved in its warm-up, it goes on exactly, past the freeze (whose
+    -- trust ratios average the warm-up's, before the save too)
+    local w = run(2, 'resume.lua', 'OneBitLamb ' .. dir .. '/w 5 30 freeze_step=10')
+    for i, s in ipairs(w.steps) do assert.are.equal(w.straight[i], s.loss, 'step ' .. (5 + i)) end
+    -- a Lamb's checkpoint has no OneBitLamb state: refused past step 0
+    local b = run(2, 'resume.lua', 'OneBitLamb ' .. dir .. '/b 20 30 freeze_step=10 first=Lamb')
+    H.has(b.error, 'OneBitLamb: resuming at step 20: its averaged trust ratios and fresh variance were not loaded')
     os.execute('rm -rf ' .. dir)
   end)
 

@@ -340,6 +340,12 @@ static int l_reduce_scatter(lua_State *L) {
     return finish(L, w, RESULT_ONE, lua_toboolean(L, 4));
 }
 
+/* all_to_all(t, group, async) -> tensor */
+static int l_all_to_all(lua_State *L) {
+    ds_tensor *t = dsL_checktensor(L, 1);
+    return finish(L, ds_comm_all_to_all(t, opt_group(L, 2)), RESULT_ONE, lua_toboolean(L, 3));
+}
+
 void dsL_open_comm(lua_State *L) {
     static const luaL_Reg work_methods[] = {
         {"wait", l_work_wait}, {"is_completed", l_work_is_completed}, {NULL, NULL},
@@ -356,7 +362,7 @@ void dsL_open_comm(lua_State *L) {
         {"barrier", l_barrier}, {"send", l_send}, {"recv", l_recv}, {"broadcast", l_broadcast},
         {"reduce", l_reduce}, {"all_reduce", l_all_reduce}, {"gather", l_gather},
         {"all_gather", l_all_gather}, {"scatter", l_scatter}, {"reduce_scatter", l_reduce_scatter},
-        {NULL, NULL},
+        {"all_to_all", l_all_to_all}, {NULL, NULL},
     };
     dsL_newtype(L, DSL_WORK_MT, work_methods, l_work_gc);
     lua_pop(L, 1);

@@ -9,7 +9,10 @@
  *                        correction) then steps through b
  *   b:reduces() -> whether the next step takes all-reduced gradients
  *   b:stats() -> {steps, compressed, bytes} (the last step's)
- *   b:allreduce(g, x)    x: the compressed average over the ranks (group g's errors)
+ *   b:allreduce(g, x)    x: the compressed average over the ranks, parameter by
+ *                        parameter (group g's errors; OneBitAdam, ZeroOneAdam)
+ *   b:lamb_state(g) -> fresh_v, pieces        OneBitLamb's own state of group g (copies)
+ *   b:load_lamb_state(g, step, fresh_v, pieces)   set back, as saved at optimizer step `step`
  *   b:close()            the engine steps with its optimizer again
  *
  * b keeps the engine and the optimizer handles alive. */
@@ -115,6 +118,23 @@ static int l_allreduce(lua_State *L) {
     return 0;
 }
 
+static int l_lamb_state(lua_State *L) {
+    onebit_ud *u = check_onebit(L);
+    ds_tensor *fresh_v, *pieces;
+    if (ds_onebit_lamb_state(u->b, (int)luaL_checkinteger(L, 2) - 1, &fresh_v, &pieces)) return dsL_error(L);
+    dsL_pushtensor(L, fresh_v);
+    dsL_pushtensor(L, pieces);
+    return 2;
+}
+
+static int l_load_lamb_state(lua_State *L) {
+    onebit_ud *u = check_onebit(L);
+    if (ds_onebit_lamb_load(u->b, (int)luaL_checkinteger(L, 2) - 1, (int64_t)luaL_checknumber(L, 3),
+                            dsL_checktensor(L, 4), dsL_checktensor(L, 5)))
+        return dsL_error(L);
+    return 0;
+}
+
 /* close() and __gc: the engine, if still open, steps with its optimizer again */
 static int l_close(lua_State *L) {
     onebit_ud *u = luaL_checkudata(L, 1, DSL_ONEBIT_MT);
@@ -126,7 +146,8 @@ static int l_close(lua_State *L) {
 }
 
 static const luaL_Reg onebit_methods[] = {
-    {"reduces", l_reduces}, {"stats", l_stats}, {"allreduce", l_allreduce}, {"close", l_close},
+    {"reduces", l_reduces}, {"stats", l_stats}, {"allreduce", l_allreduce}, {"lamb_state", l_lamb_state},
+    {"load_lamb_state", l_load_lamb_state}, {"close", l_close},
     {NULL, NULL}
 };
 

@@ -1,6 +1,6 @@
 /* Collectives between ranks (processes): barrier, send/recv, broadcast,
  * reduce, all_reduce, gather, scatter, all_gather, reduce_scatter, on
- * tensors of any dtype, blocking or asynchronous, on the world or on a
+ * all_to_all, on tensors of any dtype, blocking or asynchronous, on the world or on a
  * group of ranks.
  *
  * MPI starts the ranks and carries the control plane (start-up, groups,
@@ -87,6 +87,9 @@ ds_comm_work *ds_comm_scatter(ds_tensor **list, int n, int src, ds_comm_group *g
 ds_comm_work *ds_comm_all_gather(ds_tensor *t, ds_comm_group *g);
 /* list: one tensor per group rank; result: the reduction of list[rank] */
 ds_comm_work *ds_comm_reduce_scatter(ds_tensor **list, int n, ds_comm_op op, ds_comm_group *g);
+/* t's elements in g's size equal pieces, piece i for group rank i; result:
+ * t's shape, piece j from group rank j (torch's all_to_all_single). */
+ds_comm_work *ds_comm_all_to_all(ds_tensor *t, ds_comm_group *g);
 
 /* Blocks until done (or the timeout): 0, or -1 with the error. */
 int ds_comm_work_wait(ds_comm_work *w);

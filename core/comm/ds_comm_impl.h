@@ -49,6 +49,8 @@ typedef struct ds_comm_backend {
                       ds_comm_group *g, void **req);
     int (*reduce_scatter)(const void *send, void *recv, const int64_t *counts, ds_dtype dt, ds_comm_op op,
                           ds_comm_group *g, void **req);
+    /* count: elements to (and from) each group rank */
+    int (*all_to_all)(const void *send, void *recv, int64_t count, ds_dtype dt, ds_comm_group *g, void **req);
     int (*test)(void *req, bool *done);
     void (*free_req)(void *req);    /* only after test said done */
 } ds_comm_backend;

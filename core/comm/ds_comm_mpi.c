@@ -161,6 +161,14 @@ static int mpi_reduce_scatter(const void *send, void *recv, const int64_t *count
                    "reduce_scatter", q, req);
 }
 
+static int mpi_all_to_all(const void *send, void *recv, int64_t count, ds_dtype dt, ds_comm_group *g, void **req) {
+    int n;
+    mpi_req *q = to_int(count, "all_to_all", &n) ? NULL : new_req(0);
+    if (!q) return -1;
+    MPI_Datatype t = mpi_type(dt);
+    return started(MPI_Ialltoall(send, n, t, recv, n, t, g->comm, &q->r), "all_to_all", q, req);
+}
+
 static int mpi_test(void *req, bool *done) {
     mpi_req *q = req;
     int flag = 0;
@@ -189,6 +197,7 @@ const ds_comm_backend ds_comm_mpi_backend = {
     .scatter = mpi_scatter,
     .all_gather = mpi_all_gather,
     .reduce_scatter = mpi_reduce_scatter,
+    .all_to_all = mpi_all_to_all,
     .test = mpi_test,
     .free_req = mpi_free_req,
 };

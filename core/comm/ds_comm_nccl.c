@@ -333,6 +333,30 @@ static int nccl_reduce_scatter(const void *send, void *recv, const int64_t *coun
     return finish(r != ncclSuccess ? r : e, "reduce_scatter", ms, comm, NULL, req);
 }
 
+/* A send and a receive per peer in one NCCL group, which posts them
+ * together: no pair waits on the other's order. */
+static int nccl_all_to_all(const void *send, void *recv, int64_t count, ds_dtype dt, ds_comm_group *g, void **req) {
+    int dev;
+    ncclComm_t comm;
+    cudaStream_t ms = begin(send, g, "all_to_all", &dev, &comm);
+    if (!ms) return -1;
+    ncclDataType_t t = nccl_type(dt);
+    size_t nb = (size_t)count * ds_dtype_size(dt);
+    ncclResult_t r = ncclGroupStart();
+    for (int i = 0; i < g->size && r == ncclSuccess; i++) {
+        const char *from = (const char *)send + (size_t)i * nb;
+        char *to = (char *)recv + (size_t)i * nb;
+        if (i == g->rank) {
+            r = own_part(to, from, nb, ms);
+        } else if (count) {
+            r = ncclSend(from, (size_t)count, t, i, comm, ms);
+            if (r == ncclSuccess) r = ncclRecv(to, (size_t)count, t, i, comm, ms);
+        }
+    }
+    ncclResult_t e = ncclGroupEnd();
+    return finish(r != ncclSuccess ? r : e, "all_to_all", ms, comm, NULL, req);
+}
+
 /* Done when the event has passed; a failed peer shows as the
  * communicator's asynchronous error. */
 static int nccl_test(void *req, bool *done) {
@@ -371,6 +395,7 @@ const ds_comm_backend ds_comm_nccl_backend = {
     .scatter = nccl_scatter,
     .all_gather = nccl_all_gather,
     .reduce_scatter = nccl_reduce_scatter,
+    .all_to_all = nccl_all_to_all,
     .test = nccl_test,
     .free_req = nccl_free_req,
 };

@@ -379,6 +379,36 @@ ds_comm_work *ds_comm_scatter(ds_tensor **list, int n, int src, ds_comm_group *g
     return ds_comm_work_launch(w, be, rc, req);
 }
 
+ds_comm_work *ds_comm_all_to_all(ds_tensor *t, ds_comm_group *g) {
+    char what[160];
+    const ds_comm_backend *be = ds_comm_backend_of(t, "all_to_all");
+    ds_comm_sig sig = ds_comm_sig_of("all_to_all", t->dtype, ds_tensor_numel(t), -1, true);
+    if (!be || ds_comm_begin(&g, &sig, false, NULL, what, sizeof what)) return NULL;
+    /* the counts agreed: every rank refuses alike */
+    int64_t n = ds_tensor_numel(t);
+    if (n % g->size)
+        return ds_fail(DS_ERR_ARG, "all_to_all: rank %d's %lld elements do not split into %d equal pieces (one per "
+                       "rank of %s)", ds_comm_group_world_rank(g, g->rank), (long long)n, g->size, g->name);
+    ds_comm_work *w = ds_comm_work_new(g, what, -1, 1);
+    if (w && g->size == 1) {
+        if (!(w->results[0] = copy_of(t, "all_to_all"))) return fail_work(w);
+        return ds_comm_work_local(w);
+    }
+    ds_tensor *send = w ? wire_buffer(t, t->dtype, true, "all_to_all") : NULL;
+    ds_tensor *out = send ? ds_tensor_new(t->ndim, t->shape, t->dtype, ds_tensor_device(t)) : NULL;
+    if (!out) {
+        if (send) ds_tensor_release(send);
+        return fail_work(w);
+    }
+    w->results[0] = out;
+    w->keep = send;
+    ds_tensor_retain(out);
+    w->buf = out;
+    void *req = NULL;
+    int rc = be->all_to_all(ds_tensor_data(send), ds_tensor_data(out), n / g->size, t->dtype, g, &req);
+    return ds_comm_work_launch(w, be, rc, req);
+}
+
 /* FNV-1a over what a reduce_scatter list is (length, op, dtype, device,
  * each piece's count): ranks with equal hashes passed equal lists. -1: an
  * entry is not a tensor. */

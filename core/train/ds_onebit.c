@@ -7,7 +7,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-/* One group's compression buffers, N elements padded (see ds_onebit.h). */
+/* One compressed all-reduce's buffers, n elements padded to N (see ds_onebit.h). */
 typedef struct {
     int64_t n, padded, chunk;
     ds_tensor *x;              /* f32 [N]: the buffer being reduced, padded with zeros */
@@ -16,6 +16,11 @@ typedef struct {
     ds_tensor *bits;           /* u8 [N / 8]: this rank's signs */
     ds_tensor *server;         /* f32 [N / W]: this rank's chunk, averaged */
     ds_tensor *server_bits;    /* u8 [N / 8W] */
+} onebit_buf;
+
+typedef struct {
+    int64_t n;
+    onebit_buf *bufs;          /* OnebitAdam, ZeroOneAdam: one per piece (parameter), as DeepSpeed compresses each */
     ds_tensor *acc;            /* ZeroOneAdam: f32 [n], the local updates since the last sync */
     double lrs;                /* ZeroOneAdam: the lrs summed over those steps */
     /* OnebitLamb: f32 [n] each; per piece (ds_optim_group's seg) on the host */
@@ -28,11 +33,13 @@ struct ds_onebit {
     ds_optim *o;
     int world, rank;
     onebit_group *g;
+    onebit_buf lamb;             /* OnebitLamb: every group's momenta in one buffer, as DeepSpeed's */
     int64_t steps;
     bool reduce_next;            /* the next step's gradients are all-reduced */
     /* ZeroOneAdam's schedule */
     int64_t var_interval, var_counter, local_interval, local_counter;
     bool var_frozen, errors_reset;
+    int64_t lamb_loaded;         /* OnebitLamb: the step its loaded state is of (0: none loaded) */
     ds_onebit_stats stats;
 };
 
@@ -44,9 +51,26 @@ static ds_tensor *elements(ds_tensor *t, int64_t lo, int64_t n) {
     return ds_tensor_view_of(t, 1, &n, (int64_t[]){ 1 }, t->offset + lo);
 }
 
-static void group_free(onebit_group *gr) {
-    ds_tensor *all[] = { gr->x, gr->worker_error, gr->server_error, gr->bits, gr->server, gr->server_bits, gr->acc,
-                         gr->fresh_v, gr->last_m };
+static void buf_free(onebit_buf *cb) {
+    ds_tensor *all[] = { cb->x, cb->worker_error, cb->server_error, cb->bits, cb->server, cb->server_bits };
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ds_tensor_release(all[i]);
+}
+
+/* Buffers for n elements on dev, padded to a multiple of unit. */
+static int buf_init(onebit_buf *cb, int64_t n, int64_t unit, int world, ds_device dev) {
+    cb->n = n;
+    cb->padded = (n + unit - 1) / unit * unit;
+    cb->chunk = cb->padded / world;
+    return (cb->x = zeros(cb->padded, DS_F32, dev)) && (cb->worker_error = zeros(cb->padded, DS_F32, dev)) &&
+           (cb->server_error = zeros(cb->chunk, DS_F32, dev)) && (cb->bits = zeros(cb->padded / 8, DS_U8, dev)) &&
+           (cb->server = zeros(cb->chunk, DS_F32, dev)) && (cb->server_bits = zeros(cb->chunk / 8, DS_U8, dev))
+           ? 0 : -1;
+}
+
+static void group_free(onebit_group *gr, int n_bufs) {
+    for (int k = 0; gr->bufs && k < n_bufs; k++) buf_free(&gr->bufs[k]);
+    free(gr->bufs);
+    ds_tensor *all[] = { gr->acc, gr->fresh_v, gr->last_m };
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) ds_tensor_release(all[i]);
     free(gr->coeff_freeze);
     free(gr->last_factor);
@@ -68,7 +92,8 @@ static int lamb_state(onebit_group *gr, const ds_optim_group *og, ds_device dev)
 
 void ds_onebit_free(ds_onebit *b) {
     if (!b) return;
-    for (int g = 0; b->g && g < b->o->n_groups; g++) group_free(&b->g[g]);
+    for (int g = 0; b->g && g < b->o->n_groups; g++) group_free(&b->g[g], b->o->groups[g].n_seg);
+    buf_free(&b->lamb);
     free(b->g);
     free(b);
 }
@@ -94,22 +119,30 @@ ds_onebit *ds_onebit_new(const ds_onebit_config *c, ds_optim *o) {
     b->reduce_next = true;
     b->var_interval = b->local_interval = 1;
     /* DeepSpeed's divider: chunks of whole bytes on every rank */
-    int64_t w = b->world, unit = w * (w * 8 / gcd64(w, 8));
-    for (int g = 0; g < o->n_groups; g++) {
+    int64_t w = b->world, unit = w * (w * 8 / gcd64(w, 8)), total = 0;
+    bool lamb = c->kind == DS_ONEBIT_LAMB;
+    int rc = 0;
+    for (int g = 0; g < o->n_groups && rc == 0; g++) {
         onebit_group *gr = &b->g[g];
-        ds_tensor *p = o->groups[g].flat_params;
-        ds_device dev = ds_tensor_device(p);
-        gr->n = ds_tensor_numel(p);
-        gr->padded = (gr->n + unit - 1) / unit * unit;
-        gr->chunk = gr->padded / w;
-        if (!(gr->x = zeros(gr->padded, DS_F32, dev)) || !(gr->worker_error = zeros(gr->padded, DS_F32, dev)) ||
-            !(gr->server_error = zeros(gr->chunk, DS_F32, dev)) || !(gr->bits = zeros(gr->padded / 8, DS_U8, dev)) ||
-            !(gr->server = zeros(gr->chunk, DS_F32, dev)) || !(gr->server_bits = zeros(gr->chunk / 8, DS_U8, dev)) ||
-            (c->kind == DS_ZERO_ONE_ADAM && !(gr->acc = zeros(gr->n, DS_F32, dev))) ||
-            (c->kind == DS_ONEBIT_LAMB && lamb_state(gr, &o->groups[g], dev))) {
-            ds_onebit_free(b);
-            return NULL;
+        const ds_optim_group *og = &o->groups[g];
+        ds_device dev = ds_tensor_device(og->flat_params);
+        gr->n = ds_tensor_numel(og->flat_params);
+        total += gr->n;
+        if (!lamb && !(gr->bufs = calloc((size_t)og->n_seg, sizeof *gr->bufs))) {
+            ds_fail(DS_ERR_NOMEM, "1-bit optimizers: out of memory for group %d's %d pieces", g + 1, og->n_seg);
+            rc = -1;
         }
+        for (int k = 0; !lamb && k < og->n_seg && rc == 0; k++)
+            rc = buf_init(&gr->bufs[k], og->seg[k + 1] - og->seg[k], unit, b->world, dev);
+        if (rc == 0 && ((c->kind == DS_ZERO_ONE_ADAM && !(gr->acc = zeros(gr->n, DS_F32, dev))) ||
+                        (lamb && lamb_state(gr, og, dev))))
+            rc = -1;
+    }
+    if (rc == 0 && lamb && o->n_groups > 0)
+        rc = buf_init(&b->lamb, total, unit, b->world, ds_tensor_device(o->groups[0].flat_params));
+    if (rc) {
+        ds_onebit_free(b);
+        return NULL;
     }
     return b;
 }
@@ -145,15 +178,20 @@ static ds_tensor *compress(ds_tensor *x, ds_tensor *err, ds_tensor *bits) {
     return ds_tensor_full(1, (int64_t[]){ 1 }, DS_F32, ds_tensor_device(x), scale);
 }
 
-/* t all-gathered: work with one result per rank, or NULL. */
-static ds_comm_work *gather(ds_tensor *t, int64_t *bytes) {
-    ds_comm_work *w = ds_comm_all_gather(t, NULL);
+/* w waited for, or NULL; the bytes of t it sent to other ranks counted
+ * (an all-to-all keeps this rank's piece). */
+static ds_comm_work *done(ds_comm_work *w, ds_tensor *t, int world, bool all_to_all, int64_t *bytes) {
     if (w && ds_comm_work_wait(w)) {
         ds_comm_work_release(w);
         return NULL;
     }
-    *bytes += ds_tensor_numel(t) * (int64_t)ds_dtype_size(t->dtype);
+    int64_t n = ds_tensor_numel(t) * (int64_t)ds_dtype_size(t->dtype);
+    *bytes += all_to_all ? n - n / world : n;
     return w;
+}
+
+static ds_comm_work *gather(ds_tensor *t, int world, int64_t *bytes) {
+    return done(ds_comm_all_gather(t, NULL), t, world, false, bytes);
 }
 
 static int unpack(ds_tensor *out, ds_tensor *bits, double scale, bool accumulate) {
@@ -175,7 +213,7 @@ static int scales_of(ds_comm_work *w, double *out, int n) {
     return 0;
 }
 
-/* Rank r's chunk of a gathered result per rank: its bytes [lo, lo + n). */
+/* Elements [lo, lo + n) of w's result r. */
 static ds_tensor *result_part(ds_comm_work *w, int r, int64_t lo, int64_t n) {
     ds_tensor *t = ds_comm_work_result(w, r);
     ds_tensor *v = t ? elements(t, lo, n) : NULL;
@@ -183,47 +221,83 @@ static ds_tensor *result_part(ds_comm_work *w, int r, int64_t lo, int64_t n) {
     return v;
 }
 
-int ds_onebit_allreduce(ds_onebit *b, int g, ds_tensor *x) {
-    onebit_group *gr = &b->g[g];
-    if (x->dtype != DS_F32 || ds_tensor_numel(x) != gr->n || !ds_tensor_is_contiguous(x))
-        return ds_fail(DS_ERR_ARG, "1-bit optimizers: allreduce: group %d takes contiguous f32 of %lld elements", g + 1,
-                       (long long)gr->n), -1;
-    if (b->world == 1) return 0;
+/* parts (contiguous f32, cb->n elements in all) replaced by their
+ * compressed average over the ranks, through cb's buffers and errors. */
+static int reduce_parts(ds_onebit *b, onebit_buf *cb, ds_tensor *const *parts, int n_parts) {
     int W = b->world;
     double scale[W], server_scale[W];
-    ds_tensor *head = elements(gr->x, 0, gr->n), *tail = elements(gr->x, gr->n, gr->padded - gr->n);
-    int rc = head && tail && ds_copy_(head, x) == 0 && ds_fill_(tail, 0) == 0 ? 0 : -1;
+    int64_t off = 0;
+    int rc = 0;
+    for (int i = 0; i < n_parts && rc == 0; off += ds_tensor_numel(parts[i++])) {
+        ds_tensor *dst = elements(cb->x, off, ds_tensor_numel(parts[i]));
+        rc = dst ? ds_copy_(dst, parts[i]) : -1;
+        ds_tensor_release(dst);
+    }
+    ds_tensor *tail = rc == 0 ? elements(cb->x, cb->n, cb->padded - cb->n) : NULL;
+    if (!tail || ds_fill_(tail, 0)) rc = -1;
+    ds_tensor_release(tail);
     ds_tensor *ws = NULL, *ss = NULL;
     ds_comm_work *wbits = NULL, *wscale = NULL, *sbits = NULL, *sscale = NULL;
-    /* worker: every rank's signs and scale; then this rank's chunk of their mean */
-    if (rc == 0 && (!(ws = compress(gr->x, gr->worker_error, gr->bits)) ||
-                    !(wbits = gather(gr->bits, &b->stats.bytes)) || !(wscale = gather(ws, &b->stats.bytes)) ||
-                    scales_of(wscale, scale, W)))
+    /* worker: each rank's signs of this rank's chunk (an all-to-all) and
+     * every rank's scale; then this rank's chunk of their mean */
+    int64_t *sent = &b->stats.bytes;
+    if (rc == 0 && (!(ws = compress(cb->x, cb->worker_error, cb->bits)) ||
+                    !(wbits = done(ds_comm_all_to_all(cb->bits, NULL), cb->bits, W, true, sent)) ||
+                    !(wscale = gather(ws, W, sent)) || scales_of(wscale, scale, W)))
         rc = -1;
     for (int r = 0; r < W && rc == 0; r++) {
-        ds_tensor *part = result_part(wbits, r, (int64_t)b->rank * gr->chunk / 8, gr->chunk / 8);
-        rc = part ? unpack(gr->server, part, scale[r] / W, r > 0) : -1;
+        ds_tensor *part = result_part(wbits, 0, r * cb->chunk / 8, cb->chunk / 8);
+        rc = part ? unpack(cb->server, part, scale[r] / W, r > 0) : -1;
         ds_tensor_release(part);
     }
     /* server: the chunk compressed again, every chunk to every rank */
-    if (rc == 0 && (!(ss = compress(gr->server, gr->server_error, gr->server_bits)) ||
-                    !(sbits = gather(gr->server_bits, &b->stats.bytes)) || !(sscale = gather(ss, &b->stats.bytes)) ||
+    if (rc == 0 && (!(ss = compress(cb->server, cb->server_error, cb->server_bits)) ||
+                    !(sbits = gather(cb->server_bits, W, sent)) || !(sscale = gather(ss, W, sent)) ||
                     scales_of(sscale, server_scale, W)))
         rc = -1;
     for (int r = 0; r < W && rc == 0; r++) {
-        ds_tensor *part = result_part(sbits, r, 0, gr->chunk / 8), *dst = elements(gr->x, r * gr->chunk, gr->chunk);
+        ds_tensor *part = result_part(sbits, r, 0, cb->chunk / 8), *dst = elements(cb->x, r * cb->chunk, cb->chunk);
         rc = part && dst ? unpack(dst, part, server_scale[r], false) : -1;
         ds_tensor_release(part);
         ds_tensor_release(dst);
     }
-    if (rc == 0) rc = ds_copy_(x, head);
+    off = 0;
+    for (int i = 0; i < n_parts && rc == 0; off += ds_tensor_numel(parts[i++])) {
+        ds_tensor *src = elements(cb->x, off, ds_tensor_numel(parts[i]));
+        rc = src ? ds_copy_(parts[i], src) : -1;
+        ds_tensor_release(src);
+    }
     ds_comm_work *works[] = { wbits, wscale, sbits, sscale };
     for (int i = 0; i < 4; i++) ds_comm_work_release(works[i]);
     ds_tensor_release(ws);
     ds_tensor_release(ss);
-    ds_tensor_release(head);
-    ds_tensor_release(tail);
     return rc;
+}
+
+/* Group g's x, piece by piece (OnebitAdam, ZeroOneAdam). */
+static int reduce_pieces(ds_onebit *b, int g, ds_tensor *x) {
+    const ds_optim_group *og = &b->o->groups[g];
+    int rc = 0;
+    for (int k = 0; k < og->n_seg && rc == 0; k++) {
+        int64_t n = og->seg[k + 1] - og->seg[k];
+        if (n == 0) continue;
+        ds_tensor *v = elements(x, og->seg[k], n);
+        rc = v ? reduce_parts(b, &b->g[g].bufs[k], &v, 1) : -1;
+        ds_tensor_release(v);
+    }
+    return rc;
+}
+
+int ds_onebit_allreduce(ds_onebit *b, int g, ds_tensor *x) {
+    if (b->c.kind == DS_ONEBIT_LAMB)
+        return ds_fail(DS_ERR_ARG, "1-bit optimizers: allreduce: OneBitLamb reduces every group's momenta at once; "
+                       "this is OneBitAdam's and ZeroOneAdam's"), -1;
+    if (g < 0 || g >= b->o->n_groups || x->dtype != DS_F32 || ds_tensor_numel(x) != b->g[g].n ||
+        !ds_tensor_is_contiguous(x))
+        return ds_fail(DS_ERR_ARG, "1-bit optimizers: allreduce: group %d of %d takes contiguous f32 of its elements, "
+                       "got %s [%lld]", g + 1, b->o->n_groups, ds_dtype_name(x->dtype),
+                       (long long)ds_tensor_numel(x)), -1;
+    return b->world == 1 ? 0 : reduce_pieces(b, g, x);
 }
 
 /* ---------------------------------------------------------------- steps */
@@ -255,7 +329,7 @@ static int onebit_adam_step(ds_onebit *b, int g, const ds_optim_hparams *h) {
 
 /* ZeroOneAdam between full-precision steps: before the variance freezes
  * the gradient travels compressed; after, local steps accumulate their
- * updates and every local_interval-th step syncs them. */
+ * updates and every local_interval-th step (DeepSpeed's count) syncs them. */
 static int zero_one_step(ds_onebit *b, int g, const ds_optim_hparams *h, int64_t t) {
     ds_optim_group *og = &b->o->groups[g];
     onebit_group *gr = &b->g[g];
@@ -267,7 +341,7 @@ static int zero_one_step(ds_onebit *b, int g, const ds_optim_hparams *h, int64_t
     gr->lrs += h->lr;
     if (update(b, g, DS_ONEBIT_MOMENTUM, h, og->flat_grads, NULL) || update(b, g, DS_ONEBIT_APPLY, h, NULL, gr->acc))
         return -1;
-    if (t % b->local_interval != 0) return 0;
+    if ((t + 1) % b->local_interval != 0) return 0;     /* DeepSpeed's step count (zero_one_schedule) */
     if (update(b, g, DS_ONEBIT_UNDO, h, NULL, gr->acc) || ds_onebit_allreduce(b, g, gr->acc) ||
         update(b, g, DS_ONEBIT_REDO, h, NULL, gr->acc))
         return -1;
@@ -275,42 +349,51 @@ static int zero_one_step(ds_onebit *b, int g, const ds_optim_hparams *h, int64_t
     return 0;
 }
 
-/* ZeroOneAdam's schedule after step t (zoadam.py's counters). */
+/* ZeroOneAdam's schedule after step t (zoadam.py's counters). Its step
+ * count s = t + 1 counts DeepSpeed's first call, which only makes buffers:
+ * the full steps, the freeze and the syncs fall where DeepSpeed's do. */
 static void zero_one_schedule(ds_onebit *b, int64_t t) {
+    int64_t s = t + 1;
     if (!b->var_frozen) {
-        if (t % b->var_interval == 0 && ++b->var_counter == b->c.var_update_scaler) {
+        if (s % b->var_interval == 0 && ++b->var_counter == b->c.var_update_scaler) {
             b->var_counter = 0;
             b->var_interval *= 2;
         }
-        b->reduce_next = (t + 1) % b->var_interval == 0;
+        b->reduce_next = (s + 1) % b->var_interval == 0;
     } else if (++b->local_counter == b->c.local_step_scaler) {
         b->local_counter = 0;
         b->local_interval = b->local_interval * 2 < b->c.local_step_clipper ? b->local_interval * 2
                                                                             : b->c.local_step_clipper;
     }
-    if (t > b->c.var_freeze_step) {
+    if (s > b->c.var_freeze_step) {
         b->var_frozen = true;
         b->reduce_next = false;
     }
 }
 
+static int zero_buf(onebit_buf *cb) {
+    return cb->x && (ds_fill_(cb->worker_error, 0) || ds_fill_(cb->server_error, 0)) ? -1 : 0;
+}
+
 static int zero_errors(ds_onebit *b) {
     for (int g = 0; g < b->o->n_groups; g++)
-        if (ds_fill_(b->g[g].worker_error, 0) || ds_fill_(b->g[g].server_error, 0)) return -1;
-    return 0;
+        for (int k = 0; b->g[g].bufs && k < b->o->groups[g].n_seg; k++)
+            if (zero_buf(&b->g[g].bufs[k])) return -1;
+    return zero_buf(&b->lamb);
 }
 
 /* The optimizer's step count changed under b (a checkpoint was loaded):
  * the schedule as of that step, the errors zeroed (as DeepSpeed's
  * load_state_dict does: they are this rank's and were not saved), the
- * accumulated local updates dropped. OnebitLamb's averaged trust ratios
- * are not in the checkpoint: it resumes from step 0 only. */
+ * accumulated local updates dropped. OnebitLamb needs its own state of
+ * that step loaded too. */
 static int resync(ds_onebit *b) {
     int64_t step = b->o->groups[0].step;
     if (step == b->steps) return 0;
-    if (b->c.kind == DS_ONEBIT_LAMB && step > 0)
-        return ds_fail(DS_ERR_STATE, "OneBitLamb: resuming at step %lld: its averaged trust ratios are not in the "
-                       "checkpoint (resume from step 0, or use Lamb)", (long long)step), -1;
+    if (b->c.kind == DS_ONEBIT_LAMB && step > 0 && step != b->lamb_loaded)
+        return ds_fail(DS_ERR_STATE, "OneBitLamb: resuming at step %lld: its averaged trust ratios and fresh variance "
+                       "were not loaded for that step (a checkpoint without onebit/ tensors: resume from step 0, or "
+                       "use Lamb)", (long long)step), -1;
     b->steps = step;
     b->reduce_next = step < b->c.freeze_step;
     if (b->c.kind == DS_ZERO_ONE_ADAM) {
@@ -423,14 +506,29 @@ static double lamb_factor(const ds_onebit *b, onebit_group *gr, int k, double ra
     return f;
 }
 
-/* A compressed OnebitLamb step of group g (lamb.py's compression stage). */
+/* OnebitLamb's compressed step begins: every group's momentum takes this
+ * rank's gradient, is scaled piece by piece to the common size, and all
+ * are averaged as one buffer (lamb.py's exp_avg_flat). */
+static int lamb_momenta(ds_onebit *b, const ds_optim_hparams *h) {
+    int G = b->o->n_groups;
+    ds_tensor *parts[G];
+    for (int g = 0; g < G; g++) {
+        ds_optim_group *og = &b->o->groups[g];
+        parts[g] = og->state[0];
+        if (ds_copy_(b->g[g].last_m, parts[g]) || update(b, g, DS_ONEBIT_MOMENTUM, &h[g], og->flat_grads, NULL) ||
+            scale_pieces(parts[g], og, b->g[g].scaling, false))
+            return -1;
+    }
+    return b->world == 1 ? 0 : reduce_parts(b, &b->lamb, parts, G);
+}
+
+/* And goes on for group g, its momentum averaged (lamb.py's compression
+ * stage). */
 static int onebit_lamb_step(ds_onebit *b, int g, const ds_optim_hparams *h) {
     ds_optim_group *og = &b->o->groups[g];
     onebit_group *gr = &b->g[g];
     ds_tensor *m = og->state[0], *v = og->state[1], *p = og->flat_params;
-    if (ds_copy_(gr->last_m, m) || update(b, g, DS_ONEBIT_MOMENTUM, h, og->flat_grads, NULL) ||
-        scale_pieces(m, og, gr->scaling, false) || ds_onebit_allreduce(b, g, m) || scale_pieces(m, og, gr->scaling, true))
-        return -1;
+    if (scale_pieces(m, og, gr->scaling, true)) return -1;
     /* the gradient the averaged momentum implies feeds the fresh variance */
     ds_tensor *rec = ds_mul_scalar(gr->last_m, -h->beta1), *sq = NULL, *denom = NULL, *real = NULL, *pre = NULL,
               *upd = NULL, *ratio = NULL, *eps = NULL;
@@ -462,6 +560,61 @@ static int onebit_lamb_step(ds_onebit *b, int g, const ds_optim_hparams *h) {
     return rc;
 }
 
+static int lamb_group(const ds_onebit *b, int g, const char *what) {
+    if (b->c.kind != DS_ONEBIT_LAMB)
+        return ds_fail(DS_ERR_ARG, "1-bit optimizers: %s: only OneBitLamb has its own state", what), -1;
+    if (g < 0 || g >= b->o->n_groups)
+        return ds_fail(DS_ERR_ARG, "OneBitLamb: %s: group %d of %d", what, g + 1, b->o->n_groups), -1;
+    return 0;
+}
+
+int ds_onebit_lamb_state(const ds_onebit *b, int g, ds_tensor **fresh_v, ds_tensor **pieces) {
+    if (lamb_group(b, g, "state")) return -1;
+    const onebit_group *gr = &b->g[g];
+    int64_t k = b->o->groups[g].n_seg;
+    *fresh_v = ds_clone(gr->fresh_v);
+    *pieces = *fresh_v ? ds_tensor_new(1, (int64_t[]){ 3 * k }, DS_F64, DS_CPU_DEVICE) : NULL;
+    if (!*pieces) {
+        ds_tensor_release(*fresh_v);
+        return -1;
+    }
+    double *d = ds_tensor_data(*pieces);
+    for (int64_t i = 0; i < k; i++) {
+        d[i] = gr->coeff_freeze[i];
+        d[k + i] = gr->last_factor[i];
+        d[2 * k + i] = gr->scaling[i];
+    }
+    return 0;
+}
+
+int ds_onebit_lamb_load(ds_onebit *b, int g, int64_t step, ds_tensor *fresh_v, ds_tensor *pieces) {
+    if (lamb_group(b, g, "load")) return -1;
+    onebit_group *gr = &b->g[g];
+    int64_t k = b->o->groups[g].n_seg;
+    if (fresh_v->dtype != DS_F32 || ds_tensor_numel(fresh_v) != gr->n)
+        return ds_fail(DS_ERR_ARG, "OneBitLamb: load: group %d's fresh variance must be f32 of %lld elements, got %s of "
+                       "%lld", g + 1, (long long)gr->n, ds_dtype_name(fresh_v->dtype),
+                       (long long)ds_tensor_numel(fresh_v)), -1;
+    if (pieces->dtype != DS_F64 || ds_tensor_numel(pieces) != 3 * k || !ds_tensor_is_contiguous(pieces) ||
+        !ds_device_equal(ds_tensor_device(pieces), DS_CPU_DEVICE))
+        return ds_fail(DS_ERR_ARG, "OneBitLamb: load: group %d's piece state must be contiguous f64 [%lld] on the CPU "
+                       "(3 per piece), got %s [%lld]", g + 1, (long long)(3 * k), ds_dtype_name(pieces->dtype),
+                       (long long)ds_tensor_numel(pieces)), -1;
+    /* read from a file onto the host: to the group's device */
+    ds_tensor *here = ds_to_device(fresh_v, ds_tensor_device(gr->fresh_v));
+    int rc = here ? ds_copy_(gr->fresh_v, here) : -1;
+    ds_tensor_release(here);
+    if (rc) return -1;
+    const double *d = ds_tensor_data(pieces);
+    for (int64_t i = 0; i < k; i++) {
+        gr->coeff_freeze[i] = d[i];
+        gr->last_factor[i] = d[k + i];
+        gr->scaling[i] = d[2 * k + i];
+    }
+    b->lamb_loaded = step;
+    return 0;
+}
+
 bool ds_onebit_reduces(ds_onebit *b) {
     resync(b);     /* a failure is the step's to report */
     return b->reduce_next;
@@ -474,7 +627,10 @@ int ds_onebit_step(ds_onebit *b, const ds_optim_hparams *h) {
     b->stats.bytes = 0;
     bool prev = ds_set_grad_enabled(false);
     int rc = 0;
-    if (!full && b->c.kind == DS_ONEBIT_LAMB && t == b->c.freeze_step + 1) rc = lamb_scaling(b);
+    if (!full && b->c.kind == DS_ONEBIT_LAMB) {
+        if (t == b->c.freeze_step + 1) rc = lamb_scaling(b);
+        if (rc == 0 && b->o->n_groups > 0) rc = lamb_momenta(b, h);
+    }
     for (int g = 0; g < b->o->n_groups && rc == 0; g++) {
         if (full) {
             rc = ds_optim_step(b->o, g, &h[g]);

@@ -9,6 +9,8 @@
 --       <state>/<name>   its shard of each optimizer buffer (exp_avg, ...)
 --       module/<name>    (rank 0) buffers and frozen parameters, whole
 --       client/<key>     (rank 0) the tensors of client_state
+--       onebit/<g>/fresh_v, onebit/<g>/pieces   (rank 0) OneBitLamb's own
+--                        state of group g (the same on every rank)
 --     and in its metadata ("dslua") the rank's own state: RNG, the data
 --     loader's position, the sampler's epoch and policy state.
 --   manifest.json   rank 0's: format, dslua version, config, ZeRO stage,
@@ -252,6 +254,11 @@ local function engine_layout(engine)
   L.groups = L.optimizer.param_groups
   L.state_names = L.optimizer:state_names()
   return L
+end
+
+-- Does the engine step OneBitLamb, whose own state the checkpoint keeps?
+local function onebit_lamb(engine, L)
+  return engine.onebit ~= nil and L.optimizer.onebit ~= nil and L.optimizer.onebit.kind == 'OneBitLamb'
 end
 
 -- The optimizer's state as flat buffers per group: {fp32 = tensor, [name]
@@ -522,6 +529,13 @@ function M.save(engine, dir, tag, client_state, save_latest)
         extra[#extra + 1] = { 'module/' .. e[1], e[2] }
         module[#module + 1] = { name = e[1], dtype = e[2]:dtype(), shape = json.array(e[2]:size()), rank = r }
       end
+    end
+  end
+  if r == 0 and onebit_lamb(engine, L) then
+    for g = 1, #L.groups do
+      local fresh_v, pieces = engine.onebit:lamb_state(g)
+      extra[#extra + 1] = { 'onebit/' .. g .. '/fresh_v', fresh_v }
+      extra[#extra + 1] = { 'onebit/' .. g .. '/pieces', pieces }
     end
   end
   if r == 0 and client_state ~= nil then client = split_client(client_state, '', extra) end
@@ -805,6 +819,20 @@ local function load_tensors(engine, L, path, m, saved, get, with_state)
   end)
 end
 
+-- OneBitLamb's averaged trust ratios and fresh variance, which its
+-- compressed steps need beside the Lamb's state: rank 0's file. Without
+-- them (a checkpoint of a Lamb run) the first step past step 0 fails.
+local function load_onebit(engine, L, m, get)
+  if not onebit_lamb(engine, L) then return end
+  local f = get(0)
+  for g = 1, #L.groups do
+    local k = 'onebit/' .. g .. '/'
+    if f:entry(k .. 'fresh_v') and f:entry(k .. 'pieces') then
+      engine.onebit:load_lamb_state(g, m.optimizer.param_groups[g].step, f:read(k .. 'fresh_v'), f:read(k .. 'pieces'))
+    end
+  end
+end
+
 -- Buffers and frozen parameters, whole: from rank 0's file (a pipeline
 -- stage's first rank's).
 local function load_module_tensors(engine, L, path, m, get, strict)
@@ -932,6 +960,7 @@ function M.load(engine, dir, tag, opts)
     local saved = match_params(engine, path, m, L, o.load_module_strict)
     if with_state then match_optimizer(path, m, L) end
     load_tensors(engine, L, path, m, saved, get, with_state)
+    if with_state then load_onebit(engine, L, m, get) end
     load_module_tensors(engine, L, path, m, get, o.load_module_strict)
     if not o.load_module_only then
       local e = m.engine

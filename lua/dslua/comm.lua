@@ -105,6 +105,9 @@ local function bandwidth(name, size, ms, n)
   elseif name == 'all_reduce' then
     tput = size * 2 / ms
     busbw = size / ms * (2 * (n - 1) / n)
+  elseif name == 'all_to_all' then
+    tput = size / ms
+    busbw = tput * ((n - 1) / n)
   else
     tput = size / ms
     busbw = tput
@@ -393,6 +396,15 @@ function M.reduce_scatter(list, op, o)
   if type(list) ~= 'table' then error('reduce_scatter: expected a list of tensors, got ' .. type(list), 2) end
   local group, async = options(o, 'reduce_scatter')
   return call('reduce_scatter', o, group, async, nil, nbytes, list, op, group, async)
+end
+
+-- all_to_all(t [, opts]) -> t's shape: piece j (of world size equal
+-- pieces of its elements) is rank j's piece for this rank (torch's
+-- all_to_all_single)
+function M.all_to_all(t, o)
+  check_tensor(t, 'all_to_all')
+  local group, async = options(o, 'all_to_all')
+  return call('all_to_all', o, group, async, nil, nbytes(t), t, group, async)
 end
 
 return M

@@ -34,6 +34,8 @@ elseif mode == 'count' then
   local ok, err = pcall(c.all_reduce, last and ds.ones(10000) or t)
   c.print(ok and 'count accepted' or 'refused: ' .. err)
   c.print(c.flight_record()[2].what .. ' ' .. c.flight_record()[2].state)
+  ok, err = pcall(c.all_to_all, last and ds.ones(4) or ds.ones(2))
+  c.print(ok and 'all_to_all count accepted' or 'refused: ' .. err)
 elseif mode == 'stop' and last then
   os.execute('kill -STOP $PPID')              -- stopped: never answers
 elseif mode == 'stuck' then

@@ -132,6 +132,14 @@ for _, dt in ipairs(DTYPES) do
   check('reduce_scatter ' .. dt, c.reduce_scatter(pieces, 'sum'), dt, { r + 1 },
         range(r + 1, function() return isbool and 1 or tri end))
 
+  -- all_to_all of a transposed [n, 2]: row q goes to rank q
+  local row = function(p, q, a) return isbool and (a == 1 and (p + q) % 2 or 1) or p * 10 + q + 5 * (a - 1) end
+  local cols = {}
+  for a = 1, 2 do for q = 0, n - 1 do cols[#cols + 1] = row(r, q, a) end end
+  local want = {}
+  for j = 0, n - 1 do want[#want + 1], want[#want + 2] = row(j, r, 1), row(j, r, 2) end
+  check('all_to_all ' .. dt, c.all_to_all(make(cols, dt, { 2, n }):t()), dt, { n, 2 }, want)
+
   -- send/recv around the ring (async sends, so no rank blocks the next)
   if n > 1 then
     local to, from = (r + 1) % n, (r - 1 + n) % n
@@ -244,6 +252,9 @@ do
                                                      err:find('on rank 0 (src) was not valid', 1, true))), err)
   ok, err = pcall(c.reduce_scatter, range(n, function(i) return ds.ones(i + r) end))
   check_true('reduce_scatter uneven refused', n == 1 or (not ok and err:find('elements but rank', 1, true)), err)
+  ok, err = pcall(c.all_to_all, ds.ones(n + 1))
+  check_true('all_to_all uneven refused', n == 1 or (not ok and err:find('elements do not split into ' .. n ..
+                                                                         ' equal pieces', 1, true)), err)
   ok, err = pcall(c.all_reduce, ds.ones(1), 'mean')
   check_true('unknown op refused', not ok and err:find("unknown op 'mean'", 1, true), err)
   ok, err = pcall(c.send, ds.ones(1), r)

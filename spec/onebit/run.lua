@@ -3,13 +3,15 @@
 -- compressed and the bytes this rank handed to collectives, with the final
 -- weights, as JSON: run.lua OUT.json TYPE STEPS [key=value ...] (the
 -- optimizer's params: numbers, true or false; precision=bf16 or fp16 turns
--- that block on). Every rank trains on its own samples.
+-- that block on; groups=2: the biases in a second param group, without
+-- weight decay). Every rank trains on its own samples.
 local ds = require 'dslua'
 local out, kind, steps = arg[1], arg[2], tonumber(arg[3])
-local params, precision = { lr = 2e-3, weight_decay = 0.01 }, nil
+local params, precision, groups = { lr = 2e-3, weight_decay = 0.01 }, nil, 1
 for i = 4, #arg do
   local k, v = arg[i]:match('^(%w[%w_]*)=(.*)$')
-  if k == 'precision' then precision = v elseif k then params[k] = tonumber(v) or v == 'true' end
+  if k == 'precision' then precision = v elseif k == 'groups' then groups = tonumber(v)
+  elseif k then params[k] = tonumber(v) or v == 'true' end
 end
 ds.manual_seed(7)
 local n, d = 2048, 32
@@ -18,8 +20,17 @@ local w_true = ds.randn(d, 4)
 local y = (x:matmul(w_true) + ds.randn(n, 4) * 0.1):argmax(2)
 local model = ds.nn.Sequential(ds.nn.Linear(d, 64), ds.nn.GELU(), ds.nn.Linear(64, 64), ds.nn.GELU(),
                                ds.nn.Linear(64, 4))
+local model_parameters
+if groups == 2 then
+  local weights, biases = {}, {}
+  for _, e in ipairs(model:named_parameters()) do
+    local list = e[1]:match('bias$') and biases or weights
+    list[#list + 1] = e[2]
+  end
+  model_parameters = { { params = weights }, { params = biases, weight_decay = 0 } }
+end
 local engine, _, loader = ds.initialize {
-  model = model, training_data = ds.data.tensors { x = x, y = y },
+  model = model, training_data = ds.data.tensors { x = x, y = y }, model_parameters = model_parameters,
   config = { train_micro_batch_size_per_gpu = 16, steps_per_print = 100000,
              optimizer = { type = kind, params = params },
              bf16 = { enabled = precision == 'bf16' }, fp16 = { enabled = precision == 'fp16' } },
