@@ -56,6 +56,7 @@
 -- place, `latest` not moved), latest (`latest` moved).
 local ds = require 'dslua'
 local json = require 'dslua.json'
+local read_text = require('dslua.file').read
 local core = require 'dslua.core'
 local C = core.ckpt
 
@@ -133,14 +134,6 @@ local function jsonable(v)
   if t == 'number' and (v ~= v or v == math.huge or v == -math.huge) then return tostring(v) end
   if t == 'string' or t == 'number' or t == 'boolean' then return v end
   return tostring(v)
-end
-
-local function read_text(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
 end
 
 ---------------------------------------------------------------- across ranks

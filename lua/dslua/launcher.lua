@@ -16,6 +16,8 @@
 -- main(), and execs the command it returns: the launcher becomes mpirun, so
 -- its exit status is mpirun's. Each rank's RANK, LOCAL_RANK, ... and its
 -- --local_rank argument come from core/ds_rankenv.c and core/lua_main.c.
+local read = require('dslua.file').read
+
 local M = {}
 
 M.MASTER_PORT = 29500
@@ -55,14 +57,6 @@ local function contains(list, v)
   return false
 end
 
-local function read(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
-
 ---------------------------------------------------------------- hostfile
 
 -- parse_hostfile(path) -> pool: { {host =, slots = N, line = n}, ... } in
@@ -70,10 +64,8 @@ end
 -- is ignored), `#` starts a comment line; a duplicate host, a malformed
 -- line or no host at all is an error naming the file and line.
 function M.parse_hostfile(path)
-  local f, err = io.open(path, 'r')
-  if not f then fail('cannot read hostfile: %s', err) end
-  local text = f:read('*a')
-  f:close()
+  local text, err = read(path)
+  if not text then fail('cannot read hostfile: %s', err) end
   return M.parse_hostfile_text(text, path)
 end
 

@@ -46,6 +46,7 @@
 local ds = require 'dslua'
 local K = require('dslua.core')._reload
 local sha256 = require('dslua.core').ckpt.sha256
+local read_file = require('dslua.file').read
 
 local M = {}
 
@@ -346,14 +347,6 @@ kinds.module = function(_, entry, text)
 end
 
 ---------------------------------------------------------------- watched files
-
-local function read_file(path)
-  local f, err = io.open(path, 'rb')
-  if not f then return nil, err end
-  local text = f:read('*a')
-  f:close()
-  return text
-end
 
 -- A watched file: key (its path), kind, the running value, the signature
 -- and hash of the version running.

@@ -8,13 +8,7 @@
 local ffi = require 'ffi'
 ffi.cdef 'int usleep(unsigned int usec);'
 
-local function read(path)
-  local f = io.open(path, 'rb')
-  if not f then return nil end
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local read = require('dslua.file').read
 
 local pid = read('/proc/self/stat'):match('^(%d+)')
 
