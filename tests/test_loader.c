@@ -117,6 +117,13 @@ static void check_batch(ds_tensor **out, int64_t first, int64_t b, const char *w
     check(ok, "%s: samples %lld.. intact", what, (long long)first);
 }
 
+/* Rows first .. first + 3 as one batch. */
+static void submit_rows(ds_loader *l, int64_t first) {
+    int64_t idx[4];
+    for (int i = 0; i < 4; i++) idx[i] = first + i;
+    ds_loader_submit(l, idx, 4);
+}
+
 static void release2(ds_tensor **out) {
     ds_tensor_release(out[0]);
     ds_tensor_release(out[1]);
@@ -156,11 +163,7 @@ static void test_drain_and_free(void) {
     memset(&F, 0, sizeof F);
     ds_dataset *d = rows(40);
     ds_loader *l = ds_loader_new(d, 1, 4, GPU);
-    int64_t idx[4];
-    for (int b = 0; b < 3; b++) {
-        for (int i = 0; i < 4; i++) idx[i] = b * 4 + i;
-        ds_loader_submit(l, idx, 4);
-    }
+    for (int b = 0; b < 3; b++) submit_rows(l, b * 4);
     ds_tensor *out[2];
     check(ds_loader_next(l, out) == 0, "first batch: %s", ds_error_message());
     release2(out);
@@ -169,9 +172,8 @@ static void test_drain_and_free(void) {
     check(F.in_flight == 0 && F.staging_live == 0, "a drain waits for the copy in flight and frees its staging");
     check(ds_loader_next(l, out) != 0 && strstr(ds_error_message(), "no batch was submitted"),
           "nothing after a drain: %s", ds_error_message());
-    for (int i = 0; i < 4; i++) idx[i] = 20 + i;
-    ds_loader_submit(l, idx, 4);
-    ds_loader_submit(l, idx, 4);
+    submit_rows(l, 20);
+    submit_rows(l, 20);
     check(ds_loader_next(l, out) == 0, "after the drain: %s", ds_error_message());
     check_batch(out, 20, 4, "after the drain");
     release2(out);
@@ -186,11 +188,7 @@ static void test_error_waits(void) {
     memset(&F, 0, sizeof F);
     ds_dataset *d = rows(40);
     ds_loader *l = ds_loader_new(d, 0, 4, GPU);
-    int64_t idx[4];
-    for (int b = 0; b < 3; b++) {
-        for (int i = 0; i < 4; i++) idx[i] = b * 4 + i;
-        ds_loader_submit(l, idx, 4);
-    }
+    for (int b = 0; b < 3; b++) submit_rows(l, b * 4);
     /* no workers: the first next gathers batch 1 (x, y), then batch 2,
      * whose x fails (twice: the allocator's retry) */
     F.fail_after = 2;
