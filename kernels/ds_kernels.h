@@ -62,13 +62,22 @@ typedef struct ds_kernels_reduce {
     int (*sum_squares)(ds_kview acc, ds_kview x);
 } ds_kernels_reduce;
 
+/* What a check of index values found: pos, the first row-major position
+ * whose value is out of range (-1 when none), and that value. */
+typedef struct { int64_t pos, value; } ds_index_hit;
+
 /* Indexing. Index views are i64 or i32 and hold 0-based values that core
- * has already checked with check_index, so the others never read out of
- * bounds. x, src and dst share one dtype. */
+ * checks with check_index. On the CPU the check is over before the others
+ * run, so they never read out of bounds; a GPU's check is read back later
+ * (core/tensor/ds_fault.h), so its kernels skip a value out of range (a
+ * row read as zeros, an add dropped) rather than read past the data. x,
+ * src and dst share one dtype. */
 typedef struct ds_kernels_index {
-    /* The first row-major position of idx whose value is outside
-     * [0, limit) into bad_pos (-1 if none) and that value into bad_value. */
-    int (*check_index)(ds_kview idx, int64_t limit, int64_t *bad_pos, int64_t *bad_value);
+    /* What idx holds outside [0, limit) into *hit, a value equal to *skip
+     * (when skip is not NULL: cross-entropy's ignore_index) let through.
+     * The CPU writes it before returning; a GPU by the time its stream
+     * has done the work queued so far (hit is then page-locked memory). */
+    int (*check_index)(ds_kview idx, int64_t limit, const int64_t *skip, ds_index_hit *hit);
     /* x contiguous [outer, n, inner], idx 1-D [m], out contiguous
      * [outer, m, inner]: out[o, j, :] = x[o, idx[j], :]. Any dtype. */
     int (*index_select)(ds_kview out, ds_kview x, ds_kview idx, int64_t outer, int64_t n, int64_t inner);
@@ -107,19 +116,18 @@ typedef struct ds_kernels_nn {
                             int as_log);
     /* logits: contiguous rows of ld >= C values of which the first C are
      * the classes (the rest, a padded vocab's columns, are never read);
-     * target (rows elements) i64 or i32 class ids. Writes each row's loss
-     * (0 where target == ignore_index) and log-sum-exp, and the number of
-     * rows not ignored into *count. A target outside [0, C) fails, naming
-     * it and its row, before anything else. */
+     * target (rows elements) i64 or i32 class ids, checked by core first.
+     * Writes each row's loss (0 where target == ignore_index, and on a GPU
+     * where it is out of range) and log-sum-exp. */
     int (*cross_entropy)(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
-                         int64_t ld, int64_t ignore_index, double smoothing, int64_t *count);
-    /* dlogits (rows of ld, like logits) = dloss[r] scale (softmax -
-     * (1-smoothing) onehot - smoothing/C) over the first C columns, 0 past
-     * them and on ignored rows; dloss is 1-D [rows], stride 0 for a
+                         int64_t ld, int64_t ignore_index, double smoothing);
+    /* dlogits (rows of ld, like logits) = dloss[r] (softmax - (1-smoothing)
+     * onehot - smoothing/C) over the first C columns, 0 past them and on
+     * the rows the forward gave 0; dloss is 1-D [rows], stride 0 for a
      * reduced loss. */
     int (*cross_entropy_backward)(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
                                   ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
-                                  double smoothing, double scale);
+                                  double smoothing);
     /* x, y, g, dx [rows, n]; w, b [n] with data NULL when absent; mean and
      * rstd [rows]. dw, db with data NULL are not computed. */
     int (*layer_norm)(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,

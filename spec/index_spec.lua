@@ -86,6 +86,16 @@ describe('embedding', function()
     fails('embedding: ids must be i64 or i32, got f32', ds.embedding, w, ds.tensor { 1, 2 })
     fails('embedding: weight must be 2%-D %[V, D%], got shape %[10%]', ds.embedding, ds.randn(10), ds.tensor({ 1 }, 'i64'))
   end)
+
+  it('keeps checking past many calls, each bad call failing alone', function()
+    local w, good = ds.randn(10, 3), ds.tensor({ 1, 2 }, 'i64')
+    for i = 1, 200 do
+      local ok = pcall(ds.embedding, w, i % 50 == 0 and ds.tensor({ 1, 10 + i }, 'i64') or good)
+      assert.are.equal(i % 50 ~= 0, ok)
+    end
+    fails('ids value 12 at 0%-based position %(0%)', ds.embedding, w, ds.tensor({ 12 }, 'i64'))
+    assert.are.same({ 2, 3 }, ds.embedding(w, good):size())
+  end)
 end)
 
 describe('index_select', function()

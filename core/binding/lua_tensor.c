@@ -373,13 +373,24 @@ static int l_device(lua_State *L) {
     return 1;
 }
 
+/* t itself on the CPU; else one copy of it there (pushed, so it lives on
+ * the stack), which also reports what the device found since the last
+ * synchronisation. */
+static ds_tensor *on_host(lua_State *L, ds_tensor *t) {
+    if (ds_tensor_device(t).type == DS_DEV_CPU) return t;
+    ds_tensor *h = ds_to_device(t, DS_CPU_DEVICE);
+    if (!h) dsL_error(L);
+    dsL_pushtensor(L, h);
+    return h;
+}
+
 static int l_item(lua_State *L) {
     ds_tensor *t = dsL_checktensor(L, 1);
     char s[96];
     if (ds_tensor_numel(t) != 1)
         return luaL_error(L, "item: tensor of shape %s has %d elements, not one", ds_shape_str(t, s, sizeof s),
                           (int)ds_tensor_numel(t));
-    double v = ds_tensor_get(t, 0);
+    double v = ds_tensor_get(on_host(L, t), 0);
     if (t->dtype == DS_BOOL) lua_pushboolean(L, v != 0);
     else lua_pushnumber(L, v);
     return 1;
@@ -404,13 +415,7 @@ static int l_totable(lua_State *L) {
     luaL_argcheck(L, ds_tensor_numel(t) <= (1 << 26), 1, "tensor too large for a Lua table");
     int64_t pos = 0;
     luaL_checkstack(L, t->ndim + 4, "nested tensor");
-    if (ds_tensor_device(t).type != DS_DEV_CPU) {       /* one copy off the GPU, not one per element */
-        ds_tensor *h = ds_to_device(t, DS_CPU_DEVICE);
-        if (!h) return dsL_error(L);
-        dsL_pushtensor(L, h);
-        t = h;
-    }
-    push_nested(L, t, 0, &pos);
+    push_nested(L, on_host(L, t), 0, &pos);       /* one copy off the GPU, not one per element */
     return 1;
 }
 

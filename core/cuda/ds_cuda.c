@@ -2,6 +2,7 @@
  * with their streams, the backend registered, and what --report prints. */
 #include "ds_cuda_impl.h"
 #include "ds_error.h"
+#include "ds_fault.h"
 #include "cuda/cuda_blas.h"
 
 #include <cublasLt.h>
@@ -32,6 +33,11 @@ static void activate(int index) {
 
 static cudaStream_t current_stream(void);
 
+static int synchronize_device(int index) {
+    if (ds_cuda_set_device(index)) return -1;
+    return ds_cuda_call(cudaStreamSynchronize(R.compute[index]), "cudaStreamSynchronize");
+}
+
 static void init(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -49,7 +55,7 @@ static void init(void) {
     R.count = n < DS_CUDA_MAX_DEVICES ? n : DS_CUDA_MAX_DEVICES;
     ds_cuda_kernels_bind(&(ds_cuda_runtime_hooks){ current_stream, ds_cuda_block_alloc, ds_cuda_block_free });
     ds_backend b = { &ds_cuda_kernels, &ds_cuda_allocator, R.count, activate, ds_cuda_transfer,
-                     &ds_cuda_host_allocator, ds_cuda_upload, ds_cuda_upload_wait };
+                     &ds_cuda_host_allocator, ds_cuda_upload, ds_cuda_upload_wait, synchronize_device };
     ds_backend_register(DS_DEV_CUDA, &b);
 }
 
@@ -127,6 +133,7 @@ int ds_cuda_synchronize(void) {
         cudaError_t e = cudaSetDevice(i);
         if (e == cudaSuccess) e = cudaDeviceSynchronize();
         if (e != cudaSuccess) return ds_fail(DS_ERR_STATE, "cuda:%d: synchronize: %s", i, cudaGetErrorString(e)), -1;
+        if (ds_fault_settle((ds_device){ DS_DEV_CUDA, i })) return -1;
     }
     if (prev >= 0) cudaSetDevice(prev);
     return 0;

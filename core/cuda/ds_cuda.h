@@ -23,7 +23,8 @@ int ds_cuda_device_name(int index, char *buf, size_t n);
 /* 0 when cuda:index exists, else -1 with the error
  * "<op>: no CUDA device available (<reason>)" or naming the count. */
 int ds_cuda_check_device(const char *op, int index);
-/* Waits for the queued work of every device; 0 or -1 with the error set. */
+/* Waits for the queued work of every device; 0, or -1 with the error set,
+ * also when a device found a fault in a check (core/tensor/ds_fault.h). */
 int ds_cuda_synchronize(void);
 
 typedef struct {

@@ -1,5 +1,6 @@
 #include "ds_ops.h"
 #include "ds_error.h"
+#include "ds_fault.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,34 +27,58 @@ static int check_device(const char *op, const char *name, ds_tensor *t, const ch
     return -1;
 }
 
-/* An index tensor's dtype, device and values, all before any kernel reads
- * through it: every value must lie in [0, limit). */
-static int check_index(const char *op, ds_tensor *idx, const char *idx_name, ds_tensor *x, const char *x_name,
-                       int64_t limit) {
-    char s1[96], s2[96];
+/* What a failed index check names: kept by value, since on a GPU the
+ * answer comes after the call has returned. */
+typedef struct {
+    const char *op, *idx_name, *x_name;      /* string literals */
+    int64_t limit;
+    int idx_ndim, x_ndim;
+    int64_t idx_shape[DS_MAX_DIMS], x_shape[DS_MAX_DIMS];
+} index_check;
+
+static void dims_str(int ndim, const int64_t *shape, const char *sep, char *buf, size_t n) {
+    size_t used = 0;
+    buf[0] = 0;
+    for (int i = 0; i < ndim && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, "%s%lld", i ? sep : "", (long long)shape[i]);
+}
+
+static void describe_index_hit(char *buf, size_t n, const void *ctx, ds_index_hit hit) {
+    const index_check *c = ctx;
+    int64_t coord[DS_MAX_DIMS], pos = hit.pos;
+    for (int i = c->idx_ndim - 1; i >= 0; i--) {
+        coord[i] = pos % c->idx_shape[i];
+        pos /= c->idx_shape[i];
+    }
+    char at[160], is[160], xs[160];
+    dims_str(c->idx_ndim, coord, ",", at, sizeof at);
+    dims_str(c->idx_ndim, c->idx_shape, ",", is, sizeof is);
+    dims_str(c->x_ndim, c->x_shape, ",", xs, sizeof xs);
+    snprintf(buf, n, "%s: %s value %lld at 0-based position (%s) of %s [%s] is out of range [0, %lld) for %s of "
+             "shape [%s]", c->op, c->idx_name, (long long)hit.value, at, c->idx_name, is, (long long)c->limit,
+             c->x_name, xs);
+}
+
+int ds_check_index(const char *op, ds_tensor *idx, const char *idx_name, ds_tensor *x, const char *x_name,
+                   int64_t limit, const int64_t *skip) {
+    char s1[96];
     if (idx->dtype != DS_I64 && idx->dtype != DS_I32) {
         ds_fail(DS_ERR_ARG, "%s: %s must be i64 or i32, got %s of shape %s", op, idx_name,
                 ds_dtype_name(idx->dtype), ds_shape_str(idx, s1, sizeof s1));
         return -1;
     }
     if (check_device(op, idx_name, idx, x_name, x)) return -1;
-    int64_t pos, value;
-    if (kernel_status(ds_tensor_kernels(idx)->index->check_index(ds_tensor_kview(idx), limit, &pos, &value), op))
+    index_check c = { op, idx_name, x_name, limit, idx->ndim, x->ndim, { 0 }, { 0 } };
+    memcpy(c.idx_shape, idx->shape, (size_t)idx->ndim * sizeof *idx->shape);
+    memcpy(c.x_shape, x->shape, (size_t)x->ndim * sizeof *x->shape);
+    ds_device dev = ds_tensor_device(idx);
+    ds_index_hit *hit = ds_fault_open(dev, describe_index_hit, &c, sizeof c);
+    if (!hit) return -1;
+    if (kernel_status(ds_tensor_kernels(idx)->index->check_index(ds_tensor_kview(idx), limit, skip, hit), op)) {
+        hit->pos = -1;            /* the device will not write it */
         return -1;
-    if (pos < 0) return 0;
-    int64_t coord[DS_MAX_DIMS];
-    for (int i = idx->ndim - 1; i >= 0; i--) {
-        coord[i] = pos % idx->shape[i];
-        pos /= idx->shape[i];
     }
-    char at[160] = "";
-    size_t used = 0;
-    for (int i = 0; i < idx->ndim && used < sizeof at; i++)
-        used += (size_t)snprintf(at + used, sizeof at - used, i ? ",%lld" : "%lld", (long long)coord[i]);
-    ds_fail(DS_ERR_ARG, "%s: %s value %lld at 0-based position (%s) of %s %s is out of range [0, %lld) for %s of shape %s",
-            op, idx_name, (long long)value, at, idx_name, ds_shape_str(idx, s1, sizeof s1), (long long)limit,
-            x_name, ds_shape_str(x, s2, sizeof s2));
-    return -1;
+    return dev.type == DS_DEV_CPU ? ds_fault_settle(dev) : 0;
 }
 
 /* x's slices along d picked by the 1-D idx, into a new tensor. */
@@ -117,7 +142,7 @@ ds_tensor *ds_embedding(ds_tensor *weight, ds_tensor *ids) {
     if (ids->ndim >= DS_MAX_DIMS)
         return ds_fail(DS_ERR_ARG, "embedding: ids of shape %s leave no room for the embedding dim",
                        ds_shape_str(ids, s1, sizeof s1));
-    if (check_index("embedding", ids, "ids", weight, "weight", weight->shape[0])) return NULL;
+    if (ds_check_index("embedding", ids, "ids", weight, "weight", weight->shape[0], NULL)) return NULL;
     bool was = ds_set_grad_enabled(false);
     int64_t all = -1, shape[DS_MAX_DIMS];
     memcpy(shape, ids->shape, sizeof shape);
@@ -149,7 +174,7 @@ ds_tensor *ds_index_select(ds_tensor *x, int64_t dim, ds_tensor *index) {
     if (index->ndim > 1)
         return ds_fail(DS_ERR_ARG, "index_select: index must be 1-D, got shape %s (x has shape %s)",
                        ds_shape_str(index, s1, sizeof s1), ds_shape_str(x, s2, sizeof s2));
-    if (check_index("index_select", index, "index", x, "x", x->shape[d])) return NULL;
+    if (ds_check_index("index_select", index, "index", x, "x", x->shape[d], NULL)) return NULL;
     bool was = ds_set_grad_enabled(false);
     ds_tensor *out = index_select_raw(x, d, index, "index_select");
     ds_set_grad_enabled(was);
@@ -221,7 +246,7 @@ static int gather_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 ds_tensor *ds_gather(ds_tensor *x, int64_t dim, ds_tensor *index) {
     int d = ds_tensor_dim(x, "gather", dim);
     if (d < 0 || check_fits("gather", index, x, d, NULL) ||
-        check_index("gather", index, "index", x, "x", x->shape[d])) return NULL;
+        ds_check_index("gather", index, "index", x, "x", x->shape[d], NULL)) return NULL;
     ds_tensor *out = ds_tensor_new(index->ndim, index->shape, x->dtype, ds_tensor_device(x));
     if (!out) return NULL;
     if (gather_into(out, x, d, index, "gather")) { ds_tensor_release(out); return NULL; }
@@ -254,7 +279,7 @@ ds_tensor *ds_scatter_add(ds_tensor *x, int64_t dim, ds_tensor *index, ds_tensor
         return ds_fail(DS_ERR_ARG, "scatter_add: src is %s but x is %s (shapes %s and %s)", ds_dtype_name(src->dtype),
                        ds_dtype_name(x->dtype), ds_shape_str(src, s1, sizeof s1), ds_shape_str(x, s2, sizeof s2));
     if (check_device("scatter_add", "src", src, "x", x) || check_fits("scatter_add", index, x, d, src) ||
-        check_index("scatter_add", index, "index", x, "x", x->shape[d])) return NULL;
+        ds_check_index("scatter_add", index, "index", x, "x", x->shape[d], NULL)) return NULL;
     bool was = ds_set_grad_enabled(false);
     ds_tensor *out = scatter_add_raw(x, x->ndim, x->shape, x->dtype, d, index, src, "scatter_add");
     ds_set_grad_enabled(was);

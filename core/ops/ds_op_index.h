@@ -19,6 +19,15 @@ ds_tensor *ds_gather(ds_tensor *x, int64_t dim, ds_tensor *index);
  * least index's shape; only the part that index covers is added. */
 ds_tensor *ds_scatter_add(ds_tensor *x, int64_t dim, ds_tensor *index, ds_tensor *src);
 
+/* Checks idx (dtype, device, values) for an op that reads x through it:
+ * every value in [0, limit), a value equal to *skip let through when skip
+ * is not NULL. On the CPU a value out of range fails here; on a GPU at the
+ * first synchronisation after (core/tensor/ds_fault.h), the op's kernels
+ * skipping it meanwhile. 0, or -1 with the error naming op, idx_name,
+ * the value, its position and both shapes. */
+int ds_check_index(const char *op, ds_tensor *idx, const char *idx_name, ds_tensor *x, const char *x_name,
+                   int64_t limit, const int64_t *skip);
+
 /* Joins n tensors along an existing dim (dtypes promote) or a new one. */
 ds_tensor *ds_cat(int n, ds_tensor *const *ts, int64_t dim);
 ds_tensor *ds_stack(int n, ds_tensor *const *ts, int64_t dim);

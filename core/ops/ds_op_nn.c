@@ -83,12 +83,22 @@ ds_tensor *ds_log_softmax(ds_tensor *x, int64_t dim) { return softmax_op(x, dim,
 
 /* ---- cross-entropy ---- */
 
-enum { CE_LOGITS, CE_LSE, CE_TARGET };
+enum { CE_LOGITS, CE_LSE, CE_TARGET, CE_COUNT };
+
+/* A mean's gradient: g over the rows that counted, worked out on the
+ * device in count's dtype. */
+static ds_tensor *mean_grad(ds_tensor *g, ds_tensor *count) {
+    ds_tensor *gs = ds_to_dtype(g, count->dtype);
+    ds_tensor *out = gs ? ds_div(gs, count) : NULL;
+    ds_tensor_release(gs);
+    return out;
+}
 
 static int cross_entropy_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *logits = n->saved[CE_LOGITS], *lse = n->saved[CE_LSE], *target = n->saved[CE_TARGET];
+    ds_tensor *count = n->saved[CE_COUNT];
     int64_t rows = n->i[1], C = n->i[2], ld = logits->shape[logits->ndim - 1];
-    ds_tensor *gc = ds_contiguous(g);
+    ds_tensor *gc = count ? mean_grad(g, count) : ds_contiguous(g);
     ds_tensor *dl = gc ? ds_tensor_new(logits->ndim, logits->shape, logits->dtype, ds_tensor_device(logits)) : NULL;
     if (!dl) { ds_tensor_release(gc); return -1; }
     /* the loss gradient as one value per row: a reduced loss repeats its one value */
@@ -98,7 +108,7 @@ static int cross_entropy_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     gv.stride[0] = n->i[3] == DS_NN_NONE ? 1 : 0;
     int rc = ds_tensor_kernels(logits)->nn->cross_entropy_backward(ds_tensor_kview(dl), gv, ds_tensor_kview(logits),
                                                                     ds_tensor_kview(lse), ds_tensor_kview(target),
-                                                                    rows, C, ld, n->i[0], n->f[0], n->f[1]);
+                                                                    rows, C, ld, n->i[0], n->f[0]);
     ds_tensor_release(gc);
     if (rc) { kernel_failed(dl, "cross_entropy"); return -1; }
     gin[0] = dl;
@@ -137,14 +147,28 @@ static int check_cross_entropy(ds_tensor *logits, ds_tensor *target, double smoo
     return 0;
 }
 
-/* The per-row losses reduced as asked, in the logits' dtype. */
-static ds_tensor *reduce_loss(ds_tensor *loss, ds_tensor *target, ds_dtype dtype, ds_nn_reduction red, int64_t count) {
+/* The rows whose target is not ignore_index, as a 0-dim tensor of dtype
+ * on target's device: no read back, so a step never waits for it. */
+static ds_tensor *counted_rows(ds_tensor *target, int64_t ignore_index, ds_dtype dtype) {
+    ds_tensor *ig = ds_scalar_like(target, (double)ignore_index);
+    ds_tensor *kept = ig ? ds_binary(DS_BIN_NE, target, ig) : NULL;
+    ds_tensor *n = kept ? ds_sum(kept, -1, NULL, false) : NULL;
+    ds_tensor *out = n ? ds_to_dtype(n, dtype) : NULL;
+    ds_tensor_release(ig);
+    ds_tensor_release(kept);
+    ds_tensor_release(n);
+    return out;
+}
+
+/* The per-row losses reduced as asked (a mean over count), in dtype. */
+static ds_tensor *reduce_loss(ds_tensor *loss, ds_tensor *target, ds_dtype dtype, ds_nn_reduction red,
+                              ds_tensor *count) {
     ds_tensor *r;
     if (red == DS_NN_NONE) {
         r = ds_reshape(loss, target->ndim, target->shape);
     } else {
         ds_tensor *s = ds_sum(loss, -1, NULL, false);
-        r = s && red == DS_NN_MEAN ? ds_mul_scalar(s, 1.0 / (double)count) : s;
+        r = s && red == DS_NN_MEAN ? ds_div(s, count) : s;
         if (r != s) ds_tensor_release(s);
     }
     ds_tensor *out = r ? ds_to_dtype(r, dtype) : NULL;
@@ -156,19 +180,20 @@ ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore
                             int64_t classes, ds_nn_reduction red) {
     if (check_cross_entropy(logits, target, smoothing, classes)) return NULL;
     int64_t ld = logits->shape[logits->ndim - 1], C = classes ? classes : ld;
-    int64_t rows = ds_tensor_numel(target), count = 0;
+    if (ds_check_index("cross_entropy", target, "target", logits, "logits", C, &ignore_index)) return NULL;
+    int64_t rows = ds_tensor_numel(target);
     ds_device dev = ds_tensor_device(logits);
     ds_dtype st = stat_dtype(logits->dtype);
     bool prev = ds_set_grad_enabled(false);
     ds_tensor *lc = ds_contiguous(logits), *tc = ds_contiguous(target);
     ds_tensor *loss = ds_tensor_new(1, &rows, st, dev), *lse = ds_tensor_new(1, &rows, st, dev);
+    ds_tensor *count = red == DS_NN_MEAN && tc ? counted_rows(tc, ignore_index, st) : NULL;
     ds_tensor *out = NULL;
-    int rc = -1;
-    if (lc && tc && loss && lse) {
-        rc = ds_tensor_kernels(logits)->nn->cross_entropy(ds_tensor_kview(loss), ds_tensor_kview(lse),
-                                                           ds_tensor_kview(lc), ds_tensor_kview(tc), rows, C, ld,
-                                                           ignore_index, smoothing, &count);
-        if (rc) ds_fail(DS_ERR_ARG, "cross_entropy: %s", ds_kernel_error());
+    if (lc && tc && loss && lse && (count || red != DS_NN_MEAN)) {
+        if (ds_tensor_kernels(logits)->nn->cross_entropy(ds_tensor_kview(loss), ds_tensor_kview(lse),
+                                                         ds_tensor_kview(lc), ds_tensor_kview(tc), rows, C, ld,
+                                                         ignore_index, smoothing))
+            ds_fail(DS_ERR_ARG, "cross_entropy: %s", ds_kernel_error());
         else out = reduce_loss(loss, target, logits->dtype, red, count);
     }
     ds_set_grad_enabled(prev);
@@ -180,8 +205,8 @@ ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore
         n->i[2] = C;
         n->i[3] = red;
         n->f[0] = smoothing;
-        n->f[1] = red == DS_NN_MEAN ? 1.0 / (double)count : 1.0;
-        if (ds_node_save(n, CE_LOGITS, lc) || ds_node_save(n, CE_LSE, lse) || ds_node_save(n, CE_TARGET, tc)) {
+        if (ds_node_save(n, CE_LOGITS, lc) || ds_node_save(n, CE_LSE, lse) || ds_node_save(n, CE_TARGET, tc) ||
+            (count && ds_node_save(n, CE_COUNT, count))) {
             ds_tensor_release(out);
             out = NULL;
         }
@@ -189,6 +214,7 @@ ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore
     ds_tensor_release(lc);
     ds_tensor_release(tc);
     ds_tensor_release(lse);
+    ds_tensor_release(count);
     return out;
 }
 

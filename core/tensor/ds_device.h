@@ -39,6 +39,9 @@ typedef struct {
     ds_allocator *host_allocator;
     int (*upload)(void *dst, const void *src, size_t nb, int index, void **fence);
     int (*upload_wait)(void *fence, int index);
+    /* Waits for the work queued on device index: 0, or -1 after
+     * ds_kernel_fail. NULL for the CPU. */
+    int (*synchronize)(int index);
 } ds_backend;
 
 void ds_backend_register(ds_device_type type, const ds_backend *b);
@@ -48,7 +51,8 @@ const ds_backend *ds_backend_get(ds_device dev);     /* NULL if not available */
 int ds_device_check(const char *op, ds_device dev);
 bool ds_device_equal(ds_device a, ds_device b);
 /* dst = src between two different devices: 0, or -1 with the error set
- * naming op. */
+ * naming op. A copy onto the CPU waits for the source device, so it also
+ * reports a fault that device found since the last (core/tensor/ds_fault.h). */
 int ds_device_transfer(const char *op, ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev);
 /* "cpu", "cuda", "cuda:1"; returns -1 and sets the error on bad names */
 int ds_device_parse(const char *s, ds_device *out);

@@ -35,17 +35,17 @@ static inline void add_elem(ds_dtype t, void *dst, int64_t di, const void *src, 
     }
 }
 
-static int cpu_check_index(ds_kview idx, int64_t limit, int64_t *bad_pos, int64_t *bad_value) {
+static int cpu_check_index(ds_kview idx, int64_t limit, const int64_t *skip, ds_index_hit *hit) {
     if (idx.dtype != DS_I64 && idx.dtype != DS_I32) return ds_kernel_fail("indices must be i64 or i32");
-    int64_t n = ds_kview_numel(&idx), first = n;
+    int64_t n = ds_kview_numel(&idx), first = n, let = skip ? *skip : 0;
     int contig = ds_kview_is_contiguous(&idx);
     #pragma omp parallel for schedule(static) reduction(min:first) if (n > CPU_PARALLEL_MIN)
     for (int64_t i = 0; i < n; i++) {
         int64_t v = load_index(&idx, contig ? i : ds_kview_offset(&idx, i));
-        if ((v < 0 || v >= limit) && i < first) first = i;
+        if ((v < 0 || v >= limit) && !(skip && v == let) && i < first) first = i;
     }
-    *bad_pos = first < n ? first : -1;
-    *bad_value = first < n ? load_index(&idx, ds_kview_offset(&idx, first)) : 0;
+    hit->pos = first < n ? first : -1;
+    hit->value = first < n ? load_index(&idx, ds_kview_offset(&idx, first)) : 0;
     return 0;
 }
 

@@ -123,19 +123,9 @@ static int64_t target_at(const ds_kview *t, int64_t r) {
 }
 
 static int cpu_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
-                             int64_t ld, int64_t ignore_index, double smoothing, int64_t *count) {
+                             int64_t ld, int64_t ignore_index, double smoothing) {
     if (target.dtype != DS_I64 && target.dtype != DS_I32)
         return ds_kernel_fail("target must hold i64 or i32 class ids");
-    int64_t kept = 0;
-    for (int64_t r = 0; r < rows; r++) {
-        int64_t t = target_at(&target, r);
-        if (t == ignore_index) continue;
-        if (t < 0 || t >= C)
-            return ds_kernel_fail("target %lld at row %lld (1-based) is out of range: class ids are 0-based, "
-                                  "in [0, %lld)", (long long)t, (long long)(r + 1), (long long)C);
-        kept++;
-    }
-    *count = kept;
     const ds_kview *v[3] = { &loss, &lse, &logits };
     if (all_f32(v, 3)) {
         const float *x = (const float *)logits.data;
@@ -172,7 +162,7 @@ static int cpu_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kv
 
 static int cpu_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
                                       ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
-                                      double smoothing, double scale) {
+                                      double smoothing) {
     int64_t ds = dloss.ndim ? dloss.stride[0] : 0;
     const ds_kview *v[3] = { &dlogits, &logits, &lse };
     if (all_f32(v, 3)) {
@@ -183,7 +173,7 @@ static int cpu_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kview
             int64_t t = target_at(&target, r);
             for (int64_t j = t == ignore_index ? 0 : C; j < ld; j++) d[r * ld + j] = 0;
             if (t == ignore_index) continue;
-            float s = (float)(scale * ds_load(dloss.dtype, dloss.data, r * ds));
+            float s = (float)ds_load(dloss.dtype, dloss.data, r * ds);
             ds_row_ce_backward_f(d + r * ld, x + r * ld, C, t, sf[r], s, (float)smoothing);
         }
         return 0;
@@ -197,7 +187,7 @@ static int cpu_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kview
         for (int64_t j = t == ignore_index ? 0 : C; j < ld; j++) out[j] = 0;
         if (t != ignore_index) {
             load_row(row, &logits, r * ld, C, 1);
-            double s = scale * ds_load(dloss.dtype, dloss.data, r * ds);
+            double s = ds_load(dloss.dtype, dloss.data, r * ds);
             ds_row_ce_backward_d(out, row, C, t, ds_load(lse.dtype, lse.data, r), s, smoothing);
         }
         store_row(&dlogits, r * ld, ld, 1, out);

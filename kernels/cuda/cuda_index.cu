@@ -2,52 +2,54 @@
  * use atomics: f32, f64, i32 and i64 add in place (integers exactly; float
  * sums in an order that may vary run to run); the narrow dtypes (bf16,
  * f16, u8, bool) have no such atomics, so dst is widened into a double
- * scratch, summed there and rounded back once. Index values were checked
- * by core (check_index) before any kernel here reads through them. */
+ * scratch, summed there and rounded back once. Core's range check
+ * (check_index) is read back only at the next synchronisation, so every
+ * kernel here skips an index value out of range instead of reading or
+ * writing past the data. */
 #include "cuda_pointwise.cuh"
 
 /* ---- check_index: the first bad position, found with atomicMin ---- */
 
-static __global__ void check_index_kernel(ds_kview idx, int64_t limit, int64_t n, unsigned long long *first) {
+static __global__ void check_index_kernel(ds_kview idx, int64_t limit, bool skip, int64_t let, int64_t n,
+                                          unsigned long long *first) {
     DS_CUDA_LOOP(i, n) {
         int64_t v = pw_index(idx, ds_cuda_offset(idx, i));
-        if (v < 0 || v >= limit) atomicMin(first, (unsigned long long)i);
+        if ((v < 0 || v >= limit) && !(skip && v == let)) atomicMin(first, (unsigned long long)i);
     }
 }
 
-/* res[0]: the first bad position (all ones when none); res[1] its value */
+/* res[0]: the first bad position (all ones, -1 as a signed value, when
+ * none); res[1] its value */
 static __global__ void bad_value_kernel(ds_kview idx, unsigned long long *res) {
-    if (res[0] != ~0ull) res[1] = (unsigned long long)pw_index(idx, ds_cuda_offset(idx, (int64_t)res[0]));
+    res[1] = res[0] != ~0ull ? (unsigned long long)pw_index(idx, ds_cuda_offset(idx, (int64_t)res[0])) : 0;
 }
 
-static int cuda_check_index(ds_kview idx, int64_t limit, int64_t *bad_pos, int64_t *bad_value) {
+/* Queued, not waited for: the result lands in hit (page-locked) when the
+ * stream gets there, and core reads it at the next synchronisation. */
+static int cuda_check_index(ds_kview idx, int64_t limit, const int64_t *skip, ds_index_hit *hit) {
     if (idx.dtype != DS_I64 && idx.dtype != DS_I32) return ds_kernel_fail("indices must be i64 or i32");
     int64_t n = ds_kview_numel(&idx);
-    *bad_pos = -1;
-    *bad_value = 0;
-    if (n == 0) return 0;
+    if (n == 0) {
+        *hit = (ds_index_hit){ -1, 0 };
+        return 0;
+    }
     cudaStream_t st = ds_cuda_stream();
-    unsigned long long *res = (unsigned long long *)ds_cuda_scratch(2 * sizeof *res), host[2];
+    unsigned long long *res = (unsigned long long *)ds_cuda_scratch(2 * sizeof *res);
     if (!res) return -1;
-    int rc = ds_cuda_ok(cudaMemsetAsync(res, 0xff, 2 * sizeof *res, st), "cudaMemsetAsync");
+    int rc = ds_cuda_ok(cudaMemsetAsync(res, 0xff, sizeof *res, st), "cudaMemsetAsync");
     if (rc == 0) {
-        check_index_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, st>>>(idx, limit, n, res);
+        check_index_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, st>>>(idx, limit, skip != NULL,
+                                                                                         skip ? *skip : 0, n, res);
         rc = ds_cuda_launched("check_index_kernel");
     }
     if (rc == 0) {
         bad_value_kernel<<<1, 1, 0, st>>>(idx, res);
         rc = ds_cuda_launched("bad_value_kernel");
     }
-    if (rc == 0)
-        rc = ds_cuda_ok(cudaMemcpyAsync(host, res, sizeof host, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");
+    static_assert(sizeof *hit == 2 * sizeof *res, "ds_index_hit is two 8-byte values");
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(hit, res, sizeof *hit, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");
     ds_cuda_scratch_free(res);
-    if (rc == 0) rc = ds_cuda_ok(cudaStreamSynchronize(st), "cudaStreamSynchronize");
-    if (rc != 0) return -1;
-    if (host[0] != ~0ull) {
-        *bad_pos = (int64_t)host[0];
-        *bad_value = (int64_t)host[1];
-    }
-    return 0;
+    return rc;
 }
 
 /* ---- moving and adding single elements ---- */
@@ -61,6 +63,9 @@ static __device__ __forceinline__ void copy_elem(void *dst, int64_t di, const vo
     default: ((uint8_t *)dst)[di] = ((const uint8_t *)src)[si]; break;
     }
 }
+
+/* What a skipped index reads: zero in every dtype. */
+static __device__ const uint64_t zero = 0;
 
 /* The dtypes atomics add in place. */
 static bool atomic_dtype(ds_dtype t) { return t == DS_F32 || t == DS_F64 || t == DS_I32 || t == DS_I64; }
@@ -123,8 +128,9 @@ static __global__ void index_select_kernel(ds_kview out, ds_kview x, ds_kview id
     int64_t is = idx.ndim ? idx.stride[0] : 0;
     int es = (int)ds_dtype_size(x.dtype);
     DS_CUDA_LOOP(e, outer * m * inner) {
-        int64_t k = e % inner, r = e / inner, j = r % m, o = r / m;
-        copy_elem(out.data, e, x.data, (o * n + pw_index(idx, j * is)) * inner + k, es);
+        int64_t k = e % inner, r = e / inner, j = r % m, o = r / m, i = pw_index(idx, j * is);
+        if (i >= 0 && i < n) copy_elem(out.data, e, x.data, (o * n + i) * inner + k, es);
+        else copy_elem(out.data, e, &zero, 0, es);
     }
 }
 
@@ -140,9 +146,9 @@ static __global__ void index_add_kernel(ds_kview dst, double *wide, ds_kview src
                                         int64_t n, int64_t inner, int64_t m) {
     int64_t is = idx.ndim ? idx.stride[0] : 0;
     DS_CUDA_LOOP(e, outer * m * inner) {
-        int64_t k = e % inner, r = e / inner, j = r % m, o = r / m;
-        int64_t d = (o * n + pw_index(idx, j * is)) * inner + k;
-        add_elem(dst, d, wide, d, src, e);
+        int64_t k = e % inner, r = e / inner, j = r % m, o = r / m, i = pw_index(idx, j * is);
+        int64_t d = (o * n + i) * inner + k;
+        if (i >= 0 && i < n) add_elem(dst, d, wide, d, src, e);
     }
 }
 
@@ -179,7 +185,8 @@ static __global__ void gather_kernel(ds_kview out, ds_kview x, ds_kview idx, int
         coords(idx, p, c);
         int64_t oo = offset_at(out, c);
         c[dim] = pw_index(idx, offset_at(idx, c));
-        copy_elem(out.data, oo, x.data, offset_at(x, c), es);
+        if (c[dim] >= 0 && c[dim] < x.shape[dim]) copy_elem(out.data, oo, x.data, offset_at(x, c), es);
+        else copy_elem(out.data, oo, &zero, 0, es);
     }
 }
 
@@ -198,6 +205,7 @@ static __global__ void scatter_add_kernel(ds_kview dst, double *wide, ds_kview s
         coords(idx, p, c);
         int64_t os = offset_at(src, c);
         c[dim] = pw_index(idx, offset_at(idx, c));
+        if (c[dim] < 0 || c[dim] >= dst.shape[dim]) continue;
         int64_t wi = 0;
         for (int d = 0; d < dst.ndim; d++) wi = wi * dst.shape[d] + c[d];
         add_elem(dst, offset_at(dst, c), wide, wi, src, os);

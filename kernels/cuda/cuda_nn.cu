@@ -80,59 +80,17 @@ static int cuda_softmax_backward(ds_kview dx, ds_kview g, ds_kview y, int64_t ou
 
 /* ---- cross-entropy with label smoothing eps over C classes ---- */
 
-/* res[0]: the first row whose target is out of range (all ones when none),
- * res[2]: the rows not ignored; then bad_value_kernel puts the value of
- * the bad target into res[1]. */
-static __global__ void ce_check_kernel(ds_kview target, int64_t rows, int64_t C, int64_t ignore,
-                                       unsigned long long *res) {
-    unsigned long long kept = 0;
-    DS_CUDA_LOOP(r, rows) {
-        int64_t t = pw_index(target, r);
-        if (t == ignore) continue;
-        if (t < 0 || t >= C) atomicMin(res, (unsigned long long)r);
-        else kept++;
-    }
-    kept = pw_block_sum(kept);
-    if (threadIdx.x == 0 && kept) atomicAdd(res + 2, kept);
+/* True when row r's target t counts: not ignored and, since a GPU's
+ * range check is read back later (core/tensor/ds_fault.h), in [0, C). */
+__device__ __forceinline__ bool ce_counts(int64_t t, int64_t C, int64_t ignore) {
+    return t != ignore && t >= 0 && t < C;
 }
 
-static __global__ void ce_bad_value_kernel(ds_kview target, unsigned long long *res) {
-    if (res[0] != ~0ull) res[1] = (unsigned long long)pw_index(target, (int64_t)res[0]);
-}
-
-/* Checks the targets as the CPU does (the first bad row, by its 1-based
- * number) and counts the rows not ignored. */
-static int ce_check(ds_kview target, int64_t rows, int64_t C, int64_t ignore, int64_t *count) {
-    cudaStream_t st = ds_cuda_stream();
-    unsigned long long *res = (unsigned long long *)ds_cuda_scratch(3 * sizeof *res), host[3];
-    if (!res) return -1;
-    int rc = ds_cuda_ok(cudaMemsetAsync(res, 0xff, sizeof *res, st), "cudaMemsetAsync");
-    if (rc == 0) rc = ds_cuda_ok(cudaMemsetAsync(res + 1, 0, 2 * sizeof *res, st), "cudaMemsetAsync");
-    if (rc == 0) {
-        ce_check_kernel<<<ds_cuda_blocks(rows, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, st>>>(target, rows, C, ignore,
-                                                                                         res);
-        rc = ds_cuda_launched("ce_check_kernel");
-    }
-    if (rc == 0) {
-        ce_bad_value_kernel<<<1, 1, 0, st>>>(target, res);
-        rc = ds_cuda_launched("ce_bad_value_kernel");
-    }
-    if (rc == 0)
-        rc = ds_cuda_ok(cudaMemcpyAsync(host, res, sizeof host, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");
-    ds_cuda_scratch_free(res);
-    if (rc == 0) rc = ds_cuda_ok(cudaStreamSynchronize(st), "cudaStreamSynchronize");
-    if (rc != 0) return -1;
-    if (host[0] != ~0ull)
-        return ds_kernel_fail("target %lld at row %lld (1-based) is out of range: class ids are 0-based, "
-                              "in [0, %lld)", (long long)host[1], (long long)host[0] + 1, (long long)C);
-    *count = (int64_t)host[2];
-    return 0;
-}
-
-/* True when row r's target t is ignored; its loss and lse are then 0. */
-__device__ __forceinline__ bool ce_ignored(const ds_kview &loss, const ds_kview &lse, int64_t r, int64_t t,
+/* True (with the row's loss and lse set to 0) when row r's target does
+ * not count. */
+__device__ __forceinline__ bool ce_skipped(const ds_kview &loss, const ds_kview &lse, int64_t r, int64_t t, int64_t C,
                                            int64_t ignore) {
-    if (t != ignore) return false;
+    if (ce_counts(t, C, ignore)) return false;
     if (threadIdx.x == 0) {
         ds_store(loss.dtype, loss.data, r, 0);
         ds_store(lse.dtype, lse.data, r, 0);
@@ -146,7 +104,7 @@ static __global__ void ce_f64_kernel(ds_kview loss, ds_kview lse, ds_kview logit
                                      int64_t C, int64_t ld, int64_t ignore, double eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld;
-        if (ce_ignored(loss, lse, r, t, ignore)) continue;
+        if (ce_skipped(loss, lse, r, t, C, ignore)) continue;
         double m = -INFINITY, sx = 0, s = 0;
         for (int64_t j = threadIdx.x; j < C; j += blockDim.x) {
             double v = pw_load<double>(logits, base + j);
@@ -183,7 +141,7 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
                                      int64_t C, int64_t ld, int64_t ignore, float eps) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t t = pw_index(target, r), base = r * ld;
-        if (ce_ignored(loss, lse, r, t, ignore)) continue;
+        if (ce_skipped(loss, lse, r, t, C, ignore)) continue;
         int64_t h = min(pw_head(logits.dtype, logits.data, base), C), cv = h + (C - h) / PW_VEC * PW_VEC;
         float m = -INFINITY, s = 0, sx = 0, x[PW_VEC];
         for (int64_t j = h + threadIdx.x * PW_VEC; j < cv; j += blockDim.x * PW_VEC) {
@@ -211,12 +169,10 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
 }
 
 static int cuda_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_kview target, int64_t rows, int64_t C,
-                              int64_t ld, int64_t ignore_index, double smoothing, int64_t *count) {
+                              int64_t ld, int64_t ignore_index, double smoothing) {
     if (target.dtype != DS_I64 && target.dtype != DS_I32)
         return ds_kernel_fail("target must hold i64 or i32 class ids");
-    *count = 0;
     if (rows == 0) return 0;
-    if (ce_check(target, rows, C, ignore_index, count)) return -1;
     const ds_kview *v[3] = { &loss, &lse, &logits };
     if (pw_any_f64(v, 3)) {
         ce_f64_kernel<<<row_blocks(rows), pw_row_threads(C), 0, ds_cuda_stream()>>>(loss, lse, logits, target, rows,
@@ -228,16 +184,16 @@ static int cuda_cross_entropy(ds_kview loss, ds_kview lse, ds_kview logits, ds_k
     return ds_cuda_launched("ce_f32_kernel");
 }
 
-/* dx = s (softmax(x) - eps/C) - s (1 - eps) onehot(t), s = scale dloss[r];
- * one thread per logit, 0 on ignored rows and past C. f64 data. */
+/* dx = s (softmax(x) - eps/C) - s (1 - eps) onehot(t), s = dloss[r]; one
+ * thread per logit, 0 on the rows that do not count and past C. f64 data. */
 static __global__ void ce_backward_f64_kernel(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
                                               ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore,
-                                              double eps, double scale, int64_t dstride) {
+                                              double eps, int64_t dstride) {
     DS_CUDA_LOOP(e, rows * ld) {
         int64_t r = e / ld, j = e % ld, t = pw_index(target, r);
         double v = 0;
-        if (t != ignore && j < C) {
-            double s = scale * ds_load(dloss.dtype, dloss.data, r * dstride);
+        if (ce_counts(t, C, ignore) && j < C) {
+            double s = ds_load(dloss.dtype, dloss.data, r * dstride);
             v = s * (exp(pw_load<double>(logits, e) - pw_load<double>(lse, r)) - eps / (double)C);
             if (j == t) v -= s * (1 - eps);
         }
@@ -258,12 +214,12 @@ __device__ __forceinline__ float ce_grad(float x, int64_t j, int64_t C, int64_t 
  * boundary when vec (the two tensors equally far from one). */
 static __global__ void ce_backward_f32_kernel(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
                                               ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore,
-                                              float eps, double scale, int64_t dstride, bool vec) {
+                                              float eps, int64_t dstride, bool vec) {
     float off = eps / (float)C;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        int64_t t = pw_index(target, r), base = r * ld, c = t == ignore ? 0 : C;   /* c: the columns with a gradient */
+        int64_t t = pw_index(target, r), base = r * ld, c = ce_counts(t, C, ignore) ? C : 0;   /* c: the columns with a gradient */
         int64_t h = vec ? min(pw_head(dlogits.dtype, dlogits.data, base), ld) : ld, lv = h + (ld - h) / PW_VEC * PW_VEC;
-        float s = c ? (float)(scale * ds_load(dloss.dtype, dloss.data, r * dstride)) : 0.0f;
+        float s = c ? (float)ds_load(dloss.dtype, dloss.data, r * dstride) : 0.0f;
         float l = c ? pw_loadf(lse.dtype, lse.data, r) : 0.0f, hit = s * (1.0f - eps), x[PW_VEC] = {};
         for (int64_t j = h + threadIdx.x * PW_VEC; j < lv; j += blockDim.x * PW_VEC) {
             if (j < c) pw_load8(logits.dtype, logits.data, base + j, x);
@@ -280,18 +236,18 @@ static __global__ void ce_backward_f32_kernel(ds_kview dlogits, ds_kview dloss, 
 
 static int cuda_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kview logits, ds_kview lse,
                                        ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
-                                       double smoothing, double scale) {
+                                       double smoothing) {
     int64_t n = rows * ld, ds = dloss.ndim ? dloss.stride[0] : 0;
     if (n == 0) return 0;
     const ds_kview *v[3] = { &dlogits, &logits, &lse };
     if (pw_any_f64(v, 3)) {
         ce_backward_f64_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-            dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, smoothing, scale, ds);
+            dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, smoothing, ds);
         return ds_cuda_launched("ce_backward_f64_kernel");
     }
     bool vec = logits.dtype == dlogits.dtype && ((uintptr_t)logits.data - (uintptr_t)dlogits.data) % 16 == 0;
     ce_backward_f32_kernel<<<row_blocks(rows), pw_row_threads(vec ? ld / PW_VEC : ld), 0, ds_cuda_stream()>>>(
-        dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, (float)smoothing, scale, ds, vec);
+        dlogits, dloss, logits, lse, target, rows, C, ld, ignore_index, (float)smoothing, ds, vec);
     return ds_cuda_launched("ce_backward_f32_kernel");
 }
 

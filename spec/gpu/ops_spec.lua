@@ -398,6 +398,46 @@ describe('index ops on the GPU #gpu', function()
       return s[1] * 1, s[2], s[3], c[1], c[2]
     end, { randn(dt, 4, 5) }
   end)
+  -- A GPU's range check is not waited for: the call returns, and the first
+  -- read back (or ds.cuda.synchronize) raises the check's own message.
+  local function fails_by_next_sync(pattern, call, sync)
+    local ok, err = pcall(call)
+    if not ON_CPU then
+      assert(ok, err)
+      ok, err = pcall(sync, err)
+      pattern = pattern .. '.*%(checked on cuda:0, reported at the first synchronisation after%)'
+    end
+    assert.is_false(ok)
+    assert.matches(pattern, tostring(err))
+  end
+  it('reports an index out of range at the next synchronisation, and carries on', function()
+    local w = to_dev(ds.randn(10, 3))
+    local bad = to_dev(ds.tensor({ { 0, 1 }, { 12, 3 } }, 'i64'))
+    local out
+    fails_by_next_sync('embedding: ids value 12 at 0%-based position %(1,0%) of ids %[2,2%] is out of range '
+                       .. '%[0, 10%) for weight of shape %[10,3%]',
+                       function() out = ds.embedding(w, bad) end, function() return out:sum():item() end)
+    fails_by_next_sync('gather: index value %-1 at 0%-based position %(0,1%)',
+                       function() out = w:gather(2, to_dev(ds.tensor({ { 0, -1 } }, 'i64'))) end,
+                       function() return ds.cuda.synchronize() end)
+    local x, t = to_dev(ds.randn(3, 5)), to_dev(ds.tensor({ 1, 7, -100 }, 'i64'))
+    fails_by_next_sync('cross_entropy: target value 7 at 0%-based position %(1%) of target %[3%]',
+                       function() out = ds.cross_entropy(x, t) end, function() return out:item() end)
+    -- only the first of several bad calls is reported, and nothing after
+    if not ON_CPU then
+      ds.embedding(w, bad)
+      ds.embedding(w, to_dev(ds.tensor({ 99 }, 'i64')))
+      local ok, err = pcall(ds.cuda.synchronize)
+      assert.is_false(ok)
+      assert.matches('ids value 12 at', err)
+      ds.cuda.synchronize()
+    end
+    local good = ds.embedding(w, to_dev(ds.tensor({ 2, 9 }, 'i64')))
+    H.assert_close(to_host(good), to_host(w):index_select(1, ds.tensor({ 2, 9 }, 'i64')))
+    -- many calls with no read back between them stay checked
+    for _ = 1, 150 do ds.embedding(w, to_dev(ds.tensor({ 0, 9 }, 'i64'))) end
+    assert.are.same({ 2, 3 }, to_host(ds.embedding(w, to_dev(ds.tensor({ 0, 9 }, 'i64')))):size())
+  end)
   each(INTS, 'index_select, gather, cat of integers', function(dt)
     return function(x, i, j) return x:index_select(2, i), x:gather(2, j), ds.cat({ x, x }, 1) end,
            { ints(dt, -50, 50, 4, 6), index({ 3, 0, 5 }), index({ { 1, 5 }, { 0, 0 }, { 2, 3 }, { 4, 1 } }) }
