@@ -519,6 +519,37 @@ describe('attention on the GPU #gpu', function()
       return function(qkv) return ds.qkv_attention(qkv, Hn, opts) end, { randn(dt, B, T, 3 * Hn * D) }
     end)
   end
+
+  -- f32 and f64 take the math backend on the GPU (cuBLAS GEMMs, B*H*Tq*Tk
+  -- scores in memory) and the fused one on the CPU, so the cases above
+  -- compare the two; forced, the fused kernel still runs them
+  for _, c in ipairs { cases[1], cases[2], cases[3], cases[4] } do
+    local name, B, Hn, Tq, Tk, D, Dv, opts = unpack(c)
+    local fused = { causal = opts.causal, scale = opts.scale, backend = 'fused' }
+    each({ 'f32', 'f64' }, 'scaled_dot_product_attention, backend fused, ' .. name, function(dt)
+      return function(q, k, v)
+               return ds.scaled_dot_product_attention(q:transpose(2, 3), k:transpose(2, 3), v, fused)
+             end,
+             { randn(dt, B, Tq, Hn, D), randn(dt, B, Tk, Hn, D), randn(dt, B, Hn, Tk, Dv) }
+    end)
+  end
+  each({ 'f32' }, 'qkv_attention, backend fused', function(dt)
+    return function(qkv) return ds.qkv_attention(qkv, 3, { backend = 'fused' }) end, { randn(dt, 2, 100, 3 * 3 * 64) }
+  end)
+
+  if not ON_CPU then
+    it('auto takes math for f32 and f64, fused for bf16 and f16', function()
+      local x = randn('f32', 1, 2, 8, 16):cuda():requires_grad_()
+      for dt, op in pairs { f32 = 'permute', f64 = 'permute', bf16 = 'scaled_dot_product_attention',
+                            f16 = 'scaled_dot_product_attention' } do
+        local y = x:to(dt)
+        assert.are.equal(op, ds.scaled_dot_product_attention(y, y, y).grad_fn, dt)
+      end
+      local qkv = randn('f32', 1, 8, 3 * 32):cuda():requires_grad_()
+      assert.are.equal('view', ds.qkv_attention(qkv, 2).grad_fn)
+      assert.are.equal('qkv_attention', ds.qkv_attention(qkv:to('bf16'), 2).grad_fn)
+    end)
+  end
 end)
 
 describe('optimizer steps on the GPU #gpu', function()
