@@ -113,6 +113,7 @@ local function steps(B, dtype, V, n)
 end
 
 local function ops()
+  -- attention on the default backend: fused for bf16, math (cuBLAS GEMMs) for f32
   for _, dt in ipairs { 'bf16', 'f32' } do
     local q, k, v = randn({ 8, 12, 1024, 64 }, dt), randn({ 8, 12, 1024, 64 }, dt), randn({ 8, 12, 1024, 64 }, dt)
     result('attention_fwd', '8x12x1024x64_' .. dt, time_per_call(function()

@@ -104,7 +104,7 @@ describe('scaled_dot_product_attention', function()
     end
   end)
 
-  it('keeps peak memory for T = 1024 far below one T x T matrix', function()
+  it('keeps peak memory for T = 1024 far below one T x T matrix (auto is fused on the CPU)', function()
     local T = 1024
     local q, k, v = leaf({ 1, 1, T, 16 }), leaf({ 1, 1, T, 16 }), leaf({ 1, 1, T, 16 })
     collectgarbage()
@@ -198,5 +198,100 @@ describe('qkv_attention', function()
     fails('got %[5,12%]', ds.zeros(5, 12), 2)
     fails('qkv_attention: qkv must be a floating point tensor, got i64', ds.zeros(2, 5, 12):long(), 2)
     fails("qkv_attention: unknown option 'casual'", ds.zeros(2, 5, 12), 2, { casual = true })
+  end)
+end)
+
+describe('attention backends', function()
+  -- opts with the backend set, the caller's table left alone
+  local function with(opts, backend)
+    local o = { backend = backend }
+    for key, val in pairs(opts or {}) do o[key] = val end
+    return o
+  end
+
+  local function copies(xs)
+    local r = {}
+    for i, x in ipairs(xs) do r[i] = x:detach():clone():requires_grad_() end
+    return r
+  end
+
+  local cases = {
+    { 'causal', { 2, 3, 37, 8 }, { 2, 3, 37, 8 }, { 2, 3, 37, 8 }, nil },
+    { 'not causal', { 1, 2, 20, 6 }, { 1, 2, 20, 6 }, { 1, 2, 20, 6 }, { causal = false } },
+    { 'cross attention, Tq ~= Tk, Dv ~= D', { 2, 1, 5, 4 }, { 2, 1, 70, 4 }, { 2, 1, 70, 3 }, { causal = false } },
+    { 'an explicit scale', { 1, 2, 9, 5 }, { 1, 2, 9, 5 }, { 1, 2, 9, 5 }, { scale = 0.3 } },
+  }
+
+  for _, dt in ipairs { 'f32', 'f64' } do
+    for _, c in ipairs(cases) do
+      local name, qs, ks, vs, opts = unpack(c)
+      it('scaled_dot_product_attention: math equals fused, ' .. name .. ', ' .. dt, function()
+        local q, k, v = ds.randn(qs, dt), ds.randn(ks, dt), ds.randn(vs, dt)
+        local w = ds.randn({ qs[1], qs[2], qs[3], vs[4] }, dt)
+        local a, b = copies { q, k, v }, copies { q, k, v }
+        local oa, dqa, dka, dva = run(a[1], a[2], a[3], with(opts, 'fused'), w)
+        local ob, dqb, dkb, dvb = run(b[1], b[2], b[3], with(opts, 'math'), w)
+        H.assert_close(ob, oa, H.tol[dt], 'out')
+        -- the heads-inner layout: the heads merge with a view, without a copy
+        assert.are.same({ qs[1], qs[3], qs[2] * vs[4] }, ob:transpose(2, 3):view({ qs[1], qs[3], -1 }):size())
+        H.assert_close(dqb, dqa, H.tol[dt], 'dq')
+        H.assert_close(dkb, dka, H.tol[dt], 'dk')
+        H.assert_close(dvb, dva, H.tol[dt], 'dv')
+      end)
+    end
+
+    it('qkv_attention: math equals fused, output and qkv gradient, ' .. dt, function()
+      for _, case in ipairs { { 2, 37, 3, 4, nil }, { 1, 20, 2, 8, { causal = false, scale = 0.3 } } } do
+        local B, T, nh, D, opts = unpack(case)
+        local x = ds.randn({ B, T, 3 * nh * D }, dt)
+        local w = ds.randn({ B, T, nh * D }, dt)
+        local a, b = x:clone():requires_grad_(), x:clone():requires_grad_()
+        local ya, yb = ds.qkv_attention(a, nh, with(opts, 'fused')), ds.qkv_attention(b, nh, with(opts, 'math'))
+        assert.are.same(ya:size(), yb:size())
+        assert.is_true(yb:is_contiguous())
+        H.assert_close(yb, ya, H.tol[dt], 'output')
+        ;(ya * w):sum():backward()
+        ;(yb * w):sum():backward()
+        H.assert_close(b.grad, a.grad, H.tol[dt], 'qkv gradient')
+      end
+    end)
+  end
+
+  it('math gradients match finite differences in f64', function()
+    local math_ = { backend = 'math' }
+    H.gradcheck(function(q, k, v) return sdpa(q, k, v, math_) end,
+                { leaf({ 1, 2, 5, 3 }, 'f64'), leaf({ 1, 2, 5, 3 }, 'f64'), leaf({ 1, 2, 5, 3 }, 'f64') })
+    H.gradcheck(function(q, k, v) return sdpa(q, k, v, { causal = false, scale = 0.7, backend = 'math' }) end,
+                { leaf({ 2, 1, 3, 3 }, 'f64'), leaf({ 2, 1, 4, 3 }, 'f64'), leaf({ 2, 1, 4, 2 }, 'f64') })
+    H.gradcheck(function(qkv) return ds.qkv_attention(qkv, 2, math_) end, { leaf({ 2, 5, 12 }, 'f64') })
+  end)
+
+  it('math runs bf16 and keeps its dtype', function()
+    local q, k, v = ds.randn(1, 2, 12, 4, 'bf16'), ds.randn(1, 2, 12, 4, 'bf16'), ds.randn(1, 2, 12, 4, 'bf16')
+    local o = sdpa(q, k, v, { backend = 'math' })
+    assert.are.equal('bf16', o:dtype())
+    H.assert_close(o:float(), sdpa(q:float(), k:float(), v:float()), { rtol = 3e-2, atol = 3e-2 }, 'bf16 math')
+  end)
+
+  it('auto is fused on the CPU in every dtype', function()
+    for _, dt in ipairs { 'f32', 'f64', 'bf16' } do
+      local x = ds.randn({ 1, 2, 4, 8 }, dt):requires_grad_()
+      assert.are.equal('scaled_dot_product_attention', sdpa(x, x, x).grad_fn, dt)
+      assert.are.equal('permute', sdpa(x, x, x, { backend = 'math' }).grad_fn, dt)
+      local qkv = ds.randn({ 1, 4, 24 }, dt):requires_grad_()
+      assert.are.equal('qkv_attention', ds.qkv_attention(qkv, 2, { backend = 'auto' }).grad_fn, dt)
+    end
+  end)
+
+  it('rejects a bad backend, naming the op and the allowed values', function()
+    local a = ds.zeros(1, 2, 3, 4)
+    local ok, err = pcall(sdpa, a, a, a, { backend = 'flash' })
+    assert.is_false(ok)
+    assert.matches("scaled_dot_product_attention: backend must be 'auto', 'fused' or 'math', got 'flash'", err)
+    ok, err = pcall(ds.qkv_attention, ds.zeros(1, 3, 12), 2, { backend = 1 })
+    assert.is_false(ok)
+    assert.matches("qkv_attention: backend must be 'auto', 'fused' or 'math', got number", err)
+    ok, err = pcall(sdpa, a, a, a, { backnd = 'math' })
+    assert.matches("unknown option 'backnd' %(expected causal, scale, backend%)", err)
   end)
 end)

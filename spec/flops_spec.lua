@@ -12,10 +12,20 @@ function Two:forward(batch)
   return ds.mse_loss(self.fc2(self.fc1(batch.x):tanh()), batch.y)
 end
 
-local function run(profiler, steps)
+-- fused q,k,v projection and attention over 2 heads, on the backend given
+local Attn = ds.nn.Module:extend('Attn')
+function Attn:init(backend)
+  self.c_attn = ds.nn.Linear(8, 24)
+  self.backend = backend
+end
+function Attn:forward(batch)
+  return ds.mse_loss(ds.qkv_attention(self.c_attn(batch.x), 2, { backend = self.backend }), batch.y)
+end
+
+local function run(profiler, steps, model, x, y)
   ds.manual_seed(2)
-  local x, y = ds.randn(32, 6), ds.randn(32, 2)
-  local engine = ds.initialize { model = Two(), training_data = ds.data.tensors { x = x, y = y }, config = {
+  x, y = x or ds.randn(32, 6), y or ds.randn(32, 2)
+  local engine = ds.initialize { model = model or Two(), training_data = ds.data.tensors { x = x, y = y }, config = {
     train_micro_batch_size_per_gpu = 4, steps_per_print = 1000, optimizer = { type = 'SGD', params = { lr = 0.1 } },
     flops_profiler = profiler } }
   local n = 0
@@ -69,6 +79,17 @@ describe('flops_profiler', function()
     assert.is_nil(text:find('(fc1)', 1, true))
     run({ enabled = true, profile_step = 1, detailed = false, output_file = dir .. '/b.txt' }, 1)
     assert.is_nil(read(dir .. '/b.txt'):find('Detailed Profile', 1, true))
+  end)
+
+  it('counts attention once, the same on either backend', function()
+    local dir = H.tmpdir()
+    for _, backend in ipairs { 'fused', 'math' } do
+      local path = dir .. '/' .. backend .. '.txt'
+      run({ enabled = true, profile_step = 1, output_file = path }, 1, Attn(backend), ds.randn(32, 5, 8),
+          ds.randn(32, 5, 8))
+      -- per micro batch of 4: c_attn 4*5*8*24, q k^T and p v 2*(4*5*8)*5
+      assert.is_truthy(read(path):find('fwd MACs per GPU:%s+5.44 KMACs\n'), backend)
+    end
   end)
 
   it('refuses an output_file it cannot write at initialize', function()

@@ -364,6 +364,14 @@ describe('nn layers', function()
     assert.is_true(max_diff(attn(x), want) < 1e-12)
   end)
 
+  it('CausalSelfAttention gives the same output on either attention backend', function()
+    local attn = nn.CausalSelfAttention { n_embd = 12, n_head = 3, dtype = 'f64' }
+    local math_ = nn.CausalSelfAttention { n_embd = 12, n_head = 3, dtype = 'f64', attention_backend = 'math' }
+    math_:load_state_dict(attn:state_dict())
+    local x = ds.randn({ 2, 5, 12 }, 'f64')
+    assert.is_true(max_diff(attn(x), math_(x)) < 1e-12)
+  end)
+
   it('CausalSelfAttention with attention dropout forms the same scores explicitly', function()
     local attn = nn.CausalSelfAttention { n_embd = 8, n_head = 2, dropout = 0.1, dtype = 'f64' }
     local x = ds.randn({ 2, 6, 8 }, 'f64')
@@ -407,6 +415,8 @@ describe('nn errors', function()
     fails("GELU: approximate must be 'none' or 'tanh', got fast", nn.GELU, 'fast')
     fails('LayerNorm: normalized_shape must be an integer or a list of integers', nn.LayerNorm, 'x')
     fails('CausalSelfAttention: n_embd 10 is not divisible by n_head 3', nn.CausalSelfAttention, { n_embd = 10, n_head = 3 })
+    fails("CausalSelfAttention: attention_backend must be 'auto', 'fused' or 'math', got flash",
+          nn.CausalSelfAttention, { n_embd = 8, n_head = 2, attention_backend = 'flash' })
     fails('Sequential: element 2 is a number, expected a module', nn.Sequential, nn.ReLU(), 3)
     fails('CausalSelfAttention: expected x %[B, T, 8%], got %[2x8%]',
           function() return nn.CausalSelfAttention { n_embd = 8, n_head = 2 }(ds.zeros({ 2, 8 })) end)

@@ -5,7 +5,15 @@
 
 #define OP "scaled_dot_product_attention"
 
-static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal) {
+/* The backend auto picks: on the GPU, f32 and f64 have no tensor-core
+ * kernel, and cuBLAS's GEMMs around a softmax beat the scalar fused one. */
+static ds_attention_backend pick_backend(ds_attention_backend backend, const ds_tensor *x) {
+    if (backend != DS_ATTN_AUTO) return backend;
+    bool wide = x->dtype == DS_F32 || x->dtype == DS_F64;
+    return wide && ds_tensor_device(x).type == DS_DEV_CUDA ? DS_ATTN_MATH : DS_ATTN_FUSED;
+}
+
+static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, ds_attention_backend backend) {
     char sq[96], sk[96], sv[96];
     ds_shape_str(q, sq, sizeof sq);
     ds_shape_str(k, sk, sizeof sk);
@@ -27,7 +35,7 @@ static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal) {
                        "(pass causal = false for cross attention)", OP, sq, sk), -1;
     if (q->shape[3] == 0 || (k->shape[2] == 0 && q->shape[2] > 0))
         return ds_fail(DS_ERR_ARG, "%s: needs a head dim and at least one key, got q %s and k %s", OP, sq, sk), -1;
-    if (!ds_tensor_kernels(q)->attention)
+    if (backend == DS_ATTN_FUSED && !ds_tensor_kernels(q)->attention)
         return ds_fail(DS_ERR_ARG, "%s: not available on this device", OP), -1;
     return 0;
 }
@@ -45,6 +53,45 @@ static ds_tensor *new_heads_inner(int64_t B, int64_t H, int64_t T, int64_t D, ds
 
 static ds_tensor *new_heads_like(const ds_tensor *x) {
     return new_heads_inner(x->shape[0], x->shape[1], x->shape[2], x->shape[3], x->dtype, ds_tensor_device(x));
+}
+
+/* Adds -inf, in place and off the tape, to the scores s [B,H,Tq,Tk] of the
+ * keys a query does not see (key j > query i, ds_attn_keys_visible's rule).
+ * The softmax gives them probability 0 and so gradient 0, and the other
+ * scores take their gradient unchanged, so the tape needs no mask node. The
+ * [Tq,Tk] mask is built on s's device. */
+static int mask_future(ds_tensor *s) {
+    int64_t Tq = s->shape[2], Tk = s->shape[3], col[2] = { Tq, 1 }, row[2] = { 1, Tk };
+    ds_device dev = ds_tensor_device(s);
+    ds_tensor *i = ds_arange(0, (double)Tq, 1, DS_I64, dev), *j = ds_arange(0, (double)Tk, 1, DS_I64, dev);
+    ds_tensor *ic = i ? ds_view(i, 2, col) : NULL, *jr = j ? ds_view(j, 2, row) : NULL;
+    ds_tensor *hidden = ic && jr ? ds_binary(DS_BIN_GT, jr, ic) : NULL;
+    ds_tensor *ninf = ds_scalar_like(s, -INFINITY), *zero = ds_scalar_like(s, 0);
+    ds_tensor *bias = hidden && ninf && zero ? ds_where(hidden, ninf, zero) : NULL;
+    int rc = bias ? ds_add_(s, bias) : -1;
+    ds_tensor *tmp[8] = { i, j, ic, jr, hidden, ninf, zero, bias };
+    for (int t = 0; t < 8; t++) ds_tensor_release(tmp[t]);
+    return rc;
+}
+
+/* The math backend from differentiable ops, so autograd gives its
+ * backward. Returns [B,Tq,H,Dv] contiguous: the memory layout of the fused
+ * op's output. */
+static ds_tensor *math_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale) {
+    ds_tensor *qs = ds_mul_scalar(q, scale);    /* on q: Tk/D times fewer elements than the scores */
+    ds_tensor *kt = qs ? ds_transpose(k, 2, 3) : NULL;
+    ds_tensor *s = kt ? ds_matmul(qs, kt) : NULL;
+    ds_tensor_release(qs);
+    ds_tensor_release(kt);
+    ds_tensor *p = s && (!causal || mask_future(s) == 0) ? ds_softmax(s, -1) : NULL;
+    ds_tensor_release(s);
+    ds_tensor *o = p ? ds_matmul(p, v) : NULL;
+    ds_tensor_release(p);
+    ds_tensor *ot = o ? ds_transpose(o, 1, 2) : NULL;
+    ds_tensor_release(o);
+    ds_tensor *out = ot ? ds_contiguous(ot) : NULL;
+    ds_tensor_release(ot);
+    return out;
 }
 
 static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
@@ -68,9 +115,17 @@ static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     return 0;
 }
 
-ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale) {
-    if (check_args(q, k, v, causal)) return NULL;
+ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale,
+                                           ds_attention_backend backend) {
+    backend = pick_backend(backend, q);
+    if (check_args(q, k, v, causal, backend)) return NULL;
     if (isnan(scale)) scale = 1.0 / sqrt((double)q->shape[3]);
+    if (backend == DS_ATTN_MATH) {
+        ds_tensor *o = math_attention(q, k, v, causal, scale);
+        ds_tensor *out = o ? ds_transpose(o, 1, 2) : NULL;
+        ds_tensor_release(o);
+        return out;
+    }
     int64_t shape[3] = { q->shape[0], q->shape[1], q->shape[2] };
     ds_device dev = ds_tensor_device(q);
     ds_tensor *out = new_heads_inner(q->shape[0], q->shape[1], q->shape[2], v->shape[3], q->dtype, dev);
@@ -162,7 +217,25 @@ static int qkv_attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     return 0;
 }
 
-ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double scale) {
+/* The heads of qkv as for qkv_heads, but on the tape, for the math backend. */
+static int qkv_heads_tracked(ds_tensor *qkv, int64_t H, ds_tensor *heads[3]) {
+    int64_t C = qkv->shape[2] / 3, shape[4] = { qkv->shape[0], qkv->shape[1], H, C / H };
+    for (int i = 0; i < 3; i++) {
+        ds_tensor *part = ds_narrow(qkv, 2, i * C, C);
+        ds_tensor *split = part ? ds_reshape(part, 4, shape) : NULL;
+        heads[i] = split ? ds_transpose(split, 1, 2) : NULL;
+        ds_tensor_release(part);
+        ds_tensor_release(split);
+        if (!heads[i]) {
+            while (i-- > 0) ds_tensor_release(heads[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double scale,
+                            ds_attention_backend backend) {
     char s[96];
     /* n_head first: 3 * n_head could overflow */
     if (qkv->ndim != 3 || n_head <= 0 || n_head > qkv->shape[2] || qkv->shape[2] % 3 != 0 ||
@@ -175,14 +248,24 @@ ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double 
         return ds_fail(DS_ERR_ARG, "%s: needs a head dim and at least one position, got %s", QKV_OP,
                        ds_shape_str(qkv, s, sizeof s));
     ds_tensor *heads[3];
+    backend = pick_backend(backend, qkv);
     if (qkv_heads(qkv, n_head, heads)) return NULL;
-    if (check_args(heads[0], heads[1], heads[2], causal)) {
+    if (check_args(heads[0], heads[1], heads[2], causal, backend)) {
         release_heads(heads);
         return NULL;
     }
     int64_t B = qkv->shape[0], T = qkv->shape[1], C = qkv->shape[2] / 3, D = C / n_head;
     if (isnan(scale)) scale = 1.0 / sqrt((double)D);
     int64_t lse_shape[3] = { B, n_head, T }, shape[3] = { B, T, C }, stride[3] = { T * C, C, 1 };
+    if (backend == DS_ATTN_MATH) {
+        release_heads(heads);
+        if (qkv_heads_tracked(qkv, n_head, heads)) return NULL;
+        ds_tensor *o = math_attention(heads[0], heads[1], heads[2], causal, scale);
+        release_heads(heads);
+        ds_tensor *out = o ? ds_view(o, 3, shape) : NULL;
+        ds_tensor_release(o);
+        return out;
+    }
     ds_device dev = ds_tensor_device(qkv);
     ds_tensor *out4 = new_heads_inner(B, n_head, T, D, qkv->dtype, dev);
     ds_tensor *out = out4 ? ds_tensor_view_of(out4, 3, shape, stride, 0) : NULL;

@@ -781,14 +781,19 @@ end
 local CausalSelfAttention = Module:extend('CausalSelfAttention')
 nn.CausalSelfAttention = CausalSelfAttention
 
--- CausalSelfAttention{n_embd, n_head, bias = true, dropout = 0, dtype, device}:
--- nanoGPT's block: c_attn (the fused q,k,v projection), the fused causal
--- attention op, c_proj, residual dropout. With attention dropout on in
--- training the scores are formed explicitly, since the fused op has no
--- dropout.
+-- CausalSelfAttention{n_embd, n_head, bias = true, dropout = 0, dtype, device,
+-- attention_backend = 'auto'}: nanoGPT's block: c_attn (the fused q,k,v
+-- projection), the causal attention op (ds.qkv_attention with that backend),
+-- c_proj, residual dropout. With attention dropout on in training the
+-- scores are formed explicitly, since the attention op has no dropout.
 function CausalSelfAttention:init(cfg)
   cfg = options(cfg, 'CausalSelfAttention', { n_embd = nn.NONE, n_head = nn.NONE, bias = true, dropout = 0,
-                                              dtype = 'f32', device = 'cpu' })
+                                              dtype = 'f32', device = 'cpu', attention_backend = 'auto' })
+  local backend = cfg.attention_backend
+  if backend ~= 'auto' and backend ~= 'fused' and backend ~= 'math' then
+    error(fmt("CausalSelfAttention: attention_backend must be 'auto', 'fused' or 'math', got %s", tostring(backend)), 3)
+  end
+  self.attention = { backend = backend }
   local C = check_int(cfg.n_embd, 'CausalSelfAttention', 'n_embd')
   self.n_head = check_int(cfg.n_head, 'CausalSelfAttention', 'n_head')
   if C % self.n_head ~= 0 then
@@ -827,7 +832,7 @@ function CausalSelfAttention:forward(x)
     local v = qkv[3]:view({ B, T, nh, C / nh }):transpose(2, 3)
     y = attention_with_dropout(q, k, v, self.attn_dropout.p):transpose(2, 3):reshape({ B, T, C })
   else
-    y = ds.qkv_attention(self.c_attn(x), nh)    -- no split, transposes or concatenation in backward
+    y = ds.qkv_attention(self.c_attn(x), nh, self.attention)    -- no split, transposes or concatenation in backward
   end
   return self.resid_dropout(self.c_proj(y))
 end

@@ -541,15 +541,16 @@ describe('attention on the GPU #gpu', function()
     { 'head dim 128, many tiles', 1, 1, 130, 130, 128, 128, { causal = false } },
     { 'one query', 1, 1, 1, 1, 8, 8, { causal = true } },
   }
-  for _, c in ipairs(cases) do
-    local name, B, Hn, Tq, Tk, D, Dv, opts = unpack(c)
-    each(FLOATS, 'scaled_dot_product_attention ' .. name, function(dt)
+  local function sdpa_case(dtypes, label, c, opts)
+    local _, B, Hn, Tq, Tk, D, Dv = unpack(c)
+    each(dtypes, label, function(dt)
       return function(q, k, v)
                return ds.scaled_dot_product_attention(q:transpose(2, 3), k:transpose(2, 3), v, opts)
              end,
              { randn(dt, B, Tq, Hn, D), randn(dt, B, Tk, Hn, D), randn(dt, B, Hn, Tk, Dv) }
     end)
   end
+  for _, c in ipairs(cases) do sdpa_case(FLOATS, 'scaled_dot_product_attention ' .. c[1], c, c[8]) end
 
   -- the heads of a fused projection, as GPT-2's attention runs them
   for _, c in ipairs { { 'causal', 2, 100, 3, 64, nil }, { 'not causal', 1, 70, 2, 128, { causal = false } },
@@ -557,6 +558,32 @@ describe('attention on the GPU #gpu', function()
     local name, B, T, Hn, D, opts = unpack(c)
     each(FLOATS, 'qkv_attention ' .. name .. ', head dim ' .. D, function(dt)
       return function(qkv) return ds.qkv_attention(qkv, Hn, opts) end, { randn(dt, B, T, 3 * Hn * D) }
+    end)
+  end
+
+  -- f32 and f64 take the math backend on the GPU (cuBLAS GEMMs, B*H*Tq*Tk
+  -- scores in memory) and the fused one on the CPU, so the cases above
+  -- compare the two; forced, the fused kernel still runs them
+  for i = 1, 4 do
+    local c = cases[i]
+    sdpa_case({ 'f32', 'f64' }, 'scaled_dot_product_attention, backend fused, ' .. c[1], c,
+              { causal = c[8].causal, scale = c[8].scale, backend = 'fused' })
+  end
+  each({ 'f32' }, 'qkv_attention, backend fused', function(dt)
+    return function(qkv) return ds.qkv_attention(qkv, 3, { backend = 'fused' }) end, { randn(dt, 2, 100, 3 * 3 * 64) }
+  end)
+
+  if not ON_CPU then
+    it('auto takes math for f32 and f64, fused for bf16 and f16', function()
+      local x = randn('f32', 1, 2, 8, 16):cuda():requires_grad_()
+      for dt, op in pairs { f32 = 'permute', f64 = 'permute', bf16 = 'scaled_dot_product_attention',
+                            f16 = 'scaled_dot_product_attention' } do
+        local y = x:to(dt)
+        assert.are.equal(op, ds.scaled_dot_product_attention(y, y, y).grad_fn, dt)
+      end
+      local qkv = randn('f32', 1, 8, 3 * 32):cuda():requires_grad_()
+      assert.are.equal('view', ds.qkv_attention(qkv, 2).grad_fn)
+      assert.are.equal('qkv_attention', ds.qkv_attention(qkv:to('bf16'), 2).grad_fn)
     end)
   end
 end)
