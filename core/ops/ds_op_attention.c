@@ -5,12 +5,22 @@
 
 #define OP "scaled_dot_product_attention"
 
-/* The backend auto picks: on the GPU, f32 and f64 have no tensor-core
- * kernel, and cuBLAS's GEMMs around a softmax beat the scalar fused one. */
-static ds_attention_backend pick_backend(ds_attention_backend backend, const ds_tensor *x) {
+/* The most bytes of scores one call of auto's math backend may hold (the
+ * softmax keeps them for backward): past it the fused kernel, slower but
+ * with no Tq x Tk matrix, keeps long sequences in memory. */
+#define MATH_SCORES_MAX ((int64_t)2 << 30)
+
+/* The backend auto picks for q [B,H,Tq,D] against Tk keys: on the GPU,
+ * f32 and f64 have no tensor-core kernel, and cuBLAS's GEMMs around a
+ * softmax beat the scalar fused one. */
+static ds_attention_backend pick_backend(ds_attention_backend backend, const ds_tensor *q, int64_t Tk) {
     if (backend != DS_ATTN_AUTO) return backend;
-    bool wide = x->dtype == DS_F32 || x->dtype == DS_F64;
-    return wide && ds_tensor_device(x).type == DS_DEV_CUDA ? DS_ATTN_MATH : DS_ATTN_FUSED;
+    if (q->ndim != 4) return DS_ATTN_FUSED;    /* check_args says what is wrong */
+    bool wide = q->dtype == DS_F32 || q->dtype == DS_F64;
+    double scores = (double)q->shape[0] * (double)q->shape[1] * (double)q->shape[2] * (double)Tk *
+                    (double)ds_dtype_size(q->dtype);
+    return wide && ds_tensor_device(q).type == DS_DEV_CUDA && scores <= (double)MATH_SCORES_MAX ? DS_ATTN_MATH
+                                                                                                 : DS_ATTN_FUSED;
 }
 
 static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, ds_attention_backend backend) {
@@ -117,7 +127,7 @@ static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 
 ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale,
                                            ds_attention_backend backend) {
-    backend = pick_backend(backend, q);
+    backend = pick_backend(backend, q, k->ndim == 4 ? k->shape[2] : 0);
     if (check_args(q, k, v, causal, backend)) return NULL;
     if (isnan(scale)) scale = 1.0 / sqrt((double)q->shape[3]);
     if (backend == DS_ATTN_MATH) {
@@ -248,8 +258,8 @@ ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double 
         return ds_fail(DS_ERR_ARG, "%s: needs a head dim and at least one position, got %s", QKV_OP,
                        ds_shape_str(qkv, s, sizeof s));
     ds_tensor *heads[3];
-    backend = pick_backend(backend, qkv);
     if (qkv_heads(qkv, n_head, heads)) return NULL;
+    backend = pick_backend(backend, heads[0], qkv->shape[1]);
     if (check_args(heads[0], heads[1], heads[2], causal, backend)) {
         release_heads(heads);
         return NULL;

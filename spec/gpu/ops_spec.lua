@@ -584,6 +584,9 @@ describe('attention on the GPU #gpu', function()
       local qkv = randn('f32', 1, 8, 3 * 32):cuda():requires_grad_()
       assert.are.equal('view', ds.qkv_attention(qkv, 2).grad_fn)
       assert.are.equal('qkv_attention', ds.qkv_attention(qkv:to('bf16'), 2).grad_fn)
+      -- past 2 GiB of scores (1 x 2 x 16384^2 f32) auto keeps to the fused kernel
+      local long = randn('f32', 1, 2, 16384, 16):cuda():requires_grad_()
+      assert.are.equal('scaled_dot_product_attention', ds.scaled_dot_product_attention(long, long, long).grad_fn)
     end)
   end
 end)
