@@ -7,6 +7,8 @@
 
 #include "ds_kview.h"
 
+#include <stdbool.h>
+
 /* Elementwise ops. Binary inputs arrive already broadcast to out's shape
  * (stride 0 along broadcast dims). */
 typedef enum {
@@ -100,6 +102,9 @@ typedef struct ds_kernels_index {
  * backward recomputes the probabilities from q, k and lse and writes dq,
  * dk, dv, shaped and typed like q, k, v; dout is shaped like out. */
 typedef struct ds_kernels_attention {
+    /* Whether these inputs run at the device's full rate (a GPU's tensor
+     * cores); where not, core may prefer GEMMs around a softmax. */
+    bool (*full_rate)(ds_kview q, ds_kview k, ds_kview v);
     int (*forward)(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale, int causal);
     int (*backward)(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                     ds_kview v, ds_kview out, ds_kview lse, double scale, int causal);

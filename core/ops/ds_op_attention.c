@@ -10,17 +10,18 @@
  * with no Tq x Tk matrix, keeps long sequences in memory. */
 #define MATH_SCORES_MAX ((int64_t)2 << 30)
 
-/* The backend auto picks for q [B,H,Tq,D] against Tk keys: on the GPU,
- * f32 and f64 have no tensor-core kernel, and cuBLAS's GEMMs around a
- * softmax beat the scalar fused one. */
-static ds_attention_backend pick_backend(ds_attention_backend backend, const ds_tensor *q, int64_t Tk) {
+/* The backend auto picks: math on a device whose fused kernel would not
+ * run these inputs at full rate (a GPU in f32/f64, or bf16/f16 with a head
+ * dim its tensor-core kernel lacks), where cuBLAS's GEMMs around a softmax
+ * beat it, while the B*H*Tq*Tk scores fit; fused everywhere else. */
+static ds_attention_backend pick_backend(ds_attention_backend backend, ds_tensor *q, ds_tensor *k, ds_tensor *v) {
     if (backend != DS_ATTN_AUTO) return backend;
-    if (q->ndim != 4) return DS_ATTN_FUSED;    /* check_args says what is wrong */
-    bool wide = q->dtype == DS_F32 || q->dtype == DS_F64;
-    double scores = (double)q->shape[0] * (double)q->shape[1] * (double)q->shape[2] * (double)Tk *
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) return DS_ATTN_FUSED;    /* check_args says what is wrong */
+    const ds_kernels_attention *a = ds_tensor_kernels(q)->attention;
+    if (!a || a->full_rate(ds_tensor_kview(q), ds_tensor_kview(k), ds_tensor_kview(v))) return DS_ATTN_FUSED;
+    double scores = (double)q->shape[0] * (double)q->shape[1] * (double)q->shape[2] * (double)k->shape[2] *
                     (double)ds_dtype_size(q->dtype);
-    return wide && ds_tensor_device(q).type == DS_DEV_CUDA && scores <= (double)MATH_SCORES_MAX ? DS_ATTN_MATH
-                                                                                                 : DS_ATTN_FUSED;
+    return scores <= (double)MATH_SCORES_MAX ? DS_ATTN_MATH : DS_ATTN_FUSED;
 }
 
 static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, ds_attention_backend backend) {
@@ -127,7 +128,7 @@ static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
 
 ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale,
                                            ds_attention_backend backend) {
-    backend = pick_backend(backend, q, k->ndim == 4 ? k->shape[2] : 0);
+    backend = pick_backend(backend, q, k, v);
     if (check_args(q, k, v, causal, backend)) return NULL;
     if (isnan(scale)) scale = 1.0 / sqrt((double)q->shape[3]);
     if (backend == DS_ATTN_MATH) {
@@ -259,7 +260,7 @@ ds_tensor *ds_qkv_attention(ds_tensor *qkv, int64_t n_head, bool causal, double 
                        ds_shape_str(qkv, s, sizeof s));
     ds_tensor *heads[3];
     if (qkv_heads(qkv, n_head, heads)) return NULL;
-    backend = pick_backend(backend, heads[0], qkv->shape[1]);
+    backend = pick_backend(backend, heads[0], heads[1], heads[2]);
     if (check_args(heads[0], heads[1], heads[2], causal, backend)) {
         release_heads(heads);
         return NULL;

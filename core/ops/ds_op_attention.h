@@ -10,8 +10,9 @@
 
 #include "ds_tensor.h"
 
-/* auto: math for f32/f64 on a CUDA device while one call's scores take at
- * most 2 GiB, fused everywhere else. */
+/* auto: math on a GPU where its fused kernel has no tensor-core path for
+ * the inputs (f32, f64; bf16/f16 with head dims other than 64 and 128)
+ * while one call's scores take at most 2 GiB, fused everywhere else. */
 typedef enum { DS_ATTN_AUTO, DS_ATTN_FUSED, DS_ATTN_MATH } ds_attention_backend;
 
 /* q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv], one float dtype, any strides;

@@ -385,4 +385,8 @@ static int cpu_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvie
     return failed ? ds_kernel_fail("out of memory for attention tiles") : 0;
 }
 
-const ds_kernels_attention ds_cpu_attention = { cpu_attention_forward, cpu_attention_backward };
+/* The CPU's fused kernel is its best in every dtype. */
+static bool cpu_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) { return true; }
+
+const ds_kernels_attention ds_cpu_attention = { cpu_attention_full_rate, cpu_attention_forward,
+                                                cpu_attention_backward };

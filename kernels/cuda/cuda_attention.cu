@@ -403,4 +403,10 @@ static int cuda_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvi
                              : backward_run<float>(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
 }
 
-extern "C" const ds_kernels_attention ds_cuda_attention = { cuda_attention_forward, cuda_attention_backward };
+static bool cuda_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) {
+    ds_kview views[3] = { q, k, v };
+    return ds_cuda_attention_mma_fits(views, 3);
+}
+
+extern "C" const ds_kernels_attention ds_cuda_attention = { cuda_attention_full_rate, cuda_attention_forward,
+                                                            cuda_attention_backward };

@@ -561,12 +561,14 @@ describe('attention on the GPU #gpu', function()
     end)
   end
 
-  -- f32 and f64 take the math backend on the GPU (cuBLAS GEMMs, B*H*Tq*Tk
-  -- scores in memory) and the fused one on the CPU, so the cases above
-  -- compare the two; forced, the fused kernel still runs them
+  -- Where the fused kernel has no tensor-core path (f32, f64; bf16 and f16
+  -- with head dims other than 64 and 128) auto takes the math backend on
+  -- the GPU (cuBLAS GEMMs, B*H*Tq*Tk scores in memory) and the fused one on
+  -- the CPU, so the cases above compare the two; forced, the fused kernel
+  -- still runs them
   for i = 1, 4 do
     local c = cases[i]
-    sdpa_case({ 'f32', 'f64' }, 'scaled_dot_product_attention, backend fused, ' .. c[1], c,
+    sdpa_case(FLOATS, 'scaled_dot_product_attention, backend fused, ' .. c[1], c,
               { causal = c[8].causal, scale = c[8].scale, backend = 'fused' })
   end
   each({ 'f32' }, 'qkv_attention, backend fused', function(dt)
@@ -574,16 +576,19 @@ describe('attention on the GPU #gpu', function()
   end)
 
   if not ON_CPU then
-    it('auto takes math for f32 and f64, fused for bf16 and f16', function()
-      local x = randn('f32', 1, 2, 8, 16):cuda():requires_grad_()
-      for dt, op in pairs { f32 = 'permute', f64 = 'permute', bf16 = 'scaled_dot_product_attention',
-                            f16 = 'scaled_dot_product_attention' } do
-        local y = x:to(dt)
-        assert.are.equal(op, ds.scaled_dot_product_attention(y, y, y).grad_fn, dt)
+    it('auto takes math where the fused kernel has no tensor-core path', function()
+      -- head dim 16: math in every dtype; head dim 64: fused (tensor cores) in bf16 and f16
+      for _, c in ipairs { { 16, 'permute', 'permute' }, { 64, 'permute', 'scaled_dot_product_attention' } } do
+        local x = randn('f32', 1, 2, 8, c[1]):cuda():requires_grad_()
+        for dt, op in pairs { f32 = c[2], f64 = c[2], bf16 = c[3], f16 = c[3] } do
+          local y = x:to(dt)
+          assert.are.equal(op, ds.scaled_dot_product_attention(y, y, y).grad_fn, dt .. ' head dim ' .. c[1])
+        end
       end
-      local qkv = randn('f32', 1, 8, 3 * 32):cuda():requires_grad_()
+      local qkv = randn('f32', 1, 8, 3 * 2 * 64):cuda():requires_grad_()
       assert.are.equal('view', ds.qkv_attention(qkv, 2).grad_fn)
       assert.are.equal('qkv_attention', ds.qkv_attention(qkv:to('bf16'), 2).grad_fn)
+      assert.are.equal('view', ds.qkv_attention(qkv:to('bf16'), 8).grad_fn)      -- head dim 16
       -- past 2 GiB of scores (1 x 2 x 16384^2 f32) auto keeps to the fused kernel
       local long = randn('f32', 1, 2, 16384, 16):cuda():requires_grad_()
       assert.are.equal('scaled_dot_product_attention', ds.scaled_dot_product_attention(long, long, long).grad_fn)
