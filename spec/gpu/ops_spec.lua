@@ -324,6 +324,57 @@ describe('matrix products on the GPU #gpu', function()
   end)
 end)
 
+describe('gelu_mlp on the GPU #gpu', function()
+  if skip then pending('skipped: no CUDA device') return end
+
+  -- The tanh form fuses its GELU into cuBLASLt's epilogues where the
+  -- hidden rows are a multiple of 8 elements (3072); 3070 and the erf form
+  -- run the composed kernels. Sums over 8192 rows, and a GELU the fused
+  -- path takes from the f32 accumulator where the CPU takes it from the
+  -- rounded pre-activation, put each tensor's error on its scale: the
+  -- file's tolerances against each tensor's largest element.
+  local function close(got, want, tol, what)
+    local scale = want:to('f64'):abs():amax():item()
+    local err = (got:to('f64') - want:to('f64')):abs():amax():item()
+    assert(err <= tol.atol + tol.rtol * scale,
+           string.format('%s: off by %.3g, scale %.3g (atol %g, rtol %g)', what, err, scale, tol.atol, tol.rtol))
+  end
+
+  for _, dt in ipairs { 'f32', 'bf16' } do
+    for _, how in ipairs { 'tanh', 'none' } do
+      for _, rows in ipairs { 8192, 37 } do
+        for _, hidden in ipairs { 3072, 3070 } do
+          local name = string.format('gelu_mlp %s, approximate %s, %d rows, hidden %d', dt, how, rows, hidden)
+          it(name, function()
+            ds.manual_seed(23)
+            local in_f, out_f = 64, 48
+            local inputs = { randn(dt, rows, in_f), (ds.randn({ hidden, in_f }) / math.sqrt(in_f)):to(dt),
+                             randn(dt, hidden), (ds.randn({ out_f, hidden }) / math.sqrt(hidden)):to(dt),
+                             randn(dt, out_f) }
+            local w = randn(dt, rows, out_f)
+            local function run(move)
+              local t = {}
+              for k, x in ipairs(inputs) do t[k] = move(x):requires_grad_() end
+              local y = ds.gelu_mlp(t[1], t[2], t[3], t[4], t[5], { approximate = how })
+              ;(y * move(w)):sum():backward()
+              return y, t
+            end
+            local yc, tc = run(function(x) return x:clone() end)
+            local yg, tg = run(to_dev)
+            assert(on_dev(yg), name .. ': the output left the GPU')
+            assert.are.equal(dt, yg:dtype())
+            close(to_host(yg), yc, TOL[dt], name .. ' output')
+            for k = 1, 5 do
+              assert(on_dev(tg[k].grad), name .. ': gradient ' .. k .. ' left the GPU')
+              close(to_host(tg[k].grad), tc[k].grad, TOL[dt], name .. ' gradient of input ' .. k)
+            end
+          end)
+        end
+      end
+    end
+  end
+end)
+
 describe('convolution and pooling on the GPU #gpu', function()
   if skip then pending('skipped: no CUDA device') return end
 
