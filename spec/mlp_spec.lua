@@ -192,3 +192,28 @@ describe('models.gpt2 MLP', function()
     assert(ok, err)
   end)
 end)
+
+describe('flops_profiler and gelu_mlp', function()
+  it('counts its two GEMMs as the linears would', function()
+    local Net = ds.nn.Module:extend('Net')
+    function Net:init()
+      self.fc1 = ds.nn.Linear(6, 8)
+      self.fc2 = ds.nn.Linear(8, 2)
+    end
+    function Net:forward(b)
+      local y = ds.gelu_mlp(b.x, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+      return ds.mse_loss(y, b.y)
+    end
+    local path = H.tmpdir() .. '/p.txt'
+    local engine = ds.initialize { model = Net(), config = {
+      train_micro_batch_size_per_gpu = 4, steps_per_print = 1000, optimizer = { type = 'SGD', params = { lr = 0.1 } },
+      flops_profiler = { enabled = true, profile_step = 1, output_file = path } } }
+    engine:backward(engine:forward { x = ds.randn(4, 6), y = ds.randn(4, 2) })
+    engine:step()
+    local f = assert(io.open(path))
+    local text = f:read('*a')
+    f:close()
+    -- 4*6*8 + 4*8*2 MACs per micro batch of 4
+    assert.is_truthy(text:find('fwd MACs per GPU:%s+256 MACs\n'), text)
+  end)
+end)
