@@ -80,6 +80,25 @@ describe('gelu_mlp', function()
     end)
   end
 
+  it('bf16 equals the composed ops in bf16', function()
+    agree(args('bf16', { 3, 4 }, 8, 16, 5), ALL, 'tanh', H.tol.bf16)
+  end)
+
+  it('takes transposed views of x and the weights as they are', function()
+    local bx, b1w, b2w = ds.randn(5, 6), ds.randn(5, 8) * 0.5, ds.randn(8, 3) * 0.5
+    local b1, b2 = ds.randn(8), ds.randn(3)
+    local function go(fn)
+      local t = { bx:clone():requires_grad_(), b1w:clone():requires_grad_(), b2w:clone():requires_grad_() }
+      local y = fn(t[1]:t(), t[2]:t(), b1, t[3]:t(), b2, 'tanh')
+      ;(y * y):sum():backward()
+      return y, t
+    end
+    local y1, t1 = go(fused)
+    local y2, t2 = go(composed)
+    H.assert_close(y1, y2, tight.f32, 'forward')
+    for k = 1, 3 do H.assert_close(t1[k].grad, t2[k].grad, tight.f32, 'grad ' .. k) end
+  end)
+
   it('takes nil biases, either or both', function()
     for _, drop in ipairs { { 3 }, { 5 }, { 3, 5 } } do
       local a = args('f32', { 2, 4 }, 5, 8, 3)
