@@ -227,9 +227,7 @@ int ds_linalg_linear_into(const char *op, ds_tensor *out, ds_tensor *x2, ds_tens
     ds_kview cv = contiguous_view(ds_tensor_data(out), out->dtype, 2, cshape);
     ds_kview wt = matrix_view(w);
     ds_gemm_transpose(&wt);
-    /* ds_tensor_kernels makes out's device current for the epilogue */
-    if (bias && ds_tensor_device(out).type == DS_DEV_CUDA && ds_tensor_kernels(out)
-        && ds_cuda_gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0)
+    if (bias && ds_linalg_on_gpu(out) && ds_cuda_gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0)
         return 0;
     if (bias) {
         ds_kview bv = expand_view(ds_tensor_data(bias), bias->dtype, 1, bias->shape, bias->stride, 2, cshape);
@@ -259,7 +257,7 @@ int ds_linalg_linear_grads(const char *op, ds_tensor *gc, ds_tensor *x2, ds_tens
         ds_gemm_transpose(&gt);
         /* on the GPU the bias gradient comes out of the weight gradient's
          * GEMM (the BGRADB epilogue) where cuBLASLt has one for it */
-        if (gin[1] && want[2] && ds_tensor_device(w).type == DS_DEV_CUDA && ds_tensor_kernels(w)) {
+        if (gin[1] && want[2] && ds_linalg_on_gpu(w)) {
             gin[2] = ds_tensor_new(1, &outf, w->dtype, ds_tensor_device(w));
             if (gin[2] && ds_cuda_gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2]))) {
                 ds_tensor_release(gin[2]);

@@ -10,11 +10,6 @@
 
 enum { MLP_X, MLP_W1, MLP_B1, MLP_W2, MLP_B2 };
 
-static bool on_gpu(ds_tensor *t) {
-    /* ds_tensor_kernels makes t's device current for the cuBLASLt call */
-    return ds_tensor_device(t).type == DS_DEV_CUDA && ds_tensor_kernels(t);
-}
-
 static ds_kview view_or_none(const ds_tensor *t) { return t ? ds_tensor_kview(t) : (ds_kview){ .data = NULL }; }
 
 static int kernel_failed(void) {
@@ -57,7 +52,7 @@ static int check_args(ds_tensor *const *t) {
  * or where cuBLASLt refuses, the linear and the GELU kernel apart. */
 static int hidden_forward(ds_tensor *x2, ds_tensor *w1, ds_tensor *b1, ds_unary_op act, ds_tensor *pre,
                           ds_tensor *h) {
-    if (act == DS_UN_GELU_TANH && on_gpu(h)) {
+    if (act == DS_UN_GELU_TANH && ds_linalg_on_gpu(h)) {
         ds_kview w1t = ds_tensor_kview(w1);
         ds_gemm_transpose(&w1t);
         if (ds_cuda_gemm_bias_gelu(ds_tensor_kview(h), ds_tensor_kview(pre), ds_tensor_kview(x2), w1t,
@@ -76,7 +71,7 @@ static int hidden_forward(ds_tensor *x2, ds_tensor *w1, ds_tensor *b1, ds_unary_
  * the fused call does not apply: the caller runs the composed kernels. */
 static bool hidden_backward_fused(ds_node *n, ds_tensor *gc, ds_tensor *w2, ds_tensor *pre, ds_tensor *dpre,
                                   ds_tensor **db1) {
-    if (n->i[0] != DS_UN_GELU_TANH || !on_gpu(dpre)) return false;
+    if (n->i[0] != DS_UN_GELU_TANH || !ds_linalg_on_gpu(dpre)) return false;
     int64_t gshape[2] = { pre->shape[0], w2->shape[0] }, hidden = pre->shape[1];
     ds_tensor *g2 = ds_reshape(gc, 2, gshape);
     if (!g2) return false;

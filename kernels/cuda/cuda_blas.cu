@@ -107,7 +107,8 @@ static int scale_c(ds_kview c, double beta) {
 typedef struct {
     cublasLtEpilogue_t kind;      /* CUBLASLT_EPILOGUE_DEFAULT for nothing */
     const void *bias;             /* the bias, or the bias gradient written; NULL for none */
-    ds_kview aux;                 /* the GELU's input (written forward, read backward): c's layout; data NULL for none */
+    ds_kview aux;                 /* the GELU's input, written forward and read backward, in c's
+                                   * layout; data NULL for none */
 } lt_epilogue;
 
 typedef struct {
