@@ -122,6 +122,25 @@ static ds_tensor *pool_args(lua_State *L, const char *op, ds_pool2d_params *p) {
     return x;
 }
 
+/* gelu_mlp(x, w1, b1, w2, b2 [, {approximate = 'none'|'tanh'}]), b1 and b2 may be nil */
+static int l_gelu_mlp(lua_State *L) {
+    static const char *const known[] = { "approximate", NULL };
+    ds_tensor *x = dsL_checktensor(L, 1), *w1 = dsL_checktensor(L, 2), *w2 = dsL_checktensor(L, 4);
+    ds_tensor *b1 = lua_isnoneornil(L, 3) ? NULL : dsL_checktensor(L, 3);
+    ds_tensor *b2 = lua_isnoneornil(L, 5) ? NULL : dsL_checktensor(L, 5);
+    const char *how = "none";
+    if (lua_istable(L, 6)) {
+        check_keys(L, 6, "gelu_mlp", known);
+        lua_getfield(L, 6, "approximate");
+        if (!lua_isnil(L, -1)) how = lua_type(L, -1) == LUA_TSTRING ? lua_tostring(L, -1) : luaL_typename(L, -1);
+    } else if (!lua_isnoneornil(L, 6)) {
+        return luaL_argerror(L, 6, "expected an options table");
+    }
+    if (strcmp(how, "tanh") != 0 && strcmp(how, "none") != 0)
+        return luaL_error(L, "gelu_mlp: approximate must be 'none' or 'tanh', got %s", how);
+    return dsL_pushtensor(L, ds_gelu_mlp(x, w1, b1, w2, b2, strcmp(how, "tanh") == 0));
+}
+
 /* max_pool2d(x, kernel [, {stride=kernel, padding=0}]) */
 static int l_max_pool2d(lua_State *L) {
     ds_pool2d_params p;
@@ -138,6 +157,7 @@ static int l_avg_pool2d(lua_State *L) {
 
 static const luaL_Reg linalg_fns[] = {
     {"matmul", l_matmul}, {"mm", l_mm}, {"bmm", l_bmm}, {"linear", l_linear},
+    {"gelu_mlp", l_gelu_mlp},
     {"conv2d", l_conv2d}, {"max_pool2d", l_max_pool2d}, {"avg_pool2d", l_avg_pool2d},
     {NULL, NULL}
 };

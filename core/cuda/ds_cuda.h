@@ -59,6 +59,20 @@ int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias);
  * (BGRADB): a linear's weight and bias gradients together. 0, or -1 with
  * the kernel error set where it does not apply; always -1 without CUDA. */
 int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
+/* c = gelu(a @ b + bias), GELU's tanh form, and aux = a @ b + bias (the
+ * GELU's input, for the backward) in one cuBLASLt call (GELU_AUX_BIAS; bias
+ * data NULL for none): an MLP's first linear and its activation. c and aux
+ * 2-D, row-major, aux c's dtype and shape with a row stride divisible by 8
+ * and 16-byte alignment. 0, or -1 with the kernel error set where it does
+ * not apply (the caller runs the linear and the GELU apart then); always
+ * -1 without CUDA. */
+int ds_cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias);
+/* c = (a @ b) * gelu'(aux), GELU's tanh form, and grad [n] = the column
+ * sums of c (grad data NULL for none) in one cuBLASLt call (DGELU_BGRAD):
+ * the GELU's backward and its linear's bias gradient on the way out of
+ * the GEMM that makes the hidden gradient. Views and returns as
+ * ds_cuda_gemm_bias_gelu. */
+int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad);
 
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL
  * versions and the GPUs, one "name: value" line each. */

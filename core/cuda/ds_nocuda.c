@@ -47,6 +47,16 @@ int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
     return -1;
 }
 
+int ds_cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias) {
+    (void)c, (void)aux, (void)a, (void)b, (void)bias;
+    return -1;
+}
+
+int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad) {
+    (void)c, (void)aux, (void)a, (void)b, (void)grad;
+    return -1;
+}
+
 void ds_cuda_report(FILE *f) {
     fprintf(f, "CUDA: not built (configure with -DDSLUA_CUDA=ON where nvcc is installed)\n");
 }

@@ -12,7 +12,7 @@
 
 #include "ds_tensor.h"
 
-#define DS_NODE_MAX_INPUTS 4
+#define DS_NODE_MAX_INPUTS 5   /* gelu_mlp: x, w1, b1, w2, b2 */
 #define DS_NODE_MAX_SAVED 6
 
 /* Fills grad_in[i] (new references, or NULL where an input needs none).

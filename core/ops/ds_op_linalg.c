@@ -1,6 +1,8 @@
 #include "ds_ops.h"
 #include "ds_error.h"
 #include "ds_cuda.h"
+#include "ds_gemm_layout.h"
+#include "ds_op_linalg_impl.h"
 
 #include <string.h>
 
@@ -24,13 +26,6 @@ static ds_kview expand_view(void *data, ds_dtype dt, int tn, const int64_t *tsha
         v.stride[i] = j >= 0 && tshape[j] == shape[i] ? tstride[j] : 0;
     }
     return v;
-}
-
-static void transpose_view(ds_kview *v) {
-    int r = v->ndim - 2;
-    int64_t s = v->shape[r], t = v->stride[r];
-    v->shape[r] = v->shape[r + 1]; v->stride[r] = v->stride[r + 1];
-    v->shape[r + 1] = s; v->stride[r + 1] = t;
 }
 
 /* t's dims, with a vector made a matrix: a row [1,k] on the left of a
@@ -62,10 +57,7 @@ static int check_pair(const char *op, const ds_tensor *a, const ds_tensor *b) {
     return 0;
 }
 
-static bool needs_grad(const ds_node *n, int k) { return n->next[k].node || n->next[k].leaf; }
-
-/* The incoming gradient as a contiguous tensor of the op's dtype. */
-static ds_tensor *grad_input(ds_tensor *g, ds_dtype dt) {
+ds_tensor *ds_linalg_grad_input(ds_tensor *g, ds_dtype dt) {
     return g->dtype == dt ? ds_contiguous(g) : ds_to_dtype(g, dt);
 }
 
@@ -142,15 +134,15 @@ static int matmul_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *a = n->saved[0], *b = n->saved[1];
     mm_geom geo;
     if (mm_geometry(n->name, a, b, &geo)) return -1;
-    ds_tensor *gc = grad_input(g, a->dtype);
+    ds_tensor *gc = ds_linalg_grad_input(g, a->dtype);
     if (!gc) return -1;
     ds_kview gv = contiguous_view(ds_tensor_data(gc), gc->dtype, geo.nd, geo.shape);
     ds_kview at = geo.a, bt = geo.b;
-    transpose_view(&at);
-    transpose_view(&bt);
+    ds_gemm_transpose(&at);
+    ds_gemm_transpose(&bt);
     int rc = 0;
-    if (needs_grad(n, 0) && !(gin[0] = operand_grad(n->name, a, true, &geo, gv, bt))) rc = -1;
-    if (rc == 0 && needs_grad(n, 1) && !(gin[1] = operand_grad(n->name, b, false, &geo, at, gv))) rc = -1;
+    if (ds_linalg_needs_grad(n, 0) && !(gin[0] = operand_grad(n->name, a, true, &geo, gv, bt))) rc = -1;
+    if (rc == 0 && ds_linalg_needs_grad(n, 1) && !(gin[1] = operand_grad(n->name, b, false, &geo, at, gv))) rc = -1;
     ds_tensor_release(gc);
     return rc;
 }
@@ -200,88 +192,113 @@ static ds_kview matrix_view(const ds_tensor *t) {
     return expand_view(ds_tensor_data(t), t->dtype, 2, t->shape, t->stride, 2, t->shape);
 }
 
-/* dx = g @ w, dw = g^T @ x over all leading dims at once, db = column sums of g. */
-static int linear_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
-    ds_tensor *x2 = n->saved[0], *w = n->saved[1];
+int ds_linalg_check_linear(const char *op, const ds_tensor *x, const ds_tensor *w, const ds_tensor *bias,
+                           const char *const names[3]) {
+    char s1[96], s2[96];
+    if (w->ndim != 2) {
+        ds_fail(DS_ERR_ARG, "%s: %s must be 2-D [out,in], got %s", op, names[1], ds_shape_str(w, s1, sizeof s1));
+        return -1;
+    }
+    int64_t outf = w->shape[0], in = w->shape[1];
+    if (x->ndim == 0 || x->shape[x->ndim - 1] != in) {
+        ds_fail(DS_ERR_ARG, "%s: %s %s and %s %s do not match (%s takes %lld features)", op, names[0],
+                ds_shape_str(x, s1, sizeof s1), names[1], ds_shape_str(w, s2, sizeof s2), names[1], (long long)in);
+        return -1;
+    }
+    if (bias && (bias->ndim != 1 || bias->shape[0] != outf)) {
+        ds_fail(DS_ERR_ARG, "%s: %s %s does not match %s %s (expected [%lld])", op, names[2],
+                ds_shape_str(bias, s1, sizeof s1), names[1], ds_shape_str(w, s2, sizeof s2), (long long)outf);
+        return -1;
+    }
+    return 0;
+}
+
+ds_tensor *ds_linalg_rows(ds_tensor *x) {
+    int64_t shape[2] = { 1, x->shape[x->ndim - 1] };
+    for (int i = 0; i < x->ndim - 1; i++) shape[0] *= x->shape[i];
+    bool was = ds_set_grad_enabled(false);
+    ds_tensor *x2 = x->ndim == 2 ? (ds_tensor_retain(x), x) : ds_reshape(x, 2, shape);
+    ds_set_grad_enabled(was);
+    return x2;
+}
+
+int ds_linalg_linear_into(const char *op, ds_tensor *out, ds_tensor *x2, ds_tensor *w, ds_tensor *bias) {
+    int64_t cshape[2] = { x2->shape[0], w->shape[0] };
+    ds_kview cv = contiguous_view(ds_tensor_data(out), out->dtype, 2, cshape);
+    ds_kview wt = matrix_view(w);
+    ds_gemm_transpose(&wt);
+    if (bias && ds_linalg_on_gpu(out) && ds_cuda_gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0)
+        return 0;
+    if (bias) {
+        ds_kview bv = expand_view(ds_tensor_data(bias), bias->dtype, 1, bias->shape, bias->stride, 2, cshape);
+        if (ds_tensor_kernels(out)->core->copy(cv, bv)) {
+            ds_fail(DS_ERR_STATE, "%s: %s", op, ds_kernel_error());
+            return -1;
+        }
+    }
+    return run_gemm(op, out, cv, matrix_view(x2), wt, bias ? 1.0 : 0.0);
+}
+
+int ds_linalg_linear_grads(const char *op, ds_tensor *gc, ds_tensor *x2, ds_tensor *w, const bool want[3], int xnd,
+                           const int64_t *xshape, ds_tensor **gin) {
     int64_t rows = x2->shape[0], in = w->shape[1], outf = w->shape[0];
-    ds_tensor *gc = grad_input(g, w->dtype);
-    if (!gc) return -1;
     int64_t gshape[2] = { rows, outf };
     ds_kview gv = contiguous_view(ds_tensor_data(gc), gc->dtype, 2, gshape);
     int rc = 0;
-    if (needs_grad(n, 0)) {
-        const ds_edge *e = &n->next[0];
-        gin[0] = ds_tensor_new(e->ndim, e->shape, w->dtype, ds_tensor_device(w));
-        int64_t xshape[2] = { rows, in };
-        rc = !gin[0] || run_gemm("linear", w, contiguous_view(ds_tensor_data(gin[0]), w->dtype, 2, xshape), gv,
+    if (want[0]) {
+        gin[0] = ds_tensor_new(xnd, xshape, w->dtype, ds_tensor_device(w));
+        int64_t xs[2] = { rows, in };
+        rc = !gin[0] || run_gemm(op, w, contiguous_view(ds_tensor_data(gin[0]), w->dtype, 2, xs), gv,
                                  matrix_view(w), 0.0);
     }
-    if (rc == 0 && needs_grad(n, 1)) {
+    if (rc == 0 && want[1]) {
         gin[1] = ds_tensor_new(2, w->shape, w->dtype, ds_tensor_device(w));
         ds_kview gt = gv;
-        transpose_view(&gt);
+        ds_gemm_transpose(&gt);
         /* on the GPU the bias gradient comes out of the weight gradient's
          * GEMM (the BGRADB epilogue) where cuBLASLt has one for it */
-        if (gin[1] && needs_grad(n, 2) && ds_tensor_device(w).type == DS_DEV_CUDA && ds_tensor_kernels(w)) {
+        if (gin[1] && want[2] && ds_linalg_on_gpu(w)) {
             gin[2] = ds_tensor_new(1, &outf, w->dtype, ds_tensor_device(w));
             if (gin[2] && ds_cuda_gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2]))) {
                 ds_tensor_release(gin[2]);
                 gin[2] = NULL;
             }
         }
-        rc = !gin[1] || (!gin[2] && run_gemm("linear", w, matrix_view(gin[1]), gt, matrix_view(x2), 0.0));
+        rc = !gin[1] || (!gin[2] && run_gemm(op, w, matrix_view(gin[1]), gt, matrix_view(x2), 0.0));
     }
-    if (rc == 0 && needs_grad(n, 2) && !gin[2]) {
+    if (rc == 0 && want[2] && !gin[2]) {
         ds_tensor *g2 = ds_reshape(gc, 2, gshape);
         int64_t rows_dim = 0;
         gin[2] = g2 ? ds_sum(g2, 1, &rows_dim, false) : NULL;
         ds_tensor_release(g2);
         rc = !gin[2];
     }
-    ds_tensor_release(gc);
     return rc ? -1 : 0;
 }
 
+/* dx = g @ w, dw = g^T @ x over all leading dims at once, db = column sums of g. */
+static int linear_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *x2 = n->saved[0], *w = n->saved[1];
+    ds_tensor *gc = ds_linalg_grad_input(g, w->dtype);
+    if (!gc) return -1;
+    bool want[3] = { ds_linalg_needs_grad(n, 0), ds_linalg_needs_grad(n, 1), ds_linalg_needs_grad(n, 2) };
+    int rc = ds_linalg_linear_grads("linear", gc, x2, w, want, n->next[0].ndim, n->next[0].shape, gin);
+    ds_tensor_release(gc);
+    return rc;
+}
+
 ds_tensor *ds_linear(ds_tensor *x, ds_tensor *w, ds_tensor *bias) {
-    char s1[96], s2[96];
-    if (check_pair("linear", x, w) || (bias && check_pair("linear", w, bias))) return NULL;
-    if (w->ndim != 2)
-        return ds_fail(DS_ERR_ARG, "linear: weight must be 2-D [out,in], got %s", ds_shape_str(w, s1, sizeof s1));
-    int64_t outf = w->shape[0], in = w->shape[1];
-    if (x->ndim == 0 || x->shape[x->ndim - 1] != in)
-        return ds_fail(DS_ERR_ARG, "linear: input %s and weight %s do not match (weight takes %lld features)",
-                       ds_shape_str(x, s1, sizeof s1), ds_shape_str(w, s2, sizeof s2), (long long)in);
-    if (bias && (bias->ndim != 1 || bias->shape[0] != outf))
-        return ds_fail(DS_ERR_ARG, "linear: bias %s does not match weight %s (expected [%lld])",
-                       ds_shape_str(bias, s1, sizeof s1), ds_shape_str(w, s2, sizeof s2), (long long)outf);
-    int64_t rows = 1, shape[DS_MAX_DIMS];
-    for (int i = 0; i < x->ndim - 1; i++) { rows *= x->shape[i]; shape[i] = x->shape[i]; }
-    shape[x->ndim - 1] = outf;
-    /* x as [rows, in]: a view unless its leading dims cannot merge; no history, the node below has it */
-    int64_t x2shape[2] = { rows, in };
-    bool was = ds_set_grad_enabled(false);
-    ds_tensor *x2 = x->ndim == 2 ? (ds_tensor_retain(x), x) : ds_reshape(x, 2, x2shape);
-    ds_set_grad_enabled(was);
+    static const char *const names[3] = { "input", "weight", "bias" };
+    if (check_pair("linear", x, w) || (bias && check_pair("linear", w, bias))
+        || ds_linalg_check_linear("linear", x, w, bias, names))
+        return NULL;
+    int64_t shape[DS_MAX_DIMS];
+    memcpy(shape, x->shape, sizeof(int64_t) * (size_t)x->ndim);
+    shape[x->ndim - 1] = w->shape[0];
+    ds_tensor *x2 = ds_linalg_rows(x);
     ds_tensor *out = x2 ? ds_tensor_new(x->ndim, shape, x->dtype, ds_tensor_device(x)) : NULL;
     if (!out) { ds_tensor_release(x2); return NULL; }
-    int64_t cshape[2] = { rows, outf };
-    ds_kview cv = contiguous_view(ds_tensor_data(out), out->dtype, 2, cshape);
-    ds_kview wt = matrix_view(w);
-    transpose_view(&wt);
-    /* on the GPU the bias rides in the GEMM's epilogue (ds_tensor_kernels
-     * makes out's device current); elsewhere, or where cuBLASLt has no
-     * epilogue for these views, it is copied into out first */
-    bool fused = bias && ds_tensor_device(out).type == DS_DEV_CUDA && ds_tensor_kernels(out)
-                 && ds_cuda_gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0;
-    int rc = 0;
-    if (bias && !fused) {
-        ds_kview bv = expand_view(ds_tensor_data(bias), bias->dtype, 1, bias->shape, bias->stride, 2, cshape);
-        if (ds_tensor_kernels(out)->core->copy(cv, bv)) {
-            ds_fail(DS_ERR_STATE, "linear: %s", ds_kernel_error());
-            rc = -1;
-        }
-    }
-    if (rc == 0 && !fused) rc = run_gemm("linear", out, cv, matrix_view(x2), wt, bias ? 1.0 : 0.0);
+    int rc = ds_linalg_linear_into("linear", out, x2, w, bias);
     ds_tensor *in3[3] = { x, w, bias };
     ds_node *n = rc == 0 ? ds_autograd_record("linear", linear_backward, 3, in3, out) : NULL;
     if (n && (ds_node_save(n, 0, x2) || ds_node_save(n, 1, w))) rc = -1;

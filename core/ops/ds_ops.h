@@ -9,6 +9,7 @@
 #include "ds_op_shape.h"
 #include "ds_op_reduce.h"
 #include "ds_op_linalg.h"
+#include "ds_op_mlp.h"
 #include "ds_op_conv.h"
 #include "ds_op_nn.h"
 #include "ds_op_index.h"

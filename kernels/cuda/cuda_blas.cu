@@ -103,6 +103,14 @@ static int scale_c(ds_kview c, double beta) {
 
 /* ---- one product, laid out for BLAS ---- */
 
+/* What cuBLASLt does on the way out of the product. */
+typedef struct {
+    cublasLtEpilogue_t kind;      /* CUBLASLT_EPILOGUE_DEFAULT for nothing */
+    const void *bias;             /* the bias, or the bias gradient written; NULL for none */
+    ds_kview aux;                 /* the GELU's input, written forward and read backward, in c's
+                                   * layout; data NULL for none */
+} lt_epilogue;
+
 typedef struct {
     ds_dtype dtype;
     int64_t m, n, k;
@@ -110,8 +118,7 @@ typedef struct {
     double alpha;
     int bdim;                     /* batch dim run by one strided batched call, -1 for none */
     int64_t count;                /* its size */
-    const void *bias;             /* the epilogue, when epilogue is not CUBLASLT_EPILOGUE_DEFAULT */
-    cublasLtEpilogue_t epilogue;
+    lt_epilogue ep;
 } gemm_plan;
 
 static cudaDataType_t cuda_type(ds_dtype t) {
@@ -195,8 +202,8 @@ typedef struct {
     int dev, tf32, ta, tb;
     ds_dtype dtype;
     cublasLtEpilogue_t epilogue;
-    int64_t m, n, k, lda, ldb, ldc, count, sa, sb, sc;
-    uint32_t aa, ab, ac;
+    int64_t m, n, k, lda, ldb, ldc, count, sa, sb, sc, ldaux;
+    uint32_t aa, ab, ac, aaux;
 } lt_key;
 
 static struct {
@@ -239,20 +246,32 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
         || blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb),
                    "cublasLtMatmulDescSetAttribute(TRANSB)"))
         return -1;
-    if (p->epilogue != CUBLASLT_EPILOGUE_DEFAULT) {
-        if (blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &p->epilogue,
-                                                   sizeof p->epilogue),
+    const lt_epilogue *ep = &p->ep;
+    /* the aux matrix in c's layout: its row stride is Lt's leading dimension of D^T */
+    ds_gemm_layout laux = { false, ep->aux.data ? (int)ep->aux.stride[0] : 0 };
+    if (ep->kind != CUBLASLT_EPILOGUE_DEFAULT) {
+        if (blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep->kind, sizeof ep->kind),
                     "cublasLtMatmulDescSetAttribute(EPILOGUE)"))
             return -1;
-        if (p->bias && blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &p->bias,
-                                                              sizeof p->bias),
-                               "cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))
+        if (ep->bias && blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &ep->bias,
+                                                               sizeof ep->bias),
+                                "cublasLtMatmulDescSetAttribute(BIAS_POINTER)"))
             return -1;
         /* the vector (bias, or the bias gradient written) in c's dtype, said
          * outright rather than left to the default's exceptions */
         int32_t bt = (int32_t)cuda_type(p->dtype);
-        if (p->bias && blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt),
-                               "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)"))
+        if (ep->bias && blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt,
+                                                               sizeof bt),
+                                "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)"))
+            return -1;
+        /* the aux's dtype is left to its default, D's: set for these types it is refused */
+        int64_t ld = laux.ld;
+        if (ep->aux.data
+            && (blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                                       &ep->aux.data, sizeof ep->aux.data),
+                        "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_POINTER)")
+                || blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld),
+                           "cublasLtMatmulDescSetAttribute(EPILOGUE_AUX_LD)")))
             return -1;
     }
     if (lt_layout(&L->la, p->dtype, p->lb.trans ? p->k : p->n, p->lb.trans ? p->n : p->k, p->lb.ld, p,
@@ -269,12 +288,14 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
     key.ta = p->lb.trans;
     key.tb = p->la.trans;
     key.dtype = p->dtype;
-    key.epilogue = p->epilogue;
+    key.epilogue = ep->kind;
     key.m = p->m, key.n = p->n, key.k = p->k;
     key.lda = p->la.ld, key.ldb = p->lb.ld, key.ldc = p->lc.ld;
     key.count = p->bdim >= 0 ? p->count : 0;
     key.sa = batch_stride(p, a), key.sb = batch_stride(p, b), key.sc = batch_stride(p, c);
     key.aa = align_of(a, &p->la), key.ab = align_of(b, &p->lb), key.ac = ac;
+    /* the heuristic reads the aux pointer's alignment too */
+    if (ep->aux.data) key.ldaux = laux.ld, key.aaux = align_of(&ep->aux, &laux);
     if (lt_cache_get(&key, &L->algo)) return lt_workspace(L);
     if (blas_ok(cublasLtMatmulPreferenceCreate(&L->pref), "cublasLtMatmulPreferenceCreate")) return -1;
     uint64_t ws = LT_MAX_WORKSPACE;
@@ -329,10 +350,9 @@ static int dgemm_run(cublasHandle_t h, const gemm_plan *p, const ds_kview *c, co
 
 /* Runs the coalesced, folded product: c's largest batch dim with a nonzero
  * stride in one call, every other batch index in a host loop. */
-static int run_batch(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta, const void *bias,
-                     cublasLtEpilogue_t epilogue) {
+static int run_batch(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta, const lt_epilogue &ep) {
     int nb = c.ndim - 2;
-    gemm_plan p = { c.dtype, c.shape[nb], c.shape[nb + 1], a.shape[nb + 1], {}, {}, {}, alpha, -1, 1, bias, epilogue };
+    gemm_plan p = { c.dtype, c.shape[nb], c.shape[nb + 1], a.shape[nb + 1], {}, {}, {}, alpha, -1, 1, ep };
     if (p.k == 0) return scale_c(c, beta);
     ds_gemm_mat_layout(&a, &p.la);
     ds_gemm_mat_layout(&b, &p.lb);
@@ -371,12 +391,11 @@ static int run_batch(ds_kview c, ds_kview a, ds_kview b, double alpha, double be
 }
 
 /* Checks, puts c row-major, compacts operands BLAS cannot read, then runs. */
-static int gemm_impl(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta, const void *bias,
-                     cublasLtEpilogue_t epilogue) {
+static int gemm_impl(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta, const lt_epilogue &ep) {
     bool transposed;
     int rc = ds_gemm_prepare(&c, &a, &b, &transposed);
     if (rc) return rc < 0 ? -1 : 0;
-    if (transposed && epilogue != CUBLASLT_EPILOGUE_DEFAULT)
+    if (transposed && ep.kind != CUBLASLT_EPILOGUE_DEFAULT)
         return ds_kernel_fail("gemm epilogue: the output's matrices must be row-major");
     int64_t k = a.shape[a.ndim - 1];
     void *buf[2] = { NULL, NULL };
@@ -384,7 +403,7 @@ static int gemm_impl(ds_kview c, ds_kview a, ds_kview b, double alpha, double be
     if (rc == 0 && ds_gemm_needs_copy(&b, k)) rc = compact(&b, &buf[1]);
     if (rc == 0) {
         ds_gemm_flatten(&c, &a, &b);
-        rc = run_batch(c, a, b, alpha, beta, bias, epilogue);
+        rc = run_batch(c, a, b, alpha, beta, ep);
     }
     if (buf[0]) ds_cuda_scratch_free(buf[0]);
     if (buf[1]) ds_cuda_scratch_free(buf[1]);
@@ -392,7 +411,7 @@ static int gemm_impl(ds_kview c, ds_kview a, ds_kview b, double alpha, double be
 }
 
 static int cuda_gemm(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta) {
-    return gemm_impl(c, a, b, alpha, beta, NULL, CUBLASLT_EPILOGUE_DEFAULT);
+    return gemm_impl(c, a, b, alpha, beta, lt_epilogue{ CUBLASLT_EPILOGUE_DEFAULT, NULL, {} });
 }
 
 /* What every epilogue needs: a float dtype but f64, no summed batch dims
@@ -419,7 +438,7 @@ extern "C" int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kvie
     if (epilogue_check(c, a, bias, c.shape[c.ndim > 0 ? c.ndim - 1 : 0])) return -1;
     cublasLtEpilogue_t e = bias.data ? (gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
                                      : (gelu ? CUBLASLT_EPILOGUE_GELU : CUBLASLT_EPILOGUE_DEFAULT);
-    return gemm_impl(c, a, b, 1.0, 0.0, bias.data, e);
+    return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ e, bias.data, {} });
 }
 
 /* cuBLASLt runs the row-major c = a b as the column-major c^T = b^T a^T:
@@ -429,7 +448,40 @@ extern "C" int ds_cuda_gemm_bgrad(ds_kview c, ds_kview a, ds_kview b, ds_kview g
     if (!grad.data) return ds_kernel_fail("gemm bias gradient: no vector to write");
     if (epilogue_check(c, a, grad, c.shape[c.ndim > 1 ? c.ndim - 2 : 0])) return -1;
     if (c.ndim != 2) return ds_kernel_fail("gemm bias gradient: needs matrices, got %d dims", c.ndim);
-    return gemm_impl(c, a, b, 1.0, 0.0, grad.data, CUBLASLT_EPILOGUE_BGRADB);
+    return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ CUBLASLT_EPILOGUE_BGRADB, grad.data, {} });
+}
+
+/* What the GELU epilogues add: nonempty matrices (an empty product runs
+ * no kernel, which would leave the bias gradient unwritten), and aux
+ * shaped and typed like c, row-major, with cuBLASLt's limits on it: a
+ * leading dimension of a multiple of 8 elements, at least c's row, and
+ * (as for the bias) a start on 16 bytes. */
+static int aux_check(const ds_kview &c, const ds_kview &aux) {
+    if (c.ndim != 2 || aux.ndim != 2 || c.shape[0] == 0 || c.shape[1] == 0)
+        return ds_kernel_fail("gemm GELU epilogue: needs nonempty matrices, got %d and %d dims", c.ndim, aux.ndim);
+    if (aux.dtype != c.dtype || aux.shape[0] != c.shape[0] || aux.shape[1] != c.shape[1])
+        return ds_kernel_fail("gemm GELU epilogue: the GELU input must have the output's shape and dtype");
+    if (aux.stride[1] != 1 || aux.stride[0] < aux.shape[1] || aux.stride[0] % 8 || aux.stride[0] > INT_MAX)
+        return ds_kernel_fail("gemm GELU epilogue: the GELU input's rows must be unit-stride, %lld elements apart "
+                              "is not a multiple of 8 of at least %lld", (long long)aux.stride[0],
+                              (long long)aux.shape[1]);
+    if ((uintptr_t)aux.data % 16)
+        return ds_kernel_fail("gemm GELU epilogue: the GELU input must start on 16 bytes");
+    return 0;
+}
+
+extern "C" int ds_cuda_gemm_gelu_aux(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias) {
+    if (epilogue_check(c, a, bias, c.shape[c.ndim > 0 ? c.ndim - 1 : 0]) || aux_check(c, aux)) return -1;
+    cublasLtEpilogue_t e = bias.data ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
+    return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ e, bias.data, aux });
+}
+
+/* c^T is cuBLASLt's D, so DGELU_BGRAD's bias gradient, the sums of D's
+ * rows after the GELU gradient, is the sums of c's columns. */
+extern "C" int ds_cuda_gemm_dgelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad) {
+    if (epilogue_check(c, a, grad, c.shape[c.ndim > 0 ? c.ndim - 1 : 0]) || aux_check(c, aux)) return -1;
+    cublasLtEpilogue_t e = grad.data ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
+    return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ e, grad.data, aux });
 }
 
 extern "C" const ds_kernels_blas ds_cuda_blas = { cuda_gemm };

@@ -1,6 +1,6 @@
 /* What the CUDA GEMM offers beyond ds_cuda_blas: the TF32 switch (off by
  * default, as in PyTorch) and cuBLASLt's fused bias/GELU epilogues, for a
- * fused linear. Plain C, so core and the Lua binding include it too. */
+ * fused linear and MLP. Plain C, so core and the Lua binding include it too. */
 #ifndef CUDA_BLAS_H
 #define CUDA_BLAS_H
 
@@ -30,6 +30,22 @@ int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kview bias, int
  * c's dtype, unit stride, on 16 bytes. 0, or -1 after ds_kernel_fail()
  * (the caller runs the GEMM and the sum apart then). */
 int ds_cuda_gemm_bgrad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
+
+/* c = gelu(a @ b + bias), GELU's tanh form, writing aux = a @ b + bias,
+ * the GELU's input (its backward reads it), in one cuBLASLt call
+ * (GELU_AUX_BIAS, or GELU_AUX when bias.data is NULL). c and aux are 2-D,
+ * nonempty, row-major, of one shape and dtype; aux's row stride is a
+ * multiple of 8 elements and it starts on 16 bytes (cuBLASLt's limits);
+ * bias as ds_cuda_gemm_epilogue takes it. 0, or -1 after
+ * ds_kernel_fail() (the caller runs the GEMM and the GELU apart then). */
+int ds_cuda_gemm_gelu_aux(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias);
+
+/* c = (a @ b) * gelu'(aux), GELU's tanh form, and grad [n] = the sums of
+ * c's columns (over its rows), in one cuBLASLt call (DGELU_BGRAD, or DGELU
+ * when grad.data is NULL): the GELU's backward, and its linear's bias
+ * gradient, out of the GEMM that makes the hidden gradient. Views and
+ * returns as ds_cuda_gemm_gelu_aux; grad as ds_cuda_gemm_bgrad's. */
+int ds_cuda_gemm_dgelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad);
 
 #ifdef __cplusplus
 }

@@ -4,8 +4,8 @@
 -- modules per depth and the per-module tree to module_depth, printed or
 -- written to output_file.
 --
--- MACs come from the ops that carry the arithmetic (ds.linear, ds.matmul,
--- ds.mm, ds.bmm, ds.conv2d, ds.scaled_dot_product_attention,
+-- MACs come from the ops that carry the arithmetic (ds.linear, ds.gelu_mlp,
+-- ds.matmul, ds.mm, ds.bmm, ds.conv2d, ds.scaled_dot_product_attention,
 -- ds.qkv_attention), counted from
 -- their shapes while the step runs, charged to the innermost module
 -- running; a module's MACs are its own and its children's (containers
@@ -41,6 +41,11 @@ local function last(t) local s = t:size(); return s[#s] end
 -- op name -> MACs from its arguments and result
 local COUNTERS = {
   linear = function(out, x, w) return numel_out(out) * w:size()[2] end,
+  -- its two linears: rows x in x hidden, then rows x hidden x out
+  gelu_mlp = function(out, x, w1, b1, w2)
+    local hidden = w1:size()[1]
+    return numel_out(out) / w2:size()[1] * hidden * w1:size()[2] + numel_out(out) * hidden
+  end,
   matmul = function(out, a) return numel_out(out) * last(a) end,
   mm = function(out, a) return numel_out(out) * last(a) end,
   bmm = function(out, a) return numel_out(out) * last(a) end,

@@ -324,6 +324,78 @@ describe('matrix products on the GPU #gpu', function()
   end)
 end)
 
+describe('gelu_mlp on the GPU #gpu', function()
+  if skip then pending('skipped: no CUDA device') return end
+
+  -- The tanh form fuses its GELU into cuBLASLt's epilogues where the
+  -- hidden rows are a multiple of 8 elements (3072); 3070 and the erf form
+  -- run the composed kernels. Sums over 8192 rows, and a GELU the fused
+  -- path takes from the f32 accumulator where the CPU takes it from the
+  -- rounded pre-activation, put each tensor's error on its scale: the
+  -- file's tolerances against each tensor's largest element.
+  local function close(got, want, tol, what)
+    local scale = want:to('f64'):abs():amax():item()
+    local err = (got:to('f64') - want:to('f64')):abs():amax():item()
+    assert(err <= tol.atol + tol.rtol * scale,
+           string.format('%s: off by %.3g, scale %.3g (atol %g, rtol %g)', what, err, scale, tol.atol, tol.rtol))
+  end
+
+  -- gelu_mlp on the CPU and the GPU from the same inputs, x [lead..., 64];
+  -- nobias leaves b1 and b2 out, need lists the inputs needing grad
+  local function check(name, dt, how, lead, hidden, nobias, need)
+    ds.manual_seed(23)
+    local in_f, out_f = 64, 48
+    local xs = { unpack(lead) }
+    xs[#xs + 1] = in_f
+    local inputs = { randn(dt, unpack(xs)), (ds.randn({ hidden, in_f }) / math.sqrt(in_f)):to(dt),
+                     not nobias and randn(dt, hidden), (ds.randn({ out_f, hidden }) / math.sqrt(hidden)):to(dt),
+                     not nobias and randn(dt, out_f) }
+    local function run(move)
+      local t = {}
+      for k = 1, 5 do
+        t[k] = inputs[k] and move(inputs[k])
+        if t[k] and need[k] then t[k]:requires_grad_() end
+      end
+      local y = ds.gelu_mlp(t[1], t[2], t[3] or nil, t[4], t[5] or nil, { approximate = how })
+      ds.manual_seed(29)
+      ;(y * move(ds.randn(y:size(), 'f32'):to(dt))):sum():backward()
+      return y, t
+    end
+    local yc, tc = run(function(x) return x:clone() end)
+    local yg, tg = run(to_dev)
+    assert(on_dev(yg), name .. ': the output left the GPU')
+    assert.are.equal(dt, yg:dtype())
+    close(to_host(yg), yc, TOL[dt], name .. ' output')
+    for k = 1, 5 do
+      if tc[k] and need[k] then
+        assert(on_dev(tg[k].grad), name .. ': gradient ' .. k .. ' left the GPU')
+        close(to_host(tg[k].grad), tc[k].grad, TOL[dt], name .. ' gradient of input ' .. k)
+      elseif tg[k] then
+        assert(tg[k].grad == nil, name .. ': input ' .. k .. ' got a gradient it does not need')
+      end
+    end
+  end
+
+  local ALL = { true, true, true, true, true }
+  for _, dt in ipairs { 'f32', 'bf16' } do
+    for _, how in ipairs { 'tanh', 'none' } do
+      for _, rows in ipairs { 8192, 37 } do
+        for _, hidden in ipairs { 3072, 3070 } do
+          local name = string.format('gelu_mlp %s, approximate %s, %d rows, hidden %d', dt, how, rows, hidden)
+          it(name, function() check(name, dt, how, { rows }, hidden, false, ALL) end)
+        end
+      end
+    end
+    -- the epilogues without a bias (GELU_AUX forward, DGELU backward), 3-D x
+    it('gelu_mlp ' .. dt .. ' without biases, 3-D x', function()
+      check('no biases', dt, 'tanh', { 4, 64 }, 512, true, ALL)
+    end)
+    it('gelu_mlp ' .. dt .. ' with only x and w1 needing grad', function()
+      check('x and w1', dt, 'tanh', { 4, 64 }, 512, false, { true, true })
+    end)
+  end
+end)
+
 describe('convolution and pooling on the GPU #gpu', function()
   if skip then pending('skipped: no CUDA device') return end
 
