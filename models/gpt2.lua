@@ -33,6 +33,7 @@ M.defaults = {
   bias = true,          -- biases in the Linears and LayerNorms
   gelu = 'tanh',        -- GPT-2's approximation; 'none' for the erf form
   checkpoint = false,   -- activation checkpointing: true (every block) or k (segments of k blocks)
+  attention_backend = 'auto',  -- 'fused' or 'math' to force one (ds.scaled_dot_product_attention's backend)
   -- Rows of wte and lm_head, false for vocab_size. A round size (50304 for
   -- 50257, as nanoGPT and llm.c) keeps the lm_head GEMMs on cuBLAS's fast
   -- kernels; the padded rows start at zero, and the loss and the logits
@@ -90,7 +91,8 @@ function Block:init(cfg)
   local ln = { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device }
   self.ln_1 = nn.LayerNorm(cfg.n_embd, ln)
   self.attn = nn.CausalSelfAttention { n_embd = cfg.n_embd, n_head = cfg.n_head, bias = cfg.bias,
-                                       dropout = cfg.dropout, dtype = cfg.dtype, device = cfg.device }
+                                       dropout = cfg.dropout, dtype = cfg.dtype, device = cfg.device,
+                                       attention_backend = cfg.attention_backend }
   self.ln_2 = nn.LayerNorm(cfg.n_embd, ln)
   self.mlp = MLP(cfg)
 end

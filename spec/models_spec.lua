@@ -214,6 +214,25 @@ describe('models.gpt2', function()
     fails('GPT: expected token ids %[B, T%], got %[4%]', m, ds.zeros({ 4 }, 'i64'))
   end)
 
+  it('takes either attention backend with the same loss and gradients', function()
+    local x = ds.tensor({ { 1, 2, 3, 4, 5 }, { 6, 7, 8, 9, 10 } }, 'i64')
+    local function run(backend)
+      ds.manual_seed(5)
+      local cfg = {}
+      for k, v in pairs(tiny) do cfg[k] = v end
+      cfg.attention_backend = backend
+      local m = GPT(cfg)
+      local loss = m(x, x)
+      loss:backward()
+      return loss, m.transformer.h[1].attn.c_attn.weight.grad
+    end
+    local lf, gf = run('fused')
+    local lm, gm = run('math')
+    H.assert_close(lm, lf, { rtol = 1e-6, atol = 1e-6 })
+    H.assert_close(gm, gf, { rtol = 1e-5, atol = 1e-6 })
+    fails("attention_backend must be 'auto', 'fused' or 'math', got flash", GPT, { attention_backend = 'flash' })
+  end)
+
   it('ignores targets of -1, as nanoGPT', function()
     local m = GPT(tiny)
     local x = ds.tensor({ { 1, 2, 3, 4 } }, 'i64')

@@ -327,9 +327,9 @@ end)
 describe('gelu_mlp on the GPU #gpu', function()
   if skip then pending('skipped: no CUDA device') return end
 
-  -- The tanh form fuses its GELU into cuBLASLt's epilogues where the
-  -- hidden rows are a multiple of 8 elements (3072); 3070 and the erf form
-  -- run the composed kernels. Sums over 8192 rows, and a GELU the fused
+  -- The tanh form in bf16 fuses its GELU into cuBLASLt's epilogues where
+  -- the hidden rows are a multiple of 8 elements (3072); 3070, f32 and the
+  -- erf form run the composed kernels. Sums over 8192 rows, and a GELU the fused
   -- path takes from the f32 accumulator where the CPU takes it from the
   -- rounded pre-activation, put each tensor's error on its scale: the
   -- file's tolerances against each tensor's largest element.
