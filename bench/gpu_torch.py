@@ -135,6 +135,12 @@ def ops():
             result("layer_norm", f"8192x768_{dt}", time_per_call(lambda: F.layer_norm(x, (768,), w, b)), "s")
             result("gelu_tanh", f"8192x3072_{dt}", time_per_call(lambda: F.gelu(h, approximate="tanh")), "s")
             result("linear_bias", f"8192x768x2304_{dt}", time_per_call(lambda: F.linear(x, wl, bl)), "s")
+        w1, b1 = (r(3072, 768) * 0.03).requires_grad_(), r(3072).requires_grad_()
+        w2, b2 = (r(768, 3072) * 0.02).requires_grad_(), r(768).requires_grad_()
+        gm = r(8192, 768)
+        mlp = lambda: F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2).backward(gm)
+        result("mlp_fwd_bwd", f"8192x768x3072_{dt}", time_per_call(mlp), "s")
+        del w1, b1, w2, b2, gm
         logits = r(8192, 50257).requires_grad_()
         y = torch.randint(0, 50257, (8192,), device=dev)
         result("cross_entropy_fwd_bwd", f"8192x50257_{dt}",
