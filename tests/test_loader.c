@@ -10,6 +10,8 @@
 #include "ds_error.h"
 #include "cpu/cpu_kernels.h"
 
+#include <pthread.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,23 +23,33 @@ static struct {
     int uploads, waits, in_flight;
 } F;
 
+/* the loader's threads allocate and free staging at once: the counts under a lock */
+static pthread_mutex_t staging_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static void *staging_alloc(ds_allocator *self, size_t nbytes) {
     (void)self;
+    bool fail = false;
+    pthread_mutex_lock(&staging_lock);
     if (F.fail_after > 0) F.fail_after--;
     else if (F.fail_allocs > 0) {
         F.fail_allocs--;
-        return NULL;
+        fail = true;
     }
-    F.staging_allocs++;
-    F.staging_live++;
-    return ds_cpu_allocator.alloc(&ds_cpu_allocator, nbytes);
+    if (!fail) {
+        F.staging_allocs++;
+        F.staging_live++;
+    }
+    pthread_mutex_unlock(&staging_lock);
+    return fail ? NULL : ds_cpu_allocator.alloc(&ds_cpu_allocator, nbytes);
 }
 
 /* poisoned: a copy that reads it after the free shows */
 static void staging_free(ds_allocator *self, void *ptr, size_t nbytes) {
     (void)self;
     memset(ptr, 0xAB, nbytes);
+    pthread_mutex_lock(&staging_lock);
     F.staging_live--;
+    pthread_mutex_unlock(&staging_lock);
     ds_cpu_allocator.free(&ds_cpu_allocator, ptr, nbytes);
 }
 
