@@ -229,6 +229,9 @@ describe('cross_entropy', function()
     fails('target value 9 at 0%-based position %(2%)', ds.cross_entropy, x, ds.tensor({ 2, -100, 9 }, 'i64'))
     fails('target value %-100 at 0%-based position %(0%)', ds.cross_entropy, x, ds.tensor({ -100, 1, 2 }, 'i64'),
           { ignore_index = 1 })
+    -- an ignore_index past i32's range ignores no i32 target (not one wrapped onto it)
+    local t32 = ds.tensor({ 0, 1, 2 }, 'i32')
+    H.assert_close(ds.cross_entropy(x, t32, { ignore_index = 2 ^ 32 + 1 }), ds.cross_entropy(x, t32, { ignore_index = -100 }))
   end)
 
   it('rejects bad shapes, dtypes and options', function()

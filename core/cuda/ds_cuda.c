@@ -126,17 +126,24 @@ cudaStream_t ds_cuda_copy_stream(int index) { return R.copy[index]; }
 
 static cudaStream_t current_stream(void) { return cur_stream; }
 
+/* Every device waited for, even after one fails (the first error is the
+ * one reported), and the thread's device put back as it was. */
 int ds_cuda_synchronize(void) {
-    int prev = cur_dev;
+    int prev = cur_dev, rc = 0;
     for (int i = 0; i < ds_cuda_device_count(); i++) {
         if (!atomic_load(&R.ready[i])) continue;
         cudaError_t e = cudaSetDevice(i);
         if (e == cudaSuccess) e = cudaDeviceSynchronize();
-        if (e != cudaSuccess) return ds_fail(DS_ERR_STATE, "cuda:%d: synchronize: %s", i, cudaGetErrorString(e)), -1;
-        if (ds_fault_settle((ds_device){ DS_DEV_CUDA, i })) return -1;
+        if (rc != 0) continue;
+        if (e != cudaSuccess) {
+            ds_fail(DS_ERR_STATE, "cuda:%d: synchronize: %s", i, cudaGetErrorString(e));
+            rc = -1;
+        } else {
+            rc = ds_fault_settle((ds_device){ DS_DEV_CUDA, i });
+        }
     }
     if (prev >= 0) cudaSetDevice(prev);
-    return 0;
+    return rc;
 }
 
 int ds_cuda_memory_info(int index, ds_cuda_mem_info *out) {

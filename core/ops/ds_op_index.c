@@ -78,7 +78,7 @@ int ds_check_index(const char *op, ds_tensor *idx, const char *idx_name, ds_tens
         hit->pos = -1;            /* the device will not write it */
         return -1;
     }
-    return dev.type == DS_DEV_CPU ? ds_fault_settle(dev) : 0;
+    return dev.type == DS_DEV_CPU ? ds_fault_close(dev, hit) : 0;
 }
 
 /* x's slices along d picked by the 1-D idx, into a new tensor. */

@@ -148,9 +148,11 @@ static int check_cross_entropy(ds_tensor *logits, ds_tensor *target, double smoo
 }
 
 /* The rows whose target is not ignore_index, as a 0-dim tensor of dtype
- * on target's device: no read back, so a step never waits for it. */
+ * on target's device: no read back, so a step never waits for it. The
+ * comparison is in i64, as the kernels': an i32 target never equals an
+ * ignore_index past i32's range. */
 static ds_tensor *counted_rows(ds_tensor *target, int64_t ignore_index, ds_dtype dtype) {
-    ds_tensor *ig = ds_scalar_like(target, (double)ignore_index);
+    ds_tensor *ig = ds_tensor_full(0, NULL, DS_I64, ds_tensor_device(target), (double)ignore_index);
     ds_tensor *kept = ig ? ds_binary(DS_BIN_NE, target, ig) : NULL;
     ds_tensor *n = kept ? ds_sum(kept, -1, NULL, false) : NULL;
     ds_tensor *out = n ? ds_to_dtype(n, dtype) : NULL;

@@ -1,14 +1,23 @@
 #include "ds_ops.h"
 #include "ds_cuda.h"
 #include "ds_error.h"
+#include "ds_fault.h"
 
 #include <stdio.h>
 #include <string.h>
 
+/* A copy onto the CPU has waited for the source device, so it also
+ * reports a fault that device's checks found since the last
+ * (core/tensor/ds_fault.h). */
 static int copy_kernel(ds_tensor *dst, ds_tensor *src, const char *op) {
-    if (!ds_device_equal(ds_tensor_device(dst), ds_tensor_device(src)))
-        return ds_device_transfer(op, ds_tensor_kview(dst), ds_tensor_device(dst), ds_tensor_kview(src),
-                                  ds_tensor_device(src));
+    ds_device dd = ds_tensor_device(dst), sd = ds_tensor_device(src);
+    if (!ds_device_equal(dd, sd)) {
+        if (ds_device_transfer(op, ds_tensor_kview(dst), dd, ds_tensor_kview(src), sd)) return -1;
+        if (dd.type != DS_DEV_CPU || !ds_fault_settle(sd)) return 0;
+        char msg[640];
+        snprintf(msg, sizeof msg, "%s", ds_error_message());
+        return ds_fail(DS_ERR_ARG, "%s: %s", op, msg), -1;
+    }
     if (ds_tensor_kernels(dst)->core->copy(ds_tensor_kview(dst), ds_tensor_kview(src)))
         return ds_fail(DS_ERR_STATE, "%s: %s", op, ds_kernel_error()), -1;
     return 0;

@@ -51,8 +51,7 @@ const ds_backend *ds_backend_get(ds_device dev);     /* NULL if not available */
 int ds_device_check(const char *op, ds_device dev);
 bool ds_device_equal(ds_device a, ds_device b);
 /* dst = src between two different devices: 0, or -1 with the error set
- * naming op. A copy onto the CPU waits for the source device, so it also
- * reports a fault that device found since the last (core/tensor/ds_fault.h). */
+ * naming op. */
 int ds_device_transfer(const char *op, ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev);
 /* "cpu", "cuda", "cuda:1"; returns -1 and sets the error on bad names */
 int ds_device_parse(const char *s, ds_device *out);

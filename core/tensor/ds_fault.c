@@ -54,26 +54,32 @@ static int free_slot(const fault_pool *p) {
     return -1;
 }
 
-/* settle with F.lock held */
-static int settle_locked(fault_pool *p, ds_device dev) {
-    int first = -1;
-    for (int i = 0; i < FAULT_SLOTS; i++) {
-        fault_note *n = &p->notes[i];
-        if (!n->describe || p->hits[i].pos == FAULT_PENDING) continue;
-        if (p->hits[i].pos >= 0 && (first < 0 || n->seq < p->notes[first].seq)) first = i;
-        else n->describe = NULL;
-    }
-    if (first < 0) return 0;
+/* Slot i's hit (a copy taken once) as the error, its slot closed. */
+static int report(fault_pool *p, int i, ds_index_hit hit, ds_device dev) {
     char msg[512];
-    p->notes[first].describe(msg, sizeof msg, p->notes[first].ctx, p->hits[first]);
-    p->notes[first].describe = NULL;
-    /* the rest that hit came after it and may stem from it: one error */
-    for (int i = 0; i < FAULT_SLOTS; i++)
-        if (p->notes[i].describe && p->hits[i].pos != FAULT_PENDING) p->notes[i].describe = NULL;
+    p->notes[i].describe(msg, sizeof msg, p->notes[i].ctx, hit);
+    p->notes[i].describe = NULL;
     if (dev.type == DS_DEV_CPU) return ds_fail(DS_ERR_ARG, "%s", msg), -1;
     char name[16];
     ds_device_name(dev, name, sizeof name);
     return ds_fail(DS_ERR_ARG, "%s (checked on %s, reported at the first synchronisation after)", msg, name), -1;
+}
+
+/* settle with F.lock held; each hit read once, since a copy may still
+ * land on one that was pending */
+static int settle_locked(fault_pool *p, ds_device dev) {
+    ds_index_hit seen[FAULT_SLOTS];
+    int first = -1;
+    for (int i = 0; i < FAULT_SLOTS; i++) {
+        fault_note *n = &p->notes[i];
+        seen[i] = p->hits[i];
+        if (!n->describe || seen[i].pos == FAULT_PENDING) continue;
+        if (seen[i].pos >= 0 && (first < 0 || n->seq < p->notes[first].seq)) first = i;
+    }
+    /* the others that hit came after the first and may stem from it: one error */
+    for (int i = 0; i < FAULT_SLOTS; i++)
+        if (i != first && p->notes[i].describe && seen[i].pos != FAULT_PENDING) p->notes[i].describe = NULL;
+    return first < 0 ? 0 : report(p, first, seen[first], dev);
 }
 
 ds_index_hit *ds_fault_open(ds_device dev, ds_fault_describe describe, const void *ctx, size_t ctx_size) {
@@ -111,6 +117,17 @@ int ds_fault_settle(ds_device dev) {
     pthread_mutex_lock(&F.lock);
     fault_pool *p = F.pools[dev.type][dev.index];
     int rc = p ? settle_locked(p, dev) : 0;
+    pthread_mutex_unlock(&F.lock);
+    return rc;
+}
+
+int ds_fault_close(ds_device dev, ds_index_hit *hit) {
+    pthread_mutex_lock(&F.lock);
+    fault_pool *p = F.pools[dev.type][dev.index];
+    int i = (int)(hit - p->hits), rc = 0;
+    ds_index_hit seen = *hit;
+    if (seen.pos >= 0) rc = report(p, i, seen, dev);
+    else p->notes[i].describe = NULL;
     pthread_mutex_unlock(&F.lock);
     return rc;
 }

@@ -4,7 +4,7 @@
  * and the first synchronisation with that device after it (a read back,
  * ds.cuda.synchronize(), the step engine's one a step) reports it as that
  * call's error. On the CPU the answer is there at once and the op that
- * checked settles it itself, so its error is its own. */
+ * checked closes its own record, so its error is its own. */
 #ifndef DS_FAULT_H
 #define DS_FAULT_H
 
@@ -27,5 +27,8 @@ ds_index_hit *ds_fault_open(ds_device dev, ds_fault_describe describe, const voi
  * done the work queued before (the CPU always has): 0 when none hit, else
  * -1 with the error of the first opened that did. */
 int ds_fault_settle(ds_device dev);
+/* Closes one record of dev that its check has written (the CPU's, at
+ * once), leaving the others: 0, or -1 with its error when it hit. */
+int ds_fault_close(ds_device dev, ds_index_hit *hit);
 
 #endif

@@ -135,14 +135,19 @@ static int64_t batch_stride(const gemm_plan *p, const ds_kview *v) { return p->b
 /* The largest power of two, up to 256 bytes, dividing the address of every
  * matrix and column v presents: cuBLASLt's heuristic assumes 256 unless
  * told, and a view may start anywhere. */
+/* The largest power of two up to 256 that divides bits. */
+static uint32_t bits_align(uint64_t bits) {
+    uint32_t a = 1;
+    while (a < 256 && !(bits & a)) a <<= 1;
+    return a;
+}
+
 static uint32_t align_of(const ds_kview *v, const ds_gemm_layout *l) {
     int64_t es = (int64_t)ds_dtype_size(v->dtype);
     uint64_t bits = (uint64_t)(uintptr_t)v->data | (uint64_t)(l->ld * es);
     for (int d = 0; d < v->ndim - 2; d++)
         if (v->shape[d] > 1) bits |= (uint64_t)(v->stride[d] * es);
-    uint32_t a = 1;
-    while (a < 256 && !(bits & a)) a <<= 1;
-    return a;
+    return bits_align(bits);
 }
 
 /* A cuBLASLt matmul set up once for every host-loop visit of a batch. */
@@ -203,7 +208,7 @@ typedef struct {
     ds_dtype dtype;
     cublasLtEpilogue_t epilogue;
     int64_t m, n, k, lda, ldb, ldc, count, sa, sb, sc, ldaux;
-    uint32_t aa, ab, ac, aaux;
+    uint32_t aa, ab, ac, aaux, abias;
 } lt_key;
 
 static struct {
@@ -234,6 +239,17 @@ static void lt_cache_put(const lt_key *key, const cublasLtMatmulHeuristicResult_
         lt_cache.algo[lt_cache.used++] = *algo;
     }
     pthread_mutex_unlock(&lt_cache.lock);
+}
+
+/* The heuristic's answer, found or cached: its workspace, or the error
+ * when it had no algorithm. */
+static int lt_found(lt_call *L, const gemm_plan *p, const ds_kview *a, const ds_kview *b, uint32_t ac) {
+    if (L->algo.state != CUBLAS_STATUS_SUCCESS)
+        return ds_kernel_fail("cublasLtMatmulAlgoGetHeuristic: no algorithm for a %lldx%lldx%lld product of %d-byte "
+                              "elements (alignments %u, %u, %u bytes)", (long long)p->m, (long long)p->n,
+                              (long long)p->k, (int)ds_dtype_size(p->dtype), align_of(a, &p->la),
+                              align_of(b, &p->lb), ac);
+    return lt_workspace(L);
 }
 
 static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_kview *a, const ds_kview *b) {
@@ -294,9 +310,10 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
     key.count = p->bdim >= 0 ? p->count : 0;
     key.sa = batch_stride(p, a), key.sb = batch_stride(p, b), key.sc = batch_stride(p, c);
     key.aa = align_of(a, &p->la), key.ab = align_of(b, &p->lb), key.ac = ac;
-    /* the heuristic reads the aux pointer's alignment too */
+    /* the heuristic reads the aux and bias pointers' alignments too */
     if (ep->aux.data) key.ldaux = laux.ld, key.aaux = align_of(&ep->aux, &laux);
-    if (lt_cache_get(&key, &L->algo)) return lt_workspace(L);
+    if (ep->bias) key.abias = bits_align((uint64_t)(uintptr_t)ep->bias);
+    if (lt_cache_get(&key, &L->algo)) return lt_found(L, p, a, b, ac);
     if (blas_ok(cublasLtMatmulPreferenceCreate(&L->pref), "cublasLtMatmulPreferenceCreate")) return -1;
     uint64_t ws = LT_MAX_WORKSPACE;
     if (blas_ok(cublasLtMatmulPreferenceSetAttribute(L->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
@@ -321,13 +338,10 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
                                                &found),
                 "cublasLtMatmulAlgoGetHeuristic"))
         return -1;
-    if (found < 1 || L->algo.state != CUBLAS_STATUS_SUCCESS)
-        return ds_kernel_fail("cublasLtMatmulAlgoGetHeuristic: no algorithm for a %lldx%lldx%lld product of %d-byte "
-                              "elements (alignments %u, %u, %u bytes)", (long long)p->m, (long long)p->n,
-                              (long long)p->k, (int)ds_dtype_size(p->dtype), align_of(a, &p->la),
-                              align_of(b, &p->lb), ac);
+    /* a product with no algorithm is cached too: its callers fall back at once */
+    if (found < 1) L->algo.state = CUBLAS_STATUS_NOT_SUPPORTED;
     lt_cache_put(&key, &L->algo);
-    return lt_workspace(L);
+    return lt_found(L, p, a, b, ac);
 }
 
 static int lt_run(const lt_call *L, const gemm_plan *p, const void *A, const void *B, void *C, double beta) {
