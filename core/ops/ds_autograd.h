@@ -63,6 +63,8 @@ ds_node *ds_autograd_record(const char *name, ds_backward_fn fn, int n_inputs,
  * tensor, if an in-place op wrote into the bytes since (a storage swapped
  * whole, by a fetch or an optimizer's flat buffer, is not a write). */
 int ds_node_save(ds_node *n, int slot, ds_tensor *t);
+/* Whether input k of n gets a gradient (it leads to a leaf or a node). */
+static inline bool ds_node_needs_grad(const ds_node *n, int k) { return n->next[k].node || n->next[k].leaf; }
 void ds_node_release(ds_node *n);
 
 /* A leaf hook runs once per backward, as soon as the last gradient that

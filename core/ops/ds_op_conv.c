@@ -29,7 +29,6 @@ static int check_input(const char *op, const ds_tensor *x) {
     return 0;
 }
 
-static bool needs_grad(const ds_node *n, int k) { return n->next[k].node || n->next[k].leaf; }
 
 /* A contiguous copy (or t itself) without autograd history. */
 static ds_tensor *plain(ds_tensor *t) {
@@ -91,23 +90,23 @@ static int conv2d_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *gc = grad_input(g, x->dtype);
     if (!gc) return -1;
     int rc = 0;
-    if (needs_grad(n, 0)) {
+    if (ds_node_needs_grad(n, 0)) {
         gin[0] = ds_tensor_new_like(x);
         if (!gin[0]) rc = -1;
         else if (!empty)
             rc = conv_kernel_rc(k->conv2d_backward_data(ds_tensor_kview(gin[0]), ds_tensor_kview(gc),
                                                         ds_tensor_kview(w), &p));
     }
-    if (rc == 0 && needs_grad(n, 1)) {
+    if (rc == 0 && ds_node_needs_grad(n, 1)) {
         gin[1] = empty ? ds_tensor_full(4, w->shape, w->dtype, dev, 0) : ds_tensor_new_like(w);
-        if (needs_grad(n, 2))
+        if (ds_node_needs_grad(n, 2))
             gin[2] = empty ? ds_tensor_full(1, &o, w->dtype, dev, 0) : ds_tensor_new(1, &o, w->dtype, dev);
-        if (!gin[1] || (needs_grad(n, 2) && !gin[2])) rc = -1;
+        if (!gin[1] || (ds_node_needs_grad(n, 2) && !gin[2])) rc = -1;
         else if (!empty)
             rc = conv_kernel_rc(k->conv2d_backward_weight(ds_tensor_kview(gin[1]),
                                                           gin[2] ? ds_tensor_kview(gin[2]) : no_view(),
                                                           ds_tensor_kview(gc), ds_tensor_kview(x), &p));
-    } else if (rc == 0 && needs_grad(n, 2)) {
+    } else if (rc == 0 && ds_node_needs_grad(n, 2)) {
         int64_t dims[3] = { 0, 2, 3 };
         gin[2] = ds_sum(gc, 3, dims, false);
         if (!gin[2]) rc = -1;

@@ -263,7 +263,7 @@ ds_tensor *ds_gather(ds_tensor *x, int64_t dim, ds_tensor *index) {
 static int scatter_add_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     const ds_edge *e = &n->next[1];
     ds_tensor *idx = n->saved[0];
-    if (n->next[0].node || n->next[0].leaf) { ds_tensor_retain(g); gin[0] = g; }
+    if (ds_node_needs_grad(n, 0)) { ds_tensor_retain(g); gin[0] = g; }
     if (!e->node && !e->leaf) return 0;
     bool covered = idx->ndim == e->ndim && memcmp(idx->shape, e->shape, sizeof(int64_t) * (size_t)e->ndim) == 0;
     gin[1] = covered ? ds_tensor_new(e->ndim, e->shape, g->dtype, ds_tensor_device(g))

@@ -141,8 +141,8 @@ static int matmul_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_gemm_transpose(&at);
     ds_gemm_transpose(&bt);
     int rc = 0;
-    if (ds_linalg_needs_grad(n, 0) && !(gin[0] = operand_grad(n->name, a, true, &geo, gv, bt))) rc = -1;
-    if (rc == 0 && ds_linalg_needs_grad(n, 1) && !(gin[1] = operand_grad(n->name, b, false, &geo, at, gv))) rc = -1;
+    if (ds_node_needs_grad(n, 0) && !(gin[0] = operand_grad(n->name, a, true, &geo, gv, bt))) rc = -1;
+    if (rc == 0 && ds_node_needs_grad(n, 1) && !(gin[1] = operand_grad(n->name, b, false, &geo, at, gv))) rc = -1;
     ds_tensor_release(gc);
     return rc;
 }
@@ -281,7 +281,7 @@ static int linear_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *x2 = n->saved[0], *w = n->saved[1];
     ds_tensor *gc = ds_linalg_grad_input(g, w->dtype);
     if (!gc) return -1;
-    bool want[3] = { ds_linalg_needs_grad(n, 0), ds_linalg_needs_grad(n, 1), ds_linalg_needs_grad(n, 2) };
+    bool want[3] = { ds_node_needs_grad(n, 0), ds_node_needs_grad(n, 1), ds_node_needs_grad(n, 2) };
     int rc = ds_linalg_linear_grads("linear", gc, x2, w, want, n->next[0].ndim, n->next[0].shape, gin);
     ds_tensor_release(gc);
     return rc;

@@ -7,9 +7,6 @@
 
 #include "ds_autograd.h"
 
-/* Whether input k of node n gets a gradient. */
-static inline bool ds_linalg_needs_grad(const ds_node *n, int k) { return n->next[k].node || n->next[k].leaf; }
-
 /* Whether t is on a GPU, whose cuBLASLt epilogues a caller then tries;
  * ds_tensor_kernels makes t's device current for them. */
 static inline bool ds_linalg_on_gpu(const ds_tensor *t) {

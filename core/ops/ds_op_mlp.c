@@ -85,7 +85,7 @@ static bool hidden_backward_fused(ds_node *n, ds_tensor *gc, ds_tensor *w2, ds_t
     if (!g2) return false;
     ds_kview c = ds_tensor_kview(dpre), aux = ds_tensor_kview(pre), a = ds_tensor_kview(g2), b = ds_tensor_kview(w2);
     bool done = false;
-    if (ds_linalg_needs_grad(n, MLP_B1) && (*db1 = ds_tensor_new(1, &hidden, pre->dtype, ds_tensor_device(pre)))) {
+    if (ds_node_needs_grad(n, MLP_B1) && (*db1 = ds_tensor_new(1, &hidden, pre->dtype, ds_tensor_device(pre)))) {
         done = ds_cuda_gemm_gelu_grad(c, aux, a, b, ds_tensor_kview(*db1)) == 0;
         if (!done) {
             ds_tensor_release(*db1);
@@ -103,7 +103,7 @@ static bool hidden_backward_fused(ds_node *n, ds_tensor *gc, ds_tensor *w2, ds_t
 static int gelu_mlp_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *x2 = n->saved[0], *w1 = n->saved[1], *w2 = n->saved[2], *pre = n->saved[3], *h = n->saved[4];
     bool want1[3], layer1 = false;
-    for (int k = 0; k < 3; k++) layer1 |= want1[k] = ds_linalg_needs_grad(n, MLP_X + k);
+    for (int k = 0; k < 3; k++) layer1 |= want1[k] = ds_node_needs_grad(n, MLP_X + k);
     ds_tensor *gc = ds_linalg_grad_input(g, w2->dtype);
     ds_tensor *dpre = gc && layer1 ? ds_tensor_new(2, pre->shape, pre->dtype, ds_tensor_device(pre)) : NULL;
     if (!gc || (layer1 && !dpre)) {
@@ -112,7 +112,7 @@ static int gelu_mlp_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     }
     bool fused = layer1 && hidden_backward_fused(n, gc, w2, pre, dpre, &gin[MLP_B1]);
     ds_tensor *g2[3] = { NULL, NULL, NULL };
-    bool want2[3] = { layer1 && !fused, ds_linalg_needs_grad(n, MLP_W2), ds_linalg_needs_grad(n, MLP_B2) };
+    bool want2[3] = { layer1 && !fused, ds_node_needs_grad(n, MLP_W2), ds_node_needs_grad(n, MLP_B2) };
     int rc = ds_linalg_linear_grads(OP, gc, h, w2, want2, 2, h->shape, g2);
     gin[MLP_W2] = g2[1];
     gin[MLP_B2] = g2[2];

@@ -34,7 +34,6 @@ static int need_float(const char *op, const char *what, const ds_tensor *t) {
     return -1;
 }
 
-static bool wants_grad(const ds_node *n, int k) { return n->next[k].node || n->next[k].leaf; }
 
 /* ---- softmax, log_softmax ---- */
 
@@ -275,9 +274,9 @@ static ds_kview param_view(ds_tensor *p) {
 }
 
 /* The gradient buffer of input k, shaped and typed like it; NULL when the
- * input needs none (check wants_grad to tell that from a failure). */
+ * input needs none (check ds_node_needs_grad to tell that from a failure). */
 static ds_tensor *new_input_grad(const ds_node *n, int k, ds_device dev) {
-    if (!wants_grad(n, k)) return NULL;
+    if (!ds_node_needs_grad(n, k)) return NULL;
     return ds_tensor_new(n->next[k].ndim, n->next[k].shape, n->next[k].dtype, dev);
 }
 
@@ -289,7 +288,7 @@ static int layer_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *dx = gc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
     ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x)), *db = new_input_grad(n, 2, ds_tensor_device(x));
     int rc = -1;
-    if (dx && (dw || !wants_grad(n, 1)) && (db || !wants_grad(n, 2))) {
+    if (dx && (dw || !ds_node_needs_grad(n, 1)) && (db || !ds_node_needs_grad(n, 2))) {
         rc = ds_tensor_kernels(x)->nn->layer_norm_backward(ds_tensor_kview(dx), param_view(dw), param_view(db),
                                                             ds_tensor_kview(gc), ds_tensor_kview(x), param_view(w),
                                                             ds_tensor_kview(n->saved[NORM_MEAN]),
@@ -352,7 +351,7 @@ static int rms_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *dx = gc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
     ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x));
     int rc = -1;
-    if (dx && (dw || !wants_grad(n, 1))) {
+    if (dx && (dw || !ds_node_needs_grad(n, 1))) {
         rc = ds_tensor_kernels(x)->nn->rms_norm_backward(ds_tensor_kview(dx), param_view(dw), ds_tensor_kview(gc),
                                                           ds_tensor_kview(x), param_view(w),
                                                           ds_tensor_kview(n->saved[NORM_RSTD]), n->i[0], n->i[1]);
