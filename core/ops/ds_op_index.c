@@ -36,13 +36,6 @@ typedef struct {
     int64_t idx_shape[DS_MAX_DIMS], x_shape[DS_MAX_DIMS];
 } index_check;
 
-static void dims_str(int ndim, const int64_t *shape, const char *sep, char *buf, size_t n) {
-    size_t used = 0;
-    buf[0] = 0;
-    for (int i = 0; i < ndim && used < n; i++)
-        used += (size_t)snprintf(buf + used, n - used, "%s%lld", i ? sep : "", (long long)shape[i]);
-}
-
 static void describe_index_hit(char *buf, size_t n, const void *ctx, ds_index_hit hit) {
     const index_check *c = ctx;
     int64_t coord[DS_MAX_DIMS], pos = hit.pos;
@@ -51,9 +44,9 @@ static void describe_index_hit(char *buf, size_t n, const void *ctx, ds_index_hi
         pos /= c->idx_shape[i];
     }
     char at[160], is[160], xs[160];
-    dims_str(c->idx_ndim, coord, ",", at, sizeof at);
-    dims_str(c->idx_ndim, c->idx_shape, ",", is, sizeof is);
-    dims_str(c->x_ndim, c->x_shape, ",", xs, sizeof xs);
+    ds_dims_str(c->idx_ndim, coord, at, sizeof at);
+    ds_dims_str(c->idx_ndim, c->idx_shape, is, sizeof is);
+    ds_dims_str(c->x_ndim, c->x_shape, xs, sizeof xs);
     snprintf(buf, n, "%s: %s value %lld at 0-based position (%s) of %s [%s] is out of range [0, %lld) for %s of "
              "shape [%s]", c->op, c->idx_name, (long long)hit.value, at, c->idx_name, is, (long long)c->limit,
              c->x_name, xs);

@@ -236,11 +236,17 @@ const ds_kernels *ds_tensor_kernels(const ds_tensor *t) {
     return ds_backend_get(t->storage->device)->kernels;
 }
 
+const char *ds_dims_str(int ndim, const int64_t *dims, char *buf, size_t n) {
+    size_t used = 0;
+    if (n) buf[0] = 0;
+    for (int i = 0; i < ndim && used < n; i++)
+        used += (size_t)snprintf(buf + used, n - used, i ? ",%lld" : "%lld", (long long)dims[i]);
+    return buf;
+}
+
 const char *ds_shape_str(const ds_tensor *t, char *buf, size_t n) {
-    size_t used = (size_t)snprintf(buf, n, "[");
-    for (int i = 0; i < t->ndim && used < n; i++)
-        used += (size_t)snprintf(buf + used, n - used, i ? ",%lld" : "%lld", (long long)t->shape[i]);
-    if (used < n) snprintf(buf + used, n - used, "]");
+    char dims[192];
+    snprintf(buf, n, "[%s]", ds_dims_str(t->ndim, t->shape, dims, sizeof dims));
     return buf;
 }
 

@@ -66,6 +66,9 @@ const ds_kernels *ds_tensor_kernels(const ds_tensor *t);
 void *ds_tensor_data(const ds_tensor *t);    /* element 0, CPU address */
 /* "[3,4]" into buf, for error messages */
 const char *ds_shape_str(const ds_tensor *t, char *buf, size_t n);
+/* ndim values joined by commas ("8,1024"), no brackets: a shape or a
+ * coordinate kept apart from its tensor. */
+const char *ds_dims_str(int ndim, const int64_t *dims, char *buf, size_t n);
 bool ds_tensor_same_shape(const ds_tensor *a, const ds_tensor *b);
 /* Normalises a possibly negative dim; -1 and the error if out of range. */
 int ds_tensor_dim(const ds_tensor *t, const char *op, int64_t dim);
