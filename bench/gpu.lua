@@ -112,6 +112,30 @@ local function steps(B, dtype, V, n)
   if n > 1 then print(string.format('%.1f ms/step after the first', 1000 * (ds.wall_time() - t0) / (n - 1))) end
 end
 
+-- The memory-bound kernels on 2^28 elements, as bytes moved per second
+-- (each input read once, the output written once): at this size the GPU's
+-- time dominates, not the call's host side, so the rate is the kernel's.
+-- bench/gpu.sh sets each against the copy row.
+local function bandwidth()
+  local n = 2^28
+  for _, dt in ipairs { 'bf16', 'f32' } do
+    local es = dt == 'bf16' and 2 or 4
+    local function rate(row, shape, moved, fn)
+      result(row, shape .. '_' .. dt, moved * n * es / time_per_call(fn) / 1e12, 'TB/s')
+    end
+    local a, c = randn({ n }, dt), randn({ n }, dt)
+    rate('bw_add', '256Mi', 3, function() local _ = a + c end)
+    rate('bw_gelu_tanh', '256Mi', 2, function() ds.gelu(a, 'tanh') end)
+    c = nil
+    local rows = math.floor(n / 768)
+    local x, w, b = a:narrow(1, 1, rows * 768):view(rows, 768), randn({ 768 }, dt), randn({ 768 }, dt)
+    rate('bw_layer_norm', rows .. 'x768', 2 * rows * 768 / n, function() ds.layer_norm(x, w, b) end)
+    rate('bw_softmax', (n / 1024) .. 'x1024', 2, function() ds.softmax(a:view(n / 1024, 1024), -1) end)
+    a, x = nil, nil
+    collectgarbage(); collectgarbage()
+  end
+end
+
 local function ops()
   -- attention on the default backend: fused for bf16, math (cuBLAS GEMMs) for f32
   for _, dt in ipairs { 'bf16', 'f32' } do
@@ -154,6 +178,7 @@ local function ops()
     a, c, m1, m2 = nil, nil, nil, nil
     collectgarbage(); collectgarbage()
   end
+  bandwidth()
   local big = randn({ 2^28 }, 'f32')
   local out = ds.zeros({ 2^28 }, 'f32', dev)
   local sec = time_per_call(function() out:copy_(big) end)

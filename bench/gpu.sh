@@ -69,6 +69,8 @@ $1 == "result" {
 END {
     printf "GPU: %s\n", dev["torch"] != "" ? dev["torch"] : dev["dslua"]
     gemm = val["torch", "matmul\t8192^3_bf16"]
+    copy = val["torch", "copy\t1GiB"]
+    if (copy == "") copy = val["dslua", "copy\t1GiB"]
     flops = 6 * 124439808 + 12 * 12 * 12 * 64 * 1024
     printf "%-24s %-22s %12s %12s %14s %8s\n", "row", "shape", "dslua", "torch", "torch.compile", "ratio"
     for (i = 1; i <= n; i++) {
@@ -79,6 +81,12 @@ END {
             ratio = sprintf("%.2fx", (u == "s" || u == "GiB") ? t / d : d / t)
         printf "%-24s %-22s %12s %12s %14s %8s  %s\n", k[1], k[2], d == "" ? "-" : d, t == "" ? "-" : t,
                c == "" ? "" : c, ratio, u
+        if (u == "TB/s" && k[1] != "copy" && copy > 0) {
+            of = ""
+            if (d != "") of = of sprintf(" dslua %.0f%%", 100 * d / copy)
+            if (t != "") of = of sprintf(" torch %.0f%%", 100 * t / copy)
+            printf "%-24s %-22s of the copy rate (%.2f TB/s):%s\n", "", "", copy, of
+        }
         if (k[1] == "gpt2_124M" && gemm > 0) {
             mfu = ""
             if (d != "") mfu = mfu sprintf(" dslua %.1f%%", 100 * d * flops / (gemm * 1e12))

@@ -113,6 +113,30 @@ def train(B, dtype, V, compiled):
           file=sys.stderr)
 
 
+def bandwidth():
+    """bench/gpu.lua's bandwidth rows: bytes moved per second on 2^28 elements."""
+    n = 2**28
+    with torch.no_grad():
+        for dt in ("bf16", "f32"):
+            tdt = torch.bfloat16 if dt == "bf16" else torch.float32
+            es = 2 if dt == "bf16" else 4
+
+            def rate(row, shape, moved, fn):
+                result(row, f"{shape}_{dt}", moved * n * es / time_per_call(fn) / 1e12, "TB/s")
+
+            a, c = torch.randn(n, device=dev, dtype=tdt), torch.randn(n, device=dev, dtype=tdt)
+            rate("bw_add", "256Mi", 3, lambda: a + c)
+            rate("bw_gelu_tanh", "256Mi", 2, lambda: F.gelu(a, approximate="tanh"))
+            del c
+            rows = n // 768
+            x = a[: rows * 768].view(rows, 768)
+            w, b = torch.randn(768, device=dev, dtype=tdt), torch.randn(768, device=dev, dtype=tdt)
+            rate("bw_layer_norm", f"{rows}x768", 2 * rows * 768 / n, lambda: F.layer_norm(x, (768,), w, b))
+            rate("bw_softmax", f"{n // 1024}x1024", 2, lambda: torch.softmax(a.view(n // 1024, 1024), -1))
+            del a, x
+            torch.cuda.empty_cache()
+
+
 def ops():
     torch.set_grad_enabled(True)
     for dt in ("bf16", "f32"):
@@ -155,6 +179,7 @@ def ops():
             result("matmul", f"8192^3_{dt}", 2 * n**3 / sec / 1e12, "TFLOP/s")
         del a, c, m1, m2
         torch.cuda.empty_cache()
+    bandwidth()
     big = torch.randn(2**28, device=dev)
     out = torch.empty_like(big)
     result("copy", "1GiB", 2 * 2**30 / time_per_call(lambda: out.copy_(big)) / 1e12, "TB/s")

@@ -166,12 +166,12 @@ describe('elementwise ops on the GPU #gpu', function()
       return t, u
     end, { randn(dt, 4, 5), randn(dt, 5) }, { grad = false }
   end)
-  -- The float fast path (contiguous f32/bf16/f16, 8 elements a thread
-  -- access, a bias row or one value broadcast) against the strided one.
-  each(FLOATS, 'add, mul, div of contiguous tensors (8 at a time, 8 over)', function(dt)
+  -- The float fast path (contiguous f32/bf16/f16, a chunk of 16 elements
+  -- a thread, a bias row or one value broadcast) against the strided one.
+  each(FLOATS, 'add, mul, div of contiguous tensors (16 at a time, 8 over)', function(dt)
     return function(a, b) return (a + b) * a / (b:abs() + 1) end, { randn(dt, 37, 24), randn(dt, 37, 24) }
   end)
-  each(FLOATS, 'add and sub of contiguous tensors with a tail (n % 8 ~= 0)', function(dt)
+  each(FLOATS, 'add and sub of contiguous tensors with a tail (n % 16 ~= 0)', function(dt)
     return function(a, b) return a + b - a * 0.5 end, { randn(dt, 1001), randn(dt, 1001) }
   end)
   each(FLOATS, 'bias add [N, C] + [C], C a multiple of 8 and not', function(dt)
@@ -185,7 +185,7 @@ describe('elementwise ops on the GPU #gpu', function()
   each(FLOATS, 'gelu (tanh) of long rows, forward and backward', function(dt)
     return function(x) return x:gelu('tanh') end, { randn(dt, 64, 3 * 8 + 40) * 3 }
   end)
-  each(FLOATS, 'tanh and sigmoid backward (8 at a time)', function(dt)
+  each(FLOATS, 'tanh and sigmoid backward (16 at a time)', function(dt)
     return function(x) return x:tanh() + x:sigmoid() end, { randn(dt, 40, 16) }
   end)
   for _, n in ipairs { 4096, 4099 } do
