@@ -53,7 +53,7 @@ static void staging_free(ds_allocator *self, void *ptr, size_t nbytes) {
     ds_cpu_allocator.free(&ds_cpu_allocator, ptr, nbytes);
 }
 
-static ds_allocator staging = { "fake staging", staging_alloc, staging_free };
+static ds_allocator staging = { "fake staging", staging_alloc, staging_free, false };
 
 typedef struct {
     void *dst;

@@ -185,7 +185,7 @@ static void cuda_free(ds_allocator *self, void *ptr, size_t nbytes) {
     block_free(ptr);
 }
 
-ds_allocator ds_cuda_allocator = { "cuda", cuda_alloc, cuda_free };
+ds_allocator ds_cuda_allocator = { "cuda", cuda_alloc, cuda_free, true };
 
 void *ds_cuda_block_alloc(size_t nbytes) { return block_alloc(nbytes); }
 
@@ -278,7 +278,7 @@ static void host_free(ds_allocator *self, void *ptr, size_t nbytes) {
     pthread_mutex_unlock(&H.lock);
 }
 
-ds_allocator ds_cuda_host_allocator = { "cuda_host", host_alloc, host_free };
+ds_allocator ds_cuda_host_allocator = { "cuda_host", host_alloc, host_free, false };
 
 void ds_cuda_alloc_trim(int index) {
     pthread_mutex_lock(&A.lock);

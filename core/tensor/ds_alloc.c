@@ -113,12 +113,16 @@ static void cpu_free(ds_allocator *self, void *ptr, size_t nbytes) {
     free(ptr);
 }
 
-ds_allocator ds_cpu_allocator = { "cpu", cpu_alloc, cpu_free };
+ds_allocator ds_cpu_allocator = { "cpu", cpu_alloc, cpu_free, false };
 
 static void raise_peak(_Atomic int64_t *pk, int64_t v) {
     int64_t old = atomic_load(pk);
     while (v > old && !atomic_compare_exchange_weak(pk, &old, v)) {}
 }
+
+/* Bytes on an accelerator: their garbage costs device memory, not cache
+ * misses and page faults, so the binding may let more of it wait. */
+static _Atomic int64_t device_cur;
 
 static void count(ds_mem_category cat, int64_t delta) {
     int64_t c = atomic_fetch_add(&cur[cat], delta) + delta;
@@ -139,6 +143,7 @@ void *ds_mem_alloc(ds_allocator *a, size_t nbytes, ds_mem_category cat) {
     }
     if (!p) return ds_fail(DS_ERR_NOMEM, "out of memory: %zu bytes on %s", nbytes, a->name);
     count(cat, (int64_t)nbytes);
+    if (a->on_device) atomic_fetch_add(&device_cur, (int64_t)nbytes);
     return p;
 }
 
@@ -146,6 +151,7 @@ void ds_mem_free(ds_allocator *a, void *ptr, size_t nbytes, ds_mem_category cat)
     if (!ptr) return;
     a->free(a, ptr, nbytes);
     count(cat, -(int64_t)nbytes);
+    if (a->on_device) atomic_fetch_sub(&device_cur, (int64_t)nbytes);
 }
 
 void ds_mem_recategorize(size_t nbytes, ds_mem_category from, ds_mem_category to) {
@@ -172,6 +178,8 @@ void ds_mem_reset_peak(void) {
 }
 
 int64_t ds_mem_live_bytes(void) { return atomic_load(&total_cur); }
+
+int64_t ds_mem_device_live_bytes(void) { return atomic_load(&device_cur); }
 
 const char *ds_mem_category_name(ds_mem_category c) { return category_names[c]; }
 

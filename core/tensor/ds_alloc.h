@@ -7,6 +7,7 @@
 #ifndef DS_ALLOC_H
 #define DS_ALLOC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -19,6 +20,7 @@ typedef struct ds_allocator {
     const char *name;
     void *(*alloc)(struct ds_allocator *self, size_t nbytes);
     void (*free)(struct ds_allocator *self, void *ptr, size_t nbytes);
+    bool on_device;        /* an accelerator's memory, counted apart too */
 } ds_allocator;
 
 typedef struct {
@@ -45,6 +47,7 @@ void ds_mem_get_stats(ds_mem_stats *out);
 void ds_mem_empty_cache(void);
 void ds_mem_reset_peak(void);
 int64_t ds_mem_live_bytes(void);
+int64_t ds_mem_device_live_bytes(void);   /* the part of it on accelerators */
 const char *ds_mem_category_name(ds_mem_category c);
 int ds_mem_category_parse(const char *name);   /* -1 if unknown */
 
