@@ -31,11 +31,73 @@ static __global__ void softmax_kernel(ds_kview y, ds_kview x, int64_t rows, int6
     }
 }
 
+/* The float path for contiguous rows of n <= 32 * 8 * W values, n a
+ * multiple of 8 (attention's rows of 1024 scores): a warp per row, the
+ * row read once into registers, 16 bytes a load, and softmax_kernel<float>'s
+ * math over 32 lanes. */
+#define ROW_WARPS 8
+#define ROW_MAX_WORDS 4
+
+/* for (r over [0, rows)), a warp per row, spread over the whole grid */
+#define ROW_WARP_LOOP(r, rows) \
+    for (int64_t r = (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5); r < (int64_t)(rows); \
+         r += (int64_t)gridDim.x * ROW_WARPS)
+
+/* Word w of a lane's part of a row: elements j..j+7, present when j < n. */
+__device__ __forceinline__ int64_t row_word(int w, int lane) { return (int64_t)(w * 32 + lane) * PW_VEC; }
+
+template <int W>
+static __global__ void __launch_bounds__(32 * ROW_WARPS)
+softmax_warp_kernel(ds_kview y, ds_kview x, int64_t rows, int64_t n, int as_log) {
+    int lane = threadIdx.x & 31;
+    ROW_WARP_LOOP(r, rows) {
+        int64_t base = r * n;
+        float v[W][PW_VEC], m = -INFINITY, s = 0;
+#pragma unroll
+        for (int w = 0; w < W; w++) {
+            if (row_word(w, lane) >= n) continue;
+            pw_load8(x.dtype, x.data, base + row_word(w, lane), v[w]);
+            for (int k = 0; k < PW_VEC; k++) m = fmax(m, v[w][k]);
+        }
+        m = pw_warp_reduce(m, pw_max());
+#pragma unroll
+        for (int w = 0; w < W; w++)
+            if (row_word(w, lane) < n)
+                for (int k = 0; k < PW_VEC; k++) s += pw_exp(v[w][k] - m);
+        s = pw_warp_reduce(s, pw_sum());
+        float shift = m + logf(s), inv = 1.0f / s;
+#pragma unroll
+        for (int w = 0; w < W; w++) {
+            if (row_word(w, lane) >= n) continue;
+            for (int k = 0; k < PW_VEC; k++) v[w][k] = as_log ? v[w][k] - shift : pw_exp(v[w][k] - m) * inv;
+            pw_store8(y.dtype, y.data, base + row_word(w, lane), v[w]);
+        }
+    }
+}
+
+/* Words per lane for rows of n on the warp path, or 0 when the views
+ * (given as v[0..k)) or n do not take it. */
+static int row_words(int64_t n, int64_t inner, const ds_kview *const *v, int k) {
+    if (inner != 1 || n % PW_VEC || n > 32 * PW_VEC * ROW_MAX_WORDS) return 0;
+    for (int i = 0; i < k; i++)
+        if (!pw_is_f32ish(v[i]->dtype) || !pw_aligned(v[i]->data)) return 0;
+    return (int)((n + 32 * PW_VEC - 1) / (32 * PW_VEC));
+}
+
+static unsigned row_warp_blocks(int64_t rows) { return ds_cuda_blocks(rows, ROW_WARPS); }
+
 static int cuda_softmax(ds_kview y, ds_kview x, int64_t outer, int64_t n, int64_t inner, int as_log) {
     int64_t rows = outer * inner;
     if (rows == 0 || n == 0) return 0;
     const ds_kview *v[2] = { &y, &x };
     int th = pw_row_threads(n);
+    if (int w = row_words(n, inner, v, 2)) {
+        static void (*const kernel[ROW_MAX_WORDS])(ds_kview, ds_kview, int64_t, int64_t, int) = {
+            softmax_warp_kernel<1>, softmax_warp_kernel<2>, softmax_warp_kernel<3>, softmax_warp_kernel<4>,
+        };
+        kernel[w - 1]<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(y, x, rows, n, as_log);
+        return ds_cuda_launched("softmax_warp_kernel");
+    }
     if (pw_any_f64(v, 2))
         softmax_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, x, rows, n, inner, as_log);
     else
@@ -63,12 +125,46 @@ static __global__ void softmax_backward_kernel(ds_kview dx, ds_kview g, ds_kview
     }
 }
 
+/* The same rows as softmax_warp_kernel, g and y read once into registers. */
+template <int W>
+static __global__ void __launch_bounds__(32 * ROW_WARPS)
+softmax_backward_warp_kernel(ds_kview dx, ds_kview g, ds_kview y, int64_t rows, int64_t n, int as_log) {
+    int lane = threadIdx.x & 31;
+    ROW_WARP_LOOP(r, rows) {
+        int64_t base = r * n;
+        float gv[W][PW_VEC], yv[W][PW_VEC], s = 0;
+#pragma unroll
+        for (int w = 0; w < W; w++) {
+            if (row_word(w, lane) >= n) continue;
+            pw_load8(g.dtype, g.data, base + row_word(w, lane), gv[w]);
+            pw_load8(y.dtype, y.data, base + row_word(w, lane), yv[w]);
+            for (int k = 0; k < PW_VEC; k++) s += as_log ? gv[w][k] : gv[w][k] * yv[w][k];
+        }
+        s = pw_warp_reduce(s, pw_sum());
+#pragma unroll
+        for (int w = 0; w < W; w++) {
+            if (row_word(w, lane) >= n) continue;
+            for (int k = 0; k < PW_VEC; k++)
+                gv[w][k] = as_log ? gv[w][k] - pw_exp(yv[w][k]) * s : yv[w][k] * (gv[w][k] - s);
+            pw_store8(dx.dtype, dx.data, base + row_word(w, lane), gv[w]);
+        }
+    }
+}
+
 static int cuda_softmax_backward(ds_kview dx, ds_kview g, ds_kview y, int64_t outer, int64_t n, int64_t inner,
                                  int as_log) {
     int64_t rows = outer * inner;
     if (rows == 0 || n == 0) return 0;
     const ds_kview *v[3] = { &dx, &g, &y };
     int th = pw_row_threads(n);
+    if (int w = row_words(n, inner, v, 3)) {
+        static void (*const kernel[ROW_MAX_WORDS])(ds_kview, ds_kview, ds_kview, int64_t, int64_t, int) = {
+            softmax_backward_warp_kernel<1>, softmax_backward_warp_kernel<2>, softmax_backward_warp_kernel<3>,
+            softmax_backward_warp_kernel<4>,
+        };
+        kernel[w - 1]<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(dx, g, y, rows, n, as_log);
+        return ds_cuda_launched("softmax_backward_warp_kernel");
+    }
     if (pw_any_f64(v, 3))
         softmax_backward_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(dx, g, y, rows, n, inner,
                                                                                       as_log);
@@ -286,8 +382,6 @@ static __global__ void norm_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_
 /* The f32 path for rows of a multiple of 8 values: a warp per row, 8
  * values a load, the same math as norm_kernel<float> over 32 lanes. Rows
  * of GPT-2 (768) are 3 loads a lane, with no block-wide barriers. */
-#define NORM_WARPS 8
-
 __device__ __forceinline__ void norm_load8(const ds_kview &v, int64_t i, float *x, float absent) {
     if (v.data) pw_load8(v.dtype, v.data, i, x);
     else for (int k = 0; k < PW_VEC; k++) x[k] = absent;
@@ -296,8 +390,7 @@ __device__ __forceinline__ void norm_load8(const ds_kview &v, int64_t i, float *
 static __global__ void norm_warp_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
                                         int64_t rows, int64_t n, float eps, bool centered) {
     int lane = threadIdx.x & 31;
-    for (int64_t r = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5); r < rows;
-         r += (int64_t)gridDim.x * NORM_WARPS) {
+    ROW_WARP_LOOP(r, rows) {
         int64_t base = r * n;
         float m = 0, v = 0, xv[PW_VEC], wv[PW_VEC], bv[PW_VEC];
         if (centered) {
@@ -342,7 +435,7 @@ static int norm_forward(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds
     int th = pw_row_threads(n);
     bool centered = mean.data != NULL;
     if (norm_vec(n, v, 6)) {
-        norm_warp_kernel<<<ds_cuda_blocks(rows, NORM_WARPS), 32 * NORM_WARPS, 0, ds_cuda_stream()>>>(
+        norm_warp_kernel<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(
             y, mean, rstd, x, w, b, rows, n, (float)eps, centered);
         return ds_cuda_launched("norm_warp_kernel");
     }
@@ -382,8 +475,7 @@ static __global__ void norm_backward_kernel(ds_kview dx, ds_kview g, ds_kview x,
 static __global__ void norm_backward_warp_kernel(ds_kview dx, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
                                                  ds_kview rstd, int64_t rows, int64_t n) {
     int lane = threadIdx.x & 31;
-    for (int64_t r = (int64_t)blockIdx.x * NORM_WARPS + (threadIdx.x >> 5); r < rows;
-         r += (int64_t)gridDim.x * NORM_WARPS) {
+    ROW_WARP_LOOP(r, rows) {
         int64_t base = r * n;
         float m = mean.data ? pw_loadf(mean.dtype, mean.data, r) : 0.0f, rs = pw_loadf(rstd.dtype, rstd.data, r);
         float a = 0, c = 0, gv[PW_VEC], xv[PW_VEC], wv[PW_VEC];
@@ -547,7 +639,7 @@ static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_k
     const ds_kview *v[6] = { &dx, &g, &x, &mean, &rstd, &w };
     bool f64 = pw_any_f64(v, 5), vec = norm_vec(n, v, 6);
     if (rows > 0 && vec) {
-        norm_backward_warp_kernel<<<ds_cuda_blocks(rows, NORM_WARPS), 32 * NORM_WARPS, 0, ds_cuda_stream()>>>(
+        norm_backward_warp_kernel<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(
             dx, g, x, w, mean, rstd, rows, n);
         if (ds_cuda_launched("norm_backward_warp_kernel")) return -1;
     } else if (rows > 0) {

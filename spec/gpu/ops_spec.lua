@@ -520,12 +520,20 @@ describe('nn row ops on the GPU #gpu', function()
   if skip then pending('skipped: no CUDA device') return end
 
   for _, op in ipairs { 'softmax', 'log_softmax' } do
+    -- rows of 64, 768 and 1024 take the warp path (a row in registers)
     for _, c in ipairs { { 'the last dim', -1, { 5, 33 } }, { 'a middle dim', 2, { 3, 7, 4 } },
-                         { 'long rows', 2, { 3, 5000 } } } do
+                         { 'long rows', 2, { 3, 5000 } }, { 'rows of 64', -1, { 6, 64 } },
+                         { 'rows of 768', -1, { 4, 768 } }, { 'rows of 1024', -1, { 2, 3, 1024 } } } do
       each(FLOATS, op .. ' over ' .. c[1], function(dt)
         return function(x) return x[op](x, c[2]) end, { randn(dt, unpack(c[3])) }
       end)
     end
+    -- causal attention's scores: -inf above the diagonal
+    each(FLOATS, op .. ' of masked rows of 1024', function(dt)
+      local hidden = ds.arange(0, 1024):view(1, 1024):gt(ds.arange(0, 4):view(4, 1) * 300)
+      local mask = ds.where(hidden, ds.zeros({ 4, 1024 }) - math.huge, 0):to(dt)
+      return function(x, m) return (x + m)[op](x + m, -1) end, { randn(dt, 4, 1024), mask }, { const = { false, true } }
+    end)
   end
   for _, opts in ipairs {
     {}, { reduction = 'sum' }, { reduction = 'none' }, { label_smoothing = 0.2 },
