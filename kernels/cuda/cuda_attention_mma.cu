@@ -208,6 +208,16 @@ __device__ __forceinline__ bool visible(int64_t row, int64_t col, const mma_geom
     return col < g.Tk && !(g.causal && col > row);
 }
 
+/* Whether every score of the 64 rows from i0 against the 64 keys from j0
+ * takes part and every row is a real query: then a tile needs no mask
+ * (under a causal mask of T = 1024, 120 of its 136 tiles). The mask costs
+ * several 64-bit compares and selects per score, instructions of the
+ * order of the tile's mma, so only the tiles on the diagonal and at the
+ * edges pay for it. */
+__device__ __forceinline__ bool tile_unmasked(int64_t i0, int64_t j0, const mma_geom &g) {
+    return i0 + MMA_ROWS <= g.Tq && j0 + MMA_ROWS <= g.Tk && !(g.causal && j0 + MMA_ROWS - 1 > i0);
+}
+
 /* Block t's (batch, head, 64-row block): heads vary fastest; with `heavy_last`
  * the last blocks (under a causal mask, the ones with the most work) go first. */
 __device__ __forceinline__ void block_task(const mma_geom &g, int64_t nblocks, bool heavy_last, int64_t *b,
@@ -219,6 +229,21 @@ __device__ __forceinline__ void block_task(const mma_geom &g, int64_t nblocks, b
 }
 
 /* ---- forward ---- */
+
+/* A warp's scores of rows r0, r1 against keys from j0, into base 2; with
+ * MASKED, the ones visible() hides become -inf. */
+template <bool MASKED>
+__device__ __forceinline__ void scale_scores(float s[8][4], int64_t r0, int64_t r1, int64_t j0, const mma_geom &g) {
+    int l = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        int64_t c = j0 + n * 8 + 2 * (l % 4);
+        s[n][0] = !MASKED || visible(r0, c, g) ? s[n][0] * g.scale_log2 : -INFINITY;
+        s[n][1] = !MASKED || visible(r0, c + 1, g) ? s[n][1] * g.scale_log2 : -INFINITY;
+        s[n][2] = !MASKED || visible(r1, c, g) ? s[n][2] * g.scale_log2 : -INFINITY;
+        s[n][3] = !MASKED || visible(r1, c + 1, g) ? s[n][3] * g.scale_log2 : -INFINITY;
+    }
+}
 
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
@@ -241,14 +266,11 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
         T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
         float s[8][4];
         rows_times_tile<T, D>(s, qs, warp * 16, ks);
+        if (tile_unmasked(i0, j0, g)) scale_scores<false>(s, r0, r1, j0, g);
+        else scale_scores<true>(s, r0, r1, j0, g);
         float bm0 = -INFINITY, bm1 = -INFINITY;
 #pragma unroll
         for (int n = 0; n < 8; n++) {
-            int64_t c = j0 + n * 8 + 2 * (l % 4);
-            s[n][0] = visible(r0, c, g) ? s[n][0] * g.scale_log2 : -INFINITY;
-            s[n][1] = visible(r0, c + 1, g) ? s[n][1] * g.scale_log2 : -INFINITY;
-            s[n][2] = visible(r1, c, g) ? s[n][2] * g.scale_log2 : -INFINITY;
-            s[n][3] = visible(r1, c + 1, g) ? s[n][3] * g.scale_log2 : -INFINITY;
             bm0 = fmaxf(bm0, fmaxf(s[n][0], s[n][1]));
             bm1 = fmaxf(bm1, fmaxf(s[n][2], s[n][3]));
         }
@@ -305,6 +327,27 @@ __global__ void mma_delta_kernel(float *delta, ds_kview dout, ds_kview out, mma_
     if (l == 0) delta[row] = s;
 }
 
+/* dS = P (dP - delta) into s, P = exp2(s scale - lse), for a warp's rows
+ * r0, r1 against keys from j0; rows = { lse0, lse1, delta0, delta1 } (lse
+ * in base 2). With MASKED, P is 0 where visible() hides a score or the row
+ * is past the queries. */
+template <bool MASKED>
+__device__ __forceinline__ void dq_scores(float s[8][4], const float dp[8][4], int64_t r0, int64_t r1, int64_t j0,
+                                          const float rows[4], const mma_geom &g) {
+    int l = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        int64_t c = j0 + n * 8 + 2 * (l % 4);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int64_t row = e < 2 ? r0 : r1, col = c + (e & 1);
+            float p = !MASKED || (row < g.Tq && visible(row, col, g))
+                      ? exp2f(s[n][e] * g.scale_log2 - rows[e / 2]) : 0.f;
+            s[n][e] = p * (dp[n][e] - rows[2 + e / 2]);
+        }
+    }
+}
+
 /* dQ for a block of 64 query rows: over the key tiles it sees,
  * dS = P (dO V^T - delta), dQ += dS K; times scale at the end. */
 template <typename T, int D>
@@ -335,21 +378,36 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds
         float s[8][4], dp[8][4];
         rows_times_tile<T, D>(s, qs, warp * 16, ks);
         rows_times_tile<T, D>(dp, gs, warp * 16, vs);
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            int64_t c = j0 + n * 8 + 2 * (l % 4);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int64_t row = e < 2 ? r0 : r1, col = c + (e & 1);
-                float p = row < g.Tq && visible(row, col, g) ? exp2f(s[n][e] * g.scale_log2 - (e < 2 ? lse0 : lse1))
-                                                              : 0.f;
-                s[n][e] = p * (dp[n][e] - (e < 2 ? d0 : d1));
-            }
-        }
+        float rows[4] = { lse0, lse1, d0, d1 };
+        if (tile_unmasked(i0, j0, g)) dq_scores<false>(s, dp, r0, r1, j0, rows, g);
+        else dq_scores<true>(s, dp, r0, r1, j0, rows, g);
         probs_times_tile<T, D>(acc, s, ks);
         __syncthreads();
     }
     store_rows<T, D>(dq, b, h, i0 + warp * 16, g.Tq, acc, g.scale, g.scale);
+}
+
+/* The transposed frame's P^T into p and dS^T into ds for a warp's keys
+ * key0, key1 against the queries from i0 (lrow, drow: their lse in base 2
+ * and delta). With MASKED, P is 0 where visible() hides a score or the
+ * key or the query is past the end. */
+template <bool MASKED>
+__device__ __forceinline__ void dkdv_scores(float p[8][4], float ds[8][4], int64_t key0, int64_t key1, int64_t i0,
+                                            const float *lrow, const float *drow, const mma_geom &g) {
+    int l = threadIdx.x % 32;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        int c = n * 8 + 2 * (l % 4);
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+            int qi = c + (e & 1);
+            int64_t key = e < 2 ? key0 : key1, row = i0 + qi;
+            float pr = !MASKED || (row < g.Tq && key < g.Tk && visible(row, key, g))
+                       ? exp2f(p[n][e] * g.scale_log2 - lrow[qi]) : 0.f;
+            p[n][e] = pr;
+            ds[n][e] = pr * (ds[n][e] - drow[qi]);
+        }
+    }
 }
 
 /* dK and dV for a block of 64 keys: over the query tiles that see them,
@@ -399,19 +457,8 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
         float p[8][4], ds[8][4];
         rows_times_tile<T, D>(p, ks, warp * 16, qs);
         rows_times_tile<T, D>(ds, vs, warp * 16, gs);
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            int c = n * 8 + 2 * (l % 4);
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int qi = c + (e & 1);
-                int64_t key = e < 2 ? key0 : key1, row = i0 + qi;
-                float pr = row < g.Tq && key < g.Tk && visible(row, key, g) ? exp2f(p[n][e] * g.scale_log2 - lrow[qi])
-                                                                           : 0.f;
-                p[n][e] = pr;
-                ds[n][e] = pr * (ds[n][e] - drow[qi]);
-            }
-        }
+        if (tile_unmasked(i0, j0, g)) dkdv_scores<false>(p, ds, key0, key1, i0, lrow, drow, g);
+        else dkdv_scores<true>(p, ds, key0, key1, i0, lrow, drow, g);
         probs_times_tile<T, D>(dva, p, gs);
         probs_times_tile<T, D>(dka, ds, qs);
         __syncthreads();

@@ -619,6 +619,10 @@ describe('attention on the GPU #gpu', function()
     { 'head dim 64, many tiles', 1, 2, 200, 200, 64, 64, { causal = true } },
     { 'head dim 64, cross attention', 1, 2, 70, 130, 64, 64, { causal = false, scale = 0.2 } },
     { 'head dim 128, many tiles', 1, 1, 130, 130, 128, 128, { causal = false } },
+    -- whole 64-row tiles: the ones below the diagonal take no mask
+    { 'head dim 64, causal, whole tiles', 1, 2, 256, 256, 64, 64, { causal = true } },
+    { 'head dim 128, causal, whole tiles', 1, 1, 192, 192, 128, 128, { causal = true } },
+    { 'head dim 64, cross attention, whole tiles', 1, 2, 128, 192, 64, 64, { causal = false } },
     { 'one query', 1, 1, 1, 1, 8, 8, { causal = true } },
   }
   local function sdpa_case(dtypes, label, c, opts)
