@@ -180,22 +180,26 @@ typedef struct ds_kernels_conv {
 /* Fused optimizer steps over flat buffers: p, g and every state buffer are
  * contiguous 1-D f32 views of one length. One call updates a whole
  * parameter group. Step-dependent factors come precomputed (ds_optim.h
- * has the per-element math and says which library each one follows). */
-typedef struct { double lr, weight_decay, momentum, dampening; int nesterov, first; } ds_sgd_params;
+ * has the per-element math and says which library each one follows).
+ * grad_scale (sgd, adam, adagrad, lion): each gradient is taken times it,
+ * the product rounded to f32 as a separate scaling pass would round it
+ * (1: as it is), so a clip or mean factor costs no pass of its own. */
+typedef struct { double lr, weight_decay, momentum, dampening, grad_scale; int nesterov, first; } ds_sgd_params;
 typedef struct {
-    double beta1, beta2, eps, weight_decay;
+    double beta1, beta2, eps, weight_decay, grad_scale;
     double decay;         /* 1 - lr wd, the decoupled (AdamW) factor */
     double step_size;     /* lr / (1 - beta1^t), or lr without bias correction */
     double sqrt_bc2;      /* sqrt(1 - beta2^t), or 1 */
     int decoupled;
 } ds_adam_params;
-typedef struct { double clr, eps, weight_decay; } ds_adagrad_params;   /* clr: the decayed lr */
+typedef struct { double clr, eps, weight_decay, grad_scale; } ds_adagrad_params;   /* clr: the decayed lr */
 typedef struct {
     double step_size;     /* lr sqrt(1 - beta2^t) / (1 - beta1^t), or lr */
-    double beta1, beta2, eps, weight_decay, grad_scale;
+    double beta1, beta2, eps, weight_decay;
+    double grad_scale;    /* FusedLamb's: the gradients are divided by it */
     int eps_inside_sqrt;
 } ds_lamb_params;
-typedef struct { double lr, beta1, beta2, decay; } ds_lion_params;   /* decay: 1 - lr wd */
+typedef struct { double lr, beta1, beta2, decay, grad_scale; } ds_lion_params;   /* decay: 1 - lr wd */
 /* The 1-bit optimizers' pointwise steps (core/train/ds_onebit.h; the
  * per-element math is ds_onebit_elem in ds_optim.h). */
 typedef enum {

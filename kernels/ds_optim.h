@@ -1,7 +1,8 @@
-/* Per-element optimizer updates, shared by the CPU and (later) CUDA
- * kernels. Everything is f32 in registers, as in DeepSpeed's fused
- * kernels; factors that depend only on the step (bias corrections, decayed
- * learning rates) are computed once per step by the caller. */
+/* Per-element optimizer updates, shared by the CPU and CUDA kernels.
+ * Everything is f32 in registers, as in DeepSpeed's fused kernels; factors
+ * that depend only on the step (bias corrections, decayed learning rates)
+ * are computed once per step by the caller, and a gradient g arrives
+ * already times the step's grad_scale (Lamb's moments excepted). */
 #ifndef DS_OPTIM_ELEM_H
 #define DS_OPTIM_ELEM_H
 

@@ -262,7 +262,7 @@ static int sim_sum(double *values, int n, void *ud) {
 
 static void *sim_step(void *arg) {
     sim_rank *r = arg;
-    r->rc = ds_optim_step_shared(r->o, 0, &r->h, sim_sum, r);
+    r->rc = ds_optim_step_shared(r->o, 0, &r->h, 1, sim_sum, r);
     if (r->rc) snprintf(r->err, sizeof r->err, "%s", ds_error_message());
     return NULL;
 }
@@ -384,7 +384,7 @@ static void test_lamb_errors(void) {
     /* a failed sum fails the step, names its cause, and counts no step */
     int got = -1;
     for (int64_t i = 0; i < n; i++) ds_tensor_set(p->grad, i, 1);
-    check_error(ds_optim_step_shared(o, 0, &h, failing_sum, &got) != 0, "comm: all_reduce timed out");
+    check_error(ds_optim_step_shared(o, 0, &h, 1, failing_sum, &got) != 0, "comm: all_reduce timed out");
     check(got == 6 && o->groups[0].step == 0, "the sum got %d values (want 6); step %lld", got,
           (long long)o->groups[0].step);
     ds_optim_free(o);
@@ -395,7 +395,7 @@ static void test_lamb_errors(void) {
     ds_optim *adam = ds_optim_new(DS_OPTIM_ADAM);
     ds_optim_hparams ha = adam_hparams();
     got = -1;
-    check(ds_optim_add_group(adam, 1, &q, &ha) == 0 && ds_optim_step_shared(adam, 0, &ha, failing_sum, &got) == 0 &&
+    check(ds_optim_add_group(adam, 1, &q, &ha) == 0 && ds_optim_step_shared(adam, 0, &ha, 1, failing_sum, &got) == 0 &&
           got == -1, "adam step_shared: %s", ds_error_message());
     ds_optim_free(adam);
     ds_tensor_release(q);

@@ -334,12 +334,14 @@ static int check_flat(ds_optim_kind kind, const char *what, const ds_tensor *t, 
 }
 
 int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, bool first, ds_tensor *p,
-                   ds_tensor *g, ds_tensor *s0, ds_tensor *s1) {
+                   ds_tensor *g, ds_tensor *s0, ds_tensor *s1, double grad_scale) {
     const char *name = kinds[kind].name;
     if (kind == DS_OPTIM_LAMB)
         return ds_fail(DS_ERR_ARG, "optim.Lamb: apply: Lamb's trust ratio needs whole parameters, so it cannot "
                        "step a flat piece (use the Lamb optimizer)"), -1;
     if (t < 1) return ds_fail(DS_ERR_ARG, "optim.%s: apply: step must be >= 1, got %lld", name, (long long)t), -1;
+    if (!isfinite(grad_scale))
+        return ds_fail(DS_ERR_ARG, "optim.%s: apply: grad_scale must be finite, got %g", name, grad_scale), -1;
     if (ds_optim_check_hparams(kind, h, -1)) return -1;
     bool with_momentum = kind != DS_OPTIM_SGD || h->momentum != 0;
     int n_state = with_momentum ? kinds[kind].n_state : 0;
@@ -356,25 +358,27 @@ int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, boo
     int rc = 0;
     switch (kind) {
     case DS_OPTIM_SGD: {
-        ds_sgd_params sp = { h->lr, h->weight_decay, h->momentum, h->dampening, h->nesterov,
-                             with_momentum && first };
+        ds_sgd_params sp = { .lr = h->lr, .weight_decay = h->weight_decay, .momentum = h->momentum,
+                             .dampening = h->dampening, .grad_scale = grad_scale, .nesterov = h->nesterov,
+                             .first = with_momentum && first };
         rc = k->sgd(pv, gv, v0, &sp);
         break;
     }
     case DS_OPTIM_ADAM:
     case DS_OPTIM_ADAMW: {
-        ds_adam_params ap = { h->beta1, h->beta2, h->eps, h->weight_decay, 1 - h->lr * h->weight_decay,
-                              h->lr / bc1, sqrt(bc2), kind == DS_OPTIM_ADAMW };
+        ds_adam_params ap = { .beta1 = h->beta1, .beta2 = h->beta2, .eps = h->eps, .weight_decay = h->weight_decay,
+                              .grad_scale = grad_scale, .decay = 1 - h->lr * h->weight_decay,
+                              .step_size = h->lr / bc1, .sqrt_bc2 = sqrt(bc2), .decoupled = kind == DS_OPTIM_ADAMW };
         rc = k->adam(pv, gv, v0, v1, &ap);
         break;
     }
     case DS_OPTIM_ADAGRAD: {
-        ds_adagrad_params ap = { h->lr / (1 + (double)(t - 1) * h->lr_decay), h->eps, h->weight_decay };
+        ds_adagrad_params ap = { h->lr / (1 + (double)(t - 1) * h->lr_decay), h->eps, h->weight_decay, grad_scale };
         rc = k->adagrad(pv, gv, v0, &ap);
         break;
     }
     case DS_OPTIM_LION: {
-        ds_lion_params lp = { h->lr, h->beta1, h->beta2, 1 - h->lr * h->weight_decay };
+        ds_lion_params lp = { h->lr, h->beta1, h->beta2, 1 - h->lr * h->weight_decay, grad_scale };
         rc = k->lion(pv, gv, v0, &lp);
         break;
     }
@@ -422,11 +426,18 @@ static int lamb_step(ds_optim_group *gr, const ds_optim_hparams *h, int64_t t, d
     return rc;
 }
 
-int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) { return ds_optim_step_shared(o, g, h, NULL, NULL); }
+int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) {
+    return ds_optim_step_shared(o, g, h, 1, NULL, NULL);
+}
 
-int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, ds_optim_sum_fn sum, void *ud) {
+int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, double grad_scale, ds_optim_sum_fn sum,
+                         void *ud) {
     ds_optim_group *gr = &o->groups[g];
     if (ds_optim_check_hparams(o->kind, h, g)) return -1;
+    /* FusedLamb's grad_scale divides; a factor would need a pass of its own */
+    if (o->kind == DS_OPTIM_LAMB && grad_scale != 1)
+        return ds_fail(DS_ERR_ARG, "optim.Lamb: group %d: the gradients cannot be scaled inside Lamb's step "
+                       "(grad_scale %g); scale them first", g + 1, grad_scale), -1;
     for (int i = 0; i < gr->n_params; i++)
         if (sync_param(o, g, i)) return -1;
     if (o->kind == DS_OPTIM_SGD && h->momentum != 0 && !gr->state[0] && alloc_state(o, gr, h)) return -1;
@@ -434,7 +445,7 @@ int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, ds_optim
     int rc = o->kind == DS_OPTIM_LAMB
         ? lamb_step(gr, h, t, sum, ud)
         : ds_optim_apply(o->kind, h, t, !gr->momentum_started, gr->flat_params, gr->flat_grads, gr->state[0],
-                         gr->state[1]);
+                         gr->state[1], grad_scale);
     if (rc) return -1;
     gr->momentum_started |= o->kind == DS_OPTIM_SGD && h->momentum != 0;
     gr->step = t;

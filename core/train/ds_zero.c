@@ -57,6 +57,12 @@ static int scale_(ds_tensor *t, double f) {
     return rc;
 }
 
+static int scale_all(int n, ds_tensor *const *t, double f) {
+    for (int i = 0; i < n && f != 1; i++)
+        if (scale_(t[i], f)) return -1;
+    return 0;
+}
+
 int ds_zero_copy_elements(ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at, int64_t n) {
     if (n <= 0) return 0;
     ds_tensor *d = ds_zero_elements(dst, lo, n), *s = ds_zero_elements(src, at, n);
@@ -521,8 +527,7 @@ int ds_zero_scale_grads(ds_zero *z, double f) {
     if (f == 1) return 0;
     /* reductions still in flight belong to what is scaled */
     if (drain(z)) return -1;
-    for (int g = 0; z->c.masters && g < z->n_groups; g++)
-        if (scale_(z->master_grads[g], f)) return -1;
+    if (z->c.masters && scale_all(z->n_groups, z->master_grads, f)) return -1;
     for (int i = 0; i < z->n; i++) {
         ds_tensor *g = z->p[i].param->grad;
         if (g && scale_(g, f)) return -1;
@@ -642,12 +647,21 @@ int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud) {
     return 0;
 }
 
-static int optimizer_step(ds_zero *z, const ds_optim_hparams *h) {
+/* Whether the optimizer's kernels can take the gradients' factor in their
+ * own pass: not a step function's (it reads the gradients itself) nor
+ * Lamb's (FusedLamb's grad_scale divides, in numerics of its own). */
+static bool scales_in_step(const ds_zero *z) { return !z->step_fn && z->optim->kind != DS_OPTIM_LAMB; }
+
+/* The optimizer's step on the n gradient buffers times f: in its kernels'
+ * pass where they can take it, else by scaling the buffers first. */
+static int optimizer_step(ds_zero *z, const ds_optim_hparams *h, int n, ds_tensor *const *grads, double f) {
+    bool folded = scales_in_step(z);
+    if (!folded && scale_all(n, grads, f)) return -1;
     if (z->step_fn) return z->step_fn(z->step_ud, h);
     for (int g = 0; g < z->optim->n_groups; g++) {
         if (ds_optim_check_hparams(z->optim->kind, &h[g], g)) return -1;
         bool shared = z->parts > 1 && z->world > 1;
-        if (ds_optim_step_shared(z->optim, g, &h[g], shared ? sum_over_ranks : NULL, z)) return -1;
+        if (ds_optim_step_shared(z->optim, g, &h[g], folded ? f : 1, shared ? sum_over_ranks : NULL, z)) return -1;
     }
     return 0;
 }
@@ -732,15 +746,17 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
         /* plain data parallel: the reduced gradients are the same on every
          * rank, so clipping needs no agreement (torch's clip_grad_norm_)
          * but over a pipeline's stages */
+        int n = z->optim->n_groups;
+        ds_tensor *grads[n];
+        for (int g = 0; g < n; g++) grads[g] = z->optim->groups[g].flat_grads;
+        double coef = 1;
         if (clip > 0) {
-            ds_tensor *grads[z->optim->n_groups];
-            for (int g = 0; g < z->optim->n_groups; g++) grads[g] = z->optim->groups[g].flat_grads;
-            rc = grad_stats(z, z->optim->n_groups, grads, false, &sq, &bad);
-            double total = sqrt(sq), coef = clip / (total + 1e-6);
-            for (int g = 0; g < z->optim->n_groups && rc == 0 && coef < 1; g++) rc = scale_(grads[g], coef);
+            rc = grad_stats(z, n, grads, false, &sq, &bad);
+            double total = sqrt(sq), c = clip / (total + 1e-6);
+            if (c < 1) coef = c;
             out->grad_norm = total;
         }
-        if (rc == 0) rc = optimizer_step(z, h);
+        if (rc == 0) rc = optimizer_step(z, h, n, grads, coef);
         if (rc == 0) rc = zero_grads(z);
         ds_set_grad_enabled(prev);
         return rc;
@@ -759,10 +775,12 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
             if (c > 1) combined = c * loss_scale;
         }
         double f = 1 / (n * combined);
-        for (int g = 0; g < z->n_groups && rc == 0 && f != 1; g++) rc = scale_(z->master_grads[g], f);
         out->grad_norm = norm / loss_scale;
-        if (rc == 0 && z->optim) {
-            rc = optimizer_step(z, h);
+        if (!z->optim) {
+            /* streamed: its optimizer reads the master gradients next */
+            rc = scale_all(z->n_groups, z->master_grads, f);
+        } else {
+            rc = optimizer_step(z, h, z->n_groups, z->master_grads, f);
             if (rc == 0) rc = refresh(z, z->masters);
             if (rc == 0) rc = zero_grads(z);
         }
