@@ -211,10 +211,14 @@ typedef enum {
 typedef struct { double beta1, eps, lr, weight_decay, lrs; } ds_onebit_params;
 
 typedef struct ds_kernels_optim {
-    /* buf.data is NULL when momentum is 0; first starts the buffer */
-    int (*sgd)(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h);
-    int (*adam)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h);
-    int (*adagrad)(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h);
+    /* shadow (sgd, adam, adagrad, lion): data NULL, or a contiguous bf16
+     * or f16 view of p's length that gets each updated p[i] in the same
+     * pass, rounded as copy rounds it (mixed precision's 16-bit parameters
+     * without a pass of their own). buf.data is NULL when momentum is 0;
+     * first starts the buffer. */
+    int (*sgd)(ds_kview p, ds_kview g, ds_kview buf, ds_kview shadow, const ds_sgd_params *h);
+    int (*adam)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview shadow, const ds_adam_params *h);
+    int (*adagrad)(ds_kview p, ds_kview g, ds_kview sum, ds_kview shadow, const ds_adagrad_params *h);
     /* Lamb in two calls, so that the norms can be summed over ranks in
      * between. Piece k is elements [seg[k], seg[k+1]) (seg: nseg + 1
      * offsets from 0 to the length, host memory; a piece may be empty).
@@ -226,7 +230,7 @@ typedef struct ds_kernels_optim {
                       double *u_sq, const ds_lamb_params *h);
     int (*lamb_apply)(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg, int nseg, const double *coeff,
                       const ds_lamb_params *h);
-    int (*lion)(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h);
+    int (*lion)(ds_kview p, ds_kview g, ds_kview m, ds_kview shadow, const ds_lion_params *h);
     /* 1-bit compression: bits (u8, x's length / 8; the length a multiple
      * of 8) get x's signs, element i in bit i % 8 of byte i / 8, set when
      * x >= 0 (as torch's sign() + 1 is true), and err = x - scale sign(x).

@@ -150,7 +150,7 @@ static int l_optim_apply(lua_State *L) {
     bool first = lua_isnoneornil(L, 7) ? t == 1 : lua_toboolean(L, 7);
     double grad_scale = luaL_optnumber(L, 8, 1);
     ds_optim_hparams h = read_hparams(L, 2, k, -1);
-    if (ds_optim_apply(k, &h, (int64_t)t, first, p, g, s[0], s[1], grad_scale)) return dsL_error(L);
+    if (ds_optim_apply(k, &h, (int64_t)t, first, p, g, s[0], s[1], grad_scale, NULL)) return dsL_error(L);
     return 0;
 }
 

@@ -647,21 +647,35 @@ int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud) {
     return 0;
 }
 
-/* Whether the optimizer's kernels can take the gradients' factor in their
- * own pass: not a step function's (it reads the gradients itself) nor
- * Lamb's (FusedLamb's grad_scale divides, in numerics of its own). */
-static bool scales_in_step(const ds_zero *z) { return !z->step_fn && z->optim->kind != DS_OPTIM_LAMB; }
+/* Whether the optimizer's kernels do more in their own pass (the
+ * gradients' factor, the 16-bit parameters): not a step function's (it
+ * reads the gradients itself) nor Lamb's (its grad_scale divides, in
+ * numerics of its own, and its update takes two passes). */
+static bool fused_step(const ds_zero *z) { return !z->step_fn && z->optim->kind != DS_OPTIM_LAMB; }
+
+/* Group g's 16-bit parameters where the optimizer's pass writes them along
+ * with the master (refresh leaves them then), else NULL: back to back in
+ * flat_params, bf16 or f16, on the masters' device. flat_params[g] holds
+ * group_len[g] elements, the master's length (make_masters pads only an
+ * empty group's master, and that group has no flat_params). */
+static ds_tensor *written_by_step(const ds_zero *z, int g) {
+    ds_tensor *t = z->flat_params ? z->flat_params[g] : NULL;
+    if (!t || !fused_step(z) || (t->dtype != DS_BF16 && t->dtype != DS_F16)) return NULL;
+    return ds_device_equal(ds_tensor_device(t), ds_tensor_device(z->masters[g])) ? t : NULL;
+}
 
 /* The optimizer's step on the n gradient buffers times f: in its kernels'
  * pass where they can take it, else by scaling the buffers first. */
 static int optimizer_step(ds_zero *z, const ds_optim_hparams *h, int n, ds_tensor *const *grads, double f) {
-    bool folded = scales_in_step(z);
-    if (!folded && scale_all(n, grads, f)) return -1;
+    bool fused = fused_step(z);
+    if (!fused && scale_all(n, grads, f)) return -1;
     if (z->step_fn) return z->step_fn(z->step_ud, h);
     for (int g = 0; g < z->optim->n_groups; g++) {
         if (ds_optim_check_hparams(z->optim->kind, &h[g], g)) return -1;
         bool shared = z->parts > 1 && z->world > 1;
-        if (ds_optim_step_shared(z->optim, g, &h[g], folded ? f : 1, shared ? sum_over_ranks : NULL, z)) return -1;
+        if (ds_optim_step_shared(z->optim, g, &h[g], fused ? f : 1, written_by_step(z, g),
+                                 shared ? sum_over_ranks : NULL, z))
+            return -1;
     }
     return 0;
 }
@@ -677,14 +691,17 @@ static int zero_grads(ds_zero *z) {
     return 0;
 }
 
-/* Parameters from masters: stage 0 copies (casting); otherwise each
- * bucket's updated shards are all-gathered (one rank: a copy) into the
- * parameters kept whole, and stage 3's own shards are refreshed. */
-static int refresh(ds_zero *z, ds_tensor *const *masters) {
+/* Parameters from masters: stage 0 copies (casting), but for the groups
+ * the optimizer's pass has written when stepped; otherwise each bucket's
+ * updated shards are all-gathered (one rank: a copy) into the parameters
+ * kept whole, and stage 3's own shards are refreshed. */
+static int refresh(ds_zero *z, ds_tensor *const *masters, bool stepped) {
     int rc = 0;
     if (z->parts == 1 && z->c.stage != 3) {
-        for (int g = 0; g < z->n_groups && rc == 0; g++)
-            if (z->flat_params[g]) rc = ds_zero_copy_elements(z->flat_params[g], 0, masters[g], 0, z->group_len[g]);
+        for (int g = 0; g < z->n_groups && rc == 0; g++) {
+            if (z->flat_params[g] && !(stepped && written_by_step(z, g)))
+                rc = ds_zero_copy_elements(z->flat_params[g], 0, masters[g], 0, z->group_len[g]);
+        }
         for (int i = 0; i < z->n && rc == 0; i++) {
             zparam *q = &z->p[i];
             if (!z->flat_params[q->group]) rc = ds_zero_copy_elements(q->param, 0, masters[q->group], q->offset, q->numel);
@@ -781,7 +798,7 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
             rc = scale_all(z->n_groups, z->master_grads, f);
         } else {
             rc = optimizer_step(z, h, z->n_groups, z->master_grads, f);
-            if (rc == 0) rc = refresh(z, z->masters);
+            if (rc == 0) rc = refresh(z, z->masters, true);
             if (rc == 0) rc = zero_grads(z);
         }
     }
@@ -802,7 +819,7 @@ int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters) {
                            (long long)z->group_len[g]), -1;
     }
     bool prev = ds_set_grad_enabled(false);
-    int rc = refresh(z, masters);
+    int rc = refresh(z, masters, false);
     if (rc == 0) rc = zero_grads(z);
     ds_set_grad_enabled(prev);
     return rc;
@@ -812,7 +829,7 @@ int ds_zero_sync_params(ds_zero *z) {
     if (!z->c.masters || !z->optim)
         return ds_fail(DS_ERR_STATE, "step engine: sync_params needs masters with an optimizer attached"), -1;
     bool prev = ds_set_grad_enabled(false);
-    int rc = refresh(z, z->masters);
+    int rc = refresh(z, z->masters, false);
     ds_set_grad_enabled(prev);
     return rc;
 }

@@ -19,6 +19,8 @@ struct optim_ctx {
     const float *g;
     float grad_scale;
     update_fn update;
+    uint16_t *shadow;           /* the 16-bit copy of p, or NULL */
+    ds_dtype shadow_dtype;
     float lr, wd, beta1, beta2, eps, a, b, c;
     int flag1, flag2;
 };
@@ -40,6 +42,15 @@ static void run_chunks(chunk_fn fn, const optim_ctx *x, int64_t lo, int64_t hi) 
     }
 }
 
+/* The block's updated parameters into their 16-bit copy, while in L1. */
+static void store_shadow(const optim_ctx *x, int64_t lo, int64_t hi) {
+    const float *restrict p = x->p;
+    uint16_t *restrict s = x->shadow;
+    ds_dtype t = x->shadow_dtype;
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) s[i] = ds_optim_half(p[i], t);
+}
+
 /* x->update over [lo, hi) a block at a time. The gradients are scaled in
  * a loop of their own, so each product is rounded to f32 as a separate
  * scaling pass rounds it; inside the update's loop the compiler could fuse
@@ -54,7 +65,18 @@ static void update_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
             g = scaled;
         }
         x->update(x, g, a, b);
+        if (x->shadow) store_shadow(x, a, b);
     }
+}
+
+/* Checks the buffers (bufs[0] is p) and the 16-bit copy, then updates. */
+static int run_update(const char *op, optim_ctx *x, const ds_kview *bufs, int k, ds_kview shadow) {
+    int64_t n = ds_kview_numel(&bufs[0]);
+    if (ds_optim_check_buffers(op, bufs, k) || ds_optim_check_shadow(op, shadow, n)) return -1;
+    x->shadow = shadow.data;
+    x->shadow_dtype = shadow.dtype;
+    run_chunks(update_chunk, x, 0, n);
+    return 0;
 }
 
 /* ---- SGD ---- */
@@ -73,14 +95,12 @@ static void sgd_update(const optim_ctx *x, const float *restrict g, int64_t lo, 
         ds_sgd_momentum_elem(&p[i], &buf[i], g[i - lo], lr, wd, mom, damp, nesterov, first);
 }
 
-static int cpu_sgd(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h) {
+static int cpu_sgd(ds_kview p, ds_kview g, ds_kview buf, ds_kview shadow, const ds_sgd_params *h) {
     ds_kview v[3] = { p, g, buf };
-    if (ds_optim_check_buffers("sgd", v, 3)) return -1;
     optim_ctx x = { .p = p.data, .m = buf.data, .g = g.data, .grad_scale = (float)h->grad_scale,
                     .update = sgd_update, .lr = (float)h->lr, .wd = (float)h->weight_decay,
                     .a = (float)h->momentum, .b = (float)h->dampening, .flag1 = h->nesterov, .flag2 = h->first };
-    run_chunks(update_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    return run_update("sgd", &x, v, 3, shadow);
 }
 
 /* ---- Adam, AdamW ---- */
@@ -94,15 +114,13 @@ static void adam_update(const optim_ctx *x, const float *restrict g, int64_t lo,
         ds_adam_elem(&p[i], &m[i], &v[i], g[i - lo], b1, b2, eps, wd, decay, step, sbc2, decoupled);
 }
 
-static int cpu_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h) {
+static int cpu_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview shadow, const ds_adam_params *h) {
     ds_kview b[4] = { p, g, m, v };
-    if (ds_optim_check_buffers("adam", b, 4)) return -1;
     optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .g = g.data, .grad_scale = (float)h->grad_scale,
                     .update = adam_update, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
                     .eps = (float)h->eps, .wd = (float)h->weight_decay, .a = (float)h->decay,
                     .b = (float)h->step_size, .c = (float)h->sqrt_bc2, .flag1 = h->decoupled };
-    run_chunks(update_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    return run_update("adam", &x, b, 4, shadow);
 }
 
 /* ---- Adagrad ---- */
@@ -114,14 +132,12 @@ static void adagrad_update(const optim_ctx *x, const float *restrict g, int64_t 
     for (int64_t i = lo; i < hi; i++) ds_adagrad_elem(&p[i], &sum[i], g[i - lo], clr, eps, wd);
 }
 
-static int cpu_adagrad(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h) {
+static int cpu_adagrad(ds_kview p, ds_kview g, ds_kview sum, ds_kview shadow, const ds_adagrad_params *h) {
     ds_kview b[3] = { p, g, sum };
-    if (ds_optim_check_buffers("adagrad", b, 3)) return -1;
     optim_ctx x = { .p = p.data, .m = sum.data, .g = g.data, .grad_scale = (float)h->grad_scale,
                     .update = adagrad_update, .lr = (float)h->clr, .eps = (float)h->eps,
                     .wd = (float)h->weight_decay };
-    run_chunks(update_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    return run_update("adagrad", &x, b, 3, shadow);
 }
 
 /* ---- Lamb: moments and each piece's norms, then the scaled update ---- */
@@ -206,14 +222,12 @@ static void lion_update(const optim_ctx *x, const float *restrict g, int64_t lo,
     for (int64_t i = lo; i < hi; i++) ds_lion_elem(&p[i], &m[i], g[i - lo], lr, b1, b2, decay);
 }
 
-static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h) {
+static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, ds_kview shadow, const ds_lion_params *h) {
     ds_kview b[3] = { p, g, m };
-    if (ds_optim_check_buffers("lion", b, 3)) return -1;
     optim_ctx x = { .p = p.data, .m = m.data, .g = g.data, .grad_scale = (float)h->grad_scale,
                     .update = lion_update, .lr = (float)h->lr, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
                     .a = (float)h->decay };
-    run_chunks(update_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    return run_update("lion", &x, b, 3, shadow);
 }
 
 /* ---- the 1-bit optimizers ---- */
