@@ -185,6 +185,21 @@ describe('ZeRO and mixed precision', function()
     end)
   end
 
+  it('reduces a short last shard\'s padding as zeros, and rows the gradients fill need none', function()
+    local json = dir .. '/padding.json'
+    local r = H.run_json(H.ranks_cmd(2) .. ' spec/zero/padding.lua ' .. json, json)
+    for _, name in ipairs({ 'odd', 'even' }) do
+      local base = r[name .. 0]
+      for stage = 1, 3 do
+        local c = r[name .. stage]
+        for step = 1, 3 do
+          assert.is_true(rel(c[step], base[step]) <= SAME_RTOL, string.format('%s stage %d step %d: norm %.9g vs %.9g',
+                                                                              name, stage, step, c[step], base[step]))
+        end
+      end
+    end
+  end)
+
   it('prints what each rank holds, on rank 0', function()
     local r, out = run(2)
     assert.truthy(out:find('ZeRO stage 1 | rank 1 | optimizer holds 3,432 of 6,864 parameters', 1, true), out)

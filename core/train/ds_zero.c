@@ -388,11 +388,26 @@ static int copy_to_rows(ds_tensor *rows, int64_t col, const zparam *q, ds_tensor
     return rc;
 }
 
+/* Whether the copies of bucket b's gradients fill every element of its
+ * rows: each parameter has a gradient, and its P shards are of equal
+ * length (a short or empty last shard leaves padding, which must reduce
+ * as zeros). */
+static bool rows_covered(const ds_zero *z, const zbucket *b) {
+    for (int i = b->first; i < b->first + b->count; i++) {
+        const zparam *q = &z->p[i];
+        if (!q->param->grad || q->numel != (int64_t)z->parts * q->shard) return false;
+    }
+    return true;
+}
+
 /* Masters: bucket b's gradients as rows, dropped from the parameters,
  * reduced (reduce-scatter, or all-reduce when nothing is partitioned). */
 static ds_comm_work *launch_rows(ds_zero *z, zbucket *b, ds_tensor **buf) {
     int P = z->parts;
-    ds_tensor *rows = ds_tensor_full(2, (int64_t[]){ P, b->width }, z->c.comm_dtype, param_device(z), 0.0);
+    int64_t shape[2] = { P, b->width };
+    ds_device dev = param_device(z);
+    ds_tensor *rows = rows_covered(z, b) ? ds_tensor_new(2, shape, z->c.comm_dtype, dev)
+                                         : ds_tensor_full(2, shape, z->c.comm_dtype, dev, 0.0);
     if (!rows) return NULL;
     for (int i = b->first; i < b->first + b->count; i++) {
         zparam *q = &z->p[i];
