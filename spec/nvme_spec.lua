@@ -35,16 +35,7 @@ local function read_bytes(path)
   return s
 end
 
--- Exact equality, element by element (NaN never equal).
-local function assert_same(actual, expected, what)
-  local a, e = actual:to('f64'):view(-1):totable(), expected:to('f64'):view(-1):totable()
-  assert.are.equal(#e, #a, what)
-  for i = 1, #e do
-    if a[i] ~= e[i] then
-      error(string.format('%s: element %d is %.9g, expected %.9g', what, i, a[i], e[i]), 2)
-    end
-  end
-end
+local assert_same = H.assert_same
 
 local CASES = {
   { name = 'AdamW', g1 = { lr = 1e-2, betas = { 0.9, 0.99 }, weight_decay = 0.05 }, g2 = { lr = 3e-3, eps = 1e-6 } },

@@ -297,13 +297,6 @@ describe('the step, against the same step done by hand', function()
     { type = 'Lion', params = { lr = 1e-3, weight_decay = 0.1 } },
   }
 
-  local function same_bits(actual, expected, what)
-    local a, e = actual:to('f64'):view(-1):totable(), expected:to('f64'):view(-1):totable()
-    assert.are.equal(#e, #a, what)
-    for i = 1, #e do
-      if a[i] ~= e[i] then error(string.format('%s: element %d is %.9g, expected %.9g', what, i, a[i], e[i]), 2) end
-    end
-  end
 
   local function engine(extra)
     ds.manual_seed(11)
@@ -330,8 +323,8 @@ describe('the step, against the same step done by hand', function()
       local c = clip > 0 and (e.grad_norm + 1e-6) / clip or 0
       ds.optim.apply(e.optimizer.name, e.optimizer.param_groups[1], t, want, g:mul_(c > 1 and 1 / c or 1), state)
       local what = 'step ' .. t
-      same_bits(params(), want, what .. ' parameters')
-      for s, name in ipairs(names) do same_bits(e.optimizer:flat_state(1, name), state[s], what .. ' ' .. name) end
+      H.assert_same(params(), want, what .. ' parameters')
+      for s, name in ipairs(names) do H.assert_same(e.optimizer:flat_state(1, name), state[s], what .. ' ' .. name) end
       if after then after(want, what) end
     end
   end
@@ -343,7 +336,7 @@ describe('the step, against the same step done by hand', function()
       for _, p in ipairs(e.module:parameters()) do
         local n = p:numel()
         assert.are.equal('bf16', p:dtype())
-        same_bits(p:view(-1), master:narrow(1, at + 1, n):to('bf16'), what .. ' bf16 parameters')
+        H.assert_same(p:view(-1), master:narrow(1, at + 1, n):to('bf16'), what .. ' bf16 parameters')
         at = at + n
       end
       assert.are.equal(master:numel(), at)
