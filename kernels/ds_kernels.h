@@ -180,22 +180,26 @@ typedef struct ds_kernels_conv {
 /* Fused optimizer steps over flat buffers: p, g and every state buffer are
  * contiguous 1-D f32 views of one length. One call updates a whole
  * parameter group. Step-dependent factors come precomputed (ds_optim.h
- * has the per-element math and says which library each one follows). */
-typedef struct { double lr, weight_decay, momentum, dampening; int nesterov, first; } ds_sgd_params;
+ * has the per-element math and says which library each one follows).
+ * grad_scale (sgd, adam, adagrad, lion): each gradient is taken times it,
+ * the product rounded to f32 as a separate scaling pass would round it
+ * (1: as it is), so a clip or mean factor costs no pass of its own. */
+typedef struct { double lr, weight_decay, momentum, dampening, grad_scale; int nesterov, first; } ds_sgd_params;
 typedef struct {
-    double beta1, beta2, eps, weight_decay;
+    double beta1, beta2, eps, weight_decay, grad_scale;
     double decay;         /* 1 - lr wd, the decoupled (AdamW) factor */
     double step_size;     /* lr / (1 - beta1^t), or lr without bias correction */
     double sqrt_bc2;      /* sqrt(1 - beta2^t), or 1 */
     int decoupled;
 } ds_adam_params;
-typedef struct { double clr, eps, weight_decay; } ds_adagrad_params;   /* clr: the decayed lr */
+typedef struct { double clr, eps, weight_decay, grad_scale; } ds_adagrad_params;   /* clr: the decayed lr */
 typedef struct {
     double step_size;     /* lr sqrt(1 - beta2^t) / (1 - beta1^t), or lr */
-    double beta1, beta2, eps, weight_decay, grad_scale;
+    double beta1, beta2, eps, weight_decay;
+    double grad_scale;    /* FusedLamb's: the gradients are divided by it */
     int eps_inside_sqrt;
 } ds_lamb_params;
-typedef struct { double lr, beta1, beta2, decay; } ds_lion_params;   /* decay: 1 - lr wd */
+typedef struct { double lr, beta1, beta2, decay, grad_scale; } ds_lion_params;   /* decay: 1 - lr wd */
 /* The 1-bit optimizers' pointwise steps (core/train/ds_onebit.h; the
  * per-element math is ds_onebit_elem in ds_optim.h). */
 typedef enum {
@@ -207,10 +211,14 @@ typedef enum {
 typedef struct { double beta1, eps, lr, weight_decay, lrs; } ds_onebit_params;
 
 typedef struct ds_kernels_optim {
-    /* buf.data is NULL when momentum is 0; first starts the buffer */
-    int (*sgd)(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h);
-    int (*adam)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h);
-    int (*adagrad)(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h);
+    /* shadow (sgd, adam, adagrad, lion): data NULL, or a contiguous bf16
+     * or f16 view of p's length that gets each updated p[i] in the same
+     * pass, rounded as copy rounds it (mixed precision's 16-bit parameters
+     * without a pass of their own). buf.data is NULL when momentum is 0;
+     * first starts the buffer. */
+    int (*sgd)(ds_kview p, ds_kview g, ds_kview buf, ds_kview shadow, const ds_sgd_params *h);
+    int (*adam)(ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview shadow, const ds_adam_params *h);
+    int (*adagrad)(ds_kview p, ds_kview g, ds_kview sum, ds_kview shadow, const ds_adagrad_params *h);
     /* Lamb in two calls, so that the norms can be summed over ranks in
      * between. Piece k is elements [seg[k], seg[k+1]) (seg: nseg + 1
      * offsets from 0 to the length, host memory; a piece may be empty).
@@ -222,7 +230,7 @@ typedef struct ds_kernels_optim {
                       double *u_sq, const ds_lamb_params *h);
     int (*lamb_apply)(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg, int nseg, const double *coeff,
                       const ds_lamb_params *h);
-    int (*lion)(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h);
+    int (*lion)(ds_kview p, ds_kview g, ds_kview m, ds_kview shadow, const ds_lion_params *h);
     /* 1-bit compression: bits (u8, x's length / 8; the length a multiple
      * of 8) get x's signs, element i in bit i % 8 of byte i / 8, set when
      * x >= 0 (as torch's sign() + 1 is true), and err = x - scale sign(x).

@@ -1,11 +1,13 @@
-/* Per-element optimizer updates, shared by the CPU and (later) CUDA
- * kernels. Everything is f32 in registers, as in DeepSpeed's fused
- * kernels; factors that depend only on the step (bias corrections, decayed
- * learning rates) are computed once per step by the caller. */
+/* Per-element optimizer updates, shared by the CPU and CUDA kernels.
+ * Everything is f32 in registers, as in DeepSpeed's fused kernels; factors
+ * that depend only on the step (bias corrections, decayed learning rates)
+ * are computed once per step by the caller, and a gradient g arrives
+ * already times the step's grad_scale (Lamb's moments excepted). */
 #ifndef DS_OPTIM_ELEM_H
 #define DS_OPTIM_ELEM_H
 
 #include "ds_kernels.h"
+#include "ds_half.h"
 #include <math.h>
 
 /* The k buffers of one fused step (host side, before any kernel): every
@@ -21,6 +23,21 @@ static inline int ds_optim_check_buffers(const char *op, const ds_kview *v, int 
     }
     return 0;
 }
+
+/* A step's 16-bit copy of p (host side): absent (NULL data), or
+ * contiguous bf16 or f16 of n elements. */
+static inline int ds_optim_check_shadow(const char *op, ds_kview shadow, int64_t n) {
+    if (!shadow.data) return 0;
+    if ((shadow.dtype != DS_BF16 && shadow.dtype != DS_F16) || !ds_kview_is_contiguous(&shadow) ||
+        ds_kview_numel(&shadow) != n)
+        return ds_kernel_fail("%s: the 16-bit copy is not a contiguous bf16 or f16 buffer of %lld elements", op,
+                              (long long)n);
+    return 0;
+}
+
+/* An updated parameter as its 16-bit copy holds it, rounded as a copy
+ * rounds it. */
+DS_HOSTDEV uint16_t ds_optim_half(float p, ds_dtype t) { return t == DS_BF16 ? ds_f32_to_bf16(p) : ds_f32_to_f16(p); }
 
 /* torch.optim.SGD without momentum: L2 decay folded into the gradient. */
 DS_HOSTDEV void ds_sgd_elem(float *p, float g, float lr, float wd) {

@@ -35,16 +35,7 @@ local function read_bytes(path)
   return s
 end
 
--- Exact equality, element by element (NaN never equal).
-local function assert_same(actual, expected, what)
-  local a, e = actual:to('f64'):view(-1):totable(), expected:to('f64'):view(-1):totable()
-  assert.are.equal(#e, #a, what)
-  for i = 1, #e do
-    if a[i] ~= e[i] then
-      error(string.format('%s: element %d is %.9g, expected %.9g', what, i, a[i], e[i]), 2)
-    end
-  end
-end
+local assert_same = H.assert_same
 
 local CASES = {
   { name = 'AdamW', g1 = { lr = 1e-2, betas = { 0.9, 0.99 }, weight_decay = 0.05 }, g2 = { lr = 3e-3, eps = 1e-6 } },
@@ -109,6 +100,45 @@ describe('ds.optim.apply', function()
     ds.optim.apply('AdamW', mem.param_groups[1], 1, q, g, { m, v })
     assert_same(q, mem:flat_params(1), 'params')
     assert_same(m, mem:flat_state(1, 'exp_avg'), 'exp_avg')
+  end)
+
+  -- The step engine hands its clip and mean factor to the kernels this way
+  -- instead of scaling the gradients first; the results must not move.
+  it('with a grad_scale equals scaling the gradient first, bit for bit', function()
+    ds.manual_seed(5)
+    local n = 40000 + 7      -- the threaded path, and a last block cut short
+    local kinds = {
+      { 'SGD', { lr = 0.05, weight_decay = 1e-3 }, 0 },
+      { 'SGD', { lr = 0.05, momentum = 0.9, dampening = 0.1, weight_decay = 1e-3 }, 1 },
+      { 'Adam', { lr = 1e-2, weight_decay = 0.01 }, 2 },
+      { 'AdamW', { lr = 1e-2, weight_decay = 0.1, betas = { 0.9, 0.95 } }, 2 },
+      { 'Adagrad', { lr = 0.05, weight_decay = 0.01 }, 1 },
+      { 'Lion', { lr = 1e-3, weight_decay = 0.1 }, 1 },
+    }
+    for _, k in ipairs(kinds) do
+      local name, group = k[1], with(ds.optim.defaults(k[1]), k[2])
+      for _, scale in ipairs({ 1 / 3, 0.0371, 7.5 }) do
+        local p0, g = ds.randn({ n }), ds.randn({ n }) * 3
+        local g0 = g:clone()
+        local fused, plain = p0:clone(), p0:clone()
+        local sf, sp = {}, {}
+        for s = 1, k[3] do
+          sf[s] = ds.rand({ n })
+          sp[s] = sf[s]:clone()
+        end
+        local what = string.format('%s, grad_scale %g', name, scale)
+        for t = 1, 2 do
+          ds.optim.apply(name, group, t, fused, g, sf, nil, scale)
+          ds.optim.apply(name, group, t, plain, g:clone():mul_(scale), sp)
+        end
+        assert_same(fused, plain, what .. ': params')
+        for s = 1, k[3] do assert_same(sf[s], sp[s], what .. ': state ' .. s) end
+        assert_same(g, g0, what .. ': the gradient is left as it was')
+      end
+    end
+    local p, g = ds.zeros({ 4 }), ds.zeros({ 4 })
+    H.has(H.err(ds.optim.apply, 'SGD', ds.optim.defaults('SGD'), 1, p, g, {}, nil, 0 / 0),
+          'optim.SGD: apply: grad_scale must be finite')
   end)
 
   it('refuses Lamb, mismatched views and bad hyperparameters', function()

@@ -185,6 +185,21 @@ describe('ZeRO and mixed precision', function()
     end)
   end
 
+  it('reduces a short last shard\'s padding as zeros, and rows the gradients fill need none', function()
+    local json = dir .. '/padding.json'
+    local r = H.run_json(H.ranks_cmd(2) .. ' spec/zero/padding.lua ' .. json, json)
+    for _, name in ipairs({ 'odd', 'even' }) do
+      local base = r[name .. 0]
+      for stage = 1, 3 do
+        local c = r[name .. stage]
+        for step = 1, 3 do
+          assert.is_true(rel(c[step], base[step]) <= SAME_RTOL, string.format('%s stage %d step %d: norm %.9g vs %.9g',
+                                                                              name, stage, step, c[step], base[step]))
+        end
+      end
+    end
+  end)
+
   it('prints what each rank holds, on rank 0', function()
     local r, out = run(2)
     assert.truthy(out:find('ZeRO stage 1 | rank 1 | optimizer holds 3,432 of 6,864 parameters', 1, true), out)
@@ -260,5 +275,102 @@ describe('ZeRO and mixed precision', function()
     assert.is_nil(steps)
     assert.truthy(out:find('Current loss scale already at minimum', 1, true), out)
     assert.truthy(out:find('min_loss_scale', 1, true), out)
+  end)
+end)
+
+-- The step folds the clip factor into the optimizer's pass and writes the
+-- bf16 parameters in it; here the unfused step is done by hand beside it
+-- (the gradients scaled by the clip factor, ds.optim.apply, the cast to
+-- bf16), and the two must agree to the bit.
+describe('the step, against the same step done by hand', function()
+  local Reg = ds.nn.Module:extend('ZeroReg')
+  function Reg:init()
+    self.fc1 = ds.nn.Linear(6, 40)
+    self.fc2 = ds.nn.Linear(40, 3)
+  end
+  function Reg:forward(b) return ds.mse_loss(self.fc2(self.fc1(b.x):tanh()), b.y) end
+
+  local OPTIMIZERS = {
+    { type = 'AdamW', params = { lr = 1e-2, weight_decay = 0.1 } },
+    { type = 'SGD', params = { lr = 0.05, momentum = 0.9, weight_decay = 1e-3 } },
+    { type = 'Adagrad', params = { lr = 0.05 } },
+    { type = 'Lion', params = { lr = 1e-3, weight_decay = 0.1 } },
+  }
+
+
+  local function engine(extra)
+    ds.manual_seed(11)
+    local cfg = { train_batch_size = 8, steps_per_print = 1e9 }
+    for k, v in pairs(extra) do cfg[k] = v end
+    return ds.initialize { model = Reg(), config = cfg }
+  end
+
+  -- Three steps of e, each checked against apply on copies taken before
+  -- it: params() and grads() give the flat f32 parameters and gradients.
+  -- The master gradients are complete once the reductions in flight have
+  -- landed, which scale_grads waits for (by 2 and back: exact).
+  local function check_steps(e, clip, params, grads, after)
+    local names = e.optimizer:state_names()
+    for t = 1, 3 do
+      e:backward(e { x = ds.randn(8, 6), y = ds.randn(8, 3) })
+      if e.zero then
+        e.zero.engine:scale_grads(2)
+        e.zero.engine:scale_grads(0.5)
+      end
+      local want, g, state = params():clone(), grads():clone(), {}
+      for s, name in ipairs(names) do state[s] = e.optimizer:flat_state(1, name):clone() end
+      e:step()
+      local c = clip > 0 and (e.grad_norm + 1e-6) / clip or 0
+      ds.optim.apply(e.optimizer.name, e.optimizer.param_groups[1], t, want, g:mul_(c > 1 and 1 / c or 1), state)
+      local what = 'step ' .. t
+      H.assert_same(params(), want, what .. ' parameters')
+      for s, name in ipairs(names) do H.assert_same(e.optimizer:flat_state(1, name), state[s], what .. ' ' .. name) end
+      if after then after(want, what) end
+    end
+  end
+
+  -- the model's bf16 parameters, back to back, are the masters cast
+  local function cast_of(e)
+    return function(master, what)
+      local at = 0
+      for _, p in ipairs(e.module:parameters()) do
+        local n = p:numel()
+        assert.are.equal('bf16', p:dtype())
+        H.assert_same(p:view(-1), master:narrow(1, at + 1, n):to('bf16'), what .. ' bf16 parameters')
+        at = at + n
+      end
+      assert.are.equal(master:numel(), at)
+    end
+  end
+
+  for _, o in ipairs(OPTIMIZERS) do
+    for _, clip in ipairs({ 0.01, 0 }) do
+      for stage = 0, 2 do
+        it(string.format('bf16 masters, stage %d, %s, clipping %g', stage, o.type, clip), function()
+          local e = engine { bf16 = { enabled = true }, gradient_clipping = clip, optimizer = o,
+                             zero_optimization = { stage = stage } }
+          local z = e.zero.engine
+          check_steps(e, clip, function() return z:master(1) end, function() return z:master_grad(1) end, cast_of(e))
+          e:destroy()
+        end)
+      end
+      it(string.format('fp32 without masters, %s, clipping %g', o.type, clip), function()
+        local e = engine { gradient_clipping = clip, optimizer = o }
+        check_steps(e, clip, function() return e.optimizer:flat_params(1) end,
+                    function() return e.optimizer:flat_grads(1) end)
+        e:destroy()
+      end)
+    end
+  end
+
+  it('Lamb (gradients scaled apart) leaves the bf16 parameters the masters cast', function()
+    local e = engine { bf16 = { enabled = true }, gradient_clipping = 0.01,
+                       optimizer = { type = 'Lamb', params = { lr = 1e-2 } } }
+    for t = 1, 3 do
+      e:backward(e { x = ds.randn(8, 6), y = ds.randn(8, 3) })
+      e:step()
+      cast_of(e)(e.zero.engine:master(1), 'step ' .. t)
+    end
+    e:destroy()
   end)
 end)

@@ -6,6 +6,7 @@
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_error.h"
+#include "ds_rng.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -262,7 +263,7 @@ static int sim_sum(double *values, int n, void *ud) {
 
 static void *sim_step(void *arg) {
     sim_rank *r = arg;
-    r->rc = ds_optim_step_shared(r->o, 0, &r->h, sim_sum, r);
+    r->rc = ds_optim_step_shared(r->o, 0, &r->h, 1, NULL, sim_sum, r);
     if (r->rc) snprintf(r->err, sizeof r->err, "%s", ds_error_message());
     return NULL;
 }
@@ -384,7 +385,7 @@ static void test_lamb_errors(void) {
     /* a failed sum fails the step, names its cause, and counts no step */
     int got = -1;
     for (int64_t i = 0; i < n; i++) ds_tensor_set(p->grad, i, 1);
-    check_error(ds_optim_step_shared(o, 0, &h, failing_sum, &got) != 0, "comm: all_reduce timed out");
+    check_error(ds_optim_step_shared(o, 0, &h, 1, NULL, failing_sum, &got) != 0, "comm: all_reduce timed out");
     check(got == 6 && o->groups[0].step == 0, "the sum got %d values (want 6); step %lld", got,
           (long long)o->groups[0].step);
     ds_optim_free(o);
@@ -395,10 +396,46 @@ static void test_lamb_errors(void) {
     ds_optim *adam = ds_optim_new(DS_OPTIM_ADAM);
     ds_optim_hparams ha = adam_hparams();
     got = -1;
-    check(ds_optim_add_group(adam, 1, &q, &ha) == 0 && ds_optim_step_shared(adam, 0, &ha, failing_sum, &got) == 0 &&
-          got == -1, "adam step_shared: %s", ds_error_message());
+    check(ds_optim_add_group(adam, 1, &q, &ha) == 0 &&
+          ds_optim_step_shared(adam, 0, &ha, 1, NULL, failing_sum, &got) == 0 && got == -1, "adam step_shared: %s",
+          ds_error_message());
     ds_optim_free(adam);
     ds_tensor_release(q);
+}
+
+/* A 16-bit copy written in the update's pass holds the updated parameters
+ * as a copy casts them, bf16 and f16, over the threaded path and a short
+ * last block; an f32 copy is refused, and Lamb takes none. */
+static void test_shadow(void) {
+    int64_t n = 40007;
+    const ds_dtype halves[2] = { DS_BF16, DS_F16 };
+    ds_optim_hparams h = adam_hparams();
+    for (int k = 0; k < 2; k++) {
+        const char *name = ds_dtype_name(halves[k]);
+        ds_tensor *p = ds_randn(1, &n, DS_F32, DS_CPU_DEVICE, NULL), *g = ds_randn(1, &n, DS_F32, DS_CPU_DEVICE, NULL);
+        ds_tensor *m = ds_tensor_full(1, &n, DS_F32, DS_CPU_DEVICE, 0);
+        ds_tensor *v = ds_tensor_full(1, &n, DS_F32, DS_CPU_DEVICE, 0);
+        ds_tensor *shadow = ds_tensor_full(1, &n, halves[k], DS_CPU_DEVICE, 0);
+        check(ds_optim_apply(DS_OPTIM_ADAMW, &h, 1, true, p, g, m, v, 0.37, shadow) == 0, "apply with a %s copy: %s",
+              name, ds_error_message());
+        ds_tensor *cast = ds_to_dtype(p, halves[k]);
+        check(cast && memcmp(ds_tensor_data(cast), ds_tensor_data(shadow), (size_t)n * 2) == 0,
+              "the %s copy is the updated parameters cast", name);
+        if (k == 0)
+            check_error(ds_optim_apply(DS_OPTIM_ADAMW, &h, 2, false, p, g, m, v, 1, g) != 0,
+                        "optim.AdamW: apply: the 16-bit copy is f32 [40007]; expected a contiguous 1-D bf16 or f16");
+        ds_tensor *all[] = { p, g, m, v, shadow, cast };
+        for (int i = 0; i < 6; i++) ds_tensor_release(all[i]);
+    }
+    int64_t four = 4;
+    ds_tensor *q = vector(4), *shadow = ds_tensor_full(1, &four, DS_BF16, DS_CPU_DEVICE, 0);
+    ds_optim *lamb = ds_optim_new(DS_OPTIM_LAMB);
+    check(ds_optim_add_group(lamb, 1, &q, &h) == 0, "lamb add_group: %s", ds_error_message());
+    check_error(ds_optim_step_shared(lamb, 0, &h, 1, shadow, NULL, NULL) != 0,
+                "optim.Lamb: group 1: Lamb's step takes neither a gradient scale (1) nor a 16-bit copy");
+    ds_optim_free(lamb);
+    ds_tensor_release(q);
+    ds_tensor_release(shadow);
 }
 
 /* The 1-bit kernels: signs packed 8 to a byte (0 and -0 positive), the
@@ -441,5 +478,6 @@ int main(void) {
             for (int clipped = 0; clipped <= 1; clipped++) test_lamb_partitioned(P, padded, clipped);
     test_lamb_errors();
     test_onebit_kernels();
+    test_shadow();
     return check_summary("test_optim");
 }

@@ -119,11 +119,12 @@ static ds_optim_kind checkkind(lua_State *L, int idx) {
     return (ds_optim_kind)kind;
 }
 
-/* optim_apply(name, group, t, p, g, {state...} [, first]): one stateless
- * update of the 1-D f32 views p (in place) and the state views, listed in
- * the kind's slot order (optim_state_names); group holds the
- * hyperparameters, read as param_groups are at step; t is the 1-based step;
- * first starts SGD's momentum buffer (default t == 1). */
+/* optim_apply(name, group, t, p, g, {state...} [, first [, grad_scale]]):
+ * one stateless update of the 1-D f32 views p (in place) and the state
+ * views, listed in the kind's slot order (optim_state_names); group holds
+ * the hyperparameters, read as param_groups are at step; t is the 1-based
+ * step; first starts SGD's momentum buffer (default t == 1); the kernel
+ * takes g times grad_scale (default 1) without changing g. */
 static int l_optim_apply(lua_State *L) {
     ds_optim_kind k = checkkind(L, 1);
     luaL_checktype(L, 2, LUA_TTABLE);
@@ -147,8 +148,9 @@ static int l_optim_apply(lua_State *L) {
         }
     }
     bool first = lua_isnoneornil(L, 7) ? t == 1 : lua_toboolean(L, 7);
+    double grad_scale = luaL_optnumber(L, 8, 1);
     ds_optim_hparams h = read_hparams(L, 2, k, -1);
-    if (ds_optim_apply(k, &h, (int64_t)t, first, p, g, s[0], s[1])) return dsL_error(L);
+    if (ds_optim_apply(k, &h, (int64_t)t, first, p, g, s[0], s[1], grad_scale, NULL)) return dsL_error(L);
     return 0;
 }
 

@@ -314,13 +314,16 @@ static const ds_kernels_optim *optim_kernels(ds_optim_kind kind, const ds_tensor
     return k;
 }
 
-/* apply's buffers: contiguous 1-D f32 views of p's length on p's device */
-static int check_flat(ds_optim_kind kind, const char *what, const ds_tensor *t, const ds_tensor *p) {
+/* apply's buffers: contiguous 1-D views of p's length on p's device, f32
+ * (the 16-bit copy of p: bf16 or f16) */
+static int check_flat(ds_optim_kind kind, const char *what, const ds_tensor *t, const ds_tensor *p, bool half) {
     char s[96];
     if (!t) return ds_fail(DS_ERR_ARG, "optim.%s: apply: %s is missing", kinds[kind].name, what), -1;
-    if (t->dtype != DS_F32 || t->ndim != 1 || !ds_tensor_is_contiguous(t))
-        return ds_fail(DS_ERR_ARG, "optim.%s: apply: %s is %s %s; expected a contiguous 1-D f32 tensor",
-                       kinds[kind].name, what, ds_dtype_name(t->dtype), ds_shape_str(t, s, sizeof s)), -1;
+    bool dtype_ok = half ? t->dtype == DS_BF16 || t->dtype == DS_F16 : t->dtype == DS_F32;
+    if (!dtype_ok || t->ndim != 1 || !ds_tensor_is_contiguous(t))
+        return ds_fail(DS_ERR_ARG, "optim.%s: apply: %s is %s %s; expected a contiguous 1-D %s tensor",
+                       kinds[kind].name, what, ds_dtype_name(t->dtype), ds_shape_str(t, s, sizeof s),
+                       half ? "bf16 or f16" : "f32"), -1;
     if (ds_tensor_numel(t) != ds_tensor_numel(p))
         return ds_fail(DS_ERR_ARG, "optim.%s: apply: %s has %lld elements, p has %lld", kinds[kind].name, what,
                        (long long)ds_tensor_numel(t), (long long)ds_tensor_numel(p)), -1;
@@ -334,18 +337,21 @@ static int check_flat(ds_optim_kind kind, const char *what, const ds_tensor *t, 
 }
 
 int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, bool first, ds_tensor *p,
-                   ds_tensor *g, ds_tensor *s0, ds_tensor *s1) {
+                   ds_tensor *g, ds_tensor *s0, ds_tensor *s1, double grad_scale, ds_tensor *shadow) {
     const char *name = kinds[kind].name;
     if (kind == DS_OPTIM_LAMB)
         return ds_fail(DS_ERR_ARG, "optim.Lamb: apply: Lamb's trust ratio needs whole parameters, so it cannot "
                        "step a flat piece (use the Lamb optimizer)"), -1;
     if (t < 1) return ds_fail(DS_ERR_ARG, "optim.%s: apply: step must be >= 1, got %lld", name, (long long)t), -1;
+    if (!isfinite(grad_scale))
+        return ds_fail(DS_ERR_ARG, "optim.%s: apply: grad_scale must be finite, got %g", name, grad_scale), -1;
     if (ds_optim_check_hparams(kind, h, -1)) return -1;
     bool with_momentum = kind != DS_OPTIM_SGD || h->momentum != 0;
     int n_state = with_momentum ? kinds[kind].n_state : 0;
-    if (check_flat(kind, "p", p, p) || check_flat(kind, "g", g, p) ||
-        (n_state > 0 && check_flat(kind, kinds[kind].state[0], s0, p)) ||
-        (n_state > 1 && check_flat(kind, kinds[kind].state[1], s1, p)))
+    if (check_flat(kind, "p", p, p, false) || check_flat(kind, "g", g, p, false) ||
+        (n_state > 0 && check_flat(kind, kinds[kind].state[0], s0, p, false)) ||
+        (n_state > 1 && check_flat(kind, kinds[kind].state[1], s1, p, false)) ||
+        (shadow && check_flat(kind, "the 16-bit copy", shadow, p, true)))
         return -1;
     const ds_kernels_optim *k = optim_kernels(kind, p);
     if (!k) return -1;
@@ -353,29 +359,32 @@ int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, boo
     double bc2 = h->bias_correction ? 1 - pow(h->beta2, (double)t) : 1;
     ds_kview pv = ds_tensor_kview(p), gv = ds_tensor_kview(g);
     ds_kview v0 = n_state > 0 ? opt_view(s0) : opt_view(NULL), v1 = n_state > 1 ? opt_view(s1) : opt_view(NULL);
+    ds_kview sv = opt_view(shadow);
     int rc = 0;
     switch (kind) {
     case DS_OPTIM_SGD: {
-        ds_sgd_params sp = { h->lr, h->weight_decay, h->momentum, h->dampening, h->nesterov,
-                             with_momentum && first };
-        rc = k->sgd(pv, gv, v0, &sp);
+        ds_sgd_params sp = { .lr = h->lr, .weight_decay = h->weight_decay, .momentum = h->momentum,
+                             .dampening = h->dampening, .grad_scale = grad_scale, .nesterov = h->nesterov,
+                             .first = with_momentum && first };
+        rc = k->sgd(pv, gv, v0, sv, &sp);
         break;
     }
     case DS_OPTIM_ADAM:
     case DS_OPTIM_ADAMW: {
-        ds_adam_params ap = { h->beta1, h->beta2, h->eps, h->weight_decay, 1 - h->lr * h->weight_decay,
-                              h->lr / bc1, sqrt(bc2), kind == DS_OPTIM_ADAMW };
-        rc = k->adam(pv, gv, v0, v1, &ap);
+        ds_adam_params ap = { .beta1 = h->beta1, .beta2 = h->beta2, .eps = h->eps, .weight_decay = h->weight_decay,
+                              .grad_scale = grad_scale, .decay = 1 - h->lr * h->weight_decay,
+                              .step_size = h->lr / bc1, .sqrt_bc2 = sqrt(bc2), .decoupled = kind == DS_OPTIM_ADAMW };
+        rc = k->adam(pv, gv, v0, v1, sv, &ap);
         break;
     }
     case DS_OPTIM_ADAGRAD: {
-        ds_adagrad_params ap = { h->lr / (1 + (double)(t - 1) * h->lr_decay), h->eps, h->weight_decay };
-        rc = k->adagrad(pv, gv, v0, &ap);
+        ds_adagrad_params ap = { h->lr / (1 + (double)(t - 1) * h->lr_decay), h->eps, h->weight_decay, grad_scale };
+        rc = k->adagrad(pv, gv, v0, sv, &ap);
         break;
     }
     case DS_OPTIM_LION: {
-        ds_lion_params lp = { h->lr, h->beta1, h->beta2, 1 - h->lr * h->weight_decay };
-        rc = k->lion(pv, gv, v0, &lp);
+        ds_lion_params lp = { h->lr, h->beta1, h->beta2, 1 - h->lr * h->weight_decay, grad_scale };
+        rc = k->lion(pv, gv, v0, sv, &lp);
         break;
     }
     default:
@@ -422,11 +431,19 @@ static int lamb_step(ds_optim_group *gr, const ds_optim_hparams *h, int64_t t, d
     return rc;
 }
 
-int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) { return ds_optim_step_shared(o, g, h, NULL, NULL); }
+int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) {
+    return ds_optim_step_shared(o, g, h, 1, NULL, NULL, NULL);
+}
 
-int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, ds_optim_sum_fn sum, void *ud) {
+int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, double grad_scale, ds_tensor *shadow,
+                         ds_optim_sum_fn sum, void *ud) {
     ds_optim_group *gr = &o->groups[g];
     if (ds_optim_check_hparams(o->kind, h, g)) return -1;
+    /* FusedLamb's grad_scale divides, and its update takes two passes */
+    if (o->kind == DS_OPTIM_LAMB && (grad_scale != 1 || shadow))
+        return ds_fail(DS_ERR_ARG, "optim.Lamb: group %d: Lamb's step takes neither a gradient scale (%g) nor a "
+                       "16-bit copy to write; scale the gradients and copy the parameters apart", g + 1,
+                       grad_scale), -1;
     for (int i = 0; i < gr->n_params; i++)
         if (sync_param(o, g, i)) return -1;
     if (o->kind == DS_OPTIM_SGD && h->momentum != 0 && !gr->state[0] && alloc_state(o, gr, h)) return -1;
@@ -434,7 +451,7 @@ int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, ds_optim
     int rc = o->kind == DS_OPTIM_LAMB
         ? lamb_step(gr, h, t, sum, ud)
         : ds_optim_apply(o->kind, h, t, !gr->momentum_started, gr->flat_params, gr->flat_grads, gr->state[0],
-                         gr->state[1]);
+                         gr->state[1], grad_scale, shadow);
     if (rc) return -1;
     gr->momentum_started |= o->kind == DS_OPTIM_SGD && h->momentum != 0;
     gr->step = t;

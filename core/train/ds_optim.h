@@ -85,25 +85,31 @@ int ds_optim_set_segments(ds_optim *o, int g, int nseg, const int64_t *seg);
  * holds a part of the same pieces (the engine all-reduces them). 0, or -1
  * with the error set. */
 typedef int (*ds_optim_sum_fn)(double *values, int n, void *ud);
-/* ds_optim_step, where each piece is one rank's part of a larger
- * parameter: Lamb's squared norms of the weights and of the update are
- * summed over the ranks by `sum` before the trust ratios are taken, so every
- * rank applies the ratio of the whole parameter. sum gets 2 nseg values,
- * the pieces' |w|^2 then their |u|^2, once per step, so every rank must cut
- * its group into as many pieces, piece k being its part of the same
- * parameter everywhere. A failed sum leaves the moments stepped and the
- * weights not. Other kinds: the same as ds_optim_step (sum is not called).
- * sum NULL: the same as ds_optim_step. */
-int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, ds_optim_sum_fn sum, void *ud);
-/* One stateless update of p from g: the kernel call ds_optim_step makes,
- * for callers that keep the buffers themselves (a streamed optimizer that
- * steps a group in pieces). p, g, s0, s1: contiguous 1-D f32 views of one
- * length on one device; a state view the kind has no slot for (or SGD
- * without momentum) may be NULL. t: the 1-based step (bias correction,
- * Adagrad's lr decay); first: SGD's momentum buffer starts here. Lamb is
- * refused: its trust ratio needs whole parameters. 0, or -1 with the error. */
+/* ds_optim_step on the gradients times grad_scale (1: as they are), the
+ * product rounded to f32 as a scaling op would round it but taken inside
+ * the kernel's one pass; shadow (NULL: none), a bf16 or f16 tensor of the
+ * group's length on its device, gets the updated parameters in that pass,
+ * rounded as ds_copy_ rounds them. Lamb takes only 1 and NULL. Each piece
+ * may be one rank's part of a larger parameter: Lamb's squared norms of
+ * the weights and of the update are summed over the ranks by `sum` before
+ * the trust ratios are taken, so every rank applies the ratio of the whole
+ * parameter. sum gets 2 nseg values, the pieces' |w|^2 then their |u|^2,
+ * once per step, so every rank must cut its group into as many pieces,
+ * piece k being its part of the same parameter everywhere. A failed sum
+ * leaves the moments stepped and the weights not. Other kinds never call
+ * sum; sum NULL sums nothing. */
+int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, double grad_scale, ds_tensor *shadow,
+                         ds_optim_sum_fn sum, void *ud);
+/* One stateless update of p (and shadow) from g times grad_scale: the
+ * kernel call ds_optim_step_shared makes, for callers that keep the
+ * buffers themselves (a streamed optimizer that steps a group in pieces).
+ * p, g, s0, s1: contiguous 1-D f32 views of one length on one device; a
+ * state view the kind has no slot for (or SGD without momentum) may be
+ * NULL. t: the 1-based step (bias correction, Adagrad's lr decay); first:
+ * SGD's momentum buffer starts here. Lamb is refused: its trust ratio
+ * needs whole parameters. 0, or -1 with the error. */
 int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, bool first, ds_tensor *p,
-                   ds_tensor *g, ds_tensor *s0, ds_tensor *s1);
+                   ds_tensor *g, ds_tensor *s0, ds_tensor *s1, double grad_scale, ds_tensor *shadow);
 /* Zeros every group's flat gradients and re-attaches the .grad views. */
 int ds_optim_zero_grad(ds_optim *o);
 

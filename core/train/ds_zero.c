@@ -57,6 +57,12 @@ static int scale_(ds_tensor *t, double f) {
     return rc;
 }
 
+static int scale_all(int n, ds_tensor *const *t, double f) {
+    for (int i = 0; i < n && f != 1; i++)
+        if (scale_(t[i], f)) return -1;
+    return 0;
+}
+
 int ds_zero_copy_elements(ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at, int64_t n) {
     if (n <= 0) return 0;
     ds_tensor *d = ds_zero_elements(dst, lo, n), *s = ds_zero_elements(src, at, n);
@@ -382,11 +388,26 @@ static int copy_to_rows(ds_tensor *rows, int64_t col, const zparam *q, ds_tensor
     return rc;
 }
 
+/* Whether the copies of bucket b's gradients fill every element of its
+ * rows: each parameter has a gradient, and its P shards are of equal
+ * length (a short or empty last shard leaves padding, which must reduce
+ * as zeros). */
+static bool rows_covered(const ds_zero *z, const zbucket *b) {
+    for (int i = b->first; i < b->first + b->count; i++) {
+        const zparam *q = &z->p[i];
+        if (!q->param->grad || q->numel != (int64_t)z->parts * q->shard) return false;
+    }
+    return true;
+}
+
 /* Masters: bucket b's gradients as rows, dropped from the parameters,
  * reduced (reduce-scatter, or all-reduce when nothing is partitioned). */
 static ds_comm_work *launch_rows(ds_zero *z, zbucket *b, ds_tensor **buf) {
     int P = z->parts;
-    ds_tensor *rows = ds_tensor_full(2, (int64_t[]){ P, b->width }, z->c.comm_dtype, param_device(z), 0.0);
+    int64_t shape[2] = { P, b->width };
+    ds_device dev = param_device(z);
+    ds_tensor *rows = rows_covered(z, b) ? ds_tensor_new(2, shape, z->c.comm_dtype, dev)
+                                         : ds_tensor_full(2, shape, z->c.comm_dtype, dev, 0.0);
     if (!rows) return NULL;
     for (int i = b->first; i < b->first + b->count; i++) {
         zparam *q = &z->p[i];
@@ -521,8 +542,7 @@ int ds_zero_scale_grads(ds_zero *z, double f) {
     if (f == 1) return 0;
     /* reductions still in flight belong to what is scaled */
     if (drain(z)) return -1;
-    for (int g = 0; z->c.masters && g < z->n_groups; g++)
-        if (scale_(z->master_grads[g], f)) return -1;
+    if (z->c.masters && scale_all(z->n_groups, z->master_grads, f)) return -1;
     for (int i = 0; i < z->n; i++) {
         ds_tensor *g = z->p[i].param->grad;
         if (g && scale_(g, f)) return -1;
@@ -642,12 +662,35 @@ int ds_zero_set_step_fn(ds_zero *z, ds_zero_step_fn fn, void *ud) {
     return 0;
 }
 
-static int optimizer_step(ds_zero *z, const ds_optim_hparams *h) {
+/* Whether the optimizer's kernels do more in their own pass (the
+ * gradients' factor, the 16-bit parameters): not a step function's (it
+ * reads the gradients itself) nor Lamb's (its grad_scale divides, in
+ * numerics of its own, and its update takes two passes). */
+static bool fused_step(const ds_zero *z) { return !z->step_fn && z->optim->kind != DS_OPTIM_LAMB; }
+
+/* Group g's 16-bit parameters where the optimizer's pass writes them along
+ * with the master (refresh leaves them then), else NULL: back to back in
+ * flat_params, bf16 or f16, on the masters' device. flat_params[g] holds
+ * group_len[g] elements, the master's length (make_masters pads only an
+ * empty group's master, and that group has no flat_params). */
+static ds_tensor *written_by_step(const ds_zero *z, int g) {
+    ds_tensor *t = z->flat_params ? z->flat_params[g] : NULL;
+    if (!t || !fused_step(z) || (t->dtype != DS_BF16 && t->dtype != DS_F16)) return NULL;
+    return ds_device_equal(ds_tensor_device(t), ds_tensor_device(z->masters[g])) ? t : NULL;
+}
+
+/* The optimizer's step on the n gradient buffers times f: in its kernels'
+ * pass where they can take it, else by scaling the buffers first. */
+static int optimizer_step(ds_zero *z, const ds_optim_hparams *h, int n, ds_tensor *const *grads, double f) {
+    bool fused = fused_step(z);
+    if (!fused && scale_all(n, grads, f)) return -1;
     if (z->step_fn) return z->step_fn(z->step_ud, h);
     for (int g = 0; g < z->optim->n_groups; g++) {
         if (ds_optim_check_hparams(z->optim->kind, &h[g], g)) return -1;
         bool shared = z->parts > 1 && z->world > 1;
-        if (ds_optim_step_shared(z->optim, g, &h[g], shared ? sum_over_ranks : NULL, z)) return -1;
+        if (ds_optim_step_shared(z->optim, g, &h[g], fused ? f : 1, written_by_step(z, g),
+                                 shared ? sum_over_ranks : NULL, z))
+            return -1;
     }
     return 0;
 }
@@ -663,14 +706,17 @@ static int zero_grads(ds_zero *z) {
     return 0;
 }
 
-/* Parameters from masters: stage 0 copies (casting); otherwise each
- * bucket's updated shards are all-gathered (one rank: a copy) into the
- * parameters kept whole, and stage 3's own shards are refreshed. */
-static int refresh(ds_zero *z, ds_tensor *const *masters) {
+/* Parameters from masters: stage 0 copies (casting), but for the groups
+ * the optimizer's pass has written when stepped; otherwise each bucket's
+ * updated shards are all-gathered (one rank: a copy) into the parameters
+ * kept whole, and stage 3's own shards are refreshed. */
+static int refresh(ds_zero *z, ds_tensor *const *masters, bool stepped) {
     int rc = 0;
     if (z->parts == 1 && z->c.stage != 3) {
-        for (int g = 0; g < z->n_groups && rc == 0; g++)
-            if (z->flat_params[g]) rc = ds_zero_copy_elements(z->flat_params[g], 0, masters[g], 0, z->group_len[g]);
+        for (int g = 0; g < z->n_groups && rc == 0; g++) {
+            if (z->flat_params[g] && !(stepped && written_by_step(z, g)))
+                rc = ds_zero_copy_elements(z->flat_params[g], 0, masters[g], 0, z->group_len[g]);
+        }
         for (int i = 0; i < z->n && rc == 0; i++) {
             zparam *q = &z->p[i];
             if (!z->flat_params[q->group]) rc = ds_zero_copy_elements(q->param, 0, masters[q->group], q->offset, q->numel);
@@ -732,15 +778,17 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
         /* plain data parallel: the reduced gradients are the same on every
          * rank, so clipping needs no agreement (torch's clip_grad_norm_)
          * but over a pipeline's stages */
+        int n = z->optim->n_groups;
+        ds_tensor *grads[n];
+        for (int g = 0; g < n; g++) grads[g] = z->optim->groups[g].flat_grads;
+        double coef = 1;
         if (clip > 0) {
-            ds_tensor *grads[z->optim->n_groups];
-            for (int g = 0; g < z->optim->n_groups; g++) grads[g] = z->optim->groups[g].flat_grads;
-            rc = grad_stats(z, z->optim->n_groups, grads, false, &sq, &bad);
-            double total = sqrt(sq), coef = clip / (total + 1e-6);
-            for (int g = 0; g < z->optim->n_groups && rc == 0 && coef < 1; g++) rc = scale_(grads[g], coef);
+            rc = grad_stats(z, n, grads, false, &sq, &bad);
+            double total = sqrt(sq), c = clip / (total + 1e-6);
+            if (c < 1) coef = c;
             out->grad_norm = total;
         }
-        if (rc == 0) rc = optimizer_step(z, h);
+        if (rc == 0) rc = optimizer_step(z, h, n, grads, coef);
         if (rc == 0) rc = zero_grads(z);
         ds_set_grad_enabled(prev);
         return rc;
@@ -759,11 +807,13 @@ int ds_zero_step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, doubl
             if (c > 1) combined = c * loss_scale;
         }
         double f = 1 / (n * combined);
-        for (int g = 0; g < z->n_groups && rc == 0 && f != 1; g++) rc = scale_(z->master_grads[g], f);
         out->grad_norm = norm / loss_scale;
-        if (rc == 0 && z->optim) {
-            rc = optimizer_step(z, h);
-            if (rc == 0) rc = refresh(z, z->masters);
+        if (!z->optim) {
+            /* streamed: its optimizer reads the master gradients next */
+            rc = scale_all(z->n_groups, z->master_grads, f);
+        } else {
+            rc = optimizer_step(z, h, z->n_groups, z->master_grads, f);
+            if (rc == 0) rc = refresh(z, z->masters, true);
             if (rc == 0) rc = zero_grads(z);
         }
     }
@@ -784,7 +834,7 @@ int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters) {
                            (long long)z->group_len[g]), -1;
     }
     bool prev = ds_set_grad_enabled(false);
-    int rc = refresh(z, masters);
+    int rc = refresh(z, masters, false);
     if (rc == 0) rc = zero_grads(z);
     ds_set_grad_enabled(prev);
     return rc;
@@ -794,7 +844,7 @@ int ds_zero_sync_params(ds_zero *z) {
     if (!z->c.masters || !z->optim)
         return ds_fail(DS_ERR_STATE, "step engine: sync_params needs masters with an optimizer attached"), -1;
     bool prev = ds_set_grad_enabled(false);
-    int rc = refresh(z, z->masters);
+    int rc = refresh(z, z->masters, false);
     ds_set_grad_enabled(prev);
     return rc;
 }

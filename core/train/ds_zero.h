@@ -31,9 +31,11 @@
  *
  * The step: wait for the buckets; one fused pass over the gradients (sum of
  * squares and inf/nan count, kept on the device); one agreement across
- * ranks (the only host synchronisation); the overflow skip, unscale and
- * clip; the fused optimizer on this rank's shard; the new weights back
- * into the parameters (cast, all-gathered from stage 1). */
+ * ranks (the only host synchronisation); the overflow skip; the fused
+ * optimizer on this rank's shard, which takes the unscale and clip factor
+ * in its pass and, with nothing partitioned, writes the 16-bit parameters
+ * there too; otherwise the new weights back into the parameters (cast,
+ * all-gathered from stage 1). */
 #ifndef DS_ZERO_H
 #define DS_ZERO_H
 

@@ -6,14 +6,24 @@
 #include "../ds_optim.h"
 
 #define CPU_OPTIM_CHUNK 16384
+#define CPU_OPTIM_BLOCK 1024      /* scaled gradients that stay in L1 */
+
+typedef struct optim_ctx optim_ctx;
+
+/* One kind's update of [lo, hi), g[i - lo] being element i's gradient. */
+typedef void (*update_fn)(const optim_ctx *x, const float *g, int64_t lo, int64_t hi);
 
 /* The buffers the update reads and writes, and its f32 hyperparameters. */
-typedef struct {
+struct optim_ctx {
     float *p, *m, *v;
     const float *g;
+    float grad_scale;
+    update_fn update;
+    uint16_t *shadow;           /* the 16-bit copy of p, or NULL */
+    ds_dtype shadow_dtype;
     float lr, wd, beta1, beta2, eps, a, b, c;
     int flag1, flag2;
-} optim_ctx;
+};
 
 typedef void (*chunk_fn)(const optim_ctx *x, int64_t lo, int64_t hi);
 
@@ -32,70 +42,102 @@ static void run_chunks(chunk_fn fn, const optim_ctx *x, int64_t lo, int64_t hi) 
     }
 }
 
+/* The block's updated parameters into their 16-bit copy, while in L1. */
+static void store_shadow(const optim_ctx *x, int64_t lo, int64_t hi) {
+    const float *restrict p = x->p;
+    uint16_t *restrict s = x->shadow;
+    ds_dtype t = x->shadow_dtype;
+    #pragma omp simd
+    for (int64_t i = lo; i < hi; i++) s[i] = ds_optim_half(p[i], t);
+}
+
+/* x->update over [lo, hi) a block at a time. The gradients are scaled in
+ * a loop of their own, so each product is rounded to f32 as a separate
+ * scaling pass rounds it; inside the update's loop the compiler could fuse
+ * it into a multiply-add. */
+static void update_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+    float scaled[CPU_OPTIM_BLOCK];
+    for (int64_t a = lo; a < hi; a += CPU_OPTIM_BLOCK) {
+        int64_t b = a + CPU_OPTIM_BLOCK < hi ? a + CPU_OPTIM_BLOCK : hi;
+        const float *g = x->g + a;
+        if (x->grad_scale != 1.0f) {
+            for (int64_t i = a; i < b; i++) scaled[i - a] = x->g[i] * x->grad_scale;
+            g = scaled;
+        }
+        x->update(x, g, a, b);
+        if (x->shadow) store_shadow(x, a, b);
+    }
+}
+
+/* Checks the buffers (bufs[0] is p) and the 16-bit copy, then updates. */
+static int run_update(const char *op, optim_ctx *x, const ds_kview *bufs, int k, ds_kview shadow) {
+    int64_t n = ds_kview_numel(&bufs[0]);
+    if (ds_optim_check_buffers(op, bufs, k) || ds_optim_check_shadow(op, shadow, n)) return -1;
+    x->shadow = shadow.data;
+    x->shadow_dtype = shadow.dtype;
+    run_chunks(update_chunk, x, 0, n);
+    return 0;
+}
+
 /* ---- SGD ---- */
 
-static void sgd_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+static void sgd_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
     float *restrict p = x->p, *restrict buf = x->m;
-    const float *restrict g = x->g;
     float lr = x->lr, wd = x->wd, mom = x->a, damp = x->b;
     int nesterov = x->flag1, first = x->flag2;
     if (!buf) {
         #pragma omp simd
-        for (int64_t i = lo; i < hi; i++) ds_sgd_elem(&p[i], g[i], lr, wd);
+        for (int64_t i = lo; i < hi; i++) ds_sgd_elem(&p[i], g[i - lo], lr, wd);
         return;
     }
     #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) ds_sgd_momentum_elem(&p[i], &buf[i], g[i], lr, wd, mom, damp, nesterov, first);
+    for (int64_t i = lo; i < hi; i++)
+        ds_sgd_momentum_elem(&p[i], &buf[i], g[i - lo], lr, wd, mom, damp, nesterov, first);
 }
 
-static int cpu_sgd(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h) {
+static int cpu_sgd(ds_kview p, ds_kview g, ds_kview buf, ds_kview shadow, const ds_sgd_params *h) {
     ds_kview v[3] = { p, g, buf };
-    if (ds_optim_check_buffers("sgd", v, 3)) return -1;
-    optim_ctx x = { .p = p.data, .m = buf.data, .g = g.data, .lr = (float)h->lr, .wd = (float)h->weight_decay,
+    optim_ctx x = { .p = p.data, .m = buf.data, .g = g.data, .grad_scale = (float)h->grad_scale,
+                    .update = sgd_update, .lr = (float)h->lr, .wd = (float)h->weight_decay,
                     .a = (float)h->momentum, .b = (float)h->dampening, .flag1 = h->nesterov, .flag2 = h->first };
-    run_chunks(sgd_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    return run_update("sgd", &x, v, 3, shadow);
 }
 
 /* ---- Adam, AdamW ---- */
 
-static void adam_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+static void adam_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
     float *restrict p = x->p, *restrict m = x->m, *restrict v = x->v;
-    const float *restrict g = x->g;
     float b1 = x->beta1, b2 = x->beta2, eps = x->eps, wd = x->wd, decay = x->a, step = x->b, sbc2 = x->c;
     int decoupled = x->flag1;
     #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) ds_adam_elem(&p[i], &m[i], &v[i], g[i], b1, b2, eps, wd, decay, step, sbc2, decoupled);
+    for (int64_t i = lo; i < hi; i++)
+        ds_adam_elem(&p[i], &m[i], &v[i], g[i - lo], b1, b2, eps, wd, decay, step, sbc2, decoupled);
 }
 
-static int cpu_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h) {
+static int cpu_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview shadow, const ds_adam_params *h) {
     ds_kview b[4] = { p, g, m, v };
-    if (ds_optim_check_buffers("adam", b, 4)) return -1;
-    optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .g = g.data, .beta1 = (float)h->beta1,
-                    .beta2 = (float)h->beta2, .eps = (float)h->eps, .wd = (float)h->weight_decay,
-                    .a = (float)h->decay, .b = (float)h->step_size, .c = (float)h->sqrt_bc2,
-                    .flag1 = h->decoupled };
-    run_chunks(adam_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .g = g.data, .grad_scale = (float)h->grad_scale,
+                    .update = adam_update, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
+                    .eps = (float)h->eps, .wd = (float)h->weight_decay, .a = (float)h->decay,
+                    .b = (float)h->step_size, .c = (float)h->sqrt_bc2, .flag1 = h->decoupled };
+    return run_update("adam", &x, b, 4, shadow);
 }
 
 /* ---- Adagrad ---- */
 
-static void adagrad_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+static void adagrad_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
     float *restrict p = x->p, *restrict sum = x->m;
-    const float *restrict g = x->g;
     float clr = x->lr, eps = x->eps, wd = x->wd;
     #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) ds_adagrad_elem(&p[i], &sum[i], g[i], clr, eps, wd);
+    for (int64_t i = lo; i < hi; i++) ds_adagrad_elem(&p[i], &sum[i], g[i - lo], clr, eps, wd);
 }
 
-static int cpu_adagrad(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h) {
+static int cpu_adagrad(ds_kview p, ds_kview g, ds_kview sum, ds_kview shadow, const ds_adagrad_params *h) {
     ds_kview b[3] = { p, g, sum };
-    if (ds_optim_check_buffers("adagrad", b, 3)) return -1;
-    optim_ctx x = { .p = p.data, .m = sum.data, .g = g.data, .lr = (float)h->clr, .eps = (float)h->eps,
+    optim_ctx x = { .p = p.data, .m = sum.data, .g = g.data, .grad_scale = (float)h->grad_scale,
+                    .update = adagrad_update, .lr = (float)h->clr, .eps = (float)h->eps,
                     .wd = (float)h->weight_decay };
-    run_chunks(adagrad_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    return run_update("adagrad", &x, b, 3, shadow);
 }
 
 /* ---- Lamb: moments and each piece's norms, then the scaled update ---- */
@@ -173,21 +215,19 @@ static int cpu_lamb_apply(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg
 
 /* ---- Lion ---- */
 
-static void lion_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+static void lion_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
     float *restrict p = x->p, *restrict m = x->m;
-    const float *restrict g = x->g;
     float lr = x->lr, b1 = x->beta1, b2 = x->beta2, decay = x->a;
     #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) ds_lion_elem(&p[i], &m[i], g[i], lr, b1, b2, decay);
+    for (int64_t i = lo; i < hi; i++) ds_lion_elem(&p[i], &m[i], g[i - lo], lr, b1, b2, decay);
 }
 
-static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h) {
+static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, ds_kview shadow, const ds_lion_params *h) {
     ds_kview b[3] = { p, g, m };
-    if (ds_optim_check_buffers("lion", b, 3)) return -1;
-    optim_ctx x = { .p = p.data, .m = m.data, .g = g.data, .lr = (float)h->lr, .beta1 = (float)h->beta1,
-                    .beta2 = (float)h->beta2, .a = (float)h->decay };
-    run_chunks(lion_chunk, &x, 0, ds_kview_numel(&p));
-    return 0;
+    optim_ctx x = { .p = p.data, .m = m.data, .g = g.data, .grad_scale = (float)h->grad_scale,
+                    .update = lion_update, .lr = (float)h->lr, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
+                    .a = (float)h->decay };
+    return run_update("lion", &x, b, 3, shadow);
 }
 
 /* ---- the 1-bit optimizers ---- */

@@ -13,61 +13,95 @@
 
 static unsigned elem_blocks(int64_t n) { return ds_cuda_blocks(n, DS_CUDA_THREADS); }
 
+/* The gradient times the step's grad_scale, rounded to f32 on its own as
+ * a separate scaling pass rounds it (never fused into a multiply-add). */
+static __device__ float scaled(float g, float grad_scale) { return __fmul_rn(g, grad_scale); }
+
+/* The 16-bit copy of p (shadow NULL: none): its run's checks, and one
+ * element's store after its update. */
+struct shadow_args {
+    uint16_t *data;
+    ds_dtype dtype;
+};
+
+static int shadow_of(const char *op, ds_kview shadow, int64_t n, shadow_args *out) {
+    if (ds_optim_check_shadow(op, shadow, n)) return -1;
+    out->data = (uint16_t *)shadow.data;
+    out->dtype = shadow.dtype;
+    return 0;
+}
+
+static __device__ void store_shadow(shadow_args s, int64_t i, float p) {
+    if (s.data) s.data[i] = ds_optim_half(p, s.dtype);
+}
+
 /* ---- SGD ---- */
 
-static __global__ void sgd_kernel(float *p, float *buf, const float *g, int64_t n, float lr, float wd, float mom,
-                                  float damp, int nesterov, int first) {
+static __global__ void sgd_kernel(float *p, float *buf, const float *g, shadow_args sh, int64_t n, float grad_scale,
+                                  float lr, float wd, float mom, float damp, int nesterov, int first) {
     DS_CUDA_LOOP(i, n) {
-        if (buf) ds_sgd_momentum_elem(&p[i], &buf[i], g[i], lr, wd, mom, damp, nesterov, first);
-        else ds_sgd_elem(&p[i], g[i], lr, wd);
+        float gs = scaled(g[i], grad_scale);
+        if (buf) ds_sgd_momentum_elem(&p[i], &buf[i], gs, lr, wd, mom, damp, nesterov, first);
+        else ds_sgd_elem(&p[i], gs, lr, wd);
+        store_shadow(sh, i, p[i]);
     }
 }
 
-static int cuda_sgd(ds_kview p, ds_kview g, ds_kview buf, const ds_sgd_params *h) {
+static int cuda_sgd(ds_kview p, ds_kview g, ds_kview buf, ds_kview shadow, const ds_sgd_params *h) {
     ds_kview v[3] = { p, g, buf };
-    if (ds_optim_check_buffers("sgd", v, 3)) return -1;
     int64_t n = ds_kview_numel(&p);
+    shadow_args sh;
+    if (ds_optim_check_buffers("sgd", v, 3) || shadow_of("sgd", shadow, n, &sh)) return -1;
     if (n == 0) return 0;
     sgd_kernel<<<elem_blocks(n), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-        (float *)p.data, (float *)buf.data, (const float *)g.data, n, (float)h->lr, (float)h->weight_decay,
-        (float)h->momentum, (float)h->dampening, h->nesterov, h->first);
+        (float *)p.data, (float *)buf.data, (const float *)g.data, sh, n, (float)h->grad_scale, (float)h->lr,
+        (float)h->weight_decay, (float)h->momentum, (float)h->dampening, h->nesterov, h->first);
     return ds_cuda_launched("sgd_kernel");
 }
 
 /* ---- Adam, AdamW ---- */
 
-static __global__ void adam_kernel(float *p, float *m, float *v, const float *g, int64_t n, float b1, float b2,
-                                   float eps, float wd, float decay, float step, float sbc2, int decoupled) {
-    DS_CUDA_LOOP(i, n) ds_adam_elem(&p[i], &m[i], &v[i], g[i], b1, b2, eps, wd, decay, step, sbc2, decoupled);
+static __global__ void adam_kernel(float *p, float *m, float *v, const float *g, shadow_args sh, int64_t n,
+                                   float grad_scale, float b1, float b2, float eps, float wd, float decay, float step,
+                                   float sbc2, int decoupled) {
+    DS_CUDA_LOOP(i, n) {
+        ds_adam_elem(&p[i], &m[i], &v[i], scaled(g[i], grad_scale), b1, b2, eps, wd, decay, step, sbc2, decoupled);
+        store_shadow(sh, i, p[i]);
+    }
 }
 
-static int cuda_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, const ds_adam_params *h) {
+static int cuda_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview shadow, const ds_adam_params *h) {
     ds_kview b[4] = { p, g, m, v };
-    if (ds_optim_check_buffers("adam", b, 4)) return -1;
     int64_t n = ds_kview_numel(&p);
+    shadow_args sh;
+    if (ds_optim_check_buffers("adam", b, 4) || shadow_of("adam", shadow, n, &sh)) return -1;
     if (n == 0) return 0;
     adam_kernel<<<elem_blocks(n), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-        (float *)p.data, (float *)m.data, (float *)v.data, (const float *)g.data, n, (float)h->beta1,
-        (float)h->beta2, (float)h->eps, (float)h->weight_decay, (float)h->decay, (float)h->step_size,
+        (float *)p.data, (float *)m.data, (float *)v.data, (const float *)g.data, sh, n, (float)h->grad_scale,
+        (float)h->beta1, (float)h->beta2, (float)h->eps, (float)h->weight_decay, (float)h->decay, (float)h->step_size,
         (float)h->sqrt_bc2, h->decoupled);
     return ds_cuda_launched("adam_kernel");
 }
 
 /* ---- Adagrad ---- */
 
-static __global__ void adagrad_kernel(float *p, float *sum, const float *g, int64_t n, float clr, float eps,
-                                      float wd) {
-    DS_CUDA_LOOP(i, n) ds_adagrad_elem(&p[i], &sum[i], g[i], clr, eps, wd);
+static __global__ void adagrad_kernel(float *p, float *sum, const float *g, shadow_args sh, int64_t n,
+                                      float grad_scale, float clr, float eps, float wd) {
+    DS_CUDA_LOOP(i, n) {
+        ds_adagrad_elem(&p[i], &sum[i], scaled(g[i], grad_scale), clr, eps, wd);
+        store_shadow(sh, i, p[i]);
+    }
 }
 
-static int cuda_adagrad(ds_kview p, ds_kview g, ds_kview sum, const ds_adagrad_params *h) {
+static int cuda_adagrad(ds_kview p, ds_kview g, ds_kview sum, ds_kview shadow, const ds_adagrad_params *h) {
     ds_kview b[3] = { p, g, sum };
-    if (ds_optim_check_buffers("adagrad", b, 3)) return -1;
     int64_t n = ds_kview_numel(&p);
+    shadow_args sh;
+    if (ds_optim_check_buffers("adagrad", b, 3) || shadow_of("adagrad", shadow, n, &sh)) return -1;
     if (n == 0) return 0;
     adagrad_kernel<<<elem_blocks(n), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-        (float *)p.data, (float *)sum.data, (const float *)g.data, n, (float)h->clr, (float)h->eps,
-        (float)h->weight_decay);
+        (float *)p.data, (float *)sum.data, (const float *)g.data, sh, n, (float)h->grad_scale, (float)h->clr,
+        (float)h->eps, (float)h->weight_decay);
     return ds_cuda_launched("adagrad_kernel");
 }
 
@@ -259,19 +293,23 @@ static int cuda_lamb_apply(ds_kview p, ds_kview m, ds_kview v, const int64_t *se
 
 /* ---- Lion ---- */
 
-static __global__ void lion_kernel(float *p, float *m, const float *g, int64_t n, float lr, float b1, float b2,
-                                   float decay) {
-    DS_CUDA_LOOP(i, n) ds_lion_elem(&p[i], &m[i], g[i], lr, b1, b2, decay);
+static __global__ void lion_kernel(float *p, float *m, const float *g, shadow_args sh, int64_t n, float grad_scale,
+                                   float lr, float b1, float b2, float decay) {
+    DS_CUDA_LOOP(i, n) {
+        ds_lion_elem(&p[i], &m[i], scaled(g[i], grad_scale), lr, b1, b2, decay);
+        store_shadow(sh, i, p[i]);
+    }
 }
 
-static int cuda_lion(ds_kview p, ds_kview g, ds_kview m, const ds_lion_params *h) {
+static int cuda_lion(ds_kview p, ds_kview g, ds_kview m, ds_kview shadow, const ds_lion_params *h) {
     ds_kview b[3] = { p, g, m };
-    if (ds_optim_check_buffers("lion", b, 3)) return -1;
     int64_t n = ds_kview_numel(&p);
+    shadow_args sh;
+    if (ds_optim_check_buffers("lion", b, 3) || shadow_of("lion", shadow, n, &sh)) return -1;
     if (n == 0) return 0;
     lion_kernel<<<elem_blocks(n), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-        (float *)p.data, (float *)m.data, (const float *)g.data, n, (float)h->lr, (float)h->beta1, (float)h->beta2,
-        (float)h->decay);
+        (float *)p.data, (float *)m.data, (const float *)g.data, sh, n, (float)h->grad_scale, (float)h->lr,
+        (float)h->beta1, (float)h->beta2, (float)h->decay);
     return ds_cuda_launched("lion_kernel");
 }
 

@@ -117,12 +117,14 @@ for name in pairs(DEFAULTS) do
   M[name] = function(params, opts) return new(name, params, opts) end
 end
 
--- ds.optim.apply(name, group, t, p, g, {state...} [, first]): one stateless
--- step of the kind's kernel on contiguous 1-D f32 views (p and the state
--- updated in place), for optimizers that hold their buffers elsewhere
--- (dslua.nvme streams them from files). group: hyperparameters as in
--- param_groups; t: the 1-based step; state in state_names(name) order;
--- first: SGD's momentum starts here (default t == 1). Lamb is refused.
+-- ds.optim.apply(name, group, t, p, g, {state...} [, first [, grad_scale]]):
+-- one stateless step of the kind's kernel on contiguous 1-D f32 views (p
+-- and the state updated in place), for optimizers that hold their buffers
+-- elsewhere (dslua.nvme streams them from files). group: hyperparameters as
+-- in param_groups; t: the 1-based step; state in state_names(name) order;
+-- first: SGD's momentum starts here (default t == 1); grad_scale: the step
+-- takes g times it, as g * grad_scale would give it (default 1; g is left
+-- as it is). Lamb is refused.
 M.apply = C.optim_apply
 -- Raises what apply would about group's hyperparameters.
 M.check_group = C.optim_check_group

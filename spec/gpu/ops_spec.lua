@@ -719,4 +719,24 @@ describe('optimizer steps on the GPU #gpu', function()
       end
     end)
   end
+
+  -- the step engine's clip factor, taken inside the kernel's pass
+  it('apply with a grad_scale equals scaling the gradient first, bit for bit', function()
+    ds.manual_seed(6)
+    for i, k in ipairs(kinds) do
+      if k[1] ~= 'Lamb' then
+        local group = ds.optim.defaults(k[1])
+        for key, v in pairs(k[2]) do group[key] = v end
+        local p0, g = to_dev(randn('f32', 40007)), to_dev(randn('f32', 40007))
+        local function step(scaled)
+          local p, state = p0:clone(), {}
+          for s = 1, #ds.optim.state_names(k[1]) do state[s] = to_dev(ds.zeros({ 40007 })) end
+          if scaled then ds.optim.apply(k[1], group, 1, p, g, state, nil, 0.37)
+          else ds.optim.apply(k[1], group, 1, p, g:clone():mul_(0.37), state) end
+          return p
+        end
+        H.assert_same(to_host(step(true)), to_host(step(false)), k[1] .. ' (setting ' .. i .. ')')
+      end
+    end
+  end)
 end)

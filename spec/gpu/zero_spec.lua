@@ -1,9 +1,9 @@
 -- ZeRO stages 0-3 on one rank on the GPU, through the step engine: the
 -- tiny GPT-2 of spec/models_spec.lua trained 20 AdamW steps in fp32 and in
 -- bf16; every stage follows stage 0 (fp32 within 1e-5, bf16 within 1e-2),
--- the loss falls, and the masters, their gradients and the optimizer state
--- live on the GPU; with clipping, the norms and losses follow the CPU's.
--- Skips without a GPU.
+-- the loss falls, the masters, their gradients and the optimizer state
+-- live on the GPU, and the bf16 parameters are the masters cast; with
+-- clipping, the norms and losses follow the CPU's. Skips without a GPU.
 local H = require 'helpers'
 local ds = H.ds
 local GPT = require 'models.gpt2'
@@ -28,6 +28,14 @@ local function train(F, stage, bf16, clip)
     local master = engine.zero.engine:master(1)
     assert.are.equal(dev, master:device())
     assert.are.equal(dev, engine.zero.optimizer:flat_state(1, 'exp_avg'):device())
+  end
+  if bf16 and stage < 3 then
+    -- the optimizer's pass wrote the bf16 parameters: the masters cast
+    local master, at = engine.zero.engine:master(1), 0
+    for _, p in ipairs(model:parameters()) do
+      H.assert_same(p:view(-1):cpu(), master:narrow(1, at + 1, p:numel()):to('bf16'):cpu(), 'bf16 parameters')
+      at = at + p:numel()
+    end
   end
   engine:destroy()
   return losses, norms
