@@ -20,6 +20,31 @@ describe('cpu elementwise tiles', function()
     assert.are.equal(0, max_diff(t - a, (t:double() - a:double()):float()))
   end)
 
+  -- + - * / over mixes of f32, bf16 and f16 run widened to f32 (bit for bit
+  -- the f64 route); the values span many binades, and 0 is a divisor too
+  it('+ - * / over mixed float dtypes equal the f64 route rounded once', function()
+    local function values(dt, ...)
+      return (ds.randn({ ... }) * ds.exp(ds.randn({ ... }) * 6)):to(dt)
+    end
+    local ops = { function(x, y) return x + y end, function(x, y) return x - y end,
+                  function(x, y) return x * y end, function(x, y) return x / y end }
+    for _, dts in ipairs { { 'bf16', 'bf16' }, { 'f16', 'f16' }, { 'bf16', 'f32' }, { 'f32', 'f16' },
+                           { 'f16', 'bf16' } } do
+      local a = values(dts[1], 3, 9001)
+      for _, b in ipairs { values(dts[2], 3, 9001), values(dts[2], 9001), values(dts[2], 1), ds.zeros(1):to(dts[2]) } do
+        for k, op in ipairs(ops) do
+          local got = op(a, b)
+          local want = op(a:to('f64'), b:to('f64')):to(got:dtype())
+          H.assert_same(got, want, string.format('%s op %d %s [%s]', dts[1], k, dts[2], table.concat(b:size(), 'x')))
+        end
+      end
+    end
+    local m, g = ds.randn(5, 20000), ds.randn(5, 20000):to('bf16')
+    local want = (m:to('f64') + g:to('f64')):to('f32')
+    m:add_(g)
+    H.assert_same(m, want, 'f32 += bf16 in place')
+  end)
+
   it('in-place add, unary, where and unary backward cover every element', function()
     local a, b = ds.randn(5, 20000), ds.randn(5, 20000)
     local want = (a:double() + b:double()):float()

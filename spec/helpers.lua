@@ -50,13 +50,16 @@ function H.assert_close(actual, expected, tol, what)
   return true
 end
 
--- Asserts actual equals expected element by element, exactly (NaN never
--- equal); the message names the first element that does not.
+-- Asserts actual equals expected element by element, exactly (a NaN
+-- matches only a NaN); the message names the first element that does not.
 function H.assert_same(actual, expected, what)
   local a, e = actual:to('f64'):view(-1):totable(), expected:to('f64'):view(-1):totable()
   assert(#a == #e, string.format('%s: %d elements, expected %d', what, #a, #e))
   for i = 1, #e do
-    if a[i] ~= e[i] then error(string.format('%s: element %d is %.9g, expected %.9g', what, i, a[i], e[i]), 2) end
+    local both_nan = a[i] ~= a[i] and e[i] ~= e[i]
+    if a[i] ~= e[i] and not both_nan then
+      error(string.format('%s: element %d is %.9g, expected %.9g', what, i, a[i], e[i]), 2)
+    end
   end
 end
 
