@@ -178,6 +178,9 @@ describe('elementwise ops on the GPU #gpu', function()
     return function(a, w, b, v) return a + w, b + v, w + a end,
            { randn(dt, 33, 64), randn(dt, 64), randn(dt, 33, 13), randn(dt, 13) }
   end)
+  each(FLOATS, 'bias add with rows of 24 (words of 8 in chunks of 16 across rows)', function(dt)
+    return function(a, w) return a * w + w end, { randn(dt, 33, 24), randn(dt, 24) }
+  end)
   each(FLOATS, 'misaligned contiguous views (one element in)', function(dt)
     return function(a, b) return a:narrow(1, 2, 999) + b:narrow(1, 1, 999), a:narrow(1, 2, 999):tanh() end,
            { randn(dt, 1001), randn(dt, 1001) }
