@@ -363,6 +363,18 @@ describe('the step, against the same step done by hand', function()
     end
   end
 
+  it('a graph from before the step fails its backward: the step changed the weights it saved', function()
+    local e = engine { bf16 = { enabled = true }, optimizer = OPTIMIZERS[1] }
+    local batch = { x = ds.randn(8, 6), y = ds.randn(8, 3) }
+    local stale = e(batch)
+    e:backward(e(batch))
+    e:step()
+    local ok, err = pcall(function() e:backward(stale) end)
+    assert.is_false(ok)
+    assert.matches("modified in place by the optimizer's step", err)
+    e:destroy()
+  end)
+
   it('Lamb (gradients scaled apart) leaves the bf16 parameters the masters cast', function()
     local e = engine { bf16 = { enabled = true }, gradient_clipping = 0.01,
                        optimizer = { type = 'Lamb', params = { lr = 1e-2 } } }

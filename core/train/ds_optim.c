@@ -391,6 +391,9 @@ int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, boo
         break;
     }
     if (rc) return ds_fail(DS_ERR_STATE, "optim.%s: %s", name, ds_kernel_error()), -1;
+    /* the 16-bit copy is the model's parameters: a graph that saved one
+     * must see it changed, as it saw the copy_ that wrote it before */
+    if (shadow) ds_storage_bump_version(shadow->storage, "the optimizer's step");
     return 0;
 }
 
