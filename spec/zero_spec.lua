@@ -363,6 +363,27 @@ describe('the step, against the same step done by hand', function()
     end
   end
 
+  it('a parameter with no elements steps at stages 0-3 (its shard of 0 divided by nothing)', function()
+    local Empty = ds.nn.Module:extend('ZeroEmpty')
+    function Empty:init()
+      self.fc = ds.nn.Linear(4, 2)
+      self:register_parameter('none', ds.zeros({ 0 }))
+    end
+    function Empty:forward(b) return ds.mse_loss(self.fc(b.x), b.y) + self.none:sum() end
+    for stage = 0, 3 do
+      ds.manual_seed(3)
+      local e = ds.initialize { model = Empty(), config = { train_batch_size = 2, steps_per_print = 1e9,
+        bf16 = { enabled = true }, optimizer = OPTIMIZERS[1], zero_optimization = { stage = stage } } }
+      local before = e.module.fc.weight:to('f32')
+      e:backward(e { x = ds.randn(2, 4), y = ds.randn(2, 2) })
+      e:step()
+      assert.are.equal(1, e.global_steps)
+      local moved = (e.module.fc.weight:to('f32') - before):abs():amax():item()
+      assert.is_true(moved > 0, 'stage ' .. stage .. ' stepped')
+      e:destroy()
+    end
+  end)
+
   it('a graph from before the step fails its backward: the step changed the weights it saved', function()
     local e = engine { bf16 = { enabled = true }, optimizer = OPTIMIZERS[1] }
     local batch = { x = ds.randn(8, 6), y = ds.randn(8, 3) }

@@ -368,6 +368,7 @@ static void add_stats_flight(ds_zero *z, const zflight *f) {
 /* Gradient g of parameter q into its columns of rows [P, width]: row r
  * gets shard r. Two copies: the full rows, then the short one. */
 static int copy_to_rows(ds_tensor *rows, int64_t col, const zparam *q, ds_tensor *g) {
+    if (q->numel == 0) return 0;     /* no columns, and a shard of 0 to divide by */
     int64_t s = q->shard, width = rows->shape[1];
     int64_t full = q->numel / s, rem = q->numel % s;
     int rc = 0;
