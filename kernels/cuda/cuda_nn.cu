@@ -90,7 +90,6 @@ static int cuda_softmax(ds_kview y, ds_kview x, int64_t outer, int64_t n, int64_
     int64_t rows = outer * inner;
     if (rows == 0 || n == 0) return 0;
     const ds_kview *v[2] = { &y, &x };
-    int th = pw_row_threads(n);
     if (int w = row_words(n, inner, v, 2)) {
         static void (*const kernel[ROW_MAX_WORDS])(ds_kview, ds_kview, int64_t, int64_t, int) = {
             softmax_warp_kernel<1>, softmax_warp_kernel<2>, softmax_warp_kernel<3>, softmax_warp_kernel<4>,
@@ -98,6 +97,7 @@ static int cuda_softmax(ds_kview y, ds_kview x, int64_t outer, int64_t n, int64_
         kernel[w - 1]<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(y, x, rows, n, as_log);
         return ds_cuda_launched("softmax_warp_kernel");
     }
+    int th = pw_row_threads(n);
     if (pw_any_f64(v, 2))
         softmax_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, x, rows, n, inner, as_log);
     else
@@ -156,7 +156,6 @@ static int cuda_softmax_backward(ds_kview dx, ds_kview g, ds_kview y, int64_t ou
     int64_t rows = outer * inner;
     if (rows == 0 || n == 0) return 0;
     const ds_kview *v[3] = { &dx, &g, &y };
-    int th = pw_row_threads(n);
     if (int w = row_words(n, inner, v, 3)) {
         static void (*const kernel[ROW_MAX_WORDS])(ds_kview, ds_kview, ds_kview, int64_t, int64_t, int) = {
             softmax_backward_warp_kernel<1>, softmax_backward_warp_kernel<2>, softmax_backward_warp_kernel<3>,
@@ -165,6 +164,7 @@ static int cuda_softmax_backward(ds_kview dx, ds_kview g, ds_kview y, int64_t ou
         kernel[w - 1]<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(dx, g, y, rows, n, as_log);
         return ds_cuda_launched("softmax_backward_warp_kernel");
     }
+    int th = pw_row_threads(n);
     if (pw_any_f64(v, 3))
         softmax_backward_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(dx, g, y, rows, n, inner,
                                                                                       as_log);
