@@ -91,6 +91,20 @@ DS_HOSTDEV float ds_gelu_tanh_f(float x) {
     return x < -10.0f ? -0.0f : y;
 }
 
+/* d/dx of ds_gelu_tanh_f's x s(2u): s + 2 x s (1 - s) du/dx, in f32 for
+ * the vectorised loops of GELU's backward. Beyond |x| = 10, s is 0 or 1 in
+ * f32 and so is the gradient; the formula would give NaN there once x * x
+ * overflows (|x| > 1.8e19, infinities too). */
+DS_HOSTDEV float ds_gelu_tanh_grad_from_s(float x, float s) {
+    float g = s + 2.0f * x * s * (1.0f - s) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x);
+    return x > 10.0f ? 1.0f : x < -10.0f ? 0.0f : g;
+}
+
+DS_HOSTDEV float ds_gelu_tanh_grad_f(float x) {
+    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    return ds_gelu_tanh_grad_from_s(x, 1.0f / (1.0f + ds_expf(-2.0f * u)));
+}
+
 /* d op(x)/dx, given x and y = op(x) */
 DS_HOSTDEV double ds_unary_derivative(ds_unary_op op, double x, double y, double p) {
     switch (op) {

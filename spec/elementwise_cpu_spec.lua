@@ -1,5 +1,5 @@
 -- The CPU elementwise kernels on tensors large enough to be cut into tiles
--- and shared among threads, and the f32 GELU fast path against f64.
+-- and shared among threads, and the f32 GELU fast paths against f64.
 local H = require 'helpers'
 local ds = H.ds
 
@@ -75,5 +75,53 @@ describe('cpu gelu tanh, f32 fast path', function()
     assert.are.equal(0, y[4])
     assert.are.equal(0, y[5])
     assert.are.equal(ds.tensor({ 3e38 }):item(), y[6])
+  end)
+end)
+
+-- GELU's gradient at x, through autograd, in dtype dt
+local function gelu_grad(x, dt)
+  local xg = x:to(dt):detach():requires_grad_()
+  xg:gelu('tanh'):sum():backward()
+  return xg.grad
+end
+
+describe('cpu gelu tanh backward, f32 fast path', function()
+  it('is within 2e-6 of f64 over [-20, 20]', function()
+    local x = (ds.arange(-400000, 400000):to('f64') / 20000):float()
+    assert.is_true(max_diff(gelu_grad(x, 'f32'), gelu_grad(x, 'f64')) < 2e-6)
+  end)
+
+  it('is 1 and 0 far out and at the infinities, and NaN stays NaN', function()
+    local g = gelu_grad(ds.tensor({ 1e20, -1e20, 1 / 0, -1 / 0, 0 / 0, 11, -11 }), 'f32'):totable()
+    assert.are.same({ 1, 0, 1, 0 }, { g[1], g[2], g[3], g[4] })
+    assert.is_true(g[5] ~= g[5])
+    assert.are.same({ 1, 0 }, { g[6], g[7] })
+  end)
+end)
+
+-- bf16 and f16 widen to f32 exactly, so these paths are the f32 kernels'
+-- results rounded once
+describe('cpu unary ops on bf16 and f16', function()
+  local x = ds.randn(4, 9001) * 3
+
+  it('compute in f32 and round once, forward and GELU backward', function()
+    for _, dt in ipairs { 'bf16', 'f16' } do
+      local xd = x:to(dt)
+      for _, op in ipairs { 'tanh', 'exp', 'sigmoid', 'silu', 'relu', 'neg' } do
+        H.assert_same(ds[op](xd), ds[op](xd:float()):to(dt), dt .. ' ' .. op)
+      end
+      H.assert_same(xd:gelu('tanh'), xd:float():gelu('tanh'):to(dt), dt .. ' gelu')
+      H.assert_same(gelu_grad(xd, dt), gelu_grad(xd:float(), 'f32'):to(dt), dt .. ' gelu backward')
+    end
+  end)
+
+  it('take other gradients through f64, as before', function()
+    for _, dt in ipairs { 'bf16', 'f16' } do
+      local xd = x:to(dt):requires_grad_()
+      local y = ds.tanh(xd)
+      y:sum():backward()
+      local yd = y:detach():to('f64')
+      H.assert_same(xd.grad, (1 - yd * yd):to(dt), dt .. ' tanh backward')
+    end
   end)
 end)

@@ -158,25 +158,44 @@ static int cpu_binary(ds_binary_op op, ds_kview out, ds_kview a, ds_kview b) {
     return 0;
 }
 
+/* ---- unary ops and their backward over f32, bf16 and f16 ----
+ * Contiguous tiles are widened to f32 a block at a time and computed by
+ * the f32 loops the GPU's fast kernels also use: the op in f32 (GELU-tanh
+ * as ds_gelu_tanh_f), GELU-tanh's gradient as ds_gelu_tanh_grad_f, every
+ * other gradient through ds_unary_derivative in double, which equals the
+ * double route since bf16 and f16 widen to f32 exactly. */
+static void unary_f32(ds_unary_op op, float *o, const float *x, float p, int64_t n) {
+    if (op == DS_UN_GELU_TANH) {
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = ds_gelu_tanh_f(x[i]);
+    } else {
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) o[i] = ds_unary_apply_f(op, x[i], p);
+    }
+}
+
+static void unary_floats(ds_unary_op op, const ds_kview *out, int64_t oo, const ds_kview *x, int64_t ox, float p,
+                         int64_t c0, int64_t c1) {
+    float xs[CPU_FLOAT_BLOCK], os[CPU_FLOAT_BLOCK];
+    for (int64_t lo = c0; lo < c1; lo += CPU_FLOAT_BLOCK) {
+        int64_t n = c1 - lo < CPU_FLOAT_BLOCK ? c1 - lo : CPU_FLOAT_BLOCK;
+        float *o = out->dtype == DS_F32 ? (float *)out->data + oo + lo : os;
+        unary_f32(op, o, as_f32(x, ox + lo, n, xs), p, n);
+        if (o == os) store_f32(out, oo + lo, n, os);
+    }
+}
+
 static void unary_tile(ds_unary_op op, const ds_kview *out, const ds_kview *x, double param, int64_t t) {
     int64_t r, c0, c1;
     tile_at(out, t, &r, &c0, &c1);
     int64_t so = cpu_col_stride(out), sx = cpu_col_stride(x);
     int64_t oo = cpu_row_offset(out, r), ox = cpu_row_offset(x, r);
-    int fast = out->dtype == DS_F32 && x->dtype == DS_F32 && so == 1 && sx == 1;
-    float *o = fast ? (float *)out->data + oo : NULL, pf = (float)param;
-    const float *in = fast ? (const float *)x->data + ox : NULL;
-    if (fast && op == DS_UN_GELU_TANH) {
-        #pragma omp simd
-        for (int64_t c = c0; c < c1; c++) o[c] = ds_gelu_tanh_f(in[c]);
-    } else if (fast) {
-        #pragma omp simd
-        for (int64_t c = c0; c < c1; c++) o[c] = ds_unary_apply_f(op, in[c], pf);
-    } else {
-        for (int64_t c = c0; c < c1; c++)
-            ds_store(out->dtype, out->data, oo + c * so,
-                     ds_unary_apply(op, ds_load(x->dtype, x->data, ox + c * sx), param));
+    if (so == 1 && sx == 1 && f32ish(out->dtype) && f32ish(x->dtype)) {
+        unary_floats(op, out, oo, x, ox, (float)param, c0, c1);
+        return;
     }
+    for (int64_t c = c0; c < c1; c++)
+        ds_store(out->dtype, out->data, oo + c * so, ds_unary_apply(op, ds_load(x->dtype, x->data, ox + c * sx), param));
 }
 
 static int cpu_unary(ds_unary_op op, ds_kview out, ds_kview x, double param) {
@@ -192,6 +211,30 @@ static int cpu_unary(ds_unary_op op, ds_kview out, ds_kview x, double param) {
     return 0;
 }
 
+/* d = g * d op(x)/dx over n f32 values; y = op(x) */
+static void unary_backward_f32(ds_unary_op op, float *d, const float *g, const float *x, const float *y, double p,
+                               int64_t n) {
+    if (op == DS_UN_GELU_TANH) {
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[i] = g[i] * ds_gelu_tanh_grad_f(x[i]);
+    } else {
+        for (int64_t i = 0; i < n; i++) d[i] = (float)((double)g[i] * ds_unary_derivative(op, x[i], y[i], p));
+    }
+}
+
+static void unary_backward_floats(ds_unary_op op, const ds_kview *dx, int64_t od, const ds_kview *g, int64_t og,
+                                  const ds_kview *x, int64_t ox, const ds_kview *y, int64_t oy, double p, int64_t c0,
+                                  int64_t c1) {
+    float gs[CPU_FLOAT_BLOCK], xs[CPU_FLOAT_BLOCK], ys[CPU_FLOAT_BLOCK], ds[CPU_FLOAT_BLOCK];
+    for (int64_t lo = c0; lo < c1; lo += CPU_FLOAT_BLOCK) {
+        int64_t n = c1 - lo < CPU_FLOAT_BLOCK ? c1 - lo : CPU_FLOAT_BLOCK;
+        float *d = dx->dtype == DS_F32 ? (float *)dx->data + od + lo : ds;
+        const float *yv = op == DS_UN_GELU_TANH ? NULL : as_f32(y, oy + lo, n, ys);   /* GELU reads x alone */
+        unary_backward_f32(op, d, as_f32(g, og + lo, n, gs), as_f32(x, ox + lo, n, xs), yv, p, n);
+        if (d == ds) store_f32(dx, od + lo, n, ds);
+    }
+}
+
 static void unary_backward_tile(ds_unary_op op, const ds_kview *dx, const ds_kview *g, const ds_kview *x,
                                 const ds_kview *y, double param, int64_t t) {
     int64_t r, c0, c1;
@@ -199,6 +242,11 @@ static void unary_backward_tile(ds_unary_op op, const ds_kview *dx, const ds_kvi
     int64_t sd = cpu_col_stride(dx), sg = cpu_col_stride(g), sx = cpu_col_stride(x), sy = cpu_col_stride(y);
     int64_t od = cpu_row_offset(dx, r), og = cpu_row_offset(g, r);
     int64_t ox = cpu_row_offset(x, r), oy = cpu_row_offset(y, r);
+    if (sd == 1 && sg == 1 && sx == 1 && sy == 1 && f32ish(dx->dtype) && f32ish(g->dtype) && f32ish(x->dtype)
+        && f32ish(y->dtype)) {
+        unary_backward_floats(op, dx, od, g, og, x, ox, y, oy, param, c0, c1);
+        return;
+    }
     for (int64_t c = c0; c < c1; c++) {
         double xv = ds_load(x->dtype, x->data, ox + c * sx);
         double yv = ds_load(y->dtype, y->data, oy + c * sy);

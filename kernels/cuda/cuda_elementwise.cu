@@ -24,16 +24,9 @@ struct unary_f {
     __device__ float operator()(const float *a) const { return unary_f32(op, a[0], p); }
 };
 
-/* d/dx of ds_gelu_tanh_f's x s(2u): s + 2 x s (1 - s) du/dx */
-__device__ __forceinline__ float gelu_tanh_grad_f(float x) {
-    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
-    float s = 1.0f / (1.0f + ds_expf(-2.0f * u));
-    return s + 2.0f * x * s * (1.0f - s) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x);
-}
-
 /* inputs g, x: GELU-tanh, the training hot spot, in f32 without reading y */
 struct gelu_tanh_backward_f {
-    __device__ float operator()(const float *a) const { return a[0] * gelu_tanh_grad_f(a[1]); }
+    __device__ float operator()(const float *a) const { return a[0] * ds_gelu_tanh_grad_f(a[1]); }
 };
 
 /* GELU-tanh's sigmoid(2u) on the hardware's exp and reciprocal, for bf16
@@ -54,8 +47,8 @@ struct gelu_tanh_fast_f {
 
 struct gelu_tanh_backward_fast_f {
     __device__ float operator()(const float *a) const {
-        float x = a[1], s = gelu_tanh_sigmoid_fast(x);
-        return a[0] * (s + 2.0f * x * s * (1.0f - s) * 0.7978845608f * (1.0f + 3.0f * 0.044715f * x * x));
+        float x = a[1];
+        return a[0] * ds_gelu_tanh_grad_from_s(x, gelu_tanh_sigmoid_fast(x));
     }
 };
 
