@@ -256,15 +256,19 @@ int ds_linalg_linear_grads(const char *op, ds_tensor *gc, ds_tensor *x2, ds_tens
         ds_kview gt = gv;
         ds_gemm_transpose(&gt);
         /* on the GPU the bias gradient comes out of the weight gradient's
-         * GEMM (the BGRADB epilogue) where cuBLASLt has one for it */
+         * GEMM (the BGRADB epilogue) where cuBLASLt has one for it. A gin[2]
+         * the caller filled already (gelu_mlp's db1) is not that GEMM's. */
+        bool dw_done = false;
         if (gin[1] && want[2] && ds_linalg_on_gpu(w)) {
             gin[2] = ds_tensor_new(1, &outf, w->dtype, ds_tensor_device(w));
-            if (gin[2] && ds_cuda_gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2]))) {
+            dw_done = gin[2]
+                      && ds_cuda_gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2])) == 0;
+            if (!dw_done) {
                 ds_tensor_release(gin[2]);
                 gin[2] = NULL;
             }
         }
-        rc = !gin[1] || (!gin[2] && run_gemm(op, w, matrix_view(gin[1]), gt, matrix_view(x2), 0.0));
+        rc = !gin[1] || (!dw_done && run_gemm(op, w, matrix_view(gin[1]), gt, matrix_view(x2), 0.0));
     }
     if (rc == 0 && want[2] && !gin[2]) {
         ds_tensor *g2 = ds_reshape(gc, 2, gshape);

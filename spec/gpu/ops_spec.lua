@@ -676,8 +676,8 @@ describe('attention on the GPU #gpu', function()
       assert.are.equal('view', ds.qkv_attention(qkv, 2).grad_fn)
       assert.are.equal('qkv_attention', ds.qkv_attention(qkv:to('bf16'), 2).grad_fn)
       assert.are.equal('view', ds.qkv_attention(qkv:to('bf16'), 8).grad_fn)      -- head dim 16
-      -- past 2 GiB of scores (1 x 2 x 16384^2 f32) auto keeps to the fused kernel
-      local long = randn('f32', 1, 2, 16384, 16):cuda():requires_grad_()
+      -- past 2 GiB of scores (1 x 3 x 16384^2 f32: 3 GiB) auto keeps to the fused kernel
+      local long = randn('f32', 1, 3, 16384, 16):cuda():requires_grad_()
       assert.are.equal('scaled_dot_product_attention', ds.scaled_dot_product_attention(long, long, long).grad_fn)
     end)
   end
