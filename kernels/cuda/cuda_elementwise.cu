@@ -1,7 +1,8 @@
 /* Elementwise kernels on the GPU: one thread per element, grid-stride.
  * Views are coalesced on the host; a flat view is read at i, others
  * through their strides. All-f32 binary and unary ops compute in f32 (the
- * CPU's fast loops), everything else through double, as on the CPU.
+ * CPU's fast loops; GELU-tanh on the hardware's exp and reciprocal),
+ * everything else through double, as on the CPU.
  * Contiguous f32/bf16/f16 operands (and a bias row or one value broadcast)
  * take pw_fast_kernel instead: 16-byte accesses, f32 math, which for
  * bf16/f16 is within a unit in the last place of the f64 route. */
@@ -13,10 +14,25 @@ struct binary_f {
     __device__ float operator()(const float *a) const { return ds_binary_apply_f(op, a[0], a[1]); }
 };
 
-/* the f32 loops' GELU for GELU-tanh, ds_unary_apply_f for the rest */
-__device__ __forceinline__ float unary_f32(ds_unary_op op, float v, float p) {
-    return op == DS_UN_GELU_TANH ? ds_gelu_tanh_f(v) : ds_unary_apply_f(op, v, p);
+/* GELU-tanh's sigmoid(2u) on the hardware's exp and reciprocal: a few ulps
+ * from the CPU's ds_expf and division (the error of CUDA's own tanhf), and
+ * GELU's passes are bound by memory instead of by the polynomial and the
+ * division (f32 ran at 70% of the copy rate with them). */
+__device__ __forceinline__ float gelu_tanh_sigmoid_fast(float x) {
+    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
+    return __frcp_rn(1.0f + __expf(-2.0f * u));
 }
+
+__device__ __forceinline__ float gelu_tanh_fast(float x) { return x < -10.0f ? -0.0f : x * gelu_tanh_sigmoid_fast(x); }
+
+/* ds_unary_apply_f, with GELU-tanh on the fast sigmoid */
+__device__ __forceinline__ float unary_f32(ds_unary_op op, float v, float p) {
+    return op == DS_UN_GELU_TANH ? gelu_tanh_fast(v) : ds_unary_apply_f(op, v, p);
+}
+
+struct gelu_tanh_f {
+    __device__ float operator()(const float *a) const { return gelu_tanh_fast(a[0]); }
+};
 
 struct unary_f {
     ds_unary_op op;
@@ -26,26 +42,6 @@ struct unary_f {
 
 /* inputs g, x: GELU-tanh, the training hot spot, in f32 without reading y */
 struct gelu_tanh_backward_f {
-    __device__ float operator()(const float *a) const { return a[0] * ds_gelu_tanh_grad_f(a[1]); }
-};
-
-/* GELU-tanh's sigmoid(2u) on the hardware's exp and reciprocal, for bf16
- * and f16 results: their rounding hides the few ulps between it and the
- * CPU's ds_expf (f32 results keep that), and the MLP's two passes become
- * bound by memory rather than by the polynomial. */
-__device__ __forceinline__ float gelu_tanh_sigmoid_fast(float x) {
-    float u = 0.7978845608f * (x + 0.044715f * x * x * x);
-    return __frcp_rn(1.0f + __expf(-2.0f * u));
-}
-
-struct gelu_tanh_fast_f {
-    __device__ float operator()(const float *a) const {
-        float x = a[0];
-        return x < -10.0f ? -0.0f : x * gelu_tanh_sigmoid_fast(x);
-    }
-};
-
-struct gelu_tanh_backward_fast_f {
     __device__ float operator()(const float *a) const {
         float x = a[1];
         return a[0] * ds_gelu_tanh_grad_from_s(x, gelu_tanh_sigmoid_fast(x));
@@ -108,10 +104,9 @@ static int cuda_unary(ds_unary_op op, ds_kview out, ds_kview x, double param) {
     if (n == 0) return 0;
     const ds_kview *in[1] = { &x };
     int rc;
-    bool half_out = out.dtype == DS_BF16 || out.dtype == DS_F16;
-    if (op == DS_UN_GELU_TANH && half_out && pw_fast_try<1>(gelu_tanh_fast_f{}, out, in, n, "gelu fast kernel", &rc))
+    if (op == DS_UN_GELU_TANH ? pw_fast_try<1>(gelu_tanh_f{}, out, in, n, "gelu fast kernel", &rc)
+                              : pw_fast_try<1, 2>(unary_f{ op, (float)param }, out, in, n, "unary fast kernel", &rc))
         return rc;
-    if (pw_fast_try<1>(unary_f{ op, (float)param }, out, in, n, "unary fast kernel", &rc)) return rc;
     unary_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
         op, out, x, param, n, pw_step(out), pw_step(x));
     return ds_cuda_launched("unary_kernel");
@@ -135,12 +130,8 @@ static int cuda_unary_backward(ds_unary_op op, ds_kview dx, ds_kview g, ds_kview
     if (n == 0) return 0;
     const ds_kview *in[3] = { &g, &x, &y };
     int rc;
-    bool half_out = dx.dtype == DS_BF16 || dx.dtype == DS_F16;
-    if (op == DS_UN_GELU_TANH && half_out
-        && pw_fast_try<2>(gelu_tanh_backward_fast_f{}, dx, in, n, "gelu backward fast kernel", &rc))
-        return rc;
     if (op == DS_UN_GELU_TANH ? pw_fast_try<2>(gelu_tanh_backward_f{}, dx, in, n, "gelu backward fast kernel", &rc)
-                              : pw_fast_try<3>(unary_backward_f{ op, param }, dx, in, n, "unary_backward fast kernel", &rc))
+                              : pw_fast_try<3, 2>(unary_backward_f{ op, param }, dx, in, n, "unary_backward fast kernel", &rc))
         return rc;
     unary_backward_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
         op, dx, g, x, y, param, n, pw_step(dx), pw_step(g), pw_step(x), pw_step(y));

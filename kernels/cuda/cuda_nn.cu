@@ -60,16 +60,22 @@ softmax_warp_kernel(ds_kview y, ds_kview x, int64_t rows, int64_t n, int as_log)
             for (int k = 0; k < PW_VEC; k++) m = fmax(m, v[w][k]);
         }
         m = pw_warp_reduce(m, pw_max());
+        /* softmax keeps each exp for the output: one exp per element
+         * (two made the bf16 rows bound by the polynomial) */
 #pragma unroll
         for (int w = 0; w < W; w++)
             if (row_word(w, lane) < n)
-                for (int k = 0; k < PW_VEC; k++) s += pw_exp(v[w][k] - m);
+                for (int k = 0; k < PW_VEC; k++) {
+                    float e = pw_exp(v[w][k] - m);
+                    s += e;
+                    if (!as_log) v[w][k] = e;
+                }
         s = pw_warp_reduce(s, pw_sum());
         float shift = m + logf(s), inv = 1.0f / s;
 #pragma unroll
         for (int w = 0; w < W; w++) {
             if (row_word(w, lane) >= n) continue;
-            for (int k = 0; k < PW_VEC; k++) v[w][k] = as_log ? v[w][k] - shift : pw_exp(v[w][k] - m) * inv;
+            for (int k = 0; k < PW_VEC; k++) v[w][k] = as_log ? v[w][k] - shift : v[w][k] * inv;
             pw_store8(y.dtype, y.data, base + row_word(w, lane), v[w]);
         }
     }

@@ -107,7 +107,11 @@ __device__ __forceinline__ void pw_load8(ds_dtype t, const void *p, int64_t i, f
     }
     uint4 w = *(const uint4 *)((const uint16_t *)p + i);
     const uint16_t *h = (const uint16_t *)&w;
-    for (int k = 0; k < PW_VEC; k++) x[k] = t == DS_BF16 ? ds_bf16_to_f32(h[k]) : ds_f16_to_f32(h[k]);
+    /* the dtype test outside the loops: one per word, never both conversions per element */
+    if (t == DS_BF16)
+        for (int k = 0; k < PW_VEC; k++) x[k] = ds_bf16_to_f32(h[k]);
+    else
+        for (int k = 0; k < PW_VEC; k++) x[k] = ds_f16_to_f32(h[k]);
 }
 
 __device__ __forceinline__ void pw_store8(ds_dtype t, void *p, int64_t i, const float *x) {
@@ -119,7 +123,10 @@ __device__ __forceinline__ void pw_store8(ds_dtype t, void *p, int64_t i, const 
     }
     uint4 w;
     uint16_t *h = (uint16_t *)&w;
-    for (int k = 0; k < PW_VEC; k++) h[k] = t == DS_BF16 ? ds_f32_to_bf16(x[k]) : ds_f32_to_f16(x[k]);
+    if (t == DS_BF16)
+        for (int k = 0; k < PW_VEC; k++) h[k] = ds_f32_to_bf16(x[k]);
+    else
+        for (int k = 0; k < PW_VEC; k++) h[k] = ds_f32_to_f16(x[k]);
     *(uint4 *)((uint16_t *)p + i) = w;
 }
 
@@ -155,30 +162,29 @@ static inline bool pw_fast(const ds_kview &out, const ds_kview *const *in, int k
 }
 
 /* Words of 8 a fast kernel's thread moves per input in one pass, every
- * load issued before any use: two 16-byte words of bf16/f16 per input keep
- * as many bytes in flight as f32's one pair did (f32 adds ran at the copy
- * rate, bf16 adds at two thirds of it). */
-#define PW_WORDS 2
-#define PW_CHUNK (PW_VEC * PW_WORDS)
+ * load issued before any use: 64 bytes of a 16-bit output's inputs, as of
+ * f32's (bf16 adds ran at three quarters of the copy rate with 32). */
+#define PW_WORDS_F32 2
+#define PW_WORDS_16 4
 
 /* Blocks for a fast kernel over n elements: one thread per chunk when vec. */
-static inline unsigned pw_fast_blocks(int64_t n, bool vec) {
-    return ds_cuda_blocks(vec ? (n + PW_CHUNK - 1) / PW_CHUNK : n, DS_CUDA_THREADS);
+static inline unsigned pw_fast_blocks(int64_t n, bool vec, int chunk) {
+    return ds_cuda_blocks(vec ? (n + chunk - 1) / chunk : n, DS_CUDA_THREADS);
 }
 
 __device__ __forceinline__ int64_t pw_mod_at(int64_t mod, int64_t i) { return mod ? i % mod : i; }
 
-/* Element i of a fast-path input, and elements i..i+7 (i a multiple of 8). */
-__device__ __forceinline__ float pw_fetch(const ds_kview &v, int64_t mod, int64_t i) {
-    return pw_loadf(v.dtype, v.data, pw_mod_at(mod, i));
+/* Element i of a fast-path input of dtype t, and elements i..i+7 (i a multiple of 8). */
+__device__ __forceinline__ float pw_fetch(const ds_kview &v, ds_dtype t, int64_t mod, int64_t i) {
+    return pw_loadf(t, v.data, pw_mod_at(mod, i));
 }
 
-__device__ __forceinline__ void pw_fetch8(const ds_kview &v, int64_t mod, int64_t i, float *x) {
+__device__ __forceinline__ void pw_fetch8(const ds_kview &v, ds_dtype t, int64_t mod, int64_t i, float *x) {
     if (mod == 1) {
-        float c = pw_loadf(v.dtype, v.data, 0);
+        float c = pw_loadf(t, v.data, 0);
         for (int k = 0; k < PW_VEC; k++) x[k] = c;
     } else {
-        pw_load8(v.dtype, v.data, pw_mod_at(mod, i), x);
+        pw_load8(t, v.data, pw_mod_at(mod, i), x);
     }
 }
 
@@ -188,47 +194,72 @@ template <int K> struct pw_inputs {
     int64_t mod[K];
 };
 
-/* out[i] = f(inputs at i) in f32: a chunk of PW_CHUNK elements a thread
+/* The dtype of a view in a kernel built for DT: DT itself where every view
+ * has it (the dtype tests of the loads and stores then fold away at
+ * compile time), the view's own where DT is -1. */
+template <int DT> __device__ __forceinline__ ds_dtype pw_dt(ds_dtype t) { return DT < 0 ? t : (ds_dtype)DT; }
+
+/* out[i] = f(inputs at i) in f32: a chunk of 8 WORDS elements a thread
  * while vec, then the tail (or everything) one by one. f maps the K input
  * values to one. */
-template <int K, typename F>
+template <int K, int DT, int WORDS, typename F>
 static __global__ void __launch_bounds__(DS_CUDA_THREADS)
 pw_fast_kernel(F f, ds_kview out, pw_inputs<K> in, int64_t n, bool vec) {
-    int64_t nv = vec ? n / PW_CHUNK : 0;
+    const int chunk = PW_VEC * WORDS;
+    ds_dtype to = pw_dt<DT>(out.dtype), ti[K];
+    for (int j = 0; j < K; j++) ti[j] = pw_dt<DT>(in.v[j].dtype);
+    int64_t nv = vec ? n / chunk : 0;
     DS_CUDA_LOOP(c, nv) {
-        float x[K][PW_CHUNK], y[PW_CHUNK], a[K];
+        float x[K][chunk], y[chunk], a[K];
 #pragma unroll
         for (int j = 0; j < K; j++)
 #pragma unroll
-            for (int w = 0; w < PW_WORDS; w++)
-                pw_fetch8(in.v[j], in.mod[j], c * PW_CHUNK + w * PW_VEC, x[j] + w * PW_VEC);
+            for (int w = 0; w < WORDS; w++)
+                pw_fetch8(in.v[j], ti[j], in.mod[j], c * chunk + w * PW_VEC, x[j] + w * PW_VEC);
 #pragma unroll
-        for (int k = 0; k < PW_CHUNK; k++) {
+        for (int k = 0; k < chunk; k++) {
             for (int j = 0; j < K; j++) a[j] = x[j][k];
             y[k] = f(a);
         }
 #pragma unroll
-        for (int w = 0; w < PW_WORDS; w++) pw_store8(out.dtype, out.data, c * PW_CHUNK + w * PW_VEC, y + w * PW_VEC);
+        for (int w = 0; w < WORDS; w++) pw_store8(to, out.data, c * chunk + w * PW_VEC, y + w * PW_VEC);
     }
-    DS_CUDA_LOOP(t, n - nv * PW_CHUNK) {
-        int64_t i = nv * PW_CHUNK + t;
+    DS_CUDA_LOOP(t, n - nv * chunk) {
+        int64_t i = nv * chunk + t;
         float a[K];
-        for (int j = 0; j < K; j++) a[j] = pw_fetch(in.v[j], in.mod[j], i);
-        pw_storef(out.dtype, out.data, i, f(a));
+        for (int j = 0; j < K; j++) a[j] = pw_fetch(in.v[j], ti[j], in.mod[j], i);
+        pw_storef(to, out.data, i, f(a));
     }
+}
+
+template <int K, int DT, int WORDS, typename F>
+static int pw_fast_launch(F f, const ds_kview &out, const pw_inputs<K> &p, int64_t n, bool vec, const char *name) {
+    pw_fast_kernel<K, DT, WORDS, F><<<pw_fast_blocks(n, vec, PW_VEC * WORDS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+        f, out, p, n, vec);
+    return ds_cuda_launched(name);
 }
 
 /* Runs f over out's n elements when pw_fast takes out and in[0..K): 1
  * when launched (*rc: 0 or -1 as the launch went), 0 for the caller's
- * strided path. */
-template <int K, typename F>
+ * strided path. One dtype throughout gets a kernel built for it. WORDS16:
+ * words per input for 16-bit outputs; a functor that switches over many
+ * ops takes 2, as 4 copies of every op per element slowed bf16 GELU
+ * threefold. */
+template <int K, int WORDS16 = PW_WORDS_16, typename F>
 static int pw_fast_try(F f, const ds_kview &out, const ds_kview *const *in, int64_t n, const char *name, int *rc) {
     pw_inputs<K> p;
     bool vec;
     if (!pw_fast(out, in, K, p.mod, &vec)) return 0;
-    for (int j = 0; j < K; j++) p.v[j] = *in[j];
-    pw_fast_kernel<K, F><<<pw_fast_blocks(n, vec), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(f, out, p, n, vec);
-    *rc = ds_cuda_launched(name);
+    bool same = true;
+    for (int j = 0; j < K; j++) {
+        p.v[j] = *in[j];
+        same = same && in[j]->dtype == out.dtype;
+    }
+    if (same && out.dtype == DS_F32) *rc = pw_fast_launch<K, DS_F32, PW_WORDS_F32>(f, out, p, n, vec, name);
+    else if (same && out.dtype == DS_BF16) *rc = pw_fast_launch<K, DS_BF16, WORDS16>(f, out, p, n, vec, name);
+    else if (same) *rc = pw_fast_launch<K, DS_F16, WORDS16>(f, out, p, n, vec, name);
+    else if (out.dtype == DS_F32) *rc = pw_fast_launch<K, -1, PW_WORDS_F32>(f, out, p, n, vec, name);
+    else *rc = pw_fast_launch<K, -1, WORDS16>(f, out, p, n, vec, name);
     return 1;
 }
 
