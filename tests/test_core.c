@@ -1,9 +1,11 @@
 /* Unit tests of the core runtime, without Lua: Philox known answers, the
- * bf16/f16 conversions, storage refcounts and byte accounting, and autograd
- * driven from C (values, freeing during backward, very deep graphs). */
+ * bf16/f16 conversions, storage refcounts and byte accounting, autograd
+ * driven from C (values, freeing during backward, very deep graphs), and
+ * the linear backward shared by linear and gelu_mlp. */
 #include "ds_ops.h"
 #include "ds_error.h"
 #include "ds_half.h"
+#include "ds_op_linalg_impl.h"
 #include "ds_philox.h"
 
 #include <math.h>
@@ -373,6 +375,40 @@ static void test_deep_chain(void) {
     pthread_attr_destroy(&attr);
 }
 
+static ds_tensor *matrix(int64_t r, int64_t c, double v0) {
+    int64_t shape[2] = { r, c };
+    ds_tensor *t = ds_tensor_new(2, shape, DS_F64, DS_CPU_DEVICE);
+    for (int64_t i = 0; i < r * c; i++) ds_tensor_set(t, i, v0 + 0.25 * (double)(i * 7 % 11));
+    return t;
+}
+
+/* gelu_mlp hands ds_linalg_linear_grads a gin[2] it filled itself (db1
+ * from cuBLASLt's DGELU_BGRAD) and asks for dw alone: dw must still be
+ * gc^T x2, and the given gradient kept. */
+static void test_linear_grads_given_bias(void) {
+    int64_t rows = 3, in = 2, out = 4;
+    ds_tensor *gc = matrix(rows, out, -1.0), *x2 = matrix(rows, in, 0.5), *w = matrix(out, in, 2.0);
+    ds_tensor *given = ds_tensor_new(1, &out, DS_F64, DS_CPU_DEVICE);
+    ds_tensor *gin[3] = { NULL, NULL, given };
+    const bool want[3] = { false, true, false };
+    check(ds_linalg_linear_grads("linear", gc, x2, w, want, 2, x2->shape, gin) == 0, "linear_grads: %s",
+          ds_error_message());
+    check(gin[0] == NULL && gin[2] == given, "only dw is made; the given bias gradient stays");
+    for (int64_t o = 0; o < out; o++)
+        for (int64_t i = 0; i < in; i++) {
+            double want_dw = 0;
+            for (int64_t r = 0; r < rows; r++) want_dw += ds_tensor_get(gc, r * out + o) * ds_tensor_get(x2, r * in + i);
+            double got = gin[1] ? ds_tensor_get(gin[1], o * in + i) : NAN;
+            check(fabs(got - want_dw) <= 1e-12, "dw[%lld,%lld] = %g, expected %g", (long long)o, (long long)i, got,
+                  want_dw);
+        }
+    ds_tensor_release(gin[1]);
+    ds_tensor_release(given);
+    ds_tensor_release(gc);
+    ds_tensor_release(x2);
+    ds_tensor_release(w);
+}
+
 int main(void) {
     test_philox();
     test_half();
@@ -380,5 +416,6 @@ int main(void) {
     test_autograd();
     test_bad_backward();
     test_deep_chain();
+    test_linear_grads_given_bias();
     return check_summary("test_core");
 }
