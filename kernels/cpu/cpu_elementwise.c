@@ -162,9 +162,9 @@ static int cpu_binary(ds_binary_op op, ds_kview out, ds_kview a, ds_kview b) {
  * Contiguous tiles are widened to f32 a block at a time and computed by
  * the f32 loops: the op in f32 (GELU-tanh as ds_gelu_tanh_f; the GPU's
  * takes its exp and reciprocal from the hardware, a few ulps away),
- * GELU-tanh's gradient as ds_gelu_tanh_grad_f, every
- * other gradient through ds_unary_derivative in double, which equals the
- * double route since bf16 and f16 widen to f32 exactly. */
+ * GELU-tanh's gradient as ds_gelu_tanh_grad_f, every other gradient
+ * through ds_unary_derivative in double, which equals the double route
+ * since bf16 and f16 widen to f32 exactly. */
 static void unary_f32(ds_unary_op op, float *o, const float *x, float p, int64_t n) {
     if (op == DS_UN_GELU_TANH) {
         #pragma omp simd

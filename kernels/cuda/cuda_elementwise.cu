@@ -25,7 +25,7 @@ __device__ __forceinline__ float gelu_tanh_sigmoid_fast(float x) {
 
 __device__ __forceinline__ float gelu_tanh_fast(float x) { return x < -10.0f ? -0.0f : x * gelu_tanh_sigmoid_fast(x); }
 
-/* ds_unary_apply_f, with GELU-tanh on the fast sigmoid */
+/* ds_unary_apply_f, with GELU-tanh on the fast sigmoid (the strided path) */
 __device__ __forceinline__ float unary_f32(ds_unary_op op, float v, float p) {
     return op == DS_UN_GELU_TANH ? gelu_tanh_fast(v) : ds_unary_apply_f(op, v, p);
 }
@@ -34,10 +34,11 @@ struct gelu_tanh_f {
     __device__ float operator()(const float *a) const { return gelu_tanh_fast(a[0]); }
 };
 
+/* every other op: GELU-tanh takes gelu_tanh_f's kernel */
 struct unary_f {
     ds_unary_op op;
     float p;
-    __device__ float operator()(const float *a) const { return unary_f32(op, a[0], p); }
+    __device__ float operator()(const float *a) const { return ds_unary_apply_f(op, a[0], p); }
 };
 
 /* inputs g, x: GELU-tanh, the training hot spot, in f32 without reading y */
