@@ -1,471 +1,8 @@
-/* Attention on tensor cores for bf16 and f16 with head dims 64 and 128:
- * FlashAttention-2's tiling on mma.sync m16n8k16 (f32 accumulation).
- * A block owns 64 rows (queries, or keys in the dK/dV kernel), 16 per warp,
- * and walks 64-row tiles of the other side staged in shared memory; every
- * product is a warp's 16 rows times a tile, so no warp waits on another's
- * partial sums. Scores live in registers, scaled by log2(e) so the
- * exponentials are exp2.
- * Backward is two kernels, deterministic, without atomics: dK and dV per key
- * block (walking query tiles), dQ per query block (walking key tiles); each
- * rebuilds P from q, k and the forward's log-sum-exp.
- * Views need unit stride on the head dim, the other strides a multiple of 8
- * elements and 16-byte aligned data (128-bit loads); ds_cuda_attention_mma_fits
- * says whether a call qualifies, and cuda_attention.cu runs the rest. */
+/* The host side of attention on tensor cores (cuda_attention_mma.cuh):
+ * which calls qualify, launch sizes, and the launches. */
 #include "cuda_common.cuh"
 #include "cuda_attention_mma.h"
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <math.h>
-
-#define MMA_WARPS 4
-#define MMA_THREADS (MMA_WARPS * 32)
-#define MMA_ROWS 64     /* rows per block and per tile: 16 per warp */
-#define MMA_PAD 8       /* elements padding each shared row: ldmatrix's 8 rows then hit distinct banks */
-
-#define LOG2E 1.4426950408889634f
-
-typedef struct {
-    int64_t B, H, Tq, Tk;
-    int causal;
-    float scale;        /* the softmax scale */
-    float scale_log2;   /* scale * log2(e): scores in base 2 */
-} mma_geom;
-
-/* ---- warp-level building blocks ---- */
-
-__device__ __forceinline__ uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t r[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const void *p) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-
-/* c += a b for one 16x8 tile: a 16x16 (row), b 16x8 (col). */
-__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, __nv_bfloat16) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, __half) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                 "{%0,%1,%2,%3};\n"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __nv_bfloat16) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-
-__device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *(uint32_t *)&v;
-}
-
-/* The A operand (16 rows x 16 columns from column k0) of a row-major
- * shared tile with row stride ld. */
-template <typename T> __device__ __forceinline__ void load_a(uint32_t a[4], const T *s, int ld, int row0, int k0) {
-    int l = threadIdx.x % 32;
-    ldsm_x4(a, s + (row0 + l % 16) * ld + k0 + l / 16 * 8);
-}
-
-/* B operands of two 8-column tiles (n0.., n0+8..) over k0..k0+15, from a
- * tile stored [n][k] (the keys of S = Q K^T): b[0..1] and b[2..3]. */
-template <typename T> __device__ __forceinline__ void load_b_nk(uint32_t b[4], const T *s, int ld, int n0, int k0) {
-    int l = threadIdx.x % 32;
-    ldsm_x4(b, s + (n0 + l % 8 + l / 16 * 8) * ld + k0 + (l / 8 % 2) * 8);
-}
-
-/* The same from a tile stored [k][n] (V in O = P V): transposed loads. */
-template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], const T *s, int ld, int k0, int n0) {
-    int l = threadIdx.x % 32;
-    ldsm_x4_trans(b, s + (k0 + l % 8 + (l / 8 % 2) * 8) * ld + n0 + l / 16 * 8);
-}
-
-/* c[16 x 64] = A[16 x D] B^T, A rows row0.. of `as`, B the 64 rows of `bs`
- * (both row-major [row][D]). */
-template <typename T, int D>
-__device__ __forceinline__ void rows_times_tile(float c[8][4], const T *as, int row0, const T *bs) {
-    const int ld = D + MMA_PAD;
-#pragma unroll
-    for (int n = 0; n < 8; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
-        uint32_t a[4];
-        load_a(a, as, ld, row0, kk * 16);
-#pragma unroll
-        for (int n2 = 0; n2 < 4; n2++) {
-            uint32_t b[4];
-            load_b_nk(b, bs, ld, n2 * 16, kk * 16);
-            mma(c[2 * n2], a, b[0], b[1], T());
-            mma(c[2 * n2 + 1], a, b[2], b[3], T());
-        }
-    }
-}
-
-/* acc[16 x D] += P[16 x 64] X, P in registers as the f32 result of
- * rows_times_tile (the C layout of two 8-column tiles is the A layout of
- * one 16-column step), X the 64 rows of `xs`, row-major [row][D]. */
-template <typename T, int D>
-__device__ __forceinline__ void probs_times_tile(float acc[D / 8][4], const float p[8][4], const T *xs) {
-    const int ld = D + MMA_PAD;
-#pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
-        uint32_t a[4] = { pack2(p[2 * kk][0], p[2 * kk][1], T()), pack2(p[2 * kk][2], p[2 * kk][3], T()),
-                          pack2(p[2 * kk + 1][0], p[2 * kk + 1][1], T()),
-                          pack2(p[2 * kk + 1][2], p[2 * kk + 1][3], T()) };
-#pragma unroll
-        for (int n2 = 0; n2 < D / 16; n2++) {
-            uint32_t b[4];
-            load_b_kn(b, xs, ld, kk * 16, n2 * 16);
-            mma(acc[2 * n2], a, b[0], b[1], T());
-            mma(acc[2 * n2 + 1], a, b[2], b[3], T());
-        }
-    }
-}
-
-/* Starts copying rows t0..t0+63 of x[b, h] into a shared tile, 16 bytes
- * per cp.async; rows at or past `end` are filled with zeros. The copy lands
- * after cp_async_wait and a barrier, so the next tile streams in while the
- * block computes on the current one. */
-template <typename T, int D>
-__device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, int64_t h, int64_t t0, int64_t end) {
-    const int ld = D + MMA_PAD, chunks = D / 8;
-    const T *base = (const T *)x.data + b * x.stride[0] + h * x.stride[1];
-    for (int e = threadIdx.x; e < MMA_ROWS * chunks; e += MMA_THREADS) {
-        int r = e / chunks, c = e % chunks;
-        bool real = t0 + r < end;
-        const T *src = real ? base + (t0 + r) * x.stride[2] + c * 8 : base;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                     :: "r"(smem_addr(s + r * ld + c * 8)), "l"(src), "r"(real ? 16 : 0));
-    }
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-/* Waits for all but the newest `pending` groups of copies (0 or 1). */
-__device__ __forceinline__ void cp_async_wait(int pending) {
-    if (pending) asm volatile("cp.async.wait_group 1;\n" ::);
-    else asm volatile("cp.async.wait_group 0;\n" ::);
-}
-
-/* The K and V tiles of key block j0 (the it-th of the walk), from the
- * buffer pair it % 2 of kv, once they have landed; the next block's pair
- * starts streaming into the other buffer first. */
-template <typename T, int D>
-__device__ __forceinline__ T *kv_tiles(T *kv, const ds_kview &k, const ds_kview &v, int64_t b, int64_t h, int64_t j0,
-                                       int64_t it, int64_t kend, int64_t Tk) {
-    const int tile = MMA_ROWS * (D + MMA_PAD);
-    T *next = kv + (~it & 1) * 2 * tile;
-    bool more = j0 + MMA_ROWS < kend;
-    if (more) {
-        load_tile<T, D>(next, k, b, h, j0 + MMA_ROWS, Tk);
-        load_tile<T, D>(next + tile, v, b, h, j0 + MMA_ROWS, Tk);
-        cp_async_commit();
-    }
-    cp_async_wait(more);
-    __syncthreads();
-    return kv + (it & 1) * 2 * tile;
-}
-
-/* Stores a warp's 16 x D accumulator rows (row0 = this block's first row)
- * times mul into x[b, h], two elements per store, rows at or past end skipped. */
-template <typename T, int D>
-__device__ __forceinline__ void store_rows(const ds_kview &x, int64_t b, int64_t h, int64_t row0, int64_t end,
-                                           const float acc[D / 8][4], float mul0, float mul1) {
-    int l = threadIdx.x % 32;
-    T *base = (T *)x.data + b * x.stride[0] + h * x.stride[1];
-    int64_t r0 = row0 + l / 4, r1 = r0 + 8;
-#pragma unroll
-    for (int n = 0; n < D / 8; n++) {
-        int c = n * 8 + 2 * (l % 4);
-        if (r0 < end) *(uint32_t *)(base + r0 * x.stride[2] + c) = pack2(acc[n][0] * mul0, acc[n][1] * mul0, T());
-        if (r1 < end) *(uint32_t *)(base + r1 * x.stride[2] + c) = pack2(acc[n][2] * mul1, acc[n][3] * mul1, T());
-    }
-}
-
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-/* Whether score (row, col) takes part: col a real key the row may see. */
-__device__ __forceinline__ bool visible(int64_t row, int64_t col, const mma_geom &g) {
-    return col < g.Tk && !(g.causal && col > row);
-}
-
-/* Whether every score of the 64 rows from i0 against the 64 keys from j0
- * takes part and every row is a real query: then a tile needs no mask
- * (under a causal mask of T = 1024, 120 of its 136 tiles). The mask costs
- * several 64-bit compares and selects per score, instructions of the
- * order of the tile's mma, so only the tiles on the diagonal and at the
- * edges pay for it. */
-__device__ __forceinline__ bool tile_unmasked(int64_t i0, int64_t j0, const mma_geom &g) {
-    return i0 + MMA_ROWS <= g.Tq && j0 + MMA_ROWS <= g.Tk && !(g.causal && j0 + MMA_ROWS - 1 > i0);
-}
-
-/* Block t's (batch, head, 64-row block): heads vary fastest; with `heavy_last`
- * the last blocks (under a causal mask, the ones with the most work) go first. */
-__device__ __forceinline__ void block_task(const mma_geom &g, int64_t nblocks, bool heavy_last, int64_t *b,
-                                           int64_t *h, int64_t *blk) {
-    int64_t heads = g.B * g.H, t = blockIdx.x, bh = t % heads;
-    *blk = heavy_last ? nblocks - 1 - t / heads : t / heads;
-    *b = bh / g.H;
-    *h = bh % g.H;
-}
-
-/* ---- forward ---- */
-
-/* A warp's scores of rows r0, r1 against keys from j0, into base 2; with
- * MASKED, the ones visible() hides become -inf. */
-template <bool MASKED>
-__device__ __forceinline__ void scale_scores(float s[8][4], int64_t r0, int64_t r1, int64_t j0, const mma_geom &g) {
-    int l = threadIdx.x % 32;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        int64_t c = j0 + n * 8 + 2 * (l % 4);
-        s[n][0] = !MASKED || visible(r0, c, g) ? s[n][0] * g.scale_log2 : -INFINITY;
-        s[n][1] = !MASKED || visible(r0, c + 1, g) ? s[n][1] * g.scale_log2 : -INFINITY;
-        s[n][2] = !MASKED || visible(r1, c, g) ? s[n][2] * g.scale_log2 : -INFINITY;
-        s[n][3] = !MASKED || visible(r1, c + 1, g) ? s[n][3] * g.scale_log2 : -INFINITY;
-    }
-}
-
-template <typename T, int D>
-__global__ void __launch_bounds__(MMA_THREADS)
-mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD, tile = MMA_ROWS * ld;
-    T *qs = (T *)smem, *kv = qs + tile;          /* then K and V tiles, twice: [buffer][K, V] */
-    int warp = threadIdx.x / 32, l = threadIdx.x % 32;
-    int64_t b, h, blk;
-    block_task(g, (g.Tq + MMA_ROWS - 1) / MMA_ROWS, g.causal, &b, &h, &blk);
-    int64_t i0 = blk * MMA_ROWS, r0 = i0 + warp * 16 + l / 4, r1 = r0 + 8;
-    float o[D / 8][4] = {};
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;   /* running max (base 2) and partial sums */
-    int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
-    load_tile<T, D>(qs, q, b, h, i0, g.Tq);
-    load_tile<T, D>(kv, k, b, h, 0, g.Tk);
-    load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
-    cp_async_commit();
-    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
-        T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
-        float s[8][4];
-        rows_times_tile<T, D>(s, qs, warp * 16, ks);
-        if (tile_unmasked(i0, j0, g)) scale_scores<false>(s, r0, r1, j0, g);
-        else scale_scores<true>(s, r0, r1, j0, g);
-        float bm0 = -INFINITY, bm1 = -INFINITY;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            bm0 = fmaxf(bm0, fmaxf(s[n][0], s[n][1]));
-            bm1 = fmaxf(bm1, fmaxf(s[n][2], s[n][3]));
-        }
-        float n0 = fmaxf(m0, quad_max(bm0)), n1 = fmaxf(m1, quad_max(bm1));
-        /* a row with nothing visible yet keeps a finite base: exp2(-inf - 0) = 0, never nan */
-        float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
-        float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
-        m0 = n0;
-        m1 = n1;
-        l0 *= a0;
-        l1 *= a1;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            s[n][0] = exp2f(s[n][0] - base0);
-            s[n][1] = exp2f(s[n][1] - base0);
-            s[n][2] = exp2f(s[n][2] - base1);
-            s[n][3] = exp2f(s[n][3] - base1);
-            l0 += s[n][0] + s[n][1];
-            l1 += s[n][2] + s[n][3];
-        }
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[n][0] *= a0; o[n][1] *= a0;
-            o[n][2] *= a1; o[n][3] *= a1;
-        }
-        probs_times_tile<T, D>(o, s, vs);
-        __syncthreads();                         /* every warp is done with this buffer before it refills */
-    }
-    l0 = quad_sum(l0);
-    l1 = quad_sum(l1);
-    store_rows<T, D>(out, b, h, i0 + warp * 16, g.Tq, o, 1.f / l0, 1.f / l1);
-    if (l % 4 == 0) {
-        float *L = (float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
-        if (r0 < g.Tq) L[r0 * lse.stride[2]] = (m0 + log2f(l0)) / LOG2E;
-        if (r1 < g.Tq) L[r1 * lse.stride[2]] = (m1 + log2f(l1)) / LOG2E;
-    }
-}
-
-/* ---- backward ---- */
-
-/* delta[(b H + h) Tq + i] = dO_i . O_i, in f32: a warp per row. */
-template <typename T, int D>
-__global__ void mma_delta_kernel(float *delta, ds_kview dout, ds_kview out, mma_geom g) {
-    int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
-    int l = threadIdx.x % 32;
-    if (row >= g.B * g.H * g.Tq) return;
-    int64_t b = row / (g.H * g.Tq), h = row / g.Tq % g.H, i = row % g.Tq;
-    const T *go = (const T *)dout.data + b * dout.stride[0] + h * dout.stride[1] + i * dout.stride[2];
-    const T *oo = (const T *)out.data + b * out.stride[0] + h * out.stride[1] + i * out.stride[2];
-    float s = 0.f;
-    for (int c = 2 * l; c < D; c += 64)
-        s += (float)go[c] * (float)oo[c] + (float)go[c + 1] * (float)oo[c + 1];
-    for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (l == 0) delta[row] = s;
-}
-
-/* dS = P (dP - delta) into s, P = exp2(s scale - lse), for a warp's rows
- * r0, r1 against keys from j0; rows = { lse0, lse1, delta0, delta1 } (lse
- * in base 2). With MASKED, P is 0 where visible() hides a score or the row
- * is past the queries. */
-template <bool MASKED>
-__device__ __forceinline__ void dq_scores(float s[8][4], const float dp[8][4], int64_t r0, int64_t r1, int64_t j0,
-                                          const float rows[4], const mma_geom &g) {
-    int l = threadIdx.x % 32;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        int64_t c = j0 + n * 8 + 2 * (l % 4);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int64_t row = e < 2 ? r0 : r1, col = c + (e & 1);
-            float p = !MASKED || (row < g.Tq && visible(row, col, g))
-                      ? exp2f(s[n][e] * g.scale_log2 - rows[e / 2]) : 0.f;
-            s[n][e] = p * (dp[n][e] - rows[2 + e / 2]);
-        }
-    }
-}
-
-/* dQ for a block of 64 query rows: over the key tiles it sees,
- * dS = P (dO V^T - delta), dQ += dS K; times scale at the end. */
-template <typename T, int D>
-__global__ void __launch_bounds__(MMA_THREADS)
-mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds_kview lse, const float *delta,
-              mma_geom g) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD;
-    const int tile = MMA_ROWS * ld;
-    T *qs = (T *)smem, *gs = qs + tile, *kv = gs + tile;   /* then K and V tiles, twice */
-    int warp = threadIdx.x / 32, l = threadIdx.x % 32;
-    int64_t b, h, blk;
-    block_task(g, (g.Tq + MMA_ROWS - 1) / MMA_ROWS, g.causal, &b, &h, &blk);
-    int64_t i0 = blk * MMA_ROWS, r0 = i0 + warp * 16 + l / 4, r1 = r0 + 8;
-    load_tile<T, D>(qs, q, b, h, i0, g.Tq);
-    load_tile<T, D>(gs, dout, b, h, i0, g.Tq);
-    load_tile<T, D>(kv, k, b, h, 0, g.Tk);
-    load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
-    cp_async_commit();
-    const float *L = (const float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
-    const float *Dl = delta + (b * g.H + h) * g.Tq;
-    float lse0 = r0 < g.Tq ? L[r0 * lse.stride[2]] * LOG2E : 0.f, lse1 = r1 < g.Tq ? L[r1 * lse.stride[2]] * LOG2E : 0.f;
-    float d0 = r0 < g.Tq ? Dl[r0] : 0.f, d1 = r1 < g.Tq ? Dl[r1] : 0.f;
-    float acc[D / 8][4] = {};
-    int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
-    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
-        T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
-        float s[8][4], dp[8][4];
-        rows_times_tile<T, D>(s, qs, warp * 16, ks);
-        rows_times_tile<T, D>(dp, gs, warp * 16, vs);
-        float rows[4] = { lse0, lse1, d0, d1 };
-        if (tile_unmasked(i0, j0, g)) dq_scores<false>(s, dp, r0, r1, j0, rows, g);
-        else dq_scores<true>(s, dp, r0, r1, j0, rows, g);
-        probs_times_tile<T, D>(acc, s, ks);
-        __syncthreads();
-    }
-    store_rows<T, D>(dq, b, h, i0 + warp * 16, g.Tq, acc, g.scale, g.scale);
-}
-
-/* The transposed frame's P^T into p and dS^T into ds for a warp's keys
- * key0, key1 against the queries from i0 (lrow, drow: their lse in base 2
- * and delta). With MASKED, P is 0 where visible() hides a score or the
- * key or the query is past the end. */
-template <bool MASKED>
-__device__ __forceinline__ void dkdv_scores(float p[8][4], float ds[8][4], int64_t key0, int64_t key1, int64_t i0,
-                                            const float *lrow, const float *drow, const mma_geom &g) {
-    int l = threadIdx.x % 32;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        int c = n * 8 + 2 * (l % 4);
-#pragma unroll
-        for (int e = 0; e < 4; e++) {
-            int qi = c + (e & 1);
-            int64_t key = e < 2 ? key0 : key1, row = i0 + qi;
-            float pr = !MASKED || (row < g.Tq && key < g.Tk && visible(row, key, g))
-                       ? exp2f(p[n][e] * g.scale_log2 - lrow[qi]) : 0.f;
-            p[n][e] = pr;
-            ds[n][e] = pr * (ds[n][e] - drow[qi]);
-        }
-    }
-}
-
-/* dK and dV for a block of 64 keys: over the query tiles that see them,
- * in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T - lse),
- * dS^T = P^T (V dO^T - delta), dV += P^T dO, dK += dS^T Q (times scale). */
-template <typename T, int D>
-__global__ void __launch_bounds__(MMA_THREADS)
-mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds_kview lse,
-                const float *delta, mma_geom g) {
-    extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD;
-    const int tile = MMA_ROWS * ld;
-    T *ks = (T *)smem, *vs = ks + tile, *qg = vs + tile;    /* then Q and dO tiles, twice */
-    float *rows = (float *)(qg + 4 * tile);                /* then lse and delta of each buffer's rows */
-    int warp = threadIdx.x / 32, l = threadIdx.x % 32;
-    int64_t b, h, blk;
-    block_task(g, (g.Tk + MMA_ROWS - 1) / MMA_ROWS, false, &b, &h, &blk);
-    int64_t j0 = blk * MMA_ROWS, key0 = j0 + warp * 16 + l / 4, key1 = key0 + 8;
-    const float *L = (const float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
-    const float *Dl = delta + (b * g.H + h) * g.Tq;
-    float dka[D / 8][4] = {}, dva[D / 8][4] = {};
-    /* under a causal mask the queries before this block see none of its keys */
-    int64_t first = g.causal ? j0 : 0;
-    auto fetch = [&](int buf, int64_t i0) {
-        T *qs = qg + buf * 2 * tile;
-        load_tile<T, D>(qs, q, b, h, i0, g.Tq);
-        load_tile<T, D>(qs + tile, dout, b, h, i0, g.Tq);
-        cp_async_commit();
-        float *lrow = rows + buf * 2 * MMA_ROWS, *drow = lrow + MMA_ROWS;
-        for (int r = threadIdx.x; r < MMA_ROWS; r += MMA_THREADS) {
-            lrow[r] = i0 + r < g.Tq ? L[(i0 + r) * lse.stride[2]] * LOG2E : 0.f;
-            drow[r] = i0 + r < g.Tq ? Dl[i0 + r] : 0.f;
-        }
-    };
-    load_tile<T, D>(ks, k, b, h, j0, g.Tk);
-    load_tile<T, D>(vs, v, b, h, j0, g.Tk);
-    cp_async_commit();
-    if (first < g.Tq) fetch(0, first);
-    for (int64_t i0 = first, it = 0; i0 < g.Tq; i0 += MMA_ROWS, it++) {
-        int buf = (int)(it & 1);
-        T *qs = qg + buf * 2 * tile, *gs = qs + tile;
-        float *lrow = rows + buf * 2 * MMA_ROWS, *drow = lrow + MMA_ROWS;
-        bool more = i0 + MMA_ROWS < g.Tq;
-        if (more) fetch(buf ^ 1, i0 + MMA_ROWS);
-        cp_async_wait(more);
-        __syncthreads();
-        float p[8][4], ds[8][4];
-        rows_times_tile<T, D>(p, ks, warp * 16, qs);
-        rows_times_tile<T, D>(ds, vs, warp * 16, gs);
-        if (tile_unmasked(i0, j0, g)) dkdv_scores<false>(p, ds, key0, key1, i0, lrow, drow, g);
-        else dkdv_scores<true>(p, ds, key0, key1, i0, lrow, drow, g);
-        probs_times_tile<T, D>(dva, p, gs);
-        probs_times_tile<T, D>(dka, ds, qs);
-        __syncthreads();
-    }
-    store_rows<T, D>(dk, b, h, j0 + warp * 16, g.Tk, dka, g.scale, g.scale);
-    store_rows<T, D>(dv, b, h, j0 + warp * 16, g.Tk, dva, 1.f, 1.f);
-}
+#include "cuda_attention_mma.cuh"
 
 /* ---- host side ---- */
 
@@ -492,20 +29,11 @@ template <typename K> static int allow_smem(K kernel, size_t bytes) {
                       "attention: cudaFuncSetAttribute");
 }
 
-static mma_geom geom_of(const ds_kview &q, const ds_kview &k, double scale, int causal) {
-    mma_geom g = { q.shape[0], q.shape[1], q.shape[2], k.shape[2], causal, (float)scale,
-                   (float)scale * LOG2E };
-    return g;
-}
-
-static size_t tile_bytes(int D, int tiles) { return (size_t)tiles * MMA_ROWS * (D + MMA_PAD) * 2; }
-
 template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
-    size_t sm = tile_bytes(D, 5);
+    size_t sm = mma_forward_smem(D);
     if (allow_smem(mma_forward_kernel<T, D>, sm)) return -1;
-    unsigned blocks = (unsigned)(g.B * g.H * ((g.Tq + MMA_ROWS - 1) / MMA_ROWS));
-    mma_forward_kernel<T, D><<<blocks, MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
+    mma_forward_kernel<T, D><<<mma_blocks(g, g.Tq), MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
     return ds_cuda_launched("attention mma_forward_kernel");
 }
 
@@ -517,19 +45,18 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     if (!delta) return -1;
     cudaStream_t st = ds_cuda_stream();
     int rc = 0;
-    mma_delta_kernel<T, D><<<(unsigned)((rows * 32 + 255) / 256), 256, 0, st>>>(delta, dout, out, g);
+    mma_delta_kernel<T, D><<<mma_delta_blocks(g), MMA_DELTA_THREADS, 0, st>>>(delta, dout, out, g);
     rc = ds_cuda_launched("attention mma_delta_kernel");
-    size_t sq = tile_bytes(D, 6), skv = tile_bytes(D, 6) + 4 * MMA_ROWS * sizeof(float);
+    size_t sq = mma_dq_smem(D), skv = mma_dkdv_smem(D);
     if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq);
     if (rc == 0) {
-        unsigned blocks = (unsigned)(g.B * g.H * ((g.Tq + MMA_ROWS - 1) / MMA_ROWS));
-        mma_dq_kernel<T, D><<<blocks, MMA_THREADS, sq, st>>>(dq, dout, q, k, v, lse, delta, g);
+        mma_dq_kernel<T, D><<<mma_blocks(g, g.Tq), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, lse, delta, g);
         rc = ds_cuda_launched("attention mma_dq_kernel");
     }
     if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv);
     if (rc == 0) {
-        unsigned blocks = (unsigned)(g.B * g.H * ((g.Tk + MMA_ROWS - 1) / MMA_ROWS));
-        mma_dkdv_kernel<T, D><<<blocks, MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, lse, delta, g);
+        mma_dkdv_kernel<T, D><<<mma_blocks(g, g.Tk), MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, lse, delta,
+                                                                            g);
         rc = ds_cuda_launched("attention mma_dkdv_kernel");
     }
     ds_cuda_scratch_free(delta);
@@ -538,7 +65,7 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
 
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal) {
-    mma_geom g = geom_of(q, k, scale, causal);
+    mma_geom g = mma_geom_of(q, k, scale, causal);
     bool bf = q.dtype == DS_BF16;
     if (q.shape[3] == 64)
         return bf ? forward_run<__nv_bfloat16, 64>(out, lse, q, k, v, g) : forward_run<__half, 64>(out, lse, q, k, v, g);
@@ -547,7 +74,7 @@ int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
 
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal) {
-    mma_geom g = geom_of(q, k, scale, causal);
+    mma_geom g = mma_geom_of(q, k, scale, causal);
     bool bf = q.dtype == DS_BF16;
     if (q.shape[3] == 64)
         return bf ? backward_run<__nv_bfloat16, 64>(dq, dk, dv, dout, q, k, v, out, lse, g)

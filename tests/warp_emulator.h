@@ -1,0 +1,373 @@
+/* Runs CUDA kernels written on kernels/cuda/cuda_warp.cuh on the CPU, so the
+ * tensor-core kernels are tested where no GPU is. Each thread of a block is
+ * a coroutine (ucontext) on one OS thread; a thread runs until it reaches
+ * a warp collective (ldmatrix, mma, shuffle) or a barrier, and the last
+ * lane to arrive computes the collective for all 32 from the PTX ISA's
+ * fragment layouts. Blocks run one after another.
+ *
+ * It checks what the hardware leaves undefined: lanes of a warp at
+ * different collectives, a collective with exited lanes, ldmatrix rows
+ * that are misaligned or past the launch's shared memory, barriers that
+ * never fill (deadlock). Shared memory starts as NaN, and a cp.async
+ * destination turns NaN when the copy is issued and gets its data only at
+ * the wait that covers it, so reading a tile before its wait, or
+ * overwriting one another warp still reads, shows up in the results.
+ *
+ * Include it first, in one translation unit, then the kernels' header. */
+#ifndef WARP_EMULATOR_H
+#define WARP_EMULATOR_H
+
+#define DS_WARP_EMULATOR 1
+
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "ds_half.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define EMU_ASAN 1
+#endif
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+struct emu_dim3 { unsigned x, y, z; };
+static emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+
+/* The 16-bit element types, as tags and storage. */
+struct __nv_bfloat16 {
+    uint16_t bits;
+    operator float() const { return ds_bf16_to_f32(bits); }
+};
+struct __half {
+    uint16_t bits;
+    operator float() const { return ds_f16_to_f32(bits); }
+};
+
+static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+
+#define EMU_SMEM_MAX (228 * 1024)
+#define EMU_STACK (256 * 1024)
+
+/* The kernels' `extern __shared__ unsigned char smem[]`. */
+__attribute__((aligned(128))) unsigned char smem[EMU_SMEM_MAX];
+
+namespace emu {
+
+struct copy { unsigned char *dst; const void *src; int bytes, real; };
+
+struct lane {
+    ucontext_t ctx;
+    std::vector<char> stack;
+    bool done;
+    std::vector<copy> open;                  /* cp.async since the last commit */
+    std::vector<std::vector<copy>> groups;   /* committed, oldest first */
+};
+
+struct warp { int arrived, op, live; unsigned gen; void *args[32]; };
+
+struct state {
+    ucontext_t sched;
+    std::vector<lane> lanes;
+    std::vector<warp> warps;
+    unsigned live, bar_arrived, bar_gen;
+    size_t smem_bytes;
+    unsigned long progress;
+    const char *kernel;
+    std::function<void()> body;
+#ifdef EMU_ASAN
+    const void *main_bottom;      /* the scheduler's stack, for switches back to it */
+    size_t main_size;
+#endif
+};
+
+static state S;
+
+[[noreturn]] static void fail(const char *what) {
+    fprintf(stderr, "warp emulator: %s: block %u thread %u: %s\n", S.kernel, blockIdx.x, threadIdx.x, what);
+    abort();
+}
+
+/* Back to the scheduler; returns when this thread is resumed. */
+static void yield() {
+#ifdef EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, S.main_bottom, S.main_size);
+#endif
+    swapcontext(&S.lanes[threadIdx.x].ctx, &S.sched);
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, &S.main_bottom, &S.main_size);
+#endif
+}
+
+static void release_barrier_if_full() {
+    if (S.bar_arrived > 0 && S.bar_arrived == S.live) {
+        S.bar_arrived = 0;
+        S.bar_gen++;
+    }
+}
+
+static void lane_main() {
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(nullptr, &S.main_bottom, &S.main_size);
+#endif
+    S.body();
+    lane &me = S.lanes[threadIdx.x];
+    me.done = true;
+    S.warps[threadIdx.x / 32].live--;
+    S.live--;
+    S.progress++;
+    release_barrier_if_full();
+#ifdef EMU_ASAN
+    __sanitizer_start_switch_fiber(nullptr, S.main_bottom, S.main_size);   /* this fiber ends */
+#endif
+    /* uc_link returns to the scheduler */
+}
+
+/* Every lane of the warp calls this at the same op with its own arg; the
+ * last to arrive runs finish(args of lanes 0..31), then all go on. */
+template <typename F> static void collective(int op, void *arg, F finish) {
+    warp &w = S.warps[threadIdx.x / 32];
+    if (w.live != 32) fail("warp collective with exited lanes");
+    if (w.arrived == 0) w.op = op;
+    else if (w.op != op) fail("lanes of one warp at different collectives");
+    w.args[threadIdx.x % 32] = arg;
+    S.progress++;
+    if (++w.arrived == 32) {
+        finish(w.args);
+        w.arrived = 0;
+        w.gen++;
+        return;
+    }
+    unsigned gen = w.gen;
+    while (w.gen == gen) yield();
+}
+
+/* xorshift, reseeded per launch: runs repeat exactly */
+static uint32_t rand_state;
+
+static unsigned rand_below(unsigned n) {
+    rand_state ^= rand_state << 13;
+    rand_state ^= rand_state >> 17;
+    rand_state ^= rand_state << 5;
+    return rand_state % n;
+}
+
+/* Lets thread t run to its next collective or barrier. */
+static void resume(unsigned t) {
+    if (S.lanes[t].done) return;
+    threadIdx = { t, 0, 0 };
+#ifdef EMU_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(&fake, S.lanes[t].stack.data(), S.lanes[t].stack.size());
+#endif
+    swapcontext(&S.sched, &S.lanes[t].ctx);
+#ifdef EMU_ASAN
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+
+/* Runs body as a grid of `blocks` blocks of `threads` threads with
+ * smem_bytes of dynamic shared memory; aborts on what the checks find. */
+static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t smem_bytes,
+                   std::function<void()> body) {
+    if (threads % 32 || threads == 0 || smem_bytes > EMU_SMEM_MAX) {
+        fprintf(stderr, "warp emulator: %s: bad launch (%u threads, %zu bytes)\n", kernel, threads, smem_bytes);
+        abort();
+    }
+    S.kernel = kernel;
+    S.body = body;
+    S.smem_bytes = smem_bytes;
+    S.lanes.resize(threads);
+    S.warps.assign(threads / 32, warp{});
+    rand_state = 2463534242u;
+    blockDim = { threads, 1, 1 };
+    gridDim = { blocks, 1, 1 };
+    for (unsigned b = 0; b < blocks; b++) {
+        blockIdx = { b, 0, 0 };
+#ifdef EMU_ASAN
+        ASAN_UNPOISON_MEMORY_REGION(smem, EMU_SMEM_MAX);
+#endif
+        memset(smem, 0xff, EMU_SMEM_MAX);
+#ifdef EMU_ASAN
+        ASAN_POISON_MEMORY_REGION(smem + smem_bytes, EMU_SMEM_MAX - smem_bytes);
+#endif
+        S.live = threads;
+        S.bar_arrived = 0;
+        for (warp &w : S.warps) w = warp{ 0, 0, 32, 0, {} };
+        for (lane &l : S.lanes) {
+            l.stack.resize(EMU_STACK);
+            l.done = false;
+            l.open.clear();
+            l.groups.clear();
+            getcontext(&l.ctx);
+            l.ctx.uc_stack.ss_sp = l.stack.data();
+            l.ctx.uc_stack.ss_size = l.stack.size();
+            l.ctx.uc_link = &S.sched;
+            makecontext(&l.ctx, lane_main, 0);
+        }
+        /* warps in a random order, each for one step (every lane to its
+         * next collective or barrier) or now and then a sprint of up to 64,
+         * so a warp runs ahead of the others as far as a barrier lets it */
+        std::vector<unsigned> order(threads / 32);
+        for (unsigned w = 0; w < order.size(); w++) order[w] = w;
+        for (;;) {
+            unsigned long before = S.progress;
+            for (unsigned w = (unsigned)order.size(); w > 1; w--) std::swap(order[w - 1], order[rand_below(w)]);
+            for (unsigned w : order)
+                for (unsigned step = rand_below(4) ? 1 : 1 + rand_below(64); step > 0; step--)
+                    for (unsigned t = 32 * w; t < 32 * w + 32; t++) resume(t);
+            if (S.live == 0) break;
+            if (S.progress == before) fail("deadlock: no thread can go on (a barrier or collective never fills)");
+        }
+    }
+#ifdef EMU_ASAN
+    ASAN_UNPOISON_MEMORY_REGION(smem, EMU_SMEM_MAX);
+#endif
+}
+
+/* A shared-memory address as the kernels pass it, checked. */
+static unsigned char *shared(uint32_t addr, size_t bytes, size_t align) {
+    if (addr % align || addr + bytes > S.smem_bytes) fail("shared access misaligned or past the launch's size");
+    return smem + addr;
+}
+
+static float f16bits(uint16_t h, bool bf) { return bf ? ds_bf16_to_f32(h) : ds_f16_to_f32(h); }
+
+struct ldsm_arg { uint32_t addr; uint32_t *r; };
+
+static void ldsm(uint32_t r[4], uint32_t addr, bool trans) {
+    ldsm_arg me = { addr, r };
+    collective(trans ? 2 : 1, &me, [trans](void **args) {
+        for (int l = 0; l < 32; l++) {
+            ldsm_arg *a = (ldsm_arg *)args[l];
+            for (int i = 0; i < 4; i++) {
+                uint16_t e[2];
+                for (int h = 0; h < 2; h++) {
+                    /* plain: row l/4, column 2(l%4)+h; transposed: row 2(l%4)+h, column l/4 */
+                    int row = trans ? 2 * (l % 4) + h : l / 4, col = trans ? l / 4 : 2 * (l % 4) + h;
+                    const uint16_t *p = (const uint16_t *)shared(((ldsm_arg *)args[8 * i + row])->addr, 16, 16);
+                    e[h] = p[col];
+                }
+                a->r[i] = e[0] | (uint32_t)e[1] << 16;
+            }
+        }
+    });
+}
+
+struct mma_arg { const uint32_t *a; uint32_t b0, b1; float *c; };
+
+/* d = a b + c over the warp, m16n8k16: lane l holds, with g = l/4, t = l%4,
+ * a: (g, 2t..) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b: (k 2t.., n g)
+ * (k 2t+8.., n g); c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1). */
+static void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf) {
+    mma_arg me = { a, b0, b1, c };
+    collective(bf ? 3 : 4, &me, [bf](void **args) {
+        float A[16][16], B[16][8];
+        for (int l = 0; l < 32; l++) {
+            mma_arg *m = (mma_arg *)args[l];
+            int g = l / 4, t = l % 4;
+            for (int h = 0; h < 2; h++) {
+                A[g][2 * t + h] = f16bits((uint16_t)(m->a[0] >> 16 * h), bf);
+                A[g + 8][2 * t + h] = f16bits((uint16_t)(m->a[1] >> 16 * h), bf);
+                A[g][2 * t + 8 + h] = f16bits((uint16_t)(m->a[2] >> 16 * h), bf);
+                A[g + 8][2 * t + 8 + h] = f16bits((uint16_t)(m->a[3] >> 16 * h), bf);
+                B[2 * t + h][g] = f16bits((uint16_t)(m->b0 >> 16 * h), bf);
+                B[2 * t + 8 + h][g] = f16bits((uint16_t)(m->b1 >> 16 * h), bf);
+            }
+        }
+        for (int l = 0; l < 32; l++) {
+            mma_arg *m = (mma_arg *)args[l];
+            int g = l / 4, t = l % 4;
+            for (int e = 0; e < 4; e++) {
+                int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+                double s = m->c[e];
+                for (int k = 0; k < 16; k++) s += (double)A[row][k] * B[k][col];
+                m->c[e] = (float)s;
+            }
+        }
+    });
+}
+
+struct shfl_arg { float v, out; };
+
+static void copy_issue(void *dst, const void *src, int bytes, bool real) {
+    unsigned char *d = shared((uint32_t)((unsigned char *)dst - smem), bytes, bytes);
+    if (real && (uintptr_t)src % bytes) fail("cp.async source misaligned");
+    memset(d, 0xff, bytes);    /* NaN until the wait that covers it */
+    S.lanes[threadIdx.x].open.push_back({ d, src, bytes, real });
+}
+
+} /* namespace emu */
+
+/* ---- cuda_warp.cuh's interface ---- */
+
+static inline uint32_t smem_addr(const void *p) { return (uint32_t)((const unsigned char *)p - smem); }
+static inline void ldsm_x4(uint32_t r[4], const void *p) { emu::ldsm(r, smem_addr(p), false); }
+static inline void ldsm_x4_trans(uint32_t r[4], const void *p) { emu::ldsm(r, smem_addr(p), true); }
+
+static inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, __nv_bfloat16) {
+    emu::mma16816(c, a, b0, b1, true);
+}
+static inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, __half) {
+    emu::mma16816(c, a, b0, b1, false);
+}
+
+static inline uint32_t pack2(float lo, float hi, __nv_bfloat16) {
+    return ds_f32_to_bf16(lo) | (uint32_t)ds_f32_to_bf16(hi) << 16;
+}
+static inline uint32_t pack2(float lo, float hi, __half) {
+    return ds_f32_to_f16(lo) | (uint32_t)ds_f32_to_f16(hi) << 16;
+}
+
+static inline void cp_async_16(void *dst, const void *src, bool real) { emu::copy_issue(dst, src, 16, real); }
+static inline void cp_async_4(void *dst, const void *src, bool real) { emu::copy_issue(dst, src, 4, real); }
+
+static inline void cp_async_commit() {
+    emu::lane &me = emu::S.lanes[threadIdx.x];
+    me.groups.push_back(me.open);
+    me.open.clear();
+}
+
+static inline void cp_async_wait(int pending) {
+    emu::lane &me = emu::S.lanes[threadIdx.x];
+    while (me.groups.size() > (size_t)pending) {
+        for (const emu::copy &c : me.groups.front()) {
+            if (c.real) memcpy(c.dst, c.src, c.bytes);
+            else memset(c.dst, 0, c.bytes);
+        }
+        me.groups.erase(me.groups.begin());
+    }
+}
+
+static inline void __syncthreads() {
+    emu::S.bar_arrived++;
+    emu::S.progress++;
+    unsigned gen = emu::S.bar_gen;
+    emu::release_barrier_if_full();
+    while (emu::S.bar_gen == gen) emu::yield();
+}
+
+static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
+    emu::shfl_arg me = { v, 0.f };
+    emu::collective(5, &me, [lane_mask](void **args) {
+        for (int l = 0; l < 32; l++) ((emu::shfl_arg *)args[l])->out = ((emu::shfl_arg *)args[l ^ lane_mask])->v;
+    });
+    return me.out;
+}
+
+#endif
