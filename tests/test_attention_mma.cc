@@ -64,7 +64,7 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     for (uint16_t &x : gbuf) x = dt == DS_BF16 ? ds_f32_to_bf16(normal(rng)) : ds_f32_to_f16(normal(rng));
     ds_kview out = heads_inner(obuf, dt, s, s.Tq), dq = heads_inner(dqb, dt, s, s.Tq);
     ds_kview dk = heads_inner(dkb, dt, s, s.Tk), dv = heads_inner(dvb, dt, s, s.Tk);
-    std::vector<float> lsebuf((size_t)(s.B * s.H * s.Tq), NAN), delta((size_t)(s.B * s.H * s.Tq), NAN);
+    std::vector<float> lsebuf((size_t)(s.B * s.H * s.Tq), NAN);
     ds_kview lse = {};
     lse.data = lsebuf.data();
     lse.dtype = DS_F32;
@@ -75,12 +75,13 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     mma_geom g = mma_geom_of(q, k, scale, s.causal);
     emu::launch("mma_forward_kernel", mma_blocks(g, g.Tq), MMA_THREADS, mma_forward_smem(D),
                 [&] { mma_forward_kernel<T, D>(out, lse, q, k, v, g); });
-    emu::launch("mma_delta_kernel", mma_delta_blocks(g), MMA_DELTA_THREADS, 0,
-                [&] { mma_delta_kernel<T, D>(delta.data(), dout, out, g); });
+    std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
+    emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
+                [&] { mma_stats_kernel<T, D>(stats.data(), dout, out, lse, g); });
     emu::launch("mma_dq_kernel", mma_blocks(g, g.Tq), MMA_THREADS, mma_dq_smem(D),
-                [&] { mma_dq_kernel<T, D>(dq, dout, q, k, v, lse, delta.data(), g); });
+                [&] { mma_dq_kernel<T, D>(dq, dout, q, k, v, stats.data(), g); });
     emu::launch("mma_dkdv_kernel", mma_blocks(g, g.Tk), MMA_THREADS, mma_dkdv_smem(D),
-                [&] { mma_dkdv_kernel<T, D>(dk, dv, dout, q, k, v, lse, delta.data(), g); });
+                [&] { mma_dkdv_kernel<T, D>(dk, dv, dout, q, k, v, stats.data(), g); });
 
     /* the reference, in double, per (b, h) */
     error e_out, e_lse, e_dq, e_dk, e_dv;

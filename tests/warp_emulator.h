@@ -41,7 +41,7 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__
 #define __align__(n) __attribute__((aligned(n)))
 
@@ -59,6 +59,7 @@ struct __half {
 };
 
 static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
 
 #define EMU_SMEM_MAX (228 * 1024)
 #define EMU_STACK (256 * 1024)

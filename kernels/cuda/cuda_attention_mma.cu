@@ -40,26 +40,24 @@ static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kv
 template <typename T, int D>
 static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                         ds_kview v, ds_kview out, ds_kview lse, const mma_geom &g) {
-    int64_t rows = g.B * g.H * g.Tq;
-    float *delta = (float *)ds_cuda_scratch((size_t)rows * sizeof(float));
-    if (!delta) return -1;
+    float *stats = (float *)ds_cuda_scratch(mma_stats_bytes(g));
+    if (!stats) return -1;
     cudaStream_t st = ds_cuda_stream();
     int rc = 0;
-    mma_delta_kernel<T, D><<<mma_delta_blocks(g), MMA_DELTA_THREADS, 0, st>>>(delta, dout, out, g);
-    rc = ds_cuda_launched("attention mma_delta_kernel");
+    mma_stats_kernel<T, D><<<mma_stats_blocks(g), MMA_STATS_THREADS, 0, st>>>(stats, dout, out, lse, g);
+    rc = ds_cuda_launched("attention mma_stats_kernel");
     size_t sq = mma_dq_smem(D), skv = mma_dkdv_smem(D);
     if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq);
     if (rc == 0) {
-        mma_dq_kernel<T, D><<<mma_blocks(g, g.Tq), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, lse, delta, g);
+        mma_dq_kernel<T, D><<<mma_blocks(g, g.Tq), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dq_kernel");
     }
     if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv);
     if (rc == 0) {
-        mma_dkdv_kernel<T, D><<<mma_blocks(g, g.Tk), MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, lse, delta,
-                                                                            g);
+        mma_dkdv_kernel<T, D><<<mma_blocks(g, g.Tk), MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dkdv_kernel");
     }
-    ds_cuda_scratch_free(delta);
+    ds_cuda_scratch_free(stats);
     return rc;
 }
 

@@ -5,12 +5,15 @@
  * product is a warp's 16 rows times a tile, so no warp waits on another's
  * partial sums. Scores live in registers, scaled by log2(e) so the
  * exponentials are exp2.
- * Backward is two kernels, deterministic, without atomics: dK and dV per key
- * block (walking query tiles), dQ per query block (walking key tiles); each
- * rebuilds P from q, k and the forward's log-sum-exp.
+ * Backward gathers each query row's lse (base 2) and delta = dO . O, then
+ * runs two kernels, deterministic, without atomics: dK and dV per key block
+ * (walking query tiles), dQ per query block (walking key tiles); each
+ * rebuilds P from q, k and the lse.
  * Views need unit stride on the head dim, the other strides a multiple of 8
  * elements and 16-byte aligned data (128-bit loads); ds_cuda_attention_mma_fits
- * says whether a call qualifies, and cuda_attention.cu runs the rest. */
+ * says whether a call qualifies, and cuda_attention.cu runs the rest.
+ * The only PTX is cuda_warp.cuh's, so tests/test_attention_mma.cc runs this
+ * file on the CPU through tests/warp_emulator.h. */
 #ifndef CUDA_ATTENTION_MMA_CUH
 #define CUDA_ATTENTION_MMA_CUH
 
@@ -268,9 +271,11 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
 
 /* ---- backward ---- */
 
-/* delta[(b H + h) Tq + i] = dO_i . O_i, in f32: a warp per row. */
+/* The backward's per-row statistics, for row (b H + h) Tq + i of the
+ * 2 B H Tq floats at stats: first every row's lse in base 2, then every
+ * row's delta = dO_i . O_i; a warp per row. */
 template <typename T, int D>
-__global__ void mma_delta_kernel(float *delta, ds_kview dout, ds_kview out, mma_geom g) {
+__global__ void mma_stats_kernel(float *stats, ds_kview dout, ds_kview out, ds_kview lse, mma_geom g) {
     int64_t row = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     int l = threadIdx.x % 32;
     if (row >= g.B * g.H * g.Tq) return;
@@ -281,7 +286,10 @@ __global__ void mma_delta_kernel(float *delta, ds_kview dout, ds_kview out, mma_
     for (int c = 2 * l; c < D; c += 64)
         s += (float)go[c] * (float)oo[c] + (float)go[c + 1] * (float)oo[c + 1];
     for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (l == 0) delta[row] = s;
+    if (l == 0) {
+        stats[row] = ((const float *)lse.data)[b * lse.stride[0] + h * lse.stride[1] + i * lse.stride[2]] * LOG2E;
+        stats[g.B * g.H * g.Tq + row] = s;
+    }
 }
 
 /* dS = P (dP - delta) into s, P = exp2(s scale - lse), for a warp's rows
@@ -309,8 +317,7 @@ __device__ __forceinline__ void dq_scores(float s[8][4], const float dp[8][4], i
  * dS = P (dO V^T - delta), dQ += dS K; times scale at the end. */
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
-mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds_kview lse, const float *delta,
-              mma_geom g) {
+mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats, mma_geom g) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD;
     const int tile = MMA_ROWS * ld;
@@ -324,9 +331,8 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds
     load_tile<T, D>(kv, k, b, h, 0, g.Tk);
     load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
     cp_async_commit();
-    const float *L = (const float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
-    const float *Dl = delta + (b * g.H + h) * g.Tq;
-    float lse0 = r0 < g.Tq ? L[r0 * lse.stride[2]] * LOG2E : 0.f, lse1 = r1 < g.Tq ? L[r1 * lse.stride[2]] * LOG2E : 0.f;
+    const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
+    float lse0 = r0 < g.Tq ? L[r0] : 0.f, lse1 = r1 < g.Tq ? L[r1] : 0.f;
     float d0 = r0 < g.Tq ? Dl[r0] : 0.f, d1 = r1 < g.Tq ? Dl[r1] : 0.f;
     float acc[D / 8][4] = {};
     int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
@@ -352,15 +358,23 @@ template <bool MASKED>
 __device__ __forceinline__ void dkdv_scores(float p[8][4], float ds[8][4], int64_t key0, int64_t key1, int64_t i0,
                                             const float *lrow, const float *drow, const mma_geom &g) {
     int l = threadIdx.x % 32;
+    /* in the tile's own int coordinates: key k sees queries i0 + qi for
+     * from[k] <= qi < last (causal: query >= key) */
+    int last = 0, from[2] = { 0, 0 };
+    if (MASKED) {
+        last = (int)min(g.Tq - i0, (int64_t)MMA_ROWS);
+        for (int h = 0; h < 2; h++) {
+            int64_t key = h ? key1 : key0;
+            from[h] = key >= g.Tk ? MMA_ROWS : g.causal ? (int)min(max(key - i0, (int64_t)0), (int64_t)MMA_ROWS) : 0;
+        }
+    }
 #pragma unroll
     for (int n = 0; n < 8; n++) {
         int c = n * 8 + 2 * (l % 4);
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             int qi = c + (e & 1);
-            int64_t key = e < 2 ? key0 : key1, row = i0 + qi;
-            float pr = !MASKED || (row < g.Tq && key < g.Tk && visible(row, key, g))
-                       ? exp2f(p[n][e] * g.scale_log2 - lrow[qi]) : 0.f;
+            float pr = !MASKED || (qi >= from[e / 2] && qi < last) ? exp2f(p[n][e] * g.scale_log2 - lrow[qi]) : 0.f;
             p[n][e] = pr;
             ds[n][e] = pr * (ds[n][e] - drow[qi]);
         }
@@ -369,11 +383,14 @@ __device__ __forceinline__ void dkdv_scores(float p[8][4], float ds[8][4], int64
 
 /* dK and dV for a block of 64 keys: over the query tiles that see them,
  * in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T - lse),
- * dS^T = P^T (V dO^T - delta), dV += P^T dO, dK += dS^T Q (times scale). */
+ * dS^T = P^T (V dO^T - delta), dV += P^T dO, dK += dS^T Q (times scale).
+ * At D = 64, registers for three blocks per SM (168 a thread, a few bytes
+ * spilled on sm_90) instead of two at 182: twelve warps to hide the
+ * ldmatrix and mma latencies instead of eight. */
 template <typename T, int D>
-__global__ void __launch_bounds__(MMA_THREADS)
-mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, ds_kview lse,
-                const float *delta, mma_geom g) {
+__global__ void __launch_bounds__(MMA_THREADS, D == 64 ? 3 : 2)
+mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats,
+                mma_geom g) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD;
     const int tile = MMA_ROWS * ld;
@@ -383,8 +400,7 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
     int64_t b, h, blk;
     block_task(g, (g.Tk + MMA_ROWS - 1) / MMA_ROWS, false, &b, &h, &blk);
     int64_t j0 = blk * MMA_ROWS, key0 = j0 + warp * 16 + l / 4, key1 = key0 + 8;
-    const float *L = (const float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
-    const float *Dl = delta + (b * g.H + h) * g.Tq;
+    const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
     float dka[D / 8][4] = {}, dva[D / 8][4] = {};
     /* under a causal mask the queries before this block see none of its keys */
     int64_t first = g.causal ? j0 : 0;
@@ -392,12 +408,14 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
         T *qs = qg + buf * 2 * tile;
         load_tile<T, D>(qs, q, b, h, i0, g.Tq);
         load_tile<T, D>(qs + tile, dout, b, h, i0, g.Tq);
+        /* a float per thread, with the tiles: the rows' lse (threads 0..63),
+         * then their delta; zeros past the queries */
+        static_assert(MMA_THREADS == 2 * MMA_ROWS, "one thread per row statistic");
+        int r = threadIdx.x % MMA_ROWS;
+        bool real = i0 + r < g.Tq;
+        cp_async_4(rows + buf * 2 * MMA_ROWS + threadIdx.x, (threadIdx.x < MMA_ROWS ? L : Dl) + (real ? i0 + r : 0),
+                   real);
         cp_async_commit();
-        float *lrow = rows + buf * 2 * MMA_ROWS, *drow = lrow + MMA_ROWS;
-        for (int r = threadIdx.x; r < MMA_ROWS; r += MMA_THREADS) {
-            lrow[r] = i0 + r < g.Tq ? L[(i0 + r) * lse.stride[2]] * LOG2E : 0.f;
-            drow[r] = i0 + r < g.Tq ? Dl[i0 + r] : 0.f;
-        }
     };
     load_tile<T, D>(ks, k, b, h, j0, g.Tk);
     load_tile<T, D>(vs, v, b, h, j0, g.Tk);
@@ -436,11 +454,14 @@ static inline unsigned mma_blocks(const mma_geom &g, int64_t rows) {
     return (unsigned)(g.B * g.H * ((rows + MMA_ROWS - 1) / MMA_ROWS));
 }
 
-#define MMA_DELTA_THREADS 256
+#define MMA_STATS_THREADS 256
 
-static inline unsigned mma_delta_blocks(const mma_geom &g) {
-    return (unsigned)((g.B * g.H * g.Tq * 32 + MMA_DELTA_THREADS - 1) / MMA_DELTA_THREADS);
+static inline unsigned mma_stats_blocks(const mma_geom &g) {
+    return (unsigned)((g.B * g.H * g.Tq * 32 + MMA_STATS_THREADS - 1) / MMA_STATS_THREADS);
 }
+
+/* mma_stats_kernel's output: lse in base 2 and delta, per query row. */
+static inline size_t mma_stats_bytes(const mma_geom &g) { return (size_t)(2 * g.B * g.H * g.Tq) * sizeof(float); }
 
 /* Dynamic shared memory: 64-row tiles of 16-bit elements, padded rows. */
 static inline size_t mma_tiles_bytes(int D, int tiles) { return (size_t)tiles * MMA_ROWS * (D + MMA_PAD) * 2; }
