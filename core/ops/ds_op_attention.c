@@ -62,7 +62,11 @@ static ds_tensor *new_heads_inner(int64_t B, int64_t H, int64_t T, int64_t D, ds
     return t;
 }
 
-static ds_tensor *new_heads_like(const ds_tensor *x) {
+/* The gradient of input x: contiguous like x when x is (a leaf's .grad
+ * then adopts it, and later ones add without a strided pass), else
+ * heads-inner, which a fused projection's view takes back without a copy. */
+static ds_tensor *new_grad_like(const ds_tensor *x) {
+    if (ds_tensor_is_contiguous(x)) return ds_tensor_new(4, x->shape, x->dtype, ds_tensor_device(x));
     return new_heads_inner(x->shape[0], x->shape[1], x->shape[2], x->shape[3], x->dtype, ds_tensor_device(x));
 }
 
@@ -108,7 +112,7 @@ static ds_tensor *math_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool 
 static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *q = n->saved[0], *k = n->saved[1], *v = n->saved[2], *out = n->saved[3], *lse = n->saved[4];
     ds_tensor *gc = g->dtype == q->dtype ? (ds_tensor_retain(g), g) : ds_to_dtype(g, q->dtype);
-    ds_tensor *dq = new_heads_like(q), *dk = new_heads_like(k), *dv = new_heads_like(v);
+    ds_tensor *dq = new_grad_like(q), *dk = new_grad_like(k), *dv = new_grad_like(v);
     int rc = gc && dq && dk && dv ? 0 : -1;
     if (rc == 0 && ds_tensor_kernels(q)->attention->backward(
             ds_tensor_kview(dq), ds_tensor_kview(dk), ds_tensor_kview(dv), ds_tensor_kview(gc),
