@@ -12,8 +12,14 @@ DS_HOSTDEV float ds_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f;
 DS_HOSTDEV uint16_t ds_f32_to_bf16(float f) {
     uint32_t u = ds_f32_bits(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  /* quiet NaN */
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    uint16_t h;                               /* the same rounding, one instruction instead of four */
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
     u += 0x7fffu + ((u >> 16) & 1u);          /* ties go to the even mantissa */
     return (uint16_t)(u >> 16);
+#endif
 }
 
 DS_HOSTDEV float ds_bf16_to_f32(uint16_t h) { return ds_bits_f32((uint32_t)h << 16); }
@@ -23,6 +29,11 @@ DS_HOSTDEV uint16_t ds_f32_to_f16(float f) {
     uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t a = u & 0x7fffffffu;
     if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);          /* NaN */
+#ifdef __CUDA_ARCH__
+    uint16_t h;                                                      /* the rounding below, in one instruction */
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+#else
     if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);         /* rounds to inf */
     if (a < 0x38800000u) {                                           /* f16 subnormal or zero */
         /* Adding 0.5 makes the FPU do the round-to-nearest-even shift for us. */
@@ -32,6 +43,7 @@ DS_HOSTDEV uint16_t ds_f32_to_f16(float f) {
     uint32_t mant_odd = (a >> 13) & 1u;
     a += 0xc8000fffu + mant_odd;             /* rebias exponent (-112<<23) and round */
     return (uint16_t)(sign | (a >> 13));
+#endif
 }
 
 DS_HOSTDEV float ds_f16_to_f32(uint16_t h) {
