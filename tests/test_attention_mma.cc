@@ -155,6 +155,7 @@ int main() {
     run_case<__nv_bfloat16, 64>({ 1, 2, 130, 130, 64, false }, DS_BF16, rng);
     run_case<__nv_bfloat16, 64>({ 1, 1, 70, 150, 64, false }, DS_BF16, rng);
     run_case<__nv_bfloat16, 64>({ 1, 1, 300, 300, 64, false }, DS_BF16, rng);
+    run_case<__nv_bfloat16, 64>({ 1, 3, 320, 320, 64, true }, DS_BF16, rng);
     run_case<__nv_bfloat16, 64>({ 1, 1, 150, 70, 64, true }, DS_BF16, rng);
     run_case<__half, 64>({ 1, 2, 100, 100, 64, true }, DS_F16, rng);
     run_case<__nv_bfloat16, 128>({ 1, 1, 128, 128, 128, true }, DS_BF16, rng);

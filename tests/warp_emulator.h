@@ -69,7 +69,7 @@ __attribute__((aligned(128))) unsigned char smem[EMU_SMEM_MAX];
 
 namespace emu {
 
-struct copy { unsigned char *dst; const void *src; int bytes, real; };
+struct copy { unsigned char *dst; const void *src; int bytes; bool real; };
 
 struct lane {
     ucontext_t ctx;
@@ -78,6 +78,9 @@ struct lane {
     std::vector<copy> open;                  /* cp.async since the last commit */
     std::vector<std::vector<copy>> groups;   /* committed, oldest first */
 };
+
+/* The warp collectives, so lanes at different ones are caught. */
+enum collective_op { OP_LDSM = 1, OP_LDSM_TRANS, OP_MMA_BF16, OP_MMA_F16, OP_SHFL };
 
 struct warp { int arrived, op, live; unsigned gen; void *args[32]; };
 
@@ -253,7 +256,7 @@ struct ldsm_arg { uint32_t addr; uint32_t *r; };
 
 static void ldsm(uint32_t r[4], uint32_t addr, bool trans) {
     ldsm_arg me = { addr, r };
-    collective(trans ? 2 : 1, &me, [trans](void **args) {
+    collective(trans ? OP_LDSM_TRANS : OP_LDSM, &me, [trans](void **args) {
         for (int l = 0; l < 32; l++) {
             ldsm_arg *a = (ldsm_arg *)args[l];
             for (int i = 0; i < 4; i++) {
@@ -277,7 +280,7 @@ struct mma_arg { const uint32_t *a; uint32_t b0, b1; float *c; };
  * (k 2t+8.., n g); c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1). */
 static void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf) {
     mma_arg me = { a, b0, b1, c };
-    collective(bf ? 3 : 4, &me, [bf](void **args) {
+    collective(bf ? OP_MMA_BF16 : OP_MMA_F16, &me, [bf](void **args) {
         float A[16][16], B[16][8];
         for (int l = 0; l < 32; l++) {
             mma_arg *m = (mma_arg *)args[l];
@@ -365,7 +368,7 @@ static inline void __syncthreads() {
 
 static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     emu::shfl_arg me = { v, 0.f };
-    emu::collective(5, &me, [lane_mask](void **args) {
+    emu::collective(emu::OP_SHFL, &me, [lane_mask](void **args) {
         for (int l = 0; l < 32; l++) ((emu::shfl_arg *)args[l])->out = ((emu::shfl_arg *)args[l ^ lane_mask])->v;
     });
     return me.out;
