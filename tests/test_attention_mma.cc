@@ -73,7 +73,7 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     for (int d = 0; d < 3; d++) { lse.shape[d] = lsz[d]; lse.stride[d] = lst[d]; }
 
     mma_geom g = mma_geom_of(q, k, scale, s.causal);
-    emu::launch("mma_forward_kernel", mma_blocks(g, g.Tq), MMA_THREADS, mma_forward_smem(D),
+    emu::launch("mma_forward_kernel", mma_forward_blocks(g, D), MMA_THREADS, mma_forward_smem(D),
                 [&] { mma_forward_kernel<T, D>(out, lse, q, k, v, g); });
     std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
     emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,

@@ -33,7 +33,7 @@ template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
     size_t sm = mma_forward_smem(D);
     if (allow_smem(mma_forward_kernel<T, D>, sm)) return -1;
-    mma_forward_kernel<T, D><<<mma_blocks(g, g.Tq), MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
+    mma_forward_kernel<T, D><<<mma_forward_blocks(g, D), MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
     return ds_cuda_launched("attention mma_forward_kernel");
 }
 

@@ -1,10 +1,10 @@
 /* Attention on tensor cores for bf16 and f16 with head dims 64 and 128:
  * FlashAttention-2's tiling on mma.sync m16n8k16 (f32 accumulation).
- * A block owns 64 rows (queries, or keys in the dK/dV kernel), 16 per warp,
- * and walks 64-row tiles of the other side staged in shared memory; every
- * product is a warp's 16 rows times a tile, so no warp waits on another's
- * partial sums. Scores live in registers, scaled by log2(e) so the
- * exponentials are exp2.
+ * A block of 4 warps owns rows of one side (queries, or keys in the dK/dV
+ * kernel), 16 per warp (32 in the forward at D = 64), and walks 64-row
+ * tiles of the other side staged in shared memory; every product is a
+ * warp's rows times a tile, so no warp waits on another's partial sums.
+ * Scores live in registers, scaled by log2(e) so the exponentials are exp2.
  * Backward gathers each query row's lse (base 2) and delta = dO . O, then
  * runs two kernels, deterministic, without atomics: dK and dV per key block
  * (walking query tiles), dQ per query block (walking key tiles); each
@@ -60,57 +60,73 @@ template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], c
     ldsm_x4_trans(b, s + (k0 + l % 8 + (l / 8 % 2) * 8) * ld + n0 + l / 16 * 8);
 }
 
-/* c[16 x 64] = A[16 x D] B^T, A rows row0.. of `as`, B the 64 rows of `bs`
- * (both row-major [row][D]). */
-template <typename T, int D>
-__device__ __forceinline__ void rows_times_tile(float c[8][4], const T *as, int row0, const T *bs) {
+/* c[m] (16 x 64) = A[16 x D] B^T for the M 16-row fragments of A from
+ * row0 (rows row0 + 16 m.. of `as`), B the 64 rows of `bs` (both row-major
+ * [row][D]); each B fragment is loaded once for all M. */
+template <typename T, int D, int M = 1>
+__device__ __forceinline__ void rows_times_tile(float c[][8][4], const T *as, int row0, const T *bs) {
     const int ld = D + MMA_PAD;
 #pragma unroll
-    for (int n = 0; n < 8; n++) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.f;
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int n = 0; n < 8; n++) c[m][n][0] = c[m][n][1] = c[m][n][2] = c[m][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
-        uint32_t a[4];
-        load_a(a, as, ld, row0, kk * 16);
+        uint32_t a[M][4];
+#pragma unroll
+        for (int m = 0; m < M; m++) load_a(a[m], as, ld, row0 + 16 * m, kk * 16);
 #pragma unroll
         for (int n2 = 0; n2 < 4; n2++) {
             uint32_t b[4];
             load_b_nk(b, bs, ld, n2 * 16, kk * 16);
-            mma(c[2 * n2], a, b[0], b[1], T());
-            mma(c[2 * n2 + 1], a, b[2], b[3], T());
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                mma(c[m][2 * n2], a[m], b[0], b[1], T());
+                mma(c[m][2 * n2 + 1], a[m], b[2], b[3], T());
+            }
         }
     }
 }
 
-/* acc[16 x D] += P[16 x 64] X, P in registers as the f32 result of
- * rows_times_tile (the C layout of two 8-column tiles is the A layout of
- * one 16-column step), X the 64 rows of `xs`, row-major [row][D]. */
-template <typename T, int D>
-__device__ __forceinline__ void probs_times_tile(float acc[D / 8][4], const float p[8][4], const T *xs) {
+/* acc[m] (16 x D) += P[m] (16 x 64) X for M fragments, P in registers as
+ * the f32 result of rows_times_tile (the C layout of two 8-column tiles is
+ * the A layout of one 16-column step), X the 64 rows of `xs`, row-major
+ * [row][D]; each X fragment is loaded once for all M. */
+template <typename T, int D, int M = 1>
+__device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const float p[][8][4], const T *xs) {
     const int ld = D + MMA_PAD;
 #pragma unroll
     for (int kk = 0; kk < 4; kk++) {
-        uint32_t a[4] = { pack2(p[2 * kk][0], p[2 * kk][1], T()), pack2(p[2 * kk][2], p[2 * kk][3], T()),
-                          pack2(p[2 * kk + 1][0], p[2 * kk + 1][1], T()),
-                          pack2(p[2 * kk + 1][2], p[2 * kk + 1][3], T()) };
+        uint32_t a[M][4];
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            a[m][0] = pack2(p[m][2 * kk][0], p[m][2 * kk][1], T());
+            a[m][1] = pack2(p[m][2 * kk][2], p[m][2 * kk][3], T());
+            a[m][2] = pack2(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1], T());
+            a[m][3] = pack2(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3], T());
+        }
 #pragma unroll
         for (int n2 = 0; n2 < D / 16; n2++) {
             uint32_t b[4];
             load_b_kn(b, xs, ld, kk * 16, n2 * 16);
-            mma(acc[2 * n2], a, b[0], b[1], T());
-            mma(acc[2 * n2 + 1], a, b[2], b[3], T());
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                mma(acc[m][2 * n2], a[m], b[0], b[1], T());
+                mma(acc[m][2 * n2 + 1], a[m], b[2], b[3], T());
+            }
         }
     }
 }
 
-/* Starts copying rows t0..t0+63 of x[b, h] into a shared tile, 16 bytes
- * per cp.async; rows at or past `end` are filled with zeros. The copy lands
- * after cp_async_wait and a barrier, so the next tile streams in while the
- * block computes on the current one. */
-template <typename T, int D>
+/* Starts copying rows t0..t0+ROWS-1 of x[b, h] into a shared tile, 16
+ * bytes per cp.async; rows at or past `end` are filled with zeros. The copy
+ * lands after cp_async_wait and a barrier, so the next tile streams in
+ * while the block computes on the current one. */
+template <typename T, int D, int ROWS = MMA_ROWS>
 __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, int64_t h, int64_t t0, int64_t end) {
     const int ld = D + MMA_PAD, chunks = D / 8;
     const T *base = (const T *)x.data + b * x.stride[0] + h * x.stride[1];
-    for (int e = threadIdx.x; e < MMA_ROWS * chunks; e += MMA_THREADS) {
+    for (int e = threadIdx.x; e < ROWS * chunks; e += MMA_THREADS) {
         int r = e / chunks, c = e % chunks;
         bool real = t0 + r < end;
         const T *src = real ? base + (t0 + r) * x.stride[2] + c * 8 : base;
@@ -168,14 +184,14 @@ __device__ __forceinline__ bool visible(int64_t row, int64_t col, const mma_geom
     return col < g.Tk && !(g.causal && col > row);
 }
 
-/* Whether every score of the 64 rows from i0 against the 64 keys from j0
- * takes part and every row is a real query: then a tile needs no mask
+/* Whether every score of the `rows` rows from i0 against the 64 keys from
+ * j0 takes part and every row is a real query: then a tile needs no mask
  * (under a causal mask of T = 1024, 120 of its 136 tiles). The mask costs
  * several 64-bit compares and selects per score, instructions of the
  * order of the tile's mma, so only the tiles on the diagonal and at the
  * edges pay for it. */
-__device__ __forceinline__ bool tile_unmasked(int64_t i0, int64_t j0, const mma_geom &g) {
-    return i0 + MMA_ROWS <= g.Tq && j0 + MMA_ROWS <= g.Tk && !(g.causal && j0 + MMA_ROWS - 1 > i0);
+__device__ __forceinline__ bool tile_unmasked(int64_t i0, int rows, int64_t j0, const mma_geom &g) {
+    return i0 + rows <= g.Tq && j0 + MMA_ROWS <= g.Tk && !(g.causal && j0 + MMA_ROWS - 1 > i0);
 }
 
 /* Block t's (batch, head, 64-row block): heads vary fastest; with `heavy_last`
@@ -205,67 +221,96 @@ __device__ __forceinline__ void scale_scores(float s[8][4], int64_t r0, int64_t 
     }
 }
 
+/* One step of the online softmax for a fragment's rows r and r + 8 (mx:
+ * their running max in base 2, sum: this thread's partial sums): s, the
+ * tile's scaled scores, becomes exp2(s - max) and acc is rescaled to the
+ * new max. */
+template <int D>
+__device__ __forceinline__ void online_softmax(float s[8][4], float acc[D / 8][4], float mx[2], float sum[2]) {
+    float bm[2] = { -INFINITY, -INFINITY };
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        bm[0] = fmaxf(bm[0], fmaxf(s[n][0], s[n][1]));
+        bm[1] = fmaxf(bm[1], fmaxf(s[n][2], s[n][3]));
+    }
+    float base[2], scale[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        float nm = fmaxf(mx[r], quad_max(bm[r]));
+        /* a row with nothing visible yet keeps a finite base: exp2(-inf - 0) = 0, never nan */
+        base[r] = nm == -INFINITY ? 0.f : nm;
+        scale[r] = exp2f(mx[r] - base[r]);
+        mx[r] = nm;
+        sum[r] *= scale[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        s[n][0] = exp2f(s[n][0] - base[0]);
+        s[n][1] = exp2f(s[n][1] - base[0]);
+        s[n][2] = exp2f(s[n][2] - base[1]);
+        s[n][3] = exp2f(s[n][3] - base[1]);
+        sum[0] += s[n][0] + s[n][1];
+        sum[1] += s[n][2] + s[n][3];
+    }
+#pragma unroll
+    for (int n = 0; n < D / 8; n++) {
+        acc[n][0] *= scale[0]; acc[n][1] *= scale[0];
+        acc[n][2] *= scale[1]; acc[n][3] *= scale[1];
+    }
+}
+
+/* A warp owns MMA_FWD_FRAGS(D) 16-row fragments of queries: two at D = 64
+ * (32 rows, every K and V fragment loaded from shared memory once for both,
+ * as FlashAttention-2 does), one at D = 128, whose 32-row accumulators
+ * would not fit in registers. A block is 4 warps' rows. */
+#define MMA_FWD_FRAGS(D) ((D) == 64 ? 2 : 1)
+
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
+    constexpr int M = MMA_FWD_FRAGS(D), ROWS = MMA_WARPS * 16 * M;
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD, tile = MMA_ROWS * ld;
-    T *qs = (T *)smem, *kv = qs + tile;          /* then K and V tiles, twice: [buffer][K, V] */
+    T *qs = (T *)smem, *kv = qs + ROWS * ld;     /* then K and V tiles, twice: [buffer][K, V] */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
-    block_task(g, (g.Tq + MMA_ROWS - 1) / MMA_ROWS, g.causal, &b, &h, &blk);
-    int64_t i0 = blk * MMA_ROWS, r0 = i0 + warp * 16 + l / 4, r1 = r0 + 8;
-    float o[D / 8][4] = {};
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;   /* running max (base 2) and partial sums */
-    int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
-    load_tile<T, D>(qs, q, b, h, i0, g.Tq);
+    block_task(g, (g.Tq + ROWS - 1) / ROWS, g.causal, &b, &h, &blk);
+    int64_t i0 = blk * ROWS, w0 = i0 + warp * 16 * M;   /* the block's and the warp's first rows */
+    float o[M][D / 8][4] = {};
+    float mx[M][2], sum[M][2];     /* per fragment, rows +l/4 and +l/4+8: running max (base 2), partial sums */
+#pragma unroll
+    for (int m = 0; m < M; m++) mx[m][0] = mx[m][1] = -INFINITY, sum[m][0] = sum[m][1] = 0.f;
+    int64_t kend = g.causal ? min(g.Tk, i0 + ROWS) : g.Tk;
+    load_tile<T, D, ROWS>(qs, q, b, h, i0, g.Tq);
     load_tile<T, D>(kv, k, b, h, 0, g.Tk);
     load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
     cp_async_commit();
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
         T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
-        float s[8][4];
-        rows_times_tile<T, D>(s, qs, warp * 16, ks);
-        if (tile_unmasked(i0, j0, g)) scale_scores<false>(s, r0, r1, j0, g);
-        else scale_scores<true>(s, r0, r1, j0, g);
-        float bm0 = -INFINITY, bm1 = -INFINITY;
+        /* under a causal mask, a warp whose rows all precede the tile sees none of it */
+        if (!(g.causal && w0 + 16 * M <= j0)) {
+            float s[M][8][4];
+            rows_times_tile<T, D, M>(s, qs, warp * 16 * M, ks);
+            bool whole = tile_unmasked(i0, ROWS, j0, g);
 #pragma unroll
-        for (int n = 0; n < 8; n++) {
-            bm0 = fmaxf(bm0, fmaxf(s[n][0], s[n][1]));
-            bm1 = fmaxf(bm1, fmaxf(s[n][2], s[n][3]));
+            for (int m = 0; m < M; m++) {
+                int64_t r0 = w0 + 16 * m + l / 4;
+                if (whole) scale_scores<false>(s[m], r0, r0 + 8, j0, g);
+                else scale_scores<true>(s[m], r0, r0 + 8, j0, g);
+                online_softmax<D>(s[m], o[m], mx[m], sum[m]);
+            }
+            probs_times_tile<T, D, M>(o, s, vs);
         }
-        float n0 = fmaxf(m0, quad_max(bm0)), n1 = fmaxf(m1, quad_max(bm1));
-        /* a row with nothing visible yet keeps a finite base: exp2(-inf - 0) = 0, never nan */
-        float base0 = n0 == -INFINITY ? 0.f : n0, base1 = n1 == -INFINITY ? 0.f : n1;
-        float a0 = exp2f(m0 - base0), a1 = exp2f(m1 - base1);
-        m0 = n0;
-        m1 = n1;
-        l0 *= a0;
-        l1 *= a1;
-#pragma unroll
-        for (int n = 0; n < 8; n++) {
-            s[n][0] = exp2f(s[n][0] - base0);
-            s[n][1] = exp2f(s[n][1] - base0);
-            s[n][2] = exp2f(s[n][2] - base1);
-            s[n][3] = exp2f(s[n][3] - base1);
-            l0 += s[n][0] + s[n][1];
-            l1 += s[n][2] + s[n][3];
-        }
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) {
-            o[n][0] *= a0; o[n][1] *= a0;
-            o[n][2] *= a1; o[n][3] *= a1;
-        }
-        probs_times_tile<T, D>(o, s, vs);
         __syncthreads();                         /* every warp is done with this buffer before it refills */
     }
-    l0 = quad_sum(l0);
-    l1 = quad_sum(l1);
-    store_rows<T, D>(out, b, h, i0 + warp * 16, g.Tq, o, 1.f / l0, 1.f / l1);
-    if (l % 4 == 0) {
-        float *L = (float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
-        if (r0 < g.Tq) L[r0 * lse.stride[2]] = (m0 + log2f(l0)) / LOG2E;
-        if (r1 < g.Tq) L[r1 * lse.stride[2]] = (m1 + log2f(l1)) / LOG2E;
+    float *L = (float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float l0 = quad_sum(sum[m][0]), l1 = quad_sum(sum[m][1]);
+        store_rows<T, D>(out, b, h, w0 + 16 * m, g.Tq, o[m], 1.f / l0, 1.f / l1);
+        int64_t r0 = w0 + 16 * m + l / 4, r1 = r0 + 8;
+        if (l % 4 == 0 && r0 < g.Tq) L[r0 * lse.stride[2]] = (mx[m][0] + log2f(l0)) / LOG2E;
+        if (l % 4 == 0 && r1 < g.Tq) L[r1 * lse.stride[2]] = (mx[m][1] + log2f(l1)) / LOG2E;
     }
 }
 
@@ -339,12 +384,12 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, co
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
         T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
         float s[8][4], dp[8][4];
-        rows_times_tile<T, D>(s, qs, warp * 16, ks);
-        rows_times_tile<T, D>(dp, gs, warp * 16, vs);
+        rows_times_tile<T, D>(&s, qs, warp * 16, ks);
+        rows_times_tile<T, D>(&dp, gs, warp * 16, vs);
         float rows[4] = { lse0, lse1, d0, d1 };
-        if (tile_unmasked(i0, j0, g)) dq_scores<false>(s, dp, r0, r1, j0, rows, g);
+        if (tile_unmasked(i0, MMA_ROWS, j0, g)) dq_scores<false>(s, dp, r0, r1, j0, rows, g);
         else dq_scores<true>(s, dp, r0, r1, j0, rows, g);
-        probs_times_tile<T, D>(acc, s, ks);
+        probs_times_tile<T, D>(&acc, &s, ks);
         __syncthreads();
     }
     store_rows<T, D>(dq, b, h, i0 + warp * 16, g.Tq, acc, g.scale, g.scale);
@@ -430,12 +475,12 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
         cp_async_wait(more);
         __syncthreads();
         float p[8][4], ds[8][4];
-        rows_times_tile<T, D>(p, ks, warp * 16, qs);
-        rows_times_tile<T, D>(ds, vs, warp * 16, gs);
-        if (tile_unmasked(i0, j0, g)) dkdv_scores<false>(p, ds, key0, key1, i0, lrow, drow, g);
+        rows_times_tile<T, D>(&p, ks, warp * 16, qs);
+        rows_times_tile<T, D>(&ds, vs, warp * 16, gs);
+        if (tile_unmasked(i0, MMA_ROWS, j0, g)) dkdv_scores<false>(p, ds, key0, key1, i0, lrow, drow, g);
         else dkdv_scores<true>(p, ds, key0, key1, i0, lrow, drow, g);
-        probs_times_tile<T, D>(dva, p, gs);
-        probs_times_tile<T, D>(dka, ds, qs);
+        probs_times_tile<T, D>(&dva, &p, gs);
+        probs_times_tile<T, D>(&dka, &ds, qs);
         __syncthreads();
     }
     store_rows<T, D>(dk, b, h, j0 + warp * 16, g.Tk, dka, g.scale, g.scale);
@@ -449,9 +494,13 @@ static inline mma_geom mma_geom_of(const ds_kview &q, const ds_kview &k, double 
     return g;
 }
 
-/* One block per 64 of `rows` (queries or keys) per batch and head. */
-static inline unsigned mma_blocks(const mma_geom &g, int64_t rows) {
-    return (unsigned)(g.B * g.H * ((rows + MMA_ROWS - 1) / MMA_ROWS));
+/* One block per block_rows of `rows` (queries or keys) per batch and head. */
+static inline unsigned mma_blocks(const mma_geom &g, int64_t rows, int block_rows = MMA_ROWS) {
+    return (unsigned)(g.B * g.H * ((rows + block_rows - 1) / block_rows));
+}
+
+static inline unsigned mma_forward_blocks(const mma_geom &g, int D) {
+    return mma_blocks(g, g.Tq, MMA_WARPS * 16 * MMA_FWD_FRAGS(D));
 }
 
 #define MMA_STATS_THREADS 256
@@ -466,7 +515,9 @@ static inline size_t mma_stats_bytes(const mma_geom &g) { return (size_t)(2 * g.
 /* Dynamic shared memory: 64-row tiles of 16-bit elements, padded rows. */
 static inline size_t mma_tiles_bytes(int D, int tiles) { return (size_t)tiles * MMA_ROWS * (D + MMA_PAD) * 2; }
 
-static inline size_t mma_forward_smem(int D) { return mma_tiles_bytes(D, 5); }      /* Q, K and V twice */
+static inline size_t mma_forward_smem(int D) {                                     /* Q, K and V twice */
+    return mma_tiles_bytes(D, MMA_FWD_FRAGS(D) + 4);
+}
 static inline size_t mma_dq_smem(int D) { return mma_tiles_bytes(D, 6); }           /* Q, dO, K and V twice */
 static inline size_t mma_dkdv_smem(int D) {                                        /* K, V, Q and dO twice, */
     return mma_tiles_bytes(D, 6) + 4 * MMA_ROWS * sizeof(float);                   /* lse and delta twice */
