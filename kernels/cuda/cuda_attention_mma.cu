@@ -54,7 +54,7 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     }
     if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv);
     if (rc == 0) {
-        mma_dkdv_kernel<T, D><<<mma_blocks(g, g.Tk), MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, stats, g);
+        mma_dkdv_kernel<T, D><<<mma_dkdv_blocks(g, D), MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dkdv_kernel");
     }
     ds_cuda_scratch_free(stats);

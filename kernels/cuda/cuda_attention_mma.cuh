@@ -1,9 +1,10 @@
 /* Attention on tensor cores for bf16 and f16 with head dims 64 and 128:
  * FlashAttention-2's tiling on mma.sync m16n8k16 (f32 accumulation).
  * A block of 4 warps owns rows of one side (queries, or keys in the dK/dV
- * kernel), 16 per warp (32 in the forward at D = 64), and walks 64-row
- * tiles of the other side staged in shared memory; every product is a
- * warp's rows times a tile, so no warp waits on another's partial sums.
+ * kernel), 16 per warp (32 at D = 64, FlashAttention-2's layout: each
+ * fragment of the other side feeds two mma), and walks tiles of the other
+ * side staged in shared memory; every product is a warp's rows times a
+ * tile, so no warp waits on another's partial sums.
  * Scores live in registers, scaled by log2(e) so the exponentials are exp2.
  * Backward gathers each query row's lse (base 2) and delta = dO . O, then
  * runs two kernels, deterministic, without atomics: dK and dV per key block
@@ -60,23 +61,23 @@ template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], c
     ldsm_x4_trans(b, s + (k0 + l % 8 + (l / 8 % 2) * 8) * ld + n0 + l / 16 * 8);
 }
 
-/* c[m] (16 x 64) = A[16 x D] B^T for the M 16-row fragments of A from
- * row0 (rows row0 + 16 m.. of `as`), B the 64 rows of `bs` (both row-major
+/* c[m] (16 x N) = A[16 x D] B^T for the M 16-row fragments of A from
+ * row0 (rows row0 + 16 m.. of `as`), B the N rows of `bs` (both row-major
  * [row][D]); each B fragment is loaded once for all M. */
-template <typename T, int D, int M = 1>
-__device__ __forceinline__ void rows_times_tile(float c[][8][4], const T *as, int row0, const T *bs) {
+template <typename T, int D, int M = 1, int N = 64>
+__device__ __forceinline__ void rows_times_tile(float c[][N / 8][4], const T *as, int row0, const T *bs) {
     const int ld = D + MMA_PAD;
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
-        for (int n = 0; n < 8; n++) c[m][n][0] = c[m][n][1] = c[m][n][2] = c[m][n][3] = 0.f;
+        for (int n = 0; n < N / 8; n++) c[m][n][0] = c[m][n][1] = c[m][n][2] = c[m][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; kk++) {
         uint32_t a[M][4];
 #pragma unroll
         for (int m = 0; m < M; m++) load_a(a[m], as, ld, row0 + 16 * m, kk * 16);
 #pragma unroll
-        for (int n2 = 0; n2 < 4; n2++) {
+        for (int n2 = 0; n2 < N / 16; n2++) {
             uint32_t b[4];
             load_b_nk(b, bs, ld, n2 * 16, kk * 16);
 #pragma unroll
@@ -88,15 +89,15 @@ __device__ __forceinline__ void rows_times_tile(float c[][8][4], const T *as, in
     }
 }
 
-/* acc[m] (16 x D) += P[m] (16 x 64) X for M fragments, P in registers as
+/* acc[m] (16 x D) += P[m] (16 x K) X for M fragments, P in registers as
  * the f32 result of rows_times_tile (the C layout of two 8-column tiles is
- * the A layout of one 16-column step), X the 64 rows of `xs`, row-major
+ * the A layout of one 16-column step), X the K rows of `xs`, row-major
  * [row][D]; each X fragment is loaded once for all M. */
-template <typename T, int D, int M = 1>
-__device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const float p[][8][4], const T *xs) {
+template <typename T, int D, int M = 1, int K = 64>
+__device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const float p[][K / 8][4], const T *xs) {
     const int ld = D + MMA_PAD;
 #pragma unroll
-    for (int kk = 0; kk < 4; kk++) {
+    for (int kk = 0; kk < K / 16; kk++) {
         uint32_t a[M][4];
 #pragma unroll
         for (int m = 0; m < M; m++) {
@@ -184,14 +185,14 @@ __device__ __forceinline__ bool visible(int64_t row, int64_t col, const mma_geom
     return col < g.Tk && !(g.causal && col > row);
 }
 
-/* Whether every score of the `rows` rows from i0 against the 64 keys from
- * j0 takes part and every row is a real query: then a tile needs no mask
+/* Whether every score of the `rows` queries from i0 against the `cols`
+ * keys from j0 takes part and every query is real: then a tile needs no mask
  * (under a causal mask of T = 1024, 120 of its 136 tiles). The mask costs
  * several 64-bit compares and selects per score, instructions of the
  * order of the tile's mma, so only the tiles on the diagonal and at the
  * edges pay for it. */
-__device__ __forceinline__ bool tile_unmasked(int64_t i0, int rows, int64_t j0, const mma_geom &g) {
-    return i0 + rows <= g.Tq && j0 + MMA_ROWS <= g.Tk && !(g.causal && j0 + MMA_ROWS - 1 > i0);
+__device__ __forceinline__ bool tile_unmasked(int64_t i0, int rows, int64_t j0, int cols, const mma_geom &g) {
+    return i0 + rows <= g.Tq && j0 + cols <= g.Tk && !(g.causal && j0 + cols - 1 > i0);
 }
 
 /* Block t's (batch, head, 64-row block): heads vary fastest; with `heavy_last`
@@ -291,7 +292,7 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
         if (!(g.causal && w0 + 16 * M <= j0)) {
             float s[M][8][4];
             rows_times_tile<T, D, M>(s, qs, warp * 16 * M, ks);
-            bool whole = tile_unmasked(i0, ROWS, j0, g);
+            bool whole = tile_unmasked(i0, ROWS, j0, MMA_ROWS, g);
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 int64_t r0 = w0 + 16 * m + l / 4;
@@ -387,7 +388,7 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, co
         rows_times_tile<T, D>(&s, qs, warp * 16, ks);
         rows_times_tile<T, D>(&dp, gs, warp * 16, vs);
         float rows[4] = { lse0, lse1, d0, d1 };
-        if (tile_unmasked(i0, MMA_ROWS, j0, g)) dq_scores<false>(s, dp, r0, r1, j0, rows, g);
+        if (tile_unmasked(i0, MMA_ROWS, j0, MMA_ROWS, g)) dq_scores<false>(s, dp, r0, r1, j0, rows, g);
         else dq_scores<true>(s, dp, r0, r1, j0, rows, g);
         probs_times_tile<T, D>(&acc, &s, ks);
         __syncthreads();
@@ -395,26 +396,26 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, co
     store_rows<T, D>(dq, b, h, i0 + warp * 16, g.Tq, acc, g.scale, g.scale);
 }
 
-/* The transposed frame's P^T into p and dS^T into ds for a warp's keys
- * key0, key1 against the queries from i0 (lrow, drow: their lse in base 2
- * and delta). With MASKED, P is 0 where visible() hides a score or the
- * key or the query is past the end. */
-template <bool MASKED>
-__device__ __forceinline__ void dkdv_scores(float p[8][4], float ds[8][4], int64_t key0, int64_t key1, int64_t i0,
-                                            const float *lrow, const float *drow, const mma_geom &g) {
+/* The transposed frame's P^T into p and dS^T into ds for a fragment's
+ * keys key0, key1 against the QT queries from i0 (lrow, drow: their lse in
+ * base 2 and delta). With MASKED, P is 0 where visible() hides a score or
+ * the key or the query is past the end. */
+template <bool MASKED, int QT>
+__device__ __forceinline__ void dkdv_scores(float p[QT / 8][4], float ds[QT / 8][4], int64_t key0, int64_t key1,
+                                            int64_t i0, const float *lrow, const float *drow, const mma_geom &g) {
     int l = threadIdx.x % 32;
     /* in the tile's own int coordinates: key k sees queries i0 + qi for
      * from[k] <= qi < last (causal: query >= key) */
     int last = 0, from[2] = { 0, 0 };
     if (MASKED) {
-        last = (int)min(g.Tq - i0, (int64_t)MMA_ROWS);
+        last = (int)min(g.Tq - i0, (int64_t)QT);
         for (int h = 0; h < 2; h++) {
             int64_t key = h ? key1 : key0;
-            from[h] = key >= g.Tk ? MMA_ROWS : g.causal ? (int)min(max(key - i0, (int64_t)0), (int64_t)MMA_ROWS) : 0;
+            from[h] = key >= g.Tk ? QT : g.causal ? (int)min(max(key - i0, (int64_t)0), (int64_t)QT) : 0;
         }
     }
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    for (int n = 0; n < QT / 8; n++) {
         int c = n * 8 + 2 * (l % 4);
 #pragma unroll
         for (int e = 0; e < 4; e++) {
@@ -426,65 +427,81 @@ __device__ __forceinline__ void dkdv_scores(float p[8][4], float ds[8][4], int64
     }
 }
 
-/* dK and dV for a block of 64 keys: over the query tiles that see them,
- * in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T - lse),
- * dS^T = P^T (V dO^T - delta), dV += P^T dO, dK += dS^T Q (times scale).
- * At D = 64, registers for three blocks per SM (168 a thread, a few bytes
- * spilled on sm_90) instead of two at 182: twelve warps to hide the
- * ldmatrix and mma latencies instead of eight. */
+/* Keys a warp owns in the dK/dV kernel, in 16-row fragments: two at D = 64
+ * (32 keys against query tiles of 32, every Q and dO fragment loaded once
+ * for both, P and dS 32 x 32 a warp), one at D = 128 (16 keys against
+ * tiles of 64: its dK and dV accumulators fill the registers). */
+#define MMA_DKDV_FRAGS(D) ((D) == 64 ? 2 : 1)
+
+/* dK and dV for a block of 4 warps' keys: over the query tiles that see
+ * them, in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T -
+ * lse), dS^T = P^T (V dO^T - delta), dV += P^T dO, dK += dS^T Q (times
+ * scale). */
 template <typename T, int D>
-__global__ void __launch_bounds__(MMA_THREADS, D == 64 ? 3 : 2)
+__global__ void __launch_bounds__(MMA_THREADS)
 mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats,
                 mma_geom g) {
+    constexpr int M = MMA_DKDV_FRAGS(D), KEYS = MMA_WARPS * 16 * M, QT = MMA_ROWS / M;
+    static_assert(MMA_THREADS >= 2 * QT, "a thread per row statistic");
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD;
-    const int tile = MMA_ROWS * ld;
-    T *ks = (T *)smem, *vs = ks + tile, *qg = vs + tile;    /* then Q and dO tiles, twice */
-    float *rows = (float *)(qg + 4 * tile);                /* then lse and delta of each buffer's rows */
+    const int ld = D + MMA_PAD, ktile = KEYS * ld, qtile = QT * ld;
+    T *ks = (T *)smem, *vs = ks + ktile, *qg = vs + ktile;   /* then Q and dO tiles, twice */
+    float *rows = (float *)(qg + 4 * qtile);                /* then lse and delta of each buffer's rows */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
-    block_task(g, (g.Tk + MMA_ROWS - 1) / MMA_ROWS, false, &b, &h, &blk);
-    int64_t j0 = blk * MMA_ROWS, key0 = j0 + warp * 16 + l / 4, key1 = key0 + 8;
+    block_task(g, (g.Tk + KEYS - 1) / KEYS, false, &b, &h, &blk);
+    int64_t j0 = blk * KEYS, w0 = j0 + warp * 16 * M;       /* the block's and the warp's first keys */
     const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
-    float dka[D / 8][4] = {}, dva[D / 8][4] = {};
+    float dka[M][D / 8][4] = {}, dva[M][D / 8][4] = {};
     /* under a causal mask the queries before this block see none of its keys */
     int64_t first = g.causal ? j0 : 0;
     auto fetch = [&](int buf, int64_t i0) {
-        T *qs = qg + buf * 2 * tile;
-        load_tile<T, D>(qs, q, b, h, i0, g.Tq);
-        load_tile<T, D>(qs + tile, dout, b, h, i0, g.Tq);
-        /* a float per thread, with the tiles: the rows' lse (threads 0..63),
-         * then their delta; zeros past the queries */
-        static_assert(MMA_THREADS == 2 * MMA_ROWS, "one thread per row statistic");
-        int r = threadIdx.x % MMA_ROWS;
-        bool real = i0 + r < g.Tq;
-        cp_async_4(rows + buf * 2 * MMA_ROWS + threadIdx.x, (threadIdx.x < MMA_ROWS ? L : Dl) + (real ? i0 + r : 0),
-                   real);
+        T *qs = qg + buf * 2 * qtile;
+        load_tile<T, D, QT>(qs, q, b, h, i0, g.Tq);
+        load_tile<T, D, QT>(qs + qtile, dout, b, h, i0, g.Tq);
+        /* with the tiles, a float per thread: the rows' lse (threads
+         * 0..QT-1), then their delta; zeros past the queries */
+        if (threadIdx.x < 2 * QT) {
+            int r = threadIdx.x % QT;
+            bool real = i0 + r < g.Tq;
+            cp_async_4(rows + buf * 2 * QT + threadIdx.x, (threadIdx.x < QT ? L : Dl) + (real ? i0 + r : 0), real);
+        }
         cp_async_commit();
     };
-    load_tile<T, D>(ks, k, b, h, j0, g.Tk);
-    load_tile<T, D>(vs, v, b, h, j0, g.Tk);
+    load_tile<T, D, KEYS>(ks, k, b, h, j0, g.Tk);
+    load_tile<T, D, KEYS>(vs, v, b, h, j0, g.Tk);
     cp_async_commit();
     if (first < g.Tq) fetch(0, first);
-    for (int64_t i0 = first, it = 0; i0 < g.Tq; i0 += MMA_ROWS, it++) {
+    for (int64_t i0 = first, it = 0; i0 < g.Tq; i0 += QT, it++) {
         int buf = (int)(it & 1);
-        T *qs = qg + buf * 2 * tile, *gs = qs + tile;
-        float *lrow = rows + buf * 2 * MMA_ROWS, *drow = lrow + MMA_ROWS;
-        bool more = i0 + MMA_ROWS < g.Tq;
-        if (more) fetch(buf ^ 1, i0 + MMA_ROWS);
+        T *qs = qg + buf * 2 * qtile, *gs = qs + qtile;
+        float *lrow = rows + buf * 2 * QT, *drow = lrow + QT;
+        bool more = i0 + QT < g.Tq;
+        if (more) fetch(buf ^ 1, i0 + QT);
         cp_async_wait(more);
         __syncthreads();
-        float p[8][4], ds[8][4];
-        rows_times_tile<T, D>(&p, ks, warp * 16, qs);
-        rows_times_tile<T, D>(&ds, vs, warp * 16, gs);
-        if (tile_unmasked(i0, MMA_ROWS, j0, g)) dkdv_scores<false>(p, ds, key0, key1, i0, lrow, drow, g);
-        else dkdv_scores<true>(p, ds, key0, key1, i0, lrow, drow, g);
-        probs_times_tile<T, D>(&dva, &p, gs);
-        probs_times_tile<T, D>(&dka, &ds, qs);
+        /* under a causal mask, a warp whose keys all follow the tile's queries has nothing in it */
+        if (!(g.causal && i0 + QT <= w0)) {
+            float p[M][QT / 8][4], ds[M][QT / 8][4];
+            rows_times_tile<T, D, M, QT>(p, ks, warp * 16 * M, qs);
+            rows_times_tile<T, D, M, QT>(ds, vs, warp * 16 * M, gs);
+            bool whole = tile_unmasked(i0, QT, j0, KEYS, g);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                int64_t key0 = w0 + 16 * m + l / 4;
+                if (whole) dkdv_scores<false, QT>(p[m], ds[m], key0, key0 + 8, i0, lrow, drow, g);
+                else dkdv_scores<true, QT>(p[m], ds[m], key0, key0 + 8, i0, lrow, drow, g);
+            }
+            probs_times_tile<T, D, M, QT>(dva, p, gs);
+            probs_times_tile<T, D, M, QT>(dka, ds, qs);
+        }
         __syncthreads();
     }
-    store_rows<T, D>(dk, b, h, j0 + warp * 16, g.Tk, dka, g.scale, g.scale);
-    store_rows<T, D>(dv, b, h, j0 + warp * 16, g.Tk, dva, 1.f, 1.f);
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        store_rows<T, D>(dk, b, h, w0 + 16 * m, g.Tk, dka[m], g.scale, g.scale);
+        store_rows<T, D>(dv, b, h, w0 + 16 * m, g.Tk, dva[m], 1.f, 1.f);
+    }
 }
 
 /* ---- launch sizes: the host side's and the CPU emulation test's ---- */
@@ -503,6 +520,10 @@ static inline unsigned mma_forward_blocks(const mma_geom &g, int D) {
     return mma_blocks(g, g.Tq, MMA_WARPS * 16 * MMA_FWD_FRAGS(D));
 }
 
+static inline unsigned mma_dkdv_blocks(const mma_geom &g, int D) {
+    return mma_blocks(g, g.Tk, MMA_WARPS * 16 * MMA_DKDV_FRAGS(D));
+}
+
 #define MMA_STATS_THREADS 256
 
 static inline unsigned mma_stats_blocks(const mma_geom &g) {
@@ -519,8 +540,9 @@ static inline size_t mma_forward_smem(int D) {                                  
     return mma_tiles_bytes(D, MMA_FWD_FRAGS(D) + 4);
 }
 static inline size_t mma_dq_smem(int D) { return mma_tiles_bytes(D, 6); }           /* Q, dO, K and V twice */
-static inline size_t mma_dkdv_smem(int D) {                                        /* K, V, Q and dO twice, */
-    return mma_tiles_bytes(D, 6) + 4 * MMA_ROWS * sizeof(float);                   /* lse and delta twice */
+static inline size_t mma_dkdv_smem(int D) {   /* K and V of the block's keys; Q, dO, lse and delta twice */
+    int keys = MMA_WARPS * 16 * MMA_DKDV_FRAGS(D), qt = MMA_ROWS / MMA_DKDV_FRAGS(D);
+    return (size_t)(2 * keys + 4 * qt) * (D + MMA_PAD) * 2 + 4 * qt * sizeof(float);
 }
 
 #endif
