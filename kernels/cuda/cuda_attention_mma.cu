@@ -49,7 +49,7 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     size_t sq = mma_dq_smem(D), skv = mma_dkdv_smem(D);
     if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq);
     if (rc == 0) {
-        mma_dq_kernel<T, D><<<mma_blocks(g, g.Tq), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
+        mma_dq_kernel<T, D><<<mma_dq_blocks(g, D), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dq_kernel");
     }
     if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv);

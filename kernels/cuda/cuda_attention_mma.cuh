@@ -27,7 +27,9 @@
 
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
-#define MMA_ROWS 64     /* rows per block and per tile: 16 per warp */
+#define MMA_ROWS 64     /* rows of a tile, and of a block of 16-row warps */
+/* Rows of a block whose warps own `frags` 16-row fragments each. */
+#define MMA_BLOCK_ROWS(frags) (MMA_WARPS * 16 * (frags))
 #define MMA_PAD 8       /* elements padding each shared row: ldmatrix's 8 rows then hit distinct banks */
 
 #define LOG2E 1.4426950408889634f
@@ -135,18 +137,18 @@ __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, in
     }
 }
 
-/* The K and V tiles of key block j0 (the it-th of the walk), from the
- * buffer pair it % 2 of kv, once they have landed; the next block's pair
- * starts streaming into the other buffer first. */
-template <typename T, int D>
+/* The K and V tiles (ROWS keys each) of key block j0 (the it-th of the
+ * walk), from the buffer pair it % 2 of kv, once they have landed; the next
+ * block's pair starts streaming into the other buffer first. */
+template <typename T, int D, int ROWS = MMA_ROWS>
 __device__ __forceinline__ T *kv_tiles(T *kv, const ds_kview &k, const ds_kview &v, int64_t b, int64_t h, int64_t j0,
                                        int64_t it, int64_t kend, int64_t Tk) {
-    const int tile = MMA_ROWS * (D + MMA_PAD);
+    const int tile = ROWS * (D + MMA_PAD);
     T *next = kv + (~it & 1) * 2 * tile;
-    bool more = j0 + MMA_ROWS < kend;
+    bool more = j0 + ROWS < kend;
     if (more) {
-        load_tile<T, D>(next, k, b, h, j0 + MMA_ROWS, Tk);
-        load_tile<T, D>(next + tile, v, b, h, j0 + MMA_ROWS, Tk);
+        load_tile<T, D, ROWS>(next, k, b, h, j0 + ROWS, Tk);
+        load_tile<T, D, ROWS>(next + tile, v, b, h, j0 + ROWS, Tk);
         cp_async_commit();
     }
     cp_async_wait(more);
@@ -269,7 +271,7 @@ __device__ __forceinline__ void online_softmax(float s[8][4], float acc[D / 8][4
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
-    constexpr int M = MMA_FWD_FRAGS(D), ROWS = MMA_WARPS * 16 * M;
+    constexpr int M = MMA_FWD_FRAGS(D), ROWS = MMA_BLOCK_ROWS(M);
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD, tile = MMA_ROWS * ld;
     T *qs = (T *)smem, *kv = qs + ROWS * ld;     /* then K and V tiles, twice: [buffer][K, V] */
@@ -338,16 +340,16 @@ __global__ void mma_stats_kernel(float *stats, ds_kview dout, ds_kview out, ds_k
     }
 }
 
-/* dS = P (dP - delta) into s, P = exp2(s scale - lse), for a warp's rows
- * r0, r1 against keys from j0; rows = { lse0, lse1, delta0, delta1 } (lse
- * in base 2). With MASKED, P is 0 where visible() hides a score or the row
- * is past the queries. */
-template <bool MASKED>
-__device__ __forceinline__ void dq_scores(float s[8][4], const float dp[8][4], int64_t r0, int64_t r1, int64_t j0,
-                                          const float rows[4], const mma_geom &g) {
+/* dS = P (dP - delta) into s, P = exp2(s scale - lse), for a fragment's
+ * rows r0, r1 against the KT keys from j0; rows = { lse0, lse1, delta0,
+ * delta1 } (lse in base 2). With MASKED, P is 0 where visible() hides a
+ * score or the row is past the queries. */
+template <bool MASKED, int KT>
+__device__ __forceinline__ void dq_scores(float s[KT / 8][4], const float dp[KT / 8][4], int64_t r0, int64_t r1,
+                                          int64_t j0, const float rows[4], const mma_geom &g) {
     int l = threadIdx.x % 32;
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    for (int n = 0; n < KT / 8; n++) {
         int64_t c = j0 + n * 8 + 2 * (l % 4);
 #pragma unroll
         for (int e = 0; e < 4; e++) {
@@ -359,41 +361,61 @@ __device__ __forceinline__ void dq_scores(float s[8][4], const float dp[8][4], i
     }
 }
 
-/* dQ for a block of 64 query rows: over the key tiles it sees,
+/* Query rows a warp owns in the dQ kernel, in 16-row fragments: two at
+ * D = 64 against key tiles of 32 (every K and V fragment loaded once for
+ * both, S and dP 32 x 32 a warp), one at D = 128 against tiles of 64. */
+#define MMA_DQ_FRAGS(D) ((D) == 64 ? 2 : 1)
+
+/* dQ for a block of 4 warps' query rows: over the key tiles it sees,
  * dS = P (dO V^T - delta), dQ += dS K; times scale at the end. */
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats, mma_geom g) {
+    constexpr int M = MMA_DQ_FRAGS(D), ROWS = MMA_BLOCK_ROWS(M), KT = MMA_ROWS / M;
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD;
-    const int tile = MMA_ROWS * ld;
-    T *qs = (T *)smem, *gs = qs + tile, *kv = gs + tile;   /* then K and V tiles, twice */
+    const int ld = D + MMA_PAD, qtile = ROWS * ld, ktile = KT * ld;
+    T *qs = (T *)smem, *gs = qs + qtile, *kv = gs + qtile;   /* then K and V tiles, twice */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
-    block_task(g, (g.Tq + MMA_ROWS - 1) / MMA_ROWS, g.causal, &b, &h, &blk);
-    int64_t i0 = blk * MMA_ROWS, r0 = i0 + warp * 16 + l / 4, r1 = r0 + 8;
-    load_tile<T, D>(qs, q, b, h, i0, g.Tq);
-    load_tile<T, D>(gs, dout, b, h, i0, g.Tq);
-    load_tile<T, D>(kv, k, b, h, 0, g.Tk);
-    load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
+    block_task(g, (g.Tq + ROWS - 1) / ROWS, g.causal, &b, &h, &blk);
+    int64_t i0 = blk * ROWS, w0 = i0 + warp * 16 * M;     /* the block's and the warp's first rows */
+    load_tile<T, D, ROWS>(qs, q, b, h, i0, g.Tq);
+    load_tile<T, D, ROWS>(gs, dout, b, h, i0, g.Tq);
+    load_tile<T, D, KT>(kv, k, b, h, 0, g.Tk);
+    load_tile<T, D, KT>(kv + ktile, v, b, h, 0, g.Tk);
     cp_async_commit();
     const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
-    float lse0 = r0 < g.Tq ? L[r0] : 0.f, lse1 = r1 < g.Tq ? L[r1] : 0.f;
-    float d0 = r0 < g.Tq ? Dl[r0] : 0.f, d1 = r1 < g.Tq ? Dl[r1] : 0.f;
-    float acc[D / 8][4] = {};
-    int64_t kend = g.causal ? min(g.Tk, i0 + MMA_ROWS) : g.Tk;
-    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
-        T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
-        float s[8][4], dp[8][4];
-        rows_times_tile<T, D>(&s, qs, warp * 16, ks);
-        rows_times_tile<T, D>(&dp, gs, warp * 16, vs);
-        float rows[4] = { lse0, lse1, d0, d1 };
-        if (tile_unmasked(i0, MMA_ROWS, j0, MMA_ROWS, g)) dq_scores<false>(s, dp, r0, r1, j0, rows, g);
-        else dq_scores<true>(s, dp, r0, r1, j0, rows, g);
-        probs_times_tile<T, D>(&acc, &s, ks);
+    float rows[M][4];            /* per fragment: lse (base 2) of rows +l/4 and +l/4+8, then their delta */
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            int64_t row = w0 + 16 * m + l / 4 + 8 * r;
+            rows[m][r] = row < g.Tq ? L[row] : 0.f;
+            rows[m][2 + r] = row < g.Tq ? Dl[row] : 0.f;
+        }
+    float acc[M][D / 8][4] = {};
+    int64_t kend = g.causal ? min(g.Tk, i0 + ROWS) : g.Tk;
+    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
+        T *ks = kv_tiles<T, D, KT>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + ktile;
+        /* under a causal mask, a warp whose rows all precede the tile sees none of it */
+        if (!(g.causal && w0 + 16 * M <= j0)) {
+            float s[M][KT / 8][4], dp[M][KT / 8][4];
+            rows_times_tile<T, D, M, KT>(s, qs, warp * 16 * M, ks);
+            rows_times_tile<T, D, M, KT>(dp, gs, warp * 16 * M, vs);
+            bool whole = tile_unmasked(i0, ROWS, j0, KT, g);
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                int64_t r0 = w0 + 16 * m + l / 4;
+                if (whole) dq_scores<false, KT>(s[m], dp[m], r0, r0 + 8, j0, rows[m], g);
+                else dq_scores<true, KT>(s[m], dp[m], r0, r0 + 8, j0, rows[m], g);
+            }
+            probs_times_tile<T, D, M, KT>(acc, s, ks);
+        }
         __syncthreads();
     }
-    store_rows<T, D>(dq, b, h, i0 + warp * 16, g.Tq, acc, g.scale, g.scale);
+#pragma unroll
+    for (int m = 0; m < M; m++) store_rows<T, D>(dq, b, h, w0 + 16 * m, g.Tq, acc[m], g.scale, g.scale);
 }
 
 /* The transposed frame's P^T into p and dS^T into ds for a fragment's
@@ -441,7 +463,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats,
                 mma_geom g) {
-    constexpr int M = MMA_DKDV_FRAGS(D), KEYS = MMA_WARPS * 16 * M, QT = MMA_ROWS / M;
+    constexpr int M = MMA_DKDV_FRAGS(D), KEYS = MMA_BLOCK_ROWS(M), QT = MMA_ROWS / M;
     static_assert(MMA_THREADS >= 2 * QT, "a thread per row statistic");
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD, ktile = KEYS * ld, qtile = QT * ld;
@@ -517,11 +539,15 @@ static inline unsigned mma_blocks(const mma_geom &g, int64_t rows, int block_row
 }
 
 static inline unsigned mma_forward_blocks(const mma_geom &g, int D) {
-    return mma_blocks(g, g.Tq, MMA_WARPS * 16 * MMA_FWD_FRAGS(D));
+    return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_FWD_FRAGS(D)));
+}
+
+static inline unsigned mma_dq_blocks(const mma_geom &g, int D) {
+    return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_DQ_FRAGS(D)));
 }
 
 static inline unsigned mma_dkdv_blocks(const mma_geom &g, int D) {
-    return mma_blocks(g, g.Tk, MMA_WARPS * 16 * MMA_DKDV_FRAGS(D));
+    return mma_blocks(g, g.Tk, MMA_BLOCK_ROWS(MMA_DKDV_FRAGS(D)));
 }
 
 #define MMA_STATS_THREADS 256
@@ -533,16 +559,22 @@ static inline unsigned mma_stats_blocks(const mma_geom &g) {
 /* mma_stats_kernel's output: lse in base 2 and delta, per query row. */
 static inline size_t mma_stats_bytes(const mma_geom &g) { return (size_t)(2 * g.B * g.H * g.Tq) * sizeof(float); }
 
-/* Dynamic shared memory: 64-row tiles of 16-bit elements, padded rows. */
-static inline size_t mma_tiles_bytes(int D, int tiles) { return (size_t)tiles * MMA_ROWS * (D + MMA_PAD) * 2; }
+/* Dynamic shared memory: rows of 16-bit elements, each padded; the
+ * other side's tiles are 64 rows over the fragments a warp owns. */
+static inline size_t mma_rows_bytes(int D, int rows) { return (size_t)rows * (D + MMA_PAD) * 2; }
 
-static inline size_t mma_forward_smem(int D) {                                     /* Q, K and V twice */
-    return mma_tiles_bytes(D, MMA_FWD_FRAGS(D) + 4);
+static inline size_t mma_forward_smem(int D) {   /* the block's Q; K and V tiles twice */
+    return mma_rows_bytes(D, MMA_BLOCK_ROWS(MMA_FWD_FRAGS(D)) + 4 * MMA_ROWS);
 }
-static inline size_t mma_dq_smem(int D) { return mma_tiles_bytes(D, 6); }           /* Q, dO, K and V twice */
-static inline size_t mma_dkdv_smem(int D) {   /* K and V of the block's keys; Q, dO, lse and delta twice */
-    int keys = MMA_WARPS * 16 * MMA_DKDV_FRAGS(D), qt = MMA_ROWS / MMA_DKDV_FRAGS(D);
-    return (size_t)(2 * keys + 4 * qt) * (D + MMA_PAD) * 2 + 4 * qt * sizeof(float);
+
+static inline size_t mma_dq_smem(int D) {        /* the block's Q and dO; K and V tiles twice */
+    int m = MMA_DQ_FRAGS(D);
+    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(m) + 4 * (MMA_ROWS / m));
+}
+
+static inline size_t mma_dkdv_smem(int D) {      /* the block's K and V; Q and dO tiles, lse and delta twice */
+    int m = MMA_DKDV_FRAGS(D);
+    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(m) + 4 * (MMA_ROWS / m)) + 4 * (MMA_ROWS / m) * sizeof(float);
 }
 
 #endif
