@@ -2,11 +2,17 @@
  * use atomics: f32, f64, i32 and i64 add in place (integers exactly; float
  * sums in an order that may vary run to run); the narrow dtypes (bf16,
  * f16, u8, bool) have no such atomics, so dst is widened into a double
- * scratch, summed there and rounded back once. Core's range check
+ * scratch, summed there and rounded back once, except index_add into
+ * bf16 and f16 (an embedding's gradient), which sums sorted runs of equal
+ * indices instead (cuda_index_rows.cuh). Core's range check
  * (check_index) is read back only at the next synchronisation, so every
  * kernel here skips an index value out of range instead of reading or
  * writing past the data. */
 #include "cuda_pointwise.cuh"
+#include "cuda_index_rows.cuh"
+
+#include <cub/device/device_radix_sort.cuh>
+#include <limits.h>
 
 /* ---- check_index: the first bad position, found with atomicMin ---- */
 
@@ -152,9 +158,55 @@ static __global__ void index_add_kernel(ds_kview dst, double *wide, ds_kview src
     }
 }
 
+/* keys[j] = idx[j] as a sort key, n when out of range (sorted last, then
+ * skipped); pos[j] = j. */
+static __global__ void row_keys_kernel(unsigned *keys, unsigned *pos, ds_kview idx, int64_t m, int64_t n) {
+    int64_t is = idx.ndim ? idx.stride[0] : 0;
+    DS_CUDA_LOOP(j, m) {
+        int64_t i = pw_index(idx, j * is);
+        keys[j] = (unsigned)(i >= 0 && i < n ? i : n);
+        pos[j] = (unsigned)j;
+    }
+}
+
+/* index_add into bf16 or f16 by sorted runs (cuda_index_rows.cuh). */
+static int index_add_sorted(ds_kview dst, ds_kview src, ds_kview idx, int64_t outer, int64_t n, int64_t inner,
+                            int64_t m) {
+    cudaStream_t st = ds_cuda_stream();
+    int bits = 1;                                   /* keys 0..n, n the out-of-range mark */
+    while (bits < 32 && ((int64_t)1 << bits) <= n) bits++;
+    size_t sort_bytes = 0;
+    if (ds_cuda_ok(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, (const unsigned *)nullptr, (unsigned *)nullptr,
+                                                   (const unsigned *)nullptr, (unsigned *)nullptr, (int)m, 0, bits, st),
+                   "index_add: cub::DeviceRadixSort")) return -1;
+    size_t keys_bytes = ((size_t)m * sizeof(unsigned) + 255) / 256 * 256;
+    unsigned char *scratch = (unsigned char *)ds_cuda_scratch(4 * keys_bytes + sort_bytes);
+    if (!scratch) return -1;
+    unsigned *keys = (unsigned *)scratch, *pos = (unsigned *)(scratch + keys_bytes);
+    unsigned *sorted_keys = (unsigned *)(scratch + 2 * keys_bytes), *sorted_pos = (unsigned *)(scratch + 3 * keys_bytes);
+    row_keys_kernel<<<ds_cuda_blocks(m, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, st>>>(keys, pos, idx, m, n);
+    int rc = ds_cuda_launched("row_keys_kernel");
+    if (rc == 0)
+        rc = ds_cuda_ok(cub::DeviceRadixSort::SortPairs(scratch + 4 * keys_bytes, sort_bytes, keys, sorted_keys, pos,
+                                                        sorted_pos, (int)m, 0, bits, st),
+                        "index_add: cub::DeviceRadixSort");
+    if (rc == 0) {
+        index_add_runs_kernel<<<(unsigned)(outer * m), INDEX_RUNS_THREADS, 0, st>>>(dst, src, sorted_keys, sorted_pos,
+                                                                                   m, n, inner);
+        rc = ds_cuda_launched("index_add_runs_kernel");
+    }
+    ds_cuda_scratch_free(scratch);
+    return rc;
+}
+
 static int cuda_index_add(ds_kview dst, ds_kview src, ds_kview idx, int64_t outer, int64_t n, int64_t inner) {
     int64_t m = ds_kview_numel(&idx), total = outer * m * inner;
     if (total == 0) return 0;
+    /* 16-bit floats (an embedding's gradient): sorted runs, deterministic and
+     * touching only the named rows, wherever the sizes fit the sort's keys
+     * and the grid */
+    if ((dst.dtype == DS_BF16 || dst.dtype == DS_F16) && n < UINT_MAX && outer * m <= INT_MAX)
+        return index_add_sorted(dst, src, idx, outer, n, inner, m);
     double *wide;
     if (widen(dst, &wide)) return -1;
     index_add_kernel<<<ds_cuda_blocks(total, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
