@@ -1,4 +1,4 @@
-/* index_add into bf16 and f16 by sorted runs (kernels/cuda/cuda_index_rows.cuh)
+/* index_add into float rows by sorted runs (kernels/cuda/cuda_index_rows.cuh)
  * on the CPU, through tests/warp_emulator.h: the kernel's result against
  * the same sums done here, bit for bit, with repeated indices, indices out
  * of range (skipped), several outer slices and a row longer than a block.
@@ -33,11 +33,12 @@ void run_case(ds_dtype dt, int64_t outer, int64_t n, int64_t inner, int64_t m, b
     std::vector<int64_t> idx((size_t)m);
     for (int64_t &i : idx) i = pick(rng);
     if (out_of_range) idx[0] = n;
-    std::vector<uint16_t> dst((size_t)(outer * n * inner)), src((size_t)(outer * m * inner));
-    auto half = [dt](float x) { return dt == DS_BF16 ? ds_f32_to_bf16(x) : ds_f32_to_f16(x); };
-    for (uint16_t &x : dst) x = half(normal(rng));
-    for (uint16_t &x : src) x = half(normal(rng));
-    std::vector<uint16_t> want = dst;
+    /* elements of dt's size, filled through ds_store */
+    size_t es = ds_dtype_size(dt);
+    std::vector<unsigned char> dst(outer * n * inner * es), src(outer * m * inner * es);
+    for (size_t e = 0; e < dst.size() / es; e++) ds_store(dt, dst.data(), (int64_t)e, normal(rng));
+    for (size_t e = 0; e < src.size() / es; e++) ds_store(dt, src.data(), (int64_t)e, normal(rng));
+    std::vector<unsigned char> want = dst;
     /* the keys and the stable sort row_keys_kernel and the radix sort give */
     std::vector<unsigned> keys((size_t)m), pos((size_t)m);
     for (int64_t j = 0; j < m; j++) {
@@ -59,16 +60,16 @@ void run_case(ds_dtype dt, int64_t outer, int64_t n, int64_t inner, int64_t m, b
                 ds_store(dt, want.data(), d, sum);
             }
         }
-    ds_kview dv = flat(dst.data(), dt, (int64_t)dst.size()), sv = flat(src.data(), dt, (int64_t)src.size());
+    ds_kview dv = flat(dst.data(), dt, (int64_t)(dst.size() / es)), sv = flat(src.data(), dt, (int64_t)(src.size() / es));
     emu::launch("index_add_runs_kernel", (unsigned)(outer * m), INDEX_RUNS_THREADS, 0,
                 [&] { index_add_runs_kernel(dv, sv, sorted.data(), pos.data(), m, n, inner); });
     int64_t wrong = 0, changed = 0;
-    for (size_t e = 0; e < dst.size(); e++) wrong += dst[e] != want[e];
+    for (size_t e = 0; e < dst.size() / es; e++) wrong += memcmp(&dst[e * es], &want[e * es], es) != 0;
     for (int64_t o = 0; o < outer; o++)
         for (int64_t i = 0; i < n; i++) changed += std::count(idx.begin(), idx.end(), i) > 0;
-    check(wrong == 0, "%s outer=%lld n=%lld inner=%lld m=%lld: %lld of %zu elements differ from the sums",
-          dt == DS_BF16 ? "bf16" : "f16", (long long)outer, (long long)n, (long long)inner, (long long)m,
-          (long long)wrong, dst.size());
+    const char *name = dt == DS_BF16 ? "bf16" : dt == DS_F16 ? "f16" : dt == DS_F32 ? "f32" : "f64";
+    check(wrong == 0, "%s outer=%lld n=%lld inner=%lld m=%lld: %lld of %zu elements differ from the sums", name, (long long)outer, (long long)n, (long long)inner, (long long)m,
+          (long long)wrong, dst.size() / es);
     if (m > 1)
         check(changed > 1 && changed < outer * n, "the case leaves some rows alone and adds into several (%lld)",
               (long long)changed);
@@ -83,5 +84,7 @@ int main() {
     run_case(DS_F16, 3, 17, 5, 41, true, rng);
     run_case(DS_F16, 2, 17, 5, 41, false, rng);
     run_case(DS_BF16, 2, 9, 128, 1, true, rng);       /* one index, out of range */
+    run_case(DS_F32, 1, 30, 70, 50, true, rng);
+    run_case(DS_F64, 2, 30, 70, 50, false, rng);
     return check_summary("test_index_rows");
 }

@@ -1,10 +1,10 @@
-/* Indexing kernels on the GPU, one thread per element moved. Scatter-adds
- * use atomics: f32, f64, i32 and i64 add in place (integers exactly; float
- * sums in an order that may vary run to run); the narrow dtypes (bf16,
- * f16, u8, bool) have no such atomics, so dst is widened into a double
- * scratch, summed there and rounded back once, except index_add into
- * bf16 and f16 (an embedding's gradient), which sums sorted runs of equal
- * indices instead (cuda_index_rows.cuh). Core's range check
+/* Indexing kernels on the GPU, one thread per element moved. index_add
+ * into a float dtype (an embedding's gradient) sums sorted runs of equal
+ * indices (cuda_index_rows.cuh): the same result on every run. The other
+ * scatter-adds use atomics: f32, f64, i32 and i64 add in place (integers
+ * exactly; float sums in an order that may vary run to run); the narrow
+ * dtypes (bf16, f16, u8, bool) have no such atomics, so dst is widened
+ * into a double scratch, summed there and rounded back once. Core's range check
  * (check_index) is read back only at the next synchronisation, so every
  * kernel here skips an index value out of range instead of reading or
  * writing past the data. */
@@ -169,7 +169,7 @@ static __global__ void row_keys_kernel(unsigned *keys, unsigned *pos, ds_kview i
     }
 }
 
-/* index_add into bf16 or f16 by sorted runs (cuda_index_rows.cuh). */
+/* index_add into a float dtype by sorted runs (cuda_index_rows.cuh). */
 static int index_add_sorted(ds_kview dst, ds_kview src, ds_kview idx, int64_t outer, int64_t n, int64_t inner,
                             int64_t m) {
     cudaStream_t st = ds_cuda_stream();
@@ -202,10 +202,10 @@ static int index_add_sorted(ds_kview dst, ds_kview src, ds_kview idx, int64_t ou
 static int cuda_index_add(ds_kview dst, ds_kview src, ds_kview idx, int64_t outer, int64_t n, int64_t inner) {
     int64_t m = ds_kview_numel(&idx), total = outer * m * inner;
     if (total == 0) return 0;
-    /* 16-bit floats (an embedding's gradient): sorted runs, deterministic and
+    /* floats (an embedding's gradient): sorted runs, deterministic and
      * touching only the named rows, wherever the sizes fit the sort's keys
      * and the grid */
-    if ((dst.dtype == DS_BF16 || dst.dtype == DS_F16) && n < UINT_MAX && outer * m <= INT_MAX)
+    if (ds_dtype_is_float(dst.dtype) && n < UINT_MAX && outer * m <= INT_MAX)
         return index_add_sorted(dst, src, idx, outer, n, inner, m);
     double *wide;
     if (widen(dst, &wide)) return -1;

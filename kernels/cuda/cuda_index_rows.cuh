@@ -1,5 +1,4 @@
-/* index_add of whole rows into a 16-bit float destination, without
- * atomics: the row indices are sorted first (a stable radix sort keeps
+/* index_add of whole rows into a float destination, without atomics: the row indices are sorted first (a stable radix sort keeps
  * each index's positions in order), then a block per run of equal indices
  * sums that run's source rows in double, in position order, and adds the
  * sum into its destination row with one rounding. The result is the same
