@@ -73,12 +73,12 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     for (int d = 0; d < 3; d++) { lse.shape[d] = lsz[d]; lse.stride[d] = lst[d]; }
 
     mma_geom g = mma_geom_of(q, k, scale, s.causal);
-    emu::launch("mma_forward_kernel", mma_forward_blocks(g, D), MMA_THREADS, mma_forward_smem(D),
+    emu::launch("mma_forward_kernel", mma_query_blocks(g), MMA_THREADS, mma_forward_smem(D),
                 [&] { mma_forward_kernel<T, D>(out, lse, q, k, v, g); });
     std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
     emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
                 [&] { mma_stats_kernel<T, D>(stats.data(), dout, out, lse, g); });
-    emu::launch("mma_dq_kernel", mma_dq_blocks(g, D), MMA_THREADS, mma_dq_smem(D),
+    emu::launch("mma_dq_kernel", mma_query_blocks(g), MMA_THREADS, mma_dq_smem(D),
                 [&] { mma_dq_kernel<T, D>(dq, dout, q, k, v, stats.data(), g); });
     emu::launch("mma_dkdv_kernel", mma_dkdv_blocks(g, D), MMA_THREADS, mma_dkdv_smem(D),
                 [&] { mma_dkdv_kernel<T, D>(dk, dv, dout, q, k, v, stats.data(), g); });

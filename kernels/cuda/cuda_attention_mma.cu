@@ -33,7 +33,7 @@ template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
     size_t sm = mma_forward_smem(D);
     if (allow_smem(mma_forward_kernel<T, D>, sm)) return -1;
-    mma_forward_kernel<T, D><<<mma_forward_blocks(g, D), MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
+    mma_forward_kernel<T, D><<<mma_query_blocks(g), MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
     return ds_cuda_launched("attention mma_forward_kernel");
 }
 
@@ -49,7 +49,7 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     size_t sq = mma_dq_smem(D), skv = mma_dkdv_smem(D);
     if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq);
     if (rc == 0) {
-        mma_dq_kernel<T, D><<<mma_dq_blocks(g, D), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
+        mma_dq_kernel<T, D><<<mma_query_blocks(g), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dq_kernel");
     }
     if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv);

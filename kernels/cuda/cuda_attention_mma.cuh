@@ -1,10 +1,10 @@
 /* Attention on tensor cores for bf16 and f16 with head dims 64 and 128:
  * FlashAttention-2's tiling on mma.sync m16n8k16 (f32 accumulation).
  * A block of 4 warps owns rows of one side (queries, or keys in the dK/dV
- * kernel), 16 per warp (32 at D = 64, FlashAttention-2's layout: each
- * fragment of the other side feeds two mma), and walks tiles of the other
- * side staged in shared memory; every product is a warp's rows times a
- * tile, so no warp waits on another's partial sums.
+ * kernel), 32 per warp (each fragment of the other side feeds two mma; 16
+ * in the dK/dV kernel at D = 128, whose accumulators fill the registers),
+ * and walks tiles of the other side staged in shared memory; every product
+ * is a warp's rows times a tile, so no warp waits on another's partial sums.
  * Scores live in registers, scaled by log2(e) so the exponentials are exp2.
  * Backward gathers each query row's lse (base 2) and delta = dO . O, then
  * runs two kernels, deterministic, without atomics: dK and dV per key block
@@ -27,7 +27,6 @@
 
 #define MMA_WARPS 4
 #define MMA_THREADS (MMA_WARPS * 32)
-#define MMA_ROWS 64     /* rows of a tile, and of a block of 16-row warps */
 /* Rows of a block whose warps own `frags` 16-row fragments each. */
 #define MMA_BLOCK_ROWS(frags) (MMA_WARPS * 16 * (frags))
 #define MMA_PAD 8       /* elements padding each shared row: ldmatrix's 8 rows then hit distinct banks */
@@ -125,7 +124,7 @@ __device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const fl
  * bytes per cp.async; rows at or past `end` are filled with zeros. The copy
  * lands after cp_async_wait and a barrier, so the next tile streams in
  * while the block computes on the current one. */
-template <typename T, int D, int ROWS = MMA_ROWS>
+template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, int64_t h, int64_t t0, int64_t end) {
     const int ld = D + MMA_PAD, chunks = D / 8;
     const T *base = (const T *)x.data + b * x.stride[0] + h * x.stride[1];
@@ -140,7 +139,7 @@ __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, in
 /* The K and V tiles (ROWS keys each) of key block j0 (the it-th of the
  * walk), from the buffer pair it % 2 of kv, once they have landed; the next
  * block's pair starts streaming into the other buffer first. */
-template <typename T, int D, int ROWS = MMA_ROWS>
+template <typename T, int D, int ROWS>
 __device__ __forceinline__ T *kv_tiles(T *kv, const ds_kview &k, const ds_kview &v, int64_t b, int64_t h, int64_t j0,
                                        int64_t it, int64_t kend, int64_t Tk) {
     const int tile = ROWS * (D + MMA_PAD);
@@ -189,7 +188,7 @@ __device__ __forceinline__ bool visible(int64_t row, int64_t col, const mma_geom
 
 /* Whether every score of the `rows` queries from i0 against the `cols`
  * keys from j0 takes part and every query is real: then a tile needs no mask
- * (under a causal mask of T = 1024, 120 of its 136 tiles). The mask costs
+ * (under a causal mask, every tile off the diagonal). The mask costs
  * several 64-bit compares and selects per score, instructions of the
  * order of the tile's mma, so only the tiles on the diagonal and at the
  * edges pay for it. */
@@ -197,7 +196,7 @@ __device__ __forceinline__ bool tile_unmasked(int64_t i0, int rows, int64_t j0, 
     return i0 + rows <= g.Tq && j0 + cols <= g.Tk && !(g.causal && j0 + cols - 1 > i0);
 }
 
-/* Block t's (batch, head, 64-row block): heads vary fastest; with `heavy_last`
+/* Block t's (batch, head, block of rows): heads vary fastest; with `heavy_last`
  * the last blocks (under a causal mask, the ones with the most work) go first. */
 __device__ __forceinline__ void block_task(const mma_geom &g, int64_t nblocks, bool heavy_last, int64_t *b,
                                            int64_t *h, int64_t *blk) {
@@ -209,13 +208,14 @@ __device__ __forceinline__ void block_task(const mma_geom &g, int64_t nblocks, b
 
 /* ---- forward ---- */
 
-/* A warp's scores of rows r0, r1 against keys from j0, into base 2; with
- * MASKED, the ones visible() hides become -inf. */
-template <bool MASKED>
-__device__ __forceinline__ void scale_scores(float s[8][4], int64_t r0, int64_t r1, int64_t j0, const mma_geom &g) {
+/* A fragment's scores of rows r0, r1 against the KT keys from j0, into
+ * base 2; with MASKED, the ones visible() hides become -inf. */
+template <bool MASKED, int KT>
+__device__ __forceinline__ void scale_scores(float s[KT / 8][4], int64_t r0, int64_t r1, int64_t j0,
+                                             const mma_geom &g) {
     int l = threadIdx.x % 32;
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    for (int n = 0; n < KT / 8; n++) {
         int64_t c = j0 + n * 8 + 2 * (l % 4);
         s[n][0] = !MASKED || visible(r0, c, g) ? s[n][0] * g.scale_log2 : -INFINITY;
         s[n][1] = !MASKED || visible(r0, c + 1, g) ? s[n][1] * g.scale_log2 : -INFINITY;
@@ -226,13 +226,13 @@ __device__ __forceinline__ void scale_scores(float s[8][4], int64_t r0, int64_t 
 
 /* One step of the online softmax for a fragment's rows r and r + 8 (mx:
  * their running max in base 2, sum: this thread's partial sums): s, the
- * tile's scaled scores, becomes exp2(s - max) and acc is rescaled to the
- * new max. */
-template <int D>
-__device__ __forceinline__ void online_softmax(float s[8][4], float acc[D / 8][4], float mx[2], float sum[2]) {
+ * scaled scores of a tile of KT keys, becomes exp2(s - max) and acc is
+ * rescaled to the new max. */
+template <int D, int KT>
+__device__ __forceinline__ void online_softmax(float s[KT / 8][4], float acc[D / 8][4], float mx[2], float sum[2]) {
     float bm[2] = { -INFINITY, -INFINITY };
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    for (int n = 0; n < KT / 8; n++) {
         bm[0] = fmaxf(bm[0], fmaxf(s[n][0], s[n][1]));
         bm[1] = fmaxf(bm[1], fmaxf(s[n][2], s[n][3]));
     }
@@ -247,7 +247,7 @@ __device__ __forceinline__ void online_softmax(float s[8][4], float acc[D / 8][4
         sum[r] *= scale[r];
     }
 #pragma unroll
-    for (int n = 0; n < 8; n++) {
+    for (int n = 0; n < KT / 8; n++) {
         s[n][0] = exp2f(s[n][0] - base[0]);
         s[n][1] = exp2f(s[n][1] - base[0]);
         s[n][2] = exp2f(s[n][2] - base[1]);
@@ -262,18 +262,21 @@ __device__ __forceinline__ void online_softmax(float s[8][4], float acc[D / 8][4
     }
 }
 
-/* A warp owns MMA_FWD_FRAGS(D) 16-row fragments of queries: two at D = 64
- * (32 rows, every K and V fragment loaded from shared memory once for both,
- * as FlashAttention-2 does), one at D = 128, whose 32-row accumulators
- * would not fit in registers. A block is 4 warps' rows. */
-#define MMA_FWD_FRAGS(D) ((D) == 64 ? 2 : 1)
+/* Query rows a warp owns in the forward and dQ kernels, in 16-row
+ * fragments: two, every K and V fragment loaded from shared memory once
+ * for both (FlashAttention-2's layout); a block is 4 warps, 128 queries. */
+#define MMA_Q_FRAGS 2
+
+/* The forward's key tiles: 64 keys at D = 64, 32 at D = 128, where the 32
+ * rows' accumulators leave registers for only 32 x 32 scores. */
+#define MMA_FWD_KEYS(D) ((D) == 64 ? 64 : 32)
 
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
-    constexpr int M = MMA_FWD_FRAGS(D), ROWS = MMA_BLOCK_ROWS(M);
+    constexpr int M = MMA_Q_FRAGS, ROWS = MMA_BLOCK_ROWS(M), KT = MMA_FWD_KEYS(D);
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD, tile = MMA_ROWS * ld;
+    const int ld = D + MMA_PAD, tile = KT * ld;
     T *qs = (T *)smem, *kv = qs + ROWS * ld;     /* then K and V tiles, twice: [buffer][K, V] */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
@@ -285,24 +288,24 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
     for (int m = 0; m < M; m++) mx[m][0] = mx[m][1] = -INFINITY, sum[m][0] = sum[m][1] = 0.f;
     int64_t kend = g.causal ? min(g.Tk, i0 + ROWS) : g.Tk;
     load_tile<T, D, ROWS>(qs, q, b, h, i0, g.Tq);
-    load_tile<T, D>(kv, k, b, h, 0, g.Tk);
-    load_tile<T, D>(kv + tile, v, b, h, 0, g.Tk);
+    load_tile<T, D, KT>(kv, k, b, h, 0, g.Tk);
+    load_tile<T, D, KT>(kv + tile, v, b, h, 0, g.Tk);
     cp_async_commit();
-    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += MMA_ROWS, it++) {
-        T *ks = kv_tiles<T, D>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
+    for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
+        T *ks = kv_tiles<T, D, KT>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
         /* under a causal mask, a warp whose rows all precede the tile sees none of it */
         if (!(g.causal && w0 + 16 * M <= j0)) {
-            float s[M][8][4];
-            rows_times_tile<T, D, M>(s, qs, warp * 16 * M, ks);
-            bool whole = tile_unmasked(i0, ROWS, j0, MMA_ROWS, g);
+            float s[M][KT / 8][4];
+            rows_times_tile<T, D, M, KT>(s, qs, warp * 16 * M, ks);
+            bool whole = tile_unmasked(i0, ROWS, j0, KT, g);
 #pragma unroll
             for (int m = 0; m < M; m++) {
                 int64_t r0 = w0 + 16 * m + l / 4;
-                if (whole) scale_scores<false>(s[m], r0, r0 + 8, j0, g);
-                else scale_scores<true>(s[m], r0, r0 + 8, j0, g);
-                online_softmax<D>(s[m], o[m], mx[m], sum[m]);
+                if (whole) scale_scores<false, KT>(s[m], r0, r0 + 8, j0, g);
+                else scale_scores<true, KT>(s[m], r0, r0 + 8, j0, g);
+                online_softmax<D, KT>(s[m], o[m], mx[m], sum[m]);
             }
-            probs_times_tile<T, D, M>(o, s, vs);
+            probs_times_tile<T, D, M, KT>(o, s, vs);
         }
         __syncthreads();                         /* every warp is done with this buffer before it refills */
     }
@@ -361,17 +364,15 @@ __device__ __forceinline__ void dq_scores(float s[KT / 8][4], const float dp[KT 
     }
 }
 
-/* Query rows a warp owns in the dQ kernel, in 16-row fragments: two at
- * D = 64 against key tiles of 32 (every K and V fragment loaded once for
- * both, S and dP 32 x 32 a warp), one at D = 128 against tiles of 64. */
-#define MMA_DQ_FRAGS(D) ((D) == 64 ? 2 : 1)
+/* The dQ kernel's key tiles: 32 keys, so a warp's S and dP are 32 x 32. */
+#define MMA_DQ_KEYS 32
 
 /* dQ for a block of 4 warps' query rows: over the key tiles it sees,
  * dS = P (dO V^T - delta), dQ += dS K; times scale at the end. */
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats, mma_geom g) {
-    constexpr int M = MMA_DQ_FRAGS(D), ROWS = MMA_BLOCK_ROWS(M), KT = MMA_ROWS / M;
+    constexpr int M = MMA_Q_FRAGS, ROWS = MMA_BLOCK_ROWS(M), KT = MMA_DQ_KEYS;
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD, qtile = ROWS * ld, ktile = KT * ld;
     T *qs = (T *)smem, *gs = qs + qtile, *kv = gs + qtile;   /* then K and V tiles, twice */
@@ -454,6 +455,7 @@ __device__ __forceinline__ void dkdv_scores(float p[QT / 8][4], float ds[QT / 8]
  * for both, P and dS 32 x 32 a warp), one at D = 128 (16 keys against
  * tiles of 64: its dK and dV accumulators fill the registers). */
 #define MMA_DKDV_FRAGS(D) ((D) == 64 ? 2 : 1)
+#define MMA_DKDV_QUERIES(D) (64 / MMA_DKDV_FRAGS(D))
 
 /* dK and dV for a block of 4 warps' keys: over the query tiles that see
  * them, in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T -
@@ -463,7 +465,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats,
                 mma_geom g) {
-    constexpr int M = MMA_DKDV_FRAGS(D), KEYS = MMA_BLOCK_ROWS(M), QT = MMA_ROWS / M;
+    constexpr int M = MMA_DKDV_FRAGS(D), KEYS = MMA_BLOCK_ROWS(M), QT = MMA_DKDV_QUERIES(D);
     static_assert(MMA_THREADS >= 2 * QT, "a thread per row statistic");
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = D + MMA_PAD, ktile = KEYS * ld, qtile = QT * ld;
@@ -534,16 +536,13 @@ static inline mma_geom mma_geom_of(const ds_kview &q, const ds_kview &k, double 
 }
 
 /* One block per block_rows of `rows` (queries or keys) per batch and head. */
-static inline unsigned mma_blocks(const mma_geom &g, int64_t rows, int block_rows = MMA_ROWS) {
+static inline unsigned mma_blocks(const mma_geom &g, int64_t rows, int block_rows) {
     return (unsigned)(g.B * g.H * ((rows + block_rows - 1) / block_rows));
 }
 
-static inline unsigned mma_forward_blocks(const mma_geom &g, int D) {
-    return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_FWD_FRAGS(D)));
-}
-
-static inline unsigned mma_dq_blocks(const mma_geom &g, int D) {
-    return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_DQ_FRAGS(D)));
+/* The forward's and the dQ kernel's blocks. */
+static inline unsigned mma_query_blocks(const mma_geom &g) {
+    return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_Q_FRAGS));
 }
 
 static inline unsigned mma_dkdv_blocks(const mma_geom &g, int D) {
@@ -559,22 +558,20 @@ static inline unsigned mma_stats_blocks(const mma_geom &g) {
 /* mma_stats_kernel's output: lse in base 2 and delta, per query row. */
 static inline size_t mma_stats_bytes(const mma_geom &g) { return (size_t)(2 * g.B * g.H * g.Tq) * sizeof(float); }
 
-/* Dynamic shared memory: rows of 16-bit elements, each padded; the
- * other side's tiles are 64 rows over the fragments a warp owns. */
+/* Dynamic shared memory: rows of 16-bit elements, each padded. */
 static inline size_t mma_rows_bytes(int D, int rows) { return (size_t)rows * (D + MMA_PAD) * 2; }
 
 static inline size_t mma_forward_smem(int D) {   /* the block's Q; K and V tiles twice */
-    return mma_rows_bytes(D, MMA_BLOCK_ROWS(MMA_FWD_FRAGS(D)) + 4 * MMA_ROWS);
+    return mma_rows_bytes(D, MMA_BLOCK_ROWS(MMA_Q_FRAGS) + 4 * MMA_FWD_KEYS(D));
 }
 
 static inline size_t mma_dq_smem(int D) {        /* the block's Q and dO; K and V tiles twice */
-    int m = MMA_DQ_FRAGS(D);
-    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(m) + 4 * (MMA_ROWS / m));
+    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(MMA_Q_FRAGS) + 4 * MMA_DQ_KEYS);
 }
 
 static inline size_t mma_dkdv_smem(int D) {      /* the block's K and V; Q and dO tiles, lse and delta twice */
-    int m = MMA_DKDV_FRAGS(D);
-    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(m) + 4 * (MMA_ROWS / m)) + 4 * (MMA_ROWS / m) * sizeof(float);
+    int qt = MMA_DKDV_QUERIES(D);
+    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(MMA_DKDV_FRAGS(D)) + 4 * qt) + 4 * qt * sizeof(float);
 }
 
 #endif
