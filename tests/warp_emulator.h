@@ -1,5 +1,6 @@
-/* Runs CUDA kernels written on kernels/cuda/cuda_warp.cuh on the CPU, so the
- * tensor-core kernels are tested where no GPU is. Each thread of a block is
+/* Runs CUDA kernels on the CPU, so they are tested where no GPU is: plain
+ * CUDA C++ and the warp-level PTX of kernels/cuda/cuda_warp.cuh, the one
+ * header of PTX the tensor-core kernels use. Each thread of a block is
  * a coroutine (ucontext) on one OS thread; a thread runs until it reaches
  * a warp collective (ldmatrix, mma, shuffle) or a barrier, and the last
  * lane to arrive computes the collective for all 32 from the PTX ISA's
