@@ -21,13 +21,8 @@ struct shape { int64_t B, H, Tq, Tk; int D; bool causal; };
 
 /* A [B, H, T, D] view with the given element strides. */
 ds_kview heads_view(void *data, ds_dtype dt, const shape &s, int64_t T, int64_t sb, int64_t sh, int64_t st) {
-    ds_kview v = {};
-    v.data = data;
-    v.dtype = dt;
-    v.ndim = 4;
     int64_t sz[4] = { s.B, s.H, T, s.D }, sd[4] = { sb, sh, st, 1 };
-    for (int d = 0; d < 4; d++) { v.shape[d] = sz[d]; v.stride[d] = sd[d]; }
-    return v;
+    return emu::view(data, dt, 4, sz, sd);
 }
 
 /* [B, T, H, D] memory seen as [B, H, T, D]: the fused op's layout. */
@@ -65,12 +60,8 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     ds_kview out = heads_inner(obuf, dt, s, s.Tq), dq = heads_inner(dqb, dt, s, s.Tq);
     ds_kview dk = heads_inner(dkb, dt, s, s.Tk), dv = heads_inner(dvb, dt, s, s.Tk);
     std::vector<float> lsebuf((size_t)(s.B * s.H * s.Tq), NAN);
-    ds_kview lse = {};
-    lse.data = lsebuf.data();
-    lse.dtype = DS_F32;
-    lse.ndim = 3;
     int64_t lsz[3] = { s.B, s.H, s.Tq }, lst[3] = { s.H * s.Tq, s.Tq, 1 };
-    for (int d = 0; d < 3; d++) { lse.shape[d] = lsz[d]; lse.stride[d] = lst[d]; }
+    ds_kview lse = emu::view(lsebuf.data(), DS_F32, 3, lsz, lst);
 
     mma_geom g = mma_geom_of(q, k, scale, s.causal);
     emu::launch("mma_forward_kernel", mma_query_blocks(g), MMA_THREADS, mma_forward_smem(D),

@@ -16,13 +16,8 @@ extern "C" {
 namespace {
 
 ds_kview flat(void *data, ds_dtype dt, int64_t n) {
-    ds_kview v = {};
-    v.data = data;
-    v.dtype = dt;
-    v.ndim = 1;
-    v.shape[0] = n;
-    v.stride[0] = 1;
-    return v;
+    int64_t one = 1;
+    return emu::view(data, dt, 1, &n, &one);
 }
 
 /* With out_of_range, some indices are negative or past the end (sorted

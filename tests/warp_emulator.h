@@ -205,12 +205,10 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
     for (unsigned b = 0; b < blocks; b++) {
         blockIdx = { b, 0, 0 };
 #ifdef EMU_ASAN
-        ASAN_UNPOISON_MEMORY_REGION(smem, EMU_SMEM_MAX);
-#endif
-        memset(smem, 0xff, EMU_SMEM_MAX);
-#ifdef EMU_ASAN
+        ASAN_UNPOISON_MEMORY_REGION(smem, smem_bytes);
         ASAN_POISON_MEMORY_REGION(smem + smem_bytes, EMU_SMEM_MAX - smem_bytes);
 #endif
+        memset(smem, 0xff, smem_bytes);
         S.live = threads;
         S.bar_arrived = 0;
         for (warp &w : S.warps) w = warp{ 0, 0, 32, 0, {} };
@@ -243,6 +241,19 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
 #ifdef EMU_ASAN
     ASAN_UNPOISON_MEMORY_REGION(smem, EMU_SMEM_MAX);
 #endif
+}
+
+/* A view of ndim dims over data, for a test to hand a kernel. */
+static ds_kview view(void *data, ds_dtype dt, int ndim, const int64_t *shape, const int64_t *stride) {
+    ds_kview v = {};
+    v.data = data;
+    v.dtype = dt;
+    v.ndim = ndim;
+    for (int d = 0; d < ndim; d++) {
+        v.shape[d] = shape[d];
+        v.stride[d] = stride[d];
+    }
+    return v;
 }
 
 /* A shared-memory address as the kernels pass it, checked. */

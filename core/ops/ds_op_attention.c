@@ -66,7 +66,7 @@ static ds_tensor *new_heads_inner(int64_t B, int64_t H, int64_t T, int64_t D, ds
  * then adopts it, and later ones add without a strided pass), else
  * heads-inner, which a fused projection's view takes back without a copy. */
 static ds_tensor *new_grad_like(const ds_tensor *x) {
-    if (ds_tensor_is_contiguous(x)) return ds_tensor_new(4, x->shape, x->dtype, ds_tensor_device(x));
+    if (ds_tensor_is_contiguous(x)) return ds_tensor_new_like(x);
     return new_heads_inner(x->shape[0], x->shape[1], x->shape[2], x->shape[3], x->dtype, ds_tensor_device(x));
 }
 

@@ -4,8 +4,6 @@
 #include "cuda_attention_mma.h"
 #include "cuda_attention_mma.cuh"
 
-/* ---- host side ---- */
-
 static bool view_fits(const ds_kview &x) {
     if (x.stride[3] != 1 || ((uintptr_t)x.data & 15)) return false;
     for (int d = 0; d < 3; d++)
@@ -22,17 +20,26 @@ bool ds_cuda_attention_mma_fits(const ds_kview *views, int n) {
     return true;
 }
 
-/* Dynamic shared memory past 48 KB (D = 128) needs the kernel's consent, once. */
-template <typename K> static int allow_smem(K kernel, size_t bytes) {
+/* Dynamic shared memory past 48 KB needs the kernel's consent, asked once
+ * per device (the bits of *asked), not at every launch. */
+template <typename K> static int allow_smem(K kernel, size_t bytes, uint64_t *asked) {
     if (bytes <= 48 * 1024) return 0;
-    return ds_cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-                      "attention: cudaFuncSetAttribute");
+    int dev;
+    if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
+    uint64_t bit = dev < 64 ? 1ull << dev : 0;      /* past 64 devices: asked at every launch */
+    if (*asked & bit) return 0;
+    if (ds_cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                   "attention: cudaFuncSetAttribute"))
+        return -1;
+    *asked |= bit;
+    return 0;
 }
 
 template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
+    static uint64_t asked;
     size_t sm = mma_forward_smem(D);
-    if (allow_smem(mma_forward_kernel<T, D>, sm)) return -1;
+    if (allow_smem(mma_forward_kernel<T, D>, sm, &asked)) return -1;
     mma_forward_kernel<T, D><<<mma_query_blocks(g), MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
     return ds_cuda_launched("attention mma_forward_kernel");
 }
@@ -46,13 +53,14 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     int rc = 0;
     mma_stats_kernel<T, D><<<mma_stats_blocks(g), MMA_STATS_THREADS, 0, st>>>(stats, dout, out, lse, g);
     rc = ds_cuda_launched("attention mma_stats_kernel");
+    static uint64_t asked_dq, asked_dkdv;
     size_t sq = mma_dq_smem(D), skv = mma_dkdv_smem(D);
-    if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq);
+    if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq, &asked_dq);
     if (rc == 0) {
         mma_dq_kernel<T, D><<<mma_query_blocks(g), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dq_kernel");
     }
-    if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv);
+    if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv, &asked_dkdv);
     if (rc == 0) {
         mma_dkdv_kernel<T, D><<<mma_dkdv_blocks(g, D), MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dkdv_kernel");

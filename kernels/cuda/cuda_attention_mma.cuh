@@ -62,6 +62,17 @@ template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], c
     ldsm_x4_trans(b, s + (k0 + l % 8 + (l / 8 % 2) * 8) * ld + n0 + l / 16 * 8);
 }
 
+/* c[m][n] += a[m] b[0..1] and c[m][n + 1] += a[m] b[2..3] for each of M
+ * fragments: the two 8-column tiles one ldmatrix.x4 of B feeds. */
+template <typename T, int M, int W>
+__device__ __forceinline__ void mma_b_pair(float c[][W][4], int n, const uint32_t a[][4], const uint32_t b[4]) {
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        mma(c[m][n], a[m], b[0], b[1], T());
+        mma(c[m][n + 1], a[m], b[2], b[3], T());
+    }
+}
+
 /* c[m] (16 x N) = A[16 x D] B^T for the M 16-row fragments of A from
  * row0 (rows row0 + 16 m.. of `as`), B the N rows of `bs` (both row-major
  * [row][D]); each B fragment is loaded once for all M. */
@@ -81,11 +92,7 @@ __device__ __forceinline__ void rows_times_tile(float c[][N / 8][4], const T *as
         for (int n2 = 0; n2 < N / 16; n2++) {
             uint32_t b[4];
             load_b_nk(b, bs, ld, n2 * 16, kk * 16);
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                mma(c[m][2 * n2], a[m], b[0], b[1], T());
-                mma(c[m][2 * n2 + 1], a[m], b[2], b[3], T());
-            }
+            mma_b_pair<T, M>(c, 2 * n2, a, b);
         }
     }
 }
@@ -111,11 +118,7 @@ __device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const fl
         for (int n2 = 0; n2 < D / 16; n2++) {
             uint32_t b[4];
             load_b_kn(b, xs, ld, kk * 16, n2 * 16);
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                mma(acc[m][2 * n2], a[m], b[0], b[1], T());
-                mma(acc[m][2 * n2 + 1], a[m], b[2], b[3], T());
-            }
+            mma_b_pair<T, M>(acc, 2 * n2, a, b);
         }
     }
 }
