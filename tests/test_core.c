@@ -382,9 +382,9 @@ static ds_tensor *matrix(int64_t r, int64_t c, double v0) {
     return t;
 }
 
-/* gelu_mlp hands ds_linalg_linear_grads a gin[2] it filled itself (db1
- * from cuBLASLt's DGELU_BGRAD) and asks for dw alone: dw must still be
- * gc^T x2, and the given gradient kept. */
+/* A caller that asks ds_linalg_linear_grads for dw alone, holding a bias
+ * gradient of its own in gin[2]: dw must still be gc^T x2, and the given
+ * gradient kept. */
 static void test_linear_grads_given_bias(void) {
     int64_t rows = 3, in = 2, out = 4;
     ds_tensor *gc = matrix(rows, out, -1.0), *x2 = matrix(rows, in, 0.5), *w = matrix(out, in, 2.0);

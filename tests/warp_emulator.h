@@ -20,6 +20,7 @@
 
 #define DS_WARP_EMULATOR 1
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -348,6 +349,11 @@ static inline uint32_t pack2(float lo, float hi, __nv_bfloat16) {
 }
 static inline uint32_t pack2(float lo, float hi, __half) {
     return ds_f32_to_f16(lo) | (uint32_t)ds_f32_to_f16(hi) << 16;
+}
+
+static inline float exp2_ftz(float x) {
+    float y = exp2f(fabsf(x) < FLT_MIN ? 0.f : x);
+    return y < FLT_MIN ? 0.f : y;
 }
 
 static inline void cp_async_16(void *dst, const void *src, bool real) { emu::copy_issue(dst, src, 16, real); }

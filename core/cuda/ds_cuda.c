@@ -178,8 +178,8 @@ int ds_cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_
     return ds_cuda_gemm_gelu_aux(c, aux, a, b, bias);
 }
 
-int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad) {
-    return ds_cuda_gemm_dgelu(c, aux, a, b, grad);
+int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b) {
+    return ds_cuda_gemm_dgelu(c, aux, a, b);
 }
 
 static void print_version(FILE *f, const char *what, int v, int major_div, int minor_div) {

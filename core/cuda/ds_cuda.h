@@ -67,12 +67,10 @@ int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
  * not apply (the caller runs the linear and the GELU apart then); always
  * -1 without CUDA. */
 int ds_cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias);
-/* c = (a @ b) * gelu'(aux), GELU's tanh form, and grad [n] = the column
- * sums of c (grad data NULL for none) in one cuBLASLt call (DGELU_BGRAD):
- * the GELU's backward and its linear's bias gradient on the way out of
- * the GEMM that makes the hidden gradient. Views and returns as
- * ds_cuda_gemm_bias_gelu. */
-int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad);
+/* c = (a @ b) * gelu'(aux), GELU's tanh form, in one cuBLASLt call
+ * (DGELU): the GELU's backward on the way out of the GEMM that makes the
+ * hidden gradient. Views and returns as ds_cuda_gemm_bias_gelu. */
+int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b);
 
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL
  * versions and the GPUs, one "name: value" line each. */

@@ -256,8 +256,7 @@ int ds_linalg_linear_grads(const char *op, ds_tensor *gc, ds_tensor *x2, ds_tens
         ds_kview gt = gv;
         ds_gemm_transpose(&gt);
         /* on the GPU the bias gradient comes out of the weight gradient's
-         * GEMM (the BGRADB epilogue) where cuBLASLt has one for it. A gin[2]
-         * the caller filled already (gelu_mlp's db1) is not that GEMM's. */
+         * GEMM (the BGRADB epilogue) where cuBLASLt has one for it. */
         bool dw_done = false;
         if (gin[1] && want[2] && ds_linalg_on_gpu(w)) {
             gin[2] = ds_tensor_new(1, &outf, w->dtype, ds_tensor_device(w));

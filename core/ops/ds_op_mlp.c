@@ -73,26 +73,17 @@ static int hidden_forward(ds_tensor *x2, ds_tensor *w1, ds_tensor *b1, ds_unary_
     return 0;
 }
 
-/* dpre = (gc w2) gelu'(pre) in one cuBLASLt call (DGELU_BGRAD), with db1
- * from the same call when b1 needs it (else, or where cuBLASLt refuses
- * that, DGELU alone and db1 later from dpre's column sums). False where
- * the fused call does not apply: the caller runs the composed kernels. */
-static bool hidden_backward_fused(ds_node *n, ds_tensor *gc, ds_tensor *w2, ds_tensor *pre, ds_tensor *dpre,
-                                  ds_tensor **db1) {
+/* dpre = (gc w2) gelu'(pre) in one cuBLASLt call (DGELU; db1 comes from
+ * layer 1's weight-gradient GEMM, as every linear's bias gradient does).
+ * False where the fused call does not apply: the caller runs the
+ * composed kernels. */
+static bool hidden_backward_fused(ds_node *n, ds_tensor *gc, ds_tensor *w2, ds_tensor *pre, ds_tensor *dpre) {
     if (!gelu_in_epilogue(dpre, n->i[0])) return false;
-    int64_t gshape[2] = { pre->shape[0], w2->shape[0] }, hidden = pre->shape[1];
+    int64_t gshape[2] = { pre->shape[0], w2->shape[0] };
     ds_tensor *g2 = ds_reshape(gc, 2, gshape);
     if (!g2) return false;
-    ds_kview c = ds_tensor_kview(dpre), aux = ds_tensor_kview(pre), a = ds_tensor_kview(g2), b = ds_tensor_kview(w2);
-    bool done = false;
-    if (ds_node_needs_grad(n, MLP_B1) && (*db1 = ds_tensor_new(1, &hidden, pre->dtype, ds_tensor_device(pre)))) {
-        done = ds_cuda_gemm_gelu_grad(c, aux, a, b, ds_tensor_kview(*db1)) == 0;
-        if (!done) {
-            ds_tensor_release(*db1);
-            *db1 = NULL;
-        }
-    }
-    if (!done) done = ds_cuda_gemm_gelu_grad(c, aux, a, b, view_or_none(NULL)) == 0;
+    bool done = ds_cuda_gemm_gelu_grad(ds_tensor_kview(dpre), ds_tensor_kview(pre), ds_tensor_kview(g2),
+                                       ds_tensor_kview(w2)) == 0;
     ds_tensor_release(g2);
     return done;
 }
@@ -110,7 +101,7 @@ static int gelu_mlp_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
         ds_tensor_release(gc);
         return -1;
     }
-    bool fused = layer1 && hidden_backward_fused(n, gc, w2, pre, dpre, &gin[MLP_B1]);
+    bool fused = layer1 && hidden_backward_fused(n, gc, w2, pre, dpre);
     ds_tensor *g2[3] = { NULL, NULL, NULL };
     bool want2[3] = { layer1 && !fused, ds_node_needs_grad(n, MLP_W2), ds_node_needs_grad(n, MLP_B2) };
     int rc = ds_linalg_linear_grads(OP, gc, h, w2, want2, 2, h->shape, g2);
@@ -122,7 +113,6 @@ static int gelu_mlp_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
                                                                 ds_tensor_kview(h), 0))
         rc = kernel_failed();
     ds_tensor_release(g2[0]);
-    want1[MLP_B1] = want1[MLP_B1] && !gin[MLP_B1];
     if (rc == 0 && layer1)
         rc = ds_linalg_linear_grads(OP, dpre, x2, w1, want1, n->next[MLP_X].ndim, n->next[MLP_X].shape, gin);
     ds_tensor_release(gc);

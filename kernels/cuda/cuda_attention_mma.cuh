@@ -245,16 +245,16 @@ __device__ __forceinline__ void online_softmax(float s[KT / 8][4], float acc[D /
         float nm = fmaxf(mx[r], quad_max(bm[r]));
         /* a row with nothing visible yet keeps a finite base: exp2(-inf - 0) = 0, never nan */
         base[r] = nm == -INFINITY ? 0.f : nm;
-        scale[r] = exp2f(mx[r] - base[r]);
+        scale[r] = exp2_ftz(mx[r] - base[r]);
         mx[r] = nm;
         sum[r] *= scale[r];
     }
 #pragma unroll
     for (int n = 0; n < KT / 8; n++) {
-        s[n][0] = exp2f(s[n][0] - base[0]);
-        s[n][1] = exp2f(s[n][1] - base[0]);
-        s[n][2] = exp2f(s[n][2] - base[1]);
-        s[n][3] = exp2f(s[n][3] - base[1]);
+        s[n][0] = exp2_ftz(s[n][0] - base[0]);
+        s[n][1] = exp2_ftz(s[n][1] - base[0]);
+        s[n][2] = exp2_ftz(s[n][2] - base[1]);
+        s[n][3] = exp2_ftz(s[n][3] - base[1]);
         sum[0] += s[n][0] + s[n][1];
         sum[1] += s[n][2] + s[n][3];
     }
@@ -361,7 +361,7 @@ __device__ __forceinline__ void dq_scores(float s[KT / 8][4], const float dp[KT 
         for (int e = 0; e < 4; e++) {
             int64_t row = e < 2 ? r0 : r1, col = c + (e & 1);
             float p = !MASKED || (row < g.Tq && visible(row, col, g))
-                      ? exp2f(s[n][e] * g.scale_log2 - rows[e / 2]) : 0.f;
+                      ? exp2_ftz(s[n][e] * g.scale_log2 - rows[e / 2]) : 0.f;
             s[n][e] = p * (dp[n][e] - rows[2 + e / 2]);
         }
     }
@@ -446,7 +446,7 @@ __device__ __forceinline__ void dkdv_scores(float p[QT / 8][4], float ds[QT / 8]
 #pragma unroll
         for (int e = 0; e < 4; e++) {
             int qi = c + (e & 1);
-            float pr = !MASKED || (qi >= from[e / 2] && qi < last) ? exp2f(p[n][e] * g.scale_log2 - lrow[qi]) : 0.f;
+            float pr = !MASKED || (qi >= from[e / 2] && qi < last) ? exp2_ftz(p[n][e] * g.scale_log2 - lrow[qi]) : 0.f;
             p[n][e] = pr;
             ds[n][e] = pr * (ds[n][e] - drow[qi]);
         }

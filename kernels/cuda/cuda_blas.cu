@@ -490,12 +490,10 @@ extern "C" int ds_cuda_gemm_gelu_aux(ds_kview c, ds_kview aux, ds_kview a, ds_kv
     return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ e, bias.data, aux });
 }
 
-/* c^T is cuBLASLt's D, so DGELU_BGRAD's bias gradient, the sums of D's
- * rows after the GELU gradient, is the sums of c's columns. */
-extern "C" int ds_cuda_gemm_dgelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad) {
-    if (epilogue_check(c, a, grad, c.shape[c.ndim > 0 ? c.ndim - 1 : 0]) || aux_check(c, aux)) return -1;
-    cublasLtEpilogue_t e = grad.data ? CUBLASLT_EPILOGUE_DGELU_BGRAD : CUBLASLT_EPILOGUE_DGELU;
-    return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ e, grad.data, aux });
+extern "C" int ds_cuda_gemm_dgelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b) {
+    ds_kview none = {};
+    if (epilogue_check(c, a, none, c.shape[c.ndim > 0 ? c.ndim - 1 : 0]) || aux_check(c, aux)) return -1;
+    return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ CUBLASLT_EPILOGUE_DGELU, NULL, aux });
 }
 
 extern "C" const ds_kernels_blas ds_cuda_blas = { cuda_gemm };

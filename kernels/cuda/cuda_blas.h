@@ -40,12 +40,13 @@ int ds_cuda_gemm_bgrad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
  * ds_kernel_fail() (the caller runs the GEMM and the GELU apart then). */
 int ds_cuda_gemm_gelu_aux(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias);
 
-/* c = (a @ b) * gelu'(aux), GELU's tanh form, and grad [n] = the sums of
- * c's columns (over its rows), in one cuBLASLt call (DGELU_BGRAD, or DGELU
- * when grad.data is NULL): the GELU's backward, and its linear's bias
- * gradient, out of the GEMM that makes the hidden gradient. Views and
- * returns as ds_cuda_gemm_gelu_aux; grad as ds_cuda_gemm_bgrad's. */
-int ds_cuda_gemm_dgelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview grad);
+/* c = (a @ b) * gelu'(aux), GELU's tanh form, in one cuBLASLt call
+ * (DGELU): the GELU's backward out of the GEMM that makes the hidden
+ * gradient. Not DGELU_BGRAD: on an H100 (cuBLASLt 13) that epilogue takes
+ * a generic kernel at half DGELU's speed, more than the bias gradient
+ * costs in the weight gradient's GEMM (BGRADB). Views and returns as
+ * ds_cuda_gemm_gelu_aux. */
+int ds_cuda_gemm_dgelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b);
 
 #ifdef __cplusplus
 }

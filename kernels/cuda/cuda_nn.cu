@@ -226,14 +226,32 @@ static __global__ void ce_f64_kernel(ds_kview loss, ds_kview lse, ds_kview logit
 }
 
 /* Folds v into a running max m and sum s of exp(x - m): one pass over the
- * row (online softmax). -inf adds nothing; NaN reaches the sum. */
+ * row (online softmax). -inf adds nothing; NaN reaches the sum. CUDA's
+ * expf (2 ulp, a few instructions) rather than the CPU's ds_expf: with an
+ * exp per logit, ds_expf's polynomial made the kernel compute-bound at a
+ * third of the memory rate on an H100. */
 __device__ __forceinline__ void lse_add(float &m, float &s, float v) {
     if (v > m) {
-        s = s * ds_expf(m - v) + 1.0f;
+        s = s * expf(m - v) + 1.0f;
         m = v;
     } else if (v != -INFINITY) {
-        s += ds_expf(v - m);
+        s += expf(v - m);
     }
+}
+
+/* The same for 8 logits at once: one rescale of s for their max, then an
+ * exp each against it (a branch per 8 logits, not per logit). */
+__device__ __forceinline__ void lse_add8(float &m, float &s, const float x[PW_VEC]) {
+    float top = x[0];
+#pragma unroll
+    for (int k = 1; k < PW_VEC; k++) top = fmaxf(top, x[k]);
+    if (top > m) {
+        s = m == -INFINITY ? 0.0f : s * expf(m - top);
+        m = top;
+    }
+    if (m == -INFINITY) return;
+#pragma unroll
+    for (int k = 0; k < PW_VEC; k++) s += x[k] == m ? 1.0f : expf(x[k] - m);   /* an inf max counts once, not NaN */
 }
 
 /* f32, bf16 and f16 logits in place, in one read: the same loss in f32,
@@ -248,10 +266,8 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
         float m = -INFINITY, s = 0, sx = 0, x[PW_VEC];
         for (int64_t j = h + threadIdx.x * PW_VEC; j < cv; j += blockDim.x * PW_VEC) {
             pw_load8(logits.dtype, logits.data, base + j, x);
-            for (int k = 0; k < PW_VEC; k++) {
-                lse_add(m, s, x[k]);
-                sx += x[k];
-            }
+            lse_add8(m, s, x);
+            for (int k = 0; k < PW_VEC; k++) sx += x[k];
         }
         for (int64_t q = threadIdx.x; q < h + C - cv; q += blockDim.x) {
             float v = pw_loadf(logits.dtype, logits.data, base + (q < h ? q : cv + q - h));
@@ -259,7 +275,7 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
             sx += v;
         }
         float M = pw_block_max(m);
-        s = pw_block_sum(m == -INFINITY ? 0.0f : s * ds_expf(m - M));
+        s = pw_block_sum(m == -INFINITY ? 0.0f : s * expf(m - M));
         sx = pw_block_sum(sx);
         if (threadIdx.x == 0) {
             float l = M + logf(s);
@@ -307,7 +323,7 @@ static __global__ void ce_backward_f64_kernel(ds_kview dlogits, ds_kview dloss, 
 __device__ __forceinline__ float ce_grad(float x, int64_t j, int64_t C, int64_t t, float s, float l, float off,
                                          float hit) {
     if (j >= C) return 0;
-    float v = s * (ds_expf(x - l) - off);
+    float v = s * (expf(x - l) - off);
     return j == t ? v - hit : v;
 }
 

@@ -51,6 +51,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi, __half) {
     return *(uint32_t *)&v;
 }
 
+/* 2^x in one MUFU.EX2, subnormal inputs and results as 0: exp2f keeps
+ * subnormals with a compare and two multiplies around it, three more
+ * instructions per attention score, and a probability below 2^-126
+ * counts for nothing next to the row's largest, which is 1. */
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 /* Starts copying 16 bytes from global src to shared dst (both 16-byte
  * aligned), or writing 16 zeros when !real; lands after cp_async_wait. */
 __device__ __forceinline__ void cp_async_16(void *dst, const void *src, bool real) {
