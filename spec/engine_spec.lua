@@ -98,6 +98,25 @@ describe('engine steps', function()
     for name, t in pairs(w1) do H.assert_close(w2[name], t, { rtol = 1e-5, atol = 1e-6 }, name) end
   end)
 
+  it('keeps each micro step\'s loss in last_loss, read when asked, and refuses a loss of many values', function()
+    local x, y = problem(8)
+    local e = ds.initialize { model = model_with(), config = config() }
+    local losses = {}
+    for k = 0, 1 do
+      local loss = e(({ x = x:narrow(1, 1 + 4 * k, 4), y = y:narrow(1, 1 + 4 * k, 4) }))
+      losses[k + 1] = loss:item()
+      e:backward(loss)
+      assert.are.equal(losses[k + 1], e.last_loss)
+      e:step()
+    end
+    assert.are_not.equal(losses[1], losses[2])
+    assert.are.equal(losses[2], e.last_loss)
+    local ok, err = pcall(e.backward, e, ds.ones(3):requires_grad_())
+    assert.is_false(ok)
+    assert.matches('backward: the loss must hold one value, got 3', err, 1, true)
+    assert.are.equal(losses[2], e.last_loss)
+  end)
+
   it('clips by the global gradient norm with DeepSpeed\'s formula', function()
     local x, y = problem(4)
     local init = weights(model_with())

@@ -3,7 +3,7 @@
  * pw_block_reduce, so every result is deterministic. The math is that of
  * ds_rows.h, spread over the block: rows compute in f64 when a tensor is
  * f64, else in f32 (the CPU takes f64 for bf16/f16 rows: within f32
- * rounding of each other), with ds_expf as the f32 exp. Weight and bias
+ * rounding of each other), with CUDA's expf as the f32 exp. Weight and bias
  * gradients sum over rows in two deterministic stages: partial sums per
  * chunk of rows, then the chunks in order. Dropout draws the CPU's Philox
  * stream, so its masks are identical. */
@@ -226,16 +226,13 @@ static __global__ void ce_f64_kernel(ds_kview loss, ds_kview lse, ds_kview logit
 }
 
 /* Folds v into a running max m and sum s of exp(x - m): one pass over the
- * row (online softmax). -inf adds nothing; NaN reaches the sum. CUDA's
- * expf (2 ulp, a few instructions) rather than the CPU's ds_expf: with an
- * exp per logit, ds_expf's polynomial made the kernel compute-bound at a
- * third of the memory rate on an H100. */
+ * row (online softmax). -inf adds nothing; NaN reaches the sum. */
 __device__ __forceinline__ void lse_add(float &m, float &s, float v) {
     if (v > m) {
-        s = s * expf(m - v) + 1.0f;
+        s = s * pw_exp(m - v) + 1.0f;
         m = v;
     } else if (v != -INFINITY) {
-        s += expf(v - m);
+        s += pw_exp(v - m);
     }
 }
 
@@ -246,12 +243,12 @@ __device__ __forceinline__ void lse_add8(float &m, float &s, const float x[PW_VE
 #pragma unroll
     for (int k = 1; k < PW_VEC; k++) top = fmaxf(top, x[k]);
     if (top > m) {
-        s = m == -INFINITY ? 0.0f : s * expf(m - top);
+        s = m == -INFINITY ? 0.0f : s * pw_exp(m - top);
         m = top;
     }
     if (m == -INFINITY) return;
 #pragma unroll
-    for (int k = 0; k < PW_VEC; k++) s += x[k] == m ? 1.0f : expf(x[k] - m);   /* an inf max counts once, not NaN */
+    for (int k = 0; k < PW_VEC; k++) s += x[k] == m ? 1.0f : pw_exp(x[k] - m);   /* an inf max counts once, not NaN */
 }
 
 /* f32, bf16 and f16 logits in place, in one read: the same loss in f32,
@@ -275,7 +272,7 @@ static __global__ void ce_f32_kernel(ds_kview loss, ds_kview lse, ds_kview logit
             sx += v;
         }
         float M = pw_block_max(m);
-        s = pw_block_sum(m == -INFINITY ? 0.0f : s * expf(m - M));
+        s = pw_block_sum(m == -INFINITY ? 0.0f : s * pw_exp(m - M));
         sx = pw_block_sum(sx);
         if (threadIdx.x == 0) {
             float l = M + logf(s);
@@ -323,7 +320,7 @@ static __global__ void ce_backward_f64_kernel(ds_kview dlogits, ds_kview dloss, 
 __device__ __forceinline__ float ce_grad(float x, int64_t j, int64_t C, int64_t t, float s, float l, float off,
                                          float hit) {
     if (j >= C) return 0;
-    float v = s * (expf(x - l) - off);
+    float v = s * (pw_exp(x - l) - off);
     return j == t ? v - hit : v;
 }
 

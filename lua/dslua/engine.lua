@@ -34,7 +34,21 @@ local Zero = require 'dslua.zero'
 local M = {}
 
 local Engine = {}
-Engine.__index = Engine
+
+-- engine.last_loss is read from the device when first asked for, not in
+-- backward: waiting there for the forward to finish would be a second
+-- host synchronisation per step. Asked after engine:step(), whose
+-- gradient norm waits anyway, it costs nothing.
+function Engine.__index(self, key)
+  if key ~= 'last_loss' then return Engine[key] end
+  local pending = rawget(self, 'pending_loss')
+  if not pending then return nil end
+  self.pending_loss = nil
+  local v = pending:item()
+  rawset(self, 'last_loss', v)
+  return v
+end
+Engine.methods = Engine   -- what the REPL completes, __index being a function
 
 local now = ds.wall_time
 
@@ -456,8 +470,11 @@ Engine.__call = Engine.forward
 -- (engine:_backward(nil, true)), as DeepSpeed's backward(loss, allreduce_gradients).
 function Engine:backward(loss, allreduce_gradients)
   if not ds.is_tensor(loss) then error('backward: expected the loss tensor, got ' .. type(loss), 2) end
+  if loss:numel() ~= 1 then
+    error(string.format('backward: the loss must hold one value, got %d', loss:numel()), 2)
+  end
   self:_start('backward')
-  self.last_loss = loss:item()
+  self.last_loss, self.pending_loss = nil, loss:detach()
   if self.monitor then self.monitor:loss(self.last_loss) end
   local boundary = self:is_gradient_accumulation_boundary()
   -- fp32 from here under mixed precision (DeepSpeed's loss.float() * scale)
