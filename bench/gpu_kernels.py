@@ -20,8 +20,23 @@ head = rows[0]
 name_at, value_at, unit_at = head.index("Kernel Name"), head.index("Metric Value"), head.index("Metric Unit")
 total, count = collections.Counter(), collections.Counter()
 scale = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0, "msecond": 1.0}
+
+
+def short_name(full):
+    """The kernel's name and template arguments without its parameter list:
+    up to the first "(" outside <...> (template arguments such as
+    (ds_dtype)-1 have their own), less "void "."""
+    depth = 0
+    for i, ch in enumerate(full):
+        depth += (ch == "<") - (ch == ">")
+        if ch == "(" and depth == 0:
+            full = full[:i]
+            break
+    return full.removeprefix("void ")[:60]
+
+
 for r in rows[1:]:
-    name = r[name_at].split("(")[0][:60]
+    name = short_name(r[name_at])
     total[name] += float(r[value_at].replace(",", "")) * scale[r[unit_at]]
     count[name] += 1
 steps = int(n)
