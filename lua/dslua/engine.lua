@@ -475,7 +475,7 @@ function Engine:backward(loss, allreduce_gradients)
   end
   self:_start('backward')
   self.last_loss, self.pending_loss = nil, loss:detach()
-  if self.monitor then self.monitor:loss(self.last_loss) end
+  if self.monitor then self.monitor:loss(self.pending_loss) end
   local boundary = self:is_gradient_accumulation_boundary()
   -- fp32 from here under mixed precision (DeepSpeed's loss.float() * scale)
   if self.zero then loss = loss:to('f32') end

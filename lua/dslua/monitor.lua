@@ -100,9 +100,12 @@ function M.new(cfg, rank)
   return self
 end
 
--- each micro step's loss (engine:backward)
-function Monitor:loss(v)
-  self.window.sum, self.window.n = self.window.sum + v, self.window.n + 1
+-- each micro step's loss tensor (engine:backward), summed where it lives
+-- in f64: read back at the step's report, after the step has waited for
+-- the device anyway, not once per micro step
+function Monitor:loss(t)
+  local v = t:to('f64')
+  self.window.sum, self.window.n = self.window.n > 0 and self.window.sum + v or v, self.window.n + 1
 end
 
 function Monitor:_write(events)
@@ -132,7 +135,7 @@ function Monitor:step(engine)
   self.samples = after
   local events = {}
   if self.window.n > 0 then
-    events[1] = { 'Train/Samples/train_loss', self.window.sum / self.window.n, before }
+    events[1] = { 'Train/Samples/train_loss', self.window.sum:item() / self.window.n, before }
     self.window.sum, self.window.n = 0, 0
   end
   events[#events + 1] = { 'Train/Samples/lr', engine:get_lr()[1], after }
