@@ -407,3 +407,77 @@ describe('the step, against the same step done by hand', function()
     e:destroy()
   end)
 end)
+
+-- Stage 2 and 3 reduce every micro step; a step engine holds each bucket
+-- in flight at most once, however many micro steps a step takes.
+describe('gradient accumulation past two micro steps', function()
+  local Net = ds.nn.Module:extend('ZeroAccum')
+  function Net:init()
+    self.fc1 = ds.nn.Linear(5, 7)
+    self.fc2 = ds.nn.Linear(7, 3)
+  end
+  function Net:forward(b) return ds.mse_loss(self.fc2(self.fc1(b.x):relu()), b.y) end
+
+  -- weights after two steps of ga micro steps each, as flat f32 values
+  local function train(stage, ga, dtype, bucket)
+    ds.manual_seed(5)
+    local cfg = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = ga, steps_per_print = 1e9,
+                  optimizer = { type = 'AdamW', params = { lr = 1e-2 } },
+                  zero_optimization = { stage = stage, reduce_bucket_size = bucket } }
+    if dtype == 'bf16' then cfg.bf16 = { enabled = true } end
+    local e = ds.initialize { model = Net(), config = cfg }
+    ds.manual_seed(6)
+    for _ = 1, 2 * ga do
+      e:backward(e { x = ds.randn(2, 5), y = ds.randn(2, 3) })
+      e:step()
+    end
+    assert.are.equal(2, e.global_steps)
+    local w = {}
+    for _, p in ipairs(e.module:parameters()) do
+      ds.no_grad(function() w[#w + 1] = p:to('f32'):view(-1):clone() end)
+    end
+    e:destroy()
+    return w
+  end
+
+  for _, dtype in ipairs({ 'f32', 'bf16' }) do
+    for _, ga in ipairs({ 5, 33 }) do
+      for _, bucket in ipairs({ 1, 5e8 }) do
+        it(string.format('stages 2 and 3 in %s, %d micro steps, bucket size %g: stage 0\'s weights', dtype, ga,
+                         bucket), function()
+          -- f32: the same sums in the same order; bf16: stage 0 accumulates
+          -- the micro steps in the bf16 gradients, stage 2-3 in the f32 masters
+          local tol = dtype == 'f32' and { rtol = SAME_RTOL, atol = 1e-7 } or H.tol.bf16
+          local want = train(0, ga, dtype, bucket)
+          for stage = 2, 3 do
+            local got = train(stage, ga, dtype, bucket)
+            for i = 1, #want do
+              H.assert_close(got[i], want[i], tol,
+                             string.format('stage %d parameter %d', stage, i))
+            end
+          end
+        end)
+      end
+    end
+  end
+
+  it('two stage-3 engines in one process: the first collected, the second still gathers', function()
+    local function stage3()
+      ds.manual_seed(7)
+      return ds.initialize { model = Net(), config = { train_batch_size = 2, steps_per_print = 1e9,
+        optimizer = { type = 'AdamW', params = { lr = 1e-2 } },
+        zero_optimization = { stage = 3, stage3_param_persistence_threshold = 0 } } }
+    end
+    local first, second = stage3(), stage3()
+    first:destroy()
+    first = nil
+    collectgarbage()
+    collectgarbage()
+    for _ = 1, 3 do
+      second:backward(second { x = ds.randn(2, 5), y = ds.randn(2, 3) })
+      second:step()
+    end
+    assert.are.equal(3, second.global_steps)
+    second:destroy()
+  end)
+end)

@@ -68,10 +68,15 @@ static int lua_fetch(ds_tensor *t, void *ud) {
 
 static int l_set_fetch(lua_State *L) {
     if (!lua_isnil(L, 1)) luaL_checktype(L, 1, LUA_TFUNCTION);
+    if (fetch_ref != LUA_NOREF) ds_autograd_remove_fetch(lua_fetch, NULL);
     luaL_unref(L, LUA_REGISTRYINDEX, fetch_ref);
     lua_settop(L, 1);
     fetch_ref = lua_isnil(L, 1) ? LUA_NOREF : luaL_ref(L, LUA_REGISTRYINDEX);
-    ds_autograd_set_fetch(fetch_ref == LUA_NOREF ? NULL : lua_fetch, NULL);
+    if (fetch_ref != LUA_NOREF && ds_autograd_add_fetch(lua_fetch, NULL)) {
+        luaL_unref(L, LUA_REGISTRYINDEX, fetch_ref);
+        fetch_ref = LUA_NOREF;
+        return dsL_error(L);
+    }
     return 0;
 }
 

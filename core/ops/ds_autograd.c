@@ -295,22 +295,49 @@ static int check_grad_shape(const ds_node *n, int k, const ds_tensor *g) {
     return -1;
 }
 
-static ds_fetch_fn fetch_fn;
-static void *fetch_ud;
+/* Fetchers, asked in turn until one makes the tensor whole: each stage-3
+ * engine registers its own, so engines come and go independently. */
+typedef struct {
+    ds_fetch_fn fn;
+    void *ud;
+} fetcher;
 
-void ds_autograd_set_fetch(ds_fetch_fn fn, void *ud) {
-    fetch_fn = fn;
-    fetch_ud = ud;
+static fetcher *fetchers;
+static int n_fetchers, cap_fetchers;
+
+int ds_autograd_add_fetch(ds_fetch_fn fn, void *ud) {
+    if (n_fetchers == cap_fetchers) {
+        int cap = cap_fetchers ? 2 * cap_fetchers : 4;
+        fetcher *grown = realloc(fetchers, sizeof *grown * (size_t)cap);
+        if (!grown) return ds_fail(DS_ERR_NOMEM, "fetch: out of memory"), -1;
+        fetchers = grown;
+        cap_fetchers = cap;
+    }
+    fetchers[n_fetchers++] = (fetcher){ fn, ud };
+    return 0;
 }
 
-int ds_autograd_fetch(ds_tensor *t) { return fetch_fn ? fetch_fn(t, fetch_ud) : 0; }
+void ds_autograd_remove_fetch(ds_fetch_fn fn, void *ud) {
+    for (int i = 0; i < n_fetchers; i++) {
+        if (fetchers[i].fn != fn || fetchers[i].ud != ud) continue;
+        memmove(&fetchers[i], &fetchers[i + 1], sizeof *fetchers * (size_t)(n_fetchers - i - 1));
+        n_fetchers--;
+        return;
+    }
+}
+
+int ds_autograd_fetch(ds_tensor *t) {
+    for (int i = 0; i < n_fetchers && ds_tensor_is_released(t); i++)
+        if (fetchers[i].fn(t, fetchers[i].ud)) return -1;
+    return 0;
+}
 
 /* Saved parameters whose data was released since forward come back first. */
 static int fetch_saved(ds_node *n) {
     for (int k = 0; k < DS_NODE_MAX_SAVED; k++) {
         ds_tensor *t = n->saved[k];
         if (!t || !ds_tensor_is_released(t)) continue;
-        if (fetch_fn && fetch_fn(t, fetch_ud)) return -1;
+        if (ds_autograd_fetch(t)) return -1;
         if (ds_tensor_is_released(t)) {
             char s[96];
             return ds_fail(DS_ERR_STATE, "a saved %s %s has no data (a released partitioned parameter) and "

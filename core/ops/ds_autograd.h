@@ -79,14 +79,16 @@ typedef int (*ds_leaf_hook)(ds_tensor *leaf, void *ud);
 int ds_autograd_set_leaf_hook(ds_tensor *leaf, ds_leaf_hook fn, void *ud);
 
 /* Called before a node's backward for each saved tensor whose data was
- * released (ds_tensor_release_data); it must make the data whole again
- * (ds_tensor_set_data). 0, or -1 with the error set. Without one, such a
- * node fails with an error naming the tensor. */
+ * released (ds_tensor_release_data): a fetcher makes the data of the
+ * tensors it holds whole again (ds_tensor_set_data) and leaves others as
+ * they are. 0, or -1 with the error set. When none fetches it, such a node
+ * fails with an error naming the tensor. Fetchers are asked in the order
+ * they were added; remove takes away the one added with fn and ud. */
 typedef int (*ds_fetch_fn)(ds_tensor *t, void *ud);
-void ds_autograd_set_fetch(ds_fetch_fn fn, void *ud);
-/* The same for a forward read: t made whole through the fetch function,
- * if one is set (a binding calls it before an op reads t). 0, or -1 with
- * the error set. */
+int ds_autograd_add_fetch(ds_fetch_fn fn, void *ud);
+void ds_autograd_remove_fetch(ds_fetch_fn fn, void *ud);
+/* The same for a forward read: t made whole through the fetchers (a
+ * binding calls it before an op reads t). 0, or -1 with the error set. */
 int ds_autograd_fetch(ds_tensor *t);
 
 /* Backpropagates from `root`; grad NULL means ones (root must then hold one

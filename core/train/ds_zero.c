@@ -233,8 +233,7 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
     z->n = n;
     z->p = calloc((size_t)n, sizeof *z->p);
     z->b = calloc((size_t)n, sizeof *z->b);
-    z->flights = calloc((size_t)n, sizeof *z->flights);
-    if (!z->p || !z->b || !z->flights) {
+    if (!z->p || !z->b) {
         ds_zero_free(z);
         return ds_fail(DS_ERR_NOMEM, "step engine: out of memory");
     }
@@ -256,6 +255,13 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
         return NULL;
     }
     make_buckets(z);
+    /* each bucket is in flight at most once: an armed backward drains the
+     * last one's reductions before it launches its own */
+    z->flights = calloc((size_t)z->nb, sizeof *z->flights);
+    if (!z->flights) {
+        ds_zero_free(z);
+        return ds_fail(DS_ERR_NOMEM, "step engine: out of memory");
+    }
     for (int i = 0; i < n; i++) {
         if (ds_autograd_set_leaf_hook(z->p[i].param, on_gradient, &z->p[i])) {
             ds_zero_free(z);
@@ -453,6 +459,8 @@ static ds_comm_work *launch_flat(ds_zero *z, zbucket *b, ds_tensor **buf) {
 
 static int launch(ds_zero *z, int bi) {
     zbucket *b = &z->b[bi];
+    if (z->n_flights == z->nb)
+        return ds_fail(DS_ERR_STATE, "step engine: bucket %d launched with all %d buckets in flight", bi + 1, z->nb), -1;
     zflight *f = &z->flights[z->n_flights];
     *f = (zflight){ .bucket = bi, .launched = ds_zero_now() };
     f->work = z->c.masters ? launch_rows(z, b, &f->buf) : launch_flat(z, b, &f->buf);
@@ -506,15 +514,21 @@ static int restore_views(ds_zero *z) {
     return 0;
 }
 
+static int drain(ds_zero *z);
+
 int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce) {
     if (z->armed) return ds_fail(DS_ERR_STATE, "step engine: backward inside backward"), -1;
     if (z->c.stage == 3 && z->recording && ds_zero_finish_recording(z)) return -1;
     int rc = 0;
     if (reduce) {
+        if (!z->in_window) z->stats = (ds_zero_stats){ 0 };
+        z->in_window = true;
+        /* the last micro step's reductions (stage >= 2 reduces every one)
+         * land before this one launches the same buckets again */
+        if (drain(z)) return -1;
         if (!z->c.masters && restore_views(z)) return -1;
         for (int i = 0; i < z->n; i++) z->p[i].done = false;
         for (int b = 0; b < z->nb; b++) z->b[b].pending = z->b[b].count;
-        if (z->n_flights == 0) z->stats = (ds_zero_stats){ 0 };
         z->next = 0;
         z->leaves_after = 0;
         z->armed = true;
@@ -536,8 +550,6 @@ int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce) {
     if (z->c.stage == 3 && ds_zero_after_backward(z)) rc = -1;
     return rc;
 }
-
-static int drain(ds_zero *z);
 
 int ds_zero_scale_grads(ds_zero *z, double f) {
     if (f == 1) return 0;
@@ -587,7 +599,7 @@ static int drain(ds_zero *z) {
         ds_tensor_release(f->buf);
     }
     if (z->n_flights) {
-        z->stats.wait_ms = 1000 * (ds_zero_now() - t0);
+        z->stats.wait_ms += 1000 * (ds_zero_now() - t0);
         z->have_stats = true;
     }
     z->n_flights = 0;
@@ -696,7 +708,9 @@ static int optimizer_step(ds_zero *z, const ds_optim_hparams *h, int n, ds_tenso
     return 0;
 }
 
+/* The end of an accumulation window: the next reduced backward opens a new one. */
 static int zero_grads(ds_zero *z) {
+    z->in_window = false;
     if (!z->c.masters) return ds_optim_zero_grad(z->optim);
     for (int g = 0; g < z->n_groups; g++)
         if (ds_fill_(z->master_grads[g], 0)) return -1;

@@ -132,7 +132,8 @@ int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters);
  * they are now (a checkpoint load wrote them), as a step refreshes them. */
 int ds_zero_sync_params(ds_zero *z);
 
-/* What the last reduced backward did (false before any). */
+/* What the reduced backwards since the gradients were last zeroed did
+ * (false before any). */
 typedef struct {
     int buckets;
     int64_t bytes;
@@ -140,7 +141,7 @@ typedef struct {
     int leaves_after_first_launch; /* gradients completed after the first launch */
     double comm_ms;                /* sum over buckets of launch to completion */
     double hidden_ms;              /* of that, the part before backward returned */
-    double wait_ms;                /* the step's wait for them */
+    double wait_ms;                /* the waits for them, at the step and at later micro steps */
 } ds_zero_stats;
 bool ds_zero_stats_get(const ds_zero *z, ds_zero_stats *out);
 

@@ -7,6 +7,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* offload_param nvme: q's shard between the file and a host buffer */
 static int shard_io(ds_zero *z, zparam *q, ds_tensor *host, bool write) {
@@ -85,11 +86,12 @@ static zgather *start_gather(ds_zero *z, int n, const int *list) {
     int64_t width = 0;
     for (int k = 0; k < n; k++) width += z->p[list[k]].shard;
     int rc = (g->send = ds_tensor_new(1, &width, z->dtype, ds_tensor_device(z->p[0].param))) ? 0 : -1;
-    for (int k = 0, at = 0; k < n && rc == 0; k++) {
+    int64_t at = 0;
+    for (int k = 0; k < n && rc == 0; k++) {
         zparam *q = &z->p[list[k]];
         g->params[k] = list[k];
         rc = load_shard(z, q, g->send, at);
-        at += (int)q->shard;
+        at += q->shard;
     }
     g->started = ds_zero_now();
     if (rc == 0 && !(g->work = ds_comm_all_gather(g->send, z->c.group))) rc = -1;
@@ -148,12 +150,13 @@ int ds_zero_gather_now(ds_zero *z, int n, const int *params) {
         zgather *g = z->p[params[k]].in_flight;
         if (g && finish_gather(z, g)) return -1;
     }
-    int list[n], m = 0;
+    int *list = malloc(sizeof *list * (size_t)(n > 0 ? n : 1)), m = 0;     /* n: up to every parameter */
+    if (!list) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
     for (int k = 0; k < n; k++)
         if (waiting(&z->p[params[k]])) list[m++] = params[k];
-    if (m == 0) return 0;
-    zgather *g = start_gather(z, m, list);
-    return g ? finish_gather(z, g) : -1;
+    zgather *g = m ? start_gather(z, m, list) : NULL;
+    free(list);
+    return m == 0 ? 0 : g ? finish_gather(z, g) : -1;
 }
 
 void ds_zero_release(ds_zero *z, int i) {
@@ -195,7 +198,7 @@ static int prefetch(ds_zero *z, int k, int dir) {
 static int fetch(ds_tensor *t, void *ud) {
     ds_zero *z = ud;
     int i = ds_zero_param_index(z, t);
-    if (i < 0) return ds_fail(DS_ERR_STATE, "a released tensor that this engine does not hold"), -1;
+    if (i < 0) return 0;    /* another engine's, or nobody's */
     int m = z->p[i].owner;
     int rc = m >= 0 ? ds_zero_gather_now(z, z->modules[m].n, z->modules[m].params) : ds_zero_gather_now(z, 1, &i);
     if (rc == 0 && z->in_backward && m >= 0 && z->modules[m].position >= 0)
@@ -219,8 +222,7 @@ int ds_zero_partition(ds_zero *z) {
     ds_set_grad_enabled(prev);
     if (rc) return -1;
     z->recording = true;
-    ds_autograd_set_fetch(fetch, z);
-    return 0;
+    return ds_autograd_add_fetch(fetch, z);
 }
 
 int ds_zero_add_module(ds_zero *z, int n, const int *params) {
@@ -329,7 +331,7 @@ int ds_zero_release_all(ds_zero *z) {
 
 void ds_zero_free_stage3(ds_zero *z) {
     if (z->c.stage != 3 || !z->p) return;
-    ds_autograd_set_fetch(NULL, NULL);
+    ds_autograd_remove_fetch(fetch, z);
     for (int i = 0; i < z->n; i++) {
         zgather *g = z->p[i].in_flight;
         if (g) {
@@ -341,11 +343,10 @@ void ds_zero_free_stage3(ds_zero *z) {
     }
     if (z->param_file) {
         /* the shards were this job's alone */
-        const char *path = ds_aio_path(z->param_file);
-        char copy[4096];
-        snprintf(copy, sizeof copy, "%s", path);
+        char *path = strdup(ds_aio_path(z->param_file));
         ds_aio_close(z->param_file);
-        remove(copy);
+        if (path) remove(path);     /* a path cut short could name another file: none removed then */
+        free(path);
         z->param_file = NULL;
     }
     for (int m = 0; m < z->n_modules; m++) free(z->modules[m].params);

@@ -79,7 +79,8 @@ struct ds_zero {
     bool armed, in_backward;
     int next;                       /* next bucket to launch */
     int leaves_after;
-    zflight *flights;               /* launched, not yet drained */
+    bool in_window;                 /* a reduced backward since the gradients were zeroed */
+    zflight *flights;               /* launched, not yet drained: nb at most */
     int n_flights;
     double backward_end;
     bool have_stats;
