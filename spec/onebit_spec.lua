@@ -2,7 +2,8 @@
 -- the compressed all-reduce with error feedback (spec/onebit/allreduce.lua)
 -- and OneBitAdam, ZeroOneAdam and OneBitLamb against their uncompressed
 -- counterparts, AdamW and Lamb without bias correction
--- (spec/onebit/run.lua), on 2 and 4 ranks.
+-- (spec/onebit/run.lua), on 2 and 4 ranks; ZeroOneAdam against DeepSpeed's
+-- arithmetic in float64 (spec/onebit/reference.lua).
 local H = require 'helpers'
 local config = require 'dslua.config'
 
@@ -122,20 +123,57 @@ describe('1-bit optimizers', function()
         seen[plan[i]] = true
       end
       assert(seen.full and seen.compressed and seen.sync and seen['local'])
-      -- convergence: the last 50 steps' mean loss near AdamW's (measured,
-      -- Release build: OneBitAdam 1.4x on 2 ranks, ZeroOneAdam, whose local
-      -- steps drift between syncs, 1.6x), far below the start's (AdamW's is
-      -- 1/9 of it)
+      -- every rank's weights the same until the variance freezes; after,
+      -- apart on local steps, and at each sync apart only by rounding: a
+      -- sync undoes at most local_step_clipper local steps (each rounds
+      -- the weights and the accumulated update once) and adds the same
+      -- average on every rank, so it leaves at most 2 (2 * 4 + 2) half
+      -- ulps of the largest weight, added up over the syncs so far
+      -- (measured: 7% of it)
+      local syncs, apart = 0, false
+      for i = 1, STEPS do
+        local s = zero_one.steps[i].spread
+        if plan[i] == 'sync' then syncs = syncs + 1 end
+        if plan[i] == 'local' then apart = apart or s > 0
+        else assert(s <= syncs * 10 * 2 ^ -23, string.format('step %d (%s): ranks %.3g apart', i, plan[i], s)) end
+      end
+      assert(apart, 'local steps leave the ranks apart')
+      -- convergence: OneBitAdam's last 50 steps' mean loss near AdamW's
+      -- (measured on three BLAS kernels: 1.37x to 1.41x on 2 ranks, 0.59x
+      -- on 4); ZeroOneAdam's local steps and compressed syncs make its
+      -- last steps depend on every rounding before (on 4 ranks 2.8x to
+      -- 4.9x AdamW's by the BLAS kernel alone, 3.6x in float64: DeepSpeed's
+      -- arithmetic, spec/onebit/reference.lua): it is checked against the
+      -- reference below, and here only for converging, far below the
+      -- start (AdamW's is 1/9 of it)
       local ref = window(adam, STEPS)
+      local got = window(onebit, STEPS)
+      assert(got < 2 * ref, string.format('OneBitAdam: mean loss %.4g over the last 50 steps, AdamW %.4g', got, ref))
       for name, t in pairs({ OneBitAdam = onebit, ZeroOneAdam = zero_one }) do
-        local got, within = window(t, STEPS), name == 'OneBitAdam' and 2 or 3
-        assert(got < within * ref, string.format('%s: mean loss %.4g over the last 50 steps, AdamW %.4g', name, got,
-                                                 ref))
+        got = window(t, STEPS)
         assert(got < window(t, 50) / 5, string.format('%s: mean loss %.4g, at the start %.4g', name, got,
                                                        window(t, 50)))
       end
     end)
   end
+
+  it('ZeroOneAdam follows DeepSpeed\'s arithmetic in float64 (spec/onebit/reference.lua) through its warm-up and '
+     .. 'first compressed all-reduce, on 4 ranks', function()
+    local steps = 12
+    local got = run(4, 'run.lua', (ZERO_ONE:gsub('^ZeroOneAdam 300', 'ZeroOneAdam ' .. steps)))
+    local out = os.tmpname()
+    local ref = H.run_json(H.ranks_cmd(1) .. ' spec/onebit/reference.lua ' .. out .. ' '
+                           .. (ZERO_ONE:gsub('^ZeroOneAdam 300', 'ZeroOneAdam ' .. steps .. ' 4')), out)
+    os.remove(out)
+    -- float32 against float64: 1.5e-5 apart at most (measured); a sign
+    -- that rounding flips moves the loss by about 1e-4; a scale 1.5x off
+    -- in the compression by 1.5e-2 at step 11
+    for i = 1, steps do
+      local a, b = got.steps[i].loss, ref.steps[i].loss
+      assert(math.abs(a / b - 1) < 1e-3, string.format('step %d: loss %.7g, the reference %.7g', i, a, b))
+    end
+    assert.is_true(got.steps[10].compressed)
+  end)
 
   for _, np in ipairs({ 2, 4 }) do
     it('OneBitLamb equals Lamb without bias correction in warm-up and converges with it after, on ' .. np

@@ -4,7 +4,9 @@
 -- weights, as JSON: run.lua OUT.json TYPE STEPS [key=value ...] (the
 -- optimizer's params: numbers, true or false; precision=bf16 or fp16 turns
 -- that block on; groups=2: the biases in a second param group, without
--- weight decay). Every rank trains on its own samples.
+-- weight decay). Every rank trains on its own samples. Each step also
+-- notes how far the ranks' weights are apart: the largest difference from
+-- rank 0's, over rank 0's largest weight.
 local ds = require 'dslua'
 local out, kind, steps = arg[1], arg[2], tonumber(arg[3])
 local params, precision, groups = { lr = 2e-3, weight_decay = 0.01 }, nil, 1
@@ -13,13 +15,7 @@ for i = 4, #arg do
   if k == 'precision' then precision = v elseif k == 'groups' then groups = tonumber(v)
   elseif k then params[k] = tonumber(v) or v == 'true' end
 end
-ds.manual_seed(7)
-local n, d = 2048, 32
-local x = ds.randn(n, d)
-local w_true = ds.randn(d, 4)
-local y = (x:matmul(w_true) + ds.randn(n, 4) * 0.1):argmax(2)
-local model = ds.nn.Sequential(ds.nn.Linear(d, 64), ds.nn.GELU(), ds.nn.Linear(64, 64), ds.nn.GELU(),
-                               ds.nn.Linear(64, 4))
+local x, y, model = require('spec.onebit.task')()
 local model_parameters
 if groups == 2 then
   local weights, biases = {}, {}
@@ -35,6 +31,20 @@ local engine, _, loader = ds.initialize {
              optimizer = { type = kind, params = params },
              bf16 = { enabled = precision == 'bf16' }, fp16 = { enabled = precision == 'fp16' } },
 }
+-- max |p - p on rank 0| / max |p on rank 0| over every weight and rank
+local function spread()
+  local apart, largest = 0, 0
+  for _, e in ipairs(model:named_parameters()) do
+    local p = e[2]:to('f32')
+    local zero = p:clone()
+    ds.comm.broadcast(zero, 0)
+    apart = math.max(apart, (p - zero):abs():amax():item())
+    largest = math.max(largest, zero:abs():amax():item())
+  end
+  local t = ds.tensor({ apart / largest }, 'f64')
+  ds.comm.all_reduce(t, 'max')
+  return t:item()
+end
 local rows, done = {}, false
 while not done do
   for _, b in loader:epoch() do
@@ -45,7 +55,7 @@ while not done do
     ds.comm.all_reduce(mean, 'avg')
     local ob = engine.onebit_stats
     local compressed = ob ~= nil and ob.compressed
-    rows[#rows + 1] = { loss = mean:item(), compressed = compressed, skipped = engine.overflow or false,
+    rows[#rows + 1] = { loss = mean:item(), compressed = compressed, skipped = engine.overflow or false, spread = spread(),
                         bytes = compressed and ob.bytes or (engine.comm_stats and engine.comm_stats.bytes or 0) }
     if #rows == steps then done = true break end
   end
