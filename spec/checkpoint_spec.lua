@@ -139,10 +139,7 @@ describe('the checkpoint config block', function()
 end)
 
 describe('exact resume', function()
-  if not H.have_mpirun() then
-    print('skipping: multi-rank checkpoint specs need mpirun')
-    return
-  end
+  if H.skip_without_mpirun() then return end
   local UNEVEN = { policy = 'uneven', micro_batch_per_rank = { 6, 2 }, data_share = { 0.75, 0.25 }, shuffle = true,
                    seed = 3 }
   local CASES = {
@@ -188,10 +185,7 @@ describe('exact resume', function()
 end)
 
 describe('resuming on another world size, ZeRO stage or dtype', function()
-  if not H.have_mpirun() then
-    print('skipping: multi-rank checkpoint specs need mpirun')
-    return
-  end
+  if H.skip_without_mpirun() then return end
 
   it('re-shards 4 ranks stage 3 bf16 -> 2 ranks stage 1 fp32 -> 1 rank stage 0 -> 4 ranks stage 2 bf16, '
      .. 'every tensor kept to the bit', function()
@@ -243,10 +237,7 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
 end)
 
 describe('atomic saves', function()
-  if not H.have_mpirun() then
-    print('skipping: multi-rank checkpoint specs need mpirun')
-    return
-  end
+  if H.skip_without_mpirun() then return end
 
   -- a 1-rank engine of run.lua's model in this process, to load with
   local function tiny_engine()
@@ -336,6 +327,7 @@ describe('atomic saves', function()
 end)
 
 describe('a checkpoint that is corrupt, truncated or does not fit', function()
+  teardown(H.mpi_cleanup)
   local dir = H.tmpdir()
   local engine
 
@@ -422,6 +414,7 @@ describe('a checkpoint that is corrupt, truncated or does not fit', function()
 end)
 
 describe('export and import', function()
+  teardown(H.mpi_cleanup)
   local fx = H.fixture('checkpoint')
 
   it('loads Hugging Face GPT-2 weights (Conv1D transposed) into models.gpt2: PyTorch\'s logits', function()
@@ -449,7 +442,7 @@ describe('export and import', function()
   end)
 
   it('consolidates a sharded bf16 checkpoint to one fp32 file (zero_to_fp32) and a 16-bit model', function()
-    if not H.have_mpirun() then return print('skipping: needs mpirun') end
+    if not H.have_mpirun() then return pending('mpirun is not on PATH') end
     local dir = H.tmpdir()
     run(2, { stage = 3, dtype = 'bf16', dir = dir, steps = 4, final = 'final' })
     local out = CK.zero_to_fp32(dir, dir .. '/model.safetensors')
@@ -467,7 +460,7 @@ describe('export and import', function()
   it('is read by PyTorch live, when python3 has torch and safetensors', function()
     local _, status = H.run("/usr/bin/python3 -c 'import torch, safetensors.torch'")
     if status ~= 0 then
-      return print('skipping: /usr/bin/python3 has no torch or no safetensors package (pip install safetensors)')
+      return pending('/usr/bin/python3 has no torch or no safetensors package (pip install safetensors)')
     end
     local dir = H.tmpdir()
     ds.manual_seed(9)

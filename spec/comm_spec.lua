@@ -121,17 +121,13 @@ describe('ds.comm at world size 1', function()
   end)
 end)
 
-local have_mpirun = H.have_mpirun
-
-local MPI = have_mpirun()
 -- outdir: each rank's stdout also goes to outdir/1/rank.N/stdout (mpirun
 -- forwards output in chunks that can split a line between ranks)
 local function mpirun(np, script, args, env, outdir)
-  local cmd = 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. (env or '') ..
-              ' mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader' ..
-              (outdir and ' --output-filename ' .. outdir or '') ..
-              ' -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np ' .. np .. ' ' ..
-              H.bin() .. ' spec/comm/' .. script .. ' ' .. (args or '')
+  local cmd = 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. (env or '') .. ' '
+              .. H.mpirun(np, { 'DSLUA_NUM_THREADS', 'DSLUA_COMM_TIMEOUT' })
+              .. (outdir and ' --output-filename ' .. outdir or '') .. ' '
+              .. H.bin() .. ' spec/comm/' .. script .. ' ' .. (args or '')
   local t0 = ds.wall_time()
   local out, status = H.run(cmd)
   return out, status, ds.wall_time() - t0
@@ -144,10 +140,7 @@ local function count(out, pattern)
 end
 
 describe('ds.comm under mpirun', function()
-  if not MPI then
-    it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-    return
-  end
+  if H.skip_without_mpirun() then return end
 
   -- PASS lines of primitives.lua per rank, on 2, 3 and 4 ranks
   local expected = { [2] = { 157, 149 }, [3] = { 173, 157, 157 }, [4] = { 189, 165, 165, 164 } }

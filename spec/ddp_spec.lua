@@ -113,13 +113,8 @@ describe('the engine on one rank', function()
   end)
 end)
 
-local have_mpirun = H.have_mpirun
-
 describe('data-parallel training', function()
-  if not have_mpirun() then
-    it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-    return
-  end
+  if H.skip_without_mpirun() then return end
 
   local dir = H.tmpdir()
   local runs, outputs = {}, {}

@@ -129,10 +129,7 @@ describe('ranks against GPUs', function()
   end)
 
   describe('under mpirun', function()
-    if not H.have_mpirun() then
-      it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-      return
-    end
+    if H.skip_without_mpirun() then return end
     local dir = H.tmpdir()
     local script = H.write(dir .. '/train.lua', [[
 local ds = require 'dslua'
@@ -143,8 +140,7 @@ engine:backward(engine(x):sum())
 engine:step()
 print(string.format('rank %d stepped on %s', engine.rank, engine.device))
 ]])
-    local MPI = 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader '
-                .. '-x DSLUA_TEST_GPU_COUNT -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np 2 '
+    local MPI = H.mpirun(2, { 'DSLUA_TEST_GPU_COUNT', 'DSLUA_NUM_THREADS', 'DSLUA_COMM_TIMEOUT' }) .. ' '
 
     it('one rank and 1 GPU train', function()
       local out, status = dslua('DSLUA_TEST_GPU_COUNT=1 DSLUA_NUM_THREADS=1', script)
@@ -176,6 +172,6 @@ print(string.format('rank %d stepped on %s', engine.rank, engine.device))
       end
     end)
 
-    it('cleans up', function() os.execute('rm -rf ' .. dir) end)
+    teardown(function() os.execute('rm -rf ' .. dir) end)
   end)
 end)

@@ -65,6 +65,7 @@ local function lines_of(text, prefix)
 end
 
 describe('DeepSpeed configs', function()
+  teardown(H.mpi_cleanup)
   for _, c in ipairs(CASES) do
     local name, np, runs, pieces = c[1], c[2], c[3], c[4]
     it(name .. (runs and ' runs' or ' stops at once') .. ', and --check-config agrees', function()

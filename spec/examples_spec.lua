@@ -19,6 +19,7 @@ local function run(cmd, said)
 end
 
 describe('examples', function()
+  teardown(H.mpi_cleanup)
   it('quickstart: trains 20 steps on its embedded corpus and samples', function()
     local cfg = H.edited_config('examples/quickstart/ds.json', function(c) c.steps_per_print = 10 end)
     local out = run('examples/quickstart/train.lua --config ' .. cfg .. ' --steps 20')
@@ -101,10 +102,7 @@ describe('examples', function()
   it('pipeline: 2 stages x 2 data ranks train 20 steps with train_batch() and report the test accuracy', function()
     local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
     if not dir then return end
-    if not H.have_mpirun() then
-      print('skipping: mpirun is not on PATH')
-      return
-    end
+    if not H.have_mpirun() then return pending('mpirun is not on PATH') end
     local cmd = H.ranks_cmd(4) .. ' examples/pipeline/train.lua --config examples/pipeline/ds.json --data ' .. dir
                 .. '/mnist --steps 20'
     local out, status = H.run(cmd .. ' 2>&1')

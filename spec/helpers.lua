@@ -204,16 +204,45 @@ function H.has(text, piece)
   assert(text:find(piece, 1, true), string.format('expected %q in:\n%s', piece, text))
 end
 
+-- Open MPI's session directory for the mpiruns of this spec process: a
+-- fresh folder, so that jobs of another process on this machine (another
+-- suite, another user) never meet ours under the shared temporary folder
+-- (Open MPI names its folders by host and job family: two mpiruns can
+-- collide with "File exists"). H.mpi_cleanup removes it (a spec file's
+-- teardown); the next mpirun makes a new one.
+local session
+function H.mpi_env()
+  session = session or H.tmpdir()
+  return 'OMPI_MCA_orte_tmpdir_base=' .. session .. ' '
+end
+
+function H.mpi_cleanup()
+  if session then os.execute('rm -rf ' .. session) end
+  session = nil
+end
+
+-- mpirun on np ranks of this machine, in its own session directory,
+-- forwarding the variables named in vars (a list) to every rank; append
+-- the program and its arguments.
+function H.mpirun(np, vars)
+  local x = {}
+  for i, v in ipairs(vars or {}) do x[i] = '-x ' .. v .. ' ' end
+  return H.mpi_env() .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader '
+    .. table.concat(x) .. '-np ' .. np
+end
+
 -- The command that runs the dslua binary on np CPU ranks (np 1: no
 -- mpirun), one thread each, collectives checked for matching calls (the
 -- default) and timing out after 60 s; append the script and its
 -- arguments. DSLUA_DEVICE=cpu: on a GPU machine too these are CPU ranks
--- (four ranks on one GPU would be an error).
-function H.ranks_cmd(np)
+-- (four ranks on one GPU would be an error). vars: more variables to
+-- forward to the ranks.
+function H.ranks_cmd(np, vars)
   local env = 'DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 '
   if np == 1 then return env .. H.bin() end
-  return env .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader '
-    .. '-x DSLUA_DEVICE -x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT -np ' .. np .. ' ' .. H.bin()
+  local all = { 'DSLUA_DEVICE', 'DSLUA_NUM_THREADS', 'DSLUA_COMM_TIMEOUT' }
+  for _, v in ipairs(vars or {}) do all[#all + 1] = v end
+  return env .. H.mpirun(np, all) .. ' ' .. H.bin()
 end
 
 -- Runs cmd, which must succeed and write JSON to json_path: the decoded
@@ -233,12 +262,26 @@ function H.have_mpirun()
   return status == 0 and out ~= ''
 end
 
--- The folder of shared data sets, or nil with a line saying why specs skip.
+-- In a describe block of multi-rank specs: without mpirun, a pending
+-- spec saying so and true (the block returns); with it, false, and the
+-- block's teardown removes its Open MPI session directory.
+function H.skip_without_mpirun()
+  local spec = getfenv(2)      -- busted's functions live in the spec file's environment
+  if not H.have_mpirun() then
+    spec.pending('mpirun is not on PATH')
+    return true
+  end
+  spec.teardown(H.mpi_cleanup)
+  return false
+end
+
+-- The folder of shared data sets, or nil with the spec marked pending (in
+-- an it block: it returns).
 function H.shared_data(sub)
   local dir = os.getenv('DSLUA_DATA') or '../shared/data'
   local f = io.open(dir .. '/' .. sub, 'rb')
   if not f then
-    print(string.format('skipping: %s/%s is absent', dir, sub))
+    getfenv(2).pending(string.format('%s/%s is absent', dir, sub))
     return nil
   end
   f:close()

@@ -202,8 +202,6 @@ describe('the launcher command line', function()
   end)
 end)
 
-local have_mpirun = H.have_mpirun
-
 -- name=value lines of every rank's file, by rank
 local function ranks(dir, n)
   local out = {}
@@ -227,10 +225,7 @@ local CLEAN = 'env -u DSLUA_NUM_THREADS -u OMP_NUM_THREADS -u MASTER_ADDR -u MAS
               .. '-u CUDA_VISIBLE_DEVICES '
 
 describe('launching ranks', function()
-  if not have_mpirun() then
-    it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-    return
-  end
+  if H.skip_without_mpirun() then return end
   local bin = H.bin()
   local cpus = tonumber((H.run('nproc')))
 
@@ -355,10 +350,12 @@ describe('launching ranks', function()
     -- two Open MPI daemons on one machine race writing hwloc's shared
     -- topology and orted itself can crash there (a segfault in
     -- hwloc_shmem_topology_write, before any rank starts): that stand-in
-    -- artefact is retried; any other failure fails the spec
+    -- artefact is retried; any other failure fails the spec. Their
+    -- session directory is this spec file's own (H.mpi_env): under the
+    -- shared temporary folder another job's could hold the same name
     local out, status
     for _ = 1, 3 do
-      out, status = H.run(CLEAN .. 'OMPI_MCA_plm_rsh_agent=' .. dir .. '/ssh DSLUA_SPEC_FORWARD=yes ' .. bin
+      out, status = H.run(CLEAN .. H.mpi_env() .. 'OMPI_MCA_plm_rsh_agent=' .. dir .. '/ssh DSLUA_SPEC_FORWARD=yes ' .. bin
                           .. ' --hostfile ' .. dir .. '/hosts --include nodeA@nodeB:1 ' .. SCRIPT .. ' --out=' .. dir)
       if status == 0 or not out:find('hwloc_shmem_topology_write', 1, true) then break end
     end
@@ -380,8 +377,7 @@ describe('launching ranks', function()
 
   it('gives plain mpirun ranks the same environment and --local_rank', function()
     local dir = H.tmpdir()
-    local out, status = H.run(CLEAN .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader'
-                              .. ' -np 2 ' .. bin .. ' ' .. SCRIPT .. ' --out=' .. dir)
+    local out, status = H.run(CLEAN .. H.mpirun(2) .. ' ' .. bin .. ' ' .. SCRIPT .. ' --out=' .. dir)
     assert.are.equal(0, status, out)
     local got = ranks(dir, 2)
     for r = 0, 1 do
@@ -390,8 +386,7 @@ describe('launching ranks', function()
                         got[r].CROSS_SIZE, got[r].MASTER_ADDR, got[r].MASTER_PORT, got[r].arg2 })
     end
     -- a --local_rank given is kept, not doubled
-    out, status = H.run(CLEAN .. 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader'
-                        .. ' -np 1 ' .. bin .. ' ' .. SCRIPT .. ' --local_rank=7 --out=' .. dir)
+    out, status = H.run(CLEAN .. H.mpirun(1) .. ' ' .. bin .. ' ' .. SCRIPT .. ' --local_rank=7 --out=' .. dir)
     assert.are.equal(0, status, out)
     local one = ranks(dir, 1)[0]
     assert.are.equal('--local_rank=7', one.arg1)

@@ -159,8 +159,7 @@ describe('monitors', function()
   it('writes event files that TensorBoard\'s own reader loads', function()
     local py = tensorboard_python()
     if not py then
-      print('\nSKIP: no Python with the tensorboard package (pip install tensorboard, or set DSLUA_TB_PYTHON)')
-      return
+      return pending('no Python with the tensorboard package (pip install tensorboard, or set DSLUA_TB_PYTHON)')
     end
     local dir = H.tmpdir()
     local _, losses = train({ tensorboard = { enabled = true, output_path = dir, job_name = 'tb' } }, 2)

@@ -79,6 +79,7 @@ local function zero_one_plan(steps, freeze, scaler, local_scaler, clipper)
 end
 
 describe('the compressed all-reduce', function()
+  teardown(H.mpi_cleanup)
   for _, np in ipairs({ 2, 4 }) do
     it('averages over ' .. np .. ' ranks in 1 bit per element, its errors fed back', function()
       local t = run(np, 'allreduce.lua', '1000 200')
@@ -93,6 +94,7 @@ describe('the compressed all-reduce', function()
 end)
 
 describe('1-bit optimizers', function()
+  teardown(H.mpi_cleanup)
   for _, np in ipairs({ 2, 4 }) do
     it('equal AdamW without bias correction in warm-up and converge with it after, on ' .. np .. ' ranks', function()
       local adam, onebit, zero_one = run(np, 'run.lua', ADAM), run(np, 'run.lua', ONEBIT), run(np, 'run.lua', ZERO_ONE)

@@ -63,10 +63,7 @@ local function events(history, path)
 end
 
 describe('live reload across ranks', function()
-  if not H.have_mpirun() then
-    it('skips: mpirun is not on PATH', function() end)
-    return
-  end
+  if H.skip_without_mpirun() then return end
 
   it('swaps an edited schedule at the same step on both ranks, rejecting bad edits everywhere', function()
     local dir = H.tmpdir()

@@ -69,10 +69,7 @@ describe('CPU threads', function()
   end)
 
   describe('under dslua -n 2', function()
-    if not H.have_mpirun() then
-      it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-      return
-    end
+    if H.skip_without_mpirun() then return end
 
     it('each rank takes its share of the cores and sleeps when idle', function()
       local got, out = probe(bin .. ' -n 2 ' .. PROBE)

@@ -14,11 +14,6 @@ local WEIGHT_RTOL = 1e-5      -- ||w_N - w_1|| <= WEIGHT_RTOL * ||w_1||, every p
 local BF16_RTOL = 2e-2       -- bf16 weights and activations against the fp32 reference
 local SAMPLES = 97            -- as spec/uneven/run.lua
 
-local function have_mpirun()
-  local out, status = H.run('command -v mpirun')
-  return status == 0 and out ~= ''
-end
-
 local function data()
   ds.manual_seed(11)
   return ds.randn(SAMPLES, 12), (ds.rand(SAMPLES) * 3):to('i64')
@@ -104,10 +99,7 @@ local function rel_diff(a, b)
 end
 
 describe('uneven data parallelism', function()
-  if not have_mpirun() then
-    it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-    return
-  end
+  if H.skip_without_mpirun() then return end
 
   local dir = H.tmpdir()
   local runs = {}
@@ -244,5 +236,5 @@ describe('uneven data parallelism', function()
     assert(acc > 40, string.format('accuracy %.2f%% after 20 steps', acc))
   end)
 
-  it('cleans up', function() os.execute('rm -rf ' .. dir) end)
+  teardown(function() os.execute('rm -rf ' .. dir) end)
 end)

@@ -83,10 +83,7 @@ describe('partitioned parameters', function()
 end)
 
 describe('ZeRO and mixed precision', function()
-  if not H.have_mpirun() then
-    it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-    return
-  end
+  if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
   local runs, outputs = {}, {}
 

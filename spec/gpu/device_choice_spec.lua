@@ -25,8 +25,9 @@ engine:step()
 print(string.format('rank %d stepped on %s, weight on %s', engine.rank, engine.device,
                     engine.module.weight:device()))
 ]])
-  local MPI = 'mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader '
-              .. '-x DSLUA_NUM_THREADS -x DSLUA_COMM_TIMEOUT '
+  local function MPI(np, more)
+    return H.mpirun(np, { 'DSLUA_NUM_THREADS', 'DSLUA_COMM_TIMEOUT', more }) .. ' '
+  end
 
   it('puts a rank on its GPU by default and names it', function()
     local out, status = H.run(CLEAN .. H.bin() .. PRINT)
@@ -59,14 +60,11 @@ print(string.format('rank %d stepped on %s, weight on %s', engine.rank, engine.d
   end)
 
   describe('under mpirun', function()
-    if not H.have_mpirun() then
-      it('skips: mpirun is not on PATH', function() print('skipping: mpirun is not on PATH') end)
-      return
-    end
+    if H.skip_without_mpirun() then return end
 
     it('more ranks than GPUs stop in ds.initialize, naming the ranks, the GPUs and the fixes', function()
       local np = n + 1
-      local out, status = H.run(CLEAN .. 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI .. '-np ' .. np .. ' '
+      local out, status = H.run(CLEAN .. 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI(np)
                                 .. H.bin() .. ' ' .. script)
       assert.are_not.equal(0, status, out)
       H.has(out, string.format('%d ranks on this host (LOCAL_SIZE %d) but %d GPU', np, np, n))
@@ -77,15 +75,15 @@ print(string.format('rank %d stepped on %s, weight on %s', engine.rank, engine.d
     end)
 
     it('the same ranks on the CPU train', function()
-      local out, status = H.run(CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI
-                                .. '-x DSLUA_DEVICE -np ' .. (n + 1) .. ' ' .. H.bin() .. ' ' .. script)
+      local out, status = H.run(CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI(n + 1, 'DSLUA_DEVICE')
+                                .. H.bin() .. ' ' .. script)
       assert.are.equal(0, status, out)
       for r = 0, n do H.has(out, 'rank ' .. r .. ' stepped on cpu') end
     end)
 
     it('two ranks forced onto one GPU stop before NCCL, naming them', function()
-      local out, status = H.run(CLEAN .. 'DSLUA_DEVICE=cuda:0 DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI
-                                .. '-x DSLUA_DEVICE -np 2 ' .. H.bin() .. ' ' .. script)
+      local out, status = H.run(CLEAN .. 'DSLUA_DEVICE=cuda:0 DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI(2, 'DSLUA_DEVICE')
+                                .. H.bin() .. ' ' .. script)
       assert.are_not.equal(0, status, out)
       H.has(out, 'ranks 0 and 1 both use the GPU at PCI ')
       H.has(out, 'NCCL needs a GPU of its own for each rank')
@@ -94,7 +92,7 @@ print(string.format('rank %d stepped on %s, weight on %s', engine.rank, engine.d
 
     if n >= 2 then
       it('2 ranks on 2 GPUs each take the GPU of their local rank and train', function()
-        local out, status = H.run(CLEAN .. 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI .. '-np 2 ' .. H.bin()
+        local out, status = H.run(CLEAN .. 'DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 ' .. MPI(2) .. H.bin()
                                   .. ' ' .. script)
         assert.are.equal(0, status, out)
         H.has(out, 'rank 0 stepped on cuda:0')
@@ -103,5 +101,5 @@ print(string.format('rank %d stepped on %s, weight on %s', engine.rank, engine.d
     end
   end)
 
-  it('cleans up', function() os.execute('rm -rf ' .. dir) end)
+  teardown(function() os.execute('rm -rf ' .. dir) end)
 end)

@@ -95,7 +95,7 @@ describe('#gpu examples on the GPU', function()
     if ds.cuda.device_count() < 2 then
       return pending('skipped: 2 ranks need 2 GPUs (NCCL takes one GPU per rank), this machine has 1')
     end
-    if not H.have_mpirun() then return pending('skipped: mpirun is not on PATH') end
+    if not H.have_mpirun() then return pending('mpirun is not on PATH') end
     local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
     if not dir then return end
     local out, status = H.run('env -u DSLUA_DEVICE DSLUA_NUM_THREADS=1 ' .. H.bin() .. ' -n 2 examples/uneven/train.lua '

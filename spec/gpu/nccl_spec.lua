@@ -7,13 +7,12 @@ local ds = H.ds
 describe('#gpu NCCL collectives on CUDA tensors', function()
   if not H.has_cuda() then pending('skipped: no CUDA device') return end
   if ds.cuda.device_count() < 2 then pending('skipped: NCCL needs 2 GPUs, this machine has 1') return end
-  if not H.have_mpirun() then pending('skipped: mpirun is not on PATH') return end
+  if H.skip_without_mpirun() then return end
 
   it('checks every primitive on 2 ranks', function()
     local dir = H.tmpdir()
-    local cmd = 'DSLUA_COMM_TIMEOUT=120 mpirun --allow-run-as-root --oversubscribe --bind-to none' ..
-                ' --mca btl self,vader --output-filename ' .. dir .. ' -x DSLUA_COMM_TIMEOUT -np 2 ' ..
-                H.bin() .. ' spec/comm/primitives.lua cuda'
+    local cmd = 'DSLUA_COMM_TIMEOUT=120 ' .. H.mpirun(2, { 'DSLUA_COMM_TIMEOUT' }) .. ' --output-filename ' .. dir
+                .. ' ' .. H.bin() .. ' spec/comm/primitives.lua cuda'
     local out, status = H.run(cmd)
     assert.are.equal(0, status, out)
     local total = 0
