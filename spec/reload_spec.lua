@@ -125,6 +125,61 @@ describe('live reload across ranks', function()
     os.execute('rm -rf ' .. dir)
   end)
 
+  it('stops schedule code that loops, blocks, raises or exits, and rolls back to the last good version everywhere',
+     function()
+    local dir = H.tmpdir()
+    local sched = dir .. '/schedule.lua'
+    H.write(sched, 'return function(step) return 0.1 end\n')
+    local versions = {
+      loop_load = 'while true do end\nreturn function() return 9 end\n',
+      exec_load = "os.execute('sleep 100')\nreturn function() return 9 end\n",
+      v2 = 'return function(step) return 0.2 end\n',
+      raises = "return function(step)\n  if step >= 8 and require('dslua').comm.rank() == 1 then error('no lr past 7') end\n"
+               .. '  return 0.3\nend\n',
+      loops = 'return function(step)\n  while step >= 11 do end\n  return 0.4\nend\n',
+      exits = 'return function(step)\n  if step >= 15 then os.exit(3) end\n  return 0.5\nend\n',
+    }
+    for name, text in pairs(versions) do H.write(dir .. '/' .. name .. '.lua', text) end
+    local edits = { { 1, 'loop_load' }, { 3, 'exec_load' }, { 5, 'v2' }, { 6, 'raises' }, { 9, 'loops' },
+                    { 12, 'exits' } }
+    local lines = {}
+    for i, e in ipairs(edits) do lines[i] = string.format('%d %s/%s.lua %s', e[1], dir, e[2], sched) end
+    H.write(dir .. '/edits.txt', table.concat(lines, '\n') .. '\n')
+    write_json(dir .. '/ds.json', {
+      train_micro_batch_size_per_gpu = 2, steps_per_print = 100,
+      optimizer = { type = 'SGD', params = { lr = 1 } },
+      scheduler = { type = 'lua', params = { path = sched } },
+      reload = { attach = false, every = 2, budget = 0.5 },
+    })
+    -- a schedule that hangs every rank must fail this spec, not hang it
+    local out, status = H.run(string.format('timeout 120 env %s spec/reload/job.lua %s/ds.json %s/out 16 %s/edits.txt',
+                                            ranks_cmd(2, dir), dir, dir, dir))
+    assert.are.equal(0, status, out)
+    -- the lr of each step: v1, v2 from step 7, each failing version's lrs
+    -- until the step it failed at, then v2's again, the same on both ranks
+    -- (a round every 2 steps, and at every step while a rollback may come)
+    local expect = { 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.2, 0.3, 0.2, 0.2, 0.4, 0.2, 0.2, 0.2, 0.5, 0.2 }
+    for r = 0, 1 do
+      local res = read_json(dir .. '/out.' .. r .. '.json')
+      H.assert_close(res.lrs, expect, { rtol = 1e-12, atol = 0 }, 'rank ' .. r .. ' lrs')
+      local got = {}
+      for i, e in ipairs(events(res.history, sched)) do got[i] = { e.status, e.step, e.rank } end
+      assert.are.same({ { 'loaded', 0 }, { 'rejected', 2, 0 }, { 'rejected', 4, 0 }, { 'swapped', 6 }, { 'swapped', 7 },
+                        { 'rolled back', 8, 1 }, { 'swapped', 10 }, { 'rolled back', 11, 0 }, { 'swapped', 14 },
+                        { 'rolled back', 15, 0 } }, got)
+      assert.are.same({ { path = sched, kind = 'schedule', hash = ds.reload.sha256(versions.v2), step = 15,
+                          status = 'rolled back' } }, res.versions)
+    end
+    H.has(out, 'reload: ' .. sched .. ' rejected on rank 0: ran past its time budget of 0.5 s (reload.budget), stopped at '
+               .. sched .. ':1')
+    H.has(out, 'reload: ' .. sched .. ' rejected on rank 0: ' .. sched .. ':1: os.execute is not allowed in ' .. sched)
+    H.has(out, 'reload: ' .. sched .. ' failed on rank 1: scheduler lua (' .. sched .. '): get_lr at step 8: '
+               .. sched .. ':2: no lr past 7; rolled back to sha256 ' .. ds.reload.sha256(versions.v2):sub(1, 12))
+    H.has(out, 'get_lr at step 11: ran past its time budget of 0.5 s (reload.budget), stopped at ' .. sched .. ':2')
+    H.has(out, 'get_lr at step 15: ' .. sched .. ':2: os.exit is not allowed in scheduler lua')
+    os.execute('rm -rf ' .. dir)
+  end)
+
   it('swaps a sampler policy mid-epoch: the epoch goes on where it was, the state carries over', function()
     local dir = H.tmpdir()
     local policy = dir .. '/policy.lua'
@@ -523,12 +578,13 @@ end)
 describe('the reload and hooks config blocks', function()
   it('fills the reload block and checks its keys, and the hooks file or table', function()
     local cfg = ds.config.load { train_batch_size = 8 }
-    assert.are.same({ enabled = true, every = 1, attach = true }, cfg.reload)
-    local _, problems = ds.config.check { train_batch_size = 8, reload = { every = 0, watch = { 'a.lua' } },
+    assert.are.same({ enabled = true, every = 1, attach = true, budget = 5 }, cfg.reload)
+    local _, problems = ds.config.check { train_batch_size = 8, reload = { every = 0, watch = { 'a.lua' }, budget = 0 },
                                           hooks = { on_stpe = function() end } }
     local text = table.concat(problems, '\n')
     H.has(text, 'reload.every: must be a positive integer, got 0')
     H.has(text, "reload.watch: unknown key")
+    H.has(text, 'reload.budget: must be a number of seconds > 0 and <= 86400, got 0')
     H.has(text, "hooks.on_stpe: unknown hook \"on_stpe\", did you mean 'on_step'?")
     _, problems = ds.config.check { train_batch_size = 8, hooks = 'no/such/hooks.lua' }
     H.has(table.concat(problems, '\n'), 'hooks: cannot read the hooks file "no/such/hooks.lua"')

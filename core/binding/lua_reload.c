@@ -7,6 +7,8 @@
  *   core._reload.to_bytes(s)    -> u8 tensor of s's bytes
  *   core._reload.from_bytes(t)  -> the string of a contiguous CPU u8 tensor
  *   core._reload.sleep(seconds)
+ *   core._reload.pcall_budget(seconds, fn, ...) -> pcall(fn, ...), stopped
+ *       with an error once seconds of wall-clock time have passed
  */
 #include "lua_tensor.h"
 #include "ds_error.h"
@@ -62,10 +64,52 @@ static int l_sleep(lua_State *L) {
     return 0;
 }
 
+/* The budget of the user code running now: a count hook compares the
+ * clock with the deadline (it runs in the interpreter only: the loader of
+ * user code turns the JIT off for it). Nested calls keep the earlier
+ * deadline; the hook in place before (the REPL's Ctrl-C) comes back after. */
+static double budget_deadline, budget_seconds;
+
+static double monotonic(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static void budget_hook(lua_State *L, lua_Debug *ar) {
+    (void)ar;
+    if (monotonic() < budget_deadline) return;
+    /* from now on at every instruction: code that catches the error with
+     * pcall meets it again at its next instruction outside */
+    lua_sethook(L, budget_hook, LUA_MASKCOUNT, 1);
+    lua_Debug at;
+    if (lua_getstack(L, 0, &at) && lua_getinfo(L, "Sl", &at) && at.currentline > 0)
+        luaL_error(L, "ran past its time budget of %g s (reload.budget), stopped at %s:%d", budget_seconds,
+                   at.short_src, at.currentline);
+    luaL_error(L, "ran past its time budget of %g s (reload.budget)", budget_seconds);
+}
+
+static int l_pcall_budget(lua_State *L) {
+    lua_Number s = luaL_checknumber(L, 1);
+    if (!(s > 0 && s <= 86400)) return luaL_error(L, "pcall_budget: seconds must be in (0, 86400], got %f", s);
+    luaL_checktype(L, 2, LUA_TFUNCTION);
+    lua_Hook old_hook = lua_gethook(L);
+    int old_mask = lua_gethookmask(L), old_count = lua_gethookcount(L);
+    double old_deadline = budget_deadline, old_seconds = budget_seconds, deadline = monotonic() + s;
+    if (!(old_deadline > 0 && old_deadline < deadline)) budget_deadline = deadline, budget_seconds = s;
+    lua_sethook(L, budget_hook, LUA_MASKCOUNT, 1000);
+    int rc = lua_pcall(L, lua_gettop(L) - 2, LUA_MULTRET, 0);
+    lua_sethook(L, old_hook, old_mask, old_count);
+    budget_deadline = old_deadline, budget_seconds = old_seconds;
+    lua_pushboolean(L, rc == 0);
+    lua_replace(L, 1);
+    return lua_gettop(L);
+}
+
 void dsL_open_reload(lua_State *L) {
     static const luaL_Reg fns[] = {
         {"stat", l_stat}, {"to_bytes", l_to_bytes}, {"from_bytes", l_from_bytes},
-        {"sleep", l_sleep}, {NULL, NULL}
+        {"sleep", l_sleep}, {"pcall_budget", l_pcall_budget}, {NULL, NULL}
     };
     lua_newtable(L);
     luaL_register(L, NULL, fns);

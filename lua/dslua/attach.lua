@@ -19,6 +19,7 @@
 local ds = require 'dslua'
 local A = require('dslua.core')._attach
 local repl = require 'dslua.repl'
+local guard = require 'dslua.guard'
 
 local M = {}
 
@@ -185,24 +186,24 @@ local function show(v, depth)
   return '{' .. table.concat(parts, ', ') .. '}'
 end
 
-local function traceback(e)
-  local tb = debug.traceback(tostring(e), 2)
-  return (tb:gsub('\n%s*%[C%]: in function \'xpcall\'.*$', ''))
-end
-
--- Runs code in env: the lines it printed and its results shown, and
--- whether it ran without error.
+-- Runs code in env under guard's time budget (a C traceback handler: the
+-- budget's hook runs in Lua code only): the lines it printed and its
+-- results shown, and whether it ran without error.
 local function run(fn, env, out)
   setfenv(fn, env)
   local res = { n = 0 }
-  local function collect(ok, ...)
+  local function collect(_, ok, ...)
     res.n = select('#', ...)
     for i = 1, res.n do res[i] = (select(i, ...)) end
     return ok
   end
-  local ok = collect(xpcall(fn, traceback))
+  local ok = collect(guard.pcall('code from `dslua attach`', xpcall, fn, debug.traceback))
   if not ok then
-    out[#out + 1] = tostring(res[1])
+    out[#out + 1] = (tostring(res[1]):gsub('\n%s*%[C%]: in function \'xpcall\'.*$', ''))
+    if tostring(res[1]):find('ran past its time budget', 1, true) then
+      io.stderr:write(string.format('[rank %d] attach: code stopped: %s\n', ds.comm.rank(),
+                                    tostring(res[1]):match('^[^\n]*')))
+    end
     return false
   end
   for i = 1, res.n do out[#out + 1] = show(res[i]) end
@@ -237,8 +238,8 @@ local function handle(client, text)
   local verb, id, body = text:match('^(%a+) (%d+)\n(.*)$')
   if verb == 'hello' then return send(client, 'ok', id, banner(session_of)) end
   if verb ~= 'eval' then return send(client, 'error', id or '0', 'attach: malformed request') end
-  local fn, err = loadstring('return ' .. body, '=attach')
-  if not fn then fn, err = loadstring(body, '=attach') end
+  local fn, err = guard.load('return ' .. body, '=attach')
+  if not fn then fn, err = guard.load(body, '=attach') end
   if not fn then return send(client, 'error', id, err) end
   envs[client] = envs[client] or environment(true)
   local req = { client = client, id = id, out = {}, waiting = 0, ok = true }

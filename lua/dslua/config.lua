@@ -1463,6 +1463,8 @@ TOP.fields.sampler = field('custom', nil, { check = check_sampler })
 --     every     1: rank 0 looks at them (and attach requests are taken)
 --               every this many global steps
 --     attach    true: the job serves `dslua attach` on a Unix socket
+--     budget    5: seconds a reloaded file's loading and checks, a Lua
+--               schedule's get_lr and attach input may run (dslua/guard.lua)
 --   }
 --   "hooks": the path of a Lua file returning {on_step =, on_log =,
 --            on_eval =, on_save =} (tried as given, then next to the config
@@ -1470,7 +1472,9 @@ TOP.fields.sampler = field('custom', nil, { check = check_sampler })
 
 M.hook_names = { 'on_step', 'on_log', 'on_eval', 'on_save' }
 
-TOP.fields.reload = block({ fields = { enabled = bool(true), every = int(1, 1), attach = bool(true) } })
+TOP.fields.reload = block({ fields = { enabled = bool(true), every = int(1, 1), attach = bool(true),
+                                       budget = num(5, nil, { above = 0, max = 86400,
+                                                              range_msg = 'must be a number of seconds > 0 and <= 86400' }) } })
 
 local function check_hooks(ctx, path, v)
   if v == json.null then return nil end

@@ -201,6 +201,7 @@ function M.initialize(opts)
   if model.is_pipeline then world_size = model.dp_size end
   local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
   require('dslua.checkpointing').configure(cfg.activation_checkpointing)
+  require('dslua.guard').budget = cfg.reload.budget     -- before the schedule file runs
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
 

@@ -8,6 +8,7 @@
 -- called after each optimizer step, increments it and sets lr again.
 local F = require('dslua.core').lr_formulas
 local suggest = require 'dslua.suggest'
+local guard = require 'dslua.guard'
 
 local M = {}
 for k, v in pairs(F) do M[k] = v end
@@ -391,13 +392,25 @@ function M.lambda(optimizer, schedule, params, who)
   local get_lr, tbl = schedule_parts(schedule, who)
   params = params or {}
   local cache_at, cache_lrs, cache_moms
-  local s = new_scheduler(optimizer, 'lambda', function(_, it)
+  -- the version before the latest swap ({get_lr, tbl}), whose lrs stand in
+  -- when the latest fails; live reload then rolls back to it on every rank
+  local fallback
+  -- fn's lrs and momenta at step, checked (fn runs under guard's budget)
+  local function values_at(fn, step, p)
+    local ok, lr, mom = guard.pcall(who, fn, step, p)
+    if not ok then fail('%s: get_lr at step %d: %s', who, step, tostring(lr)) end
+    return values_for(lr, #groups, 'lr', step, who), mom ~= nil and values_for(mom, #groups, 'momentum', step, who) or nil
+  end
+  local s = new_scheduler(optimizer, 'lambda', function(self, it)
     if cache_at ~= it then
       local step = it + 1
-      local lr, mom = get_lr(step, params)
-      cache_lrs = values_for(lr, #groups, 'lr', step, who)
-      cache_moms = mom ~= nil and values_for(mom, #groups, 'momentum', step, who) or nil
-      cache_at = it
+      local ok, lrs, moms = pcall(values_at, get_lr, step, params)
+      if not ok and not fallback then error(lrs, 0) end
+      if not ok then
+        self.failed = self.failed or { step = step, error = lrs }
+        lrs, moms = values_at(fallback.get_lr, step, params)
+      end
+      cache_lrs, cache_moms, cache_at = lrs, moms, it
     end
     return cache_lrs, nil
   end, -1)
@@ -406,20 +419,33 @@ function M.lambda(optimizer, schedule, params, who)
   -- what fn gives at the current step, checked as step() would check it
   local function check_at(fn, p)
     local step = s.last_batch_iteration + 1
-    local lr, mom = fn(step, p)
-    values_for(lr, #groups, 'lr', step, who)
-    if mom ~= nil then values_for(mom, #groups, 'momentum', step, who) end
+    return values_at(fn, step, p)
   end
   -- prepare_swap(schedule) -> commit(): another schedule (function or
   -- table), checked at the current step; commit() makes it the schedule,
-  -- this step's lrs set from it (live reload swaps the schedule file so).
+  -- this step's lrs the checked ones (live reload swaps the schedule file so).
   function s:prepare_swap(new)
     local new_get, new_tbl = schedule_parts(new, who)
-    check_at(new_get, params)
+    local lrs, moms = check_at(new_get, params)
     return function()
+      fallback = { get_lr = get_lr, tbl = tbl }
       get_lr, tbl = new_get, new_tbl
       self.schedule = new_tbl or new
-      cache_at = nil
+      self.failed = nil
+      cache_at, cache_lrs, cache_moms = self.last_batch_iteration, lrs, moms
+      self:step(self.last_batch_iteration)
+    end
+  end
+  -- prepare_rollback() -> commit(): back to the version before the latest
+  -- swap, this step's lrs set from it (live reload, on every rank at the
+  -- same step, when the latest failed on some rank: self.failed).
+  function s:prepare_rollback()
+    if not fallback then fail('%s: no earlier version of the schedule to go back to', who) end
+    return function()
+      if not fallback then return end     -- two ranks asked in one round
+      get_lr, tbl = fallback.get_lr, fallback.tbl
+      self.schedule = tbl or get_lr
+      fallback, self.failed, cache_at = nil, nil, nil
       self:step(self.last_batch_iteration)
     end
   end
@@ -476,9 +502,9 @@ local function load_schedule(path, who)
   if not f then fail('%s: cannot load schedule file %s: cannot open %s', who, path, err) end
   local text = f:read('*a')
   f:close()
-  local chunk, cerr = loadstring(text, '@' .. path)
+  local chunk, cerr = guard.load(text, '@' .. path)
   if not chunk then fail('%s: cannot load schedule file %s: %s', who, path, cerr) end
-  local ok, res = pcall(chunk)
+  local ok, res = guard.pcall('the schedule file ' .. path, chunk)
   if not ok then fail('%s: schedule file %s failed while loading: %s', who, path, tostring(res)) end
   return M.check_schedule(res, path, who), text
 end

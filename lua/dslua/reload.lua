@@ -47,6 +47,7 @@ local ds = require 'dslua'
 local K = require('dslua.core')._reload
 local sha256 = require('dslua.core').ckpt.sha256
 local read_file = require('dslua.file').read
+local guard = require 'dslua.guard'
 
 local M = {}
 
@@ -254,11 +255,11 @@ local function check(new)
   if f then f() end
 end
 
--- compile and run a file's text: the chunk's value.
+-- compile and run a file's text, under guard's time budget: the chunk's value.
 local function run_text(text, path, ...)
-  local chunk, err = loadstring(text, '@' .. path)
+  local chunk, err = guard.load(text, '@' .. path)
   if not chunk then error(err, 0) end
-  local ok, res = pcall(chunk, ...)
+  local ok, res = guard.pcall(path, chunk, ...)
   if not ok then error(tostring(res), 0) end
   return res
 end
@@ -504,9 +505,13 @@ function actions.file(session, m)
   local e = session:_entry(m.path)
   if not e then error(m.path .. ' is not watched here', 0) end
   if sha256(m.text) ~= m.hash then error('the bytes received do not match their SHA-256', 0) end
-  local commit = kinds[e.kind](session, e, m.text)
+  -- the new version's own code (its chunk, migrate_state, check_reload, ...) under the budget
+  local ok, commit = guard.pcall(m.path, kinds[e.kind], session, e, m.text)
+  if not ok then error(commit, 0) end
   return function()
     local was = e.hash
+    -- a schedule keeps the version it replaces, to go back to if it fails at a later step
+    if e.kind == 'schedule' then e.prev = { value = e.value, hash = e.hash, source = e.source } end
     commit()
     e.hash, e.source = m.hash, m.text
     local step = session.engine.global_steps
@@ -519,6 +524,26 @@ local function scheduler_of(session)
   local s = session.engine.lr_scheduler
   if not s then error('the engine has no lr scheduler', 0) end
   return s
+end
+
+-- The schedule swapped in failed on rank m.from (its get_lr raised, ran
+-- past the budget or gave a bad lr; that rank used the version before it
+-- for this step): every rank goes back to that version, at this step.
+function actions.rollback(session, m)
+  local e = session:_entry(m.path)
+  if not (e and e.prev) then error(m.path .. ' has no earlier version here', 0) end
+  local commit = scheduler_of(session):prepare_rollback()
+  return function()
+    if not e.prev then return end       -- two ranks asked in one round
+    local was, prev = e.hash, e.prev
+    commit()
+    e.value, e.hash, e.source, e.prev = prev.value, prev.hash, prev.source, nil
+    local step = session.engine.global_steps
+    record { path = e.path, kind = e.kind, hash = e.hash, step = step, status = 'rolled back', rank = m.from,
+             error = m.error, source = e.source }
+    say(session, 'reload: %s failed on rank %d: %s; rolled back to sha256 %s (was %s) on every rank at step %d', e.path,
+        m.from, m.error, short(e.hash), short(was), step)
+  end
 end
 
 function actions.set_lr(session, m)
@@ -602,7 +627,7 @@ end
 -- all(code): compiled on every rank (a syntax error is rejected before any
 -- runs), then run on every rank; its output comes back from each.
 function actions.run(_, m)
-  local fn, err = loadstring(m.code, '=all')
+  local fn, err = guard.load(m.code, '=all')
   if not fn then error(err, 0) end
   return function() return require('dslua.attach').run_everywhere(fn) end, true
 end
@@ -704,7 +729,17 @@ function Session:boundary()
     self:hook('on_step', engine, info)
     if step % engine.config.steps_per_print == 0 then self:hook('on_log', engine, info) end
   end
-  if step % self.every == 0 or self.paused then self:_round() end
+  -- a swapped schedule that failed at this step goes back everywhere in
+  -- this round: while one could fail, every boundary has a round
+  local sched, fallback = engine.lr_scheduler, false
+  for _, e in ipairs(self.entries) do
+    if e.prev then
+      fallback = true
+      if sched.failed then self:queue { type = 'rollback', path = e.path, error = sched.failed.error } end
+    end
+  end
+  if sched then sched.failed = nil end
+  if step % self.every == 0 or self.paused or fallback then self:_round() end
   while self.paused do
     local A = self.server and package.loaded['dslua.attach']
     if A then A.wait(0.25) else K.sleep(0.25) end
