@@ -242,7 +242,7 @@ return H
       train_micro_batch_size_per_gpu = 2, steps_per_print = 2,
       optimizer = { type = 'SGD', params = { lr = 1 } },
       scheduler = { type = 'lua', params = { path = dir .. '/schedule.lua' } },
-      hooks = dir .. '/hooks.lua',
+      hooks = dir .. '/hooks.lua', reload = { budget = 1 },
     })
     local env = 'DSLUA_ATTACH_DIR=' .. sockets .. ' '
     local function attach(args) return H.run(env .. bin .. ' attach ' .. args) end
@@ -282,6 +282,15 @@ return H
       assert.are.equal('3\n', (attach(name .. " -e 'return step'")))
       assert.are.equal('3\n', (attach(name:match('(%d+)$') .. " -e 'return step'")))
 
+      -- code that loops or blocks is stopped, named, and the job goes on
+      text, st = attach("-e 'while true do end'")
+      assert.are.equal(1, st)
+      H.has(text, 'ran past its time budget of 1 s (reload.budget), stopped at attach:1')
+      text, st = attach([[-e 'all("if rank == 1 then os.execute([=[sleep 100]=]) end")']])
+      assert.are.equal(0, st, text)
+      H.has(text, '[rank 1] error: all:1: os.execute is not allowed in code from `dslua attach`')
+      assert.are.equal('3\n', (attach("-e 'return step'")))
+
       -- code on every rank: compiled everywhere first
       text, st = attach([[-e 'all("return rank * 10")']])
       assert.are.equal(0, st, text)
@@ -305,6 +314,7 @@ return H
     H.has(out, 'reload: paused at step 3 for at most 120 s')
     H.has(out, 'reload: lr set to 0.5 at step 3 by attach')
     H.has(out, 'reload: resumed at step 3')
+    H.has(out, '[rank 0] attach: code stopped: ran past its time budget of 1 s')
     for r = 0, 1 do
       local res = read_json(dir .. '/out.' .. r .. '.json')
       H.assert_close(res.lrs, { 0.1, 0.1, 0.1, 0.5, 0.5, 0.5 }, { rtol = 1e-12, atol = 0 }, 'rank ' .. r)
