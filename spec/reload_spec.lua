@@ -385,6 +385,48 @@ describe('the attach socket', function()
     b:close()
     server:close()
   end)
+
+  it('gives a new client the place of the one idle longest when 16 are attached', function()
+    local server = A.listen(dir .. '/s.sock')
+    local idle = {}
+    for i = 1, 16 do
+      idle[i] = A.dial(dir .. '/s.sock')
+      os.execute('sleep 0.01')                   -- accepted in this order
+    end
+    idle[16]:send('busy 1')                      -- waits for its reply: not idle
+    assert.are.equal('busy 1', select(2, server:next(5)))
+    local owner = A.dial(dir .. '/s.sock')
+    owner:send('hello 1')
+    local client, text = server:next(5)          -- the oldest idle one was let go
+    assert.is_nil(text)
+    client, text = server:next(5)
+    assert.are.equal('hello 1', text)
+    assert.is_true(server:reply(client, 'ok 1'))
+    assert.are.equal('ok 1', owner:recv(5))
+    H.has(idle[1]:recv(5), 'error: attach: disconnected: a new client came and the job serves 16 at most; this one '
+                           .. 'was idle longest')
+    H.has(H.err(idle[1].recv, idle[1], 5), 'the job closed the connection')
+    for _, c in ipairs(idle) do c:close() end
+    owner:close()
+    server:close()
+  end)
+
+  it('disconnects a client that leaves more than 16 MiB of replies unread, saying so', function()
+    local server = A.listen(dir .. '/s.sock')
+    local c = A.dial(dir .. '/s.sock')
+    c:send('eval 1')
+    local client = server:next(5)
+    local mib, sent = string.rep('x', 2^20), 0
+    while sent < 64 and server:reply(client, mib) do sent = sent + 1 end
+    assert.is_true(sent >= 16 and sent < 64, 'replies queued: ' .. sent)
+    local who, notice = server:next(5)
+    assert.are.equal(0, who)
+    H.has(notice, string.format('attach: client %d disconnected: ', client))
+    H.has(notice, 'bytes of replies it has not read (at most 16777216)')
+    assert.are.equal(client, (server:next(5)))   -- and the job forgets it
+    c:close()
+    server:close()
+  end)
 end)
 
 describe('dslua attach', function()

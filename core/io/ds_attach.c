@@ -151,6 +151,8 @@ typedef struct {
     int fd;
     uint64_t id;
     buffer in, out;
+    int waiting;                 /* requests queued and not answered yet */
+    double last;                 /* when it last sent or took bytes (monotonic s) */
 } client;
 
 struct ds_attach_server {
@@ -166,6 +168,12 @@ struct ds_attach_server {
     uint64_t next_id;
     request *head, *tail;
 };
+
+static double monotonic(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
 
 /* Under mu. A request whose memory could not be had is dropped: its
  * client waits, the job goes on. */
@@ -188,7 +196,7 @@ static void notice(ds_attach_server *s, const char *text) {
 static void drop_client(ds_attach_server *s, int k, bool tell) {
     client *c = &s->clients[k];
     if (tell) enqueue(s, c->id, NULL, 0);
-    close(c->fd);
+    if (c->fd >= 0) close(c->fd);
     free(c->in.p);
     free(c->out.p);
     s->clients[k] = s->clients[--s->nclients];
@@ -201,6 +209,25 @@ static void refuse(int fd, const char *why) {
     put_u32(h, n);
     if (send(fd, h, 4, MSG_NOSIGNAL) == 4 && send(fd, why, n, MSG_NOSIGNAL) < 0) { /* the peer may be gone already */ }
     close(fd);
+}
+
+/* A 17th client takes the place of the one idle longest (no request
+ * waiting, nothing left to send it), so idle peers never lock the job's
+ * user out; false when every client waits for a reply. */
+static bool drop_idlest(ds_attach_server *s) {
+    int k = -1;
+    for (int j = 0; j < s->nclients; j++) {
+        client *c = &s->clients[j];
+        if (!c->waiting && !c->out.len && (k < 0 || c->last < s->clients[k].last)) k = j;
+    }
+    if (k < 0) return false;
+    char msg[200];
+    snprintf(msg, sizeof msg, "error: attach: disconnected: a new client came and the job serves %d at most; this one "
+             "was idle longest (%.0f s)", MAX_CLIENTS, monotonic() - s->clients[k].last);
+    refuse(s->clients[k].fd, msg);
+    s->clients[k].fd = -1;
+    drop_client(s, k, true);
+    return true;
 }
 
 static void accept_one(ds_attach_server *s) {
@@ -222,11 +249,11 @@ static void accept_one(ds_attach_server *s) {
         notice(s, msg);
         return;
     }
-    if (s->nclients == MAX_CLIENTS) {
-        refuse(fd, "error: attach: refused: the job already has 16 attached clients");
+    if (s->nclients == MAX_CLIENTS && !drop_idlest(s)) {
+        refuse(fd, "error: attach: refused: the job already has 16 attached clients, each waiting for a reply");
         return;
     }
-    s->clients[s->nclients++] = (client){ .fd = fd, .id = ++s->next_id };
+    s->clients[s->nclients++] = (client){ .fd = fd, .id = ++s->next_id, .last = monotonic() };
 }
 
 /* Reads what client k sent and queues its complete frames; false when it
@@ -239,10 +266,14 @@ static bool read_client(ds_attach_server *s, int k) {
         if (n == 0) return false;
         if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
         if (buffer_add(&c->in, chunk, (size_t)n)) return false;
+        c->last = monotonic();
         char *data;
         size_t len;
         int got;
-        while ((got = buffer_take_frame(&c->in, &data, &len)) == 1) enqueue(s, c->id, data, len);
+        while ((got = buffer_take_frame(&c->in, &data, &len)) == 1) {
+            enqueue(s, c->id, data, len);
+            c->waiting++;
+        }
         if (got < 0) return false;
     }
 }
@@ -252,6 +283,7 @@ static bool write_client(client *c) {
         ssize_t n = send(c->fd, c->out.p, c->out.len, MSG_NOSIGNAL);     /* a client gone: EPIPE, no signal */
         if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
         buffer_drop(&c->out, (size_t)n);
+        c->last = monotonic();
     }
     return true;
 }
@@ -377,8 +409,19 @@ int ds_attach_reply(ds_attach_server *s, uint64_t id, const void *data, size_t l
     int rc = 1;
     pthread_mutex_lock(&s->mu);
     for (int k = 0; k < s->nclients; k++) {
-        if (s->clients[k].id != id) continue;
-        rc = buffer_frame(&s->clients[k].out, data, len);
+        client *c = &s->clients[k];
+        if (c->id != id) continue;
+        if (c->waiting) c->waiting--;
+        if (c->out.len && c->out.len + 4 + len > DS_ATTACH_MAX_UNREAD) {
+            /* a client that does not read: its replies would grow the job without end */
+            char msg[200];
+            snprintf(msg, sizeof msg, "attach: client %llu disconnected: %zu bytes of replies it has not read "
+                     "(at most %u)", (unsigned long long)id, c->out.len + 4 + len, DS_ATTACH_MAX_UNREAD);
+            notice(s, msg);
+            drop_client(s, k, true);
+            break;
+        }
+        rc = buffer_frame(&c->out, data, len);
         if (rc) ds_fail(DS_ERR_NOMEM, "attach: out of memory for a reply of %zu bytes", len);
         break;
     }

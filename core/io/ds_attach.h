@@ -22,6 +22,7 @@
 #include <sys/types.h>
 
 #define DS_ATTACH_MAX_FRAME (64u << 20)     /* bytes in one message */
+#define DS_ATTACH_MAX_UNREAD (16u << 20)    /* bytes of replies a client may leave unread before the next */
 
 typedef struct ds_attach_server ds_attach_server;
 typedef struct ds_attach_conn ds_attach_conn;
@@ -44,7 +45,10 @@ ds_attach_server *ds_attach_listen(const char *path, uid_t uid);
 int ds_attach_next(ds_attach_server *s, double timeout, uint64_t *client, char **data, size_t *len);
 
 /* Queues a reply frame for client. 0; 1 when that client has gone (its
- * reply is dropped: detaching is not an error); -1 with the error. */
+ * reply is dropped: detaching is not an error) or has been disconnected
+ * for leaving more than DS_ATTACH_MAX_UNREAD bytes unread (a notice says
+ * so); -1 with the error. At MAX_CLIENTS clients a new one takes the
+ * place of the one idle longest. */
 int ds_attach_reply(ds_attach_server *s, uint64_t client, const void *data, size_t len);
 
 /* Stops the thread, closes every connection and removes the socket. */
