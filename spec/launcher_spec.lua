@@ -324,6 +324,52 @@ describe('launching ranks', function()
     end
   end)
 
+  it('stops the ranks with a line saying why when the launcher or mpirun is killed; no attach socket stays', function()
+    local glob = require('dslua.core').data_core.glob
+    for _, how in ipairs({ 'launcher SIGKILL', 'mpirun SIGTERM', 'mpirun SIGKILL' }) do
+      local dir = H.tmpdir()
+      local sockets = dir .. '/sockets'
+      -- its own session (setsid): every process of the job can be found, and killed at the end
+      os.execute('setsid sh -c \'echo $$ > ' .. dir .. '/pid; exec ' .. CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_ATTACH_DIR='
+                 .. sockets .. ' ' .. bin .. ' -n 2 spec/launcher/hold_attach.lua --out=' .. dir .. '\' > ' .. dir
+                 .. '/log 2>&1 &')
+      -- wait (a deadline, not a measurement) for both ranks to serve attach
+      for _ = 1, 600 do
+        if io.open(dir .. '/ready.0') and io.open(dir .. '/ready.1') then break end
+        os.execute('sleep 0.1')
+      end
+      local pid = H.run('cat ' .. dir .. '/pid'):match('%d+')
+      finally(function() os.execute('pkill -KILL -s ' .. pid .. ' 2>/dev/null') end)
+      assert.are.equal(2, #glob(sockets .. '/*.sock'), how)
+      local mpirun = H.run('pgrep -P ' .. pid):match('%d+')
+      os.execute(how == 'launcher SIGKILL' and 'kill -KILL ' .. pid or 'kill -' .. how:match('SIG(%u+)') .. ' ' .. mpirun)
+      local left
+      for _ = 1, 300 do
+        left = H.run('pgrep -s ' .. pid)
+        if left == '' then break end
+        os.execute('sleep 0.1')
+      end
+      local log = H.run('cat ' .. dir .. '/log')
+      assert.are.equal('', left, how .. ': processes of the job still run\n' .. log)
+      if how == 'launcher SIGKILL' then
+        assert.matches('%[rank 0%] stopped by SIGTERM from pid %d+ %(mpirun%): the launcher that started the job has '
+                       .. 'ended', log)
+        assert.are.same({}, glob(sockets .. '/*.sock'), how)
+      elseif how == 'mpirun SIGTERM' then
+        assert.matches('%[rank 1%] stopped by SIGTERM from pid ' .. mpirun .. ' %(mpirun%)\n', log)
+        assert.are.same({}, glob(sockets .. '/*.sock'), how)
+      else
+        H.has(log, 'dslua: mpirun was killed by signal 9 (Killed): the job ended there')
+        -- whatever a killed job left, the next job to serve in that folder removes
+        os.execute(CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_ATTACH_DIR=' .. sockets .. ' timeout 60 ' .. bin
+                   .. ' spec/launcher/hold_attach.lua --out=' .. dir .. ' >/dev/null 2>&1 & sleep 0.1; while [ ! -e ' .. dir
+                   .. '/ready.0 ]; do sleep 0.1; done; kill %1')
+      end
+      assert.are.same({}, glob(sockets .. '/*.sock'), how)
+      os.execute('rm -rf ' .. dir)
+    end
+  end)
+
   it('runs a hostfile naming this machine only', function()
     local dir = H.tmpdir()
     H.write(dir .. '/hosts', '# here\nlocalhost slots=3\n')

@@ -14,11 +14,14 @@
  *   c:send(text); c:recv([timeout]) -> text, or nil when the time ran out
  *   c:close()
  *   A.uid() -> the effective uid; A.pid() -> this process's id
+ *   A.alive(pid) -> false when no process has that id (a dead job's socket)
  */
 #include "lua_tensor.h"
 #include "ds_attach.h"
 #include "ds_error.h"
 
+#include <errno.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -157,6 +160,13 @@ static int l_pid(lua_State *L) {
     return 1;
 }
 
+static int l_alive(lua_State *L) {
+    lua_Number pid = luaL_checknumber(L, 1);
+    if (!(pid >= 1 && pid <= 4194304 && pid == (lua_Number)(pid_t)pid)) return luaL_error(L, "attach.alive: bad pid %f", pid);
+    lua_pushboolean(L, kill((pid_t)pid, 0) == 0 || errno != ESRCH);
+    return 1;
+}
+
 void dsL_open_attach(lua_State *L) {
     static const luaL_Reg server_methods[] = {
         {"next", l_next}, {"reply", l_reply}, {"close", l_server_gc}, {NULL, NULL}
@@ -165,7 +175,7 @@ void dsL_open_attach(lua_State *L) {
         {"send", l_send}, {"recv", l_recv}, {"close", l_conn_gc}, {NULL, NULL}
     };
     static const luaL_Reg fns[] = {
-        {"check_dir", l_check_dir}, {"listen", l_listen}, {"dial", l_dial}, {"uid", l_uid}, {"pid", l_pid},
+        {"check_dir", l_check_dir}, {"listen", l_listen}, {"dial", l_dial}, {"uid", l_uid}, {"pid", l_pid}, {"alive", l_alive},
         {NULL, NULL}
     };
     dsL_newtype(L, DSL_ATTACH_SERVER_MT, server_methods, l_server_gc);

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -61,8 +62,11 @@ static bool loopback_library(const char *exe, char *buf, size_t n) {
     return access(buf, R_OK) == 0;
 }
 
-/* Starts cmd with lib preloaded (when given), waits for it: its status. */
-static int run_mpirun(char **cmd, const char *lib) {
+/* Starts cmd with lib preloaded (when given), waits for it: its status.
+ * mpirun ends with the launcher (SIGTERM when it dies, SIGKILL included),
+ * and a job on this machine (local) tells its ranks the launcher's pid,
+ * so they can say that it is gone. */
+static int run_mpirun(char **cmd, const char *lib, bool local) {
     struct sigaction sa, old[sizeof passed / sizeof *passed];
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = pass_on;
@@ -70,9 +74,16 @@ static int run_mpirun(char **cmd, const char *lib) {
     sigemptyset(&sa.sa_mask);
     for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &sa, &old[i]);
     fflush(NULL);
+    pid_t launcher = getpid();
     pid_t pid = fork();
     if (pid == 0) {
         for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &old[i], NULL);
+        if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != launcher) _exit(1);
+        if (local) {
+            char id[24];
+            snprintf(id, sizeof id, "%d", (int)launcher);
+            setenv("DSLUA_LAUNCHER_PID", id, 1);
+        }
         if (lib) {
             const char *prev = getenv("LD_PRELOAD");
             char *both = malloc(strlen(lib) + (prev ? strlen(prev) : 0) + 2);
@@ -134,8 +145,14 @@ int dsL_launch(lua_State *L, char **args, int nargs) {
         cmd[i] = (char *)lua_tostring(L, -1);     /* kept alive by the table */
         lua_pop(L, 1);
     }
-    int status = run_mpirun(cmd, local && lib[0] && access(lib, R_OK) == 0 ? lib : NULL);
+    int status = run_mpirun(cmd, local && lib[0] && access(lib, R_OK) == 0 ? lib : NULL, local);
     free(cmd);
+    if (caught)
+        fprintf(stderr, "dslua: the launcher got signal %d (%s): mpirun and the ranks were stopped\n", (int)caught,
+                strsignal(caught));
+    else if (status >= 0 && WIFSIGNALED(status))
+        fprintf(stderr, "dslua: mpirun was killed by signal %d (%s): the job ended there\n", WTERMSIG(status),
+                strsignal(WTERMSIG(status)));
     /* whatever ended mpirun: the job's files go (a killed rank removes nothing) */
     if (dir) nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
     fflush(NULL);

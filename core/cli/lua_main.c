@@ -8,10 +8,13 @@
 #include "ds_comm.h"
 #include "ds_rankenv.h"
 #include "ds_report.h"
+#include "ds_attach.h"
 
 #include <lauxlib.h>
 #include <lualib.h>
 #include <luajit.h>
+#include <fcntl.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +61,62 @@ static const char usage[] =
     "DSLUA_DEVICE (cpu, cuda or cuda:N; a script's --device wins) sets the device\n"
     "ds.device() and the engine use (default: the GPU LOCAL_RANK picks, else cpu);\n"
     "DSLUA_HISTORY names the REPL history file (default ~/.dslua_history).\n";
+
+/* ------------------------------------------------------------ stop signals */
+
+/* What a stop signal's handler needs, read before any comes: this rank
+ * (-1: not under mpirun) and the launcher that started the job (0: none). */
+static int stop_rank = -1;
+static pid_t stop_launcher;
+
+/* Whether the process pid has ended (gone, or a zombie), with only
+ * async-signal-safe calls. */
+static bool ended(pid_t pid) {
+    char path[40], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY);
+    if (fd < 0) return true;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0) return true;
+    buf[n] = '\0';
+    const char *paren = strrchr(buf, ')');
+    return paren && paren[1] == ' ' && paren[2] == 'Z';
+}
+
+/* SIGTERM or SIGHUP: the attach sockets go, a rank says who stopped it
+ * (mpirun passes on what ended it: its own signal, or the launcher's
+ * death), and the signal ends the process. */
+static void on_stop(int sig, siginfo_t *info, void *ctx) {
+    (void)ctx;
+    ds_attach_unlink_all();
+    if (stop_rank >= 0) {
+        char msg[300];
+        bool parent = info->si_pid == getppid();
+        int n = snprintf(msg, sizeof msg, "[rank %d] stopped by %s from pid %d%s%s", stop_rank,
+                         sig == SIGTERM ? "SIGTERM" : "SIGHUP", (int)info->si_pid, parent ? " (mpirun)" : "",
+                         stop_launcher > 0 && ended(stop_launcher) ? ": the launcher that started the job has ended" : "");
+        if (n > 0 && (size_t)n < sizeof msg - 1) {
+            msg[n++] = '\n';
+            if (write(STDERR_FILENO, msg, (size_t)n) < 0) { /* stderr gone: nothing to tell */ }
+        }
+    }
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+static void catch_stop_signals(void) {
+    const char *rank = getenv("OMPI_COMM_WORLD_RANK"), *launcher = getenv("DSLUA_LAUNCHER_PID");
+    if (rank) stop_rank = atoi(rank);
+    if (rank && launcher) stop_launcher = (pid_t)atoi(launcher);
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_stop;
+    sa.sa_flags = SA_SIGINFO;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+}
 
 static int report(lua_State *L, int rc) {
     if (rc != 0 && ds_comm_launched()) {
@@ -216,6 +275,7 @@ int main(int argc, char **argv) {
     ds_threads_exec_env(argv);
     ds_rankenv_init();
     ds_threads_init();
+    catch_stop_signals();
     lua_State *L = luaL_newstate();
     if (!L) { fprintf(stderr, "dslua: cannot create a Lua state\n"); return 1; }
     luaL_openlibs(L);

@@ -140,6 +140,25 @@ static int socket_address(const char *path, struct sockaddr_un *a) {
 
 /* ------------------------------------------------------------ the server */
 
+/* The sockets this process serves, for ds_attach_unlink_all: a signal
+ * that ends the process removes them without taking any lock. */
+#define MAX_SERVED 4
+static char served[MAX_SERVED][sizeof(((struct sockaddr_un *)0)->sun_path)];
+
+static void serving(const char *path, bool on) {
+    for (int i = 0; i < MAX_SERVED; i++) {
+        if (on ? served[i][0] == '\0' : strcmp(served[i], path) == 0) {
+            if (on) strcpy(served[i], path); else served[i][0] = '\0';
+            return;
+        }
+    }
+}
+
+void ds_attach_unlink_all(void) {
+    for (int i = 0; i < MAX_SERVED; i++)
+        if (served[i][0]) unlink(served[i]);
+}
+
 typedef struct request {
     struct request *next;
     uint64_t client;
@@ -374,6 +393,7 @@ ds_attach_server *ds_attach_listen(const char *path, uid_t uid) {
         free(s);
         return NULL;
     }
+    serving(path, true);
     return s;
 }
 
@@ -465,6 +485,7 @@ void ds_attach_close(ds_attach_server *s) {
     close(s->listen_fd);
     close(s->wake[0]);
     close(s->wake[1]);
+    serving(s->path, false);
     unlink(s->path);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->arrived);

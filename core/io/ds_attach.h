@@ -53,6 +53,9 @@ int ds_attach_reply(ds_attach_server *s, uint64_t client, const void *data, size
 
 /* Stops the thread, closes every connection and removes the socket. */
 void ds_attach_close(ds_attach_server *s);
+/* Removes every socket this process serves (async-signal-safe: for the
+ * handler of a signal that ends the process). */
+void ds_attach_unlink_all(void);
 
 /* Connects to the socket at path after checking it and its directory
  * (owner and mode bits as above). NULL with the error. */

@@ -18,6 +18,7 @@
 -- "<ok|error> <id>\n<text>".
 local ds = require 'dslua'
 local A = require('dslua.core')._attach
+local glob = require('dslua.core').data_core.glob
 local repl = require 'dslua.repl'
 local guard = require 'dslua.guard'
 
@@ -265,6 +266,11 @@ function M.serve(s)
   local dir = M.dir()
   local ok, err = A.check_dir(dir, true)
   if ok then
+    -- the sockets of jobs killed before they could remove them (<job>-<pid of rank 0>.r<rank>.sock)
+    for _, path in ipairs(glob(dir .. '/*.r*.sock')) do
+      local dead = tonumber(path:match('%-(%d+)%.r%d+%.sock$'))
+      if dead and dead > 0 and not A.alive(dead) then os.remove(path) end
+    end
     socket = M.socket_path(dir, job, s.rank)
     ok, err = pcall(A.listen, socket)
     if ok then server = err end
