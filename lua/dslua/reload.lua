@@ -24,7 +24,11 @@
 --  6. a message that passed on every rank commits on every rank, in order;
 --     one that failed anywhere is dropped everywhere and rank 0 prints
 --     `reload: <file> rejected on rank <r>: <error>`.
--- So new code starts at the same step on every rank, or nowhere.
+-- So new code starts at the same step on every rank, or nowhere. A new
+-- version's own code runs under dslua/guard.lua's time budget; a swapped
+-- schedule that fails at a later step on some rank (that rank uses the
+-- version before it for the step, sched.failed) is rolled back on every
+-- rank at that step's boundary, which has a round while that can happen.
 --
 -- A reloadable module (a schedule or policy table, the hooks table, a
 -- module of ds.reload.require) may define:
