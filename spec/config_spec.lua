@@ -227,7 +227,7 @@ describe('ds.config defaults', function()
   it('passes dslua\'s extension blocks through and notes DeepSpeed keys it ignores', function()
     local cfg, notes = config.load({ train_batch_size = 8, reload = { every = 5 },
                                      memory_breakdown = false, amp = { enabled = false } })
-    assert.are.same({ enabled = true, every = 5, attach = true }, cfg.reload)
+    assert.are.same({ enabled = true, every = 5, attach = true, budget = 5 }, cfg.reload)
     assert.are.equal(false, cfg.memory_breakdown)
     has(table.concat(notes, '\n'), 'config: memory_breakdown: a DeepSpeed setting dslua does not act on')
     has(table.concat(notes, '\n'), 'config: amp: a DeepSpeed feature dslua does not implement')
