@@ -324,8 +324,12 @@ describe('launching ranks', function()
     end
   end)
 
+  -- mpirun sends SIGKILL a second after SIGTERM: on a loaded machine a rank
+  -- may not have run its handler by then, so one rank's line is asked for,
+  -- and a socket left is the next job's to remove
   it('stops the ranks with a line saying why when the launcher or mpirun is killed; no attach socket stays', function()
     local glob = require('dslua.core').data_core.glob
+    local orphan            -- the scratch folder of the killed launcher: the next launcher removes it
     for _, how in ipairs({ 'launcher SIGKILL', 'mpirun SIGTERM', 'mpirun SIGKILL' }) do
       local dir = H.tmpdir()
       local sockets = dir .. '/sockets'
@@ -341,6 +345,10 @@ describe('launching ranks', function()
       local pid = H.run('cat ' .. dir .. '/pid'):match('%d+')
       finally(function() os.execute('pkill -KILL -s ' .. pid .. ' 2>/dev/null') end)
       assert.are.equal(2, #glob(sockets .. '/*.sock'), how)
+      if orphan then
+        assert.is_nil(io.open(orphan), orphan .. ' is left behind')
+        orphan = nil
+      end
       local mpirun = H.run('pgrep -P ' .. pid):match('%d+')
       os.execute(how == 'launcher SIGKILL' and 'kill -KILL ' .. pid or 'kill -' .. how:match('SIG(%u+)') .. ' ' .. mpirun)
       local left
@@ -352,19 +360,21 @@ describe('launching ranks', function()
       local log = H.run('cat ' .. dir .. '/log')
       assert.are.equal('', left, how .. ': processes of the job still run\n' .. log)
       if how == 'launcher SIGKILL' then
-        assert.matches('%[rank 0%] stopped by SIGTERM from pid %d+ %(mpirun%): the launcher that started the job has '
+        assert.matches('%[rank %d%] stopped by SIGTERM from pid %d+ %(mpirun%): the launcher that started the job has '
                        .. 'ended', log)
-        assert.are.same({}, glob(sockets .. '/*.sock'), how)
+        orphan = log:match('orte_tmpdir_base (%S+)')
+        assert.truthy(orphan and orphan:match('/dslua%.' .. pid .. '%.'), log)
       elseif how == 'mpirun SIGTERM' then
-        assert.matches('%[rank 1%] stopped by SIGTERM from pid ' .. mpirun .. ' %(mpirun%)\n', log)
-        assert.are.same({}, glob(sockets .. '/*.sock'), how)
+        assert.matches('%[rank %d%] stopped by SIGTERM from pid ' .. mpirun .. ' %(mpirun%)\n', log)
       else
         H.has(log, 'dslua: mpirun was killed by signal 9 (Killed): the job ended there')
-        -- whatever a killed job left, the next job to serve in that folder removes
-        os.execute(CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_ATTACH_DIR=' .. sockets .. ' timeout 60 ' .. bin
-                   .. ' spec/launcher/hold_attach.lua --out=' .. dir .. ' >/dev/null 2>&1 & sleep 0.1; while [ ! -e ' .. dir
-                   .. '/ready.0 ]; do sleep 0.1; done; kill %1')
       end
+      -- the next job to serve in that folder removes what a killed one left, and its
+      -- own socket at a SIGTERM
+      os.remove(dir .. '/ready.0')
+      os.execute(CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_ATTACH_DIR=' .. sockets .. ' timeout 60 ' .. bin
+                 .. ' spec/launcher/hold_attach.lua --out=' .. dir .. ' >/dev/null 2>&1 & while [ ! -e ' .. dir
+                 .. '/ready.0 ]; do sleep 0.1; done; kill %1; wait')
       assert.are.same({}, glob(sockets .. '/*.sock'), how)
       os.execute('rm -rf ' .. dir)
     end

@@ -12,6 +12,7 @@
 #include "lua_module.h"
 
 #include <lauxlib.h>
+#include <dirent.h>
 #include <errno.h>
 #include <ftw.h>
 #include <limits.h>
@@ -43,13 +44,36 @@ static int remove_entry(const char *path, const struct stat *st, int flag, struc
     return 0;
 }
 
-/* A new folder of this user only: in /dev/shm (shared-memory segments
- * belong on a tmpfs), else $TMPDIR or /tmp. NULL when none can be made. */
+/* The scratch folders of launchers that were killed outright (SIGKILL
+ * leaves no time to remove them): dslua.<pid>.* in base, of a pid that is
+ * gone, a directory of this user. */
+static void remove_stale_scratch(const char *base) {
+    DIR *d = opendir(base);
+    if (!d) return;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int pid;
+        char dot;
+        if (sscanf(e->d_name, "dslua.%d%c", &pid, &dot) != 2 || dot != '.' || pid <= 0) continue;
+        if (kill((pid_t)pid, 0) == 0 || errno != ESRCH) continue;
+        char path[PATH_MAX];
+        struct stat st;
+        snprintf(path, sizeof path, "%s/%s", base, e->d_name);
+        if (lstat(path, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == geteuid())
+            nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    }
+    closedir(d);
+}
+
+/* A new folder of this user only, dslua.<pid>.XXXXXX: in /dev/shm
+ * (shared-memory segments belong on a tmpfs), else $TMPDIR or /tmp. NULL
+ * when none can be made. */
 static char *make_scratch(char *buf, size_t n) {
     const char *tmp = getenv("TMPDIR");
     const char *bases[] = { "/dev/shm", tmp && *tmp ? tmp : "/tmp" };
     for (size_t i = 0; i < sizeof bases / sizeof *bases; i++) {
-        snprintf(buf, n, "%s/dslua.XXXXXX", bases[i]);
+        remove_stale_scratch(bases[i]);
+        snprintf(buf, n, "%s/dslua.%d.XXXXXX", bases[i], (int)getpid());
         if (mkdtemp(buf)) return buf;
     }
     return NULL;
