@@ -152,8 +152,9 @@ local function watched()
   return out
 end
 
--- versions() -> list of {path, kind, hash, step, status ('loaded' or
--- 'swapped')}, one per watched file, sorted by path: the code running now.
+-- versions() -> list of {path, kind, hash, step, status ('loaded',
+-- 'swapped' or 'rolled back')}, one per watched file, sorted by path: the
+-- code running now.
 function M.versions()
   local out = {}
   for path, e in pairs(watched()) do
@@ -165,7 +166,8 @@ function M.versions()
 end
 
 -- history() -> every event: {path, kind, hash, step, status ('loaded',
--- 'swapped', 'rejected'), rank and error when rejected, time}.
+-- 'swapped', 'rejected', 'rolled back'), rank and error when rejected or
+-- rolled back (the rank where it failed), time}.
 function M.history()
   local out = {}
   for i, ev in ipairs(history) do
