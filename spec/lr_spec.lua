@@ -432,6 +432,30 @@ describe('Lua schedules', function()
     end
   end)
 
+  it('stops a schedule file that loops or blocks, at load or at a step, naming the file, get_lr and the step', function()
+    local guard = require 'dslua.guard'
+    local budget = guard.budget
+    finally(function() guard.budget = budget end)
+    guard.budget = 0.2
+    local path = os.tmpname()
+    finally(function() os.remove(path) end)
+    local P = path:gsub('%p', '%%%0')
+    local function load(text)
+      local f = assert(io.open(path, 'w'))
+      f:write(text)
+      f:close()
+      return ds.lr.from_config(adam(0.1), { type = 'lua', params = { path = path } })
+    end
+    fails('schedule file ' .. P .. ' failed while loading: ran past its time budget of 0%.2 s %(reload%.budget%), '
+          .. 'stopped at ' .. P .. ':2', load, 'local n = 0\nwhile true do n = n + 1 end')
+    fails('schedule file ' .. P .. ' failed while loading: ' .. P .. ':1: io%.popen is not allowed in the schedule '
+          .. 'file ' .. P, load, "io.popen('sleep 100')")
+    local s = load('return function(step)\n  while step >= 2 do end\n  return 0.1\nend')
+    s:step()
+    fails('scheduler lua %(' .. P .. '%): get_lr at step 2: ran past its time budget of 0%.2 s %(reload%.budget%), '
+          .. 'stopped at ' .. P .. ':2', function() s:step() end)
+  end)
+
   it('errors name the file, the step and what was wrong', function()
     local opt = adam(0.1)
     fails('scheduler lua: cannot load schedule file no/such_lr%.lua: cannot open no/such_lr%.lua',
