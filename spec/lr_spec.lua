@@ -436,7 +436,7 @@ describe('Lua schedules', function()
     local guard = require 'dslua.guard'
     local budget = guard.budget
     finally(function() guard.budget = budget end)
-    guard.budget = 0.2
+    guard.budget = 0.5
     local path = os.tmpname()
     finally(function() os.remove(path) end)
     local P = path:gsub('%p', '%%%0')
@@ -446,13 +446,13 @@ describe('Lua schedules', function()
       f:close()
       return ds.lr.from_config(adam(0.1), { type = 'lua', params = { path = path } })
     end
-    fails('schedule file ' .. P .. ' failed while loading: ran past its time budget of 0%.2 s %(reload%.budget%), '
+    fails('schedule file ' .. P .. ' failed while loading: ran past its time budget of 0%.5 s %(reload%.budget%), '
           .. 'stopped at ' .. P .. ':2', load, 'local n = 0\nwhile true do n = n + 1 end')
     fails('schedule file ' .. P .. ' failed while loading: ' .. P .. ':1: io%.popen is not allowed in the schedule '
           .. 'file ' .. P, load, "io.popen('sleep 100')")
     local s = load('return function(step)\n  while step >= 2 do end\n  return 0.1\nend')
     s:step()
-    fails('scheduler lua %(' .. P .. '%): get_lr at step 2: ran past its time budget of 0%.2 s %(reload%.budget%), '
+    fails('scheduler lua %(' .. P .. '%): get_lr at step 2: ran past its time budget of 0%.5 s %(reload%.budget%), '
           .. 'stopped at ' .. P .. ':2', function() s:step() end)
   end)
 
