@@ -64,17 +64,20 @@ static const char usage[] =
 
 /* ------------------------------------------------------------ stop signals */
 
-/* What a stop signal's handler needs, read before any comes: this rank
- * (-1: not under mpirun) and the launcher that started the job (0: none). */
-static int stop_rank = -1;
-static pid_t stop_launcher;
+/* What a stop signal's handler needs, made before any comes (the handler
+ * uses no stdio): a rank's "[rank N] " (empty: not under mpirun) and the
+ * /proc stat file of the launcher that started the job (empty: none). */
+static char stop_prefix[32], launcher_stat[40];
 
-/* Whether the process pid has ended (gone, or a zombie), with only
- * async-signal-safe calls. */
-static bool ended(pid_t pid) {
-    char path[40], buf[256];
-    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
-    int fd = open(path, O_RDONLY);
+static void put(char *b, size_t n, size_t *at, const char *s) {
+    while (*s && *at + 1 < n) b[(*at)++] = *s++;
+}
+
+/* Whether the launcher has ended (gone, or a zombie its parent has not
+ * reaped yet), with async-signal-safe calls only. */
+static bool launcher_ended(void) {
+    char buf[256];
+    int fd = open(launcher_stat, O_RDONLY);
     if (fd < 0) return true;
     ssize_t n = read(fd, buf, sizeof buf - 1);
     close(fd);
@@ -90,16 +93,19 @@ static bool ended(pid_t pid) {
 static void on_stop(int sig, siginfo_t *info, void *ctx) {
     (void)ctx;
     ds_attach_unlink_all();
-    if (stop_rank >= 0) {
-        char msg[300];
-        bool parent = info->si_pid == getppid();
-        int n = snprintf(msg, sizeof msg, "[rank %d] stopped by %s from pid %d%s%s", stop_rank,
-                         sig == SIGTERM ? "SIGTERM" : "SIGHUP", (int)info->si_pid, parent ? " (mpirun)" : "",
-                         stop_launcher > 0 && ended(stop_launcher) ? ": the launcher that started the job has ended" : "");
-        if (n > 0 && (size_t)n < sizeof msg - 1) {
-            msg[n++] = '\n';
-            if (write(STDERR_FILENO, msg, (size_t)n) < 0) { /* stderr gone: nothing to tell */ }
-        }
+    if (stop_prefix[0]) {
+        char msg[256], pid[16];
+        size_t at = 0, k = sizeof pid - 1;
+        pid[k] = '\0';
+        long v = info->si_pid > 0 ? info->si_pid : 0;
+        do pid[--k] = (char)('0' + v % 10); while ((v /= 10) && k > 0);
+        put(msg, sizeof msg, &at, stop_prefix);
+        put(msg, sizeof msg, &at, sig == SIGTERM ? "stopped by SIGTERM from pid " : "stopped by SIGHUP from pid ");
+        put(msg, sizeof msg, &at, pid + k);
+        if (info->si_pid == getppid()) put(msg, sizeof msg, &at, " (mpirun)");
+        if (launcher_stat[0] && launcher_ended()) put(msg, sizeof msg, &at, ": the launcher that started the job has ended");
+        put(msg, sizeof msg, &at, "\n");
+        if (write(STDERR_FILENO, msg, at) < 0) { /* stderr gone: nothing to tell */ }
     }
     signal(sig, SIG_DFL);
     raise(sig);
@@ -107,8 +113,8 @@ static void on_stop(int sig, siginfo_t *info, void *ctx) {
 
 static void catch_stop_signals(void) {
     const char *rank = getenv("OMPI_COMM_WORLD_RANK"), *launcher = getenv("DSLUA_LAUNCHER_PID");
-    if (rank) stop_rank = atoi(rank);
-    if (rank && launcher) stop_launcher = (pid_t)atoi(launcher);
+    if (rank) snprintf(stop_prefix, sizeof stop_prefix, "[rank %d] ", atoi(rank));
+    if (rank && launcher && atoi(launcher) > 0) snprintf(launcher_stat, sizeof launcher_stat, "/proc/%d/stat", atoi(launcher));
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_sigaction = on_stop;
