@@ -450,15 +450,16 @@ function M.lambda(optimizer, schedule, params, who)
     end
   end
   -- prepare_params(changes) -> commit(): the params handed to get_lr, some
-  -- changed (the same table, updated in place), checked at the current step.
+  -- changed (the same table, updated in place), checked at the current step;
+  -- commit() sets the lrs checked (get_lr is not asked again).
   function s:prepare_params(changes)
     if type(changes) ~= 'table' then fail('%s: set_params: expected a table of params, got %s', who, type(changes)) end
     local merged = copy(params)
     for k, v in pairs(changes) do merged[k] = v end
-    check_at(get_lr, merged)
+    local lrs, moms = check_at(get_lr, merged)
     return function()
       for k, v in pairs(changes) do params[k] = v end
-      cache_at = nil
+      cache_at, cache_lrs, cache_moms = self.last_batch_iteration, lrs, moms
       self:step(self.last_batch_iteration)
     end
   end
