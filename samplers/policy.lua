@@ -26,6 +26,7 @@
 --   local loader = P.loader(data, sampler)        -- per-step batch sizes, a line per epoch
 --   for step, batch in loader:epoch(e) do ... end
 local ds = require 'dslua'
+local guard = require 'dslua.guard'
 
 local M = {}
 
@@ -95,9 +96,11 @@ function M.load(spec, source)
 end
 
 -- load_text(text, path [, name]) -> policy table, {name =, path =, hash =}:
--- a policy file's text (read already, as live reload has it) compiled and run.
+-- a policy file's text (read already, as live reload has it) compiled and
+-- run with the JIT off, so that live reload's time budget (dslua/guard.lua)
+-- can stop a loop in it; plan and the rest get the JIT back after.
 function M.load_text(text, path, name)
-  local chunk, err = loadstring(text, '@' .. path)
+  local chunk, err = guard.load(text, '@' .. path)
   if not chunk then fail(path, err) end
   local ok, policy = pcall(chunk)
   if not ok then fail(path, tostring(policy)) end
@@ -105,6 +108,7 @@ function M.load_text(text, path, name)
     ok, policy = pcall(policy.new)
     if not ok then fail(path, 'new() failed: ' .. tostring(policy)) end
   end
+  guard.release(chunk)
   if type(policy) ~= 'table' or type(policy.plan) ~= 'function' then
     fail(path, 'the file must return a table with a plan(ctx) function, it returned ' .. (type(policy) == 'table'
          and 'a table without plan' or 'a ' .. type(policy)))

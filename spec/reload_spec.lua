@@ -514,6 +514,52 @@ describe('live reload in one process', function()
     ds.reload.unwatch('reload_fn')
   end)
 
+  -- in a process of its own, under `timeout`: a budget that stops nothing fails the spec, not hangs it
+  it('stops a module or sampler policy whose new version loops while it loads, in a function of its own too', function()
+    local child = H.write(dir .. '/child.lua', [=[
+local ds = require 'dslua'
+local dir = arg[1]
+local function put(path, text)
+  local f = assert(io.open(path .. '.tmp', 'w'))
+  f:write(text)
+  f:close()
+  assert(os.rename(path .. '.tmp', path))
+end
+package.path = dir .. '/?.lua;' .. package.path
+local spin = 'local function spin(n) while n > 0 do n = n + 1 end end\nspin(1)\n'
+local policy = 'local P = {}\nfunction P.plan(ctx)\n  local idx = {}\n'
+               .. '  for i = 0, ctx.dataset_len - 1 do idx[#idx + 1] = i end\n'
+               .. '  return { indices = idx, micro_batch = 2 }\nend\nreturn P\n'
+put(dir .. '/reload_spin.lua', 'return { v = 1 }\n')
+put(dir .. '/policy.lua', policy)
+local mod = ds.reload.require 'reload_spin'
+local model = require('models.mlp') { input_size = 4, hidden = { 8 }, num_classes = 2 }
+local engine, _, loader = ds.initialize {
+  model = model, training_data = ds.data.tensors { x = ds.randn(8, 4), y = ds.zeros(8, 'i64') },
+  config = { steps_per_print = 1000, optimizer = { type = 'SGD', params = { lr = 0.1 } },
+             sampler = { policy = dir .. '/policy.lua', micro_batch_per_rank = { 2 } },
+             reload = { attach = false, budget = 0.5 } } }
+put(dir .. '/reload_spin.lua', spin .. 'return { v = 2 }\n')
+put(dir .. '/policy.lua', spin .. policy)
+for _, batch in loader:epoch(0) do
+  engine:backward(engine(batch))
+  engine:step()
+  break
+end
+print('module v' .. mod.v)
+for _, ev in ipairs(ds.reload.history()) do
+  if ev.status == 'rejected' then print('rejected ' .. ev.path .. ': ' .. ev.error) end
+end
+]=])
+    local out, status = H.run('timeout 60 ' .. bin .. ' ' .. child .. ' ' .. dir)
+    assert.are.equal(0, status, out)
+    H.has(out, 'module v1\n')
+    for _, path in ipairs({ dir .. '/reload_spin.lua', dir .. '/policy.lua' }) do
+      H.has(out, 'rejected ' .. path .. ': ran past its time budget of 0.5 s (reload.budget), stopped at ' .. path
+                 .. ':1\n')
+    end
+  end)
+
   it('refuses modules that own parameters or optimizers', function()
     package.path = dir .. '/?.lua;' .. package.path
     put(dir .. '/reload_model.lua', "local ds = require 'dslua'\nlocal M = { net = ds.nn.Linear(2, 2) }\nreturn M\n")

@@ -14,6 +14,7 @@
 #include "ds_error.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -66,9 +67,14 @@ static int l_sleep(lua_State *L) {
 
 /* The budget of the user code running now: a count hook compares the
  * clock with the deadline (it runs in the interpreter only: the loader of
- * user code turns the JIT off for it). Nested calls keep the earlier
- * deadline; the hook in place before (the REPL's Ctrl-C) comes back after. */
+ * user code turns the JIT off for it). Past the deadline it raises at
+ * every instruction, naming where it first stopped the code (code that
+ * catches the error meets it again, wherever it goes on). Nested calls
+ * keep the earlier deadline; the hook in place before (the REPL's Ctrl-C)
+ * comes back after. */
 static double budget_deadline, budget_seconds;
+static bool budget_passed;
+static char budget_where[160];        /* where the code was when the deadline passed */
 
 static double monotonic(void) {
     struct timespec t;
@@ -79,14 +85,17 @@ static double monotonic(void) {
 static void budget_hook(lua_State *L, lua_Debug *ar) {
     (void)ar;
     if (monotonic() < budget_deadline) return;
-    /* from now on at every instruction: code that catches the error with
-     * pcall meets it again at its next instruction outside */
-    lua_sethook(L, budget_hook, LUA_MASKCOUNT, 1);
-    lua_Debug at;
-    if (lua_getstack(L, 0, &at) && lua_getinfo(L, "Sl", &at) && at.currentline > 0)
-        luaL_error(L, "ran past its time budget of %g s (reload.budget), stopped at %s:%d", budget_seconds,
-                   at.short_src, at.currentline);
-    luaL_error(L, "ran past its time budget of %g s (reload.budget)", budget_seconds);
+    if (!budget_passed) {
+        lua_Debug at;
+        budget_passed = true;
+        budget_where[0] = '\0';
+        if (lua_getstack(L, 0, &at) && lua_getinfo(L, "Sl", &at) && at.currentline > 0)
+            snprintf(budget_where, sizeof budget_where, ", stopped at %s:%d", at.short_src, at.currentline);
+        lua_sethook(L, budget_hook, LUA_MASKCOUNT, 1);
+    }
+    /* the place is in the message: no luaL_error prefix (its caller's line) */
+    lua_pushfstring(L, "ran past its time budget of %f s (reload.budget)%s", budget_seconds, budget_where);
+    lua_error(L);
 }
 
 static int l_pcall_budget(lua_State *L) {
@@ -101,6 +110,7 @@ static int l_pcall_budget(lua_State *L) {
     int rc = lua_pcall(L, lua_gettop(L) - 2, LUA_MULTRET, 0);
     lua_sethook(L, old_hook, old_mask, old_count);
     budget_deadline = old_deadline, budget_seconds = old_seconds;
+    if (!old_deadline) budget_passed = false;
     lua_pushboolean(L, rc == 0);
     lua_replace(L, 1);
     return lua_gettop(L);

@@ -21,6 +21,10 @@ function M.load(text, name)
   return fn, err
 end
 
+-- release(chunk): the JIT back for a loaded chunk's functions, once it has
+-- run under the budget, when they run outside it (a module's, a policy's).
+function M.release(chunk) jit.on(chunk, true) end
+
 local whats = {}        -- what runs now, innermost last
 
 local function refuse(name)

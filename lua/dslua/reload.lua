@@ -261,12 +261,15 @@ local function check(new)
   if f then f() end
 end
 
--- compile and run a file's text, under guard's time budget: the chunk's value.
-local function run_text(text, path, ...)
+-- compile and run a file's text, under guard's time budget: the chunk's
+-- value. Its functions get the JIT back (they run in the training loop,
+-- with no budget) unless budgeted: a schedule's get_lr runs under it.
+local function run_text(text, path, budgeted, ...)
   local chunk, err = guard.load(text, '@' .. path)
   if not chunk then error(err, 0) end
   local ok, res = guard.pcall(path, chunk, ...)
   if not ok then error(tostring(res), 0) end
+  if not budgeted then guard.release(chunk) end
   return res
 end
 
@@ -277,7 +280,7 @@ local kinds = {}
 kinds.schedule = function(session, entry, text)
   local sched = session.engine and session.engine.lr_scheduler
   if not (sched and sched.prepare_swap) then error('the engine has no Lua schedule to swap', 0) end
-  local new = ds.lr.check_schedule(run_text(text, entry.path), entry.path, 'schedule')
+  local new = ds.lr.check_schedule(run_text(text, entry.path, true), entry.path, 'schedule')
   owner_in(new, entry.path)
   carry(entry.value, new)
   check(new)
@@ -320,7 +323,7 @@ local function check_hooks(hooks, path)
 end
 
 kinds.hooks = function(session, entry, text)
-  local new = check_hooks(run_text(text, entry.path), entry.path)
+  local new = check_hooks(run_text(text, entry.path, false), entry.path)
   owner_in(new, entry.path)
   carry(entry.value, new)
   check(new)
@@ -333,7 +336,7 @@ end
 -- A module of ds.reload.require: a table keeps its identity (its fields are
 -- replaced), a function is called through the wrapper require returned.
 kinds.module = function(_, entry, text)
-  local new = run_text(text, entry.path, entry.name)
+  local new = run_text(text, entry.path, false, entry.name)
   if type(new) ~= type(entry.value) then
     error(string.format('%s returned a %s, the running version a %s', entry.path, type(new), type(entry.value)), 0)
   end
@@ -373,7 +376,7 @@ function M.require(name)
   local path, err = package.searchpath(name, package.path)
   if not path then error(string.format("ds.reload.require: module '%s' not found:%s", name, err), 2) end
   local text = assert(read_file(path))
-  local ok, value = pcall(run_text, text, path, name)
+  local ok, value = pcall(run_text, text, path, false, name)
   if ok then ok, value = pcall(function() owner_in(value, path) return value end) end
   if not ok then error('ds.reload.require: ' .. tostring(value), 2) end
   if type(value) ~= 'table' and type(value) ~= 'function' then
@@ -434,7 +437,7 @@ function M.session(engine, cfg)
     local path = cfg.hooks
     local text = assert(read_file(path))
     local ok, hooks = pcall(function()
-      local h = check_hooks(run_text(text, path), path)
+      local h = check_hooks(run_text(text, path, false), path)
       owner_in(h, path)
       return h
     end)
