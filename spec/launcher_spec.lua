@@ -369,8 +369,12 @@ describe('launching ranks', function()
       else
         H.has(log, 'dslua: mpirun was killed by signal 9 (Killed): the job ended there')
       end
-      -- the next job to serve in that folder removes what a killed one left, and its
-      -- own socket at a SIGTERM
+      -- the next job to serve in that folder removes what a killed one left (a socket
+      -- planted by a process that exits without removing it, too), and its own socket
+      -- at a SIGTERM
+      os.execute(bin .. [[ -e "local A = require('dslua.core')._attach; A.listen(']] .. sockets
+                 .. [[/planted-' .. A.pid() .. '.r0.sock'); os.exit(0)"]])
+      assert.are_not.same({}, glob(sockets .. '/planted-*.sock'), how)
       os.remove(dir .. '/ready.0')
       os.execute(CLEAN .. 'DSLUA_DEVICE=cpu DSLUA_ATTACH_DIR=' .. sockets .. ' timeout 60 ' .. bin
                  .. ' spec/launcher/hold_attach.lua --out=' .. dir .. ' >/dev/null 2>&1 & while [ ! -e ' .. dir

@@ -44,6 +44,18 @@ end
 
 function M.socket_path(dir, name, rank) return string.format('%s/%s.r%d.sock', dir, name, rank) end
 
+-- Whether a job serves the socket at path; one that no job serves (its job
+-- was killed) is removed.
+function M.serving(path)
+  local ok, c = pcall(A.dial, path)
+  if ok then
+    c:close()
+    return true
+  end
+  if tostring(c):find('no longer running', 1, true) then os.remove(path) end
+  return false
+end
+
 -- The job's name and socket (nil before serve, or when it could not serve).
 function M.job() return job, socket end
 
@@ -266,10 +278,11 @@ function M.serve(s)
   local dir = M.dir()
   local ok, err = A.check_dir(dir, true)
   if ok then
-    -- the sockets of jobs killed before they could remove them (<job>-<pid of rank 0>.r<rank>.sock)
+    -- the sockets of jobs killed before they could remove them, <job>-<pid of rank 0>.r<rank>.sock:
+    -- that pid gone here (rank 0 may run on another host: and nothing listening)
     for _, path in ipairs(glob(dir .. '/*.r*.sock')) do
-      local dead = tonumber(path:match('%-(%d+)%.r%d+%.sock$'))
-      if dead and dead > 0 and not A.alive(dead) then os.remove(path) end
+      local pid = tonumber(path:match('%-(%d+)%.r%d+%.sock$'))
+      if pid and pid > 0 and not A.alive(pid) then M.serving(path) end
     end
     socket = M.socket_path(dir, job, s.rank)
     ok, err = pcall(A.listen, socket)

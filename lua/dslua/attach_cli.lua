@@ -19,14 +19,7 @@ local USAGE = 'usage: dslua attach [JOB] [--rank R] [-e CODE] [--list]'
 function M.jobs(dir, rank)
   local out = {}
   for _, path in ipairs(glob(dir .. '/*.r' .. rank .. '.sock')) do
-    local name = path:match('([^/]+)%.r%d+%.sock$')
-    local ok, c = pcall(A.dial, path)
-    if ok then
-      c:close()
-      out[#out + 1] = { name = name, path = path }
-    elseif tostring(c):find('no longer running', 1, true) then
-      os.remove(path)
-    end
+    if server_side.serving(path) then out[#out + 1] = { name = path:match('([^/]+)%.r%d+%.sock$'), path = path } end
   end
   return out
 end
