@@ -246,8 +246,9 @@ describe('ds.aio on hostile directories', function()
     for _, mode in ipairs { '777', '770', '1777' } do
       assert(os.execute('chmod ' .. mode .. ' ' .. d) == 0)
       local e = H.err(ds.aio.open, d .. '/x.bin', 16)
-      H.has(e, "aio.open: '" .. d .. "/x.bin': its directory '" .. d .. "' is writable by others (mode " ..
-            mode:sub(-3))
+      H.has(e, "aio.open: '" .. d .. "/x.bin': ")
+      H.has(e, "directory '" .. d .. "' is writable by ")
+      H.has(e, '(mode ' .. mode:sub(-3))
     end
     assert(os.execute('chmod 700 ' .. d) == 0)
     ds.aio.open(d .. '/x.bin', 16):close()
@@ -258,6 +259,41 @@ describe('ds.aio on hostile directories', function()
     else
       pending('another owner needs root to set up')
     end
+  end)
+end)
+
+describe('nvme offload on planted links and foreign folders', function()
+  local function streamed(path)
+    return nvme.optimizer{ name = 'SGD', path = path, rank = 0, groups = { { lr = 0.1, numel = 4, init = ds.ones(4) } } }
+  end
+  local function as_root()
+    if H.run('id -u') ~= '0\n' then pending('needs root to make files of another user') return false end
+    return true
+  end
+
+  it('does not follow a rank<r> link another user planted', function()
+    if not as_root() then return end
+    local d, victim = tmpdir(), tmpdir()
+    H.write(victim .. '/group1.master.bin', 'root-owned bytes')
+    assert(os.execute('ln -s ' .. victim .. ' ' .. d .. '/rank0 && chown -h nobody ' .. d .. '/rank0') == 0)
+    local e = H.err(streamed, d)
+    H.has(e, KEY)
+    H.has(e, "'" .. d .. "/rank0' is a link owned by another user (uid 65534): dslua does not follow it")
+    assert.are.equal('root-owned bytes', read_bytes(victim .. '/group1.master.bin'))
+    assert.are.equal('group1.master.bin\n', (H.run('ls -A ' .. victim)))
+  end)
+
+  it('refuses an nvme_path of another user or writable by others', function()
+    if not as_root() then return end
+    local d = tmpdir()
+    assert(os.execute('chown nobody ' .. d) == 0)
+    local e = H.err(streamed, d)
+    H.has(e, "the directory '" .. d .. "' is owned by another user (mode 755, owner uid 65534")
+    assert.are.equal('', (H.run('ls -A ' .. d)))
+    local w = tmpdir()
+    assert(os.execute('chmod 777 ' .. w) == 0)
+    H.has(H.err(streamed, w .. '/nv'), "the directory '" .. w .. "' is writable by group or others without the sticky bit")
+    assert.are.equal('', (H.run('ls -A ' .. w)))
   end)
 end)
 

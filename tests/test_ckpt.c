@@ -68,7 +68,7 @@ static void test_replace_dir(void) {
     snprintf(src, sizeof src, "%s/new", dir);
     snprintf(dst, sizeof dst, "%s/tag", dir);
     for (int round = 0; round < 2; round++) {      /* a rename, then an exchange */
-        check(ds_file_mkdirs(src) == 0, "mkdirs");
+        check(ds_file_mkdirs(src, 0755) == 0, "mkdirs");
         snprintf(file, sizeof file, "%s/round", src);
         char text[2] = { (char)('0' + round), 0 };
         check(ds_file_write_atomic(file, text, 1) == 0, "write_atomic");

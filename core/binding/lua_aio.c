@@ -11,11 +11,9 @@
 #include "lua_tensor.h"
 #include "ds_aio.h"
 #include "ds_error.h"
+#include "ds_file.h"
 
-#include <errno.h>
 #include <stdio.h>
-#include <string.h>
-#include <sys/stat.h>
 
 #define DSL_AIOFILE_MT "dslua.AioFile"
 #define DSL_AIOREQ_MT "dslua.AioRequest"
@@ -119,23 +117,12 @@ static int l_req_gc(lua_State *L) {
 }
 
 /* aio.mkdir(path) -> true, or nil and why: path and its missing parents,
- * mode 0700 */
+ * mode 0700, walked as the guarded open walks (ds_file.h) */
 static int l_mkdir(lua_State *L) {
-    size_t len;
-    const char *path = luaL_checklstring(L, 1, &len);
-    char *dir = lua_newuserdata(L, len + 1);    /* a copy to cut at each '/' in turn */
-    memcpy(dir, path, len + 1);
-    for (size_t i = 1; i <= len; i++) {
-        if (i < len && dir[i] != '/') continue;
-        char c = dir[i];
-        dir[i] = '\0';
-        struct stat st;
-        if (mkdir(dir, 0700) != 0 && !(errno == EEXIST && stat(dir, &st) == 0 && S_ISDIR(st.st_mode))) {
-            lua_pushnil(L);
-            lua_pushfstring(L, "cannot create directory '%s': %s", dir, errno == EEXIST ? "not a directory" : strerror(errno));
-            return 2;
-        }
-        dir[i] = c;
+    if (ds_file_mkdirs(luaL_checkstring(L, 1), 0700)) {
+        lua_pushnil(L);
+        lua_pushstring(L, ds_error_message());
+        return 2;
     }
     lua_pushboolean(L, 1);
     return 1;

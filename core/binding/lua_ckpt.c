@@ -9,8 +9,8 @@
  *     f:read_into(name, lo, n, dst, at): the same into contiguous dst from its element at
  *     f:crc32(name) -> CRC-32 of the tensor's bytes    f:path()    f:close()
  *   ckpt.sha256(string) -> hex      ckpt.sha256_file(path) -> hex
- *   ckpt.mkdirs(path)   ckpt.exists(path)   ckpt.write_atomic(path, string)
- *   ckpt.fsync_dir(path)   ckpt.replace_dir(src, dst)   ckpt.remove_tree(path)
+ *   ckpt.mkdirs(path)   ckpt.exists(path)   ckpt.fsync_dir(path)
+ *   ckpt.replace_dir(src, dst)   ckpt.remove_tree(path)
  *   ckpt.kill_self()   the test hook's SIGKILL, as a crash would end a rank
  *
  * Every failure raises with the core's message, which names the file. */
@@ -215,20 +215,13 @@ static int l_sha256_file(lua_State *L) {
 }
 
 static int l_mkdirs(lua_State *L) {
-    if (ds_file_mkdirs(luaL_checkstring(L, 1))) return dsL_error(L);
+    if (ds_file_mkdirs(luaL_checkstring(L, 1), 0755)) return dsL_error(L);
     return 0;
 }
 
 static int l_exists(lua_State *L) {
     lua_pushboolean(L, ds_file_exists(luaL_checkstring(L, 1)));
     return 1;
-}
-
-static int l_write_atomic(lua_State *L) {
-    size_t n;
-    const char *path = luaL_checkstring(L, 1), *s = luaL_checklstring(L, 2, &n);
-    if (ds_file_write_atomic(path, s, n)) return dsL_error(L);
-    return 0;
 }
 
 static int l_fsync_dir(lua_State *L) {
@@ -259,7 +252,7 @@ static const luaL_Reg file_methods[] = {
 
 static const luaL_Reg ckpt_fns[] = {
     {"save", l_save}, {"open", l_open}, {"sha256", l_sha256}, {"sha256_file", l_sha256_file},
-    {"mkdirs", l_mkdirs}, {"exists", l_exists}, {"write_atomic", l_write_atomic}, {"fsync_dir", l_fsync_dir},
+    {"mkdirs", l_mkdirs}, {"exists", l_exists}, {"fsync_dir", l_fsync_dir},
     {"replace_dir", l_replace_dir}, {"remove_tree", l_remove_tree}, {"kill_self", l_kill_self}, {NULL, NULL}
 };
 

@@ -72,6 +72,7 @@ int luaopen_dslua_core(lua_State *L) {
     dsL_open_function(L);
     dsL_open_tfevents(L);
     dsL_open_plot(L);
+    dsL_open_file(L);
     lua_pushcfunction(L, l_embedded_source);
     lua_setfield(L, -2, "embedded_source");
     lua_pushcfunction(L, l_wall_time);

@@ -84,5 +84,6 @@ void dsL_open_attach(lua_State *L);
 void dsL_open_function(lua_State *L);
 void dsL_open_tfevents(lua_State *L);
 void dsL_open_plot(lua_State *L);
+void dsL_open_file(lua_State *L);
 
 #endif

@@ -1,5 +1,6 @@
 #include "ds_aio.h"
 #include "ds_error.h"
+#include "ds_file.h"
 
 #include <aio.h>
 #include <errno.h>
@@ -35,8 +36,12 @@ struct ds_aio_req {
  * else may write into it: nobody else can then plant a link in it. -1
  * with the error. */
 static int open_private_dir(const char *dir, const char *path) {
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return ds_fail(DS_ERR_IO, "aio.open: cannot open '%s': %s", path, strerror(errno)), -1;
+    int fd = ds_file_open_dir(dir);     /* no link another user planted followed on the way */
+    if (fd < 0) {
+        char why[1024];
+        snprintf(why, sizeof why, "%s", ds_error_message());
+        return ds_fail(DS_ERR_IO, "aio.open: '%s': %s", path, why), -1;
+    }
     struct stat st;
     if (fstat(fd, &st) != 0) {
         ds_fail(DS_ERR_IO, "aio.open: cannot stat the directory of '%s': %s", path, strerror(errno));

@@ -1,6 +1,7 @@
 #define _GNU_SOURCE          /* sync_file_range */
 #include "ds_safetensors.h"
 #include "ds_error.h"
+#include "ds_file.h"
 #include "ds_ops.h"
 
 #include <cjson/cJSON.h>
@@ -182,8 +183,8 @@ static ds_tensor *host_copy(const char *path, const char *name, ds_tensor *t) {
 /* Writes the file under tmp: the bytes by this thread, their hashes by
  * another meanwhile. */
 static int write_file(const char *tmp, hash_job *job, int64_t kill_after, ds_safetensors_saved *out) {
-    writer w = { open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644), tmp, 0, 0, kill_after };
-    if (w.fd < 0) return ds_fail(DS_ERR_IO, "cannot create '%s': %s", tmp, strerror(errno)), -1;
+    writer w = { ds_file_open(tmp, DS_FILE_WRITE, 0), tmp, 0, 0, kill_after };
+    if (w.fd < 0) return -1;
     pthread_t th;
     bool threaded = pthread_create(&th, NULL, hash_all, job) == 0;
     if (!threaded) hash_all(job);
@@ -381,8 +382,8 @@ ds_safetensors_file *ds_safetensors_open(const char *path) {
     struct stat st;
     char *text = NULL;
     int rc = 0;
-    if ((f->fd = open(path, O_RDONLY | O_CLOEXEC)) < 0 || fstat(f->fd, &st) != 0)
-        rc = -1, ds_fail(DS_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+    if ((f->fd = ds_file_open(path, DS_FILE_READ, INT64_MAX)) < 0) rc = -1;
+    else if (fstat(f->fd, &st) != 0) rc = -1, ds_fail(DS_ERR_IO, "cannot stat '%s': %s", path, strerror(errno));
     unsigned char len8[8];
     int64_t size = rc == 0 ? (int64_t)st.st_size : 0, hlen = 0;
     if (rc == 0 && size < 8)

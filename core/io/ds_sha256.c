@@ -1,5 +1,6 @@
 #include "ds_sha256.h"
 #include "ds_error.h"
+#include "ds_file.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -56,8 +57,8 @@ int ds_sha256_bytes(const void *data, size_t n, char *hex) {
 }
 
 int ds_sha256_file(const char *path, char *hex) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ds_fail(DS_ERR_IO, "cannot open '%s': %s", path, strerror(errno)), -1;
+    int fd = ds_file_open(path, DS_FILE_READ, INT64_MAX);
+    if (fd < 0) return -1;
     enum { CHUNK = 1 << 22 };
     unsigned char *buf = malloc(CHUNK);
     ds_sha256 *h = buf ? ds_sha256_new() : NULL;

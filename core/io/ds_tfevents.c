@@ -6,6 +6,7 @@
 #define _GNU_SOURCE
 #include "ds_tfevents.h"
 #include "ds_error.h"
+#include "ds_file.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -139,9 +140,10 @@ ds_tfevents *ds_tfevents_open(const char *dir) {
         free(w);
         return ds_fail(DS_ERR_NOMEM, "tfevents: out of memory");
     }
-    w->f = fopen(w->path, "wb");
+    int fd = ds_file_open(w->path, DS_FILE_WRITE, 0);
+    w->f = fd < 0 ? NULL : fdopen(fd, "wb");
     if (!w->f) {
-        ds_fail(DS_ERR_IO, "tfevents: cannot create %s: %s", w->path, strerror(errno));
+        if (fd >= 0) ds_fail(DS_ERR_IO, "tfevents: cannot create %s: %s", w->path, strerror(errno)), close(fd);
         free(w->path);
         free(w);
         return NULL;
@@ -323,9 +325,10 @@ static int read_event(const reader *r, cursor c) {
 }
 
 int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx) {
-    FILE *f = fopen(path, "rb");
+    int fd = ds_file_open(path, DS_FILE_READ, INT64_MAX);
+    FILE *f = fd < 0 ? NULL : fdopen(fd, "rb");
     if (!f) {
-        ds_fail(DS_ERR_IO, "tfevents: cannot open %s: %s", path, strerror(errno));
+        if (fd >= 0) ds_fail(DS_ERR_IO, "tfevents: cannot open %s: %s", path, strerror(errno)), close(fd);
         return -1;
     }
     reader r = {path, 0, fn, ctx};

@@ -552,11 +552,11 @@ function M.save(engine, dir, tag, client_state, save_latest)
         reps[k] = rep
       end
       local m = manifest(engine, L, steps, tag, files, reps, client)
-      C.write_atomic(partial .. '/' .. MANIFEST, json.encode(m, 1) .. '\n')
+      core.file.write(partial .. '/' .. MANIFEST, json.encode(m, 1) .. '\n')
       maybe_kill(r, 'manifest')
       C.replace_dir(partial, final)
       maybe_kill(r, 'replaced')
-      if save_latest ~= false then C.write_atomic(dir .. '/latest', tag) end
+      if save_latest ~= false then core.file.write(dir .. '/latest', tag) end
       maybe_kill(r, 'latest')
     end)
   end

@@ -16,7 +16,8 @@
 -- main(), and execs the command it returns: the launcher becomes mpirun, so
 -- its exit status is mpirun's. Each rank's RANK, LOCAL_RANK, ... and its
 -- --local_rank argument come from core/ds_rankenv.c and core/lua_main.c.
-local read = require('dslua.file').read
+local file = require 'dslua.file'
+local read = file.read
 
 local M = {}
 
@@ -65,7 +66,7 @@ end
 -- line or no host at all is an error naming the file and line.
 function M.parse_hostfile(path)
   local text, err = read(path)
-  if not text then fail('cannot read hostfile: %s', err) end
+  if not text then fail('cannot read hostfile: %s: %s', path, file.reason(err, path)) end
   return M.parse_hostfile_text(text, path)
 end
 
@@ -247,7 +248,7 @@ function M.machine(exe)
     end
   end
   for dir in (os.getenv('PATH') or ''):gmatch('[^:]+') do
-    if read(dir .. '/mpirun') then m.mpirun = dir .. '/mpirun'; break end
+    if require('dslua.core').ckpt.exists(dir .. '/mpirun') then m.mpirun = dir .. '/mpirun'; break end
   end
   return m
 end
