@@ -238,6 +238,33 @@ e:destroy()
           'csv_monitor.output_path: must be a string, got 3')
   end)
 
+  it('does not append through links another user planted in its folder', function()
+    if H.run('id -u') ~= '0\n' then return pending('needs root to make links of another user') end
+    local dir, victims = H.tmpdir(), H.tmpdir()
+    os.execute('mkdir -p ' .. dir .. '/csv/run1 && chmod 700 ' .. victims)
+    H.write(victims .. '/secret', 'root only\n')
+    os.execute('chmod 600 ' .. victims .. '/secret')
+    local lr_csv, loss_csv = dir .. '/csv/run1/Train_Samples_lr.csv', dir .. '/csv/run1/Train_Samples_train_loss.csv'
+    local cfg = { csv_monitor = { enabled = true, output_path = dir .. '/csv', job_name = 'run1' } }
+    -- to a root 0600 file, and dangling into a root-only folder
+    for _, case in ipairs({ { lr_csv, victims .. '/secret' }, { loss_csv, victims .. '/created.csv' } }) do
+      os.execute('rm -f ' .. dir .. '/csv/run1/*.csv; ln -s ' .. case[2] .. ' ' .. case[1] .. ' && chown -h nobody '
+                 .. case[1])
+      local e = H.err(train, cfg, 1)
+      H.has(e, "csv_monitor: '" .. case[1] .. "' is a link owned by another user (uid 65534): dslua does not follow it")
+    end
+    assert.are.equal('root only\n', read_lines(victims .. '/secret'))
+    assert.are.equal('secret\n', (H.run('ls -A ' .. victims)))
+  end)
+
+  it('refuses an output folder others may write into', function()
+    local dir = H.tmpdir()
+    os.execute('mkdir -p ' .. dir .. '/csv && chmod 777 ' .. dir .. '/csv')
+    local e = H.err(train, { csv_monitor = { enabled = true, output_path = dir .. '/csv', job_name = 'run1' } }, 1)
+    H.has(e, "csv_monitor.output_path")
+    H.has(e, "the directory '" .. dir .. "/csv' is writable by group or others without the sticky bit (mode 777")
+  end)
+
   it('prints the resolved config and the engine state after initialize with dump_state', function()
     local dir = H.tmpdir()
     local script = H.write(dir .. '/run.lua', [[

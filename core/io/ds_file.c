@@ -157,9 +157,9 @@ static int follow(int fd, const char *name, const struct stat *st, const char *a
 }
 
 /* Walks path (ds_file.h): returns the checked directory holding its last
- * component, whose name goes to leaf ("." for "/"); a trusted link there
- * is followed too. -1 with the error. */
-static int walk(const char *path, char leaf[NAME_MAX + 1]) {
+ * component, whose name goes to leaf ("." for "/"); with follow_leaf a
+ * trusted link there is followed too. -1 with the error. */
+static int walk(const char *path, bool follow_leaf, char leaf[NAME_MAX + 1]) {
     char rest[PATH_MAX], at[PATH_MAX], next[PATH_MAX];
     if (!*path || strlen(path) >= sizeof rest) return ds_fail(DS_ERR_ARG, "bad path '%.200s'", path), -1;
     strcpy(rest, path);
@@ -174,7 +174,7 @@ static int walk(const char *path, char leaf[NAME_MAX + 1]) {
         memcpy(leaf, n ? p : ".", n ? n : 1);
         leaf[n ? n : 1] = '\0';
         struct stat st;
-        if (fstatat(fd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
+        if ((*after || follow_leaf) && fstatat(fd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
             size_t back = strlen(at);
             walk_into(at, leaf);
             if (++links > MAX_LINKS) return close(fd), ds_fail(DS_ERR_IO, "'%s': more than %d links", path, MAX_LINKS), -1;
@@ -222,7 +222,7 @@ static int check_file(int fd, const char *path, ds_file_mode how, int64_t max_by
 
 int ds_file_open(const char *path, ds_file_mode how, int64_t max_bytes) {
     char leaf[NAME_MAX + 1];
-    int dfd = walk(path, leaf);
+    int dfd = walk(path, true, leaf);
     if (dfd < 0) return -1;
     /* O_NONBLOCK until checked: opening a FIFO would wait for its other end */
     int flags = how == DS_FILE_READ ? O_RDONLY : how == DS_FILE_APPEND ? O_WRONLY | O_APPEND | O_CREAT : O_WRONLY | O_CREAT;
@@ -244,7 +244,7 @@ int ds_file_open(const char *path, ds_file_mode how, int64_t max_bytes) {
 
 int ds_file_open_dir(const char *path) {
     char leaf[NAME_MAX + 1], at[PATH_MAX];
-    int dfd = walk(path, leaf);
+    int dfd = walk(path, true, leaf);
     if (dfd < 0) return -1;
     int fd = openat(dfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     close(dfd);
@@ -307,7 +307,7 @@ int ds_file_append(const char *path, const void *data, size_t n) {
 
 int ds_file_write_atomic(const char *path, const void *data, size_t n) {
     char leaf[NAME_MAX + 1], tmp[NAME_MAX + 32];
-    int dfd = walk(path, leaf);
+    int dfd = walk(path, false, leaf);
     if (dfd < 0) return -1;
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", leaf, (long)getpid());
     unlinkat(dfd, tmp, 0);              /* what a killed process of this pid left */

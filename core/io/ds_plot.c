@@ -1,10 +1,13 @@
 /* Training curves with cairo (see ds_plot.h). */
 #include "ds_plot.h"
 #include "ds_error.h"
+#include "ds_file.h"
 
 #include <cairo.h>
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 enum { MARGIN_L = 80, MARGIN_R = 24, MARGIN_T = 34, MARGIN_B = 44 };
 
@@ -97,6 +100,27 @@ static void panel(cairo_t *cr, const ds_plot_series *s, const char *xlabel, doub
 #undef PY
 }
 
+/* The PNG's bytes, gathered in memory: the file is then written by the
+ * guarded atomic write, which replaces a link at path instead of writing
+ * through it. */
+typedef struct {
+    unsigned char *buf;
+    size_t n, cap;
+} png_bytes;
+
+static cairo_status_t gather(void *closure, const unsigned char *data, unsigned int n) {
+    png_bytes *b = closure;
+    if (b->n + n > b->cap) {
+        size_t cap = (b->n + n) * 2;
+        unsigned char *more = realloc(b->buf, cap);
+        if (!more) return CAIRO_STATUS_NO_MEMORY;
+        b->buf = more, b->cap = cap;
+    }
+    memcpy(b->buf + b->n, data, n);
+    b->n += n;
+    return CAIRO_STATUS_SUCCESS;
+}
+
 int ds_plot_png(const char *path, const char *xlabel, const ds_plot_series *panels, int npanels, int width,
                 int height) {
     if (npanels < 1 || width < 200 || height < 100 * npanels) {
@@ -112,12 +136,14 @@ int ds_plot_png(const char *path, const char *xlabel, const ds_plot_series *pane
     double h = (double)height / npanels;
     for (int i = 0; i < npanels; i++) panel(cr, &panels[i], xlabel, i * h, width, h);
     cairo_status_t st = cairo_status(cr);
-    if (st == CAIRO_STATUS_SUCCESS) st = cairo_surface_write_to_png(surface, path);
+    png_bytes png = { 0 };
+    if (st == CAIRO_STATUS_SUCCESS) st = cairo_surface_write_to_png_stream(surface, gather, &png);
     cairo_destroy(cr);
     cairo_surface_destroy(surface);
-    if (st != CAIRO_STATUS_SUCCESS) {
-        ds_fail(DS_ERR_IO, "plot: cannot write %s: %s", path, cairo_status_to_string(st));
-        return -1;
-    }
-    return 0;
+    char why[1024] = "";
+    if (st != CAIRO_STATUS_SUCCESS) snprintf(why, sizeof why, "%s", cairo_status_to_string(st));
+    else if (ds_file_write_atomic(path, png.buf, png.n)) snprintf(why, sizeof why, "%s", ds_error_message());
+    free(png.buf);
+    if (!why[0]) return 0;
+    return ds_fail(DS_ERR_IO, "plot: cannot write %s: %s", path, why), -1;
 }

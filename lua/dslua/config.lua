@@ -1061,16 +1061,13 @@ local function unwritable(path)
   local at = path == '' and '.' or path
   while true do
     local probe = at .. '/.dslua-write-check'
-    local f = io.open(probe, 'w')
-    if f then
-      f:close()
+    local ok, why = pcall(require('dslua.core').file.append, probe, '')
+    if ok then
       os.remove(probe)
       return nil
     end
-    local exists = io.open(at, 'r')
-    if exists then
-      exists:close()
-      return string.format('%s is not a directory this process can write', at)
+    if require('dslua.core').ckpt.exists(at) then
+      return string.format('%s is not a directory this process can write (%s)', at, why)
     end
     local parent = at:match('^(.*)/[^/]*$')
     if not parent then parent = '.' elseif parent == '' then parent = '/' end

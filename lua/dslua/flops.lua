@@ -14,6 +14,7 @@
 -- (DeepSpeed's convention). Latencies are wall clock: on a GPU they
 -- include waiting for the kernels only where an op waits.
 local ds = require 'dslua'
+local file = require('dslua.core').file
 
 local M = {}
 
@@ -61,10 +62,9 @@ function M.new(engine)
   local cfg = engine.config.flops_profiler
   if not cfg.enabled or engine.rank ~= 0 then return nil end
   if cfg.output_file then
-    local f, why = io.open(cfg.output_file, 'a')
-    if not f then error(string.format('initialize: flops_profiler.output_file: cannot write "%s": %s',
-                                      cfg.output_file, why), 0) end
-    f:close()
+    local ok, why = pcall(file.append, cfg.output_file, '')
+    if not ok then error(string.format('initialize: flops_profiler.output_file: cannot write "%s": %s',
+                                       cfg.output_file, why), 0) end
   end
   local self = setmetatable({ cfg = cfg, engine = engine }, Profiler)
   if engine.global_steps + 1 == self.cfg.profile_step then self:_arm() end
@@ -250,10 +250,8 @@ function Profiler:_print()
   add('%s', string.rep('-', 78))
   local text = table.concat(lines, '\n') .. '\n'
   if cfg.output_file then
-    local f, why = io.open(cfg.output_file, 'w')
-    if not f then error('flops_profiler.output_file: ' .. why, 0) end
-    f:write(text)
-    f:close()
+    local ok, why = pcall(file.write, cfg.output_file, text)
+    if not ok then error('flops_profiler.output_file: ' .. why, 0) end
   else
     io.stdout:write(text)
     io.stdout:flush()

@@ -46,9 +46,8 @@ local function make_dir(key, dir)
   local ok, err = pcall(core.ckpt.mkdirs, dir)
   if not ok then error(string.format('initialize: %s: cannot create "%s": %s', key, dir, err), 0) end
   local probe = join(dir, '.dslua-write-check')
-  local f, why = io.open(probe, 'w')
-  if not f then error(string.format('initialize: %s: "%s" is not writable: %s', key, dir, why), 0) end
-  f:close()
+  local written, why = pcall(core.file.append, probe, '')
+  if not written then error(string.format('initialize: %s: "%s" is not writable: %s', key, dir, why), 0) end
   os.remove(probe)
   return dir
 end
@@ -115,14 +114,11 @@ function Monitor:_write(events)
     if self.csv_dir then
       local file = name:gsub('[/ ]', '_')
       local path = self.csv_dir .. '/' .. file .. '.csv'
-      local f, why = io.open(path, 'a')
-      if not f then error('csv_monitor: ' .. why, 0) end
-      if not self.csv_headers[file] then
-        self.csv_headers[file] = true
-        f:write('step,', name:match('[^/]*$'), '\r\n')
-      end
-      f:write(string.format('%d,%s\r\n', step, pyfloat(value)))
-      f:close()
+      local row = string.format('%d,%s\r\n', step, pyfloat(value))
+      if not self.csv_headers[file] then row = 'step,' .. name:match('[^/]*$') .. '\r\n' .. row end
+      local ok, why = pcall(core.file.append, path, row)
+      if not ok then error('csv_monitor: ' .. why, 0) end
+      self.csv_headers[file] = true
     end
   end
   for _, w in ipairs(self.writers) do w:flush() end

@@ -3,10 +3,12 @@
 -- from what csv_monitor or tensorboard wrote (dslua/monitor.lua), drawn
 -- by cairo (core/io/ds_plot).
 local core = require 'dslua.core'
+local file = require 'dslua.file'
 
 local M = {}
 
 local CURVES = { 'Train/Samples/train_loss', 'Train/Samples/lr' }
+local MAX_CSV = 2 ^ 30      -- bytes of one csv file: 30 million rows
 local USAGE = 'usage: dslua plot <csv file or event dir> [-o curves.png]'
 
 local function quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
@@ -27,25 +29,23 @@ end
 
 -- {x = steps, y = values} of one csv_monitor file (`step,<name>` header)
 local function read_csv(path)
-  local f, why = io.open(path, 'r')
-  if not f then error(why, 0) end
+  local text, why = file.read(path, MAX_CSV)
+  if not text then error(path .. ': ' .. file.reason(why, path), 0) end
   local s = { x = {}, y = {} }
-  local first = true
-  for line in f:lines() do
+  local first = text ~= ''
+  for line in text:gmatch('([^\n]*)\n?') do
     line = line:gsub('\r$', '')
     local step, v = line:match('^([^,]+),(.+)$')
     if first then
       first = false
-      if not step then f:close(); error(path .. ': not a csv_monitor file (no `step,<name>` header)', 0) end
+      if not step then error(path .. ': not a csv_monitor file (no `step,<name>` header)', 0) end
     elseif line ~= '' then
       if not (tonumber(step) and tonumber(v)) then
-        f:close()
-        error(string.format('%s: not a `step,value` row: %s', path, line), 0)
+        error(string.format('%s: not a `step,value` row: %s', path, line:sub(1, 80)), 0)
       end
       s.x[#s.x + 1], s.y[#s.y + 1] = tonumber(step), tonumber(v)
     end
   end
-  f:close()
   return s
 end
 
@@ -83,7 +83,7 @@ function M.load(input)
     if #events > 0 then return read_events(input, events) end
     for _, tag in ipairs(CURVES) do
       local path = input .. '/' .. tag:gsub('/', '_') .. '.csv'
-      if io.open(path) then found[tag] = read_csv(path) end
+      if core.ckpt.exists(path) then found[tag] = read_csv(path) end
     end
     return found
   end
@@ -93,7 +93,7 @@ function M.load(input)
     local name = tag:gsub('/', '_') .. '.csv'
     local path = (dir ~= '' and dir .. '/' or '') .. name
     if name == base then found[tag], found[base] = found[base], nil
-    elseif io.open(path) then found[tag] = read_csv(path) end
+    elseif core.ckpt.exists(path) then found[tag] = read_csv(path) end
   end
   return found
 end
