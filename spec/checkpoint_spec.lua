@@ -20,6 +20,14 @@ local function run(np, o, env)
   return r, text
 end
 
+-- a 1-rank engine of run.lua's model in this process, to load with
+local function tiny_engine()
+  ds.manual_seed(100)
+  local m = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 16 }
+  return (ds.initialize { model = m, config = { train_batch_size = 4, steps_per_print = 1000,
+                                                optimizer = { type = 'AdamW', params = { lr = 1e-2 } } } })
+end
+
 -- Every tensor of two checkpoints the same, to the bit: fp32 weights,
 -- optimizer buffers, module buffers, and the optimizer's steps.
 local function same_state(dir_a, tag_a, dir_b, tag_b)
@@ -89,7 +97,8 @@ describe('safetensors files', function()
     C.save(path, { { 'a', ds.ones(4) } })
     local out = H.run('ls ' .. dir)
     assert.is_nil(out:find('tmp', 1, true))
-    H.has(H.err(C.save, dir .. '/no/such/dir/y.safetensors', { { 'a', ds.ones(1) } }), "cannot create '" .. dir .. '/no')
+    H.has(H.err(C.save, dir .. '/no/such/dir/y.safetensors', { { 'a', ds.ones(1) } }),
+          "cannot open the directory '" .. dir .. "/no': No such file or directory")
   end)
 
   it('that are truncated or corrupt give errors naming the file and the tensor', function()
@@ -238,14 +247,6 @@ end)
 
 describe('atomic saves', function()
   if H.skip_without_mpirun() then return end
-
-  -- a 1-rank engine of run.lua's model in this process, to load with
-  local function tiny_engine()
-    ds.manual_seed(100)
-    local m = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 16 }
-    return (ds.initialize { model = m, config = { train_batch_size = 4, steps_per_print = 1000,
-                                                  optimizer = { type = 'AdamW', params = { lr = 1e-2 } } } })
-  end
 
   local function latest(dir)
     local f = assert(io.open(dir .. '/latest'))
@@ -410,6 +411,156 @@ describe('a checkpoint that is corrupt, truncated or does not fit', function()
     local path, client = engine:load_checkpoint(H.tmpdir())
     assert.is_nil(path)
     assert.is_nil(client)
+  end)
+end)
+
+describe('a hostile checkpoint', function()
+  if not H.have_mpirun() then
+    print('skipping: multi-rank checkpoint specs need mpirun')
+    return
+  end
+
+  -- a 2-rank stage 1 checkpoint 'two', copied fresh for each case
+  local base, dirs = nil, {}
+  setup(function()
+    base = H.tmpdir()
+    run(2, { dir = base, stage = 1, steps = 2, final = 'two' })
+  end)
+  teardown(function()
+    for _, d in ipairs(dirs) do os.execute('rm -rf ' .. d) end
+    os.execute('rm -rf ' .. base)
+  end)
+  local function fresh()
+    local d = H.tmpdir()
+    dirs[#dirs + 1] = d
+    assert(os.execute(string.format('cp -r %s/two %s/', base, d)) == 0)
+    return d
+  end
+  local function edit_manifest(d, fn)
+    local path = d .. '/two/manifest.json'
+    local m = ds.json.decode(H.run('cat ' .. path))
+    fn(m)
+    H.write(path, ds.json.encode(m))
+  end
+  local function as_root()
+    if H.run('id -u') ~= '0\n' then pending('needs root to make links of another user') return false end
+    return true
+  end
+  local function load_err(d, tag)
+    local e = tiny_engine()
+    return H.err(e.load_checkpoint, e, d, tag or 'two')
+  end
+  -- loads d's checkpoint in another process under `timeout`: its output and status
+  local function load_elsewhere(d, tag)
+    local script = d .. '/load.lua'
+    H.write(script, "local ds = require 'dslua'\n"
+      .. "local ok, e = pcall(ds.checkpoint.read_full, arg[1], arg[2] ~= '' and arg[2] or nil)\n"
+      .. "io.stdout:write(ok and 'loaded\\n' or tostring(e) .. '\\n')\n")
+    return H.run('timeout 30 ' .. H.bin() .. ' ' .. script .. ' ' .. d .. " '" .. (tag or '') .. "'")
+  end
+
+  it('loads the untouched copy', function()
+    local d = fresh()
+    local e = tiny_engine()
+    assert.are.equal(d .. '/two', e:load_checkpoint(d, 'two'))
+    assert.are.equal(2, e.global_steps)
+  end)
+
+  it('refuses manifest file names outside the folder, even with a matching SHA-256', function()
+    local d = fresh()
+    assert(os.execute('cp ' .. d .. '/two/rank_00000.safetensors ' .. d .. '/foreign.safetensors') == 0)
+    edit_manifest(d, function(m) m.files[1].file = '../foreign.safetensors' end)
+    H.has(load_err(d), "load_checkpoint: '" .. d .. "/two/manifest.json': files[1] must name a file in the "
+          .. "checkpoint's folder, got \"../foreign.safetensors\"")
+  end)
+
+  it('refuses swapped manifest entries and swapped rank files, naming file, expected and found', function()
+    local d = fresh()
+    edit_manifest(d, function(m) m.files[1], m.files[2] = m.files[2], m.files[1] end)
+    H.has(load_err(d), "files[1] (\"rank_00001.safetensors\") is listed as rank 1's, expected rank 0's")
+    d = fresh()
+    local r0, r1 = d .. '/two/rank_00000.safetensors', d .. '/two/rank_00001.safetensors'
+    assert(os.execute(string.format('mv %s %s.x && mv %s %s && mv %s.x %s', r0, r0, r1, r0, r0, r1)) == 0)
+    edit_manifest(d, function(m)
+      for _, k in ipairs({ 'sha256', 'bytes', 'tensors' }) do m.files[1][k], m.files[2][k] = m.files[2][k], m.files[1][k] end
+    end)
+    H.has(load_err(d), "load_checkpoint: '" .. r0 .. "' holds rank 1, the manifest expects 0 for rank 0's file")
+  end)
+
+  it('refuses a rank file of another step', function()
+    local d = fresh()
+    edit_manifest(d, function(m) m.engine.global_steps = 7 end)
+    H.has(load_err(d), "rank_00000.safetensors' holds global_steps 2, the manifest expects 7 for rank 0's file")
+  end)
+
+  it('refuses a shard below 1 and negative steps', function()
+    local d = fresh()
+    edit_manifest(d, function(m) m.parameters[1].shard = 0 end)
+    H.has(load_err(d), "parameters[1].shard must be an integer >= 1, got 0: the manifest is corrupt")
+    edit_manifest(d, function(m) m.parameters[1].shard = -3 end)
+    H.has(load_err(d), "parameters[1].shard must be an integer >= 1, got -3")
+    d = fresh()
+    edit_manifest(d, function(m) m.parameters[1].shard = m.parameters[1].shard + 1 end)
+    H.has(load_err(d), "expected " .. math.ceil(ds.json.decode(H.run('cat ' .. base .. '/two/manifest.json'))
+      .parameters[1].numel / 2))
+    d = fresh()
+    edit_manifest(d, function(m) m.engine.global_steps = -5 end)
+    H.has(load_err(d), "engine.global_steps must be an integer >= 0, got -5: the manifest is corrupt")
+  end)
+
+  it('does not follow a tag folder or a rank file linked by another user', function()
+    if not as_root() then return end
+    local d = fresh()
+    os.execute('ln -s ' .. d .. '/two ' .. d .. '/linked && chown -h nobody ' .. d .. '/linked')
+    H.has(load_err(d, 'linked'), "'" .. d .. "/linked' is a link owned by another user (uid 65534)")
+    local r1 = d .. '/two/rank_00001.safetensors'
+    os.execute('mv ' .. r1 .. ' ' .. d .. '/r1 && ln -s ' .. d .. '/r1 ' .. r1 .. ' && chown -h nobody ' .. r1)
+    H.has(load_err(d), "'" .. r1 .. "' is a link owned by another user (uid 65534): dslua does not follow it")
+    -- to a file of this user's that is no checkpoint: refused before a byte of it is read
+    os.execute('rm ' .. r1 .. ' && ln -s /etc/passwd ' .. r1 .. ' && chown -h nobody ' .. r1)
+    local e = load_err(d)
+    H.has(e, "'" .. r1 .. "' is a link owned by another user (uid 65534): dslua does not follow it")
+    assert.is_nil(e:find('header', 1, true), e)
+  end)
+
+  it('refuses FIFOs, devices and an oversized latest instead of hanging or echoing them', function()
+    local d = fresh()
+    assert(os.execute('mkfifo ' .. d .. '/latest') == 0)
+    local out, status = load_elsewhere(d)
+    assert.are.equal(0, status, out)
+    H.has(out, "zero_to_fp32: '" .. d .. "/latest' is a FIFO, expected a regular file")
+    os.remove(d .. '/latest')
+    H.write(d .. '/latest', string.rep('x', 50 * 1024 * 1024))
+    out = load_elsewhere(d)
+    H.has(out, "'" .. d .. "/latest' is 52428800 bytes, more than the 4096 it may hold")
+    assert(#out < 1000, out)
+    local m = d .. '/two/manifest.json'
+    os.execute('mv ' .. m .. ' ' .. m .. '.x && mkfifo ' .. m)
+    out = load_elsewhere(d, 'two')
+    H.has(out, "load_checkpoint: '" .. m .. "' is a FIFO, expected a regular file")
+    os.execute('rm ' .. m .. ' && mv ' .. m .. '.x ' .. m)
+    local r0 = d .. '/two/rank_00000.safetensors'
+    os.execute('rm ' .. r0 .. ' && mkfifo ' .. r0)
+    H.has(load_elsewhere(d, 'two'), "'" .. r0 .. "' is a FIFO, expected a regular file")
+    os.execute('rm ' .. r0 .. ' && ln -s /dev/zero ' .. r0)
+    H.has(load_elsewhere(d, 'two'), "'" .. r0 .. "' is a device, expected a regular file")
+  end)
+
+  it('loads a checkpoint saved before rank files recorded their layout and step, with a warning', function()
+    local d = fresh()
+    local path = d .. '/two/rank_00000.safetensors'
+    local tensors, meta = CK.load_file(path)
+    local st = ds.json.decode(meta.dslua)
+    st.world_size, st.layout, st.global_steps = nil, nil, nil
+    meta.dslua = ds.json.encode(st)
+    local list = {}
+    for name, t in pairs(tensors) do list[#list + 1] = { name, t } end
+    local bytes, sha = C.save(path, list, meta)
+    edit_manifest(d, function(m) m.files[1].bytes, m.files[1].sha256 = bytes, sha end)
+    local out = load_elsewhere(d, 'two')
+    H.has(out, 'loaded')
+    H.has(out, "warning: load_checkpoint: '" .. d .. "/two' was saved before rank files recorded their world_size, "
+          .. 'layout, global_steps: only their rank is checked')
   end)
 end)
 

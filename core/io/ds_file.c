@@ -264,10 +264,12 @@ char *ds_file_read(const char *path, int64_t max_bytes, size_t *n) {
     ssize_t got = 1;
     int err = 0;
     while (buf && got != 0 && !err && (int64_t)len <= max_bytes) {
-        char *more = len + 1 == cap ? realloc(buf, cap * 2) : buf;
-        if (!more) free(buf);
-        if (more != buf) cap *= 2;
-        if (!(buf = more)) break;
+        if (len + 1 == cap) {
+            char *more = realloc(buf, cap * 2);
+            if (!more) free(buf);
+            if (!(buf = more)) break;
+            cap *= 2;
+        }
         got = read(fd, buf + len, cap - 1 - len);
         if (got > 0) len += (size_t)got;
         else if (got < 0 && errno != EINTR) err = errno;

@@ -56,7 +56,7 @@
 -- place, `latest` not moved), latest (`latest` moved).
 local ds = require 'dslua'
 local json = require 'dslua.json'
-local read_text = require('dslua.file').read
+local file = require 'dslua.file'
 local core = require 'dslua.core'
 local C = core.ckpt
 
@@ -64,8 +64,25 @@ local M = {}
 
 local FORMAT, FORMAT_VERSION = 'dslua-checkpoint', 1
 local MANIFEST = 'manifest.json'
+local MAX_LATEST, MAX_MANIFEST = 4096, 2 ^ 30     -- bytes
+local SHOWN = 80           -- bytes of a file's text a message may quote
 
 local function fail(fmt, ...) error(string.format(fmt, ...), 0) end
+
+-- The text of a small file through the guarded open (dslua/file.lua), nil
+-- when there is none; a FIFO, a device, a planted link or a file over
+-- max_bytes raises, naming who asked.
+local function read_text(path, max_bytes, who)
+  local ok, text, err = pcall(file.read, path, max_bytes)
+  if not ok then fail('%s: %s', who, text) end
+  return text, err
+end
+
+-- s quoted for a message: at most SHOWN bytes of it, control bytes escaped.
+local function excerpt(s)
+  local q = string.format('%q', s:sub(1, SHOWN)):gsub('\\\n', '\\n')
+  return #s > SHOWN and q .. string.format(' (%d bytes)', #s) or q
+end
 
 -- Every rank writes a file: a pipeline engine's world_size counts only the
 -- data-parallel ranks of its stage.
@@ -305,7 +322,7 @@ end
 
 -- The SHA-256 of a Lua file the run depends on (schedule, sampler policy).
 local function code_entry(path, extra)
-  local text = path and read_text(path)
+  local text = path and read_text(path, file.MAX_BYTES, 'save_checkpoint')
   local e = extra or {}
   e.path = path
   e.sha256 = text and C.sha256(text) or nil
@@ -343,7 +360,7 @@ local TAG_PATTERN = '^[%w_%-%.]+$'
 local function check_tag(tag, who)
   if type(tag) ~= 'string' or not tag:match(TAG_PATTERN) or tag:match('^%.') or tag:match('%.partial$') then
     fail("%s: tag must be a name of letters, digits, '_', '-' and '.' (not starting with '.'), got %s", who,
-         type(tag) == 'string' and "'" .. tag .. "'" or type(tag))
+         type(tag) == 'string' and excerpt(tag) or type(tag))
   end
 end
 
@@ -414,7 +431,10 @@ end
 -- tensors (sampler/indices, sampler/micro_batch when a list).
 local function rank_state(engine, tensors)
   local l = engine.training_dataloader
-  local st = { rank = engine.rank, rng = ds.get_rng_state() }
+  -- which rank, layout and step the file holds, checked at load against
+  -- the manifest: a file swapped in from another rank or run is refused
+  local st = { rank = engine.rank, world_size = nranks(engine), layout = engine_layout_str(engine),
+               global_steps = engine.global_steps, rng = ds.get_rng_state() }
   if l and l.position then
     st.loader = { epoch = l.position.epoch, step = l.position.step, samples = l.position.samples,
                   steps = engine.sampler and engine.sampler:steps() or #l }
@@ -595,24 +615,89 @@ local function load_options(opts)
   return o
 end
 
+local function is_int(v, lo) return type(v) == 'number' and v == math.floor(v) and v >= lo and v < 2 ^ 53 end
+
+-- A manifest's value at key (a dotted path for messages) checked to be an
+-- integer >= lo.
+local function check_int(file, key, v, lo)
+  if not is_int(v, lo) then
+    fail("load_checkpoint: '%s': %s must be an integer >= %d, got %s: the manifest is corrupt", file, key, lo,
+         type(v) == 'string' and excerpt(v) or tostring(v))
+  end
+end
+
+-- The files a manifest lists, each a plain name in its folder (no '/',
+-- no '..'), in rank order.
+local function check_files(file, m)
+  if type(m.files) ~= 'table' or #m.files ~= m.world_size then
+    fail("load_checkpoint: '%s' lists %s files for %d ranks: the manifest is corrupt", file,
+         type(m.files) == 'table' and #m.files or 'no', m.world_size)
+  end
+  for k, e in ipairs(m.files) do
+    local name = type(e) == 'table' and e.file
+    if type(name) ~= 'string' or name:find('/', 1, true) or name == '.' or name == '..' or name == '' then
+      fail("load_checkpoint: '%s': files[%d] must name a file in the checkpoint's folder, got %s", file, k,
+           type(name) == 'string' and excerpt(name) or type(name))
+    end
+    if e.rank ~= k - 1 then
+      fail("load_checkpoint: '%s': files[%d] (%s) is listed as rank %s's, expected rank %d's: the manifest is corrupt",
+           file, k, excerpt(name), tostring(e.rank), k - 1)
+    end
+  end
+end
+
+-- Each saved parameter's shard: its elements cut in as many pieces as
+-- ranks hold it, so a changed shard cannot read another range.
+local function check_params(file, m)
+  for k, sp in ipairs(m.parameters) do
+    local key = string.format('parameters[%d]', k)
+    if type(sp) ~= 'table' or type(sp.name) ~= 'string' or type(sp.shape) ~= 'table' then
+      fail("load_checkpoint: '%s': %s is not {name, shape, numel, shard}: the manifest is corrupt", file, key)
+    end
+    check_int(file, key .. '.numel', sp.numel, 0)
+    check_int(file, key .. '.shard', sp.shard, sp.numel > 0 and 1 or 0)
+    local W = sp.ranks and #sp.ranks or m.world_size
+    for i, r in ipairs(sp.ranks or {}) do
+      check_int(file, string.format('%s.ranks[%d]', key, i), r, 0)
+      if r >= m.world_size then
+        fail("load_checkpoint: '%s': %s.ranks[%d] is %d, past the %d ranks: the manifest is corrupt", file, key, i, r,
+             m.world_size)
+      end
+    end
+    local want = ceil_div(sp.numel, W)
+    if sp.shard ~= want then
+      fail("load_checkpoint: '%s': %s ('%s', %d elements on %d ranks) has shard %d, expected %d: the manifest is "
+           .. 'corrupt', file, key, sp.name, sp.numel, W, sp.shard, want)
+    end
+  end
+end
+
 -- The manifest of a checkpoint folder, checked.
 function M.read_manifest(path)
   local file = path .. '/' .. MANIFEST
-  local text = read_text(file)
+  local text = read_text(file, MAX_MANIFEST, 'load_checkpoint')
   if not text then
     if not C.exists(path) then fail("load_checkpoint: '%s' does not exist", path) end
     fail("load_checkpoint: '%s' has no %s: not a dslua checkpoint", path, MANIFEST)
   end
   local ok, m = pcall(json.decode, text, file)
-  if not ok then fail('load_checkpoint: %s: the manifest is corrupt', tostring(m)) end
+  if not ok then fail('load_checkpoint: %s: the manifest is corrupt', tostring(m):sub(1, 300)) end
   if type(m) ~= 'table' or m.format ~= FORMAT then fail("load_checkpoint: '%s' is not a dslua checkpoint manifest", file) end
   if type(m.format_version) ~= 'number' or m.format_version > FORMAT_VERSION then
     fail("load_checkpoint: '%s' has format version %s; this dslua (%s) reads up to %d", file,
-         tostring(m.format_version), core.version, FORMAT_VERSION)
+         tostring(m.format_version):sub(1, SHOWN), core.version, FORMAT_VERSION)
   end
   for _, key in ipairs({ 'world_size', 'parameters', 'files', 'optimizer', 'module', 'engine' }) do
     if m[key] == nil then fail("load_checkpoint: '%s' has no '%s': the manifest is corrupt", file, key) end
   end
+  check_int(file, 'world_size', m.world_size, 1)
+  if type(m.engine) ~= 'table' then fail("load_checkpoint: '%s': engine is not an object: the manifest is corrupt", file) end
+  check_int(file, 'engine.global_steps', m.engine.global_steps, 0)
+  for _, key in ipairs({ 'global_samples', 'micro_steps', 'skipped_steps' }) do
+    if m.engine[key] ~= nil then check_int(file, 'engine.' .. key, m.engine[key], 0) end
+  end
+  check_files(file, m)
+  check_params(file, m)
   return m
 end
 
@@ -647,15 +732,49 @@ local function verify_files(engine, path, m)
   end)
 end
 
+local function shown(v) return type(v) == 'string' and excerpt(v) or tostring(v) end
+
+local RANK_KEYS = { 'rank', 'world_size', 'layout', 'global_steps' }
+local warned_unchecked = {}
+
+-- The file of rank r, opened, with its own record of the rank, layout and
+-- step it holds checked against the manifest's. Files saved before they
+-- held that record load with a warning (the rank they always held).
+local function open_rank_file(path, m, r)
+  local entry = m.files[r + 1]
+  if not entry then fail("load_checkpoint: '%s': the manifest lists no file of rank %d", path, r) end
+  local name = path .. '/' .. entry.file
+  local f = C.open(name)
+  local ok, st = pcall(json.decode, f:metadata().dslua or '')
+  if not ok or type(st) ~= 'table' then
+    f:close()
+    fail("load_checkpoint: '%s' has no dslua state in its metadata", name)
+  end
+  local want = { rank = r, world_size = m.world_size, layout = layout_str(m.pipeline, m.world_size),
+                 global_steps = m.engine.global_steps }
+  local unchecked = {}
+  for _, key in ipairs(RANK_KEYS) do
+    if st[key] == nil and key ~= 'rank' then
+      unchecked[#unchecked + 1] = key
+    elseif st[key] ~= want[key] then
+      f:close()
+      fail("load_checkpoint: '%s' holds %s %s, the manifest expects %s for rank %d's file: the file is not this "
+           .. "checkpoint's", name, key, shown(st[key]), shown(want[key]), r)
+    end
+  end
+  if #unchecked > 0 and not warned_unchecked[path] then
+    warned_unchecked[path] = true
+    io.stderr:write(string.format("[dslua] warning: load_checkpoint: '%s' was saved before rank files recorded their "
+                                  .. '%s: only their rank is checked\n', path, table.concat(unchecked, ', ')))
+  end
+  return f
+end
+
 -- Saved files, opened once each.
 local function opener(path, m)
   local open = {}
   local function get(r)
-    if not open[r] then
-      local entry = m.files[r + 1]
-      if not entry then fail("load_checkpoint: '%s': the manifest lists no file of rank %d", path, r) end
-      open[r] = C.open(path .. '/' .. entry.file)
-    end
+    open[r] = open[r] or open_rank_file(path, m, r)
     return open[r]
   end
   local function close()
@@ -925,7 +1044,7 @@ function M.load(engine, dir, tag, opts)
   if type(dir) ~= 'string' or dir == '' then fail('load_checkpoint: load_dir must be a path, got %s', type(dir)) end
   local o = load_options(opts)
   if tag == nil then
-    local text = read_text(dir .. '/latest')
+    local text = read_text(dir .. '/latest', MAX_LATEST, 'load_checkpoint')
     if not text then
       note(engine, 'Unable to find latest file at %s/latest, if trying to load latest checkpoint please ensure this '
            .. 'file exists or pass an explicit checkpoint tag when loading a checkpoint.', dir)
@@ -1021,7 +1140,7 @@ end
 -- tensor}, ...}); module: the buffers and frozen parameters.
 function M.read_full(dir, tag, with_states)
   if tag == nil then
-    local text = read_text(dir .. '/latest')
+    local text = read_text(dir .. '/latest', MAX_LATEST, 'zero_to_fp32')
     if not text then fail("zero_to_fp32: '%s/latest' is missing: pass the tag", dir) end
     tag = text:match('^%s*(.-)%s*$')
   end
