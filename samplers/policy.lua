@@ -27,6 +27,7 @@
 --   for step, batch in loader:epoch(e) do ... end
 local ds = require 'dslua'
 local guard = require 'dslua.guard'
+local file = require 'dslua.file'
 
 local M = {}
 
@@ -78,20 +79,23 @@ function M.load(spec, source)
     return builtin(spec), { name = spec, hash = 'builtin' }
   end
   local path = spec
-  local f = io.open(path, 'rb')
-  local dir = type(source) == 'string' and source:match('^(.*)/[^/]*$')
-  if not f and dir and spec:sub(1, 1) ~= '/' then
-    path = dir .. '/' .. spec
-    f = io.open(path, 'rb')
+  local function read(p)
+    local ok, text = pcall(file.read, p)
+    if not ok then fail(spec, file.reason(text, p)) end
+    return text
   end
-  if not f then
+  local text = read(path)
+  local dir = type(source) == 'string' and source:match('^(.*)/[^/]*$')
+  if not text and dir and spec:sub(1, 1) ~= '/' then
+    path = dir .. '/' .. spec
+    text = read(path)
+  end
+  if not text then
     if not (spec:find('/', 1, true) or spec:match('%.lua$')) then
       fail(spec, "unknown policy (built in: auto, distributed, uneven; or the path of a .lua file)")
     end
     fail(spec, 'cannot read the file' .. (path ~= spec and ' (tried ' .. spec .. ', ' .. path .. ')' or ''))
   end
-  local text = f:read('*a')
-  f:close()
   return M.load_text(text, path, spec)
 end
 

@@ -317,6 +317,27 @@ describe('ds.config errors', function()
     os.execute('rm -rf ' .. d)
   end)
 
+  it('refuses hooks and sampler policy files that are FIFOs or planted links instead of blocking on them', function()
+    local d = H.tmpdir()
+    assert(os.execute('mkfifo ' .. d .. '/fifo.lua') == 0)
+    H.write(d .. '/hooks.json', '{"train_batch_size": 8, "hooks": "' .. d .. '/fifo.lua"}')
+    H.write(d .. '/policy.json', '{"train_batch_size": 8, "sampler": {"policy": "' .. d .. '/fifo.lua"}}')
+    for _, case in ipairs({ { 'hooks', 'hooks' }, { 'policy', 'sampler.policy' } }) do
+      local out, status = H.run('timeout 20 ' .. H.bin() .. ' --check-config ' .. d .. '/' .. case[1] .. '.json')
+      assert.are.equal(1, status, out)
+      H.has(out, case[2] .. ': cannot read the ' .. case[1] .. ' file "' .. d .. '/fifo.lua": is a FIFO, expected a '
+            .. 'regular file')
+    end
+    if H.run('id -u') == '0\n' then
+      H.write(d .. '/real.lua', 'return {}')
+      os.execute('rm ' .. d .. '/fifo.lua && ln -s ' .. d .. '/real.lua ' .. d .. '/fifo.lua && chown -h nobody '
+                 .. d .. '/fifo.lua')
+      local out = H.run('timeout 20 ' .. H.bin() .. ' --check-config ' .. d .. '/hooks.json')
+      H.has(out, "is a link owned by another user (uid 65534): dslua does not follow it")
+    end
+    os.execute('rm -rf ' .. d)
+  end)
+
   it('reports a string given for a choice of numbers (the suggester once failed on it)', function()
     assert.are.same({ 'config: zero_optimization.stage: must be 0, 1, 2 or 3, got "3"' },
                     select(2, config.check({ train_batch_size = 8, zero_optimization = { stage = '3' } })))

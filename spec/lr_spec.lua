@@ -466,7 +466,7 @@ print(select(2, pcall(s.step, s)))
 
   it('errors name the file, the step and what was wrong', function()
     local opt = adam(0.1)
-    fails('scheduler lua: cannot load schedule file no/such_lr%.lua: cannot open no/such_lr%.lua',
+    fails("scheduler lua: cannot load schedule file no/such_lr%.lua: cannot open the directory 'no': No such file",
           ds.lr.from_config, opt, { type = 'lua', params = { path = 'no/such_lr.lua' } })
     fails('scheduler lua: params.path must be the path of a Lua file, got nil',
           ds.lr.from_config, opt, { type = 'lua', params = {} })
@@ -497,6 +497,52 @@ print(select(2, pcall(s.step, s)))
           ds.lr.lambda, { param_groups = { { lr = 0.1 } } }, function() return 0.1, 0.9 end)
     fails('lambda: lr at step 0: expected 2 values %(one per param group%), got 1',
           ds.lr.lambda, adam(0.1, 0.2), function() return { 0.1 } end)
+  end)
+end)
+
+describe('Lua schedule files that are FIFOs or devices', function()
+  -- in another process under `timeout`, so a read that blocks fails the spec
+  local function run(dir, mode)
+    local script = dir .. '/run.lua'
+    H.write(script, [[
+local ds = require 'dslua'
+local dir, mode = arg[1], arg[2]
+local sched = dir .. '/s.lua'
+if mode == 'fifo' then os.execute('mkfifo ' .. sched)
+elseif mode == 'device' then os.execute('ln -s /dev/zero ' .. sched)
+else
+  local f = io.open(sched, 'w')
+  f:write('return function() return 0.1 end')
+  f:close()
+end
+local model = require('models.mlp') { input_size = 4, hidden = { 8 }, num_classes = 2 }
+local ok, engine = pcall(ds.initialize, { model = model, config = {
+  train_micro_batch_size_per_gpu = 2, steps_per_print = 1000, optimizer = { type = 'SGD', params = { lr = 0.5 } },
+  scheduler = { type = 'lua', params = { path = sched } }, reload = { every = 1, attach = false } } })
+if not ok then print(engine) return end
+os.execute('mkfifo ' .. dir .. '/f && mv ' .. dir .. '/f ' .. sched)
+local x, y = ds.randn(2, 4), ds.tensor({ 0, 1 }, 'i64')
+for _ = 1, 2 do engine:backward(engine { x = x, y = y }); engine:step() end
+print('trained on at lr ' .. engine:get_lr()[1])
+engine:destroy()
+]])
+    return H.run('timeout 60 ' .. H.bin() .. ' ' .. script .. ' ' .. dir .. ' ' .. mode)
+  end
+
+  it('are refused at initialize, and a reloaded one keeps the running version', function()
+    local dir = H.tmpdir()
+    for _, case in ipairs({ { 'fifo', 'is a FIFO' }, { 'device', 'is a device' } }) do
+      os.remove(dir .. '/s.lua')
+      local out, status = run(dir, case[1])
+      assert.are.equal(0, status, out)
+      H.has(out, 'cannot load schedule file ' .. dir .. '/s.lua: ' .. case[2] .. ', expected a regular file')
+    end
+    os.remove(dir .. '/s.lua')
+    local out, status = run(dir, 'reload')
+    assert.are.equal(0, status, out)
+    H.has(out, "reload: '" .. dir .. "/s.lua' is a FIFO, expected a regular file; the loaded version keeps running")
+    H.has(out, 'trained on at lr 0.1')
+    os.execute('rm -rf ' .. dir)
   end)
 end)
 

@@ -107,6 +107,13 @@ int ds_file_remove_tree(const char *path) {
 
 static bool trusted_uid(uid_t uid) { return uid == 0 || uid == geteuid(); }
 
+/* A message's head: "'path': " when what it is about (`at`) is not path. */
+static const char *about(char head[PATH_MAX + 4], const char *path, const char *at) {
+    if (strcmp(path, at) == 0) return "";
+    snprintf(head, PATH_MAX + 4, "'%s': ", path);
+    return head;
+}
+
 /* The directory open as fd, shown as `at`: 0, or -1 when another user
  * could put a link or a file in it. */
 static int check_dir(int fd, const char *at, const char *path) {
@@ -116,11 +123,10 @@ static int check_dir(int fd, const char *at, const char *path) {
                     : (st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX)
                     ? "writable by group or others without the sticky bit" : NULL;
     if (!why) return 0;
-    bool same = strcmp(at, path) == 0;
-    return ds_fail(DS_ERR_IO, "%s%s%sthe directory '%s' is %s (mode %o, owner uid %u; this process runs as uid %u): "
-                   "another user could plant links or files there, so dslua does not use it", same ? "" : "'",
-                   same ? "" : path, same ? "" : "': ", at, why,
-                   (unsigned)(st.st_mode & 07777), (unsigned)st.st_uid, (unsigned)geteuid()), -1;
+    char head[PATH_MAX + 4];
+    return ds_fail(DS_ERR_IO, "%sthe directory '%s' is %s (mode %o, owner uid %u; this process runs as uid %u): "
+                   "another user could plant links or files there, so dslua does not use it", about(head, path, at),
+                   at, why, (unsigned)(st.st_mode & 07777), (unsigned)st.st_uid, (unsigned)geteuid()), -1;
 }
 
 /* Where a walk starts: "/" for an absolute path, "." otherwise. */
@@ -132,25 +138,24 @@ static int walk_start(bool absolute, char *at, const char *path) {
     return fd;
 }
 
-/* at = at/name: where the walk is, for messages */
+/* at = at/name: where the walk is, for messages ("name" from ".") */
 static void walk_into(char *at, const char *name) {
-    size_t n = strlen(at);
-    snprintf(at + n, PATH_MAX - n, "%s%s", at[n - 1] == '/' ? "" : "/", name);
+    size_t n = strcmp(at, ".") == 0 ? 0 : strlen(at);
+    snprintf(at + n, PATH_MAX - n, "%s%s", n == 0 || at[n - 1] == '/' ? "" : "/", name);
 }
 
 /* The target of the trusted link `name` in fd followed by what is left of
  * the path, into next. -1 with the error. */
 static int follow(int fd, const char *name, const struct stat *st, const char *after, char *next, const char *at,
                   const char *path) {
-    char target[PATH_MAX];
-    if (!trusted_uid(st->st_uid) && strcmp(at, path) == 0)
-        return ds_fail(DS_ERR_IO, "'%s' is a link owned by another user (uid %u): dslua does not follow it", path,
-                       (unsigned)st->st_uid), -1;
+    char link[PATH_MAX], target[PATH_MAX], head[PATH_MAX + 4];
+    snprintf(link, sizeof link, "%s", at);
+    walk_into(link, name);
     if (!trusted_uid(st->st_uid))
-        return ds_fail(DS_ERR_IO, "'%s': '%s' is a link owned by another user (uid %u): dslua does not follow it",
-                       path, at, (unsigned)st->st_uid), -1;
+        return ds_fail(DS_ERR_IO, "%s'%s' is a link owned by another user (uid %u): dslua does not follow it",
+                       about(head, path, link), link, (unsigned)st->st_uid), -1;
     ssize_t t = readlinkat(fd, name, target, sizeof target - 1);
-    if (t < 0) return ds_fail(DS_ERR_IO, "'%s': cannot read the link '%s': %s", path, at, strerror(errno)), -1;
+    if (t < 0) return ds_fail(DS_ERR_IO, "'%s': cannot read the link '%s': %s", path, link, strerror(errno)), -1;
     if (snprintf(next, PATH_MAX, "%.*s%s%s", (int)t, target, *after ? "/" : "", after) >= PATH_MAX)
         return ds_fail(DS_ERR_ARG, "'%s': too long once its links are followed", path), -1;
     return 0;
@@ -175,13 +180,10 @@ static int walk(const char *path, bool follow_leaf, char leaf[NAME_MAX + 1]) {
         leaf[n ? n : 1] = '\0';
         struct stat st;
         if ((*after || follow_leaf) && fstatat(fd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
-            size_t back = strlen(at);
-            walk_into(at, leaf);
             if (++links > MAX_LINKS) return close(fd), ds_fail(DS_ERR_IO, "'%s': more than %d links", path, MAX_LINKS), -1;
             if (follow(fd, leaf, &st, after, next, at, path)) return close(fd), -1;
             strcpy(rest, next);
             p = rest;
-            at[back] = '\0';
             if (rest[0] == '/') close(fd), fd = walk_start(true, at, path);
             continue;
         }

@@ -56,7 +56,7 @@
 -- place, `latest` not moved), latest (`latest` moved).
 local ds = require 'dslua'
 local json = require 'dslua.json'
-local file = require 'dslua.file'
+local file_io = require 'dslua.file'
 local core = require 'dslua.core'
 local C = core.ckpt
 
@@ -73,7 +73,7 @@ local function fail(fmt, ...) error(string.format(fmt, ...), 0) end
 -- when there is none; a FIFO, a device, a planted link or a file over
 -- max_bytes raises, naming who asked.
 local function read_text(path, max_bytes, who)
-  local ok, text, err = pcall(file.read, path, max_bytes)
+  local ok, text, err = pcall(file_io.read, path, max_bytes)
   if not ok then fail('%s: %s', who, text) end
   return text, err
 end
@@ -322,7 +322,7 @@ end
 
 -- The SHA-256 of a Lua file the run depends on (schedule, sampler policy).
 local function code_entry(path, extra)
-  local text = path and read_text(path, file.MAX_BYTES, 'save_checkpoint')
+  local text = path and read_text(path, file_io.MAX_BYTES, 'save_checkpoint')
   local e = extra or {}
   e.path = path
   e.sha256 = text and C.sha256(text) or nil

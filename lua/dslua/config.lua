@@ -6,6 +6,7 @@
 -- reported at once. dslua's own blocks (M.extension_keys) pass through.
 local json = require 'dslua.json'
 local suggest = require 'dslua.suggest'
+local file = require 'dslua.file'
 
 local M = {}
 
@@ -1155,17 +1156,28 @@ local SAMPLER_OWN = { max_micro_batch_per_rank = 'auto', measure_steps = 'auto',
                       params = 'custom' }
 
 local function policy_file(name, source)
+  local exists = require('dslua.core').ckpt.exists
   local tried = { name }
-  local f = io.open(name, 'rb')
-  if f then f:close() return name, tried end
+  if exists(name) then return name, tried end
   local dir = type(source) == 'string' and source:match('^(.*)/[^/]*$')
   if dir and name:sub(1, 1) ~= '/' then
     local other = dir .. '/' .. name
     tried[2] = other
-    f = io.open(other, 'rb')
-    if f then f:close() return other, tried end
+    if exists(other) then return other, tried end
   end
   return nil, tried
+end
+
+-- Why the Lua file at path (what: 'policy', 'hooks') cannot be used: it
+-- cannot be read through the guarded open (a FIFO, a device, a planted
+-- link) or does not compile. nil when it can.
+local function lua_file_problem(path, what)
+  local ok, text, err = pcall(file.read, path)
+  if not ok or not text then
+    return string.format('cannot read the %s file %s: %s', what, describe(path), file.reason(text or err, path))
+  end
+  local _, cerr = loadstring(text, '@' .. path)
+  return cerr and string.format('the %s file does not compile: %s', what, cerr)
 end
 
 -- The policy's kind ('uneven', 'auto', 'distributed' or 'custom') and the
@@ -1184,13 +1196,13 @@ local function check_policy(ctx, path, v)
     return problem(ctx, path, 'unknown policy ' .. describe(v) .. (s and ', ' .. s or '')
                    .. ' (built in: ' .. table.concat(M.sampler_policies, ', ') .. '; or the path of a .lua file)')
   end
-  local file, tried = policy_file(v, ctx.source)
-  if not file then
+  local found, tried = policy_file(v, ctx.source)
+  if not found then
     return problem(ctx, path, 'cannot read the policy file ' .. describe(v) .. ' (tried ' .. table.concat(tried, ', ') .. ')')
   end
-  local _, err = loadfile(file)
-  if err then return problem(ctx, path, 'the policy file does not compile: ' .. err) end
-  return 'custom', file
+  local why = lua_file_problem(found, 'policy')
+  if why then return problem(ctx, path, why) end
+  return 'custom', found
 end
 
 -- A list of one value per rank; check(x, p) -> x or nil after a problem.
@@ -1476,13 +1488,13 @@ TOP.fields.reload = block({ fields = { enabled = bool(true), every = int(1, 1), 
 local function check_hooks(ctx, path, v)
   if v == json.null then return nil end
   if type(v) == 'string' then
-    local file, tried = policy_file(v, ctx.source)
-    if not file then
+    local found, tried = policy_file(v, ctx.source)
+    if not found then
       return problem(ctx, path, 'cannot read the hooks file ' .. describe(v) .. ' (tried ' .. table.concat(tried, ', ') .. ')')
     end
-    local _, err = loadfile(file)
-    if err then return problem(ctx, path, 'the hooks file does not compile: ' .. err) end
-    return file
+    local why = lua_file_problem(found, 'hooks')
+    if why then return problem(ctx, path, why) end
+    return found
   end
   if not is_object(v) then
     return problem(ctx, path, 'must be the path of a Lua file or a table of hook functions, got ' .. describe(v))
@@ -1530,13 +1542,10 @@ local function read_source(ctx, src)
   if type(src) ~= 'string' then
     return problem(ctx, '', 'the config must be a file name or a table, got ' .. describe(src))
   end
-  -- read in C: a FIFO or a device is refused instead of blocking the open
-  local ok, text = pcall(require('dslua.core').data_core.read_file, src)
-  if not ok then
-    local err = tostring(text)
-    if err:sub(1, #src + 2) == src .. ': ' then err = err:sub(#src + 3) end
-    return problem(ctx, '', 'cannot read: ' .. err:gsub('^cannot open %((.*)%)$', '%1'))
-  end
+  -- the guarded open: a FIFO, a device or a planted link is refused
+  -- instead of blocking or being followed
+  local ok, text, err = pcall(file.read, src)
+  if not ok or not text then return problem(ctx, '', 'cannot read: ' .. file.reason(text or err, src)) end
   local ok, v, dups = pcall(json.decode, text, src, true)
   if not ok then
     ctx.raw_error = v

@@ -22,7 +22,7 @@ end
 -- leads ("is a FIFO, expected a regular file"), for messages that name
 -- the file already.
 function M.reason(err, path)
-  for _, head in ipairs({ "cannot open '" .. path .. "': ", "'" .. path .. "' " }) do
+  for _, head in ipairs({ "cannot open '" .. path .. "': ", "'" .. path .. "': ", "'" .. path .. "' " }) do
     if err:sub(1, #head) == head then return err:sub(#head + 1) end
   end
   return err

@@ -7,6 +7,7 @@
 -- constructor sets each group's lr (the value of iteration -1), and step(),
 -- called after each optimizer step, increments it and sets lr again.
 local F = require('dslua.core').lr_formulas
+local file = require 'dslua.file'
 local suggest = require 'dslua.suggest'
 local guard = require 'dslua.guard'
 
@@ -499,10 +500,10 @@ end
 -- The schedule a file returns, and the file's text (live reload hashes it).
 local function load_schedule(path, who)
   if type(path) ~= 'string' then fail('%s: params.path must be the path of a Lua file, got %s', who, type(path)) end
-  local f, err = io.open(path, 'rb')
-  if not f then fail('%s: cannot load schedule file %s: cannot open %s', who, path, err) end
-  local text = f:read('*a')
-  f:close()
+  local ok, text, err = pcall(file.read, path)
+  if not ok or not text then
+    fail('%s: cannot load schedule file %s: %s', who, path, file.reason(text or err, path))
+  end
   local chunk, cerr = guard.load(text, '@' .. path)
   if not chunk then fail('%s: cannot load schedule file %s: %s', who, path, cerr) end
   local ok, res = guard.pcall('the schedule file ' .. path, chunk)

@@ -492,7 +492,12 @@ function Session:_scan()
       return
     end
     e.gone = nil
-    local text = read_file(e.path)
+    local readable, text = pcall(read_file, e.path)
+    if not readable then          -- a FIFO, a device, a planted link: never read
+      say(self, 'reload: %s; the loaded version keeps running', text)
+      e.gone, e.sig = true, nil
+      return
+    end
     if not text or K.stat(e.path) ~= sig then return end
     local hash = sha256(text)
     if hash == e.hash then
