@@ -1,6 +1,7 @@
 /* Checkpoint files without Lua: SHA-256 against FIPS 180-2's vector, a
  * safetensors round trip with ranged reads and CRC-32s, a truncated file
- * refused naming the tensor, and a directory put in place of another. */
+ * refused naming the tensor, a directory put in place of another, and the
+ * guarded read: whole past its first buffer, bounded, a FIFO refused. */
 #include "ds_error.h"
 #include "ds_file.h"
 #include "ds_ops.h"
@@ -10,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -81,11 +83,34 @@ static void test_replace_dir(void) {
     }
 }
 
+static void test_guarded_read(void) {
+    char path[256], fifo[256];
+    snprintf(path, sizeof path, "%s/big", dir);
+    enum { N = 100000 };
+    char *text = malloc(N);
+    for (int i = 0; i < N; i++) text[i] = (char)('a' + i % 26);
+    check(ds_file_write_atomic(path, text, N) == 0, "write_atomic: %s", ds_error_message());
+    size_t n = 0;
+    char *got = ds_file_read(path, N, &n);
+    check(got && n == N && memcmp(got, text, N) == 0 && got[N] == '\0', "read back all %d bytes", N);
+    free(got);
+    check(!ds_file_read(path, N - 1, &n) && strstr(ds_error_message(), "more than the 99999"), "bounded: %s",
+          ds_error_message());
+    snprintf(fifo, sizeof fifo, "%s/fifo", dir);
+    check(mkfifo(fifo, 0600) == 0, "mkfifo");
+    check(!ds_file_read(fifo, N, &n) && strstr(ds_error_message(), "is a FIFO, expected a regular file"), "FIFO: %s",
+          ds_error_message());
+    check(ds_file_open(fifo, DS_FILE_APPEND, 0) < 0 && strstr(ds_error_message(), "is a FIFO"), "FIFO for writing: %s",
+          ds_error_message());
+    free(text);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return perror("mkdtemp"), 1;
     test_sha256();
     test_round_trip();
     test_replace_dir();
+    test_guarded_read();
     ds_file_remove_tree(dir);
     return check_summary("test_ckpt");
 }
