@@ -84,7 +84,7 @@ describe('dslua plot', function()
     for _, input in ipairs({ dir .. '/fifo.csv', '/dev/zero' }) do
       out, status = H.run('timeout 20 ' .. H.bin() .. ' plot ' .. input .. ' -o ' .. dir .. '/z.png')
       assert.are.equal(1, status, out)
-      H.has(out, "dslua plot: '" .. input .. "' is a " .. (input == '/dev/zero' and 'device' or 'FIFO')
+      H.has(out, 'dslua plot: ' .. input .. ': is a ' .. (input == '/dev/zero' and 'device' or 'FIFO')
             .. ', expected a regular file')
     end
   end)

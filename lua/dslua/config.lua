@@ -1172,10 +1172,8 @@ end
 -- cannot be read through the guarded open (a FIFO, a device, a planted
 -- link) or does not compile. nil when it can.
 local function lua_file_problem(path, what)
-  local ok, text, err = pcall(file.read, path)
-  if not ok or not text then
-    return string.format('cannot read the %s file %s: %s', what, describe(path), file.reason(text or err, path))
-  end
+  local text, why = file.text(path)
+  if not text then return string.format('cannot read the %s file %s: %s', what, describe(path), why) end
   local _, cerr = loadstring(text, '@' .. path)
   return cerr and string.format('the %s file does not compile: %s', what, cerr)
 end
@@ -1544,8 +1542,8 @@ local function read_source(ctx, src)
   end
   -- the guarded open: a FIFO, a device or a planted link is refused
   -- instead of blocking or being followed
-  local ok, text, err = pcall(file.read, src)
-  if not ok or not text then return problem(ctx, '', 'cannot read: ' .. file.reason(text or err, src)) end
+  local text, why = file.text(src)
+  if not text then return problem(ctx, '', 'cannot read: ' .. why) end
   local ok, v, dups = pcall(json.decode, text, src, true)
   if not ok then
     ctx.raw_error = v

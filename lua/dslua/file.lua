@@ -18,6 +18,14 @@ function M.read(path, max_bytes)
   error(text, 0)
 end
 
+-- The bytes of the file at path, or nil and why not (there is none, or
+-- dslua must not read it), without the path: for messages that name it.
+function M.text(path, max_bytes)
+  local ok, text, err = pcall(M.read, path, max_bytes)
+  if ok and text then return text end
+  return nil, M.reason(text or err, path)
+end
+
 -- err, a message of the guarded open about path, without the path where it
 -- leads ("is a FIFO, expected a regular file"), for messages that name
 -- the file already.

@@ -65,8 +65,8 @@ end
 -- is ignored), `#` starts a comment line; a duplicate host, a malformed
 -- line or no host at all is an error naming the file and line.
 function M.parse_hostfile(path)
-  local text, err = read(path)
-  if not text then fail('cannot read hostfile: %s: %s', path, file.reason(err, path)) end
+  local text, why = file.text(path)
+  if not text then fail('cannot read hostfile: %s: %s', path, why) end
   return M.parse_hostfile_text(text, path)
 end
 

@@ -500,10 +500,8 @@ end
 -- The schedule a file returns, and the file's text (live reload hashes it).
 local function load_schedule(path, who)
   if type(path) ~= 'string' then fail('%s: params.path must be the path of a Lua file, got %s', who, type(path)) end
-  local ok, text, err = pcall(file.read, path)
-  if not ok or not text then
-    fail('%s: cannot load schedule file %s: %s', who, path, file.reason(text or err, path))
-  end
+  local text, why = file.text(path)
+  if not text then fail('%s: cannot load schedule file %s: %s', who, path, why) end
   local chunk, cerr = guard.load(text, '@' .. path)
   if not chunk then fail('%s: cannot load schedule file %s: %s', who, path, cerr) end
   local ok, res = guard.pcall('the schedule file ' .. path, chunk)

@@ -29,8 +29,8 @@ end
 
 -- {x = steps, y = values} of one csv_monitor file (`step,<name>` header)
 local function read_csv(path)
-  local text, why = file.read(path, MAX_CSV)
-  if not text then error(path .. ': ' .. file.reason(why, path), 0) end
+  local text, why = file.text(path, MAX_CSV)
+  if not text then error(path .. ': ' .. why, 0) end
   local s = { x = {}, y = {} }
   local first = text ~= ''
   for line in text:gmatch('([^\n]*)\n?') do
