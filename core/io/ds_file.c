@@ -228,12 +228,13 @@ int ds_file_open(const char *path, ds_file_mode how, int64_t max_bytes) {
     if (dfd < 0) return -1;
     /* O_NONBLOCK until checked: opening a FIFO would wait for its other end */
     int flags = how == DS_FILE_READ ? O_RDONLY : how == DS_FILE_APPEND ? O_WRONLY | O_APPEND | O_CREAT : O_WRONLY | O_CREAT;
-    int fd = openat(dfd, leaf, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+    int fd = openat(dfd, leaf, flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644), err = errno;
     struct stat st;
-    if (fd < 0 && (errno == ELOOP || errno == ENXIO) && fstatat(dfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0)
+    /* ELOOP: a link swapped in since the walk; ENXIO: a FIFO with no reader */
+    if (fd < 0 && (err == ELOOP || err == ENXIO) && fstatat(dfd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0)
         ds_fail(DS_ERR_IO, "'%s' is %s, expected a regular file", path, kind_name(st.st_mode));
     else if (fd < 0)
-        ds_fail(DS_ERR_IO, "cannot open '%s': %s", path, strerror(errno));
+        ds_fail(DS_ERR_IO, "cannot open '%s': %s", path, strerror(err));
     close(dfd);
     if (fd < 0) return -1;
     if (check_file(fd, path, how, max_bytes)) return close(fd), -1;
@@ -245,14 +246,13 @@ int ds_file_open(const char *path, ds_file_mode how, int64_t max_bytes) {
 }
 
 int ds_file_open_dir(const char *path) {
-    char leaf[NAME_MAX + 1], at[PATH_MAX];
+    char leaf[NAME_MAX + 1];
     int dfd = walk(path, true, leaf);
     if (dfd < 0) return -1;
     int fd = openat(dfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     close(dfd);
     if (fd < 0) return ds_fail(DS_ERR_IO, "cannot open the directory '%s': %s", path, strerror(errno)), -1;
-    snprintf(at, sizeof at, "%s", path);
-    if (check_dir(fd, at, path)) return close(fd), -1;
+    if (check_dir(fd, path, path)) return close(fd), -1;
     return fd;
 }
 
