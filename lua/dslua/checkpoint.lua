@@ -649,6 +649,7 @@ end
 -- Each saved parameter's shard: its elements cut in as many pieces as
 -- ranks hold it, so a changed shard cannot read another range.
 local function check_params(file, m)
+  if type(m.parameters) ~= 'table' then fail("load_checkpoint: '%s': parameters is not a list: the manifest is corrupt", file) end
   for k, sp in ipairs(m.parameters) do
     local key = string.format('parameters[%d]', k)
     if type(sp) ~= 'table' or type(sp.name) ~= 'string' or type(sp.shape) ~= 'table' then
@@ -666,8 +667,8 @@ local function check_params(file, m)
     end
     local want = ceil_div(sp.numel, W)
     if sp.shard ~= want then
-      fail("load_checkpoint: '%s': %s ('%s', %d elements on %d ranks) has shard %d, expected %d: the manifest is "
-           .. 'corrupt', file, key, sp.name, sp.numel, W, sp.shard, want)
+      fail("load_checkpoint: '%s': %s (%s, %d elements on %d ranks) has shard %d, expected %d: the manifest is "
+           .. 'corrupt', file, key, excerpt(sp.name), sp.numel, W, sp.shard, want)
     end
   end
 end
