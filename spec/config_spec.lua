@@ -338,6 +338,20 @@ describe('ds.config errors', function()
     os.execute('rm -rf ' .. d)
   end)
 
+  it('reads a config from a folder another user owns (a bind mount), not from one open to every user', function()
+    if H.run('id -u') ~= '0\n' then return pending('needs root to make folders of another user') end
+    local d = H.tmpdir()
+    H.write(d .. '/ds.json', '{"train_batch_size": 8}')
+    os.execute('chown -R nobody ' .. d)
+    local out, status = H.run(H.bin() .. ' --check-config ' .. d .. '/ds.json')
+    assert.are.equal(0, status, out)
+    os.execute('chmod 777 ' .. d)
+    out, status = H.run(H.bin() .. ' --check-config ' .. d .. '/ds.json')
+    assert.are.equal(1, status, out)
+    H.has(out, "the directory '" .. d .. "' is writable by others without the sticky bit (mode 777")
+    os.execute('rm -rf ' .. d)
+  end)
+
   it('reports a string given for a choice of numbers (the suggester once failed on it)', function()
     assert.are.same({ 'config: zero_optimization.stage: must be 0, 1, 2 or 3, got "3"' },
                     select(2, config.check({ train_batch_size = 8, zero_optimization = { stage = '3' } })))

@@ -3,17 +3,15 @@
  *   file.read(path, max_bytes) -> string     a regular file of at most max_bytes
  *   file.append(path, string)                 created 0644 when missing
  *   file.write(path, string)                  atomically: temp, fsync, rename
- *   file.check_dir(path)                      the directory and those above it
  *
  * Links another user could have planted are not followed, FIFOs and devices
- * are refused, and directories another user may write into are refused,
- * naming them. Every failure raises with the core's message. */
+ * are refused, and so are directories another user may write into (for
+ * reads, only those open to every user), naming them. Every failure raises with the core's message. */
 #include "lua_tensor.h"
 #include "ds_error.h"
 #include "ds_file.h"
 
 #include <stdlib.h>
-#include <unistd.h>
 
 static int l_read(lua_State *L) {
     const char *path = luaL_checkstring(L, 1);
@@ -40,15 +38,8 @@ static int l_write(lua_State *L) {
     return 0;
 }
 
-static int l_check_dir(lua_State *L) {
-    int fd = ds_file_open_dir(luaL_checkstring(L, 1));
-    if (fd < 0) return dsL_error(L);
-    close(fd);
-    return 0;
-}
-
 static const luaL_Reg file_fns[] = {
-    {"read", l_read}, {"append", l_append}, {"write", l_write}, {"check_dir", l_check_dir}, {NULL, NULL}
+    {"read", l_read}, {"append", l_append}, {"write", l_write}, {NULL, NULL}
 };
 
 void dsL_open_file(lua_State *L) {

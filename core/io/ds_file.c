@@ -115,26 +115,33 @@ static const char *about(char head[PATH_MAX + 4], const char *path, const char *
 }
 
 /* The directory open as fd, shown as `at`: 0, or -1 when another user
- * could put a link or a file in it. */
-static int check_dir(int fd, const char *at, const char *path) {
+ * could put a link or a file in it. Writing, that is any other user's
+ * directory and a group- or world-writable one without the sticky bit;
+ * reading, only a world-writable one without it: a directory of another
+ * user (a container's root reading a bind mount, a shared project folder)
+ * holds what that user chose to put there. */
+static int check_dir(int fd, const char *at, const char *path, bool writing) {
     struct stat st;
     if (fstat(fd, &st) != 0) return ds_fail(DS_ERR_IO, "'%s': cannot stat '%s': %s", path, at, strerror(errno)), -1;
-    const char *why = !trusted_uid(st.st_uid) ? "owned by another user"
-                    : (st.st_mode & (S_IWGRP | S_IWOTH)) && !(st.st_mode & S_ISVTX)
-                    ? "writable by group or others without the sticky bit" : NULL;
+    mode_t open_to = writing ? S_IWGRP | S_IWOTH : S_IWOTH;
+    const char *why = writing && !trusted_uid(st.st_uid) ? "owned by another user"
+                    : (st.st_mode & open_to) && !(st.st_mode & S_ISVTX)
+                    ? (writing ? "writable by group or others without the sticky bit"
+                               : "writable by others without the sticky bit") : NULL;
     if (!why) return 0;
     char head[PATH_MAX + 4];
     return ds_fail(DS_ERR_IO, "%sthe directory '%s' is %s (mode %o, owner uid %u; this process runs as uid %u): "
-                   "another user could plant links or files there, so dslua does not use it", about(head, path, at),
-                   at, why, (unsigned)(st.st_mode & 07777), (unsigned)st.st_uid, (unsigned)geteuid()), -1;
+                   "another user could plant links or files there, so dslua does not %s it", about(head, path, at),
+                   at, why, (unsigned)(st.st_mode & 07777), (unsigned)st.st_uid, (unsigned)geteuid(),
+                   writing ? "write through" : "read from"), -1;
 }
 
 /* Where a walk starts: "/" for an absolute path, "." otherwise. */
-static int walk_start(bool absolute, char *at, const char *path) {
+static int walk_start(bool absolute, char *at, const char *path, bool writing) {
     strcpy(at, absolute ? "/" : ".");
     int fd = open(at, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return ds_fail(DS_ERR_IO, "'%s': cannot open '%s': %s", path, at, strerror(errno)), -1;
-    if (check_dir(fd, at, path)) return close(fd), -1;
+    if (check_dir(fd, at, path, writing)) return close(fd), -1;
     return fd;
 }
 
@@ -145,13 +152,17 @@ static void walk_into(char *at, const char *name) {
 }
 
 /* The target of the trusted link `name` in fd followed by what is left of
- * the path, into next. -1 with the error. */
+ * the path, into next. A link is trusted when root or this user owns it,
+ * or, reading, the owner of the directory holding it (who could have put
+ * the file there as well). -1 with the error. */
 static int follow(int fd, const char *name, const struct stat *st, const char *after, char *next, const char *at,
-                  const char *path) {
+                  const char *path, bool writing) {
     char link[PATH_MAX], target[PATH_MAX], head[PATH_MAX + 4];
     snprintf(link, sizeof link, "%s", at);
     walk_into(link, name);
-    if (!trusted_uid(st->st_uid))
+    struct stat dir;
+    bool dir_owners = !writing && fstat(fd, &dir) == 0 && dir.st_uid == st->st_uid;
+    if (!trusted_uid(st->st_uid) && !dir_owners)
         return ds_fail(DS_ERR_IO, "%s'%s' is a link owned by another user (uid %u): dslua does not follow it",
                        about(head, path, link), link, (unsigned)st->st_uid), -1;
     ssize_t t = readlinkat(fd, name, target, sizeof target - 1);
@@ -164,11 +175,11 @@ static int follow(int fd, const char *name, const struct stat *st, const char *a
 /* Walks path (ds_file.h): returns the checked directory holding its last
  * component, whose name goes to leaf ("." for "/"); with follow_leaf a
  * trusted link there is followed too. -1 with the error. */
-static int walk(const char *path, bool follow_leaf, char leaf[NAME_MAX + 1]) {
+static int walk(const char *path, bool follow_leaf, bool writing, char leaf[NAME_MAX + 1]) {
     char rest[PATH_MAX], at[PATH_MAX], next[PATH_MAX];
     if (!*path || strlen(path) >= sizeof rest) return ds_fail(DS_ERR_ARG, "bad path '%.200s'", path), -1;
     strcpy(rest, path);
-    int fd = walk_start(rest[0] == '/', at, path), links = 0;
+    int fd = walk_start(rest[0] == '/', at, path, writing), links = 0;
     const char *p = rest;
     while (fd >= 0) {
         while (*p == '/') p++;
@@ -181,10 +192,10 @@ static int walk(const char *path, bool follow_leaf, char leaf[NAME_MAX + 1]) {
         struct stat st;
         if ((*after || follow_leaf) && fstatat(fd, leaf, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode)) {
             if (++links > MAX_LINKS) return close(fd), ds_fail(DS_ERR_IO, "'%s': more than %d links", path, MAX_LINKS), -1;
-            if (follow(fd, leaf, &st, after, next, at, path)) return close(fd), -1;
+            if (follow(fd, leaf, &st, after, next, at, path, writing)) return close(fd), -1;
             strcpy(rest, next);
             p = rest;
-            if (rest[0] == '/') close(fd), fd = walk_start(true, at, path);
+            if (rest[0] == '/') close(fd), fd = walk_start(true, at, path, writing);
             continue;
         }
         if (!*after) return fd;
@@ -192,7 +203,7 @@ static int walk(const char *path, bool follow_leaf, char leaf[NAME_MAX + 1]) {
         walk_into(at, leaf);
         close(fd);
         if (sub < 0) return ds_fail(DS_ERR_IO, "'%s': cannot open the directory '%s': %s", path, at, strerror(errno)), -1;
-        if (check_dir(sub, at, path)) return close(sub), -1;
+        if (check_dir(sub, at, path, writing)) return close(sub), -1;
         fd = sub;
         p = after;
     }
@@ -224,7 +235,7 @@ static int check_file(int fd, const char *path, ds_file_mode how, int64_t max_by
 
 int ds_file_open(const char *path, ds_file_mode how, int64_t max_bytes) {
     char leaf[NAME_MAX + 1];
-    int dfd = walk(path, true, leaf);
+    int dfd = walk(path, true, how != DS_FILE_READ, leaf);
     if (dfd < 0) return -1;
     /* O_NONBLOCK until checked: opening a FIFO would wait for its other end */
     int flags = how == DS_FILE_READ ? O_RDONLY : how == DS_FILE_APPEND ? O_WRONLY | O_APPEND | O_CREAT : O_WRONLY | O_CREAT;
@@ -247,12 +258,12 @@ int ds_file_open(const char *path, ds_file_mode how, int64_t max_bytes) {
 
 int ds_file_open_dir(const char *path) {
     char leaf[NAME_MAX + 1];
-    int dfd = walk(path, true, leaf);
+    int dfd = walk(path, true, true, leaf);
     if (dfd < 0) return -1;
     int fd = openat(dfd, leaf, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     close(dfd);
     if (fd < 0) return ds_fail(DS_ERR_IO, "cannot open the directory '%s': %s", path, strerror(errno)), -1;
-    if (check_dir(fd, path, path)) return close(fd), -1;
+    if (check_dir(fd, path, path, true)) return close(fd), -1;
     return fd;
 }
 
@@ -311,7 +322,7 @@ int ds_file_append(const char *path, const void *data, size_t n) {
 
 int ds_file_write_atomic(const char *path, const void *data, size_t n) {
     char leaf[NAME_MAX + 1], tmp[NAME_MAX + 32];
-    int dfd = walk(path, false, leaf);
+    int dfd = walk(path, false, true, leaf);
     if (dfd < 0) return -1;
     snprintf(tmp, sizeof tmp, "%s.tmp.%ld", leaf, (long)getpid());
     unlinkat(dfd, tmp, 0);              /* what a killed process of this pid left */

@@ -2,12 +2,15 @@
  *
  * Guarded: every file dslua reads or writes outside the data loaders is
  * opened here. The path is walked from "/" (or ".") one directory at a
- * time with O_NOFOLLOW; each directory must be owned by root or this user
- * and not writable by group or others unless sticky, so nobody else can
- * plant a link or a file in it; a link is followed only when root or this
- * user owns it. What is opened must be a regular file (a FIFO or a device
- * would block or never end), a read no larger than its bound, a written
- * file this user's with one link.
+ * time with O_NOFOLLOW. Writing, each directory must be owned by root or
+ * this user and not writable by group or others unless sticky, so nobody
+ * else can plant a link or a file where dslua writes, and a link is
+ * followed only when root or this user owns it. Reading, a directory of
+ * another user is read (a container's root on a bind mount), one writable
+ * by others without the sticky bit is not, and a link is followed when
+ * root, this user or the owner of its directory owns it. What is opened
+ * must be a regular file (a FIFO or a device would block or never end), a
+ * read no larger than its bound, a written file this user's with one link.
  *
  * Durable: a file or a directory becomes visible under its final name only
  * once its bytes are on disk, so a process killed at any point leaves
@@ -31,7 +34,7 @@ typedef enum {
  * max_bytes bounds reads only. */
 int ds_file_open(const char *path, ds_file_mode how, int64_t max_bytes);
 /* The directory at path, walked and checked as the directories above a
- * file are: a descriptor (O_DIRECTORY), or -1 with the error. */
+ * written file are: a descriptor (O_DIRECTORY), or -1 with the error. */
 int ds_file_open_dir(const char *path);
 /* The whole file, at most max_bytes, NUL-terminated (malloc'd; *n its
  * length), through the guarded open; NULL with the error. */
