@@ -443,7 +443,7 @@ int ds_safetensors_read_into(ds_safetensors_file *f, int i, int64_t lo, int64_t 
     if (dst->dtype == e->dtype && ds_device_equal(ds_tensor_device(dst), DS_CPU_DEVICE)) {
         char what[PATH_MAX];
         snprintf(what, sizeof what, "tensor '%s'", e->name);
-        return read_at(f, (char *)ds_tensor_data(dst) + at * size, (size_t)(n * size), f->data_start + e->begin + lo * size,
+        return read_at(f, (char *)ds_tensor_data_w(dst, "a safetensors read") + at * size, (size_t)(n * size), f->data_start + e->begin + lo * size,
                        what);
     }
     /* another dtype or device: through a host tensor of the file's dtype */

@@ -191,11 +191,10 @@ int ds_binary_(ds_binary_op op, ds_tensor *dst, ds_tensor *src) {
     if (ds_check_same_device(binary_names[op], dst, src)) return -1;
     ds_tensor *e = ds_expand(src, dst->ndim, dst->shape);
     if (!e) return -1;
-    int rc = ds_tensor_kernels(dst)->elementwise->binary(op, ds_tensor_kview(dst), ds_tensor_kview(dst),
-                                                         ds_tensor_kview(e));
+    int rc = ds_tensor_kernels(dst)->elementwise->binary(op, ds_tensor_kview_w(dst, inplace_names[op]),
+                                                         ds_tensor_kview(dst), ds_tensor_kview(e));
     ds_tensor_release(e);
     if (rc) ds_fail(DS_ERR_STATE, "%s_: %s", binary_names[op], ds_kernel_error());
-    else ds_storage_bump_version(dst->storage, inplace_names[op]);
     return rc;
 }
 

@@ -12,13 +12,13 @@
 static int copy_kernel(ds_tensor *dst, ds_tensor *src, const char *op) {
     ds_device dd = ds_tensor_device(dst), sd = ds_tensor_device(src);
     if (!ds_device_equal(dd, sd)) {
-        if (ds_device_transfer(op, ds_tensor_kview(dst), dd, ds_tensor_kview(src), sd)) return -1;
+        if (ds_device_transfer(op, ds_tensor_kview_w(dst, op), dd, ds_tensor_kview(src), sd)) return -1;
         if (dd.type != DS_DEV_CPU || !ds_fault_settle(sd)) return 0;
         char msg[640];
         snprintf(msg, sizeof msg, "%s", ds_error_message());
         return ds_fail(DS_ERR_ARG, "%s: %s", op, msg), -1;
     }
-    if (ds_tensor_kernels(dst)->core->copy(ds_tensor_kview(dst), ds_tensor_kview(src)))
+    if (ds_tensor_kernels(dst)->core->copy(ds_tensor_kview_w(dst, op), ds_tensor_kview(src)))
         return ds_fail(DS_ERR_STATE, "%s: %s", op, ds_kernel_error()), -1;
     return 0;
 }
@@ -269,13 +269,11 @@ int ds_copy_(ds_tensor *dst, ds_tensor *src) {
     if (!e) return -1;
     int rc = copy_kernel(dst, e, "copy_");
     ds_tensor_release(e);
-    if (rc == 0) ds_storage_bump_version(dst->storage, "copy_");
     return rc;
 }
 
 int ds_fill_(ds_tensor *dst, double v) {
-    if (ds_tensor_kernels(dst)->core->fill(ds_tensor_kview(dst), v))
+    if (ds_tensor_kernels(dst)->core->fill(ds_tensor_kview_w(dst, "fill_"), v))
         return ds_fail(DS_ERR_STATE, "fill_: %s", ds_kernel_error()), -1;
-    ds_storage_bump_version(dst->storage, "fill_");
     return 0;
 }

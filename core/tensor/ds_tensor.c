@@ -232,6 +232,16 @@ ds_kview ds_tensor_kview(const ds_tensor *t) {
     return v;
 }
 
+ds_kview ds_tensor_kview_w(ds_tensor *t, const char *op) {
+    ds_storage_bump_version(t->storage, op);
+    return ds_tensor_kview(t);
+}
+
+void *ds_tensor_data_w(ds_tensor *t, const char *op) {
+    ds_storage_bump_version(t->storage, op);
+    return ds_tensor_data(t);
+}
+
 const ds_kernels *ds_tensor_kernels(const ds_tensor *t) {
     return ds_backend_get(t->storage->device)->kernels;
 }

@@ -62,6 +62,12 @@ int64_t ds_tensor_numel(const ds_tensor *t);
 bool ds_tensor_is_contiguous(const ds_tensor *t);
 ds_device ds_tensor_device(const ds_tensor *t);
 ds_kview ds_tensor_kview(const ds_tensor *t);
+/* The view or bytes of t for a writer in place (a kernel, a transfer, a
+ * collective, a reader): t's storage's version moves, naming op, so a graph
+ * that saved t refuses its backward. Every in-place writer takes its
+ * destination here, so none can forget. */
+ds_kview ds_tensor_kview_w(ds_tensor *t, const char *op);
+void *ds_tensor_data_w(ds_tensor *t, const char *op);
 const ds_kernels *ds_tensor_kernels(const ds_tensor *t);
 void *ds_tensor_data(const ds_tensor *t);    /* element 0, CPU address */
 /* "[3,4]" into buf, for error messages */

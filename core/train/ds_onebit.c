@@ -311,7 +311,8 @@ static ds_kview view_or_none(ds_tensor *t) {
 static int update(ds_onebit *b, int g, ds_onebit_op op, const ds_optim_hparams *h, ds_tensor *grad, ds_tensor *acc) {
     ds_optim_group *og = &b->o->groups[g];
     ds_onebit_params p = { h->beta1, h->eps, h->lr, h->weight_decay, b->g[g].lrs };
-    if (ds_tensor_kernels(og->flat_params)->optim->onebit_update(op, ds_tensor_kview(og->flat_params), view_or_none(grad),
+    ds_kview params = ds_tensor_kview_w(og->flat_params, "the 1-bit optimizer's step");
+    if (ds_tensor_kernels(og->flat_params)->optim->onebit_update(op, params, view_or_none(grad),
                                                                  ds_tensor_kview(og->state[0]),
                                                                  ds_tensor_kview(og->state[1]), view_or_none(acc), &p))
         return kernel_failed("update");

@@ -304,6 +304,15 @@ static ds_kview opt_view(const ds_tensor *t) {
     return t ? ds_tensor_kview(t) : v;
 }
 
+/* The parameters a step writes (f32, or their 16-bit copy): a graph that
+ * saved them must see them changed. */
+#define STEP_WRITES "the optimizer's step"
+
+static ds_kview written_view(ds_tensor *t) {
+    ds_kview v = { 0 };
+    return t ? ds_tensor_kview_w(t, STEP_WRITES) : v;
+}
+
 static const ds_kernels_optim *optim_kernels(ds_optim_kind kind, const ds_tensor *p) {
     const ds_kernels_optim *k = ds_tensor_kernels(p)->optim;
     if (!k) {
@@ -357,9 +366,9 @@ int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, boo
     if (!k) return -1;
     double bc1 = h->bias_correction ? 1 - pow(h->beta1, (double)t) : 1;
     double bc2 = h->bias_correction ? 1 - pow(h->beta2, (double)t) : 1;
-    ds_kview pv = ds_tensor_kview(p), gv = ds_tensor_kview(g);
+    ds_kview pv = ds_tensor_kview_w(p, STEP_WRITES), gv = ds_tensor_kview(g);
     ds_kview v0 = n_state > 0 ? opt_view(s0) : opt_view(NULL), v1 = n_state > 1 ? opt_view(s1) : opt_view(NULL);
-    ds_kview sv = opt_view(shadow);
+    ds_kview sv = written_view(shadow);
     int rc = 0;
     switch (kind) {
     case DS_OPTIM_SGD: {
@@ -391,9 +400,6 @@ int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, boo
         break;
     }
     if (rc) return ds_fail(DS_ERR_STATE, "optim.%s: %s", name, ds_kernel_error()), -1;
-    /* the 16-bit copy is the model's parameters: a graph that saved one
-     * must see it changed, as it saw the copy_ that wrote it before */
-    if (shadow) ds_storage_bump_version(shadow->storage, "the optimizer's step");
     return 0;
 }
 
@@ -418,7 +424,7 @@ static int lamb_step(ds_optim_group *gr, const ds_optim_hparams *h, int64_t t, d
     int nseg = gr->n_seg;
     double *sq = malloc((2 * (size_t)nseg + 1) * sizeof *sq);     /* |w|^2 of each piece, then |u|^2 */
     if (!sq) return ds_fail(DS_ERR_NOMEM, "optim.Lamb: out of memory for %d segments", nseg), -1;
-    ds_kview p = ds_tensor_kview(gr->flat_params), m = opt_view(gr->state[0]), v = opt_view(gr->state[1]);
+    ds_kview p = ds_tensor_kview_w(gr->flat_params, STEP_WRITES), m = opt_view(gr->state[0]), v = opt_view(gr->state[1]);
     int rc = -1;
     if (k->lamb_norms(p, ds_tensor_kview(gr->flat_grads), m, v, gr->seg, nseg, sq, sq + nseg, &lp)) {
         ds_fail(DS_ERR_STATE, "optim.Lamb: %s", ds_kernel_error());
