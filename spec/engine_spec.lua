@@ -175,6 +175,38 @@ describe('engine steps', function()
     assert.matches('Train batch size must be divisible by micro%-batch data parallelism', err)
   end)
 
+  it('skips a bf16 step whose gradients are not finite under bf16.check_grad_overflow, at every stage', function()
+    local x, y = problem(4)
+    for stage = 0, 3 do
+      local e = ds.initialize { model = model_with(), config = config {
+        bf16 = { enabled = true, check_grad_overflow = true }, zero_optimization = { stage = stage } } }
+      local before = e.module.fc2.weight:to('f32')
+      e:backward(e { x = x, y = y } * (0 / 0))
+      e:step()
+      assert.are.equal(1, e.skipped_steps, 'stage ' .. stage)
+      assert.are.equal(1, e.global_steps, 'stage ' .. stage)
+      H.assert_same(e.module.fc2.weight:to('f32'), before, 'stage ' .. stage .. ' weights')
+      e:backward(e { x = x, y = y })
+      e:step()
+      assert.are.equal(1, e.skipped_steps, 'stage ' .. stage .. ': a finite step goes on')
+      assert.is_true((e.module.fc2.weight:to('f32') - before):abs():amax():item() > 0, 'stage ' .. stage)
+      e:destroy()
+    end
+  end)
+
+  it('refuses a batch size the config would refuse, keeping the one it has', function()
+    local e = ds.initialize { model = model_with(), config = config() }
+    for _, n in ipairs({ 1e308, 2 ^ 40, 1 / 0, 0 / 0, 2.5, 0, -4 }) do
+      local err = H.err(e.set_train_batch_size, e, n)
+      assert.is_nil(err:find('divisible', 1, true), tostring(n) .. ': ' .. err)
+    end
+    assert.matches('set_train_batch_size: train_batch_size: must be an integer between %-2%^63 and 2%^63 %- 1, '
+                   .. 'got 1e%+308', H.err(e.set_train_batch_size, e, 1e308))
+    assert.matches('set_train_batch_size: train_batch_size: must be <= 2147483647', H.err(e.set_train_batch_size, e, 2 ^ 40))
+    assert.are.equal(4, e:train_batch_size())
+    assert.are.equal(1, e:gradient_accumulation_steps())
+  end)
+
   it('switches the model between train and eval', function()
     local m = model_with()
     local e = ds.initialize { model = m, config = config() }

@@ -1610,6 +1610,15 @@ function M.check(src, opts)
   return cfg, {}, render(ctx, ctx.notes)
 end
 
+-- field_problem(key, v, source) -> what check would say of v as the value
+-- of the top-level key (one line, prefixed by source), or nil: the checks
+-- of a value set after initialize (engine:set_train_batch_size).
+function M.field_problem(key, v, source)
+  local ctx = { problems = {}, notes = {}, bad = {}, source = source }
+  check_value(ctx, key, v, TOP.fields[key])
+  return ctx.problems[1] and render(ctx, ctx.problems)[1]
+end
+
 -- load(path_or_table [, {world_size = 1}]) -> resolved config, notes.
 -- Raises one error listing every problem, one per line.
 function M.load(src, opts)

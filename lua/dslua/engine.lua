@@ -641,18 +641,20 @@ end
 
 -- The step engine's step: the reduction waited for, clipping (DeepSpeed's
 -- unscale-and-clip under ZeRO and mixed precision, torch's
--- clip_grad_norm_ otherwise), the optimizer. With fp16 an overflow on any
--- rank skips it: counted in skipped_steps, the scale drops, the scheduler
--- does not step (DeepSpeed's _take_model_step).
+-- clip_grad_norm_ otherwise), the optimizer. With fp16, or bf16 with
+-- check_grad_overflow, an inf or NaN gradient on any rank skips it:
+-- counted in skipped_steps, fp16's scale drops, the scheduler does not
+-- step (DeepSpeed's _take_model_step).
 function Engine:_take_step()
   local clip = self.config.gradient_clipping or 0
   local scaler = self.scaler
+  local check = scaler ~= nil or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
   local overflow, norm
   if self.zero then
     if self.onebit_local then self.zero.engine:take_local_grads() end
-    overflow, norm = self.zero:step(scaler and scaler.cur_scale or 1, clip, scaler ~= nil)
+    overflow, norm = self.zero:step(scaler and scaler.cur_scale or 1, clip, check)
   else
-    overflow, norm = self.steps:step(self.optimizer.param_groups, 1, clip, false)
+    overflow, norm = self.steps:step(self.optimizer.param_groups, 1, clip, check)
   end
   local engine = self.zero and self.zero.engine or self.steps
   if self.world_size > 1 then self.comm_stats = engine:stats() end
@@ -663,9 +665,13 @@ function Engine:_take_step()
   self.overflow = overflow
   if overflow then
     self.skipped_steps = self.skipped_steps + 1
-    scaler:update_scale(true)
-    if self.rank == 0 and scaler.message then
-      io.stdout:write(scaler.message, '\n')
+    local message = require('dslua.loss_scaler').overflow_line { rank = self.rank }
+    if scaler then
+      scaler:update_scale(true)
+      message = scaler.message
+    end
+    if self.rank == 0 and message then
+      io.stdout:write(message, '\n')
       io.stdout:flush()
     end
     return
@@ -762,10 +768,13 @@ function Engine:_report()
 end
 
 -- DeepSpeed's set_train_batch_size: the micro batch stays, the number of
--- accumulation steps changes.
+-- accumulation steps changes. n is checked as the config's
+-- train_batch_size is.
 function Engine:set_train_batch_size(n)
+  local why = ds.config.field_problem('train_batch_size', n, 'set_train_batch_size')
+  if why or n <= 0 then error(why or string.format('Train batch size: %d has to be greater than 0', n), 2) end
   local mb = self:train_micro_batch_size_per_gpu()
-  if type(n) ~= 'number' or n < 1 or n % (mb * self.world_size) ~= 0 then
+  if n % (mb * self.world_size) ~= 0 then
     error('Train batch size must be divisible by micro-batch data parallelism', 2)
   end
   self.config.gradient_accumulation_steps = n / (mb * self.world_size)
