@@ -521,6 +521,51 @@ describe('dslua --check-config', function()
     has(H.run(bin .. ' --help'), '--check-config FILE [--world-size N]')
   end)
 
+  it('refuses what initialize refuses: what the scaler, optimizer and scheduler constructors refuse', function()
+    local d = tmpdir()
+    assert(os.execute('mkdir ' .. d .. '/folder.lua && mkfifo ' .. d .. '/fifo.lua') == 0)
+    local function both(cfg, piece)
+      local path = write(d .. '/ds.json', json.encode(cfg))
+      local out, status = H.run('timeout 20 ' .. bin .. ' --check-config ' .. path)
+      assert.are.equal(1, status, out)
+      has(out, path .. ': ')
+      has(out, piece)
+      local ok, e = pcall(H.ds.initialize, { model = H.ds.nn.Linear(2, 2), config = path })
+      assert.is_false(ok)
+      has(tostring(e), piece)
+    end
+    local adam = { type = 'Adam', params = { lr = 1e-3 } }
+    both({ train_batch_size = 2, optimizer = adam, fp16 = { enabled = true, initial_scale_power = 100000 } },
+         'loss_scaler: fp16 initial loss scale (2^initial_scale_power) must be a positive finite number, got inf')
+    for _, name in ipairs({ 'folder.lua', 'fifo.lua' }) do
+      local what = name == 'fifo.lua' and 'a FIFO' or 'a directory'
+      both({ train_batch_size = 2, optimizer = adam, scheduler = { type = 'lua', params = { path = d .. '/' .. name } } },
+           'cannot load schedule file: ' .. d .. '/' .. name .. ': is ' .. what .. ', expected a regular file')
+    end
+    os.execute('rm -rf ' .. d)
+  end)
+
+  -- 200,000 unknown top-level keys once took 73 s: each was weighed
+  -- against every known name; past 100 a block's unknown keys are counted
+  -- (200,000 now take 1 s, most of it reading the JSON)
+  it('weighs the first 100 unknown keys of a block and counts the rest', function()
+    local cfg = { train_batch_size = 8, optimizer = { type = 'SGD', params = { lr = 0.1 } } }
+    for i = 1, 20000 do cfg[string.format('unknown_key_%05d', i)] = i end
+    for i = 1, 150 do cfg.optimizer.params['bad_' .. i] = i end
+    local S, weighed = require('dslua.suggest'), 0
+    local nearest = S.nearest
+    S.nearest = function(...) weighed = weighed + 1 return nearest(...) end
+    local _, list, notes = config.check(cfg)
+    S.nearest = nearest
+    assert.are.equal(200, weighed)
+    assert.are.equal(101, #notes)
+    has(notes[100], 'warning: config: unknown_key_00100: unknown key, ignored')
+    assert.are.equal('warning: config: 19900 more unknown keys, ignored (as DeepSpeed ignores them) and not weighed '
+                     .. 'as near misses of known keys', notes[101])
+    assert.are.equal(101, #list)
+    assert.are.equal('config: optimizer.params: 50 more unknown keys', list[101])
+  end)
+
   it('passes every file in configs/', function()
     local p = io.popen('ls configs/*.json')
     local n = 0

@@ -251,12 +251,39 @@ end
 -- field}, aliases = {other_name = name}, auto = true for DeepSpeed's
 -- pydantic models (they drop "auto" values, left for Hugging Face to fill;
 -- a field's own auto = true does the same for it; resolve_autos fills them),
+-- Unknown keys of a block weighed against its names (edit distances) one
+-- by one; past them a runaway config (200,000 keys) costs no more, and one
+-- line counts the rest.
+local UNKNOWN_MAX = 100
+
+-- The names of a block's fields and their aliases.
+local function block_names(schema)
+  local names = {}
+  for n in pairs(schema.fields) do names[#names + 1] = n end
+  for a in pairs(schema.aliases or {}) do names[#names + 1] = a end
+  return names
+end
+
+-- The line for a block's unknown keys past UNKNOWN_MAX: a warning where
+-- DeepSpeed ignores them, else a problem.
+local function unknown_rest(ctx, path, schema, n)
+  if n <= 0 then return end
+  local what = string.format('%d more unknown keys', n)
+  if schema.lenient then
+    note(ctx, path, what .. ', ignored (as DeepSpeed ignores them) and not weighed as near misses of known keys',
+         'warning')
+  else
+    problem(ctx, path, what)
+  end
+end
+
 -- nofill = true to keep only the given keys, open = true to pass unknown keys
 -- through, lenient = true to warn of unknown keys that are no near miss
 -- of a known one}. Returns the resolved table and {name = the key given}.
 check_block = function(ctx, path, v, schema)
   local out, given = {}, {}
   local fields, aliases = schema.fields, schema.aliases or {}
+  local names, unknowns = nil, 0
   v = v or {}
   for _, key in ipairs(sorted_keys(v)) do
     local x, kp = v[key], join(path, tostring(key))
@@ -266,10 +293,11 @@ check_block = function(ctx, path, v, schema)
       problem(ctx, kp, 'keys must be strings, got ' .. describe(key))
     elseif not f and schema.open then
       out[key] = copy(x)
+    elseif not f and unknowns >= UNKNOWN_MAX then
+      unknowns = unknowns + 1           -- counted, not weighed: unknown_rest
     elseif not f then
-      local names = {}
-      for n in pairs(fields) do names[#names + 1] = n end
-      for a in pairs(aliases) do names[#names + 1] = a end
+      unknowns = unknowns + 1
+      names = names or block_names(schema)
       if schema.lenient and not suggest.nearest(key, names) then
         -- DeepSpeed reads such a block key by key and never sees the rest
         note(ctx, kp, string.format("unknown key, ignored (as DeepSpeed ignores it); the nearest known key is '%s'",
@@ -288,6 +316,7 @@ check_block = function(ctx, path, v, schema)
       end
     end
   end
+  unknown_rest(ctx, path, schema, unknowns - UNKNOWN_MAX)
   for _, name in ipairs(sorted_keys(fields)) do
     local f = fields[name]
     if f.required and given[name] == nil and not ctx.bad[join(path, name)] then
@@ -1641,6 +1670,10 @@ function M.check_cli(path, world_size)
   end
   local cfg, problems, notes = M.check(path, { world_size = ws })
   for _, n in ipairs(notes) do io.stderr:write(n, '\n') end
+  if cfg then
+    local ok, err = pcall(require('dslua.engine').check_builds, cfg)
+    if not ok then cfg, problems = nil, { path .. ': ' .. tostring(err):gsub('^[^\n]-:%d+: ', '') } end
+  end
   if not cfg then
     for _, p in ipairs(problems) do io.stderr:write(p, '\n') end
     return false

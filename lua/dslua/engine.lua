@@ -124,6 +124,16 @@ local function build_scheduler(opts, cfg, optimizer)
   return nil
 end
 
+-- What initialize builds from the config alone (the loss scaler, the
+-- optimizer, the scheduler), on a stand-in parameter: --check-config runs
+-- it after ds.config.check, so it refuses what initialize would.
+function M.check_builds(cfg)
+  if cfg.fp16.enabled then require('dslua.loss_scaler').from_config(cfg.fp16) end
+  local params = { ds.zeros(1):requires_grad_() }
+  local optimizer = cfg.optimizer and build_optimizer({}, cfg, params) or ds.optim.SGD(params, { lr = 0 })
+  build_scheduler({}, cfg, optimizer)
+end
+
 -- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights
 -- (a pipeline stage's ranks from the stage's first rank).
 local function broadcast_model(model)
