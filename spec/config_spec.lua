@@ -540,7 +540,7 @@ describe('dslua --check-config', function()
     for _, name in ipairs({ 'folder.lua', 'fifo.lua' }) do
       local what = name == 'fifo.lua' and 'a FIFO' or 'a directory'
       both({ train_batch_size = 2, optimizer = adam, scheduler = { type = 'lua', params = { path = d .. '/' .. name } } },
-           'cannot load schedule file: ' .. d .. '/' .. name .. ': is ' .. what .. ', expected a regular file')
+           'cannot load schedule file ' .. d .. '/' .. name .. ': is ' .. what .. ', expected a regular file')
     end
     os.execute('rm -rf ' .. d)
   end)

@@ -435,7 +435,8 @@ describe('optim errors', function()
 
   it('refuses bad hyperparameters, naming the group and the value', function()
     local function ps() return { ds.zeros(3):requires_grad_() } end
-    fails('optim.SGD: group 1: lr must be >= 0, got -1', ds.optim.SGD, ps(), { lr = -1 })
+    fails('optim.SGD: group 1: lr must be >= 0 and finite in fp32 (at most 3.4e38), got -1', ds.optim.SGD, ps(),
+          { lr = -1 })
     fails('optim.Adam: group 1: betas[1] must be in [0, 1), got 1', ds.optim.Adam, ps(), { betas = { 1, 0.999 } })
     fails('optim.AdamW: group 1: betas[2] must be in [0, 1), got -0.1', ds.optim.AdamW, ps(),
           { betas = { 0.9, -0.1 } })
@@ -449,7 +450,8 @@ describe('optim errors', function()
           { max_coeff = 0.1, min_coeff = 0.2 })
     fails('optim.Adam: group 1: lr must be a number, got string', ds.optim.Adam, ps(), { lr = 'big' })
     fails('optim.Adam: group 1: betas must be a table of two numbers', ds.optim.Adam, ps(), { betas = { 0.9 } })
-    fails('optim.SGD: group 2: lr must be >= 0, got -1', ds.optim.SGD, { { params = ps() }, { params = ps(), lr = -1 } })
+    fails('optim.SGD: group 2: lr must be >= 0 and finite in fp32 (at most 3.4e38), got -1', ds.optim.SGD,
+          { { params = ps() }, { params = ps(), lr = -1 } })
     fails("optim.SGD: unknown option 'betas' (options: dampening, lr, maximize, momentum, nesterov, weight_decay)",
           ds.optim.SGD, ps(), { betas = { 0.9, 0.9 } })
     fails('optim.Adam: amsgrad = true is not supported', ds.optim.Adam, ps(), { amsgrad = true })
@@ -461,7 +463,7 @@ describe('optim errors', function()
     set_grads(ps, 1)
     local before = values(ps)
     opt.param_groups[2].lr = -0.5
-    fails('optim.AdamW: group 2: lr must be >= 0, got -0.5', opt.step, opt)
+    fails('optim.AdamW: group 2: lr must be >= 0 and finite in fp32 (at most 3.4e38), got -0.5', opt.step, opt)
     assert.are.same(before, values(ps))
     opt.param_groups[2].lr = 0.01
     opt.param_groups[1].betas = { 0.9, 1 }

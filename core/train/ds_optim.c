@@ -2,6 +2,7 @@
 #include "ds_error.h"
 #include "ds_ops.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,8 +49,10 @@ static int bad(ds_optim_kind k, int g, const char *what, double v) {
 }
 
 int ds_optim_check_hparams(ds_optim_kind k, const ds_optim_hparams *h, int g) {
-    /* written as !(ok) so that NaN fails too */
-    if (!(h->lr >= 0)) return bad(k, g, "lr must be >= 0", h->lr);
+    /* written as !(ok) so that NaN fails too; the kernels take lr as a
+     * float, where past FLT_MAX it is inf */
+    if (!(h->lr >= 0 && h->lr <= FLT_MAX))
+        return bad(k, g, "lr must be >= 0 and finite in fp32 (at most 3.4e38)", h->lr);
     if (!(h->weight_decay >= 0)) return bad(k, g, "weight_decay must be >= 0", h->weight_decay);
     if (uses_betas(k)) {
         if (!(h->beta1 >= 0 && h->beta1 < 1)) return bad(k, g, "betas[1] must be in [0, 1)", h->beta1);
@@ -424,7 +427,8 @@ static int lamb_step(ds_optim_group *gr, const ds_optim_hparams *h, int64_t t, d
     int nseg = gr->n_seg;
     double *sq = malloc((2 * (size_t)nseg + 1) * sizeof *sq);     /* |w|^2 of each piece, then |u|^2 */
     if (!sq) return ds_fail(DS_ERR_NOMEM, "optim.Lamb: out of memory for %d segments", nseg), -1;
-    ds_kview p = ds_tensor_kview_w(gr->flat_params, STEP_WRITES), m = opt_view(gr->state[0]), v = opt_view(gr->state[1]);
+    ds_kview p = ds_tensor_kview_w(gr->flat_params, STEP_WRITES);
+    ds_kview m = opt_view(gr->state[0]), v = opt_view(gr->state[1]);
     int rc = -1;
     if (k->lamb_norms(p, ds_tensor_kview(gr->flat_grads), m, v, gr->seg, nseg, sq, sq + nseg, &lp)) {
         ds_fail(DS_ERR_STATE, "optim.Lamb: %s", ds_kernel_error());

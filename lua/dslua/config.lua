@@ -1648,6 +1648,76 @@ function M.field_problem(key, v, source)
   return ctx.problems[1] and render(ctx, ctx.problems)[1]
 end
 
+-- A resolved value as "path = value" lines, one per leaf, in key order.
+local function value_lines(v, path, out)
+  if type(v) == 'table' then
+    local keys = sorted_keys(v)
+    if #keys == 0 then out[#out + 1] = path .. ' = {}' end
+    for _, k in ipairs(keys) do value_lines(v[k], join(path, k), out) end
+  else
+    local shown = type(v) == 'number' and (json.number(v) or tostring(v))
+    out[#out + 1] = path .. ' = ' .. (shown or type(v) == 'string' and json.encode(v) or tostring(v))
+  end
+  return out
+end
+
+-- "path = value" lines as their paths in order and a map path -> value.
+local function parse_lines(lines)
+  local order, map = {}, {}
+  for i, l in ipairs(lines) do
+    local k, v = l:match('^(.-) = (.*)$')
+    order[i], map[k] = k, v
+  end
+  return order, map
+end
+
+-- The first path, in lines' order then others', given another value by
+-- others: path, this value, the other ('absent' where a side lacks it).
+local function first_difference(lines, others)
+  local order, mine = parse_lines(lines)
+  local extra, theirs = parse_lines(others)
+  for _, k in ipairs(order) do
+    if mine[k] ~= theirs[k] then return k, mine[k], theirs[k] or 'absent' end
+  end
+  for _, k in ipairs(extra) do
+    if mine[k] == nil then return k, 'absent', theirs[k] end
+  end
+end
+
+-- agree(cfg, extra): every rank's resolved config, with extra lines
+-- (what it built from it: the schedule's first lrs), against rank 0's by
+-- SHA-256, one small all_gather; where they differ every rank learns
+-- every rank's lines and raises naming, per rank that differs, the first
+-- key and both values. Every rank calls it.
+function M.agree(cfg, extra)
+  local ds = require 'dslua'
+  local core = require 'dslua.core'
+  local lines = value_lines(cfg, '', {})
+  for _, l in ipairs(extra or {}) do lines[#lines + 1] = l end
+  local text = table.concat(lines, '\n')
+  local hash = core.ckpt.sha256(text)
+  local words = {}
+  for i = 1, 8 do words[i] = tonumber(hash:sub(8 * i - 7, 8 * i), 16) end
+  local hashes = ds.comm.all_gather(ds.tensor(words, 'f64'), { log_name = 'config' })
+  local same = true
+  for r = 1, #hashes do same = same and table.concat(hashes[r]:totable(), ',') == table.concat(words, ',') end
+  if same then return end
+  local texts = ds.comm.all_gather(core._reload.to_bytes(text), { log_name = 'config' })
+  local first, msgs = nil, {}
+  for r, t in ipairs(texts) do
+    local theirs = {}
+    for l in (core._reload.from_bytes(t) .. '\n'):gmatch('(.-)\n') do theirs[#theirs + 1] = l end
+    if r == 1 then
+      first = theirs
+    else
+      local key, v, v0 = first_difference(theirs, first)
+      if key then msgs[#msgs + 1] = string.format('%s is %s on rank %d, %s on rank 0', key, v, r - 1, v0) end
+    end
+  end
+  error('initialize: the resolved config differs across ranks (every rank must run the same one): '
+        .. table.concat(msgs, '; '), 0)
+end
+
 -- load(path_or_table [, {world_size = 1}]) -> resolved config, notes.
 -- Raises one error listing every problem, one per line.
 function M.load(src, opts)

@@ -236,6 +236,15 @@ function M.initialize(opts)
     optimizer = build_optimizer(opts, cfg, params)
   end
   local scheduler = build_scheduler(opts, cfg, optimizer)
+  -- one resolved config and one first lr on every rank (a difference in
+  -- lr or gradient_clipping would train on, the ranks drifting apart)
+  if ds.comm and ds.comm.world_size() > 1 then
+    local firsts = {}
+    for i, g in ipairs(optimizer.param_groups) do
+      firsts[i] = string.format('(the first lr of param group %d) = %s', i, require('dslua.json').number(g.lr))
+    end
+    ds.config.agree(cfg, firsts)
+  end
 
   local self = setmetatable({
     module = model, config = cfg, optimizer = optimizer, lr_scheduler = scheduler, zero = zero, device = device,

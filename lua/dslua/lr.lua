@@ -37,6 +37,55 @@ end
 
 local function is_integer(v) return type(v) == 'number' and v == math.floor(v) and v > -2^53 and v < 2^53 end
 
+-- The largest lr: the optimizers' kernels take it as an fp32 number, where
+-- anything larger is inf.
+local LR_MAX = 3.4028234663852886e38
+
+-- lr_problem(v) -> why v cannot be an lr, or nil. As PyTorch a negative lr
+-- is refused; so is one the fp32 step would make inf or NaN (1/0, 1e300).
+function M.lr_problem(v)
+  if type(v) ~= 'number' or not (v >= 0 and v <= LR_MAX) then
+    return 'must be >= 0 and finite in fp32 (at most 3.4e38), got ' .. tostring(v)
+  end
+end
+
+-- span(optimizer) -> {lowest, highest} lr of its param groups: what ranks
+-- compare, one size whatever their groups (a pipeline's stages differ).
+function M.span(optimizer)
+  local lo, hi = math.huge, -math.huge
+  for _, g in ipairs(optimizer.param_groups) do lo, hi = math.min(lo, g.lr), math.max(hi, g.lr) end
+  return { lo, hi }
+end
+
+-- agree(spans, step [, scheduler]): spans[r + 1] is rank r's span; raises
+-- naming each rank whose lrs differ from rank 0's, and the schedule (a
+-- schedule reading the rank would let the ranks' weights drift apart).
+function M.agree(spans, step, scheduler)
+  local num = require('dslua.json').number
+  local function shown(s) return s[1] == s[2] and num(s[1]) or num(s[1]) .. ' to ' .. num(s[2]) end
+  local bad = {}
+  for r = 2, #spans do
+    if spans[r][1] ~= spans[1][1] or spans[r][2] ~= spans[1][2] then
+      bad[#bad + 1] = string.format('rank %d %s', r - 1, shown(spans[r]))
+    end
+  end
+  if #bad > 0 then
+    local from = scheduler and ' (set by ' .. (scheduler.who or scheduler.kind or 'the scheduler') .. ')' or ''
+    fail('the lr differs across ranks from step %d%s: rank 0 steps with %s, %s; every rank must step with the same lr',
+         step, from, shown(spans[1]), table.concat(bad, ', '))
+  end
+end
+
+-- Raises naming who and the step unless every lr of lrs can be one.
+local function check_lrs(lrs, who, step)
+  for i, v in ipairs(lrs) do
+    local why = M.lr_problem(v)
+    if why then
+      fail('%s: the lr%s at step %d %s', who, #lrs > 1 and ' of param group ' .. i or '', step, why)
+    end
+  end
+end
+
 local function groups_of(optimizer, who)
   local groups = type(optimizer) == 'table' and optimizer.param_groups
   if type(groups) ~= 'table' or #groups == 0 then
@@ -91,6 +140,7 @@ local function new_scheduler(optimizer, kind, compute, last_batch_iteration)
 end
 
 local function set_lrs(self, lrs)
+  check_lrs(lrs, self.who or self.kind, self.last_batch_iteration + 1)
   for i, g in ipairs(self.optimizer.param_groups) do g.lr = lrs[i] end
   self._last_lr = copy(lrs)
 end
@@ -133,9 +183,7 @@ end
 -- says (it keeps counting steps); pin_lr(nil) hands the lr back to it.
 -- How `dslua attach`'s set_lr overrides a schedule.
 function Scheduler:pin_lr(lr)
-  if lr ~= nil and (type(lr) ~= 'number' or lr ~= lr or lr < 0) then
-    fail('%s: pin_lr: lr must be a number >= 0 or nil, got %s', self.kind, tostring(lr))
-  end
+  if lr ~= nil and M.lr_problem(lr) then fail('%s: pin_lr: lr %s', self.kind, M.lr_problem(lr)) end
   self.pinned = lr
   self:step(self.last_batch_iteration)
 end
@@ -365,6 +413,7 @@ local function values_for(v, n, what, step, who)
       fail('%s: %s at step %d must be a number, got %s', who, what, step, tostring(out[i]))
     end
   end
+  if what == 'lr' then check_lrs(out, who, step) end
   return out
 end
 
@@ -416,7 +465,7 @@ function M.lambda(optimizer, schedule, params, who)
     return cache_lrs, nil
   end, -1)
   s.schedule = tbl or schedule
-  s.params = params
+  s.params, s.who = params, who
   -- what fn gives at the current step, checked as step() would check it
   local function check_at(fn, p)
     local step = s.last_batch_iteration + 1

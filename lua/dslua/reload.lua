@@ -95,7 +95,7 @@ end
 
 -- Every rank's list of messages, in rank order (msg.from set): one
 -- all_reduce of the payload lengths, a broadcast from each rank that has one.
-local function exchange(session, list)
+local function exchange(session, list, lrs)
   local W, rank = session.world_size, session.rank
   if W == 1 then
     for _, m in ipairs(list) do m.from = 0 end
@@ -103,9 +103,14 @@ local function exchange(session, list)
   end
   local payload = #list > 0 and serialize(list) or ''
   local lens = {}
-  for r = 1, W do lens[r] = 0 end
-  lens[rank + 1] = #payload
+  for r = 1, 3 * W do lens[r] = 0 end
+  lens[rank + 1], lens[W + 2 * rank + 1], lens[W + 2 * rank + 2] = #payload, lrs and lrs[1] or 0, lrs and lrs[2] or 0
   lens = ds.comm.all_reduce(ds.tensor(lens, 'f64'), 'sum', { log_name = 'reload' }):totable()
+  if lrs then      -- the same all_reduce agrees on the lr the next step takes
+    local spans = {}
+    for r = 1, W do spans[r] = { lens[W + 2 * r - 1], lens[W + 2 * r] } end
+    require('dslua.lr').agree(spans, session.engine.global_steps + 1, session.engine.lr_scheduler)
+  end
   local out = {}
   for r = 0, W - 1 do
     local n = lens[r + 1]
@@ -562,9 +567,8 @@ end
 
 function actions.set_lr(session, m)
   local lr = m.lr
-  if lr ~= nil and (type(lr) ~= 'number' or lr ~= lr or lr < 0) then
-    error('set_lr: lr must be a number >= 0 (or nil to hand it back to the schedule), got ' .. tostring(lr), 0)
-  end
+  local why = lr ~= nil and require('dslua.lr').lr_problem(lr)
+  if why then error('set_lr: lr (or nil to hand it back to the schedule) ' .. why, 0) end
   local engine = session.engine
   if lr == nil then scheduler_of(session) end
   return function()
@@ -720,9 +724,13 @@ function Session:_round()
     self:_scan()
     if self.pause_until and now() >= self.pause_until then self:queue { type = 'resume' } end
   end
-  local msgs = exchange(self, self.outbox)
+  local span = require('dslua.lr').span(self.engine.optimizer)
+  local msgs = exchange(self, self.outbox, span)
   self.outbox = {}
-  if #msgs > 0 then self:_apply(msgs) end
+  if #msgs > 0 then
+    self:_apply(msgs)
+    exchange(self, {}, require('dslua.lr').span(self.engine.optimizer))   -- the lr a reload or set_lr set
+  end
 end
 
 -- The step boundary (Engine:step after its report): the on_step and on_log
