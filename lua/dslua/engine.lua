@@ -239,9 +239,9 @@ function M.initialize(opts)
   -- one resolved config and one first lr on every rank (a difference in
   -- lr or gradient_clipping would train on, the ranks drifting apart)
   if ds.comm and ds.comm.world_size() > 1 then
-    local firsts = {}
+    local firsts, num = {}, require('dslua.json').number
     for i, g in ipairs(optimizer.param_groups) do
-      firsts[i] = string.format('(the first lr of param group %d) = %s', i, require('dslua.json').number(g.lr))
+      firsts[i] = string.format('(the first lr of param group %d) = %s', i, num(g.lr) or tostring(g.lr))
     end
     ds.config.agree(cfg, firsts)
   end

@@ -95,6 +95,8 @@ end
 
 -- Every rank's list of messages, in rank order (msg.from set): one
 -- all_reduce of the payload lengths, a broadcast from each rank that has one.
+-- lrs, this rank's {lowest, highest} lr, rides in the all_reduce and is
+-- agreed on (dslua.lr.agree).
 local function exchange(session, list, lrs)
   local W, rank = session.world_size, session.rank
   if W == 1 then
@@ -104,9 +106,10 @@ local function exchange(session, list, lrs)
   local payload = #list > 0 and serialize(list) or ''
   local lens = {}
   for r = 1, 3 * W do lens[r] = 0 end
-  lens[rank + 1], lens[W + 2 * rank + 1], lens[W + 2 * rank + 2] = #payload, lrs and lrs[1] or 0, lrs and lrs[2] or 0
+  lens[rank + 1] = #payload
+  if lrs then lens[W + 2 * rank + 1], lens[W + 2 * rank + 2] = lrs[1], lrs[2] end
   lens = ds.comm.all_reduce(ds.tensor(lens, 'f64'), 'sum', { log_name = 'reload' }):totable()
-  if lrs then      -- the same all_reduce agrees on the lr the next step takes
+  if lrs then
     local spans = {}
     for r = 1, W do spans[r] = { lens[W + 2 * r - 1], lens[W + 2 * r] } end
     require('dslua.lr').agree(spans, session.engine.global_steps + 1, session.engine.lr_scheduler)
@@ -724,12 +727,12 @@ function Session:_round()
     self:_scan()
     if self.pause_until and now() >= self.pause_until then self:queue { type = 'resume' } end
   end
-  local span = require('dslua.lr').span(self.engine.optimizer)
-  local msgs = exchange(self, self.outbox, span)
+  local span = require('dslua.lr').span
+  local msgs = exchange(self, self.outbox, span(self.engine.optimizer))
   self.outbox = {}
   if #msgs > 0 then
     self:_apply(msgs)
-    exchange(self, {}, require('dslua.lr').span(self.engine.optimizer))   -- the lr a reload or set_lr set
+    exchange(self, {}, span(self.engine.optimizer))     -- the lr a reload or set_lr set, before its step
   end
 end
 
