@@ -95,8 +95,8 @@ end
 
 -- Every rank's list of messages, in rank order (msg.from set): one
 -- all_reduce of the payload lengths, a broadcast from each rank that has one.
--- lrs, this rank's {lowest, highest} lr, rides in the all_reduce and is
--- agreed on (dslua.lr.agree).
+-- lrs, this rank's {lowest, highest} lr, rides in the all_reduce: every
+-- rank's comes back second (spans[r + 1] for rank r).
 local function exchange(session, list, lrs)
   local W, rank = session.world_size, session.rank
   if W == 1 then
@@ -109,11 +109,8 @@ local function exchange(session, list, lrs)
   lens[rank + 1] = #payload
   if lrs then lens[W + 2 * rank + 1], lens[W + 2 * rank + 2] = lrs[1], lrs[2] end
   lens = ds.comm.all_reduce(ds.tensor(lens, 'f64'), 'sum', { log_name = 'reload' }):totable()
-  if lrs then
-    local spans = {}
-    for r = 1, W do spans[r] = { lens[W + 2 * r - 1], lens[W + 2 * r] } end
-    require('dslua.lr').agree(spans, session.engine.global_steps + 1, session.engine.lr_scheduler)
-  end
+  local spans = {}
+  for r = 1, W do spans[r] = { lens[W + 2 * r - 1], lens[W + 2 * r] } end
   local out = {}
   for r = 0, W - 1 do
     local n = lens[r + 1]
@@ -126,7 +123,7 @@ local function exchange(session, list, lrs)
       end
     end
   end
-  return out
+  return out, spans
 end
 
 ---------------------------------------------------------------- versions
@@ -727,13 +724,14 @@ function Session:_round()
     self:_scan()
     if self.pause_until and now() >= self.pause_until then self:queue { type = 'resume' } end
   end
-  local span = require('dslua.lr').span
-  local msgs = exchange(self, self.outbox, span(self.engine.optimizer))
+  local lr, engine = require('dslua.lr'), self.engine
+  local msgs, spans = exchange(self, self.outbox, lr.span(engine.optimizer))
   self.outbox = {}
-  if #msgs > 0 then
+  if #msgs > 0 then      -- the lr once a reload, set_lr or rollback has set it
     self:_apply(msgs)
-    exchange(self, {}, span(self.engine.optimizer))     -- the lr a reload or set_lr set, before its step
+    spans = select(2, exchange(self, {}, lr.span(engine.optimizer)))
   end
+  if spans then lr.agree(spans, engine.global_steps + 1, engine.lr_scheduler) end
 end
 
 -- The step boundary (Engine:step after its report): the on_step and on_log
