@@ -121,6 +121,73 @@ describe('safetensors files', function()
     H.has(H.err(C.open, dir .. '/absent.safetensors'), "cannot open '" .. dir .. "/absent.safetensors'")
   end)
 
+  -- A file of the given header text (padded) and data bytes.
+  local function raw_file(path, header, data)
+    header = header .. string.rep(' ', (8 - #header % 8) % 8)
+    local n, len = #header, {}
+    for i = 1, 8 do len[i] = string.char(n % 256); n = math.floor(n / 256) end
+    H.write(path, table.concat(len) .. header .. data)
+  end
+
+  local function entry(name, dtype, shape, b, e)
+    return string.format('"%s":{"dtype":"%s","shape":[%s],"data_offsets":[%d,%d]}', name, dtype,
+                         table.concat(shape, ','), b, e)
+  end
+
+  it('refuse a tensor named twice and tensors that share bytes, naming them', function()
+    local path = dir .. '/dup.safetensors'
+    raw_file(path, '{' .. entry('a', 'F32', { 1 }, 0, 4) .. ',' .. entry('a', 'F32', { 1 }, 4, 8) .. '}', ('\0'):rep(8))
+    H.has(H.err(C.open, path), "'" .. path .. "': tensor 'a' is in the header twice: the file is corrupt")
+    raw_file(path, '{' .. entry('w', 'F32', { 2 }, 0, 8) .. ',' .. entry('v', 'F32', { 2 }, 4, 12) .. '}', ('\0'):rep(12))
+    H.has(H.err(C.open, path), "tensors 'w' [0, 8) and 'v' [4, 12) share bytes: the file is corrupt")
+    raw_file(path, '{' .. entry('w', 'F32', { 4 }, 0, 16) .. ',' .. entry('v', 'F32', { 1 }, 8, 12) .. '}', ('\0'):rep(16))
+    H.has(H.err(C.open, path), "tensors 'w' [0, 16) and 'v' [8, 12) share bytes")
+    -- listed out of the data's order, and an empty tensor at any offset: fine
+    raw_file(path, '{' .. entry('z', 'U8', { 0 }, 2, 2) .. ',' .. entry('b', 'U8', { 2 }, 2, 4) .. ','
+             .. entry('a', 'U8', { 2 }, 0, 2) .. '}', '\1\2\3\4')
+    local f = C.open(path)
+    assert.are.same({ 1, 2 }, f:read('a'):totable())
+    assert.are.same({ 3, 4 }, f:read('b'):totable())
+    assert.are.same({}, f:read('z'):totable())
+    assert.is_nil(f:entry('c'))
+    f:close()
+    raw_file(path, '{"__metadata__":{"a":"1"},"__metadata__":{"b":"2"}}', '')
+    H.has(H.err(C.open, path), '__metadata__ is in the header twice')
+  end)
+
+  it('refuse shapes and header lengths past 64 bits by name, and reads past a tensor', function()
+    local path = dir .. '/big.safetensors'
+    local huge = 2 ^ 40
+    raw_file(path, '{' .. entry('w', 'F32', { huge, huge }, 0, 4) .. '}', ('\0'):rep(4))
+    H.has(H.err(C.open, path), "tensor 'w': its shape has more than 2^63 elements: the file is corrupt")
+    raw_file(path, '{' .. entry('w', 'F64', { 2 ^ 31, 2 ^ 31 }, 0, 4) .. '}', ('\0'):rep(4))
+    H.has(H.err(C.open, path), "tensor 'w': its dtype and shape need more than 2^63 bytes")
+    H.write(path, ('\255'):rep(8) .. '{}      ')
+    H.has(H.err(C.open, path), 'a header length of 18446744073709551615 bytes: not a safetensors file, or corrupt')
+    raw_file(path, '{' .. entry('w', 'F32', { 2 }, 0, 8) .. '}', ('\0'):rep(8))
+    local f = C.open(path)
+    H.has(H.err(f.read, f, 'w', 2 ^ 62, 2 ^ 62), "tensor 'w': 4611686018427387904 elements from element "
+                                                  .. '4611686018427387904 are outside its 2')
+    H.has(H.err(f.read, f, 'w', 1e300, 1), 'expected a non-negative integer')
+    f:close()
+  end)
+
+  it('find each of 100,000 tensors by name in n log n, not n^2 (a whole file read tensor by tensor)', function()
+    -- scanning the names for each tensor took ~25 s here, the sorted index ~1 s
+    local n, parts, at = 100000, {}, 0
+    for i = 1, n do
+      parts[i] = entry(string.format('layer.%06d.weight', i), 'F32', { 1 }, at, at + 4)
+      at = at + 4
+    end
+    local path = dir .. '/many.safetensors'
+    raw_file(path, '{' .. table.concat(parts, ',') .. '}', ('\0'):rep(4 * n))
+    local t0 = ds.wall_time()
+    local got = CK.load_file(path)
+    local secs = ds.wall_time() - t0
+    assert.is_true(secs < 15, string.format('took %.1f s', secs))
+    assert.are.same({ 0 }, got['layer.100000.weight']:totable())
+  end)
+
   it('carry the RNG state: get_rng_state / set_rng_state replay the same numbers', function()
     ds.manual_seed(3)
     ds.randn(5)

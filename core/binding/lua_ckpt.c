@@ -164,7 +164,7 @@ static int l_metadata(lua_State *L) {
 
 static int64_t checkcount(lua_State *L, int idx) {
     lua_Number v = luaL_checknumber(L, idx);
-    luaL_argcheck(L, v >= 0 && v == (lua_Number)(int64_t)v, idx, "expected a non-negative integer");
+    luaL_argcheck(L, v >= 0 && v < 0x1p63 && v == (lua_Number)(int64_t)v, idx, "expected a non-negative integer");
     return (int64_t)v;
 }
 

@@ -247,6 +247,7 @@ struct ds_safetensors_file {
     int64_t data_start, data_size;
     int n, n_meta;
     ds_safetensors_entry *e;
+    const ds_safetensors_entry **by_name;     /* e sorted by name, for find */
     const char **meta_keys, **meta_values;
 };
 
@@ -260,10 +261,22 @@ void ds_safetensors_metadata_at(const ds_safetensors_file *f, int i, const char 
     *value = f->meta_values[i];
 }
 
+static int by_name(const void *a, const void *b) {
+    return strcmp((*(const ds_safetensors_entry *const *)a)->name, (*(const ds_safetensors_entry *const *)b)->name);
+}
+
+static int by_offset(const void *a, const void *b) {
+    const ds_safetensors_entry *x = *(const ds_safetensors_entry *const *)a, *y = *(const ds_safetensors_entry *const *)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    return (x->end > y->end) - (x->end < y->end);
+}
+
+/* A binary search of the sorted index: a file of many tensors read one
+ * by one stays n log n. */
 int ds_safetensors_find(const ds_safetensors_file *f, const char *name) {
-    for (int i = 0; i < f->n; i++)
-        if (strcmp(f->e[i].name, name) == 0) return i;
-    return -1;
+    ds_safetensors_entry key = { .name = name };
+    const ds_safetensors_entry *k = &key, **hit = bsearch(&k, f->by_name, (size_t)f->n, sizeof *f->by_name, by_name);
+    return hit ? (int)(*hit - f->e) : -1;
 }
 
 void ds_safetensors_close(ds_safetensors_file *f) {
@@ -271,6 +284,7 @@ void ds_safetensors_close(ds_safetensors_file *f) {
     if (f->fd >= 0) close(f->fd);
     cJSON_Delete(f->root);
     free(f->e);
+    free(f->by_name);
     free(f->meta_keys);
     free(f->meta_values);
     free(f->path);
@@ -308,7 +322,7 @@ static int parse_entry(ds_safetensors_file *f, const cJSON *item, ds_safetensors
                        "end]: the file is corrupt", f->path, name), -1;
     int dtype = st_dtype(dt->valuestring);
     if (dtype < 0)
-        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': dtype '%s' is not one dslua reads (F32 F64 BF16 F16 I32 I64 "
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': dtype '%.32s' is not one dslua reads (F32 F64 BF16 F16 I32 I64 "
                        "U8 BOOL)", f->path, name, dt->valuestring), -1;
     e->dtype = (ds_dtype)dtype;
     e->ndim = cJSON_GetArraySize(shape);
@@ -322,7 +336,9 @@ static int parse_entry(ds_safetensors_file *f, const cJSON *item, ds_safetensors
             return ds_fail(DS_ERR_IO, "'%s': tensor '%s': shape entry %d is not a non-negative integer: the file is "
                            "corrupt", f->path, name, d + 1), -1;
         e->shape[d] = (int64_t)s->valuedouble;
-        e->numel *= e->shape[d];
+        if (__builtin_mul_overflow(e->numel, e->shape[d], &e->numel))
+            return ds_fail(DS_ERR_IO, "'%s': tensor '%s': its shape has more than 2^63 elements: the file is corrupt",
+                           f->path, name), -1;
     }
     const cJSON *b = cJSON_GetArrayItem(off, 0), *en = cJSON_GetArrayItem(off, 1);
     if (!cJSON_IsNumber(b) || !cJSON_IsNumber(en) || !whole(b->valuedouble) || !whole(en->valuedouble) ||
@@ -331,7 +347,10 @@ static int parse_entry(ds_safetensors_file *f, const cJSON *item, ds_safetensors
                        "file is corrupt", f->path, name), -1;
     e->begin = (int64_t)b->valuedouble;
     e->end = (int64_t)en->valuedouble;
-    int64_t need = e->numel * (int64_t)ds_dtype_size(e->dtype);
+    int64_t need;
+    if (__builtin_mul_overflow(e->numel, (int64_t)ds_dtype_size(e->dtype), &need))
+        return ds_fail(DS_ERR_IO, "'%s': tensor '%s': its dtype and shape need more than 2^63 bytes: the file is "
+                       "corrupt", f->path, name), -1;
     if (e->end - e->begin != need)
         return ds_fail(DS_ERR_IO, "'%s': tensor '%s': data_offsets [%lld, %lld] hold %lld bytes, its dtype and shape "
                        "need %lld: the file is corrupt", f->path, name, (long long)e->begin, (long long)e->end,
@@ -341,6 +360,37 @@ static int parse_entry(ds_safetensors_file *f, const cJSON *item, ds_safetensors
                        "bytes): the file is truncated", f->path, name, (long long)e->begin, (long long)e->end,
                        (long long)f->data_size), -1;
     return 0;
+}
+
+/* Sorts the entries by name, for find, and by offset: two tensors of one
+ * name, or two whose bytes overlap, make one of them read the other's
+ * weights, so either is a corrupt file. */
+static int index_entries(ds_safetensors_file *f) {
+    const ds_safetensors_entry **at = malloc(((size_t)f->n + 1) * sizeof *at);
+    f->by_name = malloc(((size_t)f->n + 1) * sizeof *f->by_name);
+    int rc = at && f->by_name ? 0 : -1;
+    if (rc) ds_fail(DS_ERR_NOMEM, "'%s': out of memory for the header", f->path);
+    for (int i = 0; rc == 0 && i < f->n; i++) at[i] = f->by_name[i] = &f->e[i];
+    if (rc == 0) {
+        qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, by_name);
+        qsort(at, (size_t)f->n, sizeof *at, by_offset);
+    }
+    for (int i = 1; rc == 0 && i < f->n; i++)
+        if (strcmp(f->by_name[i - 1]->name, f->by_name[i]->name) == 0)
+            rc = -1, ds_fail(DS_ERR_IO, "'%s': tensor '%s' is in the header twice: the file is corrupt", f->path,
+                             f->by_name[i]->name);
+    const ds_safetensors_entry *last = NULL;   /* the non-empty range that ends furthest */
+    for (int i = 0; rc == 0 && i < f->n; i++) {
+        const ds_safetensors_entry *e = at[i];
+        if (e->begin == e->end) continue;
+        if (last && e->begin < last->end)
+            rc = -1, ds_fail(DS_ERR_IO, "'%s': tensors '%s' [%lld, %lld) and '%s' [%lld, %lld) share bytes: the file "
+                             "is corrupt", f->path, last->name, (long long)last->begin, (long long)last->end, e->name,
+                             (long long)e->begin, (long long)e->end);
+        if (!last || e->end > last->end) last = e;
+    }
+    free(at);
+    return rc;
 }
 
 static int parse_header(ds_safetensors_file *f, const char *text, int64_t len) {
@@ -359,6 +409,8 @@ static int parse_header(ds_safetensors_file *f, const char *text, int64_t len) {
         }
         if (!cJSON_IsObject(item))
             return ds_fail(DS_ERR_IO, "'%s': __metadata__ is not an object of strings", f->path), -1;
+        if (f->meta_keys)
+            return ds_fail(DS_ERR_IO, "'%s': __metadata__ is in the header twice: the file is corrupt", f->path), -1;
         int m = cJSON_GetArraySize(item);
         f->meta_keys = calloc((size_t)m + 1, sizeof *f->meta_keys);
         f->meta_values = calloc((size_t)m + 1, sizeof *f->meta_values);
@@ -370,7 +422,7 @@ static int parse_header(ds_safetensors_file *f, const char *text, int64_t len) {
             f->meta_values[f->n_meta++] = kv->valuestring;
         }
     }
-    return 0;
+    return index_entries(f);
 }
 
 ds_safetensors_file *ds_safetensors_open(const char *path) {
@@ -386,14 +438,16 @@ ds_safetensors_file *ds_safetensors_open(const char *path) {
     else if (fstat(f->fd, &st) != 0) rc = -1, ds_fail(DS_ERR_IO, "cannot stat '%s': %s", path, strerror(errno));
     unsigned char len8[8];
     int64_t size = rc == 0 ? (int64_t)st.st_size : 0, hlen = 0;
+    uint64_t ulen = 0;                              /* any 8 bytes, so unsigned until checked */
     if (rc == 0 && size < 8)
         rc = -1, ds_fail(DS_ERR_IO, "'%s' is %lld bytes, too short for a safetensors header: the file is truncated",
                          path, (long long)size);
     if (rc == 0) rc = read_at(f, len8, 8, 0, "the header length");
-    for (int b = 7; rc == 0 && b >= 0; b--) hlen = (hlen << 8) | len8[b];
-    if (rc == 0 && (hlen < 2 || hlen > MAX_HEADER))
-        rc = -1, ds_fail(DS_ERR_IO, "'%s': a header length of %lld bytes: not a safetensors file, or corrupt", path,
-                         (long long)hlen);
+    for (int b = 7; rc == 0 && b >= 0; b--) ulen = (ulen << 8) | len8[b];
+    if (rc == 0 && (ulen < 2 || ulen > (uint64_t)MAX_HEADER))
+        rc = -1, ds_fail(DS_ERR_IO, "'%s': a header length of %llu bytes: not a safetensors file, or corrupt", path,
+                         (unsigned long long)ulen);
+    if (rc == 0) hlen = (int64_t)ulen;
     if (rc == 0 && 8 + hlen > size)
         rc = -1, ds_fail(DS_ERR_IO, "'%s': the %lld-byte header runs past the end of the file (%lld bytes): the file "
                          "is truncated", path, (long long)hlen, (long long)size);
@@ -413,11 +467,18 @@ ds_safetensors_file *ds_safetensors_open(const char *path) {
     return f;
 }
 
+/* Is [lo, lo + n) outside e's elements? Set the error if so (no sum
+ * that could overflow). */
+static bool outside(const ds_safetensors_file *f, const ds_safetensors_entry *e, int64_t lo, int64_t n) {
+    if (lo >= 0 && n >= 0 && lo <= e->numel && n <= e->numel - lo) return false;
+    ds_fail(DS_ERR_ARG, "'%s': tensor '%s': %lld elements from element %lld are outside its %lld", f->path, e->name,
+            (long long)n, (long long)lo, (long long)e->numel);
+    return true;
+}
+
 ds_tensor *ds_safetensors_read(ds_safetensors_file *f, int i, int64_t lo, int64_t n) {
     const ds_safetensors_entry *e = &f->e[i];
-    if (lo < 0 || n < 0 || lo + n > e->numel)
-        return ds_fail(DS_ERR_ARG, "'%s': tensor '%s': elements [%lld, %lld) are outside its %lld", f->path, e->name,
-                       (long long)lo, (long long)(lo + n), (long long)e->numel);
+    if (outside(f, e, lo, n)) return NULL;
     ds_tensor *t = ds_tensor_new(1, &n, e->dtype, DS_CPU_DEVICE);
     if (!t) return NULL;
     int64_t size = (int64_t)ds_dtype_size(e->dtype);
@@ -432,12 +493,10 @@ ds_tensor *ds_safetensors_read(ds_safetensors_file *f, int i, int64_t lo, int64_
 
 int ds_safetensors_read_into(ds_safetensors_file *f, int i, int64_t lo, int64_t n, ds_tensor *dst, int64_t at) {
     const ds_safetensors_entry *e = &f->e[i];
-    if (!ds_tensor_is_contiguous(dst) || at < 0 || at + n > ds_tensor_numel(dst))
+    if (!ds_tensor_is_contiguous(dst) || at < 0 || n < 0 || at > ds_tensor_numel(dst) - n)
         return ds_fail(DS_ERR_ARG, "'%s': tensor '%s': %lld elements do not fit at %lld of a tensor of %lld", f->path,
                        e->name, (long long)n, (long long)at, (long long)ds_tensor_numel(dst)), -1;
-    if (lo < 0 || n < 0 || lo + n > e->numel)
-        return ds_fail(DS_ERR_ARG, "'%s': tensor '%s': elements [%lld, %lld) are outside its %lld", f->path, e->name,
-                       (long long)lo, (long long)(lo + n), (long long)e->numel), -1;
+    if (outside(f, e, lo, n)) return -1;
     if (n == 0) return 0;
     int64_t size = (int64_t)ds_dtype_size(e->dtype);
     if (dst->dtype == e->dtype && ds_device_equal(ds_tensor_device(dst), DS_CPU_DEVICE)) {
