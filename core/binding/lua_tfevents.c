@@ -3,7 +3,9 @@
  *   tfevents.open(dir) -> w     a new events.out.tfevents.* file in dir
  *     w:scalar(tag, value, step [, wall_time]) (default: now, seconds since the epoch)   w:flush()   w:path()   w:close()
  *   tfevents.read(path) -> {{wall_time, step, tag, value} or
- *                           {wall_time, step, file_version}...}, CRCs checked
+ *                           {wall_time, step, file_version}...}, CRCs checked [, note]: a
+ *                           file that ends inside its last record is read up to it, the
+ *                           note saying so
  *   tfevents.crc32c(string) -> the unmasked CRC-32C
  *
  * Every failure raises with the core's message, which names the file. */
@@ -98,8 +100,12 @@ static int l_read(lua_State *L) {
     const char *path = luaL_checkstring(L, 1);
     lua_settop(L, 1);
     lua_newtable(L);
-    if (ds_tfevents_read(path, push_event, L)) return dsL_error(L);
-    return 1;
+    long torn;
+    if (ds_tfevents_read(path, push_event, L, &torn)) return dsL_error(L);
+    if (torn < 0) return 1;
+    lua_pushfstring(L, "tfevents: %s: the file ends inside the record at byte %f (its writer stopped mid-write): "
+                    "read up to it", path, (lua_Number)torn);
+    return 2;
 }
 
 static int l_crc32c(lua_State *L) {

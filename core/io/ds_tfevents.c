@@ -324,7 +324,7 @@ static int read_event(const reader *r, cursor c) {
     return 0;
 }
 
-int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx) {
+int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx, long *torn_at) {
     int fd = ds_file_open(path, DS_FILE_READ, INT64_MAX);
     FILE *f = fd < 0 ? NULL : fdopen(fd, "rb");
     if (!f) {
@@ -334,17 +334,19 @@ int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx) {
     reader r = {path, 0, fn, ctx};
     unsigned char head[12], tail[4], *data = NULL;
     int rc = 0;
+    *torn_at = -1;
     for (;;) {
         size_t got = fread(head, 1, 12, f);
         if (got == 0) break;
-        if (got != 12) { rc = bad_record(&r, "torn length header"); break; }
+        if (got != 12) { *torn_at = r.offset; break; }
         if (get_le(head + 8, 4) != masked_crc(head, 8)) { rc = bad_record(&r, "length CRC mismatch"); break; }
         uint64_t n = get_le(head, 8);
         if (n > (1u << 30)) { rc = bad_record(&r, "implausible length"); break; }
         unsigned char *p = realloc(data, n ? n : 1);
         if (!p) { rc = -1; ds_fail(DS_ERR_NOMEM, "tfevents: out of memory"); break; }
         data = p;
-        if (fread(data, 1, n, f) != n || fread(tail, 1, 4, f) != 4) { rc = bad_record(&r, "torn record"); break; }
+        /* the file ends inside the record: a writer stopped mid-write */
+        if (fread(data, 1, n, f) != n || fread(tail, 1, 4, f) != 4) { *torn_at = r.offset; break; }
         if (get_le(tail, 4) != masked_crc(data, n)) { rc = bad_record(&r, "data CRC mismatch"); break; }
         rc = read_event(&r, (cursor){data, data + n});
         if (rc) break;

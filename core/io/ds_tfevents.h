@@ -36,8 +36,10 @@ typedef struct {
 /* fn's non-zero return stops the read and is returned. */
 typedef int (*ds_tfevents_fn)(const ds_tfevent *e, void *ctx);
 
-/* Every record of the file at path, both CRCs checked (a mismatch or a
- * torn record is an error naming the path and the record's offset). */
-int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx);
+/* Every record of the file at path, both CRCs checked (a mismatch is an
+ * error naming the path and the record's offset). A file that ends inside
+ * its last record, as one does while or after its writer was stopped, is
+ * read up to that record, whose offset goes to *torn_at (-1 when none). */
+int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx, long *torn_at);
 
 #endif

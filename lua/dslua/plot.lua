@@ -53,7 +53,9 @@ end
 local function read_events(dir, files)
   local series = {}
   for _, name in ipairs(files) do
-    for _, e in ipairs(core.tfevents.read(dir .. '/' .. name)) do
+    local events, torn = core.tfevents.read(dir .. '/' .. name)
+    if torn then io.stderr:write('dslua plot: warning: ', torn, '\n') end
+    for _, e in ipairs(events) do
       if e.tag then
         series[e.tag] = series[e.tag] or {}
         table.insert(series[e.tag], { e.step, e.value })
