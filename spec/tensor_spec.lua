@@ -54,6 +54,23 @@ describe('tensor construction', function()
     errmsg(ds.tensor)
   end)
 
+  it('refuse a value an integer dtype cannot hold, naming it and the dtype (no silent wrap)', function()
+    assert.has_error(function() ds.tensor({ 3e9 }, 'i32') end,
+                     'tensor: 3000000000 does not fit i32 (integers in [-2147483648, 2147483647])')
+    assert.has_error(function() ds.tensor({ 1, -1 }, 'u8') end, 'tensor: -1 does not fit u8 (integers in [0, 255])')
+    assert.has_error(function() ds.tensor({ 0 / 0 }, 'i64') end,
+                     'tensor: nan does not fit i64 (integers in [-9223372036854775808, 9223372036854775807])')
+    assert.matches('tensor: inf does not fit i64', errmsg(ds.tensor, { 1 / 0 }, 'i64'))
+    assert.matches('tensor: 9.22%d+e%+18 does not fit i64', errmsg(ds.tensor, { 2 ^ 63 }, 'i64'))
+    assert.matches('full: 256 does not fit u8', errmsg(ds.full, { 2 }, 256, 'u8'))
+    assert.matches('fill_: %-2147483649 does not fit i32', errmsg(function() ds.zeros(2, 'i32'):fill_(-2 ^ 31 - 1) end))
+    -- the ends of each range hold, fractions truncate as torch's do, floats take anything
+    assert.are.same({ -2 ^ 31, 2 ^ 31 - 1 }, ds.tensor({ -2 ^ 31, 2 ^ 31 - 1 }, 'i32'):totable())
+    assert.are.same({ 0, 255, 2 }, ds.tensor({ -0.5, 255.9, 2.5 }, 'u8'):totable())
+    assert.are.equal(-2 ^ 63, ds.tensor({ -2 ^ 63 }, 'i64'):item())
+    assert.is_true(ds.tensor({ 0 / 0 }):item() ~= ds.tensor({ 0 / 0 }):item())
+  end)
+
   it('zeros, ones and full take a shape as a table or integers, and a dtype', function()
     assert.are.same({ { 0, 0, 0 }, { 0, 0, 0 } }, ds.zeros(2, 3):totable())
     assert.are.same({ { 1, 1 } }, ds.ones({ 1, 2 }, 'i64'):totable())

@@ -173,7 +173,7 @@ static int l_copy_(lua_State *L) {
 
 static int l_fill_(lua_State *L) {
     ds_tensor *t = check_inplace(L, "fill_");
-    if (ds_fill_(t, luaL_checknumber(L, 2))) return dsL_error(L);
+    if (ds_fill_(t, dsL_checkvalue(L, "fill_", luaL_checknumber(L, 2), t->dtype))) return dsL_error(L);
     lua_settop(L, 1);
     return 1;
 }

@@ -184,6 +184,24 @@ ds_dtype dsL_checkdtype(lua_State *L, int idx, ds_dtype def) {
     return (ds_dtype)t;
 }
 
+double dsL_checkvalue(lua_State *L, const char *op, double v, ds_dtype t) {
+    int64_t lo, hi;                 /* trunc(v) must lie in [lo, hi] */
+    switch (t) {
+    case DS_I32: lo = INT32_MIN, hi = INT32_MAX; break;
+    case DS_I64: lo = INT64_MIN, hi = INT64_MAX; break;
+    case DS_U8: lo = 0, hi = UINT8_MAX; break;
+    default: return v;
+    }
+    double w = trunc(v);
+    if (!(w >= (double)lo && w < (double)hi + 1)) {     /* NaN too; (double)INT64_MAX + 1 is 2^63 */
+        char msg[160];
+        snprintf(msg, sizeof msg, "%s: %.17g does not fit %s (integers in [%lld, %lld])", op, isnan(v) ? NAN : v,
+                 ds_dtype_name(t), (long long)lo, (long long)hi);
+        luaL_error(L, "%s", msg);
+    }
+    return v;
+}
+
 static ds_device checkdevice(lua_State *L, int idx) {
     ds_device d = DS_CPU_DEVICE;
     if (!lua_isnoneornil(L, idx) && ds_device_parse(luaL_checkstring(L, idx), &d)) dsL_error(L);
@@ -221,7 +239,7 @@ static void nested_fill(lua_State *L, int idx, int depth, int ndim, const int64_
         if (lua_type(L, idx) != LUA_TNUMBER && lua_type(L, idx) != LUA_TBOOLEAN)
             luaL_error(L, "tensor: expected a number at depth %d, got %s", depth, luaL_typename(L, idx));
         double v = lua_isboolean(L, idx) ? lua_toboolean(L, idx) : lua_tonumber(L, idx);
-        ds_tensor_set(t, (*pos)++, v);
+        ds_tensor_set(t, (*pos)++, dsL_checkvalue(L, "tensor", v, t->dtype));
         return;
     }
     if (!lua_istable(L, idx))
@@ -277,8 +295,9 @@ static int l_full(lua_State *L) {
     int64_t shape[DS_MAX_DIMS];
     luaL_checktype(L, 1, LUA_TTABLE);
     int nd = dsL_checkshape(L, 1, shape);
-    double v = luaL_checknumber(L, 2);
-    return dsL_pushtensor(L, ds_tensor_full(nd, shape, dsL_checkdtype(L, 3, DS_F32), checkdevice(L, 4), v));
+    ds_dtype dt = dsL_checkdtype(L, 3, DS_F32);
+    double v = dsL_checkvalue(L, "full", luaL_checknumber(L, 2), dt);
+    return dsL_pushtensor(L, ds_tensor_full(nd, shape, dt, checkdevice(L, 4), v));
 }
 
 /* arange(end) or arange(start, end [, step [, dtype]]) */

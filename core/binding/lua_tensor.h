@@ -51,6 +51,10 @@ int dsL_checkshape(lua_State *L, int idx, int64_t *shape);
 /* dims from nil (all: returns -1), an integer, or a table of integers. */
 int dsL_checkdims(lua_State *L, int idx, const ds_tensor *t, int64_t *dims);
 ds_dtype dsL_checkdtype(lua_State *L, int idx, ds_dtype def);
+/* v, for a tensor of dtype t that op fills: an integer dtype refuses NaN,
+ * infinities and values outside its range (a cast would wrap them or be
+ * undefined), naming the value and the dtype; a fraction truncates. */
+double dsL_checkvalue(lua_State *L, const char *op, double v, ds_dtype t);
 
 /* A userdata type: metatable `name` (left on the stack) with methods as
  * __index and gc as __gc. */
