@@ -200,6 +200,13 @@ describe('ds.comm under mpirun', function()
                            true), out)
   end)
 
+  it('refuses a recv into a tensor larger than what its send sent, naming both sizes', function()
+    local out = mpirun(2, 'failures.lua', 'recv_size')
+    H.has(out, 'refused: recv: rank 1 sent 4 elements, the receiving tensor holds 10: a recv takes exactly what its '
+          .. 'send sends')
+    assert.are.equal(0, count(out, 'recv accepted'), out)
+  end)
+
   it('ends every rank when one is killed', function()
     local out = fails_fast(3, 'kill', 8)
     assert.truthy(out:find('process rank 2 with PID %d+ on node %S+ exited on signal 9'), out)

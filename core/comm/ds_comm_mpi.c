@@ -10,6 +10,8 @@
 typedef struct {
     MPI_Request r;
     int *ints;          /* counts and displacements: MPI reads them until completion */
+    int recv_count;     /* a recv's elements, checked against what arrives; -1 otherwise */
+    MPI_Datatype recv_type;
 } mpi_req;
 
 int ds_comm_mpi_check(int rc, const char *op) {
@@ -56,6 +58,7 @@ static mpi_req *new_req(int nints) {
         return ds_fail(DS_ERR_NOMEM, "comm: out of memory");
     }
     q->r = MPI_REQUEST_NULL;
+    q->recv_count = -1;
     return q;
 }
 
@@ -100,7 +103,10 @@ static int mpi_send(const void *buf, int64_t count, ds_dtype dt, int peer, int t
 static int mpi_recv(void *buf, int64_t count, ds_dtype dt, int peer, int tag, ds_comm_group *g, void **req) {
     int n;
     mpi_req *q = to_int(count, "recv", &n) ? NULL : new_req(0);
-    return q ? started(MPI_Irecv(buf, n, mpi_type(dt), peer, tag, g->comm, &q->r), "recv", q, req) : -1;
+    if (!q) return -1;
+    q->recv_count = n;
+    q->recv_type = mpi_type(dt);
+    return started(MPI_Irecv(buf, n, q->recv_type, peer, tag, g->comm, &q->r), "recv", q, req);
 }
 
 static int mpi_broadcast(void *buf, int64_t count, ds_dtype dt, int root, ds_comm_group *g, void **req) {
@@ -171,9 +177,14 @@ static int mpi_all_to_all(const void *send, void *recv, int64_t count, ds_dtype 
 
 static int mpi_test(void *req, bool *done) {
     mpi_req *q = req;
-    int flag = 0;
-    if (ds_comm_mpi_check(MPI_Test(&q->r, &flag, MPI_STATUS_IGNORE), "comm")) return -1;
+    int flag = 0, got = 0;
+    MPI_Status st;
+    if (ds_comm_mpi_check(MPI_Test(&q->r, &flag, &st), "comm")) return -1;
     *done = flag != 0;
+    /* a shorter message fits a recv's buffer: MPI takes it and leaves the rest as it was */
+    if (*done && q->recv_count >= 0 && MPI_Get_count(&st, q->recv_type, &got) == MPI_SUCCESS && got != q->recv_count)
+        return ds_fail(DS_ERR_ARG, "recv: rank %d sent %d elements, the receiving tensor holds %d: a recv takes "
+                       "exactly what its send sends", st.MPI_SOURCE, got, q->recv_count), -1;
     return 0;
 }
 

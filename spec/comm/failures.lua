@@ -45,6 +45,17 @@ elseif mode == 'stuck' then
   os.exit(0)
 elseif mode == 'recv' then
   if r == 0 then c.recv(t, n - 1) elseif last then os.exit(0) end
+elseif mode == 'recv_size' then
+  -- a recv into a larger tensor than the send's: refused, not filled in part
+  if r == 0 then
+    local into = ds.zeros(10)
+    local ok, err = pcall(c.recv, into, 1)
+    c.print(ok and 'recv accepted' or 'refused: ' .. err)
+  elseif r == 1 then
+    c.send(ds.ones(4), 0)
+  end
+  c.print('END')
+  os.exit(0)
 elseif mode == 'stagger' then
   sleep(r * 0.3)                              -- ranks end at different times, all fine
   c.print('END')
