@@ -465,6 +465,33 @@ describe('a checkpoint that is corrupt, truncated or does not fit', function()
     H.has(H.err(engine.load_checkpoint, engine, d, 'good'), 'the manifest is corrupt')
   end)
 
+  it('refuses a manifest whose entries are of the wrong type, naming the key', function()
+    local d = H.tmpdir()
+    assert(os.execute(string.format('cp -r %s/good %s/', dir, d)) == 0)
+    local file = d .. '/good/manifest.json'
+    local f = assert(io.open(file))
+    local text = f:read('*a')
+    f:close()
+    local cases = {
+      { function(m) m.module = { { name = 'b' } } end, 'module[1].shape is not a list' },
+      { function(m) m.parameters[2].group = 7 end, 'parameters[2].group is 7 of 1 groups' },
+      { function(m) m.parameters[1].shape[1] = 'x' end, 'parameters[1].shape[1] must be an integer >= 0, got "x"' },
+      { function(m) m.parameters[2].group = 'all' end, 'parameters[2].group must be an integer >= 1, got "all"' },
+      { function(m) m.optimizer.param_groups[1].state = { 5 } end, 'optimizer.param_groups[1].state[1] is not a name' },
+      { function(m) m.optimizer = 'adam' end, 'optimizer is not a list' },
+      { function(m) m.module = { { name = 'b', shape = {}, rank = 3 } } end, 'module[1].rank is rank 3 of 1' },
+      { function(m) m.module = { { shape = {} } } end, 'module[1].name is not a name' },
+    }
+    for _, case in ipairs(cases) do
+      local m = ds.json.decode(text)
+      case[1](m)
+      H.write(file, ds.json.encode(m))
+      local want = "load_checkpoint: '" .. file .. "': " .. case[2] .. ': the manifest is corrupt'
+      H.has(H.err(engine.load_checkpoint, engine, d, 'good'), want)
+      H.has(H.err(CK.read_full, d, 'good'), want)
+    end
+  end)
+
   it('moves latest only when asked (save_latest), as DeepSpeed does', function()
     local d = H.tmpdir()
     engine:save_checkpoint(d, 'first')

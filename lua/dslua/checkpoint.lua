@@ -673,6 +673,42 @@ local function check_params(file, m)
   end
 end
 
+-- The optimizer's groups, each parameter's shape and group, and the
+-- module buffers, each of the type a load uses: refused by key, not met
+-- as a Lua error deep in the load.
+local function check_entries(file, m)
+  local function corrupt(key, what) fail("load_checkpoint: '%s': %s %s: the manifest is corrupt", file, key, what) end
+  local function list(v, key)
+    if type(v) ~= 'table' then corrupt(key, 'is not a list') end
+    return v
+  end
+  local function shape(v, key)
+    for d, n in ipairs(list(v, key)) do check_int(file, string.format('%s[%d]', key, d), n, 0) end
+  end
+  local groups = list(list(m.optimizer, 'optimizer').param_groups, 'optimizer.param_groups')
+  for g, grp in ipairs(groups) do
+    local key = string.format('optimizer.param_groups[%d]', g)
+    for i, st in ipairs(list(list(grp, key).state, key .. '.state')) do
+      if type(st) ~= 'string' then corrupt(string.format('%s.state[%d]', key, i), 'is not a name') end
+    end
+  end
+  for k, sp in ipairs(m.parameters) do
+    local key = string.format('parameters[%d]', k)
+    shape(sp.shape, key .. '.shape')
+    check_int(file, key .. '.group', sp.group, 1)
+    if not groups[sp.group] then corrupt(key .. '.group', string.format('is %d of %d groups', sp.group, #groups)) end
+  end
+  for k, e in ipairs(list(m.module, 'module')) do
+    local key = string.format('module[%d]', k)
+    if type(list(e, key).name) ~= 'string' then corrupt(key .. '.name', 'is not a name') end
+    shape(e.shape, key .. '.shape')
+    if e.rank ~= nil then
+      check_int(file, key .. '.rank', e.rank, 0)
+      if e.rank >= m.world_size then corrupt(key .. '.rank', string.format('is rank %d of %d', e.rank, m.world_size)) end
+    end
+  end
+end
+
 -- The manifest of a checkpoint folder, checked.
 function M.read_manifest(path)
   local file = path .. '/' .. MANIFEST
@@ -699,6 +735,7 @@ function M.read_manifest(path)
   end
   check_files(file, m)
   check_params(file, m)
+  check_entries(file, m)
   return m
 end
 
