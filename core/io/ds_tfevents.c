@@ -9,11 +9,13 @@
 #include "ds_file.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -335,6 +337,8 @@ int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx, long *torn_
     unsigned char head[12], tail[4], *data = NULL;
     int rc = 0;
     *torn_at = -1;
+    struct stat st;
+    long size = fstat(fileno(f), &st) == 0 ? (long)st.st_size : LONG_MAX;
     for (;;) {
         size_t got = fread(head, 1, 12, f);
         if (got == 0) break;
@@ -342,10 +346,12 @@ int ds_tfevents_read(const char *path, ds_tfevents_fn fn, void *ctx, long *torn_
         if (get_le(head + 8, 4) != masked_crc(head, 8)) { rc = bad_record(&r, "length CRC mismatch"); break; }
         uint64_t n = get_le(head, 8);
         if (n > (1u << 30)) { rc = bad_record(&r, "implausible length"); break; }
+        /* the file ends inside the record: a writer stopped mid-write (known
+         * from the size before a buffer of n bytes is taken) */
+        if ((long)n + 16 > size - r.offset) { *torn_at = r.offset; break; }
         unsigned char *p = realloc(data, n ? n : 1);
         if (!p) { rc = -1; ds_fail(DS_ERR_NOMEM, "tfevents: out of memory"); break; }
         data = p;
-        /* the file ends inside the record: a writer stopped mid-write */
         if (fread(data, 1, n, f) != n || fread(tail, 1, 4, f) != 4) { *torn_at = r.offset; break; }
         if (get_le(tail, 4) != masked_crc(data, n)) { rc = bad_record(&r, "data CRC mismatch"); break; }
         rc = read_event(&r, (cursor){data, data + n});
