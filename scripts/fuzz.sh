@@ -1,7 +1,9 @@
 #!/bin/sh
-# Short libFuzzer runs (clang, ASan + UBSan) of the dataset readers and of
-# the JSON decoder with the config checker, from the small corpora in
-# fuzz/corpus (left as they are: new inputs go to a temporary folder).
+# Short libFuzzer runs (clang, ASan + UBSan) of the dataset readers, the
+# JSON decoder with the config checker, the safetensors reader, the
+# checkpoint manifest's reader and the TensorBoard event reader, from the
+# small corpora in fuzz/corpus/<target> (left as they are: new inputs go
+# to a temporary folder).
 # SECONDS_EACH (default 30) per target. A crash, a leak or a checker that
 # raises fails the run; the input that did it is kept in build-fuzz/.
 set -e
@@ -11,10 +13,11 @@ if [ ! -f build-fuzz/CMakeCache.txt ]; then
   CC=clang cmake -S . -B build-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DDSLUA_CUDA=OFF -DDSLUA_SANITIZE=ON \
     -DDSLUA_FUZZ=ON -DDSLUA_WERROR=OFF > /dev/null
 fi
-cmake --build build-fuzz -j "$(nproc)" --target fuzz_data fuzz_config
+targets="data config safetensors manifest tfevents"
+cmake --build build-fuzz -j "$(nproc)" $(for t in $targets; do printf ' --target fuzz_%s' "$t"; done)
 export ASAN_OPTIONS="allocator_may_return_null=1"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
-for target in data config; do
+for target in $targets; do
   work=$(mktemp -d)
   echo "fuzz_$target: $seconds s from fuzz/corpus/$target"
   if ! build-fuzz/fuzz_$target -max_total_time="$seconds" -max_len=4096 -rss_limit_mb=2048 \
