@@ -207,6 +207,11 @@ describe('ds.data.mnist', function()
     write('gz/few-labels-idx1-ubyte', idx_labels({ 1, 2 }))
     fails('has 7 images, .*few%-labels%-idx1%-ubyte has 2 labels', ds.data.mnist,
           { path = path, labels = 'few-labels-idx1-ubyte' })
+    -- a header declaring 1.3M images beside 7 labels: refused from the headers,
+    -- before a byte of the images' data is read (it reads 1 GB, or finds it short)
+    write('gz/many-images-idx3-ubyte', be32(0x803) .. be32(1300000) .. be32(28) .. be32(28) .. ('\0'):rep(100))
+    fails('many%-images%-idx3%-ubyte has 1300000 images, .*t10k%-labels%-idx1%-ubyte%.gz has 7 labels', ds.data.mnist,
+          { path = path, images = 'many-images-idx3-ubyte' })
     fails("unknown option 'firts' %(did you mean 'first'%?%)", ds.data.mnist, { path = path, firts = 2 })
     fails("split must be 'train' or 'test'", ds.data.mnist, { path = path, split = 'validation' })
     fails('needs path', ds.data.mnist, {})

@@ -142,6 +142,14 @@ static int l_read_idx(lua_State *L) {
     return 2;
 }
 
+/* idx_items(path, ndim) -> the items its header declares */
+static int l_idx_items(lua_State *L) {
+    int64_t items;
+    if (ds_data_idx_items(luaL_checkstring(L, 1), (int)luaL_checkinteger(L, 2), &items)) return dsL_error(L);
+    lua_pushnumber(L, (lua_Number)items);
+    return 1;
+}
+
 /* read_cifar10({paths}) -> x u8 [N,3,32,32], y i64 [N] */
 static int l_read_cifar10(lua_State *L) {
     int n;
@@ -378,7 +386,7 @@ static int l_close(lua_State *L) {
 }
 
 static const luaL_Reg data_functions[] = {
-    {"read_idx", l_read_idx}, {"read_cifar10", l_read_cifar10}, {"read_shards", l_read_shards},
+    {"read_idx", l_read_idx}, {"idx_items", l_idx_items}, {"read_cifar10", l_read_cifar10}, {"read_shards", l_read_shards},
     {"char_tokens", l_char_tokens}, {"encode", l_encode}, {"decode", l_decode},
     {"glob", l_glob}, {"is_dir", l_is_dir}, {"read_file", l_read_file},
     {"rows", l_rows}, {"windows", l_windows}, {"len", l_len}, {"gather", l_gather}, {"get", l_get},

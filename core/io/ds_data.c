@@ -164,27 +164,46 @@ static size_t idx_body(const unsigned char *h, size_t n) {
     return bytes;
 }
 
+static const char *idx_kind(int ndim) {
+    return ndim == 3 ? "IDX images" : ndim == 1 ? "IDX labels" : "IDX unsigned bytes";
+}
+
+/* The IDX header at b (n bytes read) checked: 0, or -1 with the error. */
+static int idx_check(const char *path, int ndim, const unsigned char *b, size_t n) {
+    uint32_t expect = 0x800u | (uint32_t)ndim;
+    size_t header = 4 + 4 * (size_t)ndim;
+    if (n < 4)
+        return ds_fail(DS_ERR_IO, "%s: %zu bytes, too short for an IDX magic number (%s)", path, n, idx_kind(ndim)), -1;
+    if (be32(b) != expect)
+        return ds_fail(DS_ERR_IO, "%s: magic 0x%08x, expected 0x%08x (%s)", path, be32(b), expect, idx_kind(ndim)), -1;
+    if (n < header)
+        return ds_fail(DS_ERR_IO, "%s: truncated: %zu bytes, the %s header needs %zu", path, n, idx_kind(ndim),
+                       header), -1;
+    return 0;
+}
+
+static size_t no_body(const unsigned char *h, size_t n) { (void)h, (void)n; return 0; }
+
+int ds_data_idx_items(const char *path, int ndim, int64_t *items) {
+    if (ndim < 1 || ndim > DS_MAX_DIMS)
+        return ds_fail(DS_ERR_ARG, "%s: IDX files with %d dims are not supported", path, ndim), -1;
+    size_t n;
+    unsigned char *b = read_file(path, 4 + 4 * (size_t)ndim, no_body, &n);
+    if (!b) return -1;
+    int rc = idx_check(path, ndim, b, n);
+    if (rc == 0) *items = be32(b + 4);
+    free(b);
+    return rc;
+}
+
 ds_tensor *ds_data_read_idx(const char *path, int ndim, int64_t first, int64_t count, int64_t *total) {
     if (ndim < 1 || ndim > DS_MAX_DIMS)
         return ds_fail(DS_ERR_ARG, "%s: IDX files with %d dims are not supported", path, ndim);
     size_t n, header = 4 + 4 * (size_t)ndim;
     unsigned char *b = read_file(path, header, idx_body, &n);
     if (!b) return NULL;
-    const char *kind = ndim == 3 ? "IDX images" : ndim == 1 ? "IDX labels" : "IDX unsigned bytes";
-    uint32_t expect = 0x800u | (uint32_t)ndim;
     ds_tensor *t = NULL;
-    if (n < 4) {
-        ds_fail(DS_ERR_IO, "%s: %zu bytes, too short for an IDX magic number (%s)", path, n, kind);
-        goto done;
-    }
-    if (be32(b) != expect) {
-        ds_fail(DS_ERR_IO, "%s: magic 0x%08x, expected 0x%08x (%s)", path, be32(b), expect, kind);
-        goto done;
-    }
-    if (n < header) {
-        ds_fail(DS_ERR_IO, "%s: truncated: %zu bytes, the %s header needs %zu", path, n, kind, header);
-        goto done;
-    }
+    if (idx_check(path, ndim, b, n)) goto done;
     int64_t shape[DS_MAX_DIMS], items = be32(b + 4), item_bytes = 1, need;
     bool huge = false;
     for (int d = 1; d < ndim; d++) {

@@ -25,6 +25,9 @@ unsigned char *ds_data_read_all(const char *path, size_t *n);
  * unsigned-byte IDX file of ndim dims, as a u8 tensor [count, dims...].
  * *total (when given) receives the file's item count. */
 ds_tensor *ds_data_read_idx(const char *path, int ndim, int64_t first, int64_t count, int64_t *total);
+/* The item count an IDX file's header declares, its data unread (to
+ * compare two files' counts before reading either): 0 or -1. */
+int ds_data_idx_items(const char *path, int ndim, int64_t *items);
 
 /* CIFAR-10 binary batches (records of one label byte and 3x32x32 pixel
  * bytes), concatenated: *x u8 [N,3,32,32], *y i64 [N]. 0 or -1. */

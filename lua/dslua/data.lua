@@ -127,14 +127,15 @@ local function rows_dataset(kind, fields)
   return dataset(kind, c, f)
 end
 
--- Pixels u8 -> f32 in [0, 1], then (x - mean) / std per channel when asked.
+-- Pixels u8 -> f32 in [0, 1], then (x - mean) / std per channel when asked;
+-- in place, so a dataset takes its f32 copy once, not once per step.
 local function to_unit(u8, mean, std)
-  local x = u8:to('f32') / 255
+  local x = u8:to('f32'):div_(255)
   if not mean then return x end
   local c = x:size(2)
   local m = core.tensor(type(mean) == 'table' and mean or { mean }):reshape({ 1, type(mean) == 'table' and c or 1, 1, 1 })
   local s = core.tensor(type(std) == 'table' and std or { std }):reshape({ 1, type(std) == 'table' and c or 1, 1, 1 })
-  return ((x - m) / s):contiguous()
+  return x:sub_(m):div_(s)
 end
 
 local function normalisation(fname, v, mean, std)
@@ -184,11 +185,13 @@ function M.mnist(opts)
   local images = file(opts.images, 'images-idx3-ubyte')
   local labels = file(opts.labels, 'labels-idx1-ubyte')
   local mean, std = normalisation(fname, opts.normalize, 0.1307, 0.3081)
-  local px, n_images = try(fname, C.read_idx, images, 3, first - 1, count or -1)
-  local lab, n_labels = try(fname, C.read_idx, labels, 1, first - 1, count or -1)
+  -- the counts the headers declare agree before either file's data is read
+  local n_images, n_labels = try(fname, C.idx_items, images, 3), try(fname, C.idx_items, labels, 1)
   if n_images ~= n_labels then
     fail(fname, '%s has %d images, %s has %d labels', images, n_images, labels, n_labels)
   end
+  local px = try(fname, C.read_idx, images, 3, first - 1, count or -1)
+  local lab = try(fname, C.read_idx, labels, 1, first - 1, count or -1)
   local n, h, w = px:size(1), px:size(2), px:size(3)
   -- MNIST's declared ranges, checked here rather than deep in a model
   if n_images == 0 then fail(fname, '%s holds 0 images', images) end
