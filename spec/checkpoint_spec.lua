@@ -492,6 +492,18 @@ describe('a checkpoint that is corrupt, truncated or does not fit', function()
     end
   end)
 
+  it('refuses a client_state that holds itself, naming the cycle, and saves one that shares a table', function()
+    local d = H.tmpdir()
+    local st = { run = { opts = { lr = 1 } } }
+    st.run.opts.back = st.run
+    H.has(H.err(engine.save_checkpoint, engine, d, 'cyc', st),
+          'save_checkpoint: client_state.run.opts.back is client_state.run, a table inside itself: a cycle cannot be saved')
+    local shared = { 1, 2 }
+    assert.is_true(engine:save_checkpoint(d, 'dag', { a = shared, b = shared }))
+    local _, client = engine:load_checkpoint(d, 'dag')
+    assert.are.same({ a = { 1, 2 }, b = { 1, 2 } }, client)
+  end)
+
   it('moves latest only when asked (save_latest), as DeepSpeed does', function()
     local d = H.tmpdir()
     engine:save_checkpoint(d, 'first')

@@ -341,14 +341,24 @@ local function code_hashes(engine)
 end
 
 -- client_state: JSON values, tensors anywhere inside (saved in rank 0's file).
-local function split_client(v, path, tensors)
+-- open: the tables being split, by their key path (a table inside itself
+-- is a cycle JSON cannot hold).
+local function split_client(v, path, tensors, open)
   if ds.is_tensor(v) then
     tensors[#tensors + 1] = { 'client/' .. path, v }
     return { __tensor__ = 'client/' .. path }
   end
   if type(v) ~= 'table' then return jsonable(v) end
+  local function named(p) return p == '' and 'client_state' or 'client_state.' .. p end
+  if open[v] then
+    fail('save_checkpoint: %s is %s, a table inside itself: a cycle cannot be saved', named(path), named(open[v]))
+  end
+  open[v] = path
   local out = {}
-  for k, x in pairs(v) do out[k] = split_client(x, path == '' and tostring(k) or path .. '.' .. tostring(k), tensors) end
+  for k, x in pairs(v) do
+    out[k] = split_client(x, path == '' and tostring(k) or path .. '.' .. tostring(k), tensors, open)
+  end
+  open[v] = nil
   if json.is_array(v) then json.array(out) end
   return out
 end
@@ -551,7 +561,7 @@ function M.save(engine, dir, tag, client_state, save_latest)
       extra[#extra + 1] = { 'onebit/' .. g .. '/pieces', pieces }
     end
   end
-  if r == 0 and client_state ~= nil then client = split_client(client_state, '', extra) end
+  if r == 0 and client_state ~= nil then client = split_client(client_state, '', extra, {}) end
   local report = everywhere(W, 'save_checkpoint', function()
     local state = rank_state(engine, extra)
     local rep = write_rank_file(engine, L, bufs, partial .. '/' .. file_name(r), extra, state)
