@@ -22,7 +22,7 @@ typedef struct {
  * names the primitive, and the caller is comm.lua's wrapper anyway. */
 static int comm_error(lua_State *L) {
     lua_pushstring(L, ds_error_message());
-    return lua_error(L);
+    return dsL_raw_error(L);
 }
 
 static ds_comm_group *opt_group(lua_State *L, int idx) {

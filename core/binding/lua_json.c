@@ -201,7 +201,7 @@ static int l_decode(lua_State *L) {
     lua_pushlightuserdata(L, d);
     int rc = lua_pcall(L, 2, 2, 0);
     cJSON_Delete(root);
-    if (rc != 0) return lua_error(L);
+    if (rc != 0) return dsL_raw_error(L);
     if (keep) return 2;
     int ndup = (int)lua_objlen(L, -1);
     if (ndup == 0) { lua_pop(L, 1); return 1; }
@@ -212,7 +212,7 @@ static int l_decode(lua_State *L) {
         lua_rawgeti(L, list, k);
         lua_concat(L, 3);
     }
-    return lua_error(L);
+    return dsL_raw_error(L);
 }
 
 /* array(t) -> t, marked to encode as a JSON array even when empty */

@@ -4,6 +4,8 @@
 
 #include <lauxlib.h>
 #include <omp.h>
+#include <stdbool.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
@@ -49,6 +51,110 @@ static int l_embedded_source(lua_State *L) {
     return 1;
 }
 
+/* ------------------------------------------------ errors naming their function */
+
+static _Thread_local bool raw_error;      /* set by dsL_raw_error until named_call sees it */
+
+int dsL_raw_error(lua_State *L) {
+    raw_error = true;
+    return lua_error(L);
+}
+
+/* The error at -1 raised by the function named at upvalue 2, as Lua would
+ * have put it had it known the name: Lua names a C function from the
+ * bytecode that called it, so one called through pcall, a tail call or
+ * from C is '?' ("bad argument #1 to '?'"). With the caller's position,
+ * which the function's own message lacks (its caller is named_call),
+ * unless it was raised raw. */
+static void name_error(lua_State *L) {
+    const char *msg = lua_tostring(L, -1), *name = lua_tostring(L, lua_upvalueindex(2));
+    int arg = 0, at = 0;
+    if (raw_error) lua_pushliteral(L, "");
+    else luaL_where(L, 1);
+    raw_error = false;
+    if (sscanf(msg, "bad argument #%d to '?' (%n", &arg, &at) == 1 && at > 0) {
+        lua_Debug ar;
+        bool method = lua_getstack(L, 0, &ar) && lua_getinfo(L, "n", &ar) && ar.namewhat &&
+                      strcmp(ar.namewhat, "method") == 0;
+        if (method && arg == 1) lua_pushfstring(L, "calling '%s' on bad self (%s", name, msg + at);
+        else lua_pushfstring(L, "bad argument #%d to '%s' (%s", method ? arg - 1 : arg, name, msg + at);
+    } else {
+        lua_pushvalue(L, -2);
+    }
+    lua_concat(L, 2);
+    lua_replace(L, -2);
+}
+
+/* Calls upvalue 1 with this call's arguments; its error named by name_error. */
+static int named_call(lua_State *L) {
+    int n = lua_gettop(L);
+    lua_pushvalue(L, lua_upvalueindex(1));
+    lua_insert(L, 1);
+    if (lua_pcall(L, n, LUA_MULTRET, 0) == 0) return lua_gettop(L);
+    if (lua_type(L, -1) == LUA_TSTRING) name_error(L);
+    raw_error = false;
+    return lua_error(L);
+}
+
+/* Every C function in the table at idx (and the tables inside it, not
+ * metamethods) replaced by a named_call of it, under its key. done, at
+ * the top, maps each table seen and each function to its replacement, so
+ * a function under two keys stays one function. */
+static void name_functions(lua_State *L, int idx) {
+    int done = lua_gettop(L);
+    lua_pushvalue(L, idx);
+    lua_rawget(L, done);
+    bool seen = !lua_isnil(L, -1);
+    lua_pop(L, 1);
+    if (seen) return;
+    lua_pushvalue(L, idx);
+    lua_pushboolean(L, 1);
+    lua_rawset(L, done);
+    for (lua_pushnil(L); lua_next(L, idx); lua_pop(L, 1)) {
+        if (lua_type(L, -2) != LUA_TSTRING || strncmp(lua_tostring(L, -2), "__", 2) == 0) continue;
+        if (lua_istable(L, -1)) {
+            lua_pushvalue(L, done);
+            name_functions(L, lua_gettop(L) - 1);
+            lua_pop(L, 1);
+        } else if (lua_iscfunction(L, -1)) {
+            lua_pushvalue(L, -1);
+            lua_rawget(L, done);
+            if (lua_isnil(L, -1)) {
+                lua_pop(L, 1);
+                lua_pushvalue(L, -1);
+                lua_pushvalue(L, -3);
+                lua_pushcclosure(L, named_call, 2);
+                lua_pushvalue(L, -2);
+                lua_pushvalue(L, -2);
+                lua_rawset(L, done);
+            }
+            lua_pushvalue(L, -3);
+            lua_insert(L, -2);
+            lua_rawset(L, idx);         /* an existing key: lua_next goes on */
+        }
+    }
+}
+
+/* The module table at -1, its functions and the methods of the object
+ * types it made (their metatables' __index tables) named. */
+static void name_all(lua_State *L) {
+    int module = lua_gettop(L);
+    lua_newtable(L);
+    name_functions(L, module);
+    for (lua_pushnil(L); lua_next(L, LUA_REGISTRYINDEX); lua_pop(L, 1)) {
+        if (lua_type(L, -2) != LUA_TSTRING || strncmp(lua_tostring(L, -2), "dslua.", 6) != 0 || !lua_istable(L, -1))
+            continue;
+        lua_getfield(L, -1, "__index");
+        if (lua_istable(L, -1)) {
+            lua_pushvalue(L, module + 1);
+            name_functions(L, lua_gettop(L) - 1);
+            lua_pop(L, 1);
+        }
+        lua_pop(L, 1);
+    }
+    lua_settop(L, module);
+}
+
 int luaopen_dslua_core(lua_State *L) {
     lua_newtable(L);
     dsL_open_tensor(L);
@@ -83,6 +189,7 @@ int luaopen_dslua_core(lua_State *L) {
     lua_setfield(L, -2, "num_threads");
     lua_pushstring(L, DSLUA_VERSION);
     lua_setfield(L, -2, "version");
+    name_all(L);
     return 1;
 }
 

@@ -39,6 +39,10 @@ ds_tensor *dsL_checkoperand(lua_State *L, int idx, const ds_tensor *like, bool *
 int dsL_pushtensor(lua_State *L, ds_tensor *t);
 /* Raises the pending core error as a Lua error. */
 int dsL_error(lua_State *L);
+/* Raises the string at -1 as it is: without the caller's position, which
+ * every other error of a binding function carries (for messages that say
+ * where themselves, or that come from deep inside the library). */
+int dsL_raw_error(lua_State *L);
 /* The integer at idx in [lo, hi], checked as a number before the cast (a
  * float cast out of range is undefined); raises "what must be an integer
  * ..." otherwise. */
