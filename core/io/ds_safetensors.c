@@ -307,12 +307,24 @@ static int read_at(ds_safetensors_file *f, void *buf, size_t n, int64_t offset, 
     return 0;
 }
 
+/* A tensor's name as a message quotes it: at most SHOWN bytes of it, so a
+ * hostile header's name of megabytes does not become the message. */
+#define SHOWN 100
+typedef struct { char s[SHOWN + 4]; } shown_name;
+
+static const char *shown(const char *name, shown_name *buf) {
+    if (strlen(name) <= SHOWN) return name;
+    snprintf(buf->s, sizeof buf->s, "%.*s...", SHOWN, name);
+    return buf->s;
+}
+
 static bool whole(double v) { return v >= 0 && v <= 0x1p53 && v == (double)(int64_t)v; }
 
 /* One tensor entry of the header, checked against the data's size. */
 static int parse_entry(ds_safetensors_file *f, const cJSON *item, ds_safetensors_entry *e) {
-    const char *name = item->string;
-    e->name = name;
+    shown_name buf;
+    const char *name = shown(item->string, &buf);
+    e->name = item->string;
     const cJSON *dt = cJSON_GetObjectItemCaseSensitive(item, "dtype");
     const cJSON *shape = cJSON_GetObjectItemCaseSensitive(item, "shape");
     const cJSON *off = cJSON_GetObjectItemCaseSensitive(item, "data_offsets");
@@ -375,18 +387,19 @@ static int index_entries(ds_safetensors_file *f) {
         qsort(f->by_name, (size_t)f->n, sizeof *f->by_name, by_name);
         qsort(at, (size_t)f->n, sizeof *at, by_offset);
     }
+    shown_name a, b;
     for (int i = 1; rc == 0 && i < f->n; i++)
         if (strcmp(f->by_name[i - 1]->name, f->by_name[i]->name) == 0)
             rc = -1, ds_fail(DS_ERR_IO, "'%s': tensor '%s' is in the header twice: the file is corrupt", f->path,
-                             f->by_name[i]->name);
+                             shown(f->by_name[i]->name, &a));
     const ds_safetensors_entry *last = NULL;   /* the non-empty range that ends furthest */
     for (int i = 0; rc == 0 && i < f->n; i++) {
         const ds_safetensors_entry *e = at[i];
         if (e->begin == e->end) continue;
         if (last && e->begin < last->end)
             rc = -1, ds_fail(DS_ERR_IO, "'%s': tensors '%s' [%lld, %lld) and '%s' [%lld, %lld) share bytes: the file "
-                             "is corrupt", f->path, last->name, (long long)last->begin, (long long)last->end, e->name,
-                             (long long)e->begin, (long long)e->end);
+                             "is corrupt", f->path, shown(last->name, &a), (long long)last->begin, (long long)last->end,
+                             shown(e->name, &b), (long long)e->begin, (long long)e->end);
         if (!last || e->end > last->end) last = e;
     }
     free(at);
