@@ -180,20 +180,29 @@ describe('safetensors files', function()
     f:close()
   end)
 
-  it('find each of 100,000 tensors by name in n log n, not n^2 (a whole file read tensor by tensor)', function()
-    -- scanning the names for each tensor took ~25 s here, the sorted index ~1 s
-    local n, parts, at = 100000, {}, 0
-    for i = 1, n do
-      parts[i] = entry(string.format('layer.%06d.weight', i), 'F32', { 1 }, at, at + 4)
-      at = at + 4
+  it('find each tensor by name in n log n, not n^2 (a whole file read tensor by tensor)', function()
+    -- ten times the tensors cost about ten times the time through a sorted
+    -- index (n log n: ~13x), a hundred times scanning the names for each;
+    -- the best of three runs of each size keeps a busy machine's pauses out
+    local function seconds(n)
+      local parts, at = {}, 0
+      for i = 1, n do
+        parts[i] = entry(string.format('layer.%06d.weight', i), 'F32', { 1 }, at, at + 4)
+        at = at + 4
+      end
+      local path = dir .. '/many' .. n .. '.safetensors'
+      raw_file(path, '{' .. table.concat(parts, ',') .. '}', ('\0'):rep(4 * n))
+      local best = math.huge
+      for _ = 1, 3 do
+        local t0 = ds.wall_time()
+        local got = CK.load_file(path)
+        best = math.min(best, ds.wall_time() - t0)
+        assert.are.same({ 0 }, got[string.format('layer.%06d.weight', n)]:totable())
+      end
+      return best
     end
-    local path = dir .. '/many.safetensors'
-    raw_file(path, '{' .. table.concat(parts, ',') .. '}', ('\0'):rep(4 * n))
-    local t0 = ds.wall_time()
-    local got = CK.load_file(path)
-    local secs = ds.wall_time() - t0
-    assert.is_true(secs < 15, string.format('took %.1f s', secs))
-    assert.are.same({ 0 }, got['layer.100000.weight']:totable())
+    local small, large = seconds(4000), seconds(40000)
+    assert.is_true(large / small < 40, string.format('4,000 tensors %.3f s, 40,000 %.3f s', small, large))
   end)
 
   it('carry the RNG state: get_rng_state / set_rng_state replay the same numbers', function()
