@@ -393,6 +393,11 @@ describe('ds.config errors', function()
         'Fp16_master_weights_and_grads is only supported with ZeRO Stage 1, 2, or 3.')
     has(problems({ train_batch_size = 8, zero_optimization = { stage = 2, offload_optimizer = { ratio = 0.5 } } }),
         'zero_optimization.offload_optimizer.ratio: Partial offloading only supported for ZeRO Stage 3.')
+    -- stage 0 (the default) has no partitioned optimizer to offload
+    has(problems({ train_batch_size = 8,
+                   zero_optimization = { offload_optimizer = { device = 'nvme', nvme_path = '/tmp' } } }),
+        'zero_optimization.offload_optimizer: ZeRO-Offload needs zero_optimization.stage 1, 2 or 3 (device "nvme" '
+        .. 'moves the partitioned optimizer; stage 0 has none)')
     has(problems({ train_batch_size = 8, zero_optimization = { cpu_offload = true, offload_optimizer = {} } }),
         "Cannot provide deprecated parameter 'cpu_offload' and replacing parameter 'offload_optimizer' together")
     has(problems({ train_batch_size = 8, optimizer = { type = 'Adam', params = { max_grad_norm = 1 } } }),

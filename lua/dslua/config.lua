@@ -1135,6 +1135,13 @@ local function cross_checks(ctx, cfg)
             .. 'whole momenta, which ZeRO partitions): drop zero_optimization.stage, or use %s with it', ctx.onebit,
             ctx.onebit == 'OneBitLamb' and 'Lamb' or 'Adam'))
   end
+  -- stage 0 has no partitioned optimizer to move: fp32 would train with
+  -- the optimizer left in place, bf16/fp16 would offload; refuse both
+  local offload = cfg.zero_optimization.offload_optimizer.device
+  if offload ~= 'none' and stage == 0 then
+    problem(ctx, 'zero_optimization.offload_optimizer', string.format('ZeRO-Offload needs zero_optimization.stage '
+            .. '1, 2 or 3 (device "%s" moves the partitioned optimizer; stage 0 has none)', offload))
+  end
   if cfg.zero_optimization.offload_optimizer.device == 'nvme' and cfg.optimizer
      and type(cfg.optimizer.type) == 'string' and cfg.optimizer.type:lower() == 'lamb' then
     problem(ctx, 'optimizer.type', 'Lamb cannot be streamed from nvme (offload_optimizer.device): its trust '
