@@ -1,0 +1,85 @@
+-- One cell of the configuration matrix, trained in this process (one of
+-- its ranks under mpirun): the model of spec/matrix/model.lua through
+-- ds.initialize with the cell's config for settings.STEPS optimizer steps.
+-- Step s reads samples (s - 1) * G + 1 .. s * G of the data (G the global
+-- batch): micro step j of data-parallel rank r takes the r-th piece of
+-- the j-th run of sum(micro batches) samples. The reference is a cell of
+-- its own: one fp32 rank, the G samples in one micro step.
+local ds = require 'dslua'
+local Model = require 'matrix.model'
+local S = require 'matrix.settings'
+
+local M = {}
+
+-- Where data-parallel rank dp (0-based) reads micro step j of step s.
+local function piece(micro, ga, s, j, dp)
+  local per = 0
+  for _, b in ipairs(micro) do per = per + b end
+  local first = (s - 1) * per * ga + (j - 1) * per
+  for r = 1, dp do first = first + micro[r] end
+  return first + 1, micro[dp + 1]
+end
+
+-- The mean loss of each step over its G samples, weighted by sample count.
+local function plain_steps(engine, data, micro, ga, dp)
+  local losses = {}
+  for s = 1, S.STEPS do
+    local sum, n = 0, 0
+    for j = 1, ga do
+      local first, b = piece(micro, ga, s, j, dp)
+      engine:backward(engine(Model.slice(data, first, b)))
+      sum, n = sum + engine.last_loss * b, n + b
+      engine:step()
+    end
+    local t = ds.tensor({ sum, n }, 'f64')
+    if ds.comm.world_size() > 1 then ds.comm.all_reduce(t, 'sum') end
+    local v = t:totable()
+    losses[s] = v[1] / v[2]
+  end
+  return losses
+end
+
+local function pipe_steps(engine, data, micro, ga, dp)
+  local losses = {}
+  for s = 1, S.STEPS do
+    local j = 0
+    losses[s] = engine:train_batch(function()
+      j = j + 1
+      return Model.slice(data, piece(micro, ga, s, j, dp))
+    end)
+  end
+  return losses
+end
+
+-- Trains a model (plain, or pipeline of `pipe` stages) with cfg over the
+-- micro batches `micro` (per data-parallel rank) and ga micro steps a
+-- step: this rank's {losses, weights, skipped}.
+function M.train(cfg, micro, ga, pipe)
+  jit.flush()        -- traces keep the objects they specialised on (the last engine) alive
+  require('dslua.engine').settle_garbage()
+  local per = 0
+  for _, b in ipairs(micro) do per = per + b end
+  local data = Model.data(per * ga * S.STEPS)
+  local model = pipe == 'none' and Model.plain() or Model.pipeline(pipe)
+  local engine = ds.initialize { model = model, config = cfg }
+  local ok, out = pcall(function()
+    local dp = model.is_pipeline and model.dp_rank or ds.comm.rank()
+    local losses = (model.is_pipeline and pipe_steps or plain_steps)(engine, data, micro, ga, dp)
+    return { losses = losses, weights = Model.weights(model), skipped = engine.skipped_steps }
+  end)
+  engine:destroy()
+  if not ok then error(out, 0) end
+  return out
+end
+
+-- The cell c (settings.lua's table); nvme: a folder of its own.
+function M.run(c, nvme)
+  return M.train(S.config(c, nvme), S.micro_batches(c), c.ga, c.pipe)
+end
+
+-- The reference of c: one fp32 rank, stage 0, the global batch at once.
+function M.reference(c)
+  return M.train(S.reference_config(c), { S.global_batch(c) }, 1, 'none')
+end
+
+return M

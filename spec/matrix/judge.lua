@@ -1,0 +1,121 @@
+-- The verdict on one matrix cell against its reference (one fp32 rank,
+-- stage 0, the global batch in one micro step, the counterpart optimizer).
+--
+-- Tolerances, from what the arithmetic guarantees:
+-- f32: the cell sums the same per-token gradients as the reference in
+-- another order (micro steps, ranks, buckets), an error of a few units
+-- of 2^-24 relative per sum of at most 10^3 terms (~1e-6 at worst in
+-- practice); AdamW with eps 1e-3 passes a gradient error on magnified at
+-- most lr / eps = 10 times a step, over 3 steps: weights within the
+-- project's f32 tolerance (atol 1e-5 + rtol 1e-4), losses within 1e-4.
+-- bf16, fp16: the forward and backward round to 2^-8 (2^-11), so a
+-- gradient element near zero may take either sign, and Adam's normalised
+-- step moves it by up to lr * |m / sqrt(v)| either way: at most 1.004 lr
+-- a step over 3 steps with bias correction, 5 lr without (the 1-bit
+-- counterparts; Cauchy-Schwarz over beta1^2 / beta2). Weights are then
+-- stored rounded: |w - ref| <= 2 * STEPS * bound * lr + 2^-8 (2^-11) |ref|.
+-- Losses: logits of |z| <= ~4 rounded at 2^-8 (2^-11) each: relative
+-- 2^-5 (2^-8) covers them and the weights' drift.
+-- Every cell: data-parallel replicas and tied copies hold the same weight
+-- to the bit, and no fp16 step is skipped (the reference skips none).
+local S = require 'matrix.settings'
+
+local M = {}
+
+local UNIT = { bf16 = 2 ^ -8, fp16 = 2 ^ -11 }
+
+function M.tolerance(c)
+  if c.dtype == 'f32' then return { atol = 1e-5, rtol = 1e-4, loss = 1e-4 } end
+  local step = c.onebit == 'none' and 1.004 or 5
+  return { atol = 2 * S.STEPS * step * S.LR, rtol = UNIT[c.dtype], loss = UNIT[c.dtype] * 8 }
+end
+
+function M.reference_key(c)
+  return string.format('%d %s %s', S.global_batch(c), c.onebit, c.clip)
+end
+
+-- Every rank's weights merged by name; the largest difference between
+-- two copies of one weight (replicas, pipeline stages holding a tied one).
+local function merge(lines)
+  local w, spread = {}, 0
+  for _, line in ipairs(lines) do
+    for name, v in pairs(line.weights) do
+      local have = w[name]
+      if have then
+        for k = 1, #v do spread = math.max(spread, math.abs(v[k] - have[k])) end
+      else
+        w[name] = v
+      end
+    end
+  end
+  return w, spread
+end
+
+-- The largest |a - b| / (atol + rtol |b|) over weights (<= 1: within),
+-- and the largest |a - b|.
+local function weight_error(w, ref, tol)
+  local ratio, abs = 0, 0
+  for name, r in pairs(ref.weights) do
+    local v = w[name]
+    if not v or #v ~= #r then return math.huge, math.huge, name end
+    for k = 1, #r do
+      local d = math.abs(v[k] - r[k])
+      if d ~= d then return math.huge, math.huge, name end
+      abs = math.max(abs, d)
+      ratio = math.max(ratio, d / (tol.atol + tol.rtol * math.abs(r[k])))
+    end
+  end
+  return ratio, abs
+end
+
+local function loss_error(losses, ref)
+  local worst = 0
+  for s = 1, S.STEPS do
+    local l = losses[s]
+    if type(l) ~= 'number' or l ~= l then return math.huge end
+    worst = math.max(worst, math.abs(l - ref.losses[s]) / math.abs(ref.losses[s]))
+  end
+  return worst
+end
+
+-- {cell, name, verdict = 'pass' | 'refused' | 'FAIL', why, loss_err,
+-- weight_err (absolute), within (the worst weight error over its tolerance)}
+function M.row(c, got, ref)
+  local row = { cell = c, name = S.name(c) }
+  local expected = S.refusal(c)
+  local function fail(why)
+    row.verdict, row.why = 'FAIL', why
+    return row
+  end
+  if got.crash then return fail('crashed: ' .. got.crash) end
+  local errors = {}
+  for _, line in ipairs(got) do
+    if not line.ok then errors[#errors + 1] = line.error end
+  end
+  if expected then
+    if #errors < #got then return fail('trained; expected the error "' .. expected .. '"') end
+    for _, e in ipairs(errors) do
+      if not e:find(expected, 1, true) then return fail('expected the error "' .. expected .. '", got: ' .. e) end
+    end
+    row.verdict, row.why = 'refused', expected
+    return row
+  end
+  if #errors > 0 then return fail('error: ' .. errors[1]) end
+  local tol = M.tolerance(c)
+  local w, spread = merge(got)
+  for _, line in ipairs(got) do
+    if line.skipped ~= 0 then return fail(line.skipped .. ' steps skipped (fp16 overflow)') end
+  end
+  if spread ~= 0 then return fail(string.format('copies of a weight differ by %.3g', spread)) end
+  local within, abs, missing = weight_error(w, ref, tol)
+  if missing then return fail('weight ' .. missing .. ' missing or of another size') end
+  row.loss_err, row.weight_err, row.within = loss_error(got[1].losses, ref), abs, within
+  if row.loss_err > tol.loss then
+    return fail(string.format('loss off by %.3g relative (tolerance %g)', row.loss_err, tol.loss))
+  end
+  if within > 1 then return fail(string.format('weights off by %.3g (%.3g x the tolerance)', abs, within)) end
+  row.verdict = 'pass'
+  return row
+end
+
+return M
