@@ -30,6 +30,19 @@ local function write_cells(path, cells)
   f:close()
 end
 
+-- The first line of a dead launch's output that says why (the C
+-- library's heap checks, a signal, the sanitizers, a timeout), as ": why".
+local CAUSES = { 'corrupted', 'free%(%)', 'malloc', 'Segmentation', 'signal %d+', 'AddressSanitizer', 'runtime error',
+                 'timed out', 'Aborted' }
+local function cause(output)
+  for line in output:gmatch('[^\n]+') do
+    for _, p in ipairs(CAUSES) do
+      if line:find(p) then return ': ' .. line:gsub('^%s+', ''):sub(1, 160) end
+    end
+  end
+  return ''
+end
+
 -- Every rank's line of every cell of `cells` (all on np ranks):
 -- per cell {rank lines} or {crash = output tail}.
 local launches = 0
@@ -51,7 +64,8 @@ local function launch(cells, np, dir, timeout)
       if #all == np then
         got[i] = all
       else
-        got[i] = { crash = string.format('exit status %s; output ends:\n%s', tostring(status), output:sub(-1500)) }
+        got[i] = { crash = string.format('exit status %s%s; output ends:\n%s', tostring(status), cause(output),
+                                         output:sub(-1500)) }
         next_first = i + 1
         break
       end
