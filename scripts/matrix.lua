@@ -70,7 +70,7 @@ if opts.list or #cells == 0 then os.exit(0) end
 
 local dir = H.tmpdir()
 local t0 = ds.wall_time()
-local rows = R.run(cells, { dir = dir, chunk = opts.chunk, timeout = 900, on_row = function(row, done, total)
+local rows = R.run(cells, { dir = dir, chunk = opts.chunk, timeout = 60, on_row = function(row, done, total)
   local spent = ds.wall_time() - t0
   io.stderr:write(string.format('[%d/%d] %.0f s, about %.0f s left: %s %s\n', done, total, spent,
                                 spent / done * (total - done), row.verdict, row.name))
@@ -88,7 +88,7 @@ for _, row in ipairs(rows) do
   if not opts.failures or row.verdict == 'FAIL' then
     local why = row.verdict == 'pass' and '' or (row.why:match('^[^\n]*'))
     io.stdout:write(string.format('%-58s %-8s %-10s %-10s %-7s %s\n', row.name, row.verdict, num(row.loss_err),
-                                  num(row.weight_err), row.within and string.format('%.3f', row.within) or '-', why))
+                                  num(row.weight_err), row.exact and 'exact' or row.within and string.format('%.3f', row.within) or '-', why))
   end
 end
 io.stdout:write(string.format('\ncells %d: trained %d, passed %d (tolerance met), refused as expected %d, '

@@ -33,7 +33,10 @@ end
 -- The first line of a dead launch's output that says why (the C
 -- library's heap checks, a signal, the sanitizers, a timeout), as ": why".
 local CAUSES = { 'corrupted', 'free%(%)', 'malloc', 'Segmentation', 'signal %d+', 'AddressSanitizer', 'runtime error',
-                 'timed out', 'Aborted' }
+                 'no end within', 'Aborted' }
+-- a launch's time limit: start-up, then each cell (3-rank cells of 33
+-- micro steps take about a second here; ASan several)
+local PER_CELL = 10
 local function cause(output)
   for line in output:gmatch('[^\n]+') do
     for _, p in ipairs(CAUSES) do
@@ -52,9 +55,11 @@ local function launch(cells, np, dir, timeout)
   write_cells(tag .. '.json', cells)
   local got, first = {}, 1
   while first <= #cells do
-    local cmd = string.format('timeout %d env %s spec/matrix/batch.lua %s.json %s %s/nvme %d', timeout, H.ranks_cmd(np),
+    local limit = timeout + PER_CELL * (#cells - first + 1)
+    local cmd = string.format('timeout %d env %s spec/matrix/batch.lua %s.json %s %s/nvme %d', limit, H.ranks_cmd(np),
                               tag, tag, dir, first)
     local output, status = H.run(cmd)
+    if status == 124 then output = output .. string.format('\nno end within %d s: killed (a hang)\n', limit) end
     local lines = {}
     for r = 0, np - 1 do lines[r] = read_lines(tag .. '.' .. r .. '.jsonl') end
     local next_first = #cells + 1
@@ -78,7 +83,8 @@ end
 
 -- Runs cells (settings.lua tables): a row per cell, in order:
 -- {cell, name, verdict = 'pass' | 'refused' | 'FAIL', why, loss_err, weight_err}.
--- opts: dir (a scratch folder), timeout (seconds per launch), chunk (cells per
+-- opts: dir (a scratch folder), timeout (seconds a launch may take beyond
+-- PER_CELL a cell), chunk (cells per
 -- launch, default all), on_row(row, done, total) after each cell.
 function M.run(cells, opts)
   local by_np, order = {}, {}
@@ -93,7 +99,7 @@ function M.run(cells, opts)
     for from = 1, #ids, chunk do
       local list = {}
       for k = from, math.min(from + chunk - 1, #ids) do list[#list + 1] = cells[ids[k]] end
-      local got = launch(list, np, opts.dir, opts.timeout or 900)
+      local got = launch(list, np, opts.dir, opts.timeout or 60)
       for k, c in ipairs(list) do
         local i = ids[from + k - 1]
         local key = Judge.reference_key(c)
