@@ -61,6 +61,12 @@ function M.train(cfg, micro, ga, pipe)
   for _, b in ipairs(micro) do per = per + b end
   local data = Model.data(per * ga * S.STEPS)
   local model = pipe == 'none' and Model.plain() or Model.pipeline(pipe)
+  if not model.is_pipeline and ds.comm.rank() > 0 then
+    -- other weights than rank 0's: initialize must broadcast its own
+    ds.no_grad(function()
+      for _, p in ipairs(model:parameters()) do p:add_(1) end
+    end)
+  end
   local engine = ds.initialize { model = model, config = cfg }
   local ok, out = pcall(function()
     local dp = model.is_pipeline and model.dp_rank or ds.comm.rank()

@@ -3,11 +3,12 @@
 --
 -- Tolerances, from what the arithmetic guarantees:
 -- f32: the cell sums the same per-token gradients as the reference in
--- another order (micro steps, ranks, buckets), an error of a few units
--- of 2^-24 relative per sum of at most 10^3 terms (~1e-6 at worst in
--- practice); AdamW with eps 1e-3 passes a gradient error on magnified at
--- most lr / eps = 10 times a step, over 3 steps: weights within the
--- project's f32 tolerance (atol 1e-5 + rtol 1e-4), losses within 1e-4.
+-- another order (micro steps, ranks, buckets): at most 10^3 additions of
+-- 2^-24 relative error each, 6e-5 of the terms' magnitude at the very
+-- worst and ~2e-6 (sqrt(n) 2^-24) as rounding goes; AdamW with eps 1e-3
+-- passes a gradient error on magnified at most lr / eps = 10 times a
+-- step, over 3 steps: weights within the project's f32 tolerance (atol
+-- 1e-5 + rtol 1e-4), losses within 1e-4 relative.
 -- bf16, fp16: the forward and backward round to 2^-8 (2^-11), so a
 -- gradient element near zero may take either sign, and Adam's normalised
 -- step moves it by up to lr * |m / sqrt(v)| either way: at most 1.004 lr

@@ -30,13 +30,14 @@ local function write_cells(path, cells)
   f:close()
 end
 
+-- A launch's time limit: start-up, then each cell (3-rank cells of 33
+-- micro steps take about a second here, several under ASan).
+local PER_CELL = 10
+
 -- The first line of a dead launch's output that says why (the C
--- library's heap checks, a signal, the sanitizers, a timeout), as ": why".
+-- library's heap checks, a signal, the sanitizers, a hang), as ": why".
 local CAUSES = { 'corrupted', 'free%(%)', 'malloc', 'Segmentation', 'signal %d+', 'AddressSanitizer', 'runtime error',
                  'no end within', 'Aborted' }
--- a launch's time limit: start-up, then each cell (3-rank cells of 33
--- micro steps take about a second here; ASan several)
-local PER_CELL = 10
 local function cause(output)
   for line in output:gmatch('[^\n]+') do
     for _, p in ipairs(CAUSES) do
@@ -81,11 +82,10 @@ local function launch(cells, np, dir, timeout)
   return got
 end
 
--- Runs cells (settings.lua tables): a row per cell, in order:
--- {cell, name, verdict = 'pass' | 'refused' | 'FAIL', why, loss_err, weight_err}.
--- opts: dir (a scratch folder), timeout (seconds a launch may take beyond
--- PER_CELL a cell), chunk (cells per
--- launch, default all), on_row(row, done, total) after each cell.
+-- Runs cells (settings.lua tables): a row per cell, in order (see
+-- judge.lua's row). opts: dir (a scratch folder), timeout (seconds a
+-- launch may take beyond PER_CELL a cell; 60), chunk (cells per launch;
+-- all), on_row(row, done, total) after each cell.
 function M.run(cells, opts)
   local by_np, order = {}, {}
   for i, c in ipairs(cells) do
