@@ -16,6 +16,11 @@ local S = require 'matrix.settings'
 local P = require 'matrix.pairwise'
 local R = require 'matrix.runner'
 
+local function die(msg)
+  io.stderr:write('matrix.lua: ', msg, ' (see the comment at the top of scripts/matrix.lua)\n')
+  os.exit(2)
+end
+
 local opts, keep = { chunk = 20 }, {}
 local i = 1
 while i <= #arg do
@@ -25,24 +30,23 @@ while i <= #arg do
     opts[a:sub(3)] = true
   elseif a == '--chunk' then
     i = i + 1
-    opts.chunk = assert(tonumber(arg[i]), '--chunk takes a number')
+    opts.chunk = tonumber(arg[i]) or die('--chunk takes a number')
   elseif f then
     keep[f] = {}
     for v in vals:gmatch('[^,]+') do keep[f][v] = true end
   else
-    io.stderr:write('matrix.lua: unknown argument ' .. a .. ' (see the comment at the top of scripts/matrix.lua)\n')
-    os.exit(2)
+    die('unknown argument ' .. a)
   end
   i = i + 1
 end
 local known = {}
 for _, spec in ipairs(S.FACTORS) do known[spec[1]] = spec[2] end
 for f, vals in pairs(keep) do
-  if not known[f] then error('matrix.lua: no factor ' .. f, 0) end
+  if not known[f] then die('no factor ' .. f) end
   for v in pairs(vals) do
     local found = false
     for _, x in ipairs(known[f]) do found = found or tostring(x) == v end
-    if not found then error(string.format('matrix.lua: %s has no value %s', f, v), 0) end
+    if not found then die(string.format('%s has no value %s', f, v)) end
   end
 end
 
@@ -57,11 +61,7 @@ local all = {}
 if opts.pairwise then
   all = P.cells()
 else
-  for _, v in ipairs(P.product()) do
-    local c = {}
-    for f, spec in ipairs(S.FACTORS) do c[spec[1]] = spec[2][v[f]] end
-    all[#all + 1] = c
-  end
+  for _, v in ipairs(P.product()) do all[#all + 1] = P.cell_of(v) end
 end
 local cells = {}
 for _, c in ipairs(all) do if wanted(c) then cells[#cells + 1] = c end end

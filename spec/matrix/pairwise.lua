@@ -1,6 +1,6 @@
 -- A covering subset of the configuration matrix: every pair of values of
--- two factors in at least one cell, deterministic (a fixed LCG, greedy as
--- AETG). A pair some trainable cell holds is covered by a trainable cell;
+-- two factors in at least one cell, deterministic (a fixed LCG; greedy:
+-- for each pair not yet held, the best of 40 cells that hold it). A pair some trainable cell holds is covered by a trainable cell;
 -- a pair only refused cells hold (1-bit with stage 2, say) by a refused
 -- cell, built so that one refusal applies where it can.
 local S = require 'matrix.settings'
@@ -19,11 +19,13 @@ local function lcg(seed)
   end
 end
 
-local function cell_of(values)
+-- The cell (settings' table) of a list of value indices.
+function M.cell_of(values)
   local c = {}
   for f, spec in ipairs(F) do c[spec[1]] = spec[2][values[f]] end
   return c
 end
+local cell_of = M.cell_of
 
 local function key(f, a, g, b) return f .. ':' .. a .. ':' .. g .. ':' .. b end
 
@@ -52,7 +54,8 @@ local function pairs_of(v, fn)
   end
 end
 
-local function refusals(c)
+-- How many of the refusals apply to cell c.
+function M.refusals(c)
   local n = 0
   for _, r in ipairs(S.REFUSALS) do
     if r[1](c) then n = n + 1 end
@@ -105,12 +108,12 @@ function M.cells()
   for k in pairs(trainable) do refused[k] = nil end
   local rand, out = lcg(20261128), {}
   cover(rand, trainable, ok, function() return 0 end, out)
-  cover(rand, refused, bad, function(c) return refusals(c) == 1 and 100 or 0 end, out)
+  cover(rand, refused, bad, function(c) return M.refusals(c) == 1 and 100 or 0 end, out)
   -- each refusal alone at least once: the first such cell of the product
   for _, rule in ipairs(S.REFUSALS) do
     for _, v in ipairs(bad) do
       local c = cell_of(v)
-      if rule[1](c) and refusals(c) == 1 then
+      if rule[1](c) and M.refusals(c) == 1 then
         out[#out + 1] = c
         break
       end
