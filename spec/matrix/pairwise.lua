@@ -110,11 +110,14 @@ function M.cells()
   cover(rand, trainable, ok, function() return 0 end, out)
   cover(rand, refused, bad, function(c) return M.refusals(c) == 1 and 100 or 0 end, out)
   -- each refusal alone at least once: the first such cell of the product
+  -- (unless the cover holds it already)
+  local have = {}
+  for _, c in ipairs(out) do have[S.name(c)] = true end
   for _, rule in ipairs(S.REFUSALS) do
     for _, v in ipairs(bad) do
       local c = cell_of(v)
       if rule[1](c) and M.refusals(c) == 1 then
-        out[#out + 1] = c
+        if not have[S.name(c)] then out[#out + 1] = c end
         break
       end
     end
