@@ -234,13 +234,51 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
     assert.are.equal(4, #m.files)
   end)
 
+  -- 2 ranks save in epoch 1 (96 samples), 1 and 3 ranks resume: the samples
+  -- of the two runs' epoch 1 are the epoch, each once, and global_samples
+  -- at its end is 96 on every world size
+  local function one_epoch(before, after)
+    local all, count = {}, {}
+    for _, r in ipairs({ before, after }) do
+      for _, v in ipairs(r.seen) do all[#all + 1] = v end
+    end
+    for _, v in ipairs(all) do count[v] = (count[v] or 0) + 1 end
+    for i = 0, 95 do assert.are.equal(1, count[i], 'sample ' .. i) end
+    assert.are.equal(96, #all)
+    assert.are.equal(96, after.epoch1_samples)
+  end
+
+  it('goes on with exactly the samples the saved run had not read: DeepSpeed\'s loader', function()
+    local dir = H.tmpdir()
+    local a = run(2, { dir = dir, steps = 3, save_at = 3 })      -- 24 samples read, 8 a step
+    assert.are.equal(24, a.global_samples)
+    for np, micro in pairs({ [1] = 4, [3] = 3 }) do
+      local b, out = run(np, { dir = dir, load = 'global_step3', steps = 40, micro = micro })
+      H.has(out, string.format('saved on 2 ranks, loaded on %d: epoch 1 goes on with the 72 of its 96 samples', np))
+      one_epoch(a, b)
+    end
+  end)
+
+  it('goes on with exactly the samples the saved run had not read: the uneven policy', function()
+    local dir = H.tmpdir()
+    local a = run(2, { dir = dir, steps = 5, save_at = 5, sampler = { policy = 'uneven', micro_batch_per_rank = { 6, 2 },
+                                                                        data_share = { 0.75, 0.25 }, seed = 3 } })
+    assert.are.equal(40, a.global_samples)
+    local blocks = { [1] = { micro_batch_per_rank = { 8 } }, [3] = { micro_batch_per_rank = { 3, 3, 3 } } }
+    for np, block in pairs(blocks) do
+      block.policy, block.seed = 'uneven', 3
+      local b = run(np, { dir = dir, load = 'global_step5', steps = 40, sampler = block })
+      one_epoch(a, b)
+    end
+  end)
+
   it('trains on from there: a bf16 stage 3 run resumed in fp32 on 1 rank learns on', function()
     local dir = H.tmpdir()
     local a = run(2, { stage = 3, dtype = 'bf16', dir = dir, steps = 30, save_at = 10 })
     local b, out = run(1, { stage = 0, dir = dir, load = 'global_step10', steps = 30 })
     H.has(out, 'loaded checkpoint ' .. dir .. '/global_step10 (saved on 2 ranks at ZeRO stage 3 in bf16; loaded on 1 '
                .. 'at stage 0 in f32)')
-    H.has(out, 'the data loader resumes epoch')
+    H.has(out, 'saved on 2 ranks, loaded on 1: epoch 1 goes on with the ')
     local function mean(r, lo, hi)
       local s, n = 0, 0
       for k, v in pairs(r.losses) do

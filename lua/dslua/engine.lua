@@ -466,7 +466,7 @@ function Engine:forward(...)
   -- throughput counts from a window's first forward to its step's end, as
   -- DeepSpeed's ThroughputTimer: evaluation and data waits between stay out
   self.busy_since = self.busy_since or t0
-  if self.weighted then self.micro_samples = batch_samples((...)) end
+  self.micro_samples = batch_samples((...))
   -- a rank that runs out of data under stage 3 repeats the last forward
   -- with zero weight, so its gathers match the others'
   if self.weighted and self.zero and self.zero.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
@@ -504,6 +504,8 @@ function Engine:backward(loss, allreduce_gradients)
   else
     local gas = self:gradient_accumulation_steps()
     if gas > 1 then loss = loss / gas end
+    self.window_samples = self.window_samples + (self.micro_samples or self:train_micro_batch_size_per_gpu())
+    self.micro_samples = nil
   end
   if self.scaler then loss = loss * self.scaler.cur_scale end
   local t0 = now()
@@ -631,6 +633,23 @@ function Engine:get_mom()
   return out
 end
 
+-- The samples of the window on every data-parallel rank, which read as
+-- many (DistributedSampler pads): global_samples counts them, so an epoch
+-- adds its length on any world size. DeepSpeed adds train_batch_size each
+-- step, a short last batch too; rank 0 says so the first time they differ.
+-- Without engine:backward (a pipeline's train_batch) train_batch_size.
+function Engine:_samples_read()
+  local tbs = self:train_batch_size()
+  if self.window_samples == 0 then return tbs end
+  local read = self.window_samples * tbs / (self:train_micro_batch_size_per_gpu() * self:gradient_accumulation_steps())
+  if read ~= tbs and not self.said_samples then
+    self.said_samples = true
+    log(self, 'global_samples counts the samples read: %d at step %d (DeepSpeed adds train_batch_size, %d, every step)',
+        read, self.global_steps, tbs)
+  end
+  return read
+end
+
 function Engine:step()
   self:_start('step')
   local boundary = self:is_gradient_accumulation_boundary()
@@ -645,7 +664,8 @@ function Engine:step()
       end
       self.step_samples, self.window_samples, self.window_seconds = nil, 0, 0
     else
-      self.global_samples = self.global_samples + self:train_batch_size()
+      self.global_samples = self.global_samples + self:_samples_read()
+      self.window_samples = 0
     end
   end
   self.micro_steps = self.micro_steps + 1
