@@ -111,8 +111,16 @@ local function build_optimizer(opts, cfg, params)
   error("initialize: no optimizer: pass `optimizer` or set an 'optimizer' block in the config", 3)
 end
 
-local function build_scheduler(opts, cfg, optimizer)
+-- DeepSpeed's _configure_lr_scheduler: a scheduler passed to initialize
+-- wins over the config's, and rank 0 says which it uses.
+local function build_scheduler(opts, cfg, optimizer, rank)
   local s = opts.lr_scheduler
+  if s ~= nil and cfg.scheduler and rank == 0 then
+    io.stdout:write(string.format("[Rank 0] using the client LR scheduler passed to initialize, not the config's "
+                                  .. 'scheduler %s (as DeepSpeed since August 2024; before, the config\'s won)\n',
+                                  tostring(cfg.scheduler.type)))
+    io.stdout:flush()
+  end
   if type(s) == 'function' then return ds.lr.lambda(optimizer, s) end
   if s ~= nil then
     if type(s) ~= 'table' or type(s.step) ~= 'function' then
@@ -124,10 +132,23 @@ local function build_scheduler(opts, cfg, optimizer)
   return nil
 end
 
+-- A config file's "lua" schedule path is taken from its folder (a table
+-- config's from the working directory).
+local function schedule_path(cfg, source)
+  local sched = cfg.scheduler
+  local dir = type(source) == 'string' and source:match('^(.*)/[^/]*$')
+  if dir and sched and sched.type == 'lua' and type(sched.params.path) == 'string'
+     and sched.params.path:sub(1, 1) ~= '/' then
+    sched.params.path = dir .. '/' .. sched.params.path
+  end
+end
+
 -- What initialize builds from the config alone (the loss scaler, the
 -- optimizer, the scheduler), on a stand-in parameter: --check-config runs
--- it after ds.config.check, so it refuses what initialize would.
-function M.check_builds(cfg)
+-- it after ds.config.check, so it refuses what initialize would. source:
+-- the config file.
+function M.check_builds(cfg, source)
+  schedule_path(cfg, source)
   if cfg.fp16.enabled then require('dslua.loss_scaler').from_config(cfg.fp16) end
   local params = { ds.zeros(1):requires_grad_() }
   local optimizer = cfg.optimizer and build_optimizer({}, cfg, params) or ds.optim.SGD(params, { lr = 0 })
@@ -210,6 +231,7 @@ function M.initialize(opts)
   -- a pipeline's ranks split into stages: data parallel runs across dp_size
   if model.is_pipeline then world_size = model.dp_size end
   local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
+  schedule_path(cfg, source)
   require('dslua.checkpointing').configure(cfg.activation_checkpointing)
   require('dslua.guard').budget = cfg.reload.budget     -- before the schedule file runs
 
@@ -235,7 +257,7 @@ function M.initialize(opts)
   else
     optimizer = build_optimizer(opts, cfg, params)
   end
-  local scheduler = build_scheduler(opts, cfg, optimizer)
+  local scheduler = build_scheduler(opts, cfg, optimizer, rank)
   -- one resolved config and one first lr on every rank (a difference in
   -- lr or gradient_clipping would train on, the ranks drifting apart)
   if ds.comm and ds.comm.world_size() > 1 then
