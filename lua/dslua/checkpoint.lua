@@ -991,6 +991,7 @@ end
 
 local function note(engine, fmt, ...)
   if engine.rank ~= 0 then return end
+  require('dslua.progress').clear()
   io.stdout:write('[Rank 0] ', string.format(fmt, ...), '\n')
   io.stdout:flush()
 end

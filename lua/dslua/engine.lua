@@ -55,6 +55,7 @@ local now = ds.wall_time
 -- log_dist as DeepSpeed prints it: rank 0 only, rank in the line.
 local function log(engine, fmt, ...)
   if engine.rank ~= 0 then return end
+  progress.clear()
   io.stdout:write(string.format('[Rank %d] ' .. fmt .. '\n', engine.rank, ...))
   io.stdout:flush()
 end
@@ -808,7 +809,6 @@ function Engine:_report()
   end
   local every = self.config.steps_per_print
   if self.global_steps % every ~= 0 then return end
-  if self.bar then io.stdout:write('\n') end
   log(self, 'step=%d, skipped=%d, lr=%s, mom=%s', self.global_steps, self.skipped_steps,
       list_repr(self:get_lr()), list_repr(self:get_mom()))
   local last = self.last_report or { busy = 0, samples = 0 }
