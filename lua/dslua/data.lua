@@ -605,8 +605,16 @@ function Loader:resume(at)
       fail('loader:resume', '%s must be a non-negative integer, got %s', k, tostring(v))
     end
   end
-  if at.order ~= nil and type(at.order) ~= 'table' then
-    fail('loader:resume', 'order must be a list of 0-based indices, got a %s', type(at.order))
+  if at.order ~= nil then
+    if type(at.order) ~= 'table' then
+      fail('loader:resume', 'order must be a list of 0-based indices, got a %s', type(at.order))
+    end
+    local n = dataset_len(self.dataset)
+    for i, v in ipairs(at.order) do
+      if type(v) ~= 'number' or v ~= math.floor(v) or v < 0 or v >= n then
+        fail('loader:resume', 'order[%d] = %s is not an index of the dataset [0, %d)', i, tostring(v), n)
+      end
+    end
   end
   self._resume = { epoch = at.epoch, step = at.step, samples = at.samples, order = at.order }
   self.current_epoch = at.epoch - 1
