@@ -105,9 +105,10 @@ static bool dslua_said(const char *s) {
     return strncmp(s + at, "error: ", 7) == 0 || strncmp(s + at, "exited with status ", 19) == 0;
 }
 
+/* Open MPI's show_help frames its boxes with lines of 74 dashes. */
 static bool box_edge(const char *s) {
     size_t n = strspn(s, "-");
-    return n >= 20 && (s[n] == '\n' || s[n] == '\0');
+    return n == 74 && (s[n] == '\n' || s[n] == '\0');
 }
 
 static bool orte_noise(const char *s) {
