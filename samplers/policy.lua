@@ -275,6 +275,22 @@ function Sampler:plan(e)
   return plan
 end
 
+-- plan_of(e, rest) -> {epoch, indices, micro_batch, note}: epoch e's plan
+-- over the dataset indices `rest` only (what a run on other ranks had not
+-- read of it), planned as a dataset of #rest samples in that order (no
+-- shuffle) and mapped onto them; restore_plan makes it the epoch's.
+function Sampler:plan_of(e, rest)
+  local ctx = self:ctx(e)
+  ctx.dataset_len, ctx.params.shuffle = #rest, false
+  local ok, plan = pcall(method(self.policy, 'plan'), ctx)
+  if not ok then fail(self:where(), 'plan() failed: ' .. tostring(plan)) end
+  plan = M.check_plan(plan, #rest, self:where())
+  local idx = ds.is_tensor(plan.indices) and plan.indices:totable() or plan.indices
+  local out = {}
+  for i, k in ipairs(idx) do out[i] = rest[k + 1] end
+  return { epoch = e, indices = out, micro_batch = plan.micro_batch, note = plan.note }
+end
+
 -- The loader's interface: set_epoch(e) plans epoch e; indices([e]) its
 -- 0-based indices; len() its sample count.
 function Sampler:set_epoch(e)

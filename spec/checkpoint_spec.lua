@@ -58,6 +58,18 @@ end
 describe('safetensors files', function()
   local dir = H.tmpdir()
 
+  it('take a model\'s state_dict as save_file\'s tensors, its one value, and give it back', function()
+    local m = ds.nn.Sequential(ds.nn.Linear(3, 2), ds.nn.LayerNorm(2))
+    assert.are.equal(1, select('#', m:state_dict()))
+    local path = dir .. '/model.safetensors'
+    CK.save_file(path, m:state_dict())
+    local back = CK.load_file(path)
+    for _, name in ipairs(m:state_keys()) do
+      assert.are.same(m:state_dict()[name]:totable(), back[name]:totable())
+    end
+    assert.are.same({ '0.weight', '0.bias', '1.weight', '1.bias' }, m:state_keys())
+  end)
+
   it('hold every dtype, shapes and metadata, byte for byte, with the SHA-256 and each CRC-32', function()
     local ts = { { 'a', ds.randn(3, 4) }, { 'b', ds.arange(10):to('bf16') }, { 'c', ds.randn(2, 2, 'f64') },
                  { 'd', ds.tensor({ 1, -2, 3 }, 'i64') }, { 'e', ds.tensor({ 7 }, 'u8') }, { 'f', ds.randn(5):to('f16') },
@@ -306,13 +318,51 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
     assert.are.equal(4, #m.files)
   end)
 
+  -- 2 ranks save in epoch 1 (96 samples), 1 and 3 ranks resume: the samples
+  -- of the two runs' epoch 1 are the epoch, each once, and global_samples
+  -- at its end is 96 on every world size
+  local function one_epoch(before, after)
+    local all, count = {}, {}
+    for _, r in ipairs({ before, after }) do
+      for _, v in ipairs(r.seen) do all[#all + 1] = v end
+    end
+    for _, v in ipairs(all) do count[v] = (count[v] or 0) + 1 end
+    for i = 0, 95 do assert.are.equal(1, count[i], 'sample ' .. i) end
+    assert.are.equal(96, #all)
+    assert.are.equal(96, after.epoch1_samples)
+  end
+
+  it('goes on with exactly the samples the saved run had not read: DeepSpeed\'s loader', function()
+    local dir = H.tmpdir()
+    local a = run(2, { dir = dir, steps = 3, save_at = 3 })      -- 24 samples read, 8 a step
+    assert.are.equal(24, a.global_samples)
+    for np, micro in pairs({ [1] = 4, [3] = 3 }) do
+      local b, out = run(np, { dir = dir, load = 'global_step3', steps = 40, micro = micro })
+      H.has(out, string.format('saved on 2 ranks, loaded on %d: epoch 1 goes on with the 72 of its 96 samples', np))
+      one_epoch(a, b)
+    end
+  end)
+
+  it('goes on with exactly the samples the saved run had not read: the uneven policy', function()
+    local dir = H.tmpdir()
+    local a = run(2, { dir = dir, steps = 5, save_at = 5, sampler = { policy = 'uneven', micro_batch_per_rank = { 6, 2 },
+                                                                        data_share = { 0.75, 0.25 }, seed = 3 } })
+    assert.are.equal(40, a.global_samples)
+    local blocks = { [1] = { micro_batch_per_rank = { 8 } }, [3] = { micro_batch_per_rank = { 3, 3, 3 } } }
+    for np, block in pairs(blocks) do
+      block.policy, block.seed = 'uneven', 3
+      local b = run(np, { dir = dir, load = 'global_step5', steps = 40, sampler = block })
+      one_epoch(a, b)
+    end
+  end)
+
   it('trains on from there: a bf16 stage 3 run resumed in fp32 on 1 rank learns on', function()
     local dir = H.tmpdir()
     local a = run(2, { stage = 3, dtype = 'bf16', dir = dir, steps = 30, save_at = 10 })
     local b, out = run(1, { stage = 0, dir = dir, load = 'global_step10', steps = 30 })
     H.has(out, 'loaded checkpoint ' .. dir .. '/global_step10 (saved on 2 ranks at ZeRO stage 3 in bf16; loaded on 1 '
                .. 'at stage 0 in f32)')
-    H.has(out, 'the data loader resumes epoch')
+    H.has(out, 'saved on 2 ranks, loaded on 1: epoch 1 goes on with the ')
     local function mean(r, lo, hi)
       local s, n = 0, 0
       for k, v in pairs(r.losses) do
@@ -710,7 +760,7 @@ describe('export and import', function()
     m:load_state_dict(CK.load_file('spec/fixtures/dslua_gpt2_export.safetensors'))
     local logits = ds.no_grad(function() return m(H.tensor(fx.dslua_export.ids)) end)
     H.assert_close(logits, H.tensor(fx.dslua_export.logits), { rtol = 1e-4, atol = 1e-5 }, 'PyTorch read dslua\'s file')
-    local sd, keys = m:state_dict()
+    local keys = m:state_keys()
     table.sort(keys)
     assert.are.same(keys, fx.dslua_export.keys)
   end)
@@ -753,7 +803,7 @@ print(len(sd), sd['transformer.h.0.attn.c_attn.weight'].dtype, float(sd['transfo
     local n, dtype, sum = text:match('^(%d+) (%S+) (%S+)')
     assert(n, text)
     assert.are.equal('torch.bfloat16', dtype)
-    assert.are.equal(#select(2, m:state_dict()), tonumber(n))
+    assert.are.equal(#m:state_keys(), tonumber(n))
     assert.is_true(math.abs(tonumber(sum) - want) <= 1e-3 * math.abs(want) + 1e-4)
   end)
 end)

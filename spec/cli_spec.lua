@@ -47,6 +47,15 @@ describe('the dslua command', function()
     assert.matches('cannot open .*missing.lua', out)
   end)
 
+  it('erases a progress bar drawn on the terminal before the error, so the error has a line of its own', function()
+    local d = tmpdir()
+    write(d .. '/bar.lua', "local p = require('dslua.progress').new { total = 10, label = 'epoch 1', tty = true }\n"
+                           .. "p:update(4)\nerror('stopped mid-epoch')\n")
+    local out, status = H.run(bin .. ' ' .. d .. '/bar.lua')
+    assert.are.equal(1, status)
+    H.has(out, '\27[K\r\27[Kdslua: ' .. d .. '/bar.lua:3: stopped mid-epoch')
+  end)
+
   it('carries its library: require "dslua" works from any directory', function()
     local d = tmpdir()
     write(d .. '/t.lua', 'local ds = require "dslua"; print(ds.tensor{1,2,3}:sum():item())')

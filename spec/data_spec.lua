@@ -512,6 +512,21 @@ describe('ds.data.loader', function()
     assert.is_false(inorder, 'shuffle=true (the default) shuffles')
   end)
 
+  it('resumes an epoch in an order given, with and without workers, and refuses an index outside the dataset', function()
+    for _, workers in ipairs({ 0, 2 }) do
+      local l = ds.data.loader(numbered(10), { batch_size = 3, num_workers = workers })
+      l:resume { epoch = 2, step = 0, samples = 0, order = { 7, 1, 4, 9 } }
+      local ys, sizes = run(l)
+      assert.are.same({ 7, 1, 4, 9 }, ys)
+      assert.are.same({ 3, 1 }, sizes)
+      assert.are.same({ 7, 1, 4, 9 }, l.position.order)
+      assert.are.equal(10, #run(l, 3))          -- the next epoch reads the whole dataset again
+    end
+    local l = ds.data.loader(numbered(10), { batch_size = 3 })
+    local e = H.err(l.resume, l, { epoch = 1, step = 0, samples = 0, order = { 1, 10 } })
+    H.has(e, 'order[2] = 10 is not an index of the dataset [0, 10)')
+  end)
+
   it('drops the last short batch with drop_last, as PyTorch', function()
     local l = ds.data.loader(numbered(103), { batch_size = 10, drop_last = true })
     assert.are.equal(10, #l)

@@ -157,6 +157,59 @@ describe('engine steps', function()
     assert.are.same({ 0.125 }, e:get_lr())
   end)
 
+  it('takes a scheduler given to initialize over the config\'s, as DeepSpeed, and says so', function()
+    local x, y = problem(4)
+    local said, stdout = {}, io.stdout
+    io.stdout = { write = function(self, ...) said[#said + 1] = table.concat({ ... }) return self end,
+                  flush = function() end }
+    local ok, e = pcall(ds.initialize, {
+      model = model_with(), config = config { scheduler = { type = 'WarmupLR', params = { warmup_num_steps = 10 } } },
+      lr_scheduler = function(step) return 0.5 / (step + 1) end,
+    })
+    io.stdout = stdout
+    assert(ok, e)
+    H.has(table.concat(said), "using the client LR scheduler passed to initialize, not the config's scheduler WarmupLR")
+    e:backward(e:forward { x = x, y = y })
+    e:step()
+    assert.are.same({ 0.25 }, e:get_lr())
+  end)
+
+  it('reads a config file\'s Lua schedule next to it, a table config\'s from the working directory', function()
+    local dir = H.tmpdir()
+    H.write(dir .. '/sched.lua', 'return function(step) return 0.5 / (step + 1) end')
+    H.write(dir .. '/ds.json', ds.json.encode(config { scheduler = { type = 'lua', params = { path = 'sched.lua' } } }))
+    local e = ds.initialize { model = model_with(), config = dir .. '/ds.json' }
+    assert.are.same({ 0.5 }, e:get_lr())
+    assert.are.equal(dir .. '/sched.lua', e.config.scheduler.params.path)
+    local out, status = H.run(H.bin() .. ' --check-config ' .. dir .. '/ds.json')
+    assert.are.equal(0, status, out)
+    local params = { path = 'spec/fixtures/lr_schedule.lua', warmup = 5, peak = 0.01, decay = 0.9 }
+    e = ds.initialize { model = model_with(), config = config { scheduler = { type = 'lua', params = params } } }
+    assert.are.equal('spec/fixtures/lr_schedule.lua', e.config.scheduler.params.path)
+  end)
+
+  it('erases a progress bar\'s unfinished line before its log lines, not leaving it drawn above them', function()
+    local x, y = problem(4)
+    local e = ds.initialize { model = model_with(), config = config { steps_per_print = 1 } }
+    local said, stdout = {}, io.stdout
+    local out = { write = function(self, ...) said[#said + 1] = table.concat({ ... }) return self end,
+                  flush = function() end }
+    e.bar = require('dslua.progress').new { total = 5, label = 'epoch 1', tty = true, out = out }
+    e.bar_first_step, e.bar_first_samples = 0, 0
+    io.stdout = out
+    local ok, err = pcall(function()
+      e:backward(e:forward { x = x, y = y })
+      e:step()
+    end)
+    io.stdout = stdout
+    assert(ok, err)
+    local text = table.concat(said)
+    local bar, clear, line = text:find('epoch 1 [', 1, true), text:find('\r\27[K', 1, true), text:find('[Rank 0] step=1', 1, true)
+    assert.is_truthy(bar and clear and line, text)
+    assert.is_true(bar < clear and clear < line, text)
+    assert.is_nil(text:find('\27[K\n', 1, true), text)      -- the bar's line not ended where it stood
+  end)
+
   it('takes an optimizer built in Lua in place of the config block', function()
     local m = model_with()
     local opt = ds.optim.AdamW(m:parameters(), { lr = 1e-3 })

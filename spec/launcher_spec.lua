@@ -270,8 +270,21 @@ describe('launching ranks', function()
     local t0 = os.time()
     local out, status = H.run(CLEAN .. bin .. ' -n 3 ' .. SCRIPT .. ' --out=' .. dir .. ' --fail=1')
     assert.are_not.equal(0, status, out)
-    assert.truthy(out:find('[rank 1] error: ' .. SCRIPT .. ':16: rank 1 fails on purpose', 1, true), out)
+    assert.truthy(out:find('[rank 1] error: ' .. SCRIPT .. ':18: rank 1 fails on purpose', 1, true), out)
     assert.is_true(os.time() - t0 < 15, 'the job took ' .. (os.time() - t0) .. ' s')
+    -- Open MPI's own account after the rank's line is left out
+    assert.is_nil(out:find('mpirun detected that one or more processes exited', 1, true), out)
+    assert.is_nil(out:find('Primary job', 1, true), out)
+    assert.is_nil(out:find(string.rep('-', 20), 1, true), out)
+    os.execute('rm -rf ' .. dir)
+  end)
+
+  it("keeps Open MPI's account of a rank killed by a signal, which dslua cannot tell", function()
+    local dir = H.tmpdir()
+    local out, status = H.run(CLEAN .. bin .. ' -n 2 ' .. SCRIPT .. ' --out=' .. dir .. ' --kill=1')
+    assert.are_not.equal(0, status, out)
+    H.has(out, 'mpirun noticed that process rank 1 with PID')
+    H.has(out, 'exited on signal 9 (Killed)')
     os.execute('rm -rf ' .. dir)
   end)
 
@@ -349,7 +362,7 @@ describe('launching ranks', function()
         assert.is_nil(io.open(orphan), orphan .. ' is left behind')
         orphan = nil
       end
-      local mpirun = H.run('pgrep -P ' .. pid):match('%d+')
+      local mpirun = H.run('pgrep -x mpirun -P ' .. pid):match('%d+')   -- not the stderr filter
       os.execute(how == 'launcher SIGKILL' and 'kill -KILL ' .. pid or 'kill -' .. how:match('SIG(%u+)') .. ' ' .. mpirun)
       local left
       for _ = 1, 300 do

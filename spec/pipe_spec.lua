@@ -175,6 +175,15 @@ describe('ds.pipe with the engine on one rank', function()
     end
     assert.are.same(run(false), run(true))
     local engine = ds.initialize { model = model(), config = config() }
+    -- an iterator returning x, y (two values) reads as {x, y}
+    ds.manual_seed(5)
+    local a = ds.initialize { model = model(), config = config() }
+    ds.manual_seed(5)
+    local b = ds.initialize { model = model(), config = config() }
+    local x, y = ds.randn(2, 8), ds.tensor({ 0, 2 }, 'i64')
+    assert.are.equal(a:train_batch(function() return { x, y } end), b:train_batch(function() return x, y end))
+    local e = H.err(engine.train_batch, engine, function() return x end)
+    assert.matches('micro batch 1 has no labels for loss_fn', e, 1, true)
     local ok, err = pcall(engine.train_batch, engine)
     assert.is_false(ok)
     assert.matches('no data iterator given and no training_data given to ds.initialize', err, 1, true)

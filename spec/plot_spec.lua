@@ -67,6 +67,28 @@ describe('dslua plot', function()
     H.has(out, '(train_loss: 9 points)')
   end)
 
+  it('draws each run written to a folder as its own labelled curve, not one joined zig-zag', function()
+    for _, n in ipairs({ 30, 10, 10 }) do            -- three runs, each from step 4
+      local w = core.tfevents.open(dir)
+      for i = 1, n do w:scalar('Train/Samples/train_loss', 2 / i, 4 * i) end
+      w:close()
+    end
+    local out, status = plot(dir .. ' -o ' .. dir .. '/runs.png')
+    assert.are.equal(0, status, out)
+    H.has(out, '(train_loss: 3 runs of 30, 10, 10 points)')
+    local runs = require('dslua.plot').load(dir)['Train/Samples/train_loss']
+    for k, n in ipairs({ 30, 10, 10 }) do
+      assert.are.equal(n, #runs[k].x)
+      for i = 2, n do assert.is_true(runs[k].x[i] > runs[k].x[i - 1]) end
+      assert.matches('^events%.out%.tfevents%.', runs[k].label)
+    end
+    -- csv_monitor appends each run after its own header
+    H.write(dir .. '/Train_Samples_lr.csv', 'step,lr\r\n8,0.1\r\n16,0.2\r\nstep,lr\r\n8,0.3\r\n')
+    out, status = plot(dir .. '/Train_Samples_lr.csv -o ' .. dir .. '/lr.png')
+    assert.are.equal(0, status, out)
+    H.has(out, '(lr: 2 runs of 2, 1 points)')
+  end)
+
   it('says what is wrong with its input', function()
     local out, status = plot('')
     assert.are.equal(2, status)

@@ -80,7 +80,7 @@ static void test_events(const char *dir) {
 static void test_plot(const char *dir) {
     double x[50], y[50];
     for (int i = 0; i < 50; i++) { x[i] = 8 * i; y[i] = 3.0 / (1 + i); }
-    ds_plot_series panels[2] = {{"loss", x, y, 50}, {"flat", x, x, 1}};
+    ds_plot_series panels[2] = {{"loss", x, y, 50, NULL}, {"flat", x, x, 1, NULL}};
     char path[512];
     snprintf(path, sizeof path, "%s/c.png", dir);
     check(ds_plot_png(path, "step", panels, 2, 600, 400) == 0, "plot: %s", ds_error_message());
@@ -90,6 +90,10 @@ static void test_plot(const char *dir) {
     check(memcmp(sig, "\x89PNG\r\n\x1a\n", 8) == 0, "a PNG signature");
     unlink(path);
     check(ds_plot_png(path, "step", panels, 2, 100, 100) != 0, "too small is refused");
+    /* two runs of one name share a panel: two panels fit 200 pixels */
+    ds_plot_series runs[3] = {{"loss", x, y, 50, "run 1"}, {"loss", x, y, 20, "run 2"}, {"flat", x, x, 1, NULL}};
+    check(ds_plot_png(path, "step", runs, 3, 600, 200) == 0, "two runs in one panel: %s", ds_error_message());
+    unlink(path);
 }
 
 int main(void) {

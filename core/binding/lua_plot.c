@@ -1,7 +1,9 @@
 /* Training curves as a PNG (core/io/ds_plot.h), as ds.core.plot:
  *
- *   plot.png(path, xlabel, {{name = s, x = {...}, y = {...}}...} [, width, height])
+ *   plot.png(path, xlabel, {{name = s, x = {...}, y = {...} [, label = s]}...} [, width, height])
  *
+ * Consecutive entries of the same name are curves of one panel, each in
+ * its colour, their labels in a legend.
  * Every failure raises with the core's message, which names the file. */
 #include "lua_tensor.h"
 #include "ds_plot.h"
@@ -36,6 +38,8 @@ static int l_png(lua_State *L) {
         int t = lua_gettop(L);
         lua_getfield(L, t, "name");
         panels[i].name = luaL_checkstring(L, -1);
+        lua_getfield(L, t, "label");
+        panels[i].label = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);
         size_t nx, ny;
         panels[i].x = numbers(L, t, "x", &nx);
         panels[i].y = numbers(L, t, "y", &ny);

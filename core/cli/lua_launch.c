@@ -1,6 +1,7 @@
 /* The launcher's process side: dslua.launcher builds the mpirun command;
- * this process starts mpirun, passes signals on, waits, and then removes
- * what Open MPI leaves behind when ranks are killed.
+ * this process starts mpirun, passes signals on, passes its stderr on
+ * without Open MPI's noise after a rank's own error line, waits, and then
+ * removes what Open MPI leaves behind when ranks are killed.
  *
  * For a job on this machine the launcher gives Open MPI a scratch folder
  * of the job's own (its session directory and the shared-memory segments,
@@ -86,6 +87,88 @@ static bool loopback_library(const char *exe, char *buf, size_t n) {
     return access(buf, R_OK) == 0;
 }
 
+/* mpirun's stderr passed on line by line. Once a rank has said why the
+ * job failed (dslua's "[rank N] error: ..." or "[rank N] exited with
+ * status ..."), Open MPI's own account of it is left out: its help boxes
+ * (between lines of dashes) and its ORTE_ERROR_LOG and help-aggregation
+ * lines. Without such a line everything passes (a rank killed by a
+ * signal is told by Open MPI alone). */
+typedef struct {
+    bool said, in_box;
+    size_t n;
+    char line[8192];
+} noise_filter;
+
+static bool dslua_said(const char *s) {
+    int r, at = 0;
+    if (sscanf(s, "[rank %d] %n", &r, &at) != 1 || at == 0) return false;
+    return strncmp(s + at, "error: ", 7) == 0 || strncmp(s + at, "exited with status ", 19) == 0;
+}
+
+/* Open MPI's show_help frames its boxes with lines of 74 dashes. */
+static bool box_edge(const char *s) {
+    size_t n = strspn(s, "-");
+    return n == 74 && (s[n] == '\n' || s[n] == '\0');
+}
+
+static bool orte_noise(const char *s) {
+    return strstr(s, "ORTE_ERROR_LOG") || strstr(s, "has sent help message") ||
+           strstr(s, "have sent help message") || strstr(s, "orte_base_help_aggregate");
+}
+
+/* One line (with its newline, or a piece of a long one) to stderr or not. */
+static void filter_line(noise_filter *f, const char *s, size_t n) {
+    bool drop = false;
+    if (f->said) {
+        if (box_edge(s)) drop = true, f->in_box = !f->in_box;
+        else drop = f->in_box || orte_noise(s);
+    } else if (dslua_said(s)) {
+        f->said = true;
+    }
+    if (!drop && write(STDERR_FILENO, s, n) < 0) { /* stderr gone: nothing to tell */ }
+}
+
+static void filter_feed(noise_filter *f, const char *buf, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        f->line[f->n++] = buf[i];
+        if (buf[i] == '\n' || f->n == sizeof f->line - 1) {
+            f->line[f->n] = '\0';
+            filter_line(f, f->line, f->n);
+            f->n = 0;
+        }
+    }
+}
+
+/* A process of its own passes the pipe on until every writer has closed
+ * it: mpirun's last lines (the ranks saying why they stop) still arrive
+ * when the launcher itself is killed. It ignores the signals the launcher
+ * passes on to mpirun, whose end ends it. Its pid, or -1. */
+static pid_t start_filter(int fd, int writer) {
+    pid_t pid = fork();
+    if (pid != 0) return pid;
+    for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) signal(passed[i], SIG_IGN);
+    close(writer);
+    static noise_filter f;
+    char buf[4096];
+    for (;;) {
+        ssize_t k = read(fd, buf, sizeof buf);
+        if (k > 0) filter_feed(&f, buf, (size_t)k);
+        else if (k == 0 || errno != EINTR) break;
+    }
+    if (f.n) filter_line(&f, f.line, f.n);
+    _exit(0);
+}
+
+/* Waits a moment for the filter to pass mpirun's last lines on (a process
+ * mpirun left behind may hold the pipe open: not waited for). */
+static void wait_filter(pid_t pid) {
+    for (int i = 0; i < 200; i++) {
+        pid_t r = waitpid(pid, NULL, WNOHANG);
+        if (r == pid || (r < 0 && errno != EINTR)) return;
+        usleep(10000);
+    }
+}
+
 /* Starts cmd with lib preloaded (when given), waits for it: its status.
  * mpirun ends with the launcher (SIGTERM when it dies, SIGKILL included),
  * and a job on this machine (local) tells its ranks the launcher's pid,
@@ -98,10 +181,24 @@ static int run_mpirun(char **cmd, const char *lib, bool local) {
     sigemptyset(&sa.sa_mask);
     for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &sa, &old[i]);
     fflush(NULL);
+    int err[2];
+    pid_t filter = -1;
+    if (pipe(err) == 0) filter = start_filter(err[0], err[1]);
+    else err[0] = err[1] = -1;
+    if (filter < 0 && err[0] >= 0) {             /* no filter: mpirun's stderr is ours, unfiltered */
+        close(err[0]);
+        close(err[1]);
+        err[0] = err[1] = -1;
+    }
     pid_t launcher = getpid();
     pid_t pid = fork();
     if (pid == 0) {
         for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &old[i], NULL);
+        if (err[1] >= 0) {
+            dup2(err[1], STDERR_FILENO);
+            close(err[0]);
+            close(err[1]);
+        }
         if (prctl(PR_SET_PDEATHSIG, SIGTERM) != 0 || getppid() != launcher) _exit(1);
         if (local) {
             char id[24];
@@ -120,14 +217,20 @@ static int run_mpirun(char **cmd, const char *lib, bool local) {
         fprintf(stderr, "dslua: cannot run %s: %s\n", cmd[0], strerror(errno));
         _exit(127);
     }
+    if (err[0] >= 0) {
+        close(err[0]);
+        close(err[1]);
+    }
     if (pid < 0) {
         fprintf(stderr, "dslua: cannot start %s: %s\n", cmd[0], strerror(errno));
+        if (filter > 0) wait_filter(filter);
         return -1;
     }
     child = pid;
     int status = 0;
     while (waitpid(pid, &status, 0) < 0 && errno == EINTR) {}
     child = 0;
+    if (filter > 0) wait_filter(filter);
     for (size_t i = 0; i < sizeof passed / sizeof *passed; i++) sigaction(passed[i], &old[i], NULL);
     return status;
 }

@@ -124,7 +124,21 @@ static void catch_stop_signals(void) {
     sigaction(SIGHUP, &sa, NULL);
 }
 
+/* A progress bar drawn on the terminal (dslua.progress, when loaded) has
+ * its line erased, so that the error starts on a line of its own. */
+static void clear_progress(lua_State *L) {
+    lua_getglobal(L, "package");
+    lua_getfield(L, -1, "loaded");
+    lua_getfield(L, -1, "dslua.progress");
+    if (lua_istable(L, -1)) {
+        lua_getfield(L, -1, "clear");
+        if (lua_pcall(L, 0, 0, 0) != 0) lua_pop(L, 1);
+    }
+    lua_pop(L, 3);
+}
+
 static int report(lua_State *L, int rc) {
+    if (rc != 0) clear_progress(L);
     if (rc != 0 && ds_comm_launched()) {
         /* one rank failing ends every rank at once, naming itself */
         fprintf(stderr, "[rank %d] error: %s\n", ds_comm_rank(NULL), lua_tostring(L, -1) ? lua_tostring(L, -1) : "(error)");

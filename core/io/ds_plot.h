@@ -1,6 +1,7 @@
-/* Training curves as a PNG (cairo): panels stacked top to bottom, each one
- * series drawn as a line against its steps, with ticked axes. What
- * `dslua plot` draws from the monitors' CSV and event files. */
+/* Training curves as a PNG (cairo): panels stacked top to bottom, each
+ * one or more series drawn as lines against their steps, with ticked axes
+ * and, for several, a legend of their labels. What `dslua plot` draws from
+ * the monitors' CSV and event files. */
 #ifndef DS_PLOT_H
 #define DS_PLOT_H
 
@@ -10,10 +11,12 @@ typedef struct {
     const char *name;            /* the panel's title, e.g. "Train/Samples/train_loss" */
     const double *x, *y;         /* n points, x ascending */
     size_t n;
+    const char *label;           /* the curve's name in the legend, or NULL */
 } ds_plot_series;
 
-/* Writes a width x height PNG to path. Errors name the path. */
-int ds_plot_png(const char *path, const char *xlabel, const ds_plot_series *panels, int npanels, int width,
+/* Writes a width x height PNG to path: consecutive series of the same name
+ * share one panel. Errors name the path. */
+int ds_plot_png(const char *path, const char *xlabel, const ds_plot_series *series, int nseries, int width,
                 int height);
 
 #endif

@@ -13,18 +13,14 @@ end
 
 -- the schedule's path is taken next to the config file, wherever it runs from
 local config_path = ds.args.config or (here .. '/ds.json')
-local f = assert(io.open(config_path, 'rb'))
-local cfg = ds.json.decode(f:read('*a'), config_path)
-f:close()
-local sched = cfg.scheduler.params
-if sched.path:sub(1, 1) ~= '/' then sched.path = (config_path:match('^(.*)/') or '.') .. '/' .. sched.path end
 
 ds.manual_seed(1337)
 local block = 64
 local data = ds.data.text { text = ds.embedded_source(), block_size = block }
 local model = require('models.gpt2') { n_layer = 2, n_head = 4, n_embd = 96, vocab_size = #data.vocab,
                                         block_size = block, dropout = 0 }
-local engine, _, loader = ds.initialize { model = model, config = cfg, training_data = data }
+local engine, _, loader = ds.initialize { model = model, config = config_path, training_data = data }
+local sched = engine.config.scheduler.params
 if engine.rank == 0 then
   print(string.format('model: %d parameters on %d rank(s); edit %s while it trains', model:num_parameters(),
                       engine.world_size, sched.path))

@@ -446,8 +446,11 @@ local function rank_state(engine, tensors)
   local st = { rank = engine.rank, world_size = nranks(engine), layout = engine_layout_str(engine),
                global_steps = engine.global_steps, rng = ds.get_rng_state() }
   if l and l.position then
-    st.loader = { epoch = l.position.epoch, step = l.position.step, samples = l.position.samples,
-                  steps = engine.sampler and engine.sampler:steps() or #l }
+    local pos = l.position
+    st.loader = { epoch = pos.epoch, step = pos.step, samples = pos.samples,
+                  steps = engine.sampler and engine.sampler:steps() or #l, order = pos.order and true or nil }
+    -- an epoch resumed on another world size reads its own order (the rest)
+    if pos.order then tensors[#tensors + 1] = { 'loader/order', ds.tensor(pos.order, 'i64') } end
   end
   local sm = engine.sampler
   if sm then
@@ -1035,6 +1038,7 @@ end
 
 local function note(engine, fmt, ...)
   if engine.rank ~= 0 then return end
+  require('dslua.progress').clear()
   io.stdout:write('[Rank 0] ', string.format(fmt, ...), '\n')
   io.stdout:flush()
 end
@@ -1054,14 +1058,82 @@ local function compare_code(engine, m)
   end
 end
 
+local function decode_rank_state(f)
+  local ok, st = pcall(json.decode, f:metadata().dslua or '')
+  if not ok or type(st) ~= 'table' then fail("load_checkpoint: '%s' has no dslua state in its metadata", f:path()) end
+  return st
+end
+
+-- Saved rank r's list of the epoch's dataset indices: its sampler plan, an
+-- order of its own (itself resumed on another world size), else DeepSpeed's
+-- DistributedSampler of the saved world size (on one rank the loader's
+-- own shuffle, the same order).
+local function saved_list(f, st, m, r, n)
+  if st.plan then return f:read('sampler/indices'):totable() end
+  if st.loader.order then return f:read('loader/order'):totable() end
+  if st.sampler then return {} end
+  return require('samplers.distributed').new(n, { num_replicas = m.world_size, rank = r }):indices(st.loader.epoch)
+end
+
+-- The indices of the epoch no saved rank had read, each once, taken from
+-- the ranks' lists in turn (DistributedSampler's order, from where it was).
+local function unread(m, get, epoch, n)
+  local lists, read, seen = {}, {}, {}
+  for r = 0, m.world_size - 1 do
+    local f = get(r)
+    local st = decode_rank_state(f)
+    local list, done = {}, 0
+    if st.loader and st.loader.epoch == epoch then list, done = saved_list(f, st, m, r, n), st.loader.samples end
+    for i = 1, math.min(done, #list) do seen[list[i]] = true end
+    lists[#lists + 1], read[#lists + 1] = list, done
+  end
+  local rest, more, i = {}, true, 0
+  while more do
+    i, more = i + 1, false
+    for k, list in ipairs(lists) do
+      local v = list[read[k] + i]
+      if v ~= nil then
+        more = true
+        if not seen[v] then seen[v], rest[#rest + 1] = true, v end
+      end
+    end
+  end
+  return rest
+end
+
+-- On another world size the epoch goes on with exactly the samples the
+-- saved run had not read: the sampler plans them as a dataset of their
+-- own, else this rank takes its DistributedSampler share of them (padded,
+-- as PyTorch's, when the ranks do not divide them).
+local function resume_unread(engine, m, get, pos)
+  local l, sm = engine.training_dataloader, engine.sampler
+  local n = sm and sm.dataset_len or ds.data.len(l.dataset)
+  local rest = unread(m, get, pos.epoch, n)
+  local steps
+  if sm then
+    sm:restore_plan(sm:plan_of(pos.epoch, rest))
+    l:resume { epoch = pos.epoch, step = 0, samples = 0 }
+    steps = sm:steps()
+  else
+    local P, mine = nranks(engine), rest
+    if P > 1 then
+      mine = {}
+      local DS = require('samplers.distributed').new(#rest, { num_replicas = P, rank = engine.rank, shuffle = false })
+      for i, k in ipairs(DS:indices(0)) do mine[i] = rest[k + 1] end
+    end
+    l:resume { epoch = pos.epoch, step = 0, samples = 0, order = mine }
+    steps = math.ceil(#mine / l.batch_size)
+  end
+  note(engine, 'load_checkpoint: saved on %d ranks, loaded on %d: epoch %d goes on with the %d of its %d samples the '
+       .. 'saved run had not read, %d steps here', m.world_size, nranks(engine), pos.epoch, #rest, n, steps)
+end
+
 -- This rank's state of the saved run: its own rank's, or rank 0's on a
 -- new world size or pipeline layout.
 local function restore_rank_state(engine, m, get)
   local same = layout_str(m.pipeline, m.world_size) == engine_layout_str(engine)
   local f = get(same and engine.rank or 0)
-  local text = f:metadata().dslua
-  local ok, st = pcall(json.decode, text or '')
-  if not ok or type(st) ~= 'table' then fail("load_checkpoint: '%s' has no dslua state in its metadata", f:path()) end
+  local st = decode_rank_state(f)
   ds.set_rng_state(st.rng)
   local sm = engine.sampler
   if sm and st.sampler then sm:load_state_dict(st.sampler) end
@@ -1072,19 +1144,21 @@ local function restore_rank_state(engine, m, get)
   local l = engine.training_dataloader
   if not (l and st.loader and st.loader.epoch) then return end
   local pos = st.loader
-  if not same then
-    -- the shards of the data differ: the same fraction of the epoch
-    if engine.sampler then engine.sampler:set_epoch(pos.epoch) end
-    local steps = engine.sampler and engine.sampler:steps() or #l
-    local step = pos.steps > 0 and math.floor(pos.step / pos.steps * steps) or 0
-    local samples = 0
-    for j = 1, step do samples = samples + (engine.sampler and engine.sampler:batch_size(j) or l.batch_size) end
-    note(engine, 'load_checkpoint: saved on %d ranks, loaded on %d: the data loader resumes epoch %d at step %d of '
-         .. '%d (the saved run was at %d of %d on rank 0)', m.world_size, nranks(engine), pos.epoch, step, steps,
-         pos.step, pos.steps)
-    pos = { epoch = pos.epoch, step = step, samples = samples }
+  if same then
+    local order = pos.order and f:read('loader/order'):totable() or nil
+    return l:resume { epoch = pos.epoch, step = pos.step, samples = pos.samples, order = order }
   end
-  l:resume { epoch = pos.epoch, step = pos.step, samples = pos.samples }
+  if not m.pipeline then return resume_unread(engine, m, get, pos) end
+  -- a pipeline's data ranks are not the saved files': the same fraction
+  if sm then sm:set_epoch(pos.epoch) end
+  local steps = sm and sm:steps() or #l
+  local step = pos.steps > 0 and math.floor(pos.step / pos.steps * steps) or 0
+  local samples = 0
+  for j = 1, step do samples = samples + (sm and sm:batch_size(j) or l.batch_size) end
+  note(engine, 'load_checkpoint: saved on %d ranks, loaded on %d: the data loader resumes epoch %d at step %d of '
+       .. '%d (the saved run was at %d of %d on rank 0)', m.world_size, nranks(engine), pos.epoch, step, steps,
+       pos.step, pos.steps)
+  l:resume { epoch = pos.epoch, step = step, samples = samples }
 end
 
 -- engine:load_checkpoint(dir [, tag [, opts]]) -> path, client_state

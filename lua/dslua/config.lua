@@ -1748,7 +1748,7 @@ function M.check_cli(path, world_size)
   local cfg, problems, notes = M.check(path, { world_size = ws })
   for _, n in ipairs(notes) do io.stderr:write(n, '\n') end
   if cfg then
-    local ok, err = pcall(require('dslua.engine').check_builds, cfg)
+    local ok, err = pcall(require('dslua.engine').check_builds, cfg, path)
     if not ok then cfg, problems = nil, { path .. ': ' .. tostring(err):gsub('^[^\n]-:%d+: ', '') } end
   end
   if not cfg then

@@ -400,6 +400,9 @@ local function dataset_len(d)
   return #d
 end
 
+-- ds.data.len(dataset) -> its number of samples, as the loader counts them.
+M.len = dataset_len
+
 local function dataset_get(d, i)
   if d.get then return d:get(i) end
   return d[i]
@@ -521,11 +524,19 @@ function Loader:epoch(e)
     order = self.shuffle and n > 0 and C.permutation(n, self.seed + e) or nil
   end
   local pos, submitted, step, submit_size = 0, 0, 0, self.batch_size
-  -- a checkpoint's position (loader:resume) starts this epoch where it was
+  -- a checkpoint's position (loader:resume) starts this epoch where it was,
+  -- in the order it gives (the rest of an epoch resumed on other ranks)
   local resume = self._resume
   self._resume = nil
-  if resume and resume.epoch == e then pos, submitted, step = resume.samples, resume.samples, resume.step end
-  local at = { epoch = e, step = step, samples = pos }
+  local own
+  if resume and resume.epoch == e then
+    pos, submitted, step, own = resume.samples, resume.samples, resume.step, resume.order
+    if own then
+      order, n = own, #own
+      if n > 0 and self:gathers_in_c() then order = core.tensor(own, 'i64') end
+    end
+  end
+  local at = { epoch = e, step = step, samples = pos, order = own }
   self.position = at
   local cd, ring, list
 
@@ -583,10 +594,11 @@ function Loader:epoch(e)
   end
 end
 
--- loader.position: {epoch, step, samples} of the batches handed out so far
--- in the current epoch. loader:resume{epoch, step, samples}: the next
--- loader:epoch() (or loader:epoch(epoch)) starts there, after `step`
--- batches holding `samples` samples (a checkpoint's load sets it; an
+-- loader.position: {epoch, step, samples [, order]} of the batches handed
+-- out so far in the current epoch. loader:resume{epoch, step, samples [,
+-- order]}: the next loader:epoch() (or loader:epoch(epoch)) starts there,
+-- after `step` batches holding `samples` samples, reading that epoch in
+-- `order` (0-based indices) when given (a checkpoint's load sets it; an
 -- epoch() of another epoch drops it).
 function Loader:resume(at)
   if type(at) ~= 'table' then fail('loader:resume', 'expected {epoch, step, samples}, got a %s', type(at)) end
@@ -596,7 +608,18 @@ function Loader:resume(at)
       fail('loader:resume', '%s must be a non-negative integer, got %s', k, tostring(v))
     end
   end
-  self._resume = { epoch = at.epoch, step = at.step, samples = at.samples }
+  if at.order ~= nil then
+    if type(at.order) ~= 'table' then
+      fail('loader:resume', 'order must be a list of 0-based indices, got a %s', type(at.order))
+    end
+    local n = dataset_len(self.dataset)
+    for i, v in ipairs(at.order) do
+      if type(v) ~= 'number' or v ~= math.floor(v) or v < 0 or v >= n then
+        fail('loader:resume', 'order[%d] = %s is not an index of the dataset [0, %d)', i, tostring(v), n)
+      end
+    end
+  end
+  self._resume = { epoch = at.epoch, step = at.step, samples = at.samples, order = at.order }
   self.current_epoch = at.epoch - 1
 end
 

@@ -55,6 +55,7 @@ local now = ds.wall_time
 -- log_dist as DeepSpeed prints it: rank 0 only, rank in the line.
 local function log(engine, fmt, ...)
   if engine.rank ~= 0 then return end
+  progress.clear()
   io.stdout:write(string.format('[Rank %d] ' .. fmt .. '\n', engine.rank, ...))
   io.stdout:flush()
 end
@@ -111,8 +112,16 @@ local function build_optimizer(opts, cfg, params)
   error("initialize: no optimizer: pass `optimizer` or set an 'optimizer' block in the config", 3)
 end
 
-local function build_scheduler(opts, cfg, optimizer)
+-- DeepSpeed's _configure_lr_scheduler: a scheduler passed to initialize
+-- wins over the config's, and rank 0 says which it uses.
+local function build_scheduler(opts, cfg, optimizer, rank)
   local s = opts.lr_scheduler
+  if s ~= nil and cfg.scheduler and rank == 0 then
+    io.stdout:write(string.format("[Rank 0] using the client LR scheduler passed to initialize, not the config's "
+                                  .. 'scheduler %s (as DeepSpeed since August 2024; before, the config\'s won)\n',
+                                  tostring(cfg.scheduler.type)))
+    io.stdout:flush()
+  end
   if type(s) == 'function' then return ds.lr.lambda(optimizer, s) end
   if s ~= nil then
     if type(s) ~= 'table' or type(s.step) ~= 'function' then
@@ -124,10 +133,23 @@ local function build_scheduler(opts, cfg, optimizer)
   return nil
 end
 
+-- A config file's "lua" schedule path is taken from its folder (a table
+-- config's from the working directory).
+local function schedule_path(cfg, source)
+  local sched = cfg.scheduler
+  local dir = type(source) == 'string' and source:match('^(.*)/[^/]*$')
+  if dir and sched and sched.type == 'lua' and type(sched.params.path) == 'string'
+     and sched.params.path:sub(1, 1) ~= '/' then
+    sched.params.path = dir .. '/' .. sched.params.path
+  end
+end
+
 -- What initialize builds from the config alone (the loss scaler, the
 -- optimizer, the scheduler), on a stand-in parameter: --check-config runs
--- it after ds.config.check, so it refuses what initialize would.
-function M.check_builds(cfg)
+-- it after ds.config.check, so it refuses what initialize would. source:
+-- the config file.
+function M.check_builds(cfg, source)
+  schedule_path(cfg, source)
   if cfg.fp16.enabled then require('dslua.loss_scaler').from_config(cfg.fp16) end
   local params = { ds.zeros(1):requires_grad_() }
   local optimizer = cfg.optimizer and build_optimizer({}, cfg, params) or ds.optim.SGD(params, { lr = 0 })
@@ -210,6 +232,7 @@ function M.initialize(opts)
   -- a pipeline's ranks split into stages: data parallel runs across dp_size
   if model.is_pipeline then world_size = model.dp_size end
   local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
+  schedule_path(cfg, source)
   require('dslua.checkpointing').configure(cfg.activation_checkpointing)
   require('dslua.guard').budget = cfg.reload.budget     -- before the schedule file runs
 
@@ -235,7 +258,7 @@ function M.initialize(opts)
   else
     optimizer = build_optimizer(opts, cfg, params)
   end
-  local scheduler = build_scheduler(opts, cfg, optimizer)
+  local scheduler = build_scheduler(opts, cfg, optimizer, rank)
   -- one resolved config and one first lr on every rank (a difference in
   -- lr or gradient_clipping would train on, the ranks drifting apart)
   if ds.comm and ds.comm.world_size() > 1 then
@@ -466,7 +489,7 @@ function Engine:forward(...)
   -- throughput counts from a window's first forward to its step's end, as
   -- DeepSpeed's ThroughputTimer: evaluation and data waits between stay out
   self.busy_since = self.busy_since or t0
-  if self.weighted then self.micro_samples = batch_samples((...)) end
+  self.micro_samples = batch_samples((...))
   -- a rank that runs out of data under stage 3 repeats the last forward
   -- with zero weight, so its gathers match the others'
   if self.weighted and self.zero and self.zero.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
@@ -504,6 +527,8 @@ function Engine:backward(loss, allreduce_gradients)
   else
     local gas = self:gradient_accumulation_steps()
     if gas > 1 then loss = loss / gas end
+    self.window_samples = self.window_samples + (self.micro_samples or self:train_micro_batch_size_per_gpu())
+    self.micro_samples = nil
   end
   if self.scaler then loss = loss * self.scaler.cur_scale end
   local t0 = now()
@@ -631,6 +656,23 @@ function Engine:get_mom()
   return out
 end
 
+-- The samples of the window on every data-parallel rank, which read as
+-- many (DistributedSampler pads): global_samples counts them, so an epoch
+-- adds its length on any world size. DeepSpeed adds train_batch_size each
+-- step, a short last batch too; rank 0 says so the first time they differ.
+-- Without engine:backward (a pipeline's train_batch) train_batch_size.
+function Engine:_samples_read()
+  local tbs = self:train_batch_size()
+  if self.window_samples == 0 then return tbs end
+  local read = self.window_samples * tbs / (self:train_micro_batch_size_per_gpu() * self:gradient_accumulation_steps())
+  if read ~= tbs and not self.said_samples then
+    self.said_samples = true
+    log(self, 'global_samples counts the samples read: %d at step %d (DeepSpeed adds train_batch_size, %d, every step)',
+        read, self.global_steps, tbs)
+  end
+  return read
+end
+
 function Engine:step()
   self:_start('step')
   local boundary = self:is_gradient_accumulation_boundary()
@@ -645,7 +687,8 @@ function Engine:step()
       end
       self.step_samples, self.window_samples, self.window_seconds = nil, 0, 0
     else
-      self.global_samples = self.global_samples + self:train_batch_size()
+      self.global_samples = self.global_samples + self:_samples_read()
+      self.window_samples = 0
     end
   end
   self.micro_steps = self.micro_steps + 1
@@ -766,7 +809,6 @@ function Engine:_report()
   end
   local every = self.config.steps_per_print
   if self.global_steps % every ~= 0 then return end
-  if self.bar then io.stdout:write('\n') end
   log(self, 'step=%d, skipped=%d, lr=%s, mom=%s', self.global_steps, self.skipped_steps,
       list_repr(self:get_lr()), list_repr(self:get_mom()))
   local last = self.last_report or { busy = 0, samples = 0 }

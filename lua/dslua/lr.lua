@@ -560,7 +560,8 @@ end
 
 -- from_config(optimizer, {type=, params=}): DeepSpeed's scheduler block.
 -- type "lua": params.path names a Lua schedule file (relative to the
--- current directory or absolute); the other params go to its get_lr.
+-- current directory or absolute; ds.initialize takes a config file's from
+-- its folder); the other params go to its get_lr.
 function M.from_config(optimizer, block)
   if type(block) ~= 'table' then fail('scheduler: expected a table {type=, params=}, got %s', type(block)) end
   for k in pairs(block) do

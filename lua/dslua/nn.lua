@@ -341,15 +341,19 @@ local function state_entries(self)
 end
 Module.state_entries = state_entries
 
--- name -> tensor (detached, sharing memory with the module), and the list
--- of names in order as a second result.
+-- name -> tensor (detached, sharing memory with the module): one value,
+-- as torch's, so save_file(path, m:state_dict()) takes no stray argument.
+-- module:state_keys() gives the names in torch's order.
 function Module:state_dict()
-  local sd, keys = {}, {}
-  for i, e in ipairs(state_entries(self)) do
-    sd[e[1]] = e[2]:detach()
-    keys[i] = e[1]
-  end
-  return sd, keys
+  local sd = {}
+  for _, e in ipairs(state_entries(self)) do sd[e[1]] = e[2]:detach() end
+  return sd
+end
+
+function Module:state_keys()
+  local keys = {}
+  for i, e in ipairs(state_entries(self)) do keys[i] = e[1] end
+  return keys
 end
 
 -- Copies a state_dict in. Every problem (missing or unexpected keys,

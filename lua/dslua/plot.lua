@@ -27,18 +27,20 @@ local function is_dir(path)
   return f ~= nil
 end
 
--- {x = steps, y = values} of one csv_monitor file (`step,<name>` header)
+-- The runs of one csv_monitor file, {{x = steps, y = values, label}...}:
+-- each run appends its own `step,<name>` header, so a header starts a run.
 local function read_csv(path)
   local text, why = file.text(path, MAX_CSV)
   if not text then error(path .. ': ' .. why, 0) end
-  local s = { x = {}, y = {} }
-  local first = text ~= ''
+  local runs, s = {}, nil
   for line in text:gmatch('([^\n]*)\n?') do
     line = line:gsub('\r$', '')
     local step, v = line:match('^([^,]+),(.+)$')
-    if first then
-      first = false
-      if not step then error(path .. ': not a csv_monitor file (no `step,<name>` header)', 0) end
+    if step == 'step' then
+      s = { x = {}, y = {}, label = string.format('run %d', #runs + 1) }
+      runs[#runs + 1] = s
+    elseif not s then
+      if line ~= '' then error(path .. ': not a csv_monitor file (no `step,<name>` header)', 0) end
     elseif line ~= '' then
       if not (tonumber(step) and tonumber(v)) then
         error(string.format('%s: not a `step,value` row: %s', path, line:sub(1, 80)), 0)
@@ -46,13 +48,15 @@ local function read_csv(path)
       s.x[#s.x + 1], s.y[#s.y + 1] = tonumber(step), tonumber(v)
     end
   end
-  return s
+  return runs
 end
 
--- {tag = {x, y}} from every event file in dir, in step order
+-- {tag = {run...}} from the event files in dir: each file is a run (every
+-- process writes its own), its points in step order, labelled by the file
 local function read_events(dir, files)
-  local series = {}
+  local out = {}
   for _, name in ipairs(files) do
+    local series = {}
     local events, torn = core.tfevents.read(dir .. '/' .. name)
     if torn then io.stderr:write('dslua plot: warning: ', torn, '\n') end
     for _, e in ipairs(events) do
@@ -61,19 +65,19 @@ local function read_events(dir, files)
         table.insert(series[e.tag], { e.step, e.value })
       end
     end
-  end
-  local out = {}
-  for tag, points in pairs(series) do
-    table.sort(points, function(a, b) return a[1] < b[1] end)
-    local s = { x = {}, y = {} }
-    for i, p in ipairs(points) do s.x[i], s.y[i] = p[1], p[2] end
-    out[tag] = s
+    for tag, points in pairs(series) do
+      table.sort(points, function(a, b) return a[1] < b[1] end)
+      local s = { x = {}, y = {}, label = name }
+      for i, p in ipairs(points) do s.x[i], s.y[i] = p[1], p[2] end
+      out[tag] = out[tag] or {}
+      table.insert(out[tag], s)
+    end
   end
   return out
 end
 
--- The curves found at input: a csv file (with its loss or lr sibling), a
--- csv_monitor directory, or a directory of event files.
+-- The curves found at input, {tag = {run...}}: a csv file (with its loss
+-- or lr sibling), a csv_monitor directory, or a directory of event files.
 function M.load(input)
   local found = {}
   if is_dir(input) then
@@ -100,6 +104,22 @@ function M.load(input)
   return found
 end
 
+-- The panel entries of one tag's runs (one curve each, labelled when
+-- several) and its summary: `loss: 30 points` or `loss: 3 runs of 30, 10, 10 points`.
+local function curves(tag, runs, panels)
+  local sizes = {}
+  for _, s in ipairs(runs) do
+    if #s.x > 0 then
+      panels[#panels + 1] = { name = tag, x = s.x, y = s.y, label = #runs > 1 and s.label or nil }
+      sizes[#sizes + 1] = #s.x
+    end
+  end
+  if #sizes == 0 then return nil end
+  local short = tag:match('[^/]*$')
+  if #sizes == 1 then return string.format('%s: %d points', short, sizes[1]) end
+  return string.format('%s: %d runs of %s points', short, #sizes, table.concat(sizes, ', '))
+end
+
 -- main(args) -> exit status; messages on stdout, errors on stderr
 function M.main(args)
   local input, out = nil, 'curves.png'
@@ -124,26 +144,21 @@ function M.main(args)
   if not input then io.stderr:write(USAGE, '\n'); return 2 end
   local ok, found = pcall(M.load, input)
   if not ok then io.stderr:write('dslua plot: ', tostring(found), '\n'); return 1 end
-  local panels, summary = {}, {}
+  local tags = {}
   for _, tag in ipairs(CURVES) do
-    local s = found[tag]
-    if s and #s.x > 0 then
-      panels[#panels + 1] = { name = tag, x = s.x, y = s.y }
-      summary[#summary + 1] = string.format('%s: %d points', tag:match('[^/]*$'), #s.x)
-    end
+    if found[tag] then tags[#tags + 1] = tag end
   end
-  if #panels == 0 then
-    for tag, s in pairs(found) do
-      if #s.x > 0 then panels[#panels + 1] = { name = tag, x = s.x, y = s.y } end
-    end
-    table.sort(panels, function(a, b) return a.name < b.name end)
-    for _, p in ipairs(panels) do summary[#summary + 1] = string.format('%s: %d points', p.name, #p.x) end
+  if #tags == 0 then
+    for tag in pairs(found) do tags[#tags + 1] = tag end
+    table.sort(tags)
   end
+  local panels, summary = {}, {}
+  for _, tag in ipairs(tags) do summary[#summary + 1] = curves(tag, found[tag], panels) end
   if #panels == 0 then
     io.stderr:write('dslua plot: no curves in ', input, ' (expected csv_monitor files or TensorBoard event files)\n')
     return 1
   end
-  ok, found = pcall(core.plot.png, out, 'step (samples)', panels, 900, 320 * #panels)
+  ok, found = pcall(core.plot.png, out, 'step (samples)', panels, 900, 320 * #summary)
   if not ok then io.stderr:write('dslua plot: ', tostring(found), '\n'); return 1 end
   io.stdout:write(string.format('dslua plot: wrote %s (%s)\n', out, table.concat(summary, ', ')))
   return 0

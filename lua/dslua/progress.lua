@@ -10,6 +10,9 @@ M.__index = M
 
 local clock = core.wall_time
 
+-- the bar last drawn on a terminal, its line not ended yet
+local live
+
 local function fmt_time(s)
   if s ~= s or s == math.huge then return '?' end
   s = math.floor(s + 0.5)
@@ -54,6 +57,7 @@ function M:update(i, fields, count)
     local filled = math.floor(width * i / self.total)
     self.out:write(string.format('\r%s [%s%s] %d/%d %s\27[K', self.label, string.rep('=', filled),
                                  string.rep(' ', width - filled), i, self.total, info))
+    live = self
   else
     self.out:write(string.format('%s %d/%d %s\n', self.label, i, self.total, info))
   end
@@ -62,7 +66,18 @@ end
 
 function M:finish()
   if self.tty then self.out:write('\n') end
+  if live == self then live = nil end
   return clock() - self.start
+end
+
+-- progress.clear(): the line of a bar drawn on a terminal is erased, so
+-- that a log line or an error printed next starts on a line of its own
+-- (the bar's next update draws it again below).
+function M.clear()
+  if not live then return end
+  live.out:write('\r\27[K')
+  live.out:flush()
+  live = nil
 end
 
 return M

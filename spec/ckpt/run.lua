@@ -7,8 +7,11 @@
 -- steps (train until global_steps reaches it), save_at (a global step at
 -- which the loop saves, global_step<N>), final (a tag saved at the end),
 -- tag_validation, tag (the tag every rank saves at save_at, %d the rank),
--- nvme (a folder: offload_optimizer to nvme there).
--- Rank 0 writes {losses = {"<step>" = {rank losses}}, skipped, scale, lr}.
+-- nvme (a folder: offload_optimizer to nvme there), micro (the micro batch
+-- without a sampler, default 4).
+-- Rank 0 writes {losses = {"<step>" = {rank losses}}, skipped, scale, lr,
+-- seen = the 0-based samples of epoch 1 every rank read, epoch1_samples =
+-- global_samples when epoch 1 ended}.
 local ds = require 'dslua'
 local GPT = require 'models.gpt2'
 
@@ -32,7 +35,7 @@ local cfg = {
   bf16 = { enabled = o.dtype == 'bf16' }, fp16 = { enabled = o.dtype == 'fp16', initial_scale_power = 20 },
   checkpoint = { tag_validation = o.tag_validation or 'Warn' },
 }
-if o.sampler then cfg.sampler = o.sampler else cfg.train_micro_batch_size_per_gpu = 4 end
+if o.sampler then cfg.sampler = o.sampler else cfg.train_micro_batch_size_per_gpu = o.micro or 4 end
 local engine, _, loader = ds.initialize { model = model, config = cfg, training_data = data }
 
 local client
@@ -42,9 +45,19 @@ if o.load then
   if o.resave then engine:save_checkpoint(o.dir, o.resave) end
 end
 
+-- a sample by its tokens: which of the dataset's rows a batch holds
+local row_of = {}
+for i, row in ipairs(tokens:totable()) do row_of[table.concat(row, ',')] = i - 1 end
+local seen, epoch1_samples = {}, nil
+
 local losses = {}
 while engine.global_steps < (o.steps or 0) do
+  local ended = true
   for _, batch in loader:epoch() do
+    if engine.epoch == 1 then
+      local x, y = batch.x:totable(), batch.y:totable()
+      for i, row in ipairs(x) do seen[#seen + 1] = row_of[table.concat(row, ',') .. ',' .. y[i][#y[i]]] end
+    end
     engine:backward(engine(batch))
     local boundary = engine:is_gradient_accumulation_boundary()
     engine:step()
@@ -54,17 +67,31 @@ while engine.global_steps < (o.steps or 0) do
         local tag = o.tag and string.format(o.tag, rank) or nil
         engine:save_checkpoint(o.dir, tag, { step = engine.global_steps, note = 'client', t = ds.arange(3) })
       end
-      if engine.global_steps >= o.steps then break end
+      if engine.global_steps >= o.steps then
+        ended = false
+        break
+      end
     end
   end
+  if ended and engine.epoch == 1 then epoch1_samples = engine.global_samples end
 end
 if o.final then engine:save_checkpoint(o.dir, o.final) end
 
 -- every rank's losses by step
 local flat = {}
 for _, l in ipairs(losses) do flat[#flat + 1] = l[1]; flat[#flat + 1] = l[2] end
-local rows = W > 1 and ds.comm.all_gather(ds.tensor(#flat > 0 and flat or { -1, 0 }, 'f64'))
-             or { ds.tensor(#flat > 0 and flat or { -1, 0 }, 'f64') }
+local function gather(list)
+  local t = ds.tensor(#list > 0 and list or { -1, 0 }, 'f64')
+  return W > 1 and ds.comm.all_gather(t) or { t }
+end
+local rows = gather(flat)
+for i = #seen + 1, 2 * 96 do seen[i] = -1 end        -- the same length on every rank
+local all_seen = {}
+for _, t in ipairs(gather(seen)) do
+  for _, v in ipairs(t:totable()) do
+    if v >= 0 then all_seen[#all_seen + 1] = v end
+  end
+end
 local by_step = {}
 for r, t in ipairs(rows) do
   local v = t:totable()
@@ -79,7 +106,8 @@ end
 if rank == 0 then
   local f = assert(io.open(out_path, 'w'))
   f:write(ds.json.encode { losses = by_step, skipped = engine.skipped_steps, global_steps = engine.global_steps,
-                           global_samples = engine.global_samples, epoch = engine.epoch,
+                           global_samples = engine.global_samples, epoch = engine.epoch, seen = all_seen,
+                           epoch1_samples = epoch1_samples,
                            scale = engine.scaler and engine.scaler.cur_scale or false,
                            lr = engine:get_lr()[1], client = client and { step = client.step, note = client.note,
                                                                           t = client.t and client.t:totable() } })

@@ -89,9 +89,17 @@ local function recv_activation(src)
   return ds.comm.recv(ds.zeros(shape, DTYPES[header[1]]), src)
 end
 
-local function next_batch(data_iter)
-  local batch = data_iter()
-  if batch == nil then error('train_batch: the data iterator ran out', 0) end
+-- the iterator's batch: one value, or inputs and labels as two (x, y)
+local function next_batch(data_iter, who)
+  local batch, labels = data_iter()
+  if batch == nil then error(who .. ': the data iterator ran out', 0) end
+  if labels ~= nil then
+    if not ds.is_tensor(batch) then
+      error(fmt('%s: the data iterator returned a %s and a %s: return {x, y}, {x = .., y = ..} or x, y (tensors)',
+                who, type(batch), type(labels)), 0)
+    end
+    return { batch, labels }
+  end
   return batch
 end
 
@@ -117,7 +125,13 @@ local function forward(m, x, mb, labels)
               m.stage_id, first, shape_str(x), m.stage_id - 1, mb, tostring(out)), 0)
   end
   if m.stage_id < m.num_stages - 1 then return out end
-  if m.loss_fn then return out, m.loss_fn(out, labels) end
+  if m.loss_fn then
+    if labels == nil then
+      error(fmt('pipeline: micro batch %d has no labels for loss_fn: the data iterator returns {x, y}, '
+                .. '{x = .., y = ..} or x, y', mb), 0)
+    end
+    return out, m.loss_fn(out, labels)
+  end
   return out, out
 end
 
@@ -192,7 +206,7 @@ function M.train_batch(engine, data_iter)
     local kind, mb = action[1], action[2]
     if kind == 'F' then
       local x, labels
-      if first or last then x, labels = split(engine, next_batch(data_iter)) end
+      if first or last then x, labels = split(engine, next_batch(data_iter, 'train_batch')) end
       if not first then
         x = recv_activation(peer(m, m.stage_id - 1))
         if x:dtype():match('^b?f') then x:requires_grad_(true) end
@@ -249,7 +263,7 @@ function M.eval_batch(engine, data_iter, return_logits)
   ds.no_grad(function()
     for mb = 1, gas do
       local x, labels
-      if first or last then x, labels = split(engine, next_batch(data_iter)) end
+      if first or last then x, labels = split(engine, next_batch(data_iter, 'eval_batch')) end
       if not first then x = recv_activation(peer(m, m.stage_id - 1)) end
       local out, loss = forward(m, x, mb, labels)
       if last then
