@@ -46,15 +46,15 @@ DS_HOSTDEV uint16_t ds_f32_to_f16(float f) {
 #endif
 }
 
+/* Selects instead of branches, so loops over it vectorize. */
 DS_HOSTDEV float ds_f16_to_f32(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0x1f) return ds_bits_f32(sign | 0x7f800000u | (m << 13));
-    if (e == 0) {                         /* subnormal: value is m * 2^-24 */
-        float v = (float)m * 5.9604644775390625e-8f;
-        return sign ? -v : v;
-    }
-    return ds_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
+    uint32_t o = (uint32_t)(h & 0x7fffu) << 13, e = o & 0x0f800000u;
+    o += 0x38000000u;                                 /* rebias the exponent: (127 - 15) << 23 */
+    if (e == 0x0f800000u) o += 0x38000000u;           /* inf, NaN: all ones, the payload kept */
+    else if (e == 0)                                  /* subnormal: 2^-14 (1 + m/2^10) - 2^-14, exact */
+        o = ds_f32_bits(ds_bits_f32(o + 0x00800000u) - 6.103515625e-05f);
+    return ds_bits_f32(sign | o);
 }
 
 /* Load and store any dtype as double: the slow, universal path. */

@@ -58,6 +58,17 @@ describe('matmul', function()
     H.assert_close(ds.matmul(a:to('f16'), b:to('f16')):to('f32'), want, { rtol = 1e-2, atol = 2e-2 })
   end)
 
+  it('f16 and bf16 take transposed and big operands as f32 does', function()
+    -- the f32 product of the same half values, rounded once to the dtype
+    -- (300 x 200 x 150 spreads the widening over threads)
+    for _, dt in ipairs({ 'f16', 'bf16' }) do
+      local a, b = ds.randn({ 150, 300 }):to(dt), ds.randn({ 200, 150 }):to(dt)
+      local got = a:t():matmul(b:t())
+      local want = a:to('f32'):t():matmul(b:to('f32'):t()):to(dt)
+      H.assert_close(got:to('f32'), want:to('f32'), { rtol = dt == 'f16' and 2e-3 or 1.6e-2, atol = 1e-3 })
+    end
+  end)
+
   it('bf16 and f16 gradients summed over broadcast batches agree with f32', function()
     local a, b = ds.randn({ 3, 4 }), ds.randn({ 3, 4, 5 })
     for _, dt in ipairs { 'bf16', 'f16' } do

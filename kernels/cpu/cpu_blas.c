@@ -16,6 +16,9 @@
  * of such small ones is spread over OpenMP threads instead. */
 #define BLAS_SMALL_MNK (64 * 64 * 64)
 
+/* Widening or narrowing fewer elements than this stays on one thread. */
+#define BLAS_CONVERT_MIN 32768
+
 /* Replaces v by a contiguous copy in *buf; batch dims that repeat one
  * matrix (stride 0) still repeat it instead of being copied out. */
 static int compact(ds_kview *v, void **buf) {
@@ -39,15 +42,39 @@ typedef struct {
     float *wa, *wb, *wc;               /* widening: f32 copies of one GEMM's operands */
 } gemm_plan;
 
-/* One matrix as f32, row-major [rows, cols]; and back. */
-static void widen(float *dst, ds_dtype t, const void *src, int rows, int cols, int64_t rs, int64_t cs) {
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < cols; j++) dst[(int64_t)i * cols + j] = (float)ds_load(t, src, i * rs + j * cs);
+/* rows x cols of a half matrix with row stride ld as a contiguous f32
+ * one, and back: contiguous loops the compiler vectorizes, threaded when
+ * big (the operand as stored: a transposed one stays transposed). */
+static void widen(float *dst, ds_dtype t, const void *src, int rows, int cols, int ld) {
+    const uint16_t *h = src;
+    #pragma omp parallel for schedule(static) if ((int64_t)rows * cols > BLAS_CONVERT_MIN && !omp_in_parallel())
+    for (int i = 0; i < rows; i++) {
+        float *d = dst + (int64_t)i * cols;
+        const uint16_t *s = h + (int64_t)i * ld;
+        if (t == DS_BF16) {
+            #pragma omp simd
+            for (int j = 0; j < cols; j++) d[j] = ds_bf16_to_f32(s[j]);
+        } else {
+            #pragma omp simd
+            for (int j = 0; j < cols; j++) d[j] = ds_f16_to_f32(s[j]);
+        }
+    }
 }
 
 static void narrow(void *dst, ds_dtype t, int ld, const float *src, int rows, int cols) {
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < cols; j++) ds_store(t, dst, (int64_t)i * ld + j, src[(int64_t)i * cols + j]);
+    uint16_t *h = dst;
+    #pragma omp parallel for schedule(static) if ((int64_t)rows * cols > BLAS_CONVERT_MIN && !omp_in_parallel())
+    for (int i = 0; i < rows; i++) {
+        uint16_t *d = h + (int64_t)i * ld;
+        const float *s = src + (int64_t)i * cols;
+        if (t == DS_BF16) {
+            #pragma omp simd
+            for (int j = 0; j < cols; j++) d[j] = ds_f32_to_bf16(s[j]);
+        } else {
+            #pragma omp simd
+            for (int j = 0; j < cols; j++) d[j] = ds_f32_to_f16(s[j]);
+        }
+    }
 }
 
 /* rows x cols of C from the matching rows of A and columns of B. */
@@ -106,12 +133,17 @@ static int gemm_one(const gemm_plan *p, const void *A, const void *B, void *C, b
         blas_gemm(p, A, B, C, beta);
         return 0;
     }
-    if (p->widen) {
-        widen(p->wa, p->dtype, A, p->m, p->k, p->ta ? 1 : p->lda, p->ta ? p->lda : 1);
-        widen(p->wb, p->dtype, B, p->k, p->n, p->tb ? 1 : p->ldb, p->tb ? p->ldb : 1);
-        if (beta != 0) widen(p->wc, p->dtype, C, p->m, p->n, p->ldc, 1);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, p->m, p->n, p->k, (float)p->alpha, p->wa, p->k,
-                    p->wb, p->n, (float)beta, p->wc, p->n);
+    if (p->widen) {         /* f32 copies through the f32 route, OpenBLAS and its threads */
+        int ar = p->ta ? p->k : p->m, ac = p->ta ? p->m : p->k, br = p->tb ? p->n : p->k, bc = p->tb ? p->k : p->n;
+        gemm_plan f = *p;
+        f.dtype = DS_F32;
+        f.lda = ac;
+        f.ldb = bc;
+        f.ldc = p->n;
+        widen(p->wa, p->dtype, A, ar, ac, p->lda);
+        widen(p->wb, p->dtype, B, br, bc, p->ldb);
+        if (beta != 0) widen(p->wc, p->dtype, C, p->m, p->n, p->ldc);
+        blas_gemm(&f, p->wa, p->wb, p->wc, beta);
         narrow(C, p->dtype, p->ldc, p->wc, p->m, p->n);
         return 0;
     }

@@ -22,18 +22,32 @@ static void tile_at(int64_t cols, int64_t t, int64_t *r, int64_t *c0, int64_t *c
     *c1 = *c0 + CORE_TILE < cols ? *c0 + CORE_TILE : cols;
 }
 
+static bool half(ds_dtype t) { return t == DS_BF16 || t == DS_F16; }
+
 static void copy_tile(const ds_kview *dst, const ds_kview *src, int64_t t) {
     int64_t r, c0, c1, cols = cpu_cols(dst), sd = cpu_col_stride(dst), ss = cpu_col_stride(src);
     tile_at(cols, t, &r, &c0, &c1);
     int64_t od = cpu_row_offset(dst, r) + c0 * sd, os = cpu_row_offset(src, r) + c0 * ss, w = c1 - c0;
-    if (dst->dtype == DS_BF16 && src->dtype == DS_F32 && sd == 1 && ss == 1) {
+    if (half(dst->dtype) && src->dtype == DS_F32 && sd == 1 && ss == 1) {
         uint16_t *d = (uint16_t *)dst->data + od;
         const float *s = (const float *)src->data + os;
-        for (int64_t c = 0; c < w; c++) d[c] = ds_f32_to_bf16(s[c]);
-    } else if (dst->dtype == DS_F32 && src->dtype == DS_BF16 && sd == 1 && ss == 1) {
+        if (dst->dtype == DS_BF16) {
+            #pragma omp simd
+            for (int64_t c = 0; c < w; c++) d[c] = ds_f32_to_bf16(s[c]);
+        } else {
+            #pragma omp simd
+            for (int64_t c = 0; c < w; c++) d[c] = ds_f32_to_f16(s[c]);
+        }
+    } else if (dst->dtype == DS_F32 && half(src->dtype) && sd == 1 && ss == 1) {
         float *d = (float *)dst->data + od;
         const uint16_t *s = (const uint16_t *)src->data + os;
-        for (int64_t c = 0; c < w; c++) d[c] = ds_bf16_to_f32(s[c]);
+        if (src->dtype == DS_BF16) {
+            #pragma omp simd
+            for (int64_t c = 0; c < w; c++) d[c] = ds_bf16_to_f32(s[c]);
+        } else {
+            #pragma omp simd
+            for (int64_t c = 0; c < w; c++) d[c] = ds_f16_to_f32(s[c]);
+        }
     } else if (dst->dtype == src->dtype && dst->dtype == DS_F32) {
         float *d = (float *)dst->data + od;
         const float *s = (const float *)src->data + os;

@@ -95,6 +95,7 @@ static const float *as_f32(const ds_kview *v, int64_t off, int64_t n, float *scr
         #pragma omp simd
         for (int64_t i = 0; i < n; i++) scratch[i] = ds_bf16_to_f32(h[i]);
     } else {
+        #pragma omp simd
         for (int64_t i = 0; i < n; i++) scratch[i] = ds_f16_to_f32(h[i]);
     }
     return scratch;
