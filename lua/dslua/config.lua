@@ -26,8 +26,17 @@ M.ignored_keys = {
 -- DeepSpeed features dslua does not implement: accepted only switched off.
 M.unsupported_keys = {
   'amp', 'curriculum_learning', 'eigenvalue', 'elasticity',
-  'hybrid_engine', 'progressive_layer_drop', 'quantize_training', 'sparse_attention',
+  'hybrid_engine', 'progressive_layer_drop', 'quantize_training',
   'torch_autocast',
+}
+
+-- Blocks DeepSpeed's engine only stores for code outside it to read:
+-- accepted as they are, with what dslua does instead.
+M.stored_keys = {
+  sparse_attention = "DeepSpeed's engine only stores it for models built on its sparse attention kernels; "
+    .. "dslua's attention is dense",
+  weight_quantization = "DeepSpeed reads it to quantize weights for ZeRO-Inference; dslua keeps weights in the "
+    .. 'compute dtype',
 }
 
 -- DeepSpeed libraries dslua does not have yet (later work), by what they
@@ -451,24 +460,56 @@ local DEPRECATED_ZERO = {
     function(z, old) z.stage3_gather_16bit_weights_on_model_save = old end },
 }
 
--- Settings DeepSpeed acts on and dslua does not (noted when set): the key,
--- whether it is set, what dslua does instead.
+-- The first of keys that the object v (as given) sets, or nil.
+local function first_set(v, keys)
+  for _, k in ipairs(keys) do
+    if is_object(v) and v[k] ~= nil then return k end
+  end
+end
+
+-- Settings DeepSpeed acts on and dslua does not (noted when set): the key
+-- (or a function of the resolved block z and the block as given, g,
+-- giving the key set, nil when none is), and what dslua does instead.
 local ZERO_INERT = {
-  { 'offload_param', function(z) return z.offload_param.device ~= 'none' and z.stage ~= 3 end,
+  { function(z) return z.offload_param.device ~= 'none' and z.stage ~= 3 and 'offload_param' end,
     'read at stage 3 only (as DeepSpeed): the parameters stay whole on the device' },
-  { 'offload_param.buffer_count', function(z) return z.offload_param.device ~= 'none' and z.stage == 3 end,
+  { function(z, g)
+      local k = z.stage == 3 and first_set(g.offload_param, { 'buffer_count', 'buffer_size', 'max_in_cpu' })
+      return k and 'offload_param.' .. k
+    end,
     'dslua reads each shard into a buffer of its own as its module gathers it: buffer_count, buffer_size and '
     .. 'max_in_cpu do not apply' },
-  { 'zero_quantized_weights', function(z) return z.zero_quantized_weights or z.zero_quantized_nontrainable_weights end,
+  { function(z) return z.zero_quantized_weights and 'zero_quantized_weights' end,
     'ZeRO++ quantized weights are not in dslua: parameters are gathered in the compute dtype' },
-  { 'zero_quantized_gradients', function(z) return z.zero_quantized_gradients end,
+  { function(z) return z.zero_quantized_nontrainable_weights and 'zero_quantized_nontrainable_weights' end,
+    'ZeRO++ quantized frozen weights are not in dslua: they are kept in the compute dtype' },
+  { function(z) return z.zero_quantized_gradients and 'zero_quantized_gradients' end,
     'ZeRO++ quantized gradients are not in dslua: gradients travel in communication_data_type' },
-  { 'zero_hpz_partition_size', function(z) return z.zero_hpz_partition_size > 1 end,
+  { function(z) return z.zero_hpz_partition_size > 1 and 'zero_hpz_partition_size' end,
     'ZeRO++ hierarchical partitioning is not in dslua: parameters are gathered across every rank' },
-  { 'mics_shard_size', function(z) return z.mics_shard_size > 0 end,
+  { function(z) return z.mics_shard_size > 0 and 'mics_shard_size' end,
     'MiCS is not in dslua: shards span every rank' },
-  { 'zenflow', function(z) return z.zenflow ~= nil end,
+  { function(z) return z.zenflow ~= nil and 'zenflow' end,
     'ZenFlow is not in dslua: every parameter is stepped at every step (no top-k selection, no deferred updates)' },
+  -- what dslua always does, noted where a config asks otherwise
+  { function(_, g) return g.overlap_comm == false and 'overlap_comm' end,
+    'dslua launches each bucket\'s reduction while backward runs whatever it says (the same gradients)' },
+  { function(z) return not z.contiguous_gradients and 'contiguous_gradients' end,
+    'dslua always copies gradients into one flat buffer per group as they complete' },
+  { function(z) return not z.reduce_scatter and 'reduce_scatter' end,
+    'dslua reduce-scatters the gradients from stage 1 whatever it says (the same gradients)' },
+  { function(z) return not z.allgather_partitions and 'allgather_partitions' end,
+    'dslua all-gathers the updated parameters from stage 1 whatever it says (the same parameters)' },
+  { function(_, g) return g.allgather_bucket_size ~= nil and 'allgather_bucket_size' end,
+    'dslua all-gathers the updated parameters in the buckets of reduce_bucket_size' },
+  { function(z) return not z.memory_efficient_linear and 'memory_efficient_linear' end,
+    'dslua\'s linear layers keep no gathered stage 3 weight for backward whatever it says (backward gathers it again)' },
+  { function(z, g)
+      for _, name in ipairs({ 'offload_optimizer', 'offload_param' }) do
+        if is_object(g[name]) and g[name].pin_memory ~= nil then return name .. '.pin_memory' end
+      end
+    end,
+    'not acted on: dslua keeps offloaded shards in ordinary (pageable) host memory' },
 }
 
 local function check_zero(ctx, path, v)
@@ -510,7 +551,8 @@ local function check_zero(ctx, path, v)
   end
   if z.overlap_comm == nil then z.overlap_comm = z.stage == 3 end
   for _, inert in ipairs(ZERO_INERT) do
-    if inert[2](z) then note(ctx, join(path, inert[1]), inert[3]) end
+    local key = inert[1](z, is_object(v) and v or {})
+    if key then note(ctx, join(path, key), inert[2]) end
   end
   if z.offload_optimizer.ratio < 1 and z.stage ~= 3 then
     problem(ctx, join(path, 'offload_optimizer.ratio'), 'Partial offloading only supported for ZeRO Stage 3.')
@@ -771,18 +813,27 @@ local function check_unsupported(ctx, path, v)
   problem(ctx, path, 'a DeepSpeed feature dslua does not implement (accepted only with "enabled": false)')
 end
 
+local function check_stored(ctx, path, v)
+  note(ctx, path, M.stored_keys[path] .. '; passed through')
+  return copy(v)
+end
+
 local function check_ignored(ctx, path, v)
   note(ctx, path, 'a DeepSpeed setting dslua does not act on; passed through')
   return copy(v)
 end
 
+-- Whether a feature in v is on: an "enabled": true with no switched
+-- sub-feature under it, or one of those sub-features on (a library's own
+-- switch with every feature in it off turns nothing on).
 local function any_enabled(v)
-  if type(v) ~= 'table' then return false end
-  if v.enabled == true then return true end
+  if type(v) ~= 'table' or v.enabled == false then return false end
+  local switched = false
   for _, x in pairs(v) do
     if any_enabled(x) then return true end
+    if type(x) == 'table' and x.enabled ~= nil then switched = true end
   end
-  return false
+  return v.enabled == true and not switched
 end
 
 local function check_later_work(ctx, path, v)
@@ -977,6 +1028,7 @@ for _, k in ipairs(M.extension_keys) do TOP.fields[k] = any() end
 for _, k in ipairs(M.ignored_keys) do TOP.fields[k] = field('custom', nil, { check = check_ignored }) end
 for _, k in ipairs(M.unsupported_keys) do TOP.fields[k] = field('custom', nil, { check = check_unsupported }) end
 for k in pairs(M.later_work) do TOP.fields[k] = field('custom', nil, { check = check_later_work }) end
+for k in pairs(M.stored_keys) do TOP.fields[k] = field('custom', nil, { check = check_stored }) end
 TOP.fields.compile = field('custom', nil, { check = check_compile })
 TOP.fields.tensor_parallel = field('custom', nil, { check = check_tensor_parallel })
 TOP.fields.sequence_parallel_size = field('custom', 1, { check = check_sequence_parallel })
@@ -992,8 +1044,24 @@ local function floordiv(a, b)
   return q
 end
 
+-- The top-level batch keys given as "auto", in DeepSpeed's order and by name.
+local function batch_autos(ctx)
+  local out = {}
+  for _, name in ipairs({ 'train_batch_size', 'train_micro_batch_size_per_gpu', 'gradient_accumulation_steps' }) do
+    for _, a in ipairs(ctx.autos) do
+      if a.key == name then out[#out + 1], out[name] = name, true end
+    end
+  end
+  return out
+end
+
 local function resolve_batch(ctx, cfg, ws)
   local tb, mb, ga = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps
+  local autos = batch_autos(ctx)
+  if mb == nil and ctx.given.batch_size and autos.train_micro_batch_size_per_gpu then
+    mb = ctx.given.batch_size       -- as Hugging Face fills it from per_device_train_batch_size
+    ctx.batch_given = true
+  end
   -- a given value that is not positive fails _batch_assertion whatever the fill computes
   local ok = true
   if tb and tb <= 0 then
@@ -1027,6 +1095,10 @@ local function resolve_batch(ctx, cfg, ws)
     how = string.format('gradient_accumulation_steps = 1, train_micro_batch_size_per_gpu = %d // %d', tb, ws)
   elseif mb then
     tb, ga = mb * ws, 1
+  elseif #autos > 0 then
+    return problem(ctx, autos[1], '"auto" has nothing to resolve from: Hugging Face\'s Trainer fills the batch '
+                   .. 'sizes from per_device_train_batch_size; give a number, or the micro batch as batch_size to '
+                   .. 'ds.initialize')
   else
     return problem(ctx, 'train_batch_size', 'Either train_batch_size or train_micro_batch_size_per_gpu needs to be provided')
   end
@@ -1071,7 +1143,9 @@ local function resolve_autos(ctx, cfg)
       a.block[a.name] = v
     else
       v = a.block[a.name]
-      if a.block == cfg and (a.name == 'train_batch_size' or a.name == 'train_micro_batch_size_per_gpu'
+      if a.block == cfg and a.name == 'train_micro_batch_size_per_gpu' and ctx.batch_given then
+        how = 'the batch_size passed to initialize'
+      elseif a.block == cfg and (a.name == 'train_batch_size' or a.name == 'train_micro_batch_size_per_gpu'
                              or a.name == 'gradient_accumulation_steps') then
         how = string.format('train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * '
                             .. 'world size = %d * %d * %d', cfg.train_micro_batch_size_per_gpu or 0,
@@ -1604,6 +1678,7 @@ end
 
 -- check(path_or_table [, {world_size = 1, source = name, given = {optimizer
 -- = the first param group of the optimizer passed to initialize,
+-- batch_size = the micro batch passed to it (fills an "auto" one),
 -- optimizer_function = true when a function builds it, scheduler = the
 -- params the scheduler passed to it was built with, hidden_size = the
 -- model's}}]) -> resolved or nil, problems (list of

@@ -199,26 +199,33 @@ end
 
 -- What the config's "auto" values resolve from (ds.config.check's given):
 -- the optimizer passed in (its first group), the params the scheduler
--- passed in was built with, and the model's hidden size.
+-- passed in was built with, the micro batch passed in (batch_size) and the
+-- model's hidden size.
 local function config_given(opts, model)
   local o, s, c = opts.optimizer, opts.lr_scheduler, rawget(model, 'config')
   return { optimizer = type(o) == 'table' and type(o.param_groups) == 'table' and o.param_groups[1] or nil,
            scheduler = type(s) == 'table' and type(s.params) == 'table' and s.params or nil,
-           optimizer_function = type(o) == 'function',
+           optimizer_function = type(o) == 'function', batch_size = opts.batch_size,
            hidden_size = type(c) == 'table' and (c.hidden_size or c.n_embd) or nil }
 end
 
 local KNOWN_OPTS = {
   model = true, config = true, config_params = true, training_data = true, model_parameters = true,
-  optimizer = true, lr_scheduler = true, collate_fn = true, args = true,
+  optimizer = true, lr_scheduler = true, collate_fn = true, args = true, batch_size = true,
 }
 
 -- ds.initialize{model, config, training_data, model_parameters, optimizer,
--- lr_scheduler, collate_fn} -> engine, optimizer, loader, scheduler
+-- lr_scheduler, collate_fn, batch_size} -> engine, optimizer, loader,
+-- scheduler; batch_size: the micro batch per rank the script uses, which
+-- an "auto" train_micro_batch_size_per_gpu takes (as Hugging Face's does)
 function M.initialize(opts)
   if type(opts) ~= 'table' then error('initialize: expected a table of options', 2) end
   for k in pairs(opts) do
     if not KNOWN_OPTS[k] then error(string.format("initialize: unknown option '%s'", tostring(k)), 2) end
+  end
+  local bs = opts.batch_size
+  if bs ~= nil and not (type(bs) == 'number' and bs >= 1 and bs == math.floor(bs) and bs < math.huge) then
+    error('initialize: batch_size must be a positive integer, got ' .. tostring(bs), 2)
   end
   local model = opts.model
   if type(model) ~= 'table' or type(model.parameters) ~= 'function' then
