@@ -141,12 +141,30 @@ describe('cross_entropy', function()
       return l
     end)
   end)
-  it('takes bf16 logits and returns bf16', function()
+  it('takes bf16 logits: the loss in f32, as PyTorch\'s autocast gives it, the gradient in bf16', function()
     against_torch('ce_bf16', 1, function(x, c)
       local l = ds.cross_entropy(x[1], H.tensor(c.target))
-      assert.are.equal('bf16', l:dtype())
+      assert.are.equal('f32', l:dtype())
       return l
     end, H.tol.bf16)
+  end)
+
+  it('a reduced loss over bf16 or f16 keeps f32\'s digits; per row it stays in the input dtype', function()
+    for _, dt in ipairs({ 'bf16', 'f16' }) do
+      local x = ds.randn(64, 40):to(dt):requires_grad_()
+      local y = (ds.rand(64) * 40):to('i64')
+      for _, red in ipairs({ 'mean', 'sum' }) do
+        local l = ds.cross_entropy(x, y, { reduction = red })
+        local want = ds.cross_entropy(x:detach():to('f64'), y, { reduction = red }):item()
+        assert.are.equal('f32', l:dtype())
+        -- f32 rounding of a sum of 64 terms, far inside one bf16/f16 step of the value
+        assert.is_true(math.abs(l:item() - want) <= 1e-5 * math.abs(want), dt .. ' ' .. red)
+        x.grad = nil
+        l:backward()
+        assert.are.equal(dt, x.grad:dtype())
+      end
+      assert.are.equal(dt, ds.cross_entropy(x, y, { reduction = 'none' }):dtype())
+    end
   end)
 
   it('takes [C] logits with a 0-dim target', function()
@@ -255,6 +273,21 @@ describe('mse_loss', function()
       against_torch('mse_' .. red, 2, function(x) return ds.mse_loss(x[1], x[2], red) end)
     end)
   end
+  it('a reduced loss over bf16 or f16 is computed and returned in f32, the gradients in the input dtype', function()
+    for _, dt in ipairs({ 'bf16', 'f16' }) do
+      local a, b = ds.randn(50, 30):to(dt):requires_grad_(), ds.randn(50, 30):to(dt)
+      for _, red in ipairs({ 'mean', 'sum' }) do
+        local l = ds.mse_loss(a, b, red)
+        local want = ds.mse_loss(a:detach():to('f64'), b:to('f64'), red):item()
+        assert.are.equal('f32', l:dtype())
+        assert.is_true(math.abs(l:item() - want) <= 1e-5 * math.abs(want), dt .. ' ' .. red)
+        a.grad = nil
+        l:backward()
+        assert.are.equal(dt, a.grad:dtype())
+      end
+      assert.are.equal(dt, ds.mse_loss(a, b, 'none'):dtype())
+    end
+  end)
   it('gradients match finite differences, broadcast included', function()
     H.gradcheck(function(a, b) return ds.mse_loss(a, b) end, { f64(3, 4), f64(3, 4) })
     H.gradcheck(function(a, b) return ds.mse_loss(a, b, 'none') end, { f64(3, 4), f64(4) })

@@ -195,7 +195,7 @@ ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore
                                                          ds_tensor_kview(lc), ds_tensor_kview(tc), rows, C, ld,
                                                          ignore_index, smoothing))
             ds_fail(DS_ERR_ARG, "cross_entropy: %s", ds_kernel_error());
-        else out = reduce_loss(loss, target, logits->dtype, red, count);
+        else out = reduce_loss(loss, target, red == DS_NN_NONE ? logits->dtype : st, red, count);
     }
     ds_set_grad_enabled(prev);
     ds_tensor_release(loss);
@@ -221,13 +221,23 @@ ds_tensor *ds_cross_entropy(ds_tensor *logits, ds_tensor *target, int64_t ignore
 
 /* ---- mean squared error: composed, its gradient comes from sub and mul ---- */
 
+/* t itself, or (a reduced loss over bf16/f16) t widened to f32. */
+static ds_tensor *loss_operand(ds_tensor *t, ds_nn_reduction red) {
+    if (red != DS_NN_NONE && stat_dtype(t->dtype) != t->dtype) return ds_to_dtype(t, DS_F32);
+    ds_tensor_retain(t);
+    return t;
+}
+
 ds_tensor *ds_mse_loss(ds_tensor *input, ds_tensor *target, ds_nn_reduction red) {
     int nd;
     int64_t shape[DS_MAX_DIMS];
     if (need_float("mse_loss", "input", input) || need_float("mse_loss", "target", target) ||
         ds_check_same_device("mse_loss", input, target) || ds_broadcast_shape("mse_loss", input, target, &nd, shape))
         return NULL;
-    ds_tensor *d = ds_sub(input, target);
+    ds_tensor *a = loss_operand(input, red), *b = a ? loss_operand(target, red) : NULL;
+    ds_tensor *d = b ? ds_sub(a, b) : NULL;
+    ds_tensor_release(a);
+    ds_tensor_release(b);
     ds_tensor *sq = d ? ds_mul(d, d) : NULL;
     ds_tensor_release(d);
     if (!sq || red == DS_NN_NONE) return sq;

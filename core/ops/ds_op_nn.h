@@ -1,7 +1,9 @@
 /* Neural-network row ops with torch.nn.functional semantics: softmax,
  * log_softmax, cross_entropy, mse_loss, layer_norm, rms_norm, dropout.
  * Each is one fused kernel forward and one backward; bf16/f16 inputs are
- * computed in higher precision and returned in their own dtype. */
+ * computed in higher precision and returned in their own dtype, but for a
+ * loss reduced by mean or sum: that is f32, as under PyTorch's autocast,
+ * the gradients still in the input's dtype. */
 #ifndef DS_OP_NN_H
 #define DS_OP_NN_H
 
