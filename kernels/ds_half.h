@@ -28,21 +28,19 @@ DS_HOSTDEV uint16_t ds_f32_to_f16(float f) {
     uint32_t u = ds_f32_bits(f);
     uint32_t sign = (u >> 16) & 0x8000u;
     uint32_t a = u & 0x7fffffffu;
-    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);          /* NaN */
 #ifdef __CUDA_ARCH__
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u);         /* NaN */
     uint16_t h;                                                      /* the rounding below, in one instruction */
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
     return h;
 #else
-    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);         /* rounds to inf */
-    if (a < 0x38800000u) {                                           /* f16 subnormal or zero */
-        /* Adding 0.5 makes the FPU do the round-to-nearest-even shift for us. */
-        float r = ds_bits_f32(a) + 0.5f;
-        return (uint16_t)(sign | (ds_f32_bits(r) - 0x3f000000u));
-    }
-    uint32_t mant_odd = (a >> 13) & 1u;
-    a += 0xc8000fffu + mant_odd;             /* rebias exponent (-112<<23) and round */
-    return (uint16_t)(sign | (a >> 13));
+    /* Selects instead of branches, so loops over it vectorize. */
+    uint32_t h = (a + 0xc8000fffu + ((a >> 13) & 1u)) >> 13;        /* rebias exponent (-112<<23) and round */
+    /* f16 subnormal or zero: adding 0.5 makes the FPU do the round-to-nearest-even shift for us */
+    if (a < 0x38800000u) h = ds_f32_bits(ds_bits_f32(a) + 0.5f) - 0x3f000000u;
+    if (a >= 0x477ff000u) h = 0x7c00u;                               /* rounds to inf */
+    if (a > 0x7f800000u) h = 0x7e00u;                                /* NaN */
+    return (uint16_t)(sign | h);
 #endif
 }
 

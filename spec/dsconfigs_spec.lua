@@ -170,6 +170,13 @@ describe('DeepSpeed configs', function()
     H.has(ran, 'ran 2 steps')
   end)
 
+  it('says once that fp16 is slower than fp32 and bf16 on the CPU', function()
+    local ran, status = H.run(H.ranks_cmd(2) .. ' ' .. dir .. 'run.lua --config ' .. dir .. 'lamb_fp16.json')
+    assert.are.equal(0, status, ran)
+    local _, n = ran:gsub('dslua: fp16 on the CPU: oneDNN 2.x has no f16 matmul', '')
+    assert.are.equal(1, n, ran)
+  end)
+
   it('notes offload_param buffers only where a config sets them', function()
     local config = require 'dslua.config'
     local z3 = { stage = 3, offload_param = { device = 'cpu' } }

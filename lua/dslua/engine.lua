@@ -257,6 +257,10 @@ function M.initialize(opts)
     io.stdout:write(table.concat(notes, '\n'), '\n')
     io.stdout:flush()
   end
+  if rank == 0 and cfg.fp16.enabled and tostring(device) == 'cpu' then
+    io.stderr:write('dslua: fp16 on the CPU: oneDNN 2.x has no f16 matmul, so matmuls widen to f32 and round back, '
+                    .. 'slower than fp32 and bf16 (bench/precision.lua); bf16 is the CPU\'s 16-bit type\n')
+  end
   local optimizer, zero
   if model.is_pipeline then require('dslua.pipe.engine').check(model, cfg) end
   if Zero.wanted(cfg) then
