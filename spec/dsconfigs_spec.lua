@@ -177,6 +177,18 @@ describe('DeepSpeed configs', function()
     assert.are.equal(1, n, ran)
   end)
 
+  it('takes a library\'s own switch on as nothing on until a feature in it is', function()
+    local config = require 'dslua.config'
+    for _, block in ipairs({ { enabled = true }, { enabled = true, data_sampling = { enabled = false } } }) do
+      local cfg, problems = config.check({ train_batch_size = 8, data_efficiency = block })
+      assert.is_not_nil(cfg, table.concat(problems, '\n'))
+    end
+    local cfg, problems = config.check({ train_batch_size = 8, data_efficiency = { data_sampling = {
+      enabled = true, curriculum_learning = { enabled = false } } } })
+    assert.is_nil(cfg)
+    H.has(problems[1], "data_efficiency: DeepSpeed's data efficiency library")
+  end)
+
   it('notes offload_param buffers only where a config sets them', function()
     local config = require 'dslua.config'
     local z3 = { stage = 3, offload_param = { device = 'cpu' } }

@@ -823,22 +823,28 @@ local function check_ignored(ctx, path, v)
   return copy(v)
 end
 
--- Whether a feature in v is on: an "enabled": true with no switched
--- sub-feature under it, or one of those sub-features on (a library's own
--- switch with every feature in it off turns nothing on).
 local function any_enabled(v)
-  if type(v) ~= 'table' or v.enabled == false then return false end
-  local switched = false
+  if type(v) ~= 'table' then return false end
+  if v.enabled == true then return true end
   for _, x in pairs(v) do
     if any_enabled(x) then return true end
-    if type(x) == 'table' and x.enabled ~= nil then switched = true end
   end
-  return v.enabled == true and not switched
+  return false
+end
+
+-- Whether a library block turns a feature on: its own "enabled" is a
+-- master switch that alone turns nothing on (every feature defaults off).
+local function library_on(v)
+  if not is_object(v) or v.enabled == false then return false end
+  for k, x in pairs(v) do
+    if k ~= 'enabled' and any_enabled(x) then return true end
+  end
+  return false
 end
 
 local function check_later_work(ctx, path, v)
   local what = M.later_work[path]
-  if v == json.null or (is_object(v) and not any_enabled(v)) then
+  if v == json.null or (is_object(v) and not library_on(v)) then
     note(ctx, path, what .. ': dslua does not have it; accepted as nothing in it is enabled')
     return copy(v)
   end
