@@ -109,7 +109,7 @@ local function silent(v, prefix, notes, out)
     local path = prefix == '' and k or prefix .. '.' .. k
     local acted = ACTED[path]
     if type(acted) == 'function' then acted = acted(x) end
-    if not acted and not notes:find(': ' .. path .. ':', 1, true) and not notes:find(': ' .. path .. '.', 1, true) then
+    if not acted and not notes:find(': ' .. path .. ':', 1, true) then     -- a note on a block covers its keys
       if type(x) == 'table' and next(x) ~= nil and #x == 0 then silent(x, path, notes, out)
       else out[#out + 1] = path end
     end
