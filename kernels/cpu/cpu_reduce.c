@@ -15,9 +15,14 @@ static double reduce_line(ds_reduce_op op, const ds_kview *x, int64_t base, int6
     switch (op) {
     case DS_RED_SUM: case DS_RED_MEAN: {
         double s = 0;
+        const uint16_t *h = (const uint16_t *)d + base;       /* bf16, f16: the values ds_load gives */
         if (t == DS_F32 && step == 1) {
             const float *f = (const float *)d + base;
             for (int64_t j = 0; j < n; j++) s += f[j];
+        } else if (t == DS_BF16) {
+            for (int64_t j = 0; j < n; j++) s += ds_bf16_to_f32(h[j * step]);
+        } else if (t == DS_F16) {
+            for (int64_t j = 0; j < n; j++) s += ds_f16_to_f32(h[j * step]);
         } else {
             for (int64_t j = 0; j < n; j++) s += ds_load(t, d, base + j * step);
         }
