@@ -48,6 +48,10 @@ static void copy_tile(const ds_kview *dst, const ds_kview *src, int64_t t) {
             #pragma omp simd
             for (int64_t c = 0; c < w; c++) d[c] = ds_f16_to_f32(s[c]);
         }
+    } else if (dst->dtype == src->dtype && half(dst->dtype)) {    /* the bits as they are */
+        uint16_t *d = (uint16_t *)dst->data + od;
+        const uint16_t *s = (const uint16_t *)src->data + os;
+        for (int64_t c = 0; c < w; c++) d[c * sd] = s[c * ss];
     } else if (dst->dtype == src->dtype && dst->dtype == DS_F32) {
         float *d = (float *)dst->data + od;
         const float *s = (const float *)src->data + os;
