@@ -170,6 +170,16 @@ describe('DeepSpeed configs', function()
     H.has(ran, 'ran 2 steps')
   end)
 
+  it('refuses a batch_size that is no micro batch, naming it', function()
+    local ds = H.ds
+    for _, bad in ipairs({ 0, 2.5, 'four' }) do
+      local ok, err = pcall(ds.initialize, { model = ds.nn.Linear(2, 2), batch_size = bad,
+                                             config = { train_micro_batch_size_per_gpu = 'auto' } })
+      assert.is_false(ok)
+      H.has(tostring(err), 'initialize: batch_size must be a positive integer, got ' .. tostring(bad))
+    end
+  end)
+
   it('says once that fp16 is slower than fp32 and bf16 on the CPU', function()
     local ran, status = H.run(H.ranks_cmd(2) .. ' ' .. dir .. 'run.lua --config ' .. dir .. 'lamb_fp16.json')
     assert.are.equal(0, status, ran)
