@@ -151,6 +151,18 @@ describe('reductions', function()
     assert.are.same({ { 5, 7, 9 } }, t:sum(1, true):totable())
   end)
 
+  it('sums and means of bf16 and f16 over any dim are the exact sum rounded once', function()
+    -- randn's half values span far fewer than 53 bits: their double sum is
+    -- exact in any order, so the result is the f64 one rounded to the dtype
+    for _, dt in ipairs({ 'bf16', 'f16' }) do
+      local x = ds.randn(3, 70, 300):to(dt)
+      for _, dim in ipairs({ 1, 2, 3 }) do
+        assert.are.same(x:to('f64'):sum(dim):to(dt):totable(), x:sum(dim):totable(), dt .. ' sum ' .. dim)
+        assert.are.same(x:to('f64'):mean(dim):to(dt):totable(), x:mean(dim):totable(), dt .. ' mean ' .. dim)
+      end
+    end
+  end)
+
   it('rejects dims out of range with the shape', function()
     local ok, err = pcall(function() return ds.zeros(2, 3):sum(3) end)
     assert.is_false(ok)

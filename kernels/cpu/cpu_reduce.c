@@ -66,15 +66,31 @@ static double reduce_line(ds_reduce_op op, const ds_kview *x, int64_t base, int6
     }
 }
 
-/* Columns per work item of the f32 column sums. */
+/* Columns per work item of the column sums. */
 #define REDUCE_COLS 256
+
+/* acc[k] += x[off + j*inner + k] for rows j < n, columns [k0, k1): f32,
+ * bf16 or f16, each value as ds_load gives it, in reduce_line's order. */
+static void add_rows(double *acc, const ds_kview *x, int64_t off, int64_t n, int64_t inner, int64_t k0, int64_t k1) {
+    const float *f = (const float *)x->data + off;
+    const uint16_t *h = (const uint16_t *)x->data + off;
+    for (int64_t j = 0; j < n; j++) {
+        if (x->dtype == DS_F32)
+            for (int64_t k = k0; k < k1; k++) acc[k] += f[j * inner + k];
+        else if (x->dtype == DS_BF16)
+            for (int64_t k = k0; k < k1; k++) acc[k] += ds_bf16_to_f32(h[j * inner + k]);
+        else
+            for (int64_t k = k0; k < k1; k++) acc[k] += ds_f16_to_f32(h[j * inner + k]);
+    }
+}
 
 static int cpu_reduce(ds_reduce_op op, ds_kview out, ds_kview x, int64_t outer, int64_t n, int64_t inner,
                       double param) {
     if (n == 0 && (op != DS_RED_SUM && op != DS_RED_NORM))
         return ds_kernel_fail("cannot reduce an empty dimension");
     int64_t total = outer * inner;
-    if (inner > 1 && (op == DS_RED_SUM || op == DS_RED_MEAN) && x.dtype == DS_F32) {
+    bool floats = x.dtype == DS_F32 || x.dtype == DS_BF16 || x.dtype == DS_F16;
+    if (inner > 1 && (op == DS_RED_SUM || op == DS_RED_MEAN) && floats) {
         /* column sums: walk rows in memory order, one accumulator per column;
          * threads share blocks of columns, so a bias gradient (outer 1)
          * is not left to one thread */
@@ -86,9 +102,7 @@ static int cpu_reduce(ds_reduce_op op, ds_kview out, ds_kview x, int64_t outer, 
             int64_t o = t / blocks, k0 = t % blocks * REDUCE_COLS;
             int64_t k1 = k0 + REDUCE_COLS < inner ? k0 + REDUCE_COLS : inner;
             double *acc = sums + o * inner;
-            const float *f = (const float *)x.data + o * n * inner;
-            for (int64_t j = 0; j < n; j++)
-                for (int64_t k = k0; k < k1; k++) acc[k] += f[j * inner + k];
+            add_rows(acc, &x, o * n * inner, n, inner, k0, k1);
             for (int64_t k = k0; k < k1; k++)
                 ds_store(out.dtype, out.data, o * inner + k, op == DS_RED_MEAN ? acc[k] / (double)n : acc[k]);
         }
