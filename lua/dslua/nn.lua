@@ -177,7 +177,7 @@ end
 local hints = setmetatable({}, { __mode = 'k' })
 
 -- An instance's lookups: its class's fields, and an error for a key that
--- is no registered name but a near miss of a method (m:forwrd(x)); other
+-- is no registered name but one slip from a method (m:forwrd(x)); other
 -- keys a module never set stay nil, the Lua way.
 local function class_index(cls)
   return function(self, key)
@@ -188,7 +188,7 @@ local function class_index(cls)
     hints[cls] = hints[cls] or {}
     local hint = hints[cls][key]
     if hint == nil then
-      hint = require('dslua.suggest').nearest(key, method_names(cls)) or false
+      hint = require('dslua.suggest').typo(key, method_names(cls)) or false
       hints[cls][key] = hint
     end
     if hint then error(fmt("%s has no method '%s' (did you mean '%s'?)", cls.__name, key, hint), 2) end
@@ -199,6 +199,7 @@ end
 local function new_class(name, parent)
   local cls = { __name = name }
   cls.__index = class_index(cls)
+  cls.methods = cls      -- what the REPL completes and help lists, __index being a function
   if parent then
     for _, m in ipairs(META) do cls[m] = parent[m] end
   end
