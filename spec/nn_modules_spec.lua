@@ -228,10 +228,10 @@ describe('nn.Module', function()
     assert.are.equal(0, groups[2].weight_decay)
   end)
 
-  it('prints as torch prints modules', function()
+  it('prints as torch prints modules, children numbered as Lua indexes them', function()
     local s = tostring(nn.Sequential(nn.Linear(2, 3), nn.GELU('tanh')))
-    assert.are.equal("Sequential(\n  (0): Linear(in_features=2, out_features=3, bias=true)\n"
-                     .. "  (1): GELU(approximate='tanh')\n)", s)
+    assert.are.equal("Sequential(\n  (1): Linear(in_features=2, out_features=3, bias=true)\n"
+                     .. "  (2): GELU(approximate='tanh')\n)", s)
   end)
 
   it('raises for a container without forward and for clashing registrations', function()

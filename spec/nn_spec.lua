@@ -229,23 +229,23 @@ describe('cross_entropy', function()
         assert.are.equal(0, xp.grad:narrow(2, 11, 3):to('f64'):abs():amax():item(), dt)
       end
     end
-    fails('target value 10 at 0%-based position %(0%) of target %[2%] is out of range %[0, 10%)', ds.cross_entropy, ds.randn(2, 13), ds.tensor({ 10, 0 }, 'i64'), { classes = 10 })
+    fails('target value 10 at position %(1%) of target %[2%] is out of range %[0, 10%)', ds.cross_entropy, ds.randn(2, 13), ds.tensor({ 10, 0 }, 'i64'), { classes = 10 })
     fails('cross_entropy: classes must be in %[1, 13%]', ds.cross_entropy, ds.randn(2, 13), ds.zeros(2, 'i64'), { classes = 14 })
     fails('cross_entropy: classes must be a positive integer', ds.cross_entropy, ds.randn(2, 13), ds.zeros(2, 'i64'), { classes = 0 })
   end)
 
   it('names an out-of-range target and its position', function()
     local x = ds.randn(3, 5)
-    fails('cross_entropy: target value 7 at 0%-based position %(1%) of target %[3%] is out of range %[0, 5%) for logits of shape %[3,5%]',
+    fails('cross_entropy: target value 7 at position %(2%) of target %[3%] is out of range %[0, 5%) for logits of shape %[3,5%]',
           ds.cross_entropy, x, ds.tensor({ 1, 7, 4 }, 'i64'))
-    fails('target value %-1 at 0%-based position %(2%)', ds.cross_entropy, x, ds.tensor({ 1, 0, -1 }, 'i32'))
-    fails('target value 5 at 0%-based position %(0%)', ds.cross_entropy, x, ds.tensor({ 5, 0, 0 }, 'i64'))
-    fails('target value 3 at 0%-based position %(1,0%) of target %[2,2%] is out of range %[0, 3%) for logits of shape %[2,2,5%]',
+    fails('target value %-1 at position %(3%)', ds.cross_entropy, x, ds.tensor({ 1, 0, -1 }, 'i32'))
+    fails('target value 5 at position %(1%)', ds.cross_entropy, x, ds.tensor({ 5, 0, 0 }, 'i64'))
+    fails('target value 3 at position %(2,1%) of target %[2,2%] is out of range %[0, 3%) for logits of shape %[2,2,5%]',
           ds.cross_entropy, ds.randn(2, 2, 5), ds.tensor({ { 0, 1 }, { 3, 2 } }, 'i64'), { classes = 3 })
     -- ignore_index is let through wherever it lies, and a bad value is still found after it
     assert.is_true(ds.is_tensor(ds.cross_entropy(x, ds.tensor({ -100, 0, 4 }, 'i64'))))
-    fails('target value 9 at 0%-based position %(2%)', ds.cross_entropy, x, ds.tensor({ 2, -100, 9 }, 'i64'))
-    fails('target value %-100 at 0%-based position %(0%)', ds.cross_entropy, x, ds.tensor({ -100, 1, 2 }, 'i64'),
+    fails('target value 9 at position %(3%)', ds.cross_entropy, x, ds.tensor({ 2, -100, 9 }, 'i64'))
+    fails('target value %-100 at position %(1%)', ds.cross_entropy, x, ds.tensor({ -100, 1, 2 }, 'i64'),
           { ignore_index = 1 })
     -- an ignore_index past i32's range ignores no i32 target (not one wrapped onto it)
     local t32 = ds.tensor({ 0, 1, 2 }, 'i32')
@@ -509,6 +509,6 @@ describe('nn ops on empty tensors', function()
     assert.are.same({ 0, 4 }, ds.rms_norm(ds.zeros(0, 4), ds.ones(4)):size())
     assert.are.same({ 0 }, ds.dropout(ds.zeros(0), 0.5):size())
     assert.are.same({ 0 }, ds.cross_entropy(ds.zeros(0, 4), ds.zeros(0, 'i64'), { reduction = 'none' }):size())
-    fails('target value 0 at 0%-based position %(0%) of target %[2%] is out of range %[0, 0%)', ds.cross_entropy, ds.zeros(2, 0), ds.zeros(2, 'i64'))
+    fails('target value 0 at position %(1%) of target %[2%] is out of range %[0, 0%)', ds.cross_entropy, ds.zeros(2, 0), ds.zeros(2, 'i64'))
   end)
 end)

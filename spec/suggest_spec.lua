@@ -44,4 +44,18 @@ describe('dslua.suggest', function()
     assert.are.equal("did you mean 'batch_size'?", suggest.did_you_mean('batchsize', LOADER))
     assert.is_nil(suggest.did_you_mean('zzz', LOADER))
   end)
+
+  it('takes a typo only one slip away (two from 8 letters), never a part or a short word', function()
+    local METHODS = { 'forward', 'parameters', 'state_dict', 'zero_grad', 'to', 'train', 'named_buffers' }
+    assert.are.equal('forward', suggest.typo('forwrd', METHODS))
+    assert.are.equal('train', suggest.typo('trian', METHODS))
+    assert.are.equal('zero_grad', suggest.typo('zero_gard', METHODS))
+    assert.are.equal('parameters', suggest.typo('paramters', METHODS))
+    assert.are.equal('state_dict', suggest.typo('stat_dic', METHODS))   -- two edits, 8 letters
+    assert.is_nil(suggest.typo('fowrad', METHODS))                      -- two edits, 6 letters
+    assert.is_nil(suggest.typo('name', METHODS))                        -- a part: nearest's, not a typo
+    assert.is_nil(suggest.typo('zero', METHODS))
+    assert.is_nil(suggest.typo('tp', METHODS))                          -- too short to tell
+    assert.is_nil(suggest.typo('forward', METHODS))                     -- the name itself
+  end)
 end)

@@ -42,8 +42,16 @@ static int l_wall_time(lua_State *L) {
 }
 
 /* embedded_source(): the text of the Lua library this binary carries, a
- * corpus that ships with dslua (the quickstart trains on it). */
+ * corpus that ships with dslua (the quickstart trains on it);
+ * embedded_source(chunk): one module's ("@lua/dslua/nn.lua"), or nil, for
+ * the REPL's help to read its comments. */
 static int l_embedded_source(lua_State *L) {
+    if (!lua_isnoneornil(L, 1)) {
+        const char *chunk = luaL_checkstring(L, 1);
+        for (const embedded_module *m = dsL_embedded; m->name; m++)
+            if (strcmp(m->chunk, chunk) == 0) { lua_pushlstring(L, m->src, m->len); return 1; }
+        return 0;
+    }
     luaL_Buffer b;
     luaL_buffinit(L, &b);
     for (const embedded_module *m = dsL_embedded; m->name; m++) luaL_addlstring(&b, m->src, m->len);

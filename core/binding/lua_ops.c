@@ -127,7 +127,9 @@ static int l_squeeze(lua_State *L) {
 static int l_unsqueeze(lua_State *L) {
     ds_tensor *t = dsL_checktensor(L, 1);
     lua_Integer d = luaL_checkinteger(L, 2);
-    luaL_argcheck(L, d != 0 && d <= t->ndim + 1 && d >= -(t->ndim + 1), 2, "dim out of range (1-based)");
+    if (d == 0 || d > t->ndim + 1 || d < -(t->ndim + 1))
+        luaL_argerror(L, 2, lua_pushfstring(L, "dim %d out of range for unsqueezing a %d-dim tensor (dims are 1-based; -1 is the last)",
+                                            (int)d, t->ndim));
     return dsL_pushtensor(L, ds_unsqueeze(t, d > 0 ? d - 1 : d));
 }
 

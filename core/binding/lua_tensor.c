@@ -476,9 +476,44 @@ static int l_set_category(lua_State *L) {
     return 1;
 }
 
-/* t.grad, t.requires_grad, t.is_leaf, t.grad_fn, then the method table */
+/* t[i], as torch's: the view of t at 1-based (or negative) position i of
+ * dim 1, with that dim gone. */
+static int index_select1(lua_State *L, ds_tensor *t) {
+    lua_Number v = lua_tonumber(L, 2);
+    int64_t n = t->ndim ? t->shape[0] : 0;
+    if (t->ndim == 0) return luaL_error(L, "t[%s]: a 0-dim tensor has no dim to index; use t:item()", lua_tostring(L, 2));
+    if (v != floor(v) || v == 0 || v > (lua_Number)n || v < -(lua_Number)n)
+        return luaL_error(L, "t[%s]: index out of range for dim 1 of size %f (indices are 1-based; -1 is the last)",
+                          lua_tostring(L, 2), (lua_Number)n);
+    int64_t i = (int64_t)v;
+    ds_tensor *row = ds_narrow(t, 0, i > 0 ? i - 1 : i, 1);
+    ds_tensor *out = row ? ds_squeeze(row, 0) : NULL;
+    ds_tensor_release(row);
+    return dsL_pushtensor(L, out);
+}
+
+/* A key that names nothing: the metatable's no_method (the Lua layer's,
+ * with a suggestion) words the error, else it is plain. */
+static int no_method(lua_State *L, const char *k) {
+    luaL_where(L, 1);
+    lua_getmetatable(L, 1);
+    lua_getfield(L, -1, "no_method");
+    if (lua_isfunction(L, -1)) {
+        lua_pushstring(L, k);
+        lua_call(L, 1, 1);
+    } else {
+        lua_pushfstring(L, "tensor has no method '%s'", k);
+    }
+    lua_remove(L, -2);
+    lua_concat(L, 2);
+    return lua_error(L);
+}
+
+/* t[i], then t.grad, t.requires_grad, t.is_leaf, t.grad_fn, then the
+ * method table; any other key is an error, as torch's AttributeError. */
 static int l_index(lua_State *L) {
     ds_tensor *t = dsL_checkmeta(L, 1);
+    if (lua_type(L, 2) == LUA_TNUMBER) return index_select1(L, t);
     lua_getmetatable(L, 1);
     lua_getfield(L, -1, "methods");
     lua_pushvalue(L, 2);
@@ -498,7 +533,7 @@ static int l_index(lua_State *L) {
         lua_pushstring(L, t->grad_fn->name);
         return 1;
     }
-    return 0;
+    return no_method(L, k);
 }
 
 static int l_newindex(lua_State *L) {

@@ -23,7 +23,7 @@
 
 static const char usage[] =
     "usage: dslua [options] [script [args...]]\n"
-    "  -e code        run the Lua code\n"
+    "  -e code        run the Lua code, with `ds` and help loaded as in the REPL\n"
     "  -l name        require library 'name' (as a global of that name)\n"
     "  -i             enter the REPL after running the script\n"
     "  -v, --version  print the version\n"
@@ -334,7 +334,8 @@ int main(int argc, char **argv) {
             const char *v = argv[++i];
             if (a[1] == 'e') {
                 set_arg_table(L, argv, argc, i + 1 < argc ? i + 1 : argc - 1);
-                rc = run_chunk(L, luaL_loadbuffer(L, v, strlen(v), "=(command line)"), 0);
+                rc = report(L, dsL_repl_init(L));
+                if (rc == 0) rc = run_chunk(L, luaL_loadbuffer(L, v, strlen(v), "=(command line)"), 0);
             } else {
                 rc = require_global(L, v);
             }

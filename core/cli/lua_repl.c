@@ -88,10 +88,14 @@ static char *history_path(void) {
     return s;
 }
 
+int dsL_repl_init(lua_State *L) {
+    repl_module = "dslua.repl";
+    return call_repl(L, "init", "", 0);
+}
+
 void dsL_repl(lua_State *L) {
     printf("dslua %s (%s) -- `ds` is loaded; Ctrl-D exits\n", DSLUA_VERSION, LUAJIT_VERSION);
-    repl_module = "dslua.repl";
-    if (call_repl(L, "init", "", 0) != 0) {
+    if (dsL_repl_init(L) != 0) {
         fprintf(stderr, "%s\n", lua_tostring(L, -1));
         lua_pop(L, 1);
     }

@@ -41,7 +41,7 @@ int ds_broadcast_shape(const char *op, const ds_tensor *a, const ds_tensor *b, i
         if (sa != sb && sa != 1 && sb != 1) {
             char s1[96], s2[96];
             ds_fail(DS_ERR_ARG, "%s: shapes %s and %s do not broadcast (dim %d: %lld vs %lld)", op,
-                    ds_shape_str(a, s1, sizeof s1), ds_shape_str(b, s2, sizeof s2), i,
+                    ds_shape_str(a, s1, sizeof s1), ds_shape_str(b, s2, sizeof s2), i + 1,
                     (long long)sa, (long long)sb);
             return -1;
         }
@@ -62,7 +62,7 @@ ds_tensor *ds_expand(ds_tensor *t, int ndim, const int64_t *shape) {
         if (have == shape[i]) stride[i] = t->stride[i - lead];
         else if (have == 1) stride[i] = 0;
         else return ds_fail(DS_ERR_ARG, "expand: size %lld of %s cannot become %lld in dim %d",
-                            (long long)have, ds_shape_str(t, s, sizeof s), (long long)shape[i], i);
+                            (long long)have, ds_shape_str(t, s, sizeof s), (long long)shape[i], i + 1);
     }
     return ds_tensor_view_of(t, ndim, shape, stride, t->offset);
 }

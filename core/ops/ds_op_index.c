@@ -40,14 +40,14 @@ static void describe_index_hit(char *buf, size_t n, const void *ctx, ds_index_hi
     const index_check *c = ctx;
     int64_t coord[DS_MAX_DIMS], pos = hit.pos;
     for (int i = c->idx_ndim - 1; i >= 0; i--) {
-        coord[i] = pos % c->idx_shape[i];
+        coord[i] = pos % c->idx_shape[i] + 1;
         pos /= c->idx_shape[i];
     }
     char at[160], is[160], xs[160];
     ds_dims_str(c->idx_ndim, coord, at, sizeof at);
     ds_dims_str(c->idx_ndim, c->idx_shape, is, sizeof is);
     ds_dims_str(c->x_ndim, c->x_shape, xs, sizeof xs);
-    snprintf(buf, n, "%s: %s value %lld at 0-based position (%s) of %s [%s] is out of range [0, %lld) for %s of "
+    snprintf(buf, n, "%s: %s value %lld at position (%s) of %s [%s] is out of range [0, %lld) for %s of "
              "shape [%s]", c->op, c->idx_name, (long long)hit.value, at, c->idx_name, is, (long long)c->limit,
              c->x_name, xs);
 }
@@ -407,7 +407,7 @@ ds_tensor *ds_stack(int n, ds_tensor *const *ts, int64_t dim) {
     int nd = ts[0]->ndim;
     int64_t d = dim < 0 ? dim + nd + 1 : dim;
     if (d < 0 || d > nd || nd >= DS_MAX_DIMS)
-        return ds_fail(DS_ERR_ARG, "stack: dim %lld out of range for tensors of shape %s", (long long)dim,
+        return ds_fail(DS_ERR_ARG, "stack: dim %lld out of range for tensors of shape %s", ds_api_pos(dim),
                        ds_shape_str(ts[0], s1, sizeof s1));
     for (int k = 1; k < n; k++)
         if (!ds_tensor_same_shape(ts[k], ts[0]))

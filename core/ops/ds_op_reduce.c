@@ -18,7 +18,7 @@ static bool reduced_mask(const char *op, ds_tensor *t, int ndims, const int64_t 
     for (int k = 0; k < ndims; k++) {
         int d = ds_tensor_dim(t, op, dims[k]);
         if (d < 0) return false;
-        if (t->ndim && mask[d]) { ds_fail(DS_ERR_ARG, "%s: dim %d listed twice", op, d); return false; }
+        if (t->ndim && mask[d]) { ds_fail(DS_ERR_ARG, "%s: dim %d listed twice", op, d + 1); return false; }
         if (t->ndim) mask[d] = true;
     }
     return true;

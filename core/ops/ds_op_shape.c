@@ -41,7 +41,7 @@ static int infer_shape(const char *op, ds_tensor *t, int ndim, const int64_t *in
             if (infer >= 0) return ds_fail(DS_ERR_ARG, "%s: only one dim can be -1", op), -1;
             infer = i;
         } else if (in[i] < 0) {
-            return ds_fail(DS_ERR_ARG, "%s: invalid size %lld in dim %d", op, (long long)in[i], i), -1;
+            return ds_fail(DS_ERR_ARG, "%s: invalid size %lld in dim %d", op, (long long)in[i], i + 1), -1;
         } else wrapped |= __builtin_mul_overflow(known, in[i], &known);
     }
     int64_t numel = ds_tensor_numel(t);
@@ -133,7 +133,7 @@ ds_tensor *ds_permute(ds_tensor *t, const int64_t *perm) {
     for (int i = 0; i < t->ndim; i++) {
         int d = ds_tensor_dim(t, "permute", perm[i]);
         if (d < 0) return NULL;
-        if (used[d]) return ds_fail(DS_ERR_ARG, "permute: dim %d repeated", d);
+        if (used[d]) return ds_fail(DS_ERR_ARG, "permute: dim %d repeated", d + 1);
         used[d] = true;
         shape[i] = t->shape[d];
         stride[i] = t->stride[d];
@@ -171,12 +171,12 @@ ds_tensor *ds_narrow(ds_tensor *t, int64_t dim, int64_t start, int64_t length) {
     int d = ds_tensor_dim(t, "narrow", dim);
     if (d < 0) return NULL;
     if (t->ndim == 0) return ds_fail(DS_ERR_ARG, "narrow: cannot narrow a 0-dim tensor");
-    int64_t size = t->shape[d];
+    int64_t size = t->shape[d], given = start;
     if (start < 0) start += size;
     if (start < 0 || start > size || length < 0 || length > size - start) {
         char s[96];
         return ds_fail(DS_ERR_ARG, "narrow: start %lld length %lld out of range for dim %d of shape %s",
-                       (long long)start, (long long)length, d, ds_shape_str(t, s, sizeof s));
+                       ds_api_pos(given), (long long)length, d + 1, ds_shape_str(t, s, sizeof s));
     }
     int64_t shape[DS_MAX_DIMS];
     memcpy(shape, t->shape, sizeof shape);
@@ -200,7 +200,7 @@ ds_tensor *ds_squeeze(ds_tensor *t, int64_t dim) {
 ds_tensor *ds_unsqueeze(ds_tensor *t, int64_t dim) {
     int64_t d = dim < 0 ? dim + t->ndim + 1 : dim;
     if (d < 0 || d > t->ndim || t->ndim >= DS_MAX_DIMS)
-        return ds_fail(DS_ERR_ARG, "unsqueeze: dim %lld out of range for %d dims", (long long)dim, t->ndim);
+        return ds_fail(DS_ERR_ARG, "unsqueeze: dim %lld out of range for %d dims", ds_api_pos(dim), t->ndim);
     int64_t shape[DS_MAX_DIMS];
     for (int i = 0, j = 0; i <= t->ndim; i++) shape[i] = i == d ? 1 : t->shape[j++];
     return ds_reshape(t, t->ndim + 1, shape);

@@ -45,7 +45,7 @@ static bool shape_ok(int ndim, const int64_t *shape) {
     bool huge = false, empty = false;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] < 0) {
-            ds_fail(DS_ERR_ARG, "negative size %lld in dim %d", (long long)shape[i], i);
+            ds_fail(DS_ERR_ARG, "negative size %lld in dim %d", (long long)shape[i], i + 1);
             return false;
         }
         huge |= __builtin_mul_overflow(n, shape[i], &n);
@@ -272,12 +272,14 @@ int ds_tensor_dim(const ds_tensor *t, const char *op, int64_t dim) {
     int64_t d = dim < 0 ? dim + nd : dim;
     if (d < 0 || d >= nd) {
         char s[96];
-        ds_fail(DS_ERR_ARG, "%s: dim %lld out of range for shape %s", op, (long long)dim,
+        ds_fail(DS_ERR_ARG, "%s: dim %lld out of range for shape %s", op, ds_api_pos(dim),
                 ds_shape_str(t, s, sizeof s));
         return -1;
     }
     return (int)d;
 }
+
+long long ds_api_pos(int64_t i) { return i >= 0 ? (long long)i + 1 : (long long)i; }
 
 /* One element of a view as a 0-dim view (for a copy off or onto a GPU). */
 static ds_kview element_view(const ds_tensor *t, int64_t i) {

@@ -78,6 +78,9 @@ const char *ds_dims_str(int ndim, const int64_t *dims, char *buf, size_t n);
 bool ds_tensor_same_shape(const ds_tensor *a, const ds_tensor *b);
 /* Normalises a possibly negative dim; -1 and the error if out of range. */
 int ds_tensor_dim(const ds_tensor *t, const char *op, int64_t dim);
+/* A 0-based dim or position as messages name it: 1-based, as the Lua API
+ * counts, and a negative one (from the end) as given. */
+long long ds_api_pos(int64_t i);
 
 /* Raw element access for small tensors (printing, item, tests). */
 double ds_tensor_get(const ds_tensor *t, int64_t flat_index);

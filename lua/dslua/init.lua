@@ -71,6 +71,8 @@ ds.checkpointing = require 'dslua.checkpointing'
 -- the rest stay the checkpoint files' module
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
 ds.pipe = require 'dslua.pipe'
+-- ds.initialize{model, config, ...} -> engine, optimizer, loader, scheduler:
+-- deepspeed.initialize (lua/dslua/engine.lua), loaded when first called.
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds

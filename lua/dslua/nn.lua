@@ -160,9 +160,46 @@ local function key_name(k)
   return type(k) == 'number' and tostring(k - 1) or k
 end
 
+-- The method names a class answers to, its parents' included.
+local function method_names(cls)
+  local names = {}
+  while cls do
+    for k, v in pairs(cls) do
+      if type(k) == 'string' and type(v) == 'function' and not k:match('^__') then names[#names + 1] = k end
+    end
+    cls = getmetatable(cls).__index
+  end
+  return names
+end
+
+-- hints[cls][key]: the method a missing key was likely meant as, or false;
+-- kept, since a module may look up a field it has not set on every call.
+local hints = setmetatable({}, { __mode = 'k' })
+
+-- An instance's lookups: its class's fields, and an error for a key that
+-- is no registered name but one slip from a method (m:forwrd(x)); other
+-- keys a module never set stay nil, the Lua way.
+local function class_index(cls)
+  return function(self, key)
+    local v = cls[key]
+    if v ~= nil or type(key) ~= 'string' then return v end
+    local kinds = rawget(self, '_kind')
+    if kinds and kinds[key] then return nil end
+    hints[cls] = hints[cls] or {}
+    local hint = hints[cls][key]
+    if hint == nil then
+      hint = require('dslua.suggest').typo(key, method_names(cls)) or false
+      hints[cls][key] = hint
+    end
+    if hint then error(fmt("%s has no method '%s' (did you mean '%s'?)", cls.__name, key, hint), 2) end
+    return nil
+  end
+end
+
 local function new_class(name, parent)
   local cls = { __name = name }
-  cls.__index = cls
+  cls.__index = class_index(cls)
+  cls.methods = cls      -- what the REPL completes and help lists, __index being a function
   if parent then
     for _, m in ipairs(META) do cls[m] = parent[m] end
   end
@@ -494,16 +531,16 @@ function Module:extra_repr() return '' end
 
 -- torch's module printout: one line per leaf module, children indented.
 function Module:__tostring()
-  local children = self:named_children()
   local extra = self:extra_repr()
-  if #children == 0 then return self.__name .. '(' .. extra .. ')' end
-  local lines = { self.__name .. '(' }
-  if extra ~= '' then lines[2] = '  ' .. extra end
-  for _, c in ipairs(children) do
-    local s = tostring(c[2]):gsub('\n', '\n  ')
-    lines[#lines + 1] = '  (' .. c[1] .. '): ' .. s
+  local lines = {}
+  -- children as they are indexed: m[1] prints as (1), m.fc as (fc)
+  for _, k in ipairs(rawget(self, '_modules')) do
+    local m = rawget(self, k)
+    if m ~= nil then lines[#lines + 1] = '  (' .. tostring(k) .. '): ' .. tostring(m):gsub('\n', '\n  ') end
   end
-  return table.concat(lines, '\n') .. '\n)'
+  if #lines == 0 then return self.__name .. '(' .. extra .. ')' end
+  if extra ~= '' then table.insert(lines, 1, '  ' .. extra) end
+  return self.__name .. '(\n' .. table.concat(lines, '\n') .. '\n)'
 end
 
 -- ---- layers ----

@@ -95,6 +95,23 @@ function M.closest(word, candidates)
   return best
 end
 
+-- typo(word, candidates) -> the candidate one slip from word (an edit or
+-- a swap of neighbours; two for words of 8 letters or more), or nil: a
+-- stricter test than nearest, for a name that may be meant as written (a
+-- field a module never set, looked up beside its methods).
+function M.typo(word, candidates)
+  if #word < 4 then return nil end
+  local most = #word >= 8 and 2 or 1
+  local best, bd
+  for _, c in ipairs(candidates) do
+    if type(c) == 'string' and c ~= word and math.abs(#c - #word) <= most then
+      local dd = distance(word, c)
+      if dd <= most and (not bd or dd < bd or (dd == bd and c < best)) then best, bd = c, dd end
+    end
+  end
+  return best
+end
+
 -- "did you mean 'x'?" for the nearest candidate, or nil.
 function M.did_you_mean(word, candidates)
   local s = M.nearest(word, candidates)

@@ -66,6 +66,17 @@ function M.install(C)
   function methods.zero_grad(t) t.grad = nil end
   function methods.shape(t) return t:size() end
   function methods.t(t) return t:transpose(1, 2) end
+
+  -- The message for a key that names no method or field (the C __index
+  -- raises it), with the nearest name.
+  local fields = { 'grad', 'requires_grad', 'is_leaf', 'grad_fn' }
+  function mt.no_method(name)
+    local names = {}
+    for k in pairs(methods) do names[#names + 1] = k end
+    for _, k in ipairs(fields) do names[#names + 1] = k end
+    local hint = require('dslua.suggest').did_you_mean(name, names)
+    return fmt("tensor has no method '%s'", name) .. (hint and ' (' .. hint .. ')' or '')
+  end
 end
 
 return M

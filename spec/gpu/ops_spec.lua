@@ -489,14 +489,14 @@ describe('index ops on the GPU #gpu', function()
     local w = to_dev(ds.randn(10, 3))
     local bad = to_dev(ds.tensor({ { 0, 1 }, { 12, 3 } }, 'i64'))
     local out
-    fails_by_next_sync('embedding: ids value 12 at 0%-based position %(1,0%) of ids %[2,2%] is out of range '
+    fails_by_next_sync('embedding: ids value 12 at position %(2,1%) of ids %[2,2%] is out of range '
                        .. '%[0, 10%) for weight of shape %[10,3%]',
                        function() out = ds.embedding(w, bad) end, function() return out:sum():item() end)
-    fails_by_next_sync('gather: index value %-1 at 0%-based position %(0,1%)',
+    fails_by_next_sync('gather: index value %-1 at position %(1,2%)',
                        function() out = w:gather(2, to_dev(ds.tensor({ { 0, -1 } }, 'i64'))) end,
                        function() return ds.cuda.synchronize() end)
     local x, t = to_dev(ds.randn(3, 5)), to_dev(ds.tensor({ 1, 7, -100 }, 'i64'))
-    fails_by_next_sync('cross_entropy: target value 7 at 0%-based position %(1%) of target %[3%]',
+    fails_by_next_sync('cross_entropy: target value 7 at position %(2%) of target %[3%]',
                        function() out = ds.cross_entropy(x, t) end, function() return out:item() end)
     -- only the first of several bad calls is reported, and nothing after
     if not ON_CPU then
