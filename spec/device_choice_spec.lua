@@ -10,6 +10,7 @@ local H = require 'helpers'
 local ds = H.ds
 
 local CLEAN = 'env -u DSLUA_DEVICE -u DSLUA_TEST_GPU_COUNT -u LOCAL_RANK -u LOCAL_SIZE -u RANK '
+              .. '-u OMPI_COMM_WORLD_LOCAL_RANK -u OMPI_COMM_WORLD_LOCAL_SIZE '
 local PRINT = [[ -e "local ds = require 'dslua'; print('device=' .. ds.device())"]]
 
 -- output and exit status of `env... dslua <args>`
@@ -126,6 +127,22 @@ describe('ranks against GPUs', function()
     if not H.has_cuda() then
       assert.are.equal('cpu', (device_of('LOCAL_SIZE=2 LOCAL_RANK=1 DSLUA_TEST_GPU_COUNT=2')))
     end
+  end)
+
+  it('the GPU check, ds.comm and ds.args read one local rank: LOCAL_RANK, else Open MPI\'s', function()
+    local P = [[ -e "local ds = require 'dslua'; print('local=' .. ds.comm.local_rank() .. ',' ]]
+              .. [[.. ds.args.local_rank .. ',' .. ds.comm.local_size())"]]
+    local function locals(env)
+      local out, status = dslua(env, P)
+      assert.are.equal(0, status, out)
+      return assert(out:match('local=(%S+)'), out)
+    end
+    assert.are.equal('2,2,3',
+                     locals('LOCAL_RANK=2 OMPI_COMM_WORLD_LOCAL_RANK=5 LOCAL_SIZE=3 OMPI_COMM_WORLD_LOCAL_SIZE=6'))
+    assert.are.equal('3,3,4', locals('OMPI_COMM_WORLD_LOCAL_RANK=3 OMPI_COMM_WORLD_LOCAL_SIZE=4'))
+    assert.are.equal('0,0,1', locals(nil))
+    fails('OMPI_COMM_WORLD_LOCAL_RANK=3 OMPI_COMM_WORLD_LOCAL_SIZE=4 DSLUA_TEST_GPU_COUNT=2', nil,
+          'rank 0 (LOCAL_RANK 3): 4 ranks on this host (LOCAL_SIZE 4) but 2 GPUs')
   end)
 
   describe('under mpirun', function()

@@ -4,6 +4,7 @@
  * comms logger, rank-prefixed printing). */
 #include "lua_tensor.h"
 #include "ds_comm.h"
+#include "ds_env.h"
 #include "ds_error.h"
 
 #include <limits.h>
@@ -186,12 +187,12 @@ static int l_is_group(lua_State *L) {
 }
 
 static int l_local_rank(lua_State *L) {
-    lua_pushinteger(L, ds_comm_local_rank());
+    lua_pushinteger(L, ds_env_local_rank());
     return 1;
 }
 
 static int l_local_size(lua_State *L) {
-    lua_pushinteger(L, ds_comm_local_size());
+    lua_pushinteger(L, ds_env_local_size());
     return 1;
 }
 

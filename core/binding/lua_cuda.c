@@ -5,15 +5,6 @@
 #include "ds_cuda.h"
 #include "ds_rank_device.h"
 
-#include <stdlib.h>
-
-/* This rank's GPU: LOCAL_RANK (0 without a launcher), wrapped by the count. */
-static int rank_device(int count) {
-    const char *lr = getenv("LOCAL_RANK");
-    int r = lr && *lr ? atoi(lr) : 0;
-    return r >= 0 && count > 0 ? r % count : 0;
-}
-
 /* t:cuda([device]): device is an index (0-based, as in 'cuda:0') or a
  * name 'cuda:N'; by default this rank's GPU. */
 static int l_cuda(lua_State *L) {
@@ -27,7 +18,7 @@ static int l_cuda(lua_State *L) {
         if (i < 0 || i > 1 << 20) return luaL_error(L, "cuda: device index %d is out of range", (int)i);
         dev.index = (int)i;
     } else {
-        dev.index = rank_device(ds_cuda_device_count());
+        dev.index = ds_rank_device_index(ds_cuda_device_count());
     }
     if (ds_cuda_check_device("cuda", dev.index)) return dsL_error(L);
     return dsL_pushtensor(L, ds_to_device(t, dev));
@@ -88,7 +79,7 @@ static int l_synchronize(lua_State *L) {
  * cache hits; and the page-locked host memory of every device's uploads:
  * pinned bytes held, cudaHostAlloc calls. */
 static int l_memory_info(lua_State *L) {
-    int index = lua_isnoneornil(L, 1) ? rank_device(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
+    int index = lua_isnoneornil(L, 1) ? ds_rank_device_index(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
     ds_cuda_mem_info m;
     if (ds_cuda_memory_info(index, &m)) return dsL_error(L);
     lua_createtable(L, 0, 7);
@@ -111,7 +102,7 @@ static int l_memory_info(lua_State *L) {
 
 /* ds.cuda.reset_peak([index]): memory_info's peak starts again from now */
 static int l_reset_peak(lua_State *L) {
-    int index = lua_isnoneornil(L, 1) ? rank_device(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
+    int index = lua_isnoneornil(L, 1) ? ds_rank_device_index(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
     if (ds_cuda_reset_peak(index)) return dsL_error(L);
     return 0;
 }

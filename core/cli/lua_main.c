@@ -6,6 +6,7 @@
 #include "lua_repl.h"
 #include "ds_threads.h"
 #include "ds_comm.h"
+#include "ds_env.h"
 #include "ds_rankenv.h"
 #include "ds_report.h"
 #include "ds_attach.h"
@@ -205,7 +206,7 @@ static int run_rank_script(lua_State *L, char **argv, int argc, int script) {
             if (a[12] == '\0' || a[12] == '=') return run_script(L, argv, argc, script);
     }
     char flag[32];
-    snprintf(flag, sizeof flag, "--local_rank=%d", ds_comm_local_rank());
+    snprintf(flag, sizeof flag, "--local_rank=%d", ds_env_local_rank());
     char **v = malloc((size_t)(argc + 1) * sizeof *v);
     if (!v) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
     memcpy(v, argv, (size_t)at * sizeof *v);

@@ -18,6 +18,7 @@
  * last collectives (the flight recorder); a rank that times out asks the
  * others where they are and names those that did not arrive. */
 #include "ds_comm_impl.h"
+#include "ds_env.h"
 #include "ds_error.h"
 #include "ds_ops.h"
 
@@ -91,29 +92,21 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static int env_int(const char *name, int def) {
-    const char *v = getenv(name);
-    return v && *v ? atoi(v) : def;
-}
-
 bool ds_comm_launched(void) { return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMIX_RANK"); }
 bool ds_comm_is_initialized(void) { return S.initialized && !S.finalized; }
 
 int ds_comm_rank(const ds_comm_group *g) {
     if (g) return g->rank;
     if (S.initialized) return S.rank;
-    return ds_comm_launched() ? env_int("OMPI_COMM_WORLD_RANK", env_int("PMIX_RANK", 0)) : 0;
+    return ds_comm_launched() ? ds_env_int("OMPI_COMM_WORLD_RANK", ds_env_int("PMIX_RANK", 0)) : 0;
 }
 
 int ds_comm_size(const ds_comm_group *g) {
     if (g) return g->size;
     if (S.initialized || !ds_comm_launched()) return S.size;
-    if (getenv("OMPI_COMM_WORLD_SIZE")) return env_int("OMPI_COMM_WORLD_SIZE", 1);
+    if (getenv("OMPI_COMM_WORLD_SIZE")) return ds_env_int("OMPI_COMM_WORLD_SIZE", 1);
     return ds_comm_init() ? 1 : S.size;
 }
-
-int ds_comm_local_rank(void) { return env_int("OMPI_COMM_WORLD_LOCAL_RANK", env_int("LOCAL_RANK", 0)); }
-int ds_comm_local_size(void) { return env_int("OMPI_COMM_WORLD_LOCAL_SIZE", env_int("LOCAL_SIZE", 1)); }
 
 double ds_comm_timeout(void) {
     if (S.timeout <= 0) {

@@ -50,8 +50,6 @@ bool ds_comm_is_initialized(void);
  * come from the launcher's environment without starting MPI. */
 int ds_comm_rank(const ds_comm_group *g);
 int ds_comm_size(const ds_comm_group *g);
-int ds_comm_local_rank(void);
-int ds_comm_local_size(void);
 
 void ds_comm_set_timeout(double seconds);
 double ds_comm_timeout(void);

@@ -1,13 +1,9 @@
 #include "ds_rankenv.h"
+#include "ds_env.h"
 
 #include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
-
-static int env_int(const char *name, int dflt) {
-    const char *v = getenv(name);
-    return v && *v ? atoi(v) : dflt;
-}
 
 static void set_int(const char *name, int v, int overwrite) {
     char buf[16];
@@ -23,7 +19,7 @@ static void set_int(const char *name, int v, int overwrite) {
  * blocks that gives the node from the rank. */
 static int cross_rank(int rank, int local_rank, int local_size, int size, int nodes) {
     if (nodes <= 1) return 0;
-    if (env_int("OMPI_NUM_APP_CTX", 1) == nodes) {
+    if (ds_env_int("OMPI_NUM_APP_CTX", 1) == nodes) {
         const char *p = getenv("OMPI_APP_CTX_NUM_PROCS");
         int first = 0;
         for (int k = 0; p && k < nodes; k++) {
@@ -42,9 +38,10 @@ static int cross_rank(int rank, int local_rank, int local_size, int size, int no
 
 void ds_rankenv_init(void) {
     if (!getenv("OMPI_COMM_WORLD_SIZE")) return;
-    int rank = env_int("OMPI_COMM_WORLD_RANK", 0), size = env_int("OMPI_COMM_WORLD_SIZE", 1);
-    int local_rank = env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0), local_size = env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
-    int nodes = env_int("OMPI_MCA_orte_num_nodes", 1);
+    int rank = ds_env_int("OMPI_COMM_WORLD_RANK", 0), size = ds_env_int("OMPI_COMM_WORLD_SIZE", 1);
+    int local_rank = ds_env_int("OMPI_COMM_WORLD_LOCAL_RANK", 0);
+    int local_size = ds_env_int("OMPI_COMM_WORLD_LOCAL_SIZE", 1);
+    int nodes = ds_env_int("OMPI_MCA_orte_num_nodes", 1);
     set_int("RANK", rank, 1);
     set_int("WORLD_SIZE", size, 1);
     set_int("LOCAL_RANK", local_rank, 1);

@@ -1,5 +1,6 @@
 #include "ds_rank_device.h"
 #include "ds_cuda.h"
+#include "ds_env.h"
 #include "ds_error.h"
 
 #include <stdatomic.h>
@@ -7,11 +8,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int env_int(const char *name, int dflt) {
-    const char *v = getenv(name);
-    return v && *v ? atoi(v) : dflt;
-}
 
 /* "cuda:0 to cuda:3; CUDA_VISIBLE_DEVICES=0,1,2,3" for the messages */
 static const char *gpu_list(int n, char *buf, size_t size) {
@@ -28,7 +24,7 @@ static const char *gpu_list(int n, char *buf, size_t size) {
 static void say_once(ds_device d, const char *why) {
     static atomic_flag said = ATOMIC_FLAG_INIT;
     if (atomic_flag_test_and_set(&said)) return;
-    int rank = env_int("RANK", 0);
+    int rank = ds_env_int("RANK", 0);
     if (d.type == DS_DEV_CPU) {
         fprintf(stderr, "dslua: rank %d uses the CPU (%s)\n", rank, why);
         return;
@@ -41,8 +37,8 @@ static void say_once(ds_device d, const char *why) {
 /* Every rank of this host on a GPU of its own: 0, or -1 with the error. */
 static int check_ranks(int local_rank, int gpus) {
     const char *hook = getenv("DSLUA_TEST_GPU_COUNT");
-    if (hook && *hook) gpus = atoi(hook);
-    int ranks = env_int("LOCAL_SIZE", 1);
+    gpus = ds_env_int("DSLUA_TEST_GPU_COUNT", gpus);
+    int ranks = ds_env_local_size();
     if (ranks < local_rank + 1) ranks = local_rank + 1;
     if (gpus <= 0 || ranks <= gpus) return 0;
     char list[320];
@@ -51,7 +47,7 @@ static int check_ranks(int local_rank, int gpus) {
             "rank %d (LOCAL_RANK %d): %d ranks on this host (LOCAL_SIZE %d) but %d GPU%s (%s%s): NCCL needs a GPU "
             "of its own for each rank. Start at most %d rank%s per host (dslua -n %d), make more GPUs visible "
             "(CUDA_VISIBLE_DEVICES), or run the ranks on the CPU (DSLUA_DEVICE=cpu or --device cpu)",
-            env_int("RANK", 0), local_rank, ranks, ranks, gpus, gpus == 1 ? "" : "s", list,
+            ds_env_int("RANK", 0), local_rank, ranks, ranks, gpus, gpus == 1 ? "" : "s", list,
             hook && *hook ? "; counted by DSLUA_TEST_GPU_COUNT, a test hook" : "", gpus, gpus == 1 ? "" : "s", gpus);
     return -1;
 }
@@ -79,7 +75,7 @@ static int chosen(const char *src, const char *sep, const char *want, int local_
 
 int ds_rank_device(const char *flag, ds_device *out) {
     const char *env = getenv("DSLUA_DEVICE");
-    int local_rank = env_int("LOCAL_RANK", 0);
+    int local_rank = ds_env_local_rank();
     char why[192];
     if (flag || (env && *env)) {
         const char *src = flag ? "--device" : "DSLUA_DEVICE", *sep = flag ? " " : "=", *want = flag ? flag : env;
@@ -98,4 +94,9 @@ int ds_rank_device(const char *flag, ds_device *out) {
     }
     say_once(*out, why);
     return 0;
+}
+
+int ds_rank_device_index(int count) {
+    int r = ds_env_local_rank();
+    return r >= 0 && count > 0 ? r % count : 0;
 }

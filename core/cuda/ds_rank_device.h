@@ -23,4 +23,9 @@
  * process says on stderr which device the rank uses and why. */
 int ds_rank_device(const char *flag, ds_device *out);
 
+/* This rank's GPU among count visible ones, unchecked: its local rank
+ * (core/tensor/ds_env.h) wrapped by count; 0 without GPUs. The default of
+ * t:cuda() and ds.cuda.memory_stats(). */
+int ds_rank_device_index(int count);
+
 #endif

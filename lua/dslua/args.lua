@@ -9,6 +9,8 @@
 -- ds.args.config, .local_rank, .deepspeed, .device and .rest parse the global `arg`
 -- on first use, so a bad command line raises where the script reads it.
 -- ds.args.parse(list) parses any list of strings the same way.
+local comm = require('dslua.core')._comm
+
 local M = {}
 
 local VALUED = { ['--config'] = 'config', ['--deepspeed_config'] = 'config',
@@ -22,7 +24,8 @@ local function is_option(s)
 end
 
 -- parse({...}) -> {config =, local_rank =, deepspeed =, device =, rest = {...}}
--- local_rank falls back to $LOCAL_RANK, then to Open MPI's local rank, then 0.
+-- local_rank falls back to ds.comm.local_rank() (core/tensor/ds_env.h: $LOCAL_RANK,
+-- then Open MPI's local rank, then 0).
 function M.parse(argv)
   local out = { rest = {}, deepspeed = false }
   local i, n = 1, #argv
@@ -60,8 +63,7 @@ function M.parse(argv)
     end
     i = i + 1
   end
-  out.local_rank = out.local_rank or tonumber(os.getenv('LOCAL_RANK') or '')
-                   or tonumber(os.getenv('OMPI_COMM_WORLD_LOCAL_RANK') or '') or 0
+  out.local_rank = out.local_rank or comm.local_rank()
   return out
 end
 
