@@ -157,6 +157,26 @@ typedef struct ds_kernels_blas {
      * summed into c (beta applies once), which is how a backward reduces
      * broadcast dims. c's matrices need a unit stride in one of their dims. */
     int (*gemm)(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta);
+    /* GEMMs with a fused epilogue (cuBLASLt's), alpha 1 and beta 0, for a
+     * linear and an MLP. NULL where the backend has none (the CPU), and -1
+     * after ds_kernel_fail() where a call does not apply: the caller runs
+     * gemm and the separate kernels then. c's matrices row-major, no summed
+     * (stride 0) batch dims of c, k > 0; a bias or gradient vector is c's
+     * dtype, unit stride, starting on 16 bytes (data NULL: none). */
+    /* c = a @ b + bias [n], added to every row (BIAS). */
+    int (*gemm_bias)(ds_kview c, ds_kview a, ds_kview b, ds_kview bias);
+    /* c = a @ b (2-D) and grad [m] = the sums of a's rows over k (BGRADB):
+     * a linear's weight gradient g^T x with its bias gradient on the way. */
+    int (*gemm_bias_grad)(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
+    /* c = gelu(a @ b + bias), GELU's tanh form, writing aux = a @ b + bias
+     * for the backward (GELU_AUX_BIAS). c and aux 2-D, nonempty, one shape
+     * and dtype; aux's row stride a multiple of 8 elements, its start on 16
+     * bytes. */
+    int (*gemm_bias_gelu)(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias);
+    /* c = (a @ b) * gelu'(aux), GELU's tanh form (DGELU): the GELU's
+     * backward out of the GEMM that makes the hidden gradient. Views as
+     * gemm_bias_gelu takes them. */
+    int (*gemm_gelu_grad)(ds_kview c, ds_kview aux, ds_kview a, ds_kview b);
 } ds_kernels_blas;
 
 /* 2-D convolution and pooling over contiguous NCHW tensors (PyTorch's

@@ -1,12 +1,14 @@
 /* Unit tests of the core runtime, without Lua: Philox known answers, the
  * bf16/f16 conversions, storage refcounts and byte accounting, autograd
- * driven from C (values, freeing during backward, very deep graphs), and
- * the linear backward shared by linear and gelu_mlp. */
+ * driven from C (values, freeing during backward, very deep graphs), the
+ * linear backward shared by linear and gelu_mlp, and the GEMM epilogues
+ * reached through the dispatch table. */
 #include "ds_ops.h"
 #include "ds_error.h"
 #include "ds_half.h"
 #include "ds_op_linalg_impl.h"
 #include "ds_philox.h"
+#include "cpu/cpu_kernels.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -409,6 +411,110 @@ static void test_linear_grads_given_bias(void) {
     ds_tensor_release(w);
 }
 
+/* ---- GEMM epilogues through the dispatch table ---- */
+
+/* A device in the CUDA slot with host memory and the CPU's kernels, whose
+ * BLAS table offers every epilogue, counts the calls and refuses each (as
+ * cuBLASLt refuses a layout it has no kernel for): linear and gelu_mlp
+ * must ask the device's table, then fall back to gemm and the separate
+ * kernels with the same results. */
+enum { EP_BIAS, EP_BIAS_GRAD, EP_BIAS_GELU, EP_GELU_GRAD, EP_N };
+static int epilogue_calls[EP_N];
+
+static int refuse(int which) {
+    epilogue_calls[which]++;
+    return ds_kernel_fail("epilogue %d refused", which);
+}
+
+static int ep_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview v) {
+    (void)c, (void)a, (void)b, (void)v;
+    return refuse(EP_BIAS);
+}
+
+static int ep_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview v) {
+    (void)c, (void)a, (void)b, (void)v;
+    return refuse(EP_BIAS_GRAD);
+}
+
+static int ep_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview v) {
+    (void)c, (void)aux, (void)a, (void)b, (void)v;
+    return refuse(EP_BIAS_GELU);
+}
+
+static int ep_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b) {
+    (void)c, (void)aux, (void)a, (void)b;
+    return refuse(EP_GELU_GRAD);
+}
+
+static int host_transfer(ds_kview dst, ds_device ddev, ds_kview src, ds_device sdev) {
+    (void)ddev, (void)sdev;
+    return ds_cpu_kernels.core->copy(dst, src);
+}
+
+static ds_kernels_blas counting_blas = { .gemm_bias = ep_bias, .gemm_bias_grad = ep_bias_grad,
+                                         .gemm_bias_gelu = ep_bias_gelu, .gemm_gelu_grad = ep_gelu_grad };
+
+static ds_tensor *filled(int nd, const int64_t *shape, ds_dtype dt, ds_device dev, double v0) {
+    ds_tensor *t = ds_tensor_new(nd, shape, dt, dev);
+    for (int64_t i = 0; i < ds_tensor_numel(t); i++) ds_tensor_set(t, i, v0 + 0.25 * (double)(i * 7 % 11));
+    t->requires_grad = true;
+    return t;
+}
+
+static void test_linear_epilogues(ds_device dev) {
+    int64_t xs[2] = { 3, 2 }, ws[2] = { 4, 2 }, bs[1] = { 4 };
+    ds_tensor *x = filled(2, xs, DS_F64, dev, -1.0), *w = filled(2, ws, DS_F64, dev, 0.5);
+    ds_tensor *b = filled(1, bs, DS_F64, dev, 2.0);
+    ds_tensor *y = ds_linear(x, w, b);
+    ds_tensor *loss = y ? ds_sum(y, -1, NULL, false) : NULL;
+    check(loss && ds_backward(loss, NULL, false) == 0, "linear on the counting device: %s", ds_error_message());
+    check(epilogue_calls[EP_BIAS] == 1 && epilogue_calls[EP_BIAS_GRAD] == 1,
+          "linear asked the table for its bias epilogues (%d forward, %d backward)", epilogue_calls[EP_BIAS],
+          epilogue_calls[EP_BIAS_GRAD]);
+    for (int r = 0; y && r < 3; r++)
+        for (int o = 0; o < 4; o++) {
+            double want = ds_tensor_get(b, o);
+            for (int i = 0; i < 2; i++) want += ds_tensor_get(x, r * 2 + i) * ds_tensor_get(w, o * 2 + i);
+            check(ds_tensor_get(y, r * 4 + o) == want, "y[%d,%d] = %g, expected %g", r, o, ds_tensor_get(y, r * 4 + o),
+                  want);
+        }
+    for (int o = 0; b->grad && o < 4; o++)
+        check(ds_tensor_get(b->grad, o) == 3.0, "db[%d] = %g, expected 3 (rows)", o, ds_tensor_get(b->grad, o));
+    ds_tensor *all[5] = { x, w, b, y, loss };
+    for (int k = 0; k < 5; k++) ds_tensor_release(all[k]);
+}
+
+static void test_mlp_epilogues(ds_device dev) {
+    int64_t xs[2] = { 2, 8 }, w1s[2] = { 8, 8 }, b1s[1] = { 8 }, w2s[2] = { 4, 8 }, b2s[1] = { 4 };
+    ds_tensor *t[5] = { filled(2, xs, DS_BF16, dev, -0.5), filled(2, w1s, DS_BF16, dev, 0.1),
+                        filled(1, b1s, DS_BF16, dev, 0.0), filled(2, w2s, DS_BF16, dev, -0.2),
+                        filled(1, b2s, DS_BF16, dev, 0.3) };
+    ds_tensor *y = ds_gelu_mlp(t[0], t[1], t[2], t[3], t[4], 1);
+    ds_tensor *loss = y ? ds_sum(y, -1, NULL, false) : NULL;
+    check(loss && ds_backward(loss, NULL, false) == 0, "gelu_mlp on the counting device: %s", ds_error_message());
+    check(epilogue_calls[EP_BIAS_GELU] == 1 && epilogue_calls[EP_GELU_GRAD] == 1,
+          "bf16 gelu_mlp asked the table for its GELU epilogues (%d forward, %d backward)",
+          epilogue_calls[EP_BIAS_GELU], epilogue_calls[EP_GELU_GRAD]);
+    check(t[2]->grad && t[4]->grad, "gelu_mlp's bias gradients came out of the fallback");
+    for (int k = 0; k < 5; k++) ds_tensor_release(t[k]);
+    ds_tensor_release(y);
+    ds_tensor_release(loss);
+}
+
+static void test_epilogue_dispatch(void) {
+    ds_device dev = { DS_DEV_CUDA, 0 };
+    const ds_backend *real = ds_backend_get(dev);    /* a real backend registers on this first ask */
+    ds_backend saved = real ? *real : (ds_backend){ 0 };
+    ds_kernels kernels = ds_cpu_kernels;
+    counting_blas.gemm = ds_cpu_blas.gemm;
+    kernels.blas = &counting_blas;
+    ds_backend_register(DS_DEV_CUDA, &(ds_backend){ .kernels = &kernels, .allocator = &ds_cpu_allocator, .count = 1,
+                                                    .transfer = host_transfer });
+    test_linear_epilogues(dev);
+    test_mlp_epilogues(dev);
+    ds_backend_register(DS_DEV_CUDA, &saved);
+}
+
 int main(void) {
     test_philox();
     test_half();
@@ -417,5 +523,6 @@ int main(void) {
     test_bad_backward();
     test_deep_chain();
     test_linear_grads_given_bias();
+    test_epilogue_dispatch();
     return check_summary("test_core");
 }

@@ -166,22 +166,6 @@ int ds_cuda_allow_tf32(int on) {
     return ds_cuda_tf32();
 }
 
-int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias) {
-    return ds_cuda_gemm_epilogue(c, a, b, bias, 0);
-}
-
-int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
-    return ds_cuda_gemm_bgrad(c, a, b, grad);
-}
-
-int ds_cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias) {
-    return ds_cuda_gemm_gelu_aux(c, aux, a, b, bias);
-}
-
-int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b) {
-    return ds_cuda_gemm_dgelu(c, aux, a, b);
-}
-
 static void print_version(FILE *f, const char *what, int v, int major_div, int minor_div) {
     if (v <= 0) fprintf(f, "%s: none\n", what);
     else fprintf(f, "%s: %d.%d.%d\n", what, v / major_div, v % major_div / minor_div, v % minor_div);

@@ -48,30 +48,6 @@ void ds_cuda_empty_cache(void);
  * by default): on 1 or 0 sets it, -1 only asks. Returns the setting. */
 int ds_cuda_allow_tf32(int on);
 
-/* c = a @ b + bias (bias [n] added to every row) in one cuBLASLt call, its
- * BIAS epilogue, on the current device: a linear's forward without a copy
- * of the bias into c first. Views as ds_cuda_gemm_epilogue takes them.
- * 0, or -1 with the kernel error set where the epilogue does not apply
- * (the caller copies the bias and runs the plain GEMM then); always -1
- * without CUDA. */
-int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias);
-/* c = a @ b (2-D) and grad = the sums of a's rows, in one cuBLASLt call
- * (BGRADB): a linear's weight and bias gradients together. 0, or -1 with
- * the kernel error set where it does not apply; always -1 without CUDA. */
-int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad);
-/* c = gelu(a @ b + bias), GELU's tanh form, and aux = a @ b + bias (the
- * GELU's input, for the backward) in one cuBLASLt call (GELU_AUX_BIAS; bias
- * data NULL for none): an MLP's first linear and its activation. c and aux
- * 2-D, row-major, aux c's dtype and shape with a row stride divisible by 8
- * and 16-byte alignment. 0, or -1 with the kernel error set where it does
- * not apply (the caller runs the linear and the GELU apart then); always
- * -1 without CUDA. */
-int ds_cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias);
-/* c = (a @ b) * gelu'(aux), GELU's tanh form, in one cuBLASLt call
- * (DGELU): the GELU's backward on the way out of the GEMM that makes the
- * hidden gradient. Views and returns as ds_cuda_gemm_bias_gelu. */
-int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b);
-
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL
  * versions and the GPUs, one "name: value" line each. */
 void ds_cuda_report(FILE *f);

@@ -37,26 +37,6 @@ int ds_cuda_allow_tf32(int on) {
     return 0;
 }
 
-int ds_cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias) {
-    (void)c, (void)a, (void)b, (void)bias;
-    return -1;
-}
-
-int ds_cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
-    (void)c, (void)a, (void)b, (void)grad;
-    return -1;
-}
-
-int ds_cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias) {
-    (void)c, (void)aux, (void)a, (void)b, (void)bias;
-    return -1;
-}
-
-int ds_cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b) {
-    (void)c, (void)aux, (void)a, (void)b;
-    return -1;
-}
-
 void ds_cuda_report(FILE *f) {
     fprintf(f, "CUDA: not built (configure with -DDSLUA_CUDA=ON where nvcc is installed)\n");
 }

@@ -1,6 +1,5 @@
 #include "ds_ops.h"
 #include "ds_error.h"
-#include "ds_cuda.h"
 #include "ds_gemm_layout.h"
 #include "ds_op_linalg_impl.h"
 
@@ -227,8 +226,8 @@ int ds_linalg_linear_into(const char *op, ds_tensor *out, ds_tensor *x2, ds_tens
     ds_kview cv = contiguous_view(ds_tensor_data(out), out->dtype, 2, cshape);
     ds_kview wt = matrix_view(w);
     ds_gemm_transpose(&wt);
-    if (bias && ds_linalg_on_gpu(out) && ds_cuda_gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0)
-        return 0;
+    const ds_kernels_blas *blas = ds_tensor_kernels(out)->blas;
+    if (bias && blas->gemm_bias && blas->gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0) return 0;
     if (bias) {
         ds_kview bv = expand_view(ds_tensor_data(bias), bias->dtype, 1, bias->shape, bias->stride, 2, cshape);
         if (ds_tensor_kernels(out)->core->copy(cv, bv)) {
@@ -255,13 +254,14 @@ int ds_linalg_linear_grads(const char *op, ds_tensor *gc, ds_tensor *x2, ds_tens
         gin[1] = ds_tensor_new(2, w->shape, w->dtype, ds_tensor_device(w));
         ds_kview gt = gv;
         ds_gemm_transpose(&gt);
-        /* on the GPU the bias gradient comes out of the weight gradient's
-         * GEMM (the BGRADB epilogue) where cuBLASLt has one for it. */
+        /* the bias gradient comes out of the weight gradient's GEMM where
+         * the device has that epilogue (cuBLASLt's BGRADB). */
+        const ds_kernels_blas *blas = ds_tensor_kernels(w)->blas;
         bool dw_done = false;
-        if (gin[1] && want[2] && ds_linalg_on_gpu(w)) {
+        if (gin[1] && want[2] && blas->gemm_bias_grad) {
             gin[2] = ds_tensor_new(1, &outf, w->dtype, ds_tensor_device(w));
             dw_done = gin[2]
-                      && ds_cuda_gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2])) == 0;
+                      && blas->gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2])) == 0;
             if (!dw_done) {
                 ds_tensor_release(gin[2]);
                 gin[2] = NULL;

@@ -7,12 +7,6 @@
 
 #include "ds_autograd.h"
 
-/* Whether t is on a GPU, whose cuBLASLt epilogues a caller then tries;
- * ds_tensor_kernels makes t's device current for them. */
-static inline bool ds_linalg_on_gpu(const ds_tensor *t) {
-    return ds_tensor_device(t).type == DS_DEV_CUDA && ds_tensor_kernels(t);
-}
-
 /* The incoming gradient as a contiguous tensor of dtype dt. */
 ds_tensor *ds_linalg_grad_input(ds_tensor *g, ds_dtype dt);
 
@@ -26,8 +20,9 @@ int ds_linalg_check_linear(const char *op, const ds_tensor *x, const ds_tensor *
 ds_tensor *ds_linalg_rows(ds_tensor *x);
 
 /* out (contiguous, rows * out elements) = x2 [rows, in] @ w^T + bias:
- * on the GPU the bias rides in the GEMM's epilogue where cuBLASLt has one,
- * else it seeds out and the GEMM adds onto it. 0, or -1 with the error. */
+ * the bias rides in the GEMM's epilogue where the device has one (blas's
+ * gemm_bias, cuBLASLt's), else it seeds out and the GEMM adds onto it.
+ * 0, or -1 with the error. */
 int ds_linalg_linear_into(const char *op, ds_tensor *out, ds_tensor *x2, ds_tensor *w, ds_tensor *bias);
 
 /* The gradients of y = x2 w^T + bias from gc (contiguous, w's dtype, rows *

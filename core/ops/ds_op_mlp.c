@@ -1,6 +1,5 @@
 #include "ds_ops.h"
 #include "ds_error.h"
-#include "ds_cuda.h"
 #include "ds_gemm_layout.h"
 #include "ds_op_linalg_impl.h"
 
@@ -47,12 +46,14 @@ static int check_args(ds_tensor *const *t) {
     return ds_linalg_check_linear(OP, &hidden, t[MLP_W2], t[MLP_B2], names2);
 }
 
-/* Whether cuBLASLt's GELU epilogues may stand in for the GELU kernels: the
- * tanh form on a GPU, for bf16/f16 results only, where its fast tanh
- * (about 5e-4 relative) stays below their rounding; f32 keeps the exact
- * kernels. */
-static bool gelu_in_epilogue(const ds_tensor *t, int64_t act) {
-    return act == DS_UN_GELU_TANH && (t->dtype == DS_BF16 || t->dtype == DS_F16) && ds_linalg_on_gpu(t);
+/* t's BLAS kernels where cuBLASLt's GELU epilogues may stand in for the
+ * GELU kernels, else NULL: the tanh form, for bf16/f16 results only, where
+ * its fast tanh (about 5e-4 relative) stays below their rounding; f32 keeps
+ * the exact kernels. The caller still checks for its entry (none on the
+ * CPU). */
+static const ds_kernels_blas *gelu_epilogues(const ds_tensor *t, int64_t act) {
+    if (act != DS_UN_GELU_TANH || (t->dtype != DS_BF16 && t->dtype != DS_F16)) return NULL;
+    return ds_tensor_kernels(t)->blas;
 }
 
 /* pre = x2 w1^T + b1 and h = gelu(pre): where gelu_in_epilogue, one
@@ -60,11 +61,12 @@ static bool gelu_in_epilogue(const ds_tensor *t, int64_t act) {
  * or where cuBLASLt refuses, the linear and the GELU kernel apart. */
 static int hidden_forward(ds_tensor *x2, ds_tensor *w1, ds_tensor *b1, ds_unary_op act, ds_tensor *pre,
                           ds_tensor *h) {
-    if (gelu_in_epilogue(h, act)) {
+    const ds_kernels_blas *blas = gelu_epilogues(h, act);
+    if (blas && blas->gemm_bias_gelu) {
         ds_kview w1t = ds_tensor_kview(w1);
         ds_gemm_transpose(&w1t);
-        if (ds_cuda_gemm_bias_gelu(ds_tensor_kview(h), ds_tensor_kview(pre), ds_tensor_kview(x2), w1t,
-                                   view_or_none(b1)) == 0)
+        if (blas->gemm_bias_gelu(ds_tensor_kview(h), ds_tensor_kview(pre), ds_tensor_kview(x2), w1t,
+                                 view_or_none(b1)) == 0)
             return 0;
     }
     if (ds_linalg_linear_into(OP, pre, x2, w1, b1)) return -1;
@@ -78,12 +80,13 @@ static int hidden_forward(ds_tensor *x2, ds_tensor *w1, ds_tensor *b1, ds_unary_
  * False where the fused call does not apply: the caller runs the
  * composed kernels. */
 static bool hidden_backward_fused(ds_node *n, ds_tensor *gc, ds_tensor *w2, ds_tensor *pre, ds_tensor *dpre) {
-    if (!gelu_in_epilogue(dpre, n->i[0])) return false;
+    const ds_kernels_blas *blas = gelu_epilogues(dpre, n->i[0]);
+    if (!blas || !blas->gemm_gelu_grad) return false;
     int64_t gshape[2] = { pre->shape[0], w2->shape[0] };
     ds_tensor *g2 = ds_reshape(gc, 2, gshape);
     if (!g2) return false;
-    bool done = ds_cuda_gemm_gelu_grad(ds_tensor_kview(dpre), ds_tensor_kview(pre), ds_tensor_kview(g2),
-                                       ds_tensor_kview(w2)) == 0;
+    bool done = blas->gemm_gelu_grad(ds_tensor_kview(dpre), ds_tensor_kview(pre), ds_tensor_kview(g2),
+                                     ds_tensor_kview(w2)) == 0;
     ds_tensor_release(g2);
     return done;
 }

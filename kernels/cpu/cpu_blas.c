@@ -283,4 +283,5 @@ static int cpu_gemm(ds_kview c, ds_kview a, ds_kview b, double alpha, double bet
     return rc;
 }
 
-const ds_kernels_blas ds_cpu_blas = { cpu_gemm };
+/* no fused epilogues: linears and MLPs run gemm and the separate kernels */
+const ds_kernels_blas ds_cpu_blas = { .gemm = cpu_gemm };

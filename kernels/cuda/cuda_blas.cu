@@ -448,17 +448,16 @@ static int epilogue_check(const ds_kview &c, const ds_kview &a, const ds_kview &
     return 0;
 }
 
-extern "C" int ds_cuda_gemm_epilogue(ds_kview c, ds_kview a, ds_kview b, ds_kview bias, int gelu) {
+static int cuda_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias) {
     if (epilogue_check(c, a, bias, c.shape[c.ndim > 0 ? c.ndim - 1 : 0])) return -1;
-    cublasLtEpilogue_t e = bias.data ? (gelu ? CUBLASLT_EPILOGUE_GELU_BIAS : CUBLASLT_EPILOGUE_BIAS)
-                                     : (gelu ? CUBLASLT_EPILOGUE_GELU : CUBLASLT_EPILOGUE_DEFAULT);
+    cublasLtEpilogue_t e = bias.data ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
     return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ e, bias.data, {} });
 }
 
 /* cuBLASLt runs the row-major c = a b as the column-major c^T = b^T a^T:
  * a is its B, and the sums of a's rows over k are BGRADB's, one per
  * column of its D (a row of c). */
-extern "C" int ds_cuda_gemm_bgrad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
+static int cuda_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
     if (!grad.data) return ds_kernel_fail("gemm bias gradient: no vector to write");
     if (epilogue_check(c, a, grad, c.shape[c.ndim > 1 ? c.ndim - 2 : 0])) return -1;
     if (c.ndim != 2) return ds_kernel_fail("gemm bias gradient: needs matrices, got %d dims", c.ndim);
@@ -484,16 +483,20 @@ static int aux_check(const ds_kview &c, const ds_kview &aux) {
     return 0;
 }
 
-extern "C" int ds_cuda_gemm_gelu_aux(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias) {
+static int cuda_gemm_bias_gelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b, ds_kview bias) {
     if (epilogue_check(c, a, bias, c.shape[c.ndim > 0 ? c.ndim - 1 : 0]) || aux_check(c, aux)) return -1;
     cublasLtEpilogue_t e = bias.data ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_GELU_AUX;
     return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ e, bias.data, aux });
 }
 
-extern "C" int ds_cuda_gemm_dgelu(ds_kview c, ds_kview aux, ds_kview a, ds_kview b) {
+/* Not DGELU_BGRAD: on an H100 (cuBLASLt 13) that epilogue takes a generic
+ * kernel at half DGELU's speed, more than the bias gradient costs in the
+ * weight gradient's GEMM (BGRADB). */
+static int cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b) {
     ds_kview none = {};
     if (epilogue_check(c, a, none, c.shape[c.ndim > 0 ? c.ndim - 1 : 0]) || aux_check(c, aux)) return -1;
     return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ CUBLASLT_EPILOGUE_DGELU, NULL, aux });
 }
 
-extern "C" const ds_kernels_blas ds_cuda_blas = { cuda_gemm };
+extern "C" const ds_kernels_blas ds_cuda_blas = { cuda_gemm, cuda_gemm_bias, cuda_gemm_bias_grad, cuda_gemm_bias_gelu,
+                                                   cuda_gemm_gelu_grad };
