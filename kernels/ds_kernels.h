@@ -199,7 +199,7 @@ typedef struct ds_kernels_conv {
 
 /* Fused optimizer steps over flat buffers: p, g and every state buffer are
  * contiguous 1-D f32 views of one length. One call updates a whole
- * parameter group. Step-dependent factors come precomputed (ds_optim.h
+ * parameter group. Step-dependent factors come precomputed (ds_optim_elem.h
  * has the per-element math and says which library each one follows).
  * grad_scale (sgd, adam, adagrad, lion): each gradient is taken times it,
  * the product rounded to f32 as a separate scaling pass would round it
@@ -221,7 +221,7 @@ typedef struct {
 } ds_lamb_params;
 typedef struct { double lr, beta1, beta2, decay, grad_scale; } ds_lion_params;   /* decay: 1 - lr wd */
 /* The 1-bit optimizers' pointwise steps (core/train/ds_onebit.h; the
- * per-element math is ds_onebit_elem in ds_optim.h). */
+ * per-element math is ds_onebit_elem in ds_optim_elem.h). */
 typedef enum {
     DS_ONEBIT_MOMENTUM,   /* m = beta1 m + (1 - beta1) g */
     DS_ONEBIT_APPLY,      /* u = m / (sqrt v + eps) + wd p; p -= lr u; acc -= lr u when acc is given */

@@ -3,7 +3,7 @@
  * compressed steps take this rank's gradients through
  * ds_zero_take_local_grads): OnebitAdam, ZeroOneAdam and OnebitLamb
  * (deepspeed/runtime/fp16/onebit/adam.py, zoadam.py, lamb.py), over an
- * AdamW (a Lamb for OnebitLamb) without bias correction (ds_optim.h) whose
+ * AdamW (a Lamb for OnebitLamb) without bias correction (core/train/ds_optim.h) whose
  * flat moments they share.
  *
  * OnebitAdam: the first freeze_step steps are that AdamW over all-reduced

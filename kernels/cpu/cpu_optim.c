@@ -3,7 +3,7 @@
  * threads share once a buffer is large enough to pay for the fork. */
 #include "cpu_kernels.h"
 #include "cpu_iter.h"
-#include "../ds_optim.h"
+#include "../ds_optim_elem.h"
 
 #define CPU_OPTIM_CHUNK 16384
 #define CPU_OPTIM_BLOCK 1024      /* scaled gradients that stay in L1 */

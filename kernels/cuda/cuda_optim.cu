@@ -1,12 +1,12 @@
 /* Fused optimizer steps on the GPU: one pass over flat f32 buffers, one
- * thread per element, calling the per-element updates of ds_optim.h with
+ * thread per element, calling the per-element updates of ds_optim_elem.h with
  * the f32 hyperparameters the CPU uses. Lamb needs each piece's norms
  * before its update: the moments pass leaves one partial pair of norms per
  * chunk and a block per piece sums its chunks in a fixed order; only those
  * sums go to the host, which takes the trust ratios (summing over ranks
  * first when the pieces are shards) and hands them to the update pass. */
 #include "cuda_pointwise.cuh"
-#include "../ds_optim.h"
+#include "../ds_optim_elem.h"
 
 #include <stdlib.h>
 #include <string.h>

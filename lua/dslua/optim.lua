@@ -1,5 +1,5 @@
 -- Optimizers with PyTorch's interface over fused C kernels on flat fp32
--- buffers (core/ds_optim.h). Building one gathers each param group's
+-- buffers (core/train/ds_optim.h). Building one gathers each param group's
 -- parameters into one buffer (the tensors become views into it) and attaches
 -- a flat gradient buffer as their .grad, so backward accumulates into it and
 -- zero_grad() fills it with zeros. param_groups hold the hyperparameters and
