@@ -85,7 +85,7 @@ if rank == 0 then
                       .. 'median of %d steps', size.n_layer, size.n_embd, size.vocab, size.T, size.B, DTYPE, N,
                       #results[0].report > 0 and STEPS or 0))
   print(string.format('%s parameters; peak MiB per rank (the largest over ranks) during the timed steps',
-                      require('dslua.zero').commas(results[0].params)))
+                      require('dslua.engine.zero').commas(results[0].params)))
   print()
   print(string.format('%-6s %10s %9s %10s %10s %11s %10s %8s %10s %12s %9s', 'stage', 'step ms', 'vs 0', 'vs landed',
                       'crossings', 'parameters', 'gradients', 'master', 'optimizer', 'activations', 'total'))
@@ -115,6 +115,6 @@ if rank == 0 then
   local bytes = DTYPE == 'bf16' and 2 or 4
   local limit = peaks[0].gradients / N + (BUCKET + results[2].largest_bucket) * bytes
   print(string.format('stage 2 peak gradients %s MiB <= stage 0 / %d + one bucket + the largest (%s elements) = %s MiB: %s',
-                      mb(peaks[2].gradients), N, require('dslua.zero').commas(results[2].largest_bucket), mb(limit),
+                      mb(peaks[2].gradients), N, require('dslua.engine.zero').commas(results[2].largest_bucket), mb(limit),
                       peaks[2].gradients <= limit and 'yes' or 'NO'))
 end

@@ -1,5 +1,5 @@
 /* libFuzzer target: ds.json's decoder (core/binding/lua_json.c) and
- * ds.config's checker (lua/dslua/config.lua) on any text, through the Lua
+ * ds.config's checker (lua/dslua/config/init.lua) on any text, through the Lua
  * library as the dslua binary embeds it. Invalid JSON and invalid configs
  * are errors, reported as values; anything raised past them (a Lua error
  * in the checker itself) or a crash is a finding. */
@@ -10,7 +10,7 @@
 static lua_State *L;
 
 static const char checker[] =
-    "local json, config = require 'dslua.json', require 'dslua.config'\n"
+    "local json, config = require 'dslua.base.json', require 'dslua.config'\n"
     "return function(text)\n"
     "  local ok, v = pcall(json.decode, text, 'fuzz')\n"
     "  if not ok then return end\n"

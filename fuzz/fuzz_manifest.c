@@ -1,4 +1,4 @@
-/* libFuzzer target: a checkpoint's manifest.json (lua/dslua/checkpoint.lua)
+/* libFuzzer target: a checkpoint's manifest.json (lua/dslua/io/checkpoint.lua)
  * on any text, through the Lua library as the dslua binary embeds it. The
  * text is the manifest of a folder that also holds a real rank file (a
  * 2x2 linear layer, its Adam state and a module buffer: the seed corpus's
@@ -14,7 +14,7 @@
 static lua_State *L;
 
 static const char checker[] =
-    "local ds, json = require 'dslua', require 'dslua.json'\n"
+    "local ds, json = require 'dslua', require 'dslua.base.json'\n"
     "local C = require('dslua.core').ckpt\n"
     "local root = os.tmpname()\n"
     "os.remove(root)\n"

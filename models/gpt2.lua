@@ -300,7 +300,7 @@ end
 -- (model.safetensors of openai-community/gpt2 and friends), under
 -- nanoGPT's names, Conv1D weights transposed, lm_head tied to wte.
 function M.hf_state_dict(path)
-  local raw = require('dslua.checkpoint').load_file(path)
+  local raw = require('dslua.io.checkpoint').load_file(path)
   local sd = {}
   for k, t in pairs(raw) do
     local name = nano_name(k)

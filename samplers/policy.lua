@@ -26,8 +26,8 @@
 --   local loader = P.loader(data, sampler)        -- per-step batch sizes, a line per epoch
 --   for step, batch in loader:epoch(e) do ... end
 local ds = require 'dslua'
-local guard = require 'dslua.guard'
-local file = require 'dslua.file'
+local guard = require 'dslua.base.guard'
+local file = require 'dslua.base.file'
 
 local M = {}
 
@@ -101,7 +101,7 @@ end
 
 -- load_text(text, path [, name]) -> policy table, {name =, path =, hash =}:
 -- a policy file's text (read already, as live reload has it) compiled and
--- run with the JIT off, so that live reload's time budget (dslua/guard.lua)
+-- run with the JIT off, so that live reload's time budget (dslua/base/guard.lua)
 -- can stop a loop in it; plan and the rest get the JIT back after.
 function M.load_text(text, path, name)
   local chunk, err = guard.load(text, '@' .. path)

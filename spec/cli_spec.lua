@@ -49,7 +49,7 @@ describe('the dslua command', function()
 
   it('erases a progress bar drawn on the terminal before the error, so the error has a line of its own', function()
     local d = tmpdir()
-    write(d .. '/bar.lua', "local p = require('dslua.progress').new { total = 10, label = 'epoch 1', tty = true }\n"
+    write(d .. '/bar.lua', "local p = require('dslua.io.progress').new { total = 10, label = 'epoch 1', tty = true }\n"
                            .. "p:update(4)\nerror('stopped mid-epoch')\n")
     local out, status = H.run(bin .. ' ' .. d .. '/bar.lua')
     assert.are.equal(1, status)
@@ -86,7 +86,7 @@ describe('the dslua command', function()
 end)
 
 describe('the REPL', function()
-  local repl = require 'dslua.repl'
+  local repl = require 'dslua.live.repl'
 
   local function capture(fn)
     local old = repl.print

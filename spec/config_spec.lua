@@ -1,9 +1,9 @@
 -- ds.json, ds.config (DeepSpeed's config semantics), ds.args and
 -- `dslua --check-config`.
 local H = require 'helpers'
-local json = require 'dslua.json'
+local json = require 'dslua.base.json'
 local config = require 'dslua.config'
-local args = require 'dslua.args'
+local args = require 'dslua.base.args'
 
 local bin = H.bin()
 
@@ -475,7 +475,7 @@ describe('ds.args', function()
     local d = tmpdir()
     write(d .. '/t.lua', 'local ds = require "dslua"\n'
                         .. 'print(ds.args.config, ds.args.local_rank, table.concat(ds.args.rest, ","))\n'
-                        .. 'print(ds.config == require "dslua.config", ds.json == require "dslua.json")')
+                        .. 'print(ds.config == require "dslua.config", ds.json == require "dslua.base.json")')
     local out, status = H.run(bin .. ' ' .. d .. '/t.lua --deepspeed_config ds.json --local_rank 3 --epochs 2')
     assert.are.equal(0, status)
     assert.are.equal('ds.json\t3\t--epochs,2\ntrue\ttrue\n', out)
@@ -557,7 +557,7 @@ describe('dslua --check-config', function()
     local cfg = { train_batch_size = 8, optimizer = { type = 'SGD', params = { lr = 0.1 } } }
     for i = 1, 20000 do cfg[string.format('unknown_key_%05d', i)] = i end
     for i = 1, 150 do cfg.optimizer.params['bad_' .. i] = i end
-    local S, weighed = require('dslua.suggest'), 0
+    local S, weighed = require('dslua.base.suggest'), 0
     local nearest = S.nearest
     S.nearest = function(...) weighed = weighed + 1 return nearest(...) end
     local _, list, notes = config.check(cfg)

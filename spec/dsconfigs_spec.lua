@@ -213,7 +213,7 @@ describe('DeepSpeed configs', function()
   -- origin), never edited to pass: each is refused naming a key it sets,
   -- or accepted with every key either acted on or noted
   it('acts on, notes or refuses by name every key of a corpus of real configs', function()
-    local config, json = require 'dslua.config', require 'dslua.json'
+    local config, json = require 'dslua.config', require 'dslua.base.json'
     local n = 0
     for line in io.lines(dir .. 'corpus/SOURCES') do
       local name = line:match('^(%S+%.json) ')

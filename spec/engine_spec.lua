@@ -194,7 +194,7 @@ describe('engine steps', function()
     local said, stdout = {}, io.stdout
     local out = { write = function(self, ...) said[#said + 1] = table.concat({ ... }) return self end,
                   flush = function() end }
-    e.bar = require('dslua.progress').new { total = 5, label = 'epoch 1', tty = true, out = out }
+    e.bar = require('dslua.io.progress').new { total = 5, label = 'epoch 1', tty = true, out = out }
     e.bar_first_step, e.bar_first_samples = 0, 0
     io.stdout = out
     local ok, err = pcall(function()

@@ -1,4 +1,4 @@
--- flops_profiler (dslua/flops.lua): DeepSpeed's profile at profile_step
+-- flops_profiler (dslua/nn/flops.lua): DeepSpeed's profile at profile_step
 -- from the MACs the ops count.
 local H = require 'helpers'
 local ds = H.ds

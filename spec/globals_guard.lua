@@ -15,7 +15,7 @@ local M = {}
 M.library = { '@lua/', '@models/', '@samplers/' }
 
 -- Globals the library sets on purpose: name -> the chunk that may.
-M.allowed = { ds = '@lua/dslua/repl.lua', help = '@lua/dslua/repl.lua' }     -- the REPL's `ds` and `help`
+M.allowed = { ds = '@lua/dslua/live/repl.lua', help = '@lua/dslua/live/repl.lua' }     -- the REPL's `ds` and `help`
 
 local before, seen, leaks
 

@@ -38,7 +38,7 @@ describe('the globals guard', function()
   it('lets specs, code they load, and the REPL set globals', function()
     _G.spec_made_this = 1
     assert(loadstring('loaded_by_a_spec = 1', '@spec/fixture.lua'))()
-    assert(loadstring('ds = 1', '@lua/dslua/repl.lua'))()
+    assert(loadstring('ds = 1', '@lua/dslua/live/repl.lua'))()
     assert.are.same({}, guard.take())
   end)
 

@@ -3,7 +3,7 @@
 -- config checker's suggestion; `ds` in `dslua -e` code.
 local H = require 'helpers'
 local ds = H.ds
-local repl = require 'dslua.repl'
+local repl = require 'dslua.live.repl'
 
 local function help_text(...)
   local old, lines = repl.print, {}

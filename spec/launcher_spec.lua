@@ -1,11 +1,11 @@
--- dslua.launcher: hostfile and --include/--exclude parsing (DeepSpeed's rules
+-- dslua.parallel.launcher: hostfile and --include/--exclude parsing (DeepSpeed's rules
 -- and its unit tests' cases), the mpirun command it builds, and end to end:
 -- `dslua -n N`, a hostfile (one local host, and two hosts faked with an ssh
 -- stand-in that runs everything here), plain mpirun, and a failing rank.
 -- Every rank runs spec/launcher/env.lua, which writes its environment and
 -- arguments to a file per rank.
 local H = require 'helpers'
-local L = require 'dslua.launcher'
+local L = require 'dslua.parallel.launcher'
 
 local function fails(pattern, fn, ...)
   local ok, err = pcall(fn, ...)

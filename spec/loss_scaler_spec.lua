@@ -4,7 +4,7 @@
 -- update_scale written here as a pure function.
 local H = require 'helpers'
 local ds = H.ds
-local S = require 'dslua.loss_scaler'
+local S = require 'dslua.engine.loss_scaler'
 
 local INF, NAN = math.huge, 0 / 0
 

@@ -437,7 +437,7 @@ describe('Lua schedules', function()
     local path = os.tmpname()
     local child = H.write(path .. '.child.lua', [=[
 local ds = require 'dslua'
-require('dslua.guard').budget = 0.5
+require('dslua.base.guard').budget = 0.5
 local path = arg[1]
 local function load(text)
   local f = assert(io.open(path, 'w'))

@@ -1,4 +1,4 @@
--- DeepSpeed's monitors (dslua/monitor.lua): csv_monitor and tensorboard
+-- DeepSpeed's monitors (dslua/io/monitor.lua): csv_monitor and tensorboard
 -- files as DeepSpeed writes them, wandb and comet as TensorBoard events
 -- with an upload hint, and bad output paths refused at initialize.
 local H = require 'helpers'
@@ -292,7 +292,7 @@ ds.initialize { model = ds.nn.Linear(2, 1), config = { train_batch_size = 2, dum
 
   it('writes nothing on ranks other than 0 or when no monitor is enabled', function()
     local cfg = ds.config.load({ train_batch_size = 2, csv_monitor = { enabled = true, output_path = '/nonexistent/x' } })
-    assert.is_nil(require('dslua.monitor').new(cfg, 1))
-    assert.is_nil(require('dslua.monitor').new(ds.config.load({ train_batch_size = 2 }), 0))
+    assert.is_nil(require('dslua.io.monitor').new(cfg, 1))
+    assert.is_nil(require('dslua.io.monitor').new(ds.config.load({ train_batch_size = 2 }), 0))
   end)
 end)

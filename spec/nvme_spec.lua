@@ -1,10 +1,10 @@
 -- ZeRO's nvme optimizer offload: ds.aio (asynchronous tensor file I/O),
--- ds.optim.apply (one stateless kernel step on flat views) and dslua.nvme
+-- ds.optim.apply (one stateless kernel step on flat views) and dslua.engine.nvme
 -- (master and state in files, stepped in pieces). The kernels are
 -- elementwise, so streaming in pieces must equal ds.optim bit for bit.
 local H = require 'helpers'
 local ds = H.ds
-local nvme = require 'dslua.nvme'
+local nvme = require 'dslua.engine.nvme'
 
 local KEY = 'zero_optimization.offload_optimizer.nvme_path'
 local S = { 37, 20 }        -- sub_group_size 8 divides neither

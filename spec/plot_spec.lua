@@ -1,5 +1,5 @@
 -- `dslua plot`: loss and lr curves as a PNG from csv_monitor or
--- tensorboard output (dslua/plot.lua, core/io/ds_plot.c).
+-- tensorboard output (dslua/io/plot.lua, core/io/ds_plot.c).
 local H = require 'helpers'
 local core = require 'dslua.core'
 
@@ -76,7 +76,7 @@ describe('dslua plot', function()
     local out, status = plot(dir .. ' -o ' .. dir .. '/runs.png')
     assert.are.equal(0, status, out)
     H.has(out, '(train_loss: 3 runs of 30, 10, 10 points)')
-    local runs = require('dslua.plot').load(dir)['Train/Samples/train_loss']
+    local runs = require('dslua.io.plot').load(dir)['Train/Samples/train_loss']
     for k, n in ipairs({ 30, 10, 10 }) do
       assert.are.equal(n, #runs[k].x)
       for i = 2, n do assert.is_true(runs[k].x[i] > runs[k].x[i - 1]) end

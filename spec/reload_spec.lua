@@ -1,4 +1,4 @@
--- Live reload (dslua/reload.lua) and `dslua attach` (dslua/attach.lua,
+-- Live reload (dslua/live/reload.lua) and `dslua attach` (dslua/live/attach.lua,
 -- core/io/ds_attach.c). Multi-rank cases run spec/reload/job.lua under
 -- mpirun on 2 ranks: rank 0 of the job rewrites a watched file after a
 -- given step itself, and the attach case pauses itself at a given step
@@ -638,7 +638,7 @@ end
                                                   warmup_type = 'linear' } },
       reload = { attach = true },
     }
-    local _, socket = require('dslua.attach').job()
+    local _, socket = require('dslua.live.attach').job()
     local c = A.dial(socket)
     -- the server's thread queues the request when it reads it: steps until
     -- a boundary has taken it; the reply and the step it was taken at

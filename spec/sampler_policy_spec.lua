@@ -4,7 +4,7 @@
 -- given observations, and the validation messages.
 local H = require 'helpers'
 local ds = H.ds
-local json = require 'dslua.json'
+local json = require 'dslua.base.json'
 local config = require 'dslua.config'
 local P = require 'samplers.policy'
 local U = require 'samplers.uneven'

@@ -1,5 +1,5 @@
--- dslua.suggest: the "did you mean" every unknown name is offered.
-local suggest = require 'dslua.suggest'
+-- dslua.base.suggest: the "did you mean" every unknown name is offered.
+local suggest = require 'dslua.base.suggest'
 
 local nearest = suggest.nearest
 
@@ -7,7 +7,7 @@ local WARMUP = { 'warmup_min_lr', 'warmup_max_lr', 'warmup_num_steps', 'warmup_t
 local SCHEDULERS = { 'LRRangeTest', 'OneCycle', 'WarmupLR', 'WarmupDecayLR', 'WarmupCosineLR', 'lua' }
 local LOADER = { 'batch_size', 'shuffle', 'drop_last', 'num_workers', 'prefetch', 'seed' }
 
-describe('dslua.suggest', function()
+describe('dslua.base.suggest', function()
   it("first offers the shortest name holding all of the word's parts", function()
     assert.are.equal('warmup_num_steps', nearest('warmup_steps', WARMUP))
     assert.are.equal('warmup_max_lr', nearest('lr_warmup', WARMUP))

@@ -63,7 +63,7 @@ describe('CPU threads', function()
   end)
 
   it("the launcher forwards the user's variables, not dslua's own", function()
-    local out = H.run(CLEAN .. 'OMP_SCHEDULE=static ' .. bin .. ' -e "local m = require(\'dslua.launcher\').machine(\'x\'); '
+    local out = H.run(CLEAN .. 'OMP_SCHEDULE=static ' .. bin .. ' -e "local m = require(\'dslua.parallel.launcher\').machine(\'x\'); '
                       .. 'print(\'env\', m.env.OMP_SCHEDULE, m.env.OMP_WAIT_POLICY, m.env.DSLUA_THREADS_ADDED)"')
     H.has(out, 'env\tstatic\tnil\tnil')
   end)

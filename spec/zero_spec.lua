@@ -1,4 +1,4 @@
--- Mixed precision and ZeRO (lua/dslua/zero.lua): spec/zero/equiv.lua trains
+-- Mixed precision and ZeRO (lua/dslua/engine/zero.lua): spec/zero/equiv.lua trains
 -- a tiny GPT-2 for 50 steps with stages 0-3 in fp32 and bf16, with nvme
 -- offload and with accumulation + clipping, on 1 rank and under mpirun on
 -- 2 and 4; spec/zero/overflow.lua forces fp16 overflows. Partitioned

@@ -220,7 +220,7 @@ static void test_lamb_segments(void) {
 
 /* ZeRO's layout: parameter k (n elements) is cut into P shards of
  * s = ceil(n / P) and rank r holds shard r, either padded to s with zeros
- * (dslua.zero) or unpadded: cut at the parameter's end, so possibly empty. */
+ * (dslua.engine.zero) or unpadded: cut at the parameter's end, so possibly empty. */
 #define LAMB_MAX_P 3
 
 typedef struct {

@@ -1,5 +1,5 @@
 /* The attach socket from Lua (core/io/ds_attach.h): the job's server, whose
- * queue dslua/attach.lua drains at each step boundary, and the client that
+ * queue dslua/live/attach.lua drains at each step boundary, and the client that
  * `dslua attach` talks through.
  *
  *   local A = require('dslua.core')._attach

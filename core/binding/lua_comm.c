@@ -1,6 +1,6 @@
 /* The comm layer in Lua, as ds._comm: the primitives on positional
  * arguments (tensor, rank, op, group, async), works and groups as
- * userdata. lua/dslua/comm.lua builds ds.comm on top (options tables, the
+ * userdata. lua/dslua/parallel/comm.lua builds ds.comm on top (options tables, the
  * comms logger, rank-prefixed printing). */
 #include "lua_tensor.h"
 #include "ds_comm.h"

@@ -1,5 +1,5 @@
 /* Lua binding of the dataset readers, the batch gatherer and the prefetch
- * loader: the primitives under lua/dslua/data.lua, as core.data_core.
+ * loader: the primitives under lua/dslua/io/data.lua, as core.data_core.
  *
  * Sample indices: a Lua table holds 1-based indices, a tensor 0-based ones
  * (index values in tensors are 0-based everywhere). */

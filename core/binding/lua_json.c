@@ -1,4 +1,4 @@
-/* ds.json decoding, over Debian's cJSON (encoding is in lua/dslua/json.lua).
+/* ds.json decoding, over Debian's cJSON (encoding is in lua/dslua/base/json.lua).
  *
  * DeepSpeed reads its config with hjson, so config files in the wild carry
  * comments (#, // and block comments) and trailing commas. A first pass

@@ -7,7 +7,7 @@
  *   warmup_cosine_lr(iteration, params [, who]) -> base_lr * ratio (base_lr defaults to 1)
  * params use DeepSpeed's names and defaults; unknown names, wrong types and
  * out-of-range values raise an error prefixed with who (default the
- * function's name). Registered as core.lr_formulas; lua/dslua/lr.lua builds
+ * function's name). Registered as core.lr_formulas; lua/dslua/optim/lr.lua builds
  * the scheduler objects on them. */
 #include "lua_tensor.h"
 #include "ds_error.h"

@@ -43,7 +43,7 @@ static int l_wall_time(lua_State *L) {
 
 /* embedded_source(): the text of the Lua library this binary carries, a
  * corpus that ships with dslua (the quickstart trains on it);
- * embedded_source(chunk): one module's ("@lua/dslua/nn.lua"), or nil, for
+ * embedded_source(chunk): one module's ("@lua/dslua/nn/init.lua"), or nil, for
  * the REPL's help to read its comments. */
 static int l_embedded_source(lua_State *L) {
     if (!lua_isnoneornil(L, 1)) {

@@ -1,4 +1,4 @@
-/* The optimizer core in Lua: a handle over ds_optim that lua/dslua/optim.lua
+/* The optimizer core in Lua: a handle over ds_optim that lua/dslua/optim/init.lua
  * drives. Hyperparameters are read from the Lua param_groups tables at
  * every step, so a schedule that edits them takes effect at once. */
 #include "lua_optim.h"

@@ -1,4 +1,4 @@
-/* What live reload needs from C (dslua/reload.lua) besides the SHA-256
+/* What live reload needs from C (dslua/live/reload.lua) besides the SHA-256
  * that names a version (core.ckpt.sha256): a cheap look at a file's
  * metadata for the per-step check, and strings as u8 tensors so
  * collectives can carry them.

@@ -1,4 +1,4 @@
-/* The launcher's process side: dslua.launcher builds the mpirun command;
+/* The launcher's process side: dslua.parallel.launcher builds the mpirun command;
  * this process starts mpirun, passes signals on, passes its stderr on
  * without Open MPI's noise after a rank's own error line, waits, and then
  * removes what Open MPI leaves behind when ranks are killed.
@@ -241,7 +241,7 @@ int dsL_launch(lua_State *L, char **args, int nargs) {
     if (n < 0) { fprintf(stderr, "dslua: cannot read /proc/self/exe: %s\n", strerror(errno)); return 1; }
     exe[n] = '\0';
     lua_getglobal(L, "require");
-    lua_pushliteral(L, "dslua.launcher");
+    lua_pushliteral(L, "dslua.parallel.launcher");
     if (dsL_pcall(L, 1, 1)) {
         fprintf(stderr, "dslua: %s\n", lua_tostring(L, -1));
         return 1;

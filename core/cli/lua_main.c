@@ -125,12 +125,12 @@ static void catch_stop_signals(void) {
     sigaction(SIGHUP, &sa, NULL);
 }
 
-/* A progress bar drawn on the terminal (dslua.progress, when loaded) has
+/* A progress bar drawn on the terminal (dslua.io.progress, when loaded) has
  * its line erased, so that the error starts on a line of its own. */
 static void clear_progress(lua_State *L) {
     lua_getglobal(L, "package");
     lua_getfield(L, -1, "loaded");
-    lua_getfield(L, -1, "dslua.progress");
+    lua_getfield(L, -1, "dslua.io.progress");
     if (lua_istable(L, -1)) {
         lua_getfield(L, -1, "clear");
         if (lua_pcall(L, 0, 0, 0) != 0) lua_pop(L, 1);
@@ -226,7 +226,7 @@ static bool valued_option(const char *a, const char *name, const char **value) {
     return true;
 }
 
-/* The deepspeed launcher's options; dslua.launcher parses them. */
+/* The deepspeed launcher's options; dslua.parallel.launcher parses them. */
 static bool launcher_option(const char *a) {
     static const char *const names[] = { "-n", "--num_gpus", "--num_accelerators", "--nproc_per_node",
                                          "--hostfile", "--include", "--exclude", "--num_nodes",
@@ -264,23 +264,23 @@ static int run_subcommand(lua_State *L, const char *module, char **args, int nar
     return report(L, dsL_pcall(L, 1, 1));
 }
 
-/* `dslua attach ...`: dslua.attach_cli.main(args) returns an exit status,
+/* `dslua attach ...`: dslua.live.attach_cli.main(args) returns an exit status,
  * or the prompt of a REPL whose inputs run in the job; leaving it detaches. */
 static int attach(lua_State *L, char **args, int nargs) {
-    if (run_subcommand(L, "dslua.attach_cli", args, nargs)) return 1;
+    if (run_subcommand(L, "dslua.live.attach_cli", args, nargs)) return 1;
     if (!lua_isstring(L, -1) || lua_isnumber(L, -1)) return (int)lua_tointeger(L, -1);
     char *prompt = strdup(lua_tostring(L, -1));
     if (!prompt) { fprintf(stderr, "dslua: out of memory\n"); return 1; }
     lua_pop(L, 1);
-    dsL_repl_loop(L, "dslua.attach_cli", prompt);
+    dsL_repl_loop(L, "dslua.live.attach_cli", prompt);
     free(prompt);
     lua_getfield(L, -1, "detach");
     return report(L, dsL_pcall(L, 0, 0));
 }
 
-/* `dslua plot ...`: dslua.plot.main(args) returns an exit status. */
+/* `dslua plot ...`: dslua.io.plot.main(args) returns an exit status. */
 static int plot(lua_State *L, char **args, int nargs) {
-    if (run_subcommand(L, "dslua.plot", args, nargs)) return 1;
+    if (run_subcommand(L, "dslua.io.plot", args, nargs)) return 1;
     return (int)lua_tointeger(L, -1);
 }
 

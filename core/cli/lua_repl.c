@@ -48,7 +48,7 @@ static int call_repl(lua_State *L, const char *fn, const char *arg, int nresults
     return dsL_pcall(L, 1, nresults);
 }
 
-/* libedit asks for matches of `text`; dslua.repl.complete finds them. */
+/* libedit asks for matches of `text`; dslua.live.repl.complete finds them. */
 static char **complete(const char *text, int start, int end) {
     (void)start; (void)end;
     lua_State *L = repl_state;
@@ -89,7 +89,7 @@ static char *history_path(void) {
 }
 
 int dsL_repl_init(lua_State *L) {
-    repl_module = "dslua.repl";
+    repl_module = "dslua.live.repl";
     return call_repl(L, "init", "", 0);
 }
 
@@ -99,7 +99,7 @@ void dsL_repl(lua_State *L) {
         fprintf(stderr, "%s\n", lua_tostring(L, -1));
         lua_pop(L, 1);
     }
-    dsL_repl_loop(L, "dslua.repl", "ds> ");
+    dsL_repl_loop(L, "dslua.live.repl", "ds> ");
 }
 
 void dsL_repl_loop(lua_State *L, const char *module, const char *prompt) {

@@ -5,7 +5,7 @@
 -- Every tensor goes to ds.device(): this rank's GPU if there is one, else
 -- the CPU (--device or DSLUA_DEVICE choose).
 local ds = require 'dslua'
-local progress = require 'dslua.progress'
+local progress = require 'dslua.io.progress'
 
 local opts = { steps = 1000, hidden = 128, lr = 0.1, momentum = 0.9, points = 1000, seed = 0 }
 local rest = ds.args.rest

@@ -7,7 +7,7 @@ for k, v in pairs(C) do ds[k] = v end
 -- registered before the modules below load, so they may require 'dslua'
 package.loaded.dslua = ds
 
-require('dslua.tensor').install(C)
+require('dslua.base.tensor').install(C)
 
 -- Runs fn(...) with autograd off and returns its results; the previous
 -- mode comes back even when fn raises.
@@ -51,28 +51,28 @@ end
 
 -- the library's modules
 ds.nn = require 'dslua.nn'
-ds.lr = require 'dslua.lr'
-ds.data = require 'dslua.data'
+ds.lr = require 'dslua.optim.lr'
+ds.data = require 'dslua.io.data'
 ds.optim = require 'dslua.optim'
-ds.json = require 'dslua.json'
+ds.json = require 'dslua.base.json'
 ds.config = require 'dslua.config'
-ds.args = require 'dslua.args'
+ds.args = require 'dslua.base.args'
 -- ds.device(): this rank's device, the --device flag first (core/cuda/ds_rank_device.h)
 local device_of = C.device
 function ds.device(t)
   if t == nil then return device_of(ds.args.device) end
   return device_of(t)
 end
-ds.comm = require 'dslua.comm'
-ds.reload = require 'dslua.reload'
-ds.checkpoint = require 'dslua.checkpoint'
-ds.checkpointing = require 'dslua.checkpointing'
+ds.comm = require 'dslua.parallel.comm'
+ds.reload = require 'dslua.live.reload'
+ds.checkpoint = require 'dslua.io.checkpoint'
+ds.checkpointing = require 'dslua.nn.checkpointing'
 -- ds.checkpoint(fn, ...) is activation checkpointing; ds.checkpoint.save and
 -- the rest stay the checkpoint files' module
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
-ds.pipe = require 'dslua.pipe'
+ds.pipe = require 'dslua.parallel.pipe'
 -- ds.initialize{model, config, ...} -> engine, optimizer, loader, scheduler:
--- deepspeed.initialize (lua/dslua/engine.lua), loaded when first called.
+-- deepspeed.initialize (lua/dslua/engine/init.lua), loaded when first called.
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
 
 return ds

@@ -8,7 +8,7 @@
 local ffi = require 'ffi'
 ffi.cdef 'int usleep(unsigned int usec);'
 
-local read = require('dslua.file').read
+local read = require('dslua.base.file').read
 
 local pid = read('/proc/self/stat'):match('^(%d+)')
 

@@ -3,7 +3,7 @@
 -- config semantics and log lines.
 --
 -- The step itself is the C step engine's (core/train/ds_zero.h): plain
--- data parallel in fp32, or mixed precision and ZeRO through dslua/zero.lua.
+-- data parallel in fp32, or mixed precision and ZeRO through dslua/engine/zero.lua.
 -- engine:backward and engine:step each cross into C once.
 --
 -- On N ranks (world_size > 1) it is data parallel: initialize broadcasts
@@ -28,8 +28,8 @@
 -- with what it has, so with the sampler block no accumulation window
 -- spans an epoch end of the engine's loader.
 local ds = require 'dslua'
-local progress = require 'dslua.progress'
-local Zero = require 'dslua.zero'
+local progress = require 'dslua.io.progress'
+local Zero = require 'dslua.engine.zero'
 
 local M = {}
 
@@ -150,7 +150,7 @@ end
 -- the config file.
 function M.check_builds(cfg, source)
   schedule_path(cfg, source)
-  if cfg.fp16.enabled then require('dslua.loss_scaler').from_config(cfg.fp16) end
+  if cfg.fp16.enabled then require('dslua.engine.loss_scaler').from_config(cfg.fp16) end
   local params = { ds.zeros(1):requires_grad_() }
   local optimizer = cfg.optimizer and build_optimizer({}, cfg, params) or ds.optim.SGD(params, { lr = 0 })
   build_scheduler({}, cfg, optimizer)
@@ -164,7 +164,7 @@ local function broadcast_model(model)
   end
 end
 
--- Mixed precision or ZeRO (dslua/zero.lua): every rank starts from rank
+-- Mixed precision or ZeRO (dslua/engine/zero.lua): every rank starts from rank
 -- 0's weights, then the partitioned optimizer takes the parameters over.
 -- model_parameters (tensors, or groups {params = {...}, ...}) with every
 -- tensor that model:to(device) replaced swapped for its replacement.
@@ -240,8 +240,8 @@ function M.initialize(opts)
   if model.is_pipeline then world_size = model.dp_size end
   local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
   schedule_path(cfg, source)
-  require('dslua.checkpointing').configure(cfg.activation_checkpointing)
-  require('dslua.guard').budget = cfg.reload.budget     -- before the schedule file runs
+  require('dslua.nn.checkpointing').configure(cfg.activation_checkpointing)
+  require('dslua.base.guard').budget = cfg.reload.budget     -- before the schedule file runs
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
 
@@ -262,7 +262,7 @@ function M.initialize(opts)
                     .. 'slower than fp32 and bf16 (bench/precision.lua); bf16 is the CPU\'s 16-bit type\n')
   end
   local optimizer, zero
-  if model.is_pipeline then require('dslua.pipe.engine').check(model, cfg) end
+  if model.is_pipeline then require('dslua.parallel.pipe.engine').check(model, cfg) end
   if Zero.wanted(cfg) then
     zero = build_zero(opts, cfg, model, params, rank, world_size, device)
     optimizer = zero.optimizer
@@ -273,7 +273,7 @@ function M.initialize(opts)
   -- one resolved config and one first lr on every rank (a difference in
   -- lr or gradient_clipping would train on, the ranks drifting apart)
   if ds.comm and ds.comm.world_size() > 1 then
-    local firsts, num = {}, require('dslua.json').number
+    local firsts, num = {}, require('dslua.base.json').number
     for i, g in ipairs(optimizer.param_groups) do
       firsts[i] = string.format('(the first lr of param group %d) = %s', i, num(g.lr) or tostring(g.lr))
     end
@@ -282,7 +282,7 @@ function M.initialize(opts)
 
   local self = setmetatable({
     module = model, config = cfg, optimizer = optimizer, lr_scheduler = scheduler, zero = zero, device = device,
-    scaler = cfg.fp16.enabled and require('dslua.loss_scaler').from_config(cfg.fp16) or nil,
+    scaler = cfg.fp16.enabled and require('dslua.engine.loss_scaler').from_config(cfg.fp16) or nil,
     rank = rank, world_size = world_size,
     micro_steps = 0, global_steps = 0, global_samples = 0, skipped_steps = 0,
     timers = cfg.wall_clock_breakdown and timers() or nil,
@@ -291,8 +291,8 @@ function M.initialize(opts)
     window_samples = 0, window_seconds = 0,   -- this rank's samples and compute time in the current window
   }, Engine)
   -- csv_monitor, tensorboard, wandb, comet: their directories checked now
-  self.monitor = require('dslua.monitor').new(cfg, rank)
-  self.flops_profiler = require('dslua.flops').new(self)   -- flops_profiler, at profile_step
+  self.monitor = require('dslua.io.monitor').new(cfg, rank)
+  self.flops_profiler = require('dslua.nn.flops').new(self)   -- flops_profiler, at profile_step
 
   if zero then
     if rank == 0 then
@@ -341,10 +341,10 @@ function M.initialize(opts)
     self:_watch_loader(loader)
   end
   self.training_dataloader = loader
-  -- live reload, hooks and `dslua attach` (dslua/reload.lua), at each step boundary
-  self.reload = require('dslua.reload').session(self, cfg)
+  -- live reload, hooks and `dslua attach` (dslua/live/reload.lua), at each step boundary
+  self.reload = require('dslua.live.reload').session(self, cfg)
   self:train()
-  if cfg.dump_state then require('dslua.monitor').dump_state(self) end
+  if cfg.dump_state then require('dslua.io.monitor').dump_state(self) end
   return self, optimizer, loader, scheduler
 end
 
@@ -438,10 +438,10 @@ function Engine:_watch_loader(loader)
   end
 end
 
--- a PipelineModule's verbs (dslua/pipe/engine.lua)
-function Engine:train_batch(data_iter) return require('dslua.pipe.engine').train_batch(self, data_iter) end
+-- a PipelineModule's verbs (dslua/parallel/pipe/engine.lua)
+function Engine:train_batch(data_iter) return require('dslua.parallel.pipe.engine').train_batch(self, data_iter) end
 function Engine:eval_batch(data_iter, return_logits)
-  return require('dslua.pipe.engine').eval_batch(self, data_iter, return_logits)
+  return require('dslua.parallel.pipe.engine').eval_batch(self, data_iter, return_logits)
 end
 
 function Engine:train_batch_size() return self.config.train_batch_size end
@@ -738,7 +738,7 @@ function Engine:_take_step()
   self.overflow = overflow
   if overflow then
     self.skipped_steps = self.skipped_steps + 1
-    local message = require('dslua.loss_scaler').overflow_line { rank = self.rank }
+    local message = require('dslua.engine.loss_scaler').overflow_line { rank = self.rank }
     if scaler then
       scaler:update_scale(true)
       message = scaler.message
@@ -853,7 +853,7 @@ function Engine:set_train_batch_size(n)
   self.config.train_batch_size = n
 end
 
--- DeepSpeed's checkpoint verbs (dslua/checkpoint.lua): every rank calls
+-- DeepSpeed's checkpoint verbs (dslua/io/checkpoint.lua): every rank calls
 -- them. save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
 -- true, the tag defaulting to global_step<N>; load_checkpoint(dir [, tag [, {
 -- load_optimizer_states, load_lr_scheduler_states, load_module_only,
@@ -861,18 +861,18 @@ end
 -- one dir/latest names (nil, nil when there is none).
 function Engine:save_checkpoint(dir, tag, client_state, save_latest)
   if self.reload then self.reload:hook('on_save', self, dir, tag) end
-  return require('dslua.checkpoint').save(self, dir, tag, client_state, save_latest)
+  return require('dslua.io.checkpoint').save(self, dir, tag, client_state, save_latest)
 end
 
 function Engine:load_checkpoint(dir, tag, opts)
-  return require('dslua.checkpoint').load(self, dir, tag, opts)
+  return require('dslua.io.checkpoint').load(self, dir, tag, opts)
 end
 
 -- DeepSpeed's save_16bit_model: the whole model in its compute dtype
 -- (fp32 without bf16/fp16) in one safetensors file, nanoGPT's key names,
 -- written by rank 0 (every rank calls it). -> true
 function Engine:save_16bit_model(dir, filename)
-  return require('dslua.checkpoint').save_model(self, dir .. '/' .. (filename or 'model.safetensors'))
+  return require('dslua.io.checkpoint').save_model(self, dir .. '/' .. (filename or 'model.safetensors'))
 end
 
 return M

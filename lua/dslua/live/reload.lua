@@ -7,7 +7,7 @@
 -- every = 1, attach = true}) turns it off or thins it out.
 --
 -- At each step boundary (Engine:step, every `reload.every` global steps):
---  1. each rank takes what its attach socket queued (dslua/attach.lua):
+--  1. each rank takes what its attach socket queued (dslua/live/attach.lua):
 --     code for that rank runs now; what must happen on every rank (set_lr,
 --     set_schedule, save, pause, resume, all(code)) becomes a message;
 --  2. rank 0 stats the watched files (mtime, size, inode: no read when
@@ -25,7 +25,7 @@
 --     one that failed anywhere is dropped everywhere and rank 0 prints
 --     `reload: <file> rejected on rank <r>: <error>`.
 -- So new code starts at the same step on every rank, or nowhere. A new
--- version's own code runs under dslua/guard.lua's time budget; a swapped
+-- version's own code runs under dslua/base/guard.lua's time budget; a swapped
 -- schedule that fails at a later step on some rank (that rank uses the
 -- version before it for the step, sched.failed) is rolled back on every
 -- rank at that step's boundary, which has a round while that can happen.
@@ -50,8 +50,8 @@
 local ds = require 'dslua'
 local K = require('dslua.core')._reload
 local sha256 = require('dslua.core').ckpt.sha256
-local read_file = require('dslua.file').read
-local guard = require 'dslua.guard'
+local read_file = require('dslua.base.file').read
+local guard = require 'dslua.base.guard'
 
 local M = {}
 
@@ -317,7 +317,7 @@ local function check_hooks(hooks, path)
   for k, v in pairs(hooks) do
     if type(k) == 'string' and k:match('^on_') then
       if not known[k] then
-        local s = require('dslua.suggest').did_you_mean(k, ds.config.hook_names)
+        local s = require('dslua.base.suggest').did_you_mean(k, ds.config.hook_names)
         error(string.format("%s: unknown hook '%s'%s (hooks: %s)", path, k, s and ', ' .. s or '',
                             table.concat(ds.config.hook_names, ', ')), 0)
       end
@@ -452,7 +452,7 @@ function M.session(engine, cfg)
     if rc.enabled then self:_watch(entry) else record { path = path, kind = 'hooks', hash = entry.hash, step = 0,
                                                        status = 'loaded', source = text } end
   end
-  if rc.attach then require('dslua.attach').serve(self) end
+  if rc.attach then require('dslua.live.attach').serve(self) end
   return self
 end
 
@@ -567,7 +567,7 @@ end
 
 function actions.set_lr(session, m)
   local lr = m.lr
-  local why = lr ~= nil and require('dslua.lr').lr_problem(lr)
+  local why = lr ~= nil and require('dslua.optim.lr').lr_problem(lr)
   if why then error('set_lr: lr (or nil to hand it back to the schedule) ' .. why, 0) end
   local engine = session.engine
   if lr == nil then scheduler_of(session) end
@@ -647,7 +647,7 @@ end
 function actions.run(_, m)
   local fn, err = guard.load(m.code, '=all')
   if not fn then error(err, 0) end
-  return function() return require('dslua.attach').run_everywhere(fn) end, true
+  return function() return require('dslua.live.attach').run_everywhere(fn) end, true
 end
 
 -- Prepares, agrees on and commits the messages of one boundary.
@@ -709,7 +709,7 @@ function Session:_apply(msgs)
     end
     for i, lines in pairs(per) do outputs[i] = table.concat(lines, '\n') end
   end
-  local A = package.loaded['dslua.attach']
+  local A = package.loaded['dslua.live.attach']
   for i, m in ipairs(msgs) do
     if m.from == rank and m.req and A then A.done(m.req, outputs[i] or '', first[i] == W) end
   end
@@ -718,13 +718,13 @@ end
 -- One exchange: this rank's attach requests, rank 0's changed files, then
 -- every rank's messages prepared, agreed on and committed.
 function Session:_round()
-  local A = self.server and package.loaded['dslua.attach']
+  local A = self.server and package.loaded['dslua.live.attach']
   if A then A.take() end
   if self.rank == 0 then
     self:_scan()
     if self.pause_until and now() >= self.pause_until then self:queue { type = 'resume' } end
   end
-  local lr, engine = require('dslua.lr'), self.engine
+  local lr, engine = require('dslua.optim.lr'), self.engine
   local msgs, spans = exchange(self, self.outbox, lr.span(engine.optimizer))
   self.outbox = {}
   if #msgs > 0 then      -- the lr once a reload, set_lr or rollback has set it
@@ -764,7 +764,7 @@ function Session:boundary()
   if sched then sched.failed = nil end
   if step % self.every == 0 or self.paused or fallback then self:_round() end
   while self.paused do
-    local A = self.server and package.loaded['dslua.attach']
+    local A = self.server and package.loaded['dslua.live.attach']
     if A then A.wait(0.25) else K.sleep(0.25) end
     self:_round()
   end
@@ -779,7 +779,7 @@ function Session:pause(seconds) self:queue { type = 'pause', seconds = seconds }
 
 function Session:close()
   sessions[self] = nil
-  local A = package.loaded['dslua.attach']
+  local A = package.loaded['dslua.live.attach']
   if A then A.forget(self) end
 end
 

@@ -74,7 +74,7 @@ function M.install(C)
     local names = {}
     for k in pairs(methods) do names[#names + 1] = k end
     for _, k in ipairs(fields) do names[#names + 1] = k end
-    local hint = require('dslua.suggest').did_you_mean(name, names)
+    local hint = require('dslua.base.suggest').did_you_mean(name, names)
     return fmt("tensor has no method '%s'", name) .. (hint and ' (' .. hint .. ')' or '')
   end
 end

@@ -1,7 +1,7 @@
 -- `dslua attach`, the job's side. Each rank serves a Unix socket
 -- (core/io/ds_attach.h: a C thread accepts connections and queues their
 -- requests, so training never waits on a client); at the step boundary the
--- reload session (dslua/reload.lua) takes them: code typed into the REPL
+-- reload session (dslua/live/reload.lua) takes them: code typed into the REPL
 -- runs at once on this rank, in an environment of its own per client, and
 -- what must happen on every rank (set_lr, set_schedule, save, pause,
 -- resume, all) becomes a message that every rank checks, agrees on and
@@ -19,8 +19,8 @@
 local ds = require 'dslua'
 local A = require('dslua.core')._attach
 local glob = require('dslua.core').data_core.glob
-local repl = require 'dslua.repl'
-local guard = require 'dslua.guard'
+local repl = require 'dslua.live.repl'
+local guard = require 'dslua.base.guard'
 
 local M = {}
 
@@ -106,7 +106,7 @@ local live = {
 -- An action for every rank, answered when it is done.
 local function act(msg)
   if not current then error('this only works in code sent by `dslua attach`', 2) end
-  require('dslua.reload').serialize(msg)      -- what cannot travel fails here, in the client's code
+  require('dslua.live.reload').serialize(msg)      -- what cannot travel fails here, in the client's code
   last_msg = last_msg + 1
   msg.req = last_msg
   pending[last_msg] = current
@@ -154,7 +154,7 @@ local helpers = {
     if type(code) ~= 'string' then error('all: expected the code as a string, got ' .. type(code), 2) end
     act { type = 'run', code = code }
   end,
-  versions = function() return require('dslua.reload').versions() end,
+  versions = function() return require('dslua.live.reload').versions() end,
 }
 
 -- The environment of a client's code: its own globals first, then the live

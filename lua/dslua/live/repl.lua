@@ -93,7 +93,7 @@ end
 
 -- ---- help ----
 
--- The comment lines of an embedded chunk ("@lua/dslua/nn.lua") that end at
+-- The comment lines of an embedded chunk ("@lua/dslua/nn/init.lua") that end at
 -- line `last` (a function's doc) or, with no last, start it (a module's
 -- first paragraph), without their dashes; nil where there are none.
 local function comment(chunk, last)

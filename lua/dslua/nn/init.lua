@@ -188,7 +188,7 @@ local function class_index(cls)
     hints[cls] = hints[cls] or {}
     local hint = hints[cls][key]
     if hint == nil then
-      hint = require('dslua.suggest').typo(key, method_names(cls)) or false
+      hint = require('dslua.base.suggest').typo(key, method_names(cls)) or false
       hints[cls][key] = hint
     end
     if hint then error(fmt("%s has no method '%s' (did you mean '%s'?)", cls.__name, key, hint), 2) end

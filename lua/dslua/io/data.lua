@@ -10,7 +10,7 @@
 -- values inside tensors are 0-based; Lua lists of indices are 1-based.
 local core = require 'dslua.core'
 local C = core.data_core
-local suggest = require 'dslua.suggest'
+local suggest = require 'dslua.base.suggest'
 
 local M = {}
 local fmt = string.format

@@ -396,7 +396,7 @@ function PipelineModule:is_last_stage() return self.stage_id == self.num_stages 
 
 -- this stage's layers, in checkpointed segments when the interval is > 0
 function PipelineModule:forward(x)
-  return require('dslua.checkpointing').sequential(self.funcs, self.activation_checkpoint_interval, x)
+  return require('dslua.nn.checkpointing').sequential(self.funcs, self.activation_checkpoint_interval, x)
 end
 
 -- the layer indices (0-based, as DeepSpeed prints them) of stage s

@@ -120,7 +120,7 @@ end
 -- ds.optim.apply(name, group, t, p, g, {state...} [, first [, grad_scale]]):
 -- one stateless step of the kind's kernel on contiguous 1-D f32 views (p
 -- and the state updated in place), for optimizers that hold their buffers
--- elsewhere (dslua.nvme streams them from files). group: hyperparameters as
+-- elsewhere (dslua.engine.nvme streams them from files). group: hyperparameters as
 -- in param_groups; t: the 1-based step; state in state_names(name) order;
 -- first: SGD's momentum starts here (default t == 1); grad_scale: the step
 -- takes g times it, as g * grad_scale would give it (default 1; g is left
@@ -292,7 +292,7 @@ local CONFIG_KEYS = {
 CONFIG_KEYS.adamw = CONFIG_KEYS.adam
 -- DeepSpeed's 1-bit optimizers (deepspeed/runtime/fp16/onebit): an AdamW
 -- (OneBitLamb: a Lamb) without bias correction that the step engine drives
--- (dslua/engine.lua, core/train/ds_onebit.h); their own keys go to
+-- (dslua/engine/init.lua, core/train/ds_onebit.h); their own keys go to
 -- optimizer.onebit.
 local ONEBIT_COMMON = { 'lr', 'bias_correction', 'betas', 'eps', 'eps_inside_sqrt', 'weight_decay', 'amsgrad',
                         'cuda_aware', 'comm_backend_name' }

@@ -4,9 +4,9 @@
 -- comm/config.py), every default filled in under DeepSpeed's key names.
 -- Every problem is collected, each naming the file and the key path, and
 -- reported at once. dslua's own blocks (M.extension_keys) pass through.
-local json = require 'dslua.json'
-local suggest = require 'dslua.suggest'
-local file = require 'dslua.file'
+local json = require 'dslua.base.json'
+local suggest = require 'dslua.base.suggest'
+local file = require 'dslua.base.file'
 
 local M = {}
 
@@ -975,7 +975,7 @@ local PIPELINE = { fields = {
 } }
 
 -- The monitors: deepspeed/monitor/config.py's pydantic models (extra keys
--- forbidden); dslua/monitor.lua writes them.
+-- forbidden); dslua/io/monitor.lua writes them.
 local function str_default(default) return field('str', default) end
 local TENSORBOARD = { fields = {
   enabled = bool(false), output_path = str_default(''), job_name = str_default('DeepSpeedJobName'),
@@ -991,7 +991,7 @@ local COMET = { fields = {
   online = bool(nil, { nullable = true }), mode = str({ nullable = true }),
 } }
 
--- profiling/config.py (DeepSpeedFlopsProfilerConfig); dslua/flops.lua runs it.
+-- profiling/config.py (DeepSpeedFlopsProfilerConfig); dslua/nn/flops.lua runs it.
 local FLOPS_PROFILER = { lenient = true, fields = {
   enabled = bool(false), recompute_fwd_factor = num(0.0, 0), profile_step = int(1, 1),
   module_depth = int(-1, -1), top_modules = int(1, 1), detailed = bool(true),
@@ -1190,7 +1190,7 @@ end
 -- with the config, so --check-config refuses what initialize would.
 local function check_paths(ctx, cfg)
   local list = {}
-  for _, d in pairs(require('dslua.monitor').dirs(cfg)) do list[#list + 1] = d end
+  for _, d in pairs(require('dslua.io.monitor').dirs(cfg)) do list[#list + 1] = d end
   for _, name in ipairs({ 'offload_optimizer', 'offload_param' }) do
     local o = cfg.zero_optimization[name]
     if o.device == 'nvme' and type(o.nvme_path) == 'string' then
@@ -1576,7 +1576,7 @@ end
 TOP.fields.sampler = field('custom', nil, { check = check_sampler })
 
 ------------------------------------------------------------------------
--- The reload and hooks blocks (dslua's own; dslua/reload.lua runs them):
+-- The reload and hooks blocks (dslua's own; dslua/live/reload.lua runs them):
 -- live reload of Lua code and the `dslua attach` socket.
 --
 --   "reload": {
@@ -1587,7 +1587,7 @@ TOP.fields.sampler = field('custom', nil, { check = check_sampler })
 --               every this many global steps
 --     attach    true: the job serves `dslua attach` on a Unix socket
 --     budget    5: seconds a reloaded file's loading and checks, a Lua
---               schedule's get_lr and attach input may run (dslua/guard.lua)
+--               schedule's get_lr and attach input may run (dslua/base/guard.lua)
 --   }
 --   "hooks": the path of a Lua file returning {on_step =, on_log =,
 --            on_eval =, on_save =} (tried as given, then next to the config

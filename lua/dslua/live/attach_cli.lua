@@ -1,5 +1,5 @@
 -- `dslua attach [JOB] [--rank R] [-e CODE] [--list]`: the client of a
--- running job's attach socket (dslua/attach.lua is the job's side).
+-- running job's attach socket (dslua/live/attach.lua is the job's side).
 --
 -- JOB is a job's name (train-12345: the script and rank 0's pid), its pid,
 -- the start of its name, or a socket's path; without it, the one job
@@ -7,7 +7,7 @@
 -- until Ctrl-D, which detaches and leaves the job running.
 local A = require('dslua.core')._attach
 local glob = require('dslua.core').data_core.glob
-local server_side = require 'dslua.attach'
+local server_side = require 'dslua.live.attach'
 
 local M = {}
 

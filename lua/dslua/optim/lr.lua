@@ -7,9 +7,9 @@
 -- constructor sets each group's lr (the value of iteration -1), and step(),
 -- called after each optimizer step, increments it and sets lr again.
 local F = require('dslua.core').lr_formulas
-local file = require 'dslua.file'
-local suggest = require 'dslua.suggest'
-local guard = require 'dslua.guard'
+local file = require 'dslua.base.file'
+local suggest = require 'dslua.base.suggest'
+local guard = require 'dslua.base.guard'
 
 local M = {}
 for k, v in pairs(F) do M[k] = v end
@@ -61,7 +61,7 @@ end
 -- naming each rank whose lrs differ from rank 0's, and the schedule (a
 -- schedule reading the rank would let the ranks' weights drift apart).
 function M.agree(spans, step, scheduler)
-  local num = require('dslua.json').number
+  local num = require('dslua.base.json').number
   local function shown(s) return s[1] == s[2] and num(s[1]) or num(s[1]) .. ' to ' .. num(s[2]) end
   local bad = {}
   for r = 2, #spans do

@@ -1,11 +1,11 @@
--- dslua.loss_scaler: DeepSpeed's fp16 loss scaling, the LossScaler and
+-- dslua.engine.loss_scaler: DeepSpeed's fp16 loss scaling, the LossScaler and
 -- DynamicLossScaler of deepspeed/runtime/fp16/loss_scaler.py as the ZeRO
 -- stage 1/2/3 optimizers build them (CreateLossScaler) and step them
 -- (stage_1_and_2.py / stage3.py step(): check_overflow, then
 -- _update_scale(overflow) -> loss_scaler.update_scale(overflow), then skip
 -- the step when it overflowed).
 --
---   local S = require 'dslua.loss_scaler'
+--   local S = require 'dslua.engine.loss_scaler'
 --   local scaler = S.from_config(cfg.fp16)      -- cfg from dslua.config
 --   loss_for_backward = scaler:scale_loss(loss)  -- loss * scaler.cur_scale
 --   local overflow = S.has_overflow(grads)       -- then all ranks agree (MAX)

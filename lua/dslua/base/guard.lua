@@ -1,4 +1,4 @@
--- dslua.guard: the user code that live reload and `dslua attach` run (a
+-- dslua.base.guard: the user code that live reload and `dslua attach` run (a
 -- reloaded file's chunk and checks, a Lua schedule's get_lr, attach input)
 -- gets a time budget and no calls that block the job.
 --

@@ -159,7 +159,7 @@ local function dump_lines(title, t)
     if type(k) == 'string' and type(v) ~= 'function' and type(v) ~= 'userdata' then keys[#keys + 1] = k end
   end
   table.sort(keys)
-  local json = require 'dslua.json'
+  local json = require 'dslua.base.json'
   io.stdout:write(title, ':\n')
   for _, k in ipairs(keys) do
     local v = t[k]

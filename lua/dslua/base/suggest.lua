@@ -1,4 +1,4 @@
--- dslua.suggest: the "did you mean" of a misspelt name, one rule for every
+-- dslua.base.suggest: the "did you mean" of a misspelt name, one rule for every
 -- message that offers one (config keys and values, LR scheduler names and
 -- params, data options).
 local M = {}

@@ -55,8 +55,8 @@
 -- manifest (rank 0: manifest written, tag not in place), replaced (tag in
 -- place, `latest` not moved), latest (`latest` moved).
 local ds = require 'dslua'
-local json = require 'dslua.json'
-local file_io = require 'dslua.file'
+local json = require 'dslua.base.json'
+local file_io = require 'dslua.base.file'
 local core = require 'dslua.core'
 local C = core.ckpt
 
@@ -69,7 +69,7 @@ local SHOWN = 80           -- bytes of a file's text a message may quote
 
 local function fail(fmt, ...) error(string.format(fmt, ...), 0) end
 
--- The text of a small file through the guarded open (dslua/file.lua), nil
+-- The text of a small file through the guarded open (dslua/base/file.lua), nil
 -- when there is none; a FIFO, a device, a planted link or a file over
 -- max_bytes raises, naming who asked.
 local function read_text(path, max_bytes, who)
@@ -1038,7 +1038,7 @@ end
 
 local function note(engine, fmt, ...)
   if engine.rank ~= 0 then return end
-  require('dslua.progress').clear()
+  require('dslua.io.progress').clear()
   io.stdout:write('[Rank 0] ', string.format(fmt, ...), '\n')
   io.stdout:flush()
 end

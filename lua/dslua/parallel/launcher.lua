@@ -1,4 +1,4 @@
--- dslua.launcher: `dslua [launcher options] script [args]` runs the script on
+-- dslua.parallel.launcher: `dslua [launcher options] script [args]` runs the script on
 -- many ranks through Open MPI's mpirun, as the `deepspeed` launcher does.
 --
 --   dslua -n 2 train.lua --config ds.json          2 ranks on this machine
@@ -16,7 +16,7 @@
 -- main(), and execs the command it returns: the launcher becomes mpirun, so
 -- its exit status is mpirun's. Each rank's RANK, LOCAL_RANK, ... and its
 -- --local_rank argument come from core/ds_rankenv.c and core/lua_main.c.
-local file = require 'dslua.file'
+local file = require 'dslua.base.file'
 local read = file.read
 
 local M = {}

@@ -1,9 +1,9 @@
 -- `dslua plot <csv file or event dir> [-o curves.png]`: the loss and the lr
 -- against the step (DeepSpeed's monitors count samples) as a PNG, read
--- from what csv_monitor or tensorboard wrote (dslua/monitor.lua), drawn
+-- from what csv_monitor or tensorboard wrote (dslua/io/monitor.lua), drawn
 -- by cairo (core/io/ds_plot).
 local core = require 'dslua.core'
-local file = require 'dslua.file'
+local file = require 'dslua.base.file'
 
 local M = {}
 

@@ -186,7 +186,7 @@ function Zero:_build_optimizer(opts)
       s.init = groups[gi].params[1]
       specs[gi] = s
     end
-    self.optimizer = require('dslua.nvme').optimizer {
+    self.optimizer = require('dslua.engine.nvme').optimizer {
       name = o.name, groups = specs, path = path, rank = self.rank,
       sub_group_size = self.cfg.zero_optimization.sub_group_size, buffer_count = off.buffer_count,
     }
