@@ -418,6 +418,10 @@ describe('ds.config errors', function()
         'scheduler.params.path: missing: required by lua')
     has(problems({ train_batch_size = 8, zero_optimization = { offload_param = { device = 'nvme' } } }),
         'zero_optimization.offload_param.nvme_path: missing: required when device is "nvme"')
+    has(problems({ train_batch_size = 8, zero_optimization = { offload_optimizer = { device = 'nvme', nvme_path = '' } } }),
+        'zero_optimization.offload_optimizer.nvme_path: must name a directory when device is "nvme", got ""')
+    has(problems({ train_batch_size = 8, communication_data_type = 'fp8' }),
+        'communication_data_type: must be "fp32", "fp16" or "bf16", got "fp8"')
     has(problems({ train_batch_size = 8, bf16 = {}, bfloat16 = {} }), "give only one of 'bf16' and 'bfloat16'")
     has(problems({ train_batch_size = 8, amp = { enabled = true } }), 'amp: a DeepSpeed feature dslua does not implement')
   end)
