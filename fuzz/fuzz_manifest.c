@@ -1,4 +1,4 @@
-/* libFuzzer target: a checkpoint's manifest.json (lua/dslua/io/checkpoint.lua)
+/* libFuzzer target: a checkpoint's manifest.json (lua/dslua/io/checkpoint/manifest.lua)
  * on any text, through the Lua library as the dslua binary embeds it. The
  * text is the manifest of a folder that also holds a real rank file (a
  * 2x2 linear layer, its Adam state and a module buffer: the seed corpus's

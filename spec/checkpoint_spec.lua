@@ -1,4 +1,4 @@
--- Checkpoints (lua/dslua/io/checkpoint.lua, core/io/ds_safetensors.c): the
+-- Checkpoints (lua/dslua/io/checkpoint/, core/io/ds_safetensors.c): the
 -- file format, exact resume, resharding across world sizes, stages and
 -- dtypes, atomic saves under kill -9, corrupt files, export and import
 -- with PyTorch. Multi-rank runs are spec/ckpt/run.lua under mpirun.

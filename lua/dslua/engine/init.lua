@@ -853,7 +853,7 @@ function Engine:set_train_batch_size(n)
   self.config.train_batch_size = n
 end
 
--- DeepSpeed's checkpoint verbs (dslua/io/checkpoint.lua): every rank calls
+-- DeepSpeed's checkpoint verbs (dslua/io/checkpoint/): every rank calls
 -- them. save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
 -- true, the tag defaulting to global_step<N>; load_checkpoint(dir [, tag [, {
 -- load_optimizer_states, load_lr_scheduler_states, load_module_only,
