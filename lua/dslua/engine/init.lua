@@ -30,6 +30,8 @@
 local ds = require 'dslua'
 local progress = require 'dslua.io.progress'
 local Zero = require 'dslua.engine.zero'
+local report = require 'dslua.engine.report'
+local log, timers = report.log, report.timers
 
 local M = {}
 
@@ -49,54 +51,10 @@ function Engine.__index(self, key)
   return v
 end
 Engine.methods = Engine   -- what the REPL completes, __index being a function
+for k, f in pairs(report.methods) do Engine[k] = f end   -- its logs, timers and memory report
+M.settle_garbage = report.settle_garbage
 
 local now = ds.wall_time
-
--- log_dist as DeepSpeed prints it: rank 0 only, rank in the line.
-local function log(engine, fmt, ...)
-  if engine.rank ~= 0 then return end
-  progress.clear()
-  io.stdout:write(string.format('[Rank %d] ' .. fmt .. '\n', engine.rank, ...))
-  io.stdout:flush()
-end
-
--- Python's list repr of numbers (and of betas pairs as tuples), as in
--- DeepSpeed's `lr=[0.001], mom=[(0.9, 0.999)]`.
-local function repr(v)
-  if type(v) == 'table' then
-    local parts = {}
-    for i, x in ipairs(v) do parts[i] = repr(x) end
-    return '(' .. table.concat(parts, ', ') .. ')'
-  end
-  if v == math.floor(v) and math.abs(v) < 1e15 then return string.format('%.1f', v) end
-  for digits = 15, 16 do     -- the shortest text that reads back exactly, as Python's repr
-    local s = string.format('%.' .. digits .. 'g', v)
-    if tonumber(s) == v then return s end
-  end
-  return string.format('%.17g', v)
-end
-
-local function list_repr(values)
-  local parts = {}
-  for i, v in ipairs(values) do parts[i] = repr(v) end
-  return '[' .. table.concat(parts, ', ') .. ']'
-end
-
--- Wall-clock timers for wall_clock_breakdown: time summed per name since
--- the last report, and the number of global steps it covers.
-local function timers()
-  return { total = {}, started = {} }
-end
-
-function Engine:_start(name)
-  if self.timers then self.timers.started[name] = now() end
-end
-
-function Engine:_stop(name)
-  local t = self.timers
-  if not t then return end
-  t.total[name] = (t.total[name] or 0) + (now() - t.started[name])
-end
 
 local function build_optimizer(opts, cfg, params)
   local o = opts.optimizer
@@ -754,46 +712,6 @@ function Engine:_take_step()
   if self.lr_scheduler then self.lr_scheduler:step() end
 end
 
--- Bytes by category on every rank (every rank calls it): a list indexed by
--- rank + 1 of {current = {...}, peak = {...}} with parameters, gradients,
--- master_weights, optimizer_state, activations, other and total.
--- Tensors only Lua's collector still holds are not live: collect until
--- a cycle frees nothing more (finalizers free what they held one cycle later).
-local function settle_garbage()
-  local last
-  for _ = 1, 10 do
-    collectgarbage()
-    local now_bytes = ds.memory_stats().current.total
-    if now_bytes == last then return end
-    last = now_bytes
-  end
-end
-M.settle_garbage = settle_garbage
-
-local REPORT_KEYS = { 'parameters', 'gradients', 'master_weights', 'optimizer_state', 'activations', 'other', 'total' }
-
-function Engine:memory_report()
-  settle_garbage()
-  local st = ds.memory_stats()
-  local values = {}
-  for _, part in ipairs({ 'current', 'peak' }) do
-    for _, k in ipairs(REPORT_KEYS) do values[#values + 1] = st[part][k] end
-  end
-  local rows = { ds.tensor(values, 'f64') }
-  if self.world_size > 1 then rows = ds.comm.all_gather(rows[1]) end
-  local out = {}
-  for r, t in ipairs(rows) do
-    local v = t:totable()
-    local entry = { rank = r - 1, current = {}, peak = {} }
-    for i, k in ipairs(REPORT_KEYS) do
-      entry.current[k] = v[i]
-      entry.peak[k] = v[#REPORT_KEYS + i]
-    end
-    out[r] = entry
-  end
-  return out
-end
-
 -- The whole model as a state dict of its (16-bit under bf16/fp16) weights;
 -- under ZeRO stage 3 every rank calls it (the parameters are gathered),
 -- and it needs stage3_gather_16bit_weights_on_model_save, as DeepSpeed's
@@ -805,38 +723,6 @@ function Engine:module_state_dict()
           .. 'stage 3 weights stay partitioned (set it to gather them)', 2)
   end
   return self.zero:gathered_parameters()
-end
-
--- DeepSpeed's logs at each steps_per_print boundary: the progress line, the
--- throughput line and, with wall_clock_breakdown, the timers; on a
--- terminal the epoch's progress bar as well.
-function Engine:_report()
-  if self.monitor then self.monitor:step(self) end
-  if self.flops_profiler then self.flops_profiler:boundary() end
-  if self.bar then
-    local fields = { loss = self.last_loss }
-    self.bar:update(self.global_steps - self.bar_first_step, fields, self.global_samples - self.bar_first_samples)
-    if self.global_steps - self.bar_first_step >= self.bar.total then self.bar:finish() end
-  end
-  local every = self.config.steps_per_print
-  if self.global_steps % every ~= 0 then return end
-  log(self, 'step=%d, skipped=%d, lr=%s, mom=%s', self.global_steps, self.skipped_steps,
-      list_repr(self:get_lr()), list_repr(self:get_mom()))
-  local last = self.last_report or { busy = 0, samples = 0 }
-  local elapsed = self.busy_time - last.busy
-  local samples = self.global_samples - last.samples
-  log(self, 'epoch=%s/micro_step=%d/global_step=%d, RunningAvgSamplesPerSec=%.3f, CurrSamplesPerSec=%.3f, '
-          .. 'MemAllocated=%.2fGB, MaxMemAllocated=%.2fGB',
-      tostring(self.epoch or 0), self.micro_steps, self.global_steps,
-      (self.global_samples - (self.resumed_samples or 0)) / self.busy_time,
-      samples / elapsed, ds.memory_stats().current.total / 2^30, ds.memory_stats().peak.total / 2^30)
-  if self.timers then
-    local tt = self.timers.total
-    log(self, 'time (ms) | forward: %.2f | backward: %.2f | step: %.2f  (mean per global step over %d)',
-        1000 * (tt.forward or 0) / every, 1000 * (tt.backward or 0) / every, 1000 * (tt.step or 0) / every, every)
-    self.timers.total = {}
-  end
-  self.last_report = { busy = self.busy_time, samples = self.global_samples }
 end
 
 -- DeepSpeed's set_train_batch_size: the micro batch stays, the number of
