@@ -93,7 +93,6 @@ local COMMS = { fields = {
   prof_ops = strlist(),
 } }
 
-
 local function check_unsupported(ctx, path, v)
   if is_object(v) and v.enabled == false then
     note(ctx, path, 'a DeepSpeed feature dslua does not implement; accepted as it is off')
@@ -534,7 +533,6 @@ local function cross_checks(ctx, cfg)
   end
 end
 
-
 -- checked from here on, no longer passed through as M.extension_keys are
 TOP.fields.sampler = field('custom', nil, { check = sampler_config.check })
 TOP.fields.reload = live_config.reload
@@ -544,8 +542,6 @@ TOP.fields.hooks = field('custom', nil, { check = live_config.check_hooks })
 M.sampler_policies, M.share_tolerance = sampler_config.sampler_policies, sampler_config.share_tolerance
 M.check_sampler = sampler_config.check_sampler
 M.hook_names = live_config.hook_names
-
-
 
 ------------------------------------------------------------------------
 -- Loading

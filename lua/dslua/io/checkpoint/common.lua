@@ -310,7 +310,6 @@ local function split_client(v, path, tensors, open)
   return out
 end
 
-
 M.FORMAT = FORMAT
 M.FORMAT_VERSION = FORMAT_VERSION
 M.MANIFEST = MANIFEST

@@ -491,7 +491,6 @@ function M.load(engine, dir, tag, opts)
   return path, client
 end
 
-
 M.opener = opener
 M.read_range = read_range
 

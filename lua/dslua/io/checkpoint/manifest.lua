@@ -156,7 +156,6 @@ function M.read_manifest(path)
   return m
 end
 
-
 M.load_options = load_options
 
 return M

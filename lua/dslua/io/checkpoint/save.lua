@@ -260,7 +260,6 @@ function M.save(engine, dir, tag, client_state, save_latest)
   return true
 end
 
-
 M.check_tag = check_tag
 
 return M
