@@ -271,6 +271,46 @@ describe('engine steps', function()
   end)
 end)
 
+describe('engine counters', function()
+  it('reads the step counters as a table and restores them, rescaling micro_steps to this accumulation',
+     function()
+    local x, y = problem(8)
+    local e = ds.initialize { model = model_with(), config = config { gradient_accumulation_steps = 2 } }
+    for k = 0, 1 do
+      e:backward(e { x = x:narrow(1, 1 + 4 * k, 4), y = y:narrow(1, 1 + 4 * k, 4) })
+      e:step()
+    end
+    assert.are.same({ global_steps = 1, global_samples = 8, micro_steps = 2, skipped_steps = 0 }, e:counters())
+    -- saved with 4 micro steps a window: 12 of them are 3 windows, 6 micro steps here
+    e:restore_counters({ global_steps = 3, global_samples = 48, micro_steps = 12, skipped_steps = 1, epoch = 2 }, 4)
+    assert.are.same({ global_steps = 3, global_samples = 48, micro_steps = 6, skipped_steps = 1, epoch = 2 },
+                    e:counters())
+    assert.are.equal(3, e.global_steps)
+    assert.is_false(e:is_gradient_accumulation_boundary())
+  end)
+
+  it('refuses counters that are not non-negative integers, naming the counter, and keeps its own', function()
+    local e = ds.initialize { model = model_with(), config = config() }
+    local good = { global_steps = 1, global_samples = 4, micro_steps = 1, skipped_steps = 0 }
+    for key, bad in pairs({ global_steps = -1, global_samples = 1.5, micro_steps = 'x', skipped_steps = false,
+                            epoch = -2 }) do
+      local t = {}
+      for k, v in pairs(good) do t[k] = v end
+      t[key] = bad
+      local ok, err = pcall(e.restore_counters, e, t)
+      assert.is_false(ok)
+      assert.matches('restore_counters: ' .. key .. ' must be a non%-negative integer', err)
+    end
+    local ok, err = pcall(e.restore_counters, e, { global_steps = 1 })
+    assert.is_false(ok)
+    assert.matches('global_samples must be a non%-negative integer, got nil', err)
+    ok, err = pcall(e.restore_counters, e, good, 0)
+    assert.is_false(ok)
+    assert.matches('gradient_accumulation_steps must be a positive integer, got 0', err)
+    assert.are.same({ global_steps = 0, global_samples = 0, micro_steps = 0, skipped_steps = 0 }, e:counters())
+  end)
+end)
+
 describe('engine logs', function()
   it('prints DeepSpeed\'s progress, throughput and timer lines', function()
     local dir = os.tmpname()

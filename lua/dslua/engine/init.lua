@@ -739,6 +739,43 @@ function Engine:set_train_batch_size(n)
   self.config.train_batch_size = n
 end
 
+-- The step counters, as a checkpoint keeps them. engine.global_steps and
+-- the others stay readable fields, as DeepSpeed's are; only the step and
+-- restore_counters write them.
+local COUNTERS = { 'global_steps', 'global_samples', 'micro_steps', 'skipped_steps' }
+
+function Engine:counters()
+  local t = { epoch = self.epoch }
+  for _, k in ipairs(COUNTERS) do t[k] = self[k] end
+  return t
+end
+
+-- Sets the counters from counters() of a run saved at an accumulation
+-- boundary with saved_gas accumulation steps: micro_steps becomes as many
+-- windows of this run's length (another number of data-parallel ranks
+-- changes it), and the throughput report starts from the restored samples.
+function Engine:restore_counters(t, saved_gas)
+  if type(t) ~= 'table' then error('restore_counters: counters must be a table, got ' .. type(t), 2) end
+  local function count(k, v)
+    if type(v) ~= 'number' or v < 0 or v ~= math.floor(v) then
+      error(string.format('restore_counters: %s must be a non-negative integer, got %s', k, tostring(v)), 3)
+    end
+  end
+  for _, k in ipairs(COUNTERS) do count(k, t[k]) end
+  if t.epoch ~= nil then count('epoch', t.epoch) end
+  local gas = self:gradient_accumulation_steps()
+  saved_gas = saved_gas or gas
+  if type(saved_gas) ~= 'number' or saved_gas < 1 or saved_gas ~= math.floor(saved_gas) then
+    error('restore_counters: saved gradient_accumulation_steps must be a positive integer, got '
+          .. tostring(saved_gas), 2)
+  end
+  self.global_steps, self.global_samples, self.skipped_steps, self.epoch =
+    t.global_steps, t.global_samples, t.skipped_steps, t.epoch
+  self.micro_steps = math.floor(t.micro_steps / saved_gas) * gas
+  self.resumed_samples = t.global_samples
+  self.last_report = { busy = self.busy_time, samples = t.global_samples }
+end
+
 -- DeepSpeed's checkpoint verbs (dslua/io/checkpoint/): every rank calls
 -- them. save_checkpoint(dir [, tag [, client_state [, save_latest]]]) ->
 -- true, the tag defaulting to global_step<N>; load_checkpoint(dir [, tag [, {

@@ -261,6 +261,32 @@ function Zero:close()
   self.engine:close()
 end
 
+---------------------------------------------------------------- checkpoints
+
+-- Elements per rank of parameter i's shard (padded; the whole parameter
+-- when one rank holds it).
+function Zero:shard(i) return self.engine:shard(i) end
+
+-- Param group g's fp32 master shard, flat: checkpoints read and write it
+-- in place.
+function Zero:master(g) return self.engine:master(g) end
+
+-- The masters were loaded: the parameters take them. masters (the fp32
+-- shards by group) is for the nvme offload, whose masters live in its
+-- files; otherwise the engine's own master buffers were written.
+function Zero:masters_loaded(masters)
+  if masters then self.engine:refresh(masters) else self.engine:sync_params() end
+end
+
+-- Calls fn with every parameter whole (stage 3 gathers them; every rank
+-- must call it) and releases them again, also when fn fails. -> pcall's.
+function Zero:with_gathered(fn)
+  if self.stage == 3 then self.engine:gather_all() end
+  local res = pack(pcall(fn))
+  if self.stage == 3 then self.engine:release_all() end
+  return unpack(res, 1, res.n)
+end
+
 ---------------------------------------------------------------- reports
 
 -- Elements of shard r of parameter i (1-based) that exist.
@@ -305,10 +331,11 @@ end
 -- Every parameter whole, as a state dict of model-dtype tensors (stage 3
 -- gathers them; every rank must call it).
 function Zero:gathered_parameters()
-  if self.stage == 3 then self.engine:gather_all() end
   local out = {}
-  for i, p in ipairs(self.all_params) do out[self.names[i]] = p:clone() end
-  if self.stage == 3 then self.engine:release_all() end
+  local ok, err = self:with_gathered(function()
+    for i, p in ipairs(self.all_params) do out[self.names[i]] = p:clone() end
+  end)
+  if not ok then error(err, 0) end
   return out
 end
 

@@ -200,7 +200,7 @@ local function engine_layout(engine)
     for g, group in ipairs(z.groups) do
       local off = 0
       for _, p in ipairs(group.params) do
-        local s = z.engine:shard(z.index[p])
+        local s = z:shard(z.index[p])
         local n = p:numel()
         local lo = math.min(n, r * s)
         add(p, g, lo, math.min(n, lo + s), off)
@@ -234,7 +234,7 @@ local function read_buffers(engine, L)
   end
   local h = L.optimizer._h
   for g = 1, #L.groups do
-    out[g] = { fp32 = L.mode == 'flat' and L.optimizer:flat_params(g) or engine.zero.engine:master(g) }
+    out[g] = { fp32 = L.mode == 'flat' and L.optimizer:flat_params(g) or engine.zero:master(g) }
     for _, s in ipairs(L.state_names) do
       if h:has_state(g, s) then out[g][s] = L.optimizer:flat_state(g, s) end
     end

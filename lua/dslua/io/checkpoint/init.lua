@@ -216,7 +216,7 @@ function M.save_model(engine, path, dtype)
     local bufs = read_buffers(engine, L)
     for i, p in ipairs(L.params) do
       local piece = L.pieces[i]
-      local s = z.parts > 1 and z.engine:shard(i) or p.numel
+      local s = z.parts > 1 and z:shard(i) or p.numel
       local mine = ds.zeros({ s })
       if piece.hi > piece.lo then
         mine:narrow(1, 1, piece.hi - piece.lo):copy_(bufs[p.group].fp32:narrow(1, piece.offset + 1, piece.hi - piece.lo))
@@ -226,9 +226,8 @@ function M.save_model(engine, path, dtype)
       masters[p.name] = whole:narrow(1, 1, p.numel):view(p.shape)
     end
   end
-  if z and z.stage == 3 then z.engine:gather_all() end
   local entries = {}
-  local ok, err = pcall(function()
+  local function collect()
     local names = {}
     for _, e in ipairs(named_parameters(engine)) do names[e[2]] = e[1] end
     for _, e in ipairs(state_entries(engine)) do
@@ -241,8 +240,9 @@ function M.save_model(engine, path, dtype)
         entries[#entries + 1] = { e[1], t }
       end
     end
-  end)
-  if z and z.stage == 3 then z.engine:release_all() end
+  end
+  local ok, err
+  if z then ok, err = z:with_gathered(collect) else ok, err = pcall(collect) end
   everywhere(nranks(engine), 'save_16bit_model', function() if not ok then error(err, 0) end end)
   if pipe then entries = gather_stages(engine, entries) end
   everywhere(nranks(engine), 'save_16bit_model', function()

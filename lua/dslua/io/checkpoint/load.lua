@@ -198,7 +198,7 @@ local function load_tensors(engine, L, path, m, saved, get, with_state)
   ds.no_grad(function()
     for g = 1, #L.groups do
       local fp32 = sd and sd.state[g].master
-                   or (L.mode == 'flat' and L.optimizer:flat_params(g) or engine.zero.engine:master(g))
+                   or (L.mode == 'flat' and L.optimizer:flat_params(g) or engine.zero:master(g))
       local states, fresh = {}, {}
       if with_state then
         for k, v in pairs(groups[g].hyperparameters) do L.groups[g][k] = v end
@@ -242,9 +242,9 @@ local function load_tensors(engine, L, path, m, saved, get, with_state)
       L.optimizer:load_state_dict(sd)      -- into the streamed files
       local masters = {}
       for g = 1, #L.groups do masters[g] = sd.state[g].master end
-      engine.zero.engine:refresh(masters)
+      engine.zero:masters_loaded(masters)
     elseif L.mode == 'masters' then
-      engine.zero.engine:sync_params()
+      engine.zero:masters_loaded()
     end
   end)
 end
@@ -464,16 +464,7 @@ function M.load(engine, dir, tag, opts)
     if with_state then load_onebit(engine, L, m, get) end
     load_module_tensors(engine, L, path, m, get, o.load_module_strict)
     if not o.load_module_only then
-      local e = m.engine
-      engine.global_steps, engine.global_samples = e.global_steps, e.global_samples
-      engine.skipped_steps, engine.epoch = e.skipped_steps, e.epoch
-      -- saved at a boundary: as many accumulation windows, each of this
-      -- run's length (another number of data-parallel ranks changes it)
-      local gas = engine:gradient_accumulation_steps()
-      local saved_gas = (m.config or {}).gradient_accumulation_steps or gas
-      engine.micro_steps = math.floor(e.micro_steps / saved_gas) * gas
-      engine.resumed_samples = e.global_samples
-      engine.last_report = { busy = engine.busy_time, samples = e.global_samples }
+      engine:restore_counters(m.engine, (m.config or {}).gradient_accumulation_steps)
       if o.load_lr_scheduler_states and engine.lr_scheduler and m.lr_scheduler then
         engine.lr_scheduler:load_state_dict(m.lr_scheduler)
       end
