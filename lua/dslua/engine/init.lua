@@ -16,7 +16,7 @@
 --
 -- With a `sampler` block (samplers/policy.lua) each rank reads its own
 -- share of the data in its own micro batches, and gradients are weighted
--- by sample count: every boundary all-reduces this rank's samples of the
+-- by sample count (samplers/weighting.lua): every boundary all-reduces this rank's samples of the
 -- accumulation window, each rank's loss is scaled by
 -- samples_r * world_size / global_samples (the bucket all-reduce then
 -- averages), so a step equals one step of a single process over the union
@@ -246,7 +246,8 @@ function M.initialize(opts)
     timers = cfg.wall_clock_breakdown and timers() or nil,
     busy_time = 0,
     weighted = cfg.sampler ~= nil,            -- gradients weighted by sample count (the sampler block)
-    window_samples = 0, window_seconds = 0,   -- this rank's samples and compute time in the current window
+    -- this rank's samples and compute time in the current window
+    window = require('samplers.weighting').new(world_size, cfg.sampler ~= nil),
   }, Engine)
   -- csv_monitor, tensorboard, wandb, comet: their directories checked now
   self.monitor = require('dslua.io.monitor').new(cfg, rank)
@@ -390,7 +391,7 @@ function Engine:_watch_loader(loader)
         return nil
       end
       step = step + 1
-      engine.loader_samples = sampler:batch_size(step)
+      engine.window:loader_batch(sampler:batch_size(step))
       return s, batch
     end
   end
@@ -458,7 +459,7 @@ function Engine:forward(...)
   -- throughput counts from a window's first forward to its step's end, as
   -- DeepSpeed's ThroughputTimer: evaluation and data waits between stay out
   self.busy_since = self.busy_since or t0
-  self.micro_samples = batch_samples((...))
+  self.window:batch(batch_samples((...)))
   -- a rank that runs out of data under stage 3 repeats the last forward
   -- with zero weight, so its gathers match the others'
   if self.weighted and self.zero and self.zero.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
@@ -469,7 +470,7 @@ function Engine:forward(...)
   else
     out = self.module:forward(...)
   end
-  self.window_seconds = self.window_seconds + (now() - t0)
+  self.window:time(now() - t0)
   self:_stop('forward')
   return out
 end
@@ -496,13 +497,12 @@ function Engine:backward(loss, allreduce_gradients)
   else
     local gas = self:gradient_accumulation_steps()
     if gas > 1 then loss = loss / gas end
-    self.window_samples = self.window_samples + (self.micro_samples or self:train_micro_batch_size_per_gpu())
-    self.micro_samples = nil
+    self.window:add(self:train_micro_batch_size_per_gpu())
   end
   if self.scaler then loss = loss * self.scaler.cur_scale end
   local t0 = now()
   self:_backward(loss, boundary and allreduce_gradients ~= false)
-  if self.weighted then self.window_seconds = self.window_seconds + (now() - t0) end
+  if self.weighted then self.window:time(now() - t0) end
   self:_stop('backward')
   return loss
 end
@@ -527,34 +527,16 @@ end
 
 ---------------------------------------------------------------- weighting by samples
 
--- {this rank's window samples, 1 if it still has data} summed over ranks.
-function Engine:_count(samples, active)
-  if self.world_size == 1 then return samples, active end
-  local t = ds.tensor({ samples, active }, 'f64')
-  ds.comm.all_reduce(t, 'sum')
-  local v = t:totable()
-  return v[1], v[2]
-end
-
--- Micro steps inside a window leave the sum of their samples' gradients
--- (loss * b); the boundary learns the global count G and scales what is
--- there and its own loss by world_size / G, so after the reduction's
--- average the gradient is the mean over the G samples.
+-- This micro step's loss and the window's earlier gradients weighted by
+-- sample count (samplers/weighting.lua).
 function Engine:_weighted_loss(loss, boundary)
-  local b = self.micro_samples or self.loader_samples
-  self.micro_samples, self.loader_samples = nil, nil
-  if not b then
+  local f, earlier = self.window:weigh(boundary)
+  if not f then
     error('backward: cannot tell how many samples this micro step has: pass the batch ({x = ...} or x first) '
           .. 'to engine:forward, or read batches from the engine\'s loader', 3)
   end
-  local earlier = self.window_samples
-  self.window_samples = earlier + b
-  if not boundary then return loss * b end
-  local G = self:_count(self.window_samples, 1)
-  self.step_samples = G
-  local f = self.world_size / G
-  if earlier > 0 then self:_scale_grads(f) end
-  if b * f ~= 1 then loss = loss * (b * f) end
+  self:_scale_grads(earlier)
+  if f ~= 1 then loss = loss * f end
   return loss
 end
 
@@ -570,7 +552,7 @@ end
 -- match the engine's.
 function Engine:join()
   if not self.weighted then return end
-  if self.micro_samples or self.loader_samples then self.micro_samples, self.loader_samples = nil, nil end
+  self.window:forget()
   local gas = self:gradient_accumulation_steps()
   -- from stage 2 every micro step reduces: the window's other micro steps too
   local every = self.zero and self.zero.stage >= 2
@@ -579,15 +561,13 @@ function Engine:join()
       self:_backward(self:_shadow_loss(), false)
       self.micro_steps = self.micro_steps + 1
     end
-    local pending = self.window_samples
     local loss = self:_shadow_loss()
-    local G, active = self:_count(pending, 0)
+    local G, active, f = self.window:join_round()
     if G == 0 then
       self.micro_steps = self.micro_steps - self.micro_steps % gas    -- nothing pending anywhere
       return
     end
-    self.step_samples = G
-    if pending > 0 then self:_scale_grads(self.world_size / G) end
+    self:_scale_grads(f)
     self:_backward(loss, true)
     self.micro_steps = self.micro_steps - self.micro_steps % gas + gas - 1      -- the window's last micro step
     self:step()
@@ -632,8 +612,8 @@ end
 -- Without engine:backward (a pipeline's train_batch) train_batch_size.
 function Engine:_samples_read()
   local tbs = self:train_batch_size()
-  if self.window_samples == 0 then return tbs end
-  local read = self.window_samples * tbs / (self:train_micro_batch_size_per_gpu() * self:gradient_accumulation_steps())
+  if self.window.samples == 0 then return tbs end
+  local read = self.window.samples * tbs / (self:train_micro_batch_size_per_gpu() * self:gradient_accumulation_steps())
   if read ~= tbs and not self.said_samples then
     self.said_samples = true
     log(self, 'global_samples counts the samples read: %d at step %d (DeepSpeed adds train_batch_size, %d, every step)',
@@ -648,17 +628,10 @@ function Engine:step()
   if boundary then
     self:_take_step()
     self.global_steps = self.global_steps + 1
-    if self.weighted then
-      self.global_samples = self.global_samples + (self.step_samples or 0)
-      -- the auto policy's measurements: every rank's window, on every rank
-      if self.sampler and self.sampler:observing() then
-        self.sampler:exchange(self.window_samples, self.window_seconds)
-      end
-      self.step_samples, self.window_samples, self.window_seconds = nil, 0, 0
-    else
-      self.global_samples = self.global_samples + self:_samples_read()
-      self.window_samples = 0
-    end
+    -- weighted: the samples of every rank's window, told the auto policy
+    local read = not self.weighted and self:_samples_read()
+    local stepped = self.window:stepped(self.sampler)
+    self.global_samples = self.global_samples + (read or stepped)
   end
   self.micro_steps = self.micro_steps + 1
   self:_stop('step')

@@ -1,0 +1,57 @@
+local W = require 'samplers.weighting'
+
+describe('samplers.weighting window', function()
+  it('weighs each micro step by its samples and the boundary by world_size / G', function()
+    local w = W.new(1, true)
+    w:batch(3)
+    assert.are.same({ 3, 1 }, { w:weigh(false) })
+    w:loader_batch(5)
+    -- G = 8 on one rank: the loss by 5/8, the earlier gradients (3 samples' sum) by 1/8
+    assert.are.same({ 5 / 8, 1 / 8 }, { w:weigh(true) })
+    w:time(0.5)
+    assert.are.equal(8, w:stepped())
+    assert.are.equal(0, w.samples)
+    assert.are.equal(0, w.seconds)
+  end)
+
+  it('leaves a one-micro-step window\'s gradients alone and prefers the batch forward saw', function()
+    local w = W.new(1, true)
+    w:loader_batch(4)
+    w:batch(2)
+    assert.are.same({ 1, 1 }, { w:weigh(true) })
+    assert.are.equal(2, w:stepped())
+  end)
+
+  it('knows no samples after forget, and counts the micro batch size unweighted', function()
+    local w = W.new(1, true)
+    w:batch(2)
+    w:forget()
+    assert.is_nil(w:weigh(false))
+    local u = W.new(1, false)
+    u:add(4)
+    u:batch(3)
+    u:add(4)
+    assert.are.equal(7, u.samples)
+  end)
+
+  it('tells a joined rank whether a window is pending anywhere', function()
+    local w = W.new(1, true)
+    assert.are.same({ 0, 0, 1 }, { w:join_round() })
+    w:batch(3)
+    w:weigh(false)
+    assert.are.same({ 3, 0, 1 / 3 }, { w:join_round() })
+    assert.are.equal(3, w:stepped())
+  end)
+
+  it('hands the auto policy every rank\'s window when it observes', function()
+    local seen
+    local sampler = { observing = function() return true end,
+                      exchange = function(_, s, t) seen = { s, t } end }
+    local w = W.new(1, true)
+    w:batch(6)
+    w:weigh(true)
+    w:time(2)
+    w:stepped(sampler)
+    assert.are.same({ 6, 2 }, seen)
+  end)
+end)
