@@ -4,7 +4,8 @@
 --
 -- The step itself is the C step engine's (core/train/ds_zero.h): plain
 -- data parallel in fp32, or mixed precision and ZeRO through dslua/engine/zero.lua.
--- engine:backward and engine:step each cross into C once.
+-- engine:backward and engine:step each call the step engine once and cross
+-- into C a fixed number of times (spec/engine_spec.lua counts them).
 --
 -- On N ranks (world_size > 1) it is data parallel: initialize broadcasts
 -- the parameters and buffers from rank 0 and feeds its loader through
