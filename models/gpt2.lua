@@ -11,6 +11,7 @@
 --   local out = model:generate(ids, 100, { temperature = 0.8, top_k = 40 })
 --   local fast = GPT{ name = 'gpt2', padded_vocab_size = 50304 }  -- GEMM-friendly lm_head
 local ds = require 'dslua'
+local json = require 'dslua.base.json'
 local nn = ds.nn
 
 local M = {}
@@ -296,11 +297,12 @@ local function is_conv1d(name)
   return false
 end
 
--- The state_dict of a safetensors file in Hugging Face's GPT-2 layout
--- (model.safetensors of openai-community/gpt2 and friends), under
--- nanoGPT's names, Conv1D weights transposed, lm_head tied to wte.
-function M.hf_state_dict(path)
-  local raw = require('dslua.io.checkpoint').load_file(path)
+local hf = require 'models.hf'
+
+-- The state_dict of weights in Hugging Face's GPT-2 layout, {name =
+-- tensor} as hf.load reads them, under nanoGPT's names, Conv1D weights
+-- transposed, lm_head tied to wte.
+local function nano_state_dict(raw, path)
   local sd = {}
   for k, t in pairs(raw) do
     local name = nano_name(k)
@@ -313,18 +315,47 @@ function M.hf_state_dict(path)
   return sd
 end
 
--- from_hf(path [, overrides]) -> a GPT with the file's weights: sizes read
--- from the tensors (n_head from the named size of that width, or
--- overrides.n_head), dtype and device from overrides.
+-- The state_dict of a safetensors file (model.safetensors of
+-- openai-community/gpt2 and friends) or a Hugging Face folder.
+function M.hf_state_dict(path)
+  local _, raw = hf.load(path, 'gpt2.from_hf')
+  return nano_state_dict(raw, path)
+end
+
+-- config.json's key -> the config's (GPT2Config's names).
+local HF_KEYS = { n_embd = 'n_embd', n_layer = 'n_layer', n_head = 'n_head', n_positions = 'block_size',
+                  vocab_size = 'vocab_size' }
+
+-- Settings of GPT2Config this model does not implement, refused unless at
+-- the value it builds.
+local HF_REFUSED = {
+  activation_function = { 'gelu_new', 'gelu_pytorch_tanh' }, layer_norm_epsilon = { 1e-5 },
+  n_inner = {}, scale_attn_weights = { true }, scale_attn_by_inverse_layer_idx = { false },
+  add_cross_attention = { false },
+}
+
+-- from_hf(path [, overrides]) -> a GPT with the weights of a Hugging Face
+-- folder (config.json and model.safetensors or the sharded index) or of
+-- one safetensors file (sizes read from the tensors, n_head from the named
+-- size of that width or overrides.n_head); f32, bf16 or f16 in the files,
+-- dtype and device from overrides.
 function M.from_hf(path, overrides)
-  local sd = M.hf_state_dict(path)
+  local who = 'gpt2.from_hf'
+  local config, raw = hf.load(path, who)
+  local sd = nano_state_dict(raw, path)
   local wte, wpe = sd['transformer.wte.weight'], sd['transformer.wpe.weight']
   local n_layer = 0
   while sd[string.format('transformer.h.%d.ln_1.weight', n_layer)] do n_layer = n_layer + 1 end
   local cfg = { vocab_size = wte:size(1), n_embd = wte:size(2), block_size = wpe:size(1), n_layer = n_layer,
                 bias = sd['transformer.ln_f.bias'] ~= nil }
-  for _, named in pairs(M.configs) do
-    if named.n_embd == cfg.n_embd then cfg.n_head = named.n_head end
+  if config then
+    hf.check_type(config, 'gpt2', who)
+    hf.require_values(config, HF_REFUSED, who)
+    for key, name in pairs(HF_KEYS) do cfg[name] = config[key] or cfg[name] end
+  else
+    for _, named in pairs(M.configs) do
+      if named.n_embd == cfg.n_embd then cfg.n_head = named.n_head end
+    end
   end
   for k, v in pairs(overrides or {}) do cfg[k] = v end
   local pv = cfg.padded_vocab_size
@@ -339,6 +370,33 @@ function M.from_hf(path, overrides)
   local model = GPT(cfg)
   model:load_state_dict(sd)
   return model
+end
+
+-- save_hf(model, dir [, opts]): config.json and safetensors that
+-- transformers' GPT2LMHeadModel.from_pretrained loads: Conv1D weights
+-- transposed back, wte cut to vocab_size rows (the lm_head is wte's),
+-- opts.dtype ('f32', 'bf16', 'f16'; the model's by default),
+-- opts.max_shard_bytes (shards and the index above it; 5 GiB by default).
+function M.save_hf(model, dir, opts)
+  local c, who = model.config, 'gpt2.save_hf'
+  if not c.bias or c.gelu ~= 'tanh' then
+    error(who .. ": Hugging Face's GPT-2 has biases and the tanh GELU: this model has bias = "
+          .. tostring(c.bias) .. ", gelu = '" .. tostring(c.gelu) .. "'", 0)
+  end
+  local config = { architectures = { 'GPT2LMHeadModel' }, model_type = 'gpt2', activation_function = 'gelu_new',
+                   layer_norm_epsilon = 1e-5, n_inner = json.null, n_ctx = c.block_size,
+                   scale_attn_weights = true, tie_word_embeddings = true }
+  for key, name in pairs(HF_KEYS) do config[key] = c[name] end
+  local entries = {}
+  for _, e in ipairs(model:named_parameters()) do
+    local name, t = e[1], e[2]
+    if name == 'transformer.wte.weight' then
+      entries[#entries + 1] = { name, t:narrow(1, 1, c.vocab_size) }
+    elseif name ~= 'lm_head.weight' then
+      entries[#entries + 1] = { name, is_conv1d(name) and t:transpose(1, 2) or t }
+    end
+  end
+  hf.save(dir, config, entries, opts, who)
 end
 
 return setmetatable(M, { __call = function(_, cfg) return GPT(cfg) end })

@@ -10,6 +10,7 @@
 --   local model = Llama{ n_layer = 4, n_head = 8, n_kv_head = 2, n_embd = 256, vocab_size = 65, block_size = 256 }
 --   local loss = model{ x = ids, y = targets }     -- targets -100 ignored; logits without y
 local ds = require 'dslua'
+local json = require 'dslua.base.json'
 local nn = ds.nn
 
 local M = {}
@@ -211,6 +212,67 @@ function Llama:extra_repr()
   return string.format('n_layer=%d, n_head=%d, n_kv_head=%d, n_embd=%d, intermediate_size=%d, vocab_size=%d, '
                        .. 'block_size=%d', c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.intermediate_size,
                        c.vocab_size, c.block_size)
+end
+
+---------------------------------------------------------------- Hugging Face's folders
+
+local hf = require 'models.hf'
+
+-- config.json's key -> the config's (LlamaConfig's names).
+local HF_KEYS = {
+  hidden_size = 'n_embd', intermediate_size = 'intermediate_size', num_hidden_layers = 'n_layer',
+  num_attention_heads = 'n_head', num_key_value_heads = 'n_kv_head', rms_norm_eps = 'norm_eps',
+  rope_theta = 'rope_theta', vocab_size = 'vocab_size', max_position_embeddings = 'block_size',
+  tie_word_embeddings = 'tie_embeddings', initializer_range = 'initializer_range',
+}
+
+-- Settings of LlamaConfig this model does not implement, refused unless
+-- at the value it builds.
+local HF_REFUSED = {
+  rope_scaling = {}, attention_bias = { false }, mlp_bias = { false }, hidden_act = { 'silu' },
+  attention_dropout = { 0, 0.0 },
+}
+
+-- from_hf(dir [, overrides]) -> a Llama with the weights of a Hugging Face
+-- folder (config.json and model.safetensors or the sharded index), f32,
+-- bf16 or f16 in the files, converted to the config's dtype (overrides:
+-- dtype, device, checkpoint, ...).
+function M.from_hf(dir, overrides)
+  local who = 'llama.from_hf'
+  local config, sd = hf.load(dir, who)
+  if not config then error(who .. ": expected a folder with config.json, got '" .. dir .. "'", 0) end
+  hf.check_type(config, 'llama', who)
+  hf.require_values(config, HF_REFUSED, who)
+  local d = config.num_attention_heads and config.hidden_size and config.hidden_size / config.num_attention_heads
+  hf.require_values(config, { head_dim = { d } }, who)
+  local cfg = {}
+  for key, name in pairs(HF_KEYS) do
+    if config[key] ~= nil and config[key] ~= json.null then cfg[name] = config[key] end
+  end
+  cfg.tie_embeddings = cfg.tie_embeddings or false
+  for k, v in pairs(overrides or {}) do cfg[k] = v end
+  local model = Llama(cfg)
+  if model.config.tie_embeddings then sd['lm_head.weight'] = sd['lm_head.weight'] or sd['model.embed_tokens.weight'] end
+  model:load_state_dict(sd)
+  return model
+end
+
+-- save_hf(model, dir [, opts]): config.json and safetensors that
+-- transformers' LlamaForCausalLM.from_pretrained loads; opts.dtype ('f32',
+-- 'bf16', 'f16'; the model's by default), opts.max_shard_bytes (shards and
+-- model.safetensors.index.json above it; 5 GiB by default). A tied lm_head
+-- is written once, as the embedding.
+function M.save_hf(model, dir, opts)
+  local c = model.config
+  local config = { architectures = { 'LlamaForCausalLM' }, model_type = 'llama', hidden_act = 'silu',
+                   attention_bias = false, mlp_bias = false, rope_scaling = json.null,
+                   head_dim = c.n_embd / c.n_head }
+  for key, name in pairs(HF_KEYS) do config[key] = c[name] end
+  local entries = {}
+  for _, e in ipairs(model:named_parameters()) do
+    if not (c.tie_embeddings and e[1] == 'lm_head.weight') then entries[#entries + 1] = e end
+  end
+  hf.save(dir, config, entries, opts, 'llama.save_hf')
 end
 
 return setmetatable(M, { __call = function(_, cfg) return Llama(cfg) end })
