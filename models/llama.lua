@@ -251,6 +251,9 @@ function M.from_hf(dir, overrides)
   end
   cfg.tie_embeddings = cfg.tie_embeddings or false
   for k, v in pairs(overrides or {}) do cfg[k] = v end
+  for name in pairs(sd) do     -- the rotary tables older transformers saved: built here from rope_theta
+    if name:match('%.rotary_emb%.inv_freq$') then sd[name] = nil end
+  end
   local model = Llama(cfg)
   if model.config.tie_embeddings then sd['lm_head.weight'] = sd['lm_head.weight'] or sd['model.embed_tokens.weight'] end
   model:load_state_dict(sd)

@@ -165,6 +165,18 @@ describe('models.llama save_hf / from_hf', function()
     assert.is_true(max_diff(logits(m), logits(back)) <= 1e-5)
   end)
 
+  it('reads files older transformers wrote, with rotary_emb.inv_freq buffers', function()
+    ds.manual_seed(11)
+    local m = Llama(TINY)
+    local dir = tmpdir()
+    Llama.save_hf(m, dir)
+    local CK = require('dslua.io.checkpoint')
+    local sd = CK.load_file(dir .. '/model.safetensors')
+    sd['model.layers.0.self_attn.rotary_emb.inv_freq'] = ds.ones({ 2 })
+    CK.save_file(dir .. '/model.safetensors', sd)
+    same_params(m, Llama.from_hf(dir))
+  end)
+
   describe('refuses', function()
     local dir
     before_each(function()
