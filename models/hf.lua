@@ -4,7 +4,6 @@
 -- model.safetensors.index.json ({"metadata": {"total_size": bytes},
 -- "weight_map": {name: file}}), as transformers' save_pretrained writes
 -- them and from_pretrained reads them.
-local ds = require 'dslua'
 local json = require 'dslua.base.json'
 local file_io = require 'dslua.base.file'
 local core = require 'dslua.core'
@@ -36,7 +35,7 @@ local function read_files(dir, by_file, who)
   for name, wanted in pairs(by_file) do
     local path = dir and dir .. '/' .. name or name
     local ok, f = pcall(core.ckpt.open, path)
-    if not ok then fail("%s: cannot read '%s': %s", who, path, f) end
+    if not ok then fail("%s: cannot read '%s': %s", who, path, file_io.reason(f, path)) end
     local shapes = {}
     for _, e in ipairs(f:entries()) do shapes[e.name] = e.shape end
     local names = wanted
@@ -100,65 +99,57 @@ function M.check_type(config, model_type, who)
   end
 end
 
-local function bytes(t) return t:numel() * BYTES[t:dtype()] end
-
--- Shards of at most max_bytes (a tensor larger than that alone in its own),
--- in the order of entries.
-local function split(entries, max_bytes)
-  local shards, size = { {} }, 0
+-- Shards of at most max_bytes of dtype (a tensor larger than that alone in
+-- its own), in the order of entries; and the bytes of all.
+local function split(entries, dtype, max_bytes)
+  local shards, size, total = { {} }, 0, 0
   for _, e in ipairs(entries) do
-    local n = bytes(e[2])
+    local n = e[2]:numel() * BYTES[dtype]
     if size > 0 and size + n > max_bytes then shards[#shards + 1], size = {}, 0 end
     table.insert(shards[#shards], e)
-    size = size + n
+    size, total = size + n, total + n
   end
-  return shards
+  return shards, total
+end
+
+-- A shard's tensors as written: dtype, on the host, contiguous (one shard
+-- converted at a time, so a save holds at most one shard's copy).
+local function converted(shard, dtype)
+  local out = {}
+  for i, e in ipairs(shard) do out[i] = { e[1], e[2]:detach():to(dtype):to('cpu'):contiguous() } end
+  return out
 end
 
 -- save(dir, config, entries {{name, tensor}...}, opts): config.json and the
--- tensors in opts.dtype ('f32', 'bf16', 'f16'; the tensors' own by
+-- tensors in opts.dtype ('f32', 'bf16', 'f16'; the first tensor's by
 -- default), one file, or shards and the index above opts.max_shard_bytes.
 -- The other layout's files left by an earlier save are removed, so that
 -- transformers cannot read stale weights.
 function M.save(dir, config, entries, opts, who)
   opts = opts or {}
-  local dtype = opts.dtype
-  if dtype ~= nil and not TORCH_DTYPE[dtype] then
-    fail("%s: dtype '%s' is not one of f32, bf16, f16", who, tostring(dtype))
-  end
-  local out, total = {}, 0
-  for i, e in ipairs(entries) do
-    local t = e[2]:detach()
-    t = t:to(dtype or t:dtype()):to('cpu'):contiguous()
-    if not BYTES[t:dtype()] then fail("%s: '%s' is %s, not f32, bf16 or f16", who, e[1], t:dtype()) end
-    out[i] = { e[1], t }
-    total = total + bytes(t)
-  end
-  config.torch_dtype = TORCH_DTYPE[out[1][2]:dtype()]
-  core.ckpt.mkdirs(dir)
+  local dtype = opts.dtype or entries[1][2]:dtype()
+  if not TORCH_DTYPE[dtype] then fail("%s: dtype '%s' is not one of f32, bf16, f16", who, tostring(dtype)) end
   local max = opts.max_shard_bytes or M.MAX_SHARD_BYTES
-  local shards = split(out, max)
+  if type(max) ~= 'number' or max <= 0 then
+    fail('%s: max_shard_bytes must be a positive number, got %s', who, tostring(max))
+  end
+  config.torch_dtype = TORCH_DTYPE[dtype]
+  core.ckpt.mkdirs(dir)
+  local shards, total = split(entries, dtype, max)
   if #shards == 1 then
-    checkpoint.save_file(dir .. '/' .. SINGLE, out)
+    checkpoint.save_file(dir .. '/' .. SINGLE, converted(shards[1], dtype))
     os.remove(dir .. '/' .. INDEX)
   else
     local map = {}
     for i, shard in ipairs(shards) do
       local name = string.format('model-%05d-of-%05d.safetensors', i, #shards)
-      checkpoint.save_file(dir .. '/' .. name, shard)
+      checkpoint.save_file(dir .. '/' .. name, converted(shard, dtype))
       for _, e in ipairs(shard) do map[e[1]] = name end
     end
     core.file.write(dir .. '/' .. INDEX, json.encode({ metadata = { total_size = total }, weight_map = map }, 2) .. '\n')
     os.remove(dir .. '/' .. SINGLE)
   end
   core.file.write(dir .. '/' .. CONFIG, json.encode(config, 2) .. '\n')
-end
-
--- A tensor of the file by name, refused when absent.
-function M.take(sd, name, who)
-  local t = sd[name]
-  if not ds.is_tensor(t) then fail("%s: the weights have no tensor '%s'", who, name) end
-  return t
 end
 
 return M

@@ -234,9 +234,18 @@ describe('models.llama save_hf / from_hf', function()
       H.has(H.err(Llama.from_hf, dir), 'model.norm.weight')
     end)
 
-    it('a dtype it cannot write', function()
+    it('a folder without weights, naming the file it looked for', function()
+      local empty = tmpdir()
+      H.write(empty .. '/config.json', H.run('cat ' .. dir .. '/config.json'))
+      H.has(H.err(Llama.from_hf, empty),
+            "llama.from_hf: cannot read '" .. empty .. "/model.safetensors': No such file or directory")
+    end)
+
+    it('a dtype or shard size it cannot write', function()
       H.has(H.err(Llama.save_hf, Llama(TINY), tmpdir(), { dtype = 'f64' }),
             "llama.save_hf: dtype 'f64' is not one of f32, bf16, f16")
+      H.has(H.err(Llama.save_hf, Llama(TINY), tmpdir(), { max_shard_bytes = 0 }),
+            'llama.save_hf: max_shard_bytes must be a positive number, got 0')
     end)
   end)
 end)
