@@ -105,6 +105,17 @@ describe('models.llama save_hf / from_hf', function()
     assert.is_true(max_diff(logits(m), logits(back)) <= 1e-5)
   end)
 
+  it('maps every config key both ways (rope_theta, rms_norm_eps, ... at values other than the defaults)', function()
+    local cfg = { rope_theta = 500000, norm_eps = 1e-6, initializer_range = 0.01 }
+    for k, v in pairs(TINY) do cfg[k] = v end
+    local dir = tmpdir()
+    Llama.save_hf(Llama(cfg), dir)
+    local c = read_json(dir .. '/config.json')
+    assert.are.same({ 500000, 1e-6, 0.01 }, { c.rope_theta, c.rms_norm_eps, c.initializer_range })
+    local back = Llama.from_hf(dir).config
+    for k, v in pairs(cfg) do assert.are.equal(v, back[k], k) end
+  end)
+
   it('shards above max_shard_bytes with an index transformers reads (weight_map, metadata.total_size)', function()
     ds.manual_seed(4)
     local m = Llama(TINY)
