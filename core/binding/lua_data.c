@@ -162,13 +162,16 @@ static int l_read_cifar10(lua_State *L) {
     return 2;
 }
 
-/* read_shards({paths}) -> tokens i32, {token count per shard} */
-static int l_read_shards(lua_State *L) {
+/* shards({paths}, block, stride, vocab) -> dataset, {token count per shard} */
+static int l_shards(lua_State *L) {
     int n;
-    lua_settop(L, 1);
+    lua_settop(L, 4);
     const char **paths = check_strings(L, 1, "shards", &n);
+    int64_t block = dsL_checkint(L, 2, 1, INT64_MAX, "shards: block_size");
+    int64_t stride = dsL_checkint(L, 3, 1, INT64_MAX, "shards: stride");
+    int64_t vocab = dsL_checkint(L, 4, 0, INT64_MAX, "shards: vocab_size");
     int64_t *lengths = lua_newuserdata(L, sizeof *lengths * (size_t)n);
-    dsL_pushtensor(L, ds_data_read_shards(n, paths, lengths));
+    push_dataset(L, ds_dataset_shards(n, paths, block, stride, vocab, lengths));
     lua_createtable(L, n, 0);
     for (int k = 0; k < n; k++) {
         lua_pushnumber(L, (lua_Number)lengths[k]);
@@ -386,7 +389,7 @@ static int l_close(lua_State *L) {
 }
 
 static const luaL_Reg data_functions[] = {
-    {"read_idx", l_read_idx}, {"idx_items", l_idx_items}, {"read_cifar10", l_read_cifar10}, {"read_shards", l_read_shards},
+    {"read_idx", l_read_idx}, {"idx_items", l_idx_items}, {"read_cifar10", l_read_cifar10}, {"shards", l_shards},
     {"char_tokens", l_char_tokens}, {"encode", l_encode}, {"decode", l_decode},
     {"glob", l_glob}, {"is_dir", l_is_dir}, {"read_file", l_read_file},
     {"rows", l_rows}, {"windows", l_windows}, {"len", l_len}, {"gather", l_gather}, {"get", l_get},

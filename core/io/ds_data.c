@@ -6,6 +6,7 @@
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
@@ -336,63 +337,78 @@ int ds_data_decode(const ds_tensor *ids, const unsigned char *vocab, int nvocab,
     return 0;
 }
 
-/* The token bytes a shard header declares; 0 for a header the reader
- * refuses. */
-static size_t shard_body(const unsigned char *h, size_t n) {
-    (void)n;
-    int32_t count = le32(h + 8);
-    return le32(h) == DS_SHARD_MAGIC && count > 0 ? (size_t)count * 2 : 0;
-}
-
-/* One shard's tokens, validated, as the malloc'd file (tokens at byte 1024). */
-static unsigned char *read_shard(const char *path, int64_t *ntok) {
-    size_t n;
+/* The token count of a shard of n bytes whose header (or first two bytes,
+ * when n is shorter) is h; -1 with the error naming path. */
+static int64_t shard_count(const char *path, const unsigned char *h, size_t n) {
     const size_t header = DS_SHARD_HEADER_INTS * 4;
-    unsigned char *b = read_file(path, header, shard_body, &n);
-    if (!b) return NULL;
-    if (n < header) {
-        free(b);
-        return ds_fail(DS_ERR_IO, "%s: truncated: %zu bytes, the token shard header needs %zu", path, n, header);
-    }
-    int32_t magic = le32(b), version = le32(b + 4), count = le32(b + 8);
-    if (magic != DS_SHARD_MAGIC) {
-        free(b);
-        return ds_fail(DS_ERR_IO, "%s: magic %d, expected %d (llm.c token shard)", path, magic, DS_SHARD_MAGIC);
-    }
-    if (version != DS_SHARD_VERSION) {
-        free(b);
+    if (n >= 2 && h[0] == 0x1f && h[1] == 0x8b)
+        return ds_fail(DS_ERR_IO, "%s: gzip-compressed; token shards are memory-mapped, decompress it first", path), -1;
+    if (n < header)
+        return ds_fail(DS_ERR_IO, "%s: truncated: %zu bytes, the token shard header needs %zu", path, n, header), -1;
+    int32_t magic = le32(h), version = le32(h + 4), count = le32(h + 8);
+    if (magic != DS_SHARD_MAGIC)
+        return ds_fail(DS_ERR_IO, "%s: magic %d, expected %d (llm.c token shard)", path, magic, DS_SHARD_MAGIC), -1;
+    if (version != DS_SHARD_VERSION)
         return ds_fail(DS_ERR_IO, "%s: version %d, expected %d (llm.c token shard of uint16 tokens)", path, version,
-                       DS_SHARD_VERSION);
-    }
-    if (count < 0 || n - header < (size_t)count * 2) {
-        free(b);
+                       DS_SHARD_VERSION), -1;
+    if (count < 0 || n - header < (size_t)count * 2)
         return ds_fail(DS_ERR_IO, "%s: truncated: %zu bytes of tokens, the header says %d tokens (%lld bytes)", path,
-                       n - header, count, (long long)count * 2);
-    }
-    *ntok = count;
-    return b;
+                       n - header, count, (long long)count * 2), -1;
+    return count;
 }
 
-ds_tensor *ds_data_read_shards(int nfiles, const char *const *paths, int64_t *lengths) {
-    if (nfiles < 1) return ds_fail(DS_ERR_ARG, "shards: no files given");
-    unsigned char **bufs = calloc((size_t)nfiles, sizeof *bufs);
-    if (!bufs) return ds_fail(DS_ERR_NOMEM, "shards: out of memory");
-    ds_tensor *t = NULL;
-    int64_t total = 0;
-    for (int k = 0; k < nfiles; k++) {
-        bufs[k] = read_shard(paths[k], &lengths[k]);
-        if (!bufs[k]) goto done;
-        total += lengths[k];
+/* The shard at path mapped read-only, its header and size checked once. */
+static int shard_open(const char *path, ds_shard *s) {
+    struct stat st;
+    int fd = open_regular(path, &st);
+    if (fd < 0) return -1;
+    unsigned char h[DS_SHARD_HEADER_INTS * 4] = { 0 };
+    size_t n = (size_t)st.st_size;
+    ssize_t got = pread(fd, h, n < sizeof h ? n : sizeof h, 0);
+    int64_t count = got < 0 ? -1 : shard_count(path, h, (size_t)got < sizeof h ? (size_t)got : n);
+    if (got < 0) ds_fail(DS_ERR_IO, "%s: cannot read (%s)", path, strerror(errno));
+    if (count >= 0) {
+        s->map_len = sizeof h + (size_t)count * 2;
+        s->map = mmap(NULL, s->map_len, PROT_READ, MAP_SHARED, fd, 0);
+        if (s->map == MAP_FAILED) {
+            s->map = NULL;
+            ds_fail(DS_ERR_IO, "%s: cannot map (%s)", path, strerror(errno));
+        }
     }
-    t = ds_tensor_new(1, &total, DS_I32, DS_CPU_DEVICE);
-    if (!t) goto done;
-    int32_t *out = ds_tensor_data(t);
-    for (int k = 0; k < nfiles; k++) {
-        const unsigned char *p = bufs[k] + DS_SHARD_HEADER_INTS * 4;
-        for (int64_t i = 0; i < lengths[k]; i++) *out++ = (int32_t)(p[2 * i] | p[2 * i + 1] << 8);
+    close(fd);
+    if (!s->map) return -1;
+    s->tokens = (const unsigned char *)s->map + sizeof h;
+    s->ntok = count;
+    return 0;
+}
+
+/* Every token below vocab, read once; the pages read are dropped from this
+ * process after (the page cache keeps them). */
+static int shard_check_vocab(const char *path, ds_shard *s, int64_t vocab) {
+    for (int64_t i = 0; i < s->ntok; i++) {
+        int64_t t = ds_shard_token(s, i);
+        if (t >= vocab) {
+            ds_fail(DS_ERR_IO, "%s: token %lld at position %lld (byte offset %lld) is outside the vocabulary [0, %lld)",
+                    path, (long long)t, (long long)i + 1, (long long)(DS_SHARD_HEADER_INTS * 4 + 2 * i),
+                    (long long)vocab);
+            return -1;
+        }
     }
-done:
-    for (int k = 0; k < nfiles; k++) free(bufs[k]);
-    free(bufs);
-    return t;
+    madvise(s->map, s->map_len, MADV_DONTNEED);
+    return 0;
+}
+
+int ds_shard_map(const char *path, int64_t vocab, ds_shard *s) {
+    memset(s, 0, sizeof *s);
+    if (shard_open(path, s)) return -1;
+    if (vocab > 0 && shard_check_vocab(path, s, vocab)) {
+        ds_shard_unmap(s);
+        return -1;
+    }
+    return 0;
+}
+
+void ds_shard_unmap(ds_shard *s) {
+    if (s->map) munmap(s->map, s->map_len);
+    memset(s, 0, sizeof *s);
 }

@@ -1,5 +1,5 @@
 /* Dataset readers: MNIST IDX, CIFAR-10 binary batches, character-level
- * text and llm.c token shards, each read whole into tensors.
+ * text, each read whole into tensors, and llm.c token shards, mapped.
  *
  * Files may be gzip-compressed or plain (zlib reads both). Errors name the
  * file and what was expected against what was found. Every function
@@ -43,8 +43,23 @@ ds_tensor *ds_data_encode(const unsigned char *s, size_t n, const unsigned char 
  * holds numel(ids) bytes; an id outside the vocabulary is an error. */
 int ds_data_decode(const ds_tensor *ids, const unsigned char *vocab, int nvocab, unsigned char *out);
 
-/* Token shards concatenated into one i32 tensor; lengths[k] receives the
- * token count of shard k. */
-ds_tensor *ds_data_read_shards(int nfiles, const char *const *paths, int64_t *lengths);
+/* A token shard mapped read-only: its tokens stay in the page cache and
+ * are read where a window needs them, so a corpus of any size costs this
+ * process no anonymous memory. */
+typedef struct {
+    void *map;
+    size_t map_len;
+    const unsigned char *tokens;    /* ntok little-endian uint16 */
+    int64_t ntok;
+} ds_shard;
+
+/* Maps path, checking its header and size; vocab > 0 also checks every
+ * token is below it (one read of the shard). 0, or -1 naming the file. */
+int ds_shard_map(const char *path, int64_t vocab, ds_shard *s);
+/* Unmaps s (a zeroed s too). */
+void ds_shard_unmap(ds_shard *s);
+static inline int64_t ds_shard_token(const ds_shard *s, int64_t i) {
+    return s->tokens[2 * i] | s->tokens[2 * i + 1] << 8;
+}
 
 #endif

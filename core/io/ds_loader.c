@@ -1,4 +1,5 @@
 #include "ds_loader.h"
+#include "ds_data.h"
 #include "ds_error.h"
 #include "ds_op_shape.h"
 #include "ds_philox.h"
@@ -19,8 +20,9 @@ struct ds_dataset {
     int nfields;
     char names[DS_DATASET_MAX_FIELDS][DS_DATASET_NAME_MAX];
     ds_tensor *fields[DS_DATASET_MAX_FIELDS];   /* rows: contiguous, leading dim len */
-    /* windows */
+    /* windows, over tokens or over mapped shards (one a segment) */
     ds_tensor *tokens;
+    ds_shard *shards;
     int64_t block, stride;
     int nseg;
     int64_t *seg_start;     /* first token of each segment */
@@ -72,34 +74,11 @@ ds_dataset *ds_dataset_rows(int nfields, const char *const *names, ds_tensor *co
     return d;
 }
 
-ds_dataset *ds_dataset_windows(ds_tensor *tokens, int nseg, const int64_t *seg_len, int64_t block, int64_t stride) {
-    char s[96];
-    if (ds_tensor_device(tokens).type != DS_DEV_CPU || tokens->ndim != 1 || !ds_tensor_is_contiguous(tokens) ||
-        !(tokens->dtype == DS_U8 || tokens->dtype == DS_I32 || tokens->dtype == DS_I64))
-        return ds_fail(DS_ERR_ARG, "dataset: tokens must be a contiguous 1-D CPU tensor of u8, i32 or i64, got %s %s",
-                       ds_dtype_name(tokens->dtype), ds_shape_str(tokens, s, sizeof s));
-    if (block < 1 || stride < 1)
-        return ds_fail(DS_ERR_ARG, "dataset: block_size %lld and stride %lld must be at least 1", (long long)block,
-                       (long long)stride);
-    int64_t sum = 0, longest = 0;
-    for (int k = 0; k < nseg; k++) {
-        sum += seg_len[k];
-        if (seg_len[k] > longest) longest = seg_len[k];
-    }
-    if (nseg < 1 || sum != tokens->shape[0])
-        return ds_fail(DS_ERR_ARG, "dataset: %d segments of %lld tokens in all, the tokens hold %lld", nseg,
-                       (long long)sum, (long long)tokens->shape[0]);
-    if (longest < block + 1)
-        return ds_fail(DS_ERR_ARG, "dataset: block_size %lld needs %lld tokens (inputs and next-token targets), "
-                       "the longest sequence has %lld", (long long)block, (long long)block + 1, (long long)longest);
-    ds_dataset *d = dataset_alloc(DS_DATASET_WINDOWS);
-    if (!d) return NULL;
+/* The segments' first tokens and samples, the windows' shape: 0 or -1. */
+static int windows_index(ds_dataset *d, int nseg, const int64_t *seg_len, int64_t block, int64_t stride) {
     d->seg_start = malloc(sizeof *d->seg_start * (size_t)nseg);
     d->seg_first = malloc(sizeof *d->seg_first * (size_t)(nseg + 1));
-    if (!d->seg_start || !d->seg_first) {
-        ds_dataset_release(d);
-        return ds_fail(DS_ERR_NOMEM, "dataset: out of memory");
-    }
+    if (!d->seg_start || !d->seg_first) return ds_fail(DS_ERR_NOMEM, "dataset: out of memory"), -1;
     int64_t at = 0, first = 0;
     for (int k = 0; k < nseg; k++) {
         d->seg_start[k] = at;
@@ -115,9 +94,71 @@ ds_dataset *ds_dataset_windows(ds_tensor *tokens, int nseg, const int64_t *seg_l
     d->nfields = 2;
     strcpy(d->names[0], "x");
     strcpy(d->names[1], "y");
+    return 0;
+}
+
+static int check_window(int64_t block, int64_t stride) {
+    if (block >= 1 && stride >= 1) return 0;
+    return ds_fail(DS_ERR_ARG, "dataset: block_size %lld and stride %lld must be at least 1", (long long)block,
+                   (long long)stride), -1;
+}
+
+ds_dataset *ds_dataset_windows(ds_tensor *tokens, int nseg, const int64_t *seg_len, int64_t block, int64_t stride) {
+    char s[96];
+    if (ds_tensor_device(tokens).type != DS_DEV_CPU || tokens->ndim != 1 || !ds_tensor_is_contiguous(tokens) ||
+        !(tokens->dtype == DS_U8 || tokens->dtype == DS_I32 || tokens->dtype == DS_I64))
+        return ds_fail(DS_ERR_ARG, "dataset: tokens must be a contiguous 1-D CPU tensor of u8, i32 or i64, got %s %s",
+                       ds_dtype_name(tokens->dtype), ds_shape_str(tokens, s, sizeof s));
+    if (check_window(block, stride)) return NULL;
+    int64_t sum = 0, longest = 0;
+    for (int k = 0; k < nseg; k++) {
+        sum += seg_len[k];
+        if (seg_len[k] > longest) longest = seg_len[k];
+    }
+    if (nseg < 1 || sum != tokens->shape[0])
+        return ds_fail(DS_ERR_ARG, "dataset: %d segments of %lld tokens in all, the tokens hold %lld", nseg,
+                       (long long)sum, (long long)tokens->shape[0]);
+    if (longest < block + 1)
+        return ds_fail(DS_ERR_ARG, "dataset: block_size %lld needs %lld tokens (inputs and next-token targets), "
+                       "the longest sequence has %lld", (long long)block, (long long)block + 1, (long long)longest);
+    ds_dataset *d = dataset_alloc(DS_DATASET_WINDOWS);
+    if (!d) return NULL;
+    if (windows_index(d, nseg, seg_len, block, stride)) {
+        ds_dataset_release(d);
+        return NULL;
+    }
     ds_tensor_retain(tokens);
     ds_storage_pin(tokens->storage, "a dataset (its loader threads read it)");
     d->tokens = tokens;
+    return d;
+}
+
+/* Maps the shards and checks each holds a window; their lengths to len. */
+static int map_shards(ds_dataset *d, int nfiles, const char *const *paths, int64_t block, int64_t vocab,
+                      int64_t *len) {
+    d->shards = calloc((size_t)nfiles, sizeof *d->shards);
+    if (!d->shards) return ds_fail(DS_ERR_NOMEM, "dataset: out of memory"), -1;
+    d->nseg = nfiles;
+    for (int k = 0; k < nfiles; k++) {
+        if (ds_shard_map(paths[k], vocab, &d->shards[k])) return -1;
+        len[k] = d->shards[k].ntok;
+        if (len[k] < block + 1)
+            return ds_fail(DS_ERR_ARG, "%s: %lld token%s, a window of block_size %lld needs %lld", paths[k],
+                           (long long)len[k], len[k] == 1 ? "" : "s", (long long)block, (long long)block + 1), -1;
+    }
+    return 0;
+}
+
+ds_dataset *ds_dataset_shards(int nfiles, const char *const *paths, int64_t block, int64_t stride, int64_t vocab,
+                              int64_t *len) {
+    if (nfiles < 1) return ds_fail(DS_ERR_ARG, "shards: no files given");
+    if (check_window(block, stride)) return NULL;
+    ds_dataset *d = dataset_alloc(DS_DATASET_WINDOWS);
+    if (!d) return NULL;
+    if (map_shards(d, nfiles, paths, block, vocab, len) || windows_index(d, nfiles, len, block, stride)) {
+        ds_dataset_release(d);
+        return NULL;
+    }
     return d;
 }
 
@@ -131,6 +172,8 @@ void ds_dataset_release(ds_dataset *d) {
     }
     if (d->tokens) ds_storage_unpin(d->tokens->storage);
     ds_tensor_release(d->tokens);
+    for (int k = 0; d->shards && k < d->nseg; k++) ds_shard_unmap(&d->shards[k]);
+    free(d->shards);
     free(d->seg_start);
     free(d->seg_first);
     free(d);
@@ -180,6 +223,10 @@ static void copy_tokens(int64_t *dst, const ds_tensor *tokens, int64_t at, int64
     }
 }
 
+static void copy_shard(int64_t *dst, const ds_shard *s, int64_t at, int64_t n) {
+    for (int64_t t = 0; t < n; t++) dst[t] = ds_shard_token(s, at + t);
+}
+
 static int gather_windows(const ds_dataset *d, const int64_t *idx, int64_t n, ds_device dev, ds_tensor **out) {
     int64_t shape[2] = { n, d->block };
     out[0] = ds_tensor_new_staging(2, shape, DS_I64, dev);
@@ -193,9 +240,14 @@ static int gather_windows(const ds_dataset *d, const int64_t *idx, int64_t n, ds
             if (d->seg_first[mid] <= idx[b]) lo = mid;
             else hi = mid - 1;
         }
-        int64_t p = d->seg_start[lo] + (idx[b] - d->seg_first[lo]) * d->stride;
-        copy_tokens(x + b * d->block, d->tokens, p, d->block);
-        copy_tokens(y + b * d->block, d->tokens, p + 1, d->block);
+        int64_t p = (idx[b] - d->seg_first[lo]) * d->stride;
+        if (d->shards) {
+            copy_shard(x + b * d->block, &d->shards[lo], p, d->block);
+            copy_shard(y + b * d->block, &d->shards[lo], p + 1, d->block);
+        } else {
+            copy_tokens(x + b * d->block, d->tokens, d->seg_start[lo] + p, d->block);
+            copy_tokens(y + b * d->block, d->tokens, d->seg_start[lo] + p + 1, d->block);
+        }
     }
     return 0;
 }

@@ -1,9 +1,9 @@
 /* Batches from in-memory datasets, gathered on the calling thread or by
  * prefetch threads.
  *
- * A ds_dataset is a batch gatherer over tensors already in memory: rows of
- * a few named tensors (MNIST, CIFAR, tensors in memory), or windows over a
- * token sequence (text, token shards). A ds_loader runs num_workers
+ * A ds_dataset is a batch gatherer over tensors already in memory or
+ * mapped files: rows of a few named tensors (MNIST, CIFAR, tensors in
+ * memory), or windows over a token sequence (text, token shards). A ds_loader runs num_workers
  * pthreads (no Lua in them) that gather the batches whose sample indices the
  * main thread hands over ahead of time; a bounded ring holds the batches in
  * flight, and they come back in the order they were submitted, so workers
@@ -34,6 +34,13 @@ ds_dataset *ds_dataset_rows(int nfields, const char *const *names, ds_tensor *co
  * is x = tokens[p, p+block), y = tokens[p+1, p+block+1] as i64, where
  * windows start every `stride` tokens of a segment. Fields "x" and "y". */
 ds_dataset *ds_dataset_windows(ds_tensor *tokens, int nseg, const int64_t *seg_len, int64_t block, int64_t stride);
+/* The same windows over llm.c token shards (ds_data.h), one segment each,
+ * memory-mapped: a batch reads its windows' tokens from the page cache, so
+ * the corpus costs no anonymous memory whatever its size. Every shard must
+ * hold a window; vocab > 0 checks every token is below it. len[k]
+ * receives shard k's token count. */
+ds_dataset *ds_dataset_shards(int nfiles, const char *const *paths, int64_t block, int64_t stride, int64_t vocab,
+                              int64_t *len);
 void ds_dataset_retain(ds_dataset *d);
 void ds_dataset_release(ds_dataset *d);
 

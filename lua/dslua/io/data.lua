@@ -351,11 +351,13 @@ local SHARD_OPTS = { 'paths', 'pattern', 'block_size', 'stride', 'vocab_size' }
 
 -- ds.data.shards{paths = {...} | pattern = 'dir/*_train_*.bin', block_size = T,
 -- stride = T, vocab_size = V}: llm.c token shards (256 int32 header: magic
--- 20240520, version 1, token count; then uint16 tokens). Windows stay inside
+-- 20240520, version 1, token count; then uint16 tokens), memory-mapped: a
+-- batch's windows are read from the files in the loader's threads, so the
+-- corpus costs no anonymous memory, whatever its size. Windows stay inside
 -- a shard; stride defaults to block_size (non-overlapping sequences, as
 -- llm.c reads them). Every shard must hold a window (block_size + 1
--- tokens); with vocab_size every token must be below it (GPT-2: 50257).
--- dataset.tokens (i32), dataset.lengths, dataset.paths.
+-- tokens); with vocab_size every token must be below it (GPT-2: 50257),
+-- checked by reading each shard once. dataset.lengths, dataset.paths.
 function M.shards(opts)
   local fname = 'ds.data.shards'
   check_opts(fname, opts, SHARD_OPTS)
@@ -370,21 +372,8 @@ function M.shards(opts)
     fail(fname, 'paths is an empty list')
   end
   local vocab = check_int(fname, opts, 'vocab_size', nil, 1)
-  local tokens, lengths = try(fname, C.read_shards, paths)
-  local at = 0
-  for k, len in ipairs(lengths) do
-    if len < T + 1 then
-      fail(fname, '%s: %d token%s, a window of block_size %d needs %d', paths[k], len, len == 1 and '' or 's', T, T + 1)
-    end
-    if vocab and tokens:narrow(1, at + 1, len):amax():item() >= vocab then
-      local i = tokens:narrow(1, at + 1, len):ge(vocab):to('i32'):argmax():item()
-      fail(fname, '%s: token %d at position %d (byte offset %d) is outside the vocabulary [0, %d)', paths[k],
-           tokens:narrow(1, at + i + 1, 1):item(), i + 1, 1024 + 2 * i, vocab)
-    end
-    at = at + len
-  end
-  local c = try(fname, C.windows, tokens, lengths, T, stride)
-  return dataset('shards', c, { tokens = tokens, lengths = lengths, paths = paths, block_size = T, stride = stride })
+  local c, lengths = try(fname, C.shards, paths, T, stride, vocab or 0)
+  return dataset('shards', c, { lengths = lengths, paths = paths, block_size = T, stride = stride })
 end
 
 -- ds.data.permutation(n, seed) -> i64 tensor: a permutation of [0, n) that
