@@ -366,6 +366,116 @@ describe('ds.data.shards', function()
     fails('ok%.bin: 10 tokens, a window of block_size 10 needs 11', ds.data.shards,
           { paths = { shard('ok.bin', A) }, block_size = 10 })
   end)
+
+  -- The windows of each shard by their definition, as rows of x and y.
+  local function windows_of(shards, T, stride)
+    local x, y = {}, {}
+    for _, toks in ipairs(shards) do
+      for s = 0, #toks - T - 1, stride do
+        local wx, wy = {}, {}
+        for t = 1, T do wx[t], wy[t] = toks[s + t], toks[s + t + 1] end
+        x[#x + 1], y[#y + 1] = wx, wy
+      end
+    end
+    return ds.data.tensors{ x = ds.tensor(x, 'i64'), y = ds.tensor(y, 'i64') }
+  end
+
+  local function batches(d, opts, resume)
+    local l = ds.data.loader(d, opts)
+    if resume then l:resume(resume) end
+    local out = {}
+    for step, b in l:epoch(2) do out[#out + 1] = { step, values(b.x), values(b.y) } end
+    l:close()
+    return out
+  end
+
+  it('gives the batches of the same windows in memory: shuffled, in threads, per rank, resumed', function()
+    os.execute('mkdir -p ' .. dir .. '/same')
+    local seed, shards = 7, {}
+    for k, n in ipairs { 301, 17, 250, 64 } do
+      local toks = {}
+      for i = 1, n do
+        seed = (seed * 1103515245 + 12345) % 2147483648
+        toks[i] = math.floor(seed / 32768) % 65536
+      end
+      shards[k] = toks
+      shard(string.format('same/s_%03d.bin', k), toks)
+    end
+    local DS = require 'samplers.distributed'
+    for _, w in ipairs { { T = 16, stride = 16, n = 18 + 1 + 15 + 3 }, { T = 5, stride = 3, n = 99 + 4 + 82 + 20 } } do
+      local d = ds.data.shards{ pattern = dir .. '/same/s_*.bin', block_size = w.T, stride = w.stride }
+      local ref = windows_of(shards, w.T, w.stride)
+      assert.are.equal(w.n, #d)
+      assert.are.equal(w.n, #ref)
+      local cases = { { batch_size = 4, seed = 3 }, { batch_size = 5, seed = 3, num_workers = 2, prefetch_factor = 3 } }
+      for r = 0, 2 do
+        cases[#cases + 1] = { batch_size = 3, num_workers = 1, sampler = DS(d, { num_replicas = 3, rank = r, seed = 5 }) }
+      end
+      for _, opts in ipairs(cases) do
+        local want = batches(ref, opts)
+        assert.is_true(#want >= 2)
+        assert.are.same(want, batches(d, opts))
+        -- resumed at the exact window: the third batch on
+        local at = { epoch = 2, step = 2, samples = 2 * opts.batch_size }
+        assert.are.same({ unpack(want, 3) }, batches(d, opts, at))
+      end
+    end
+  end)
+
+  it('reads a 100M-token shard with anonymous memory bounded by the batches in flight, not the shard', function()
+    -- 1526 chunks of 65536 tokens (200 MB), each chunk the tokens 0, 1, 2, ... 50255 and on
+    local chunk, ntok = {}, 1526 * 65536
+    for i = 0, 65535 do chunk[#chunk + 1] = string.char(i % 50256 % 256, math.floor(i % 50256 / 256)) end
+    chunk = table.concat(chunk)
+    local path = dir .. '/big.bin'
+    local f = assert(io.open(path, 'wb'))
+    f:write(le32(20240520), le32(1), le32(ntok), string.rep('\0', 253 * 4))
+    for _ = 1, 1526 do f:write(chunk) end
+    f:close()
+    -- a child opens it (checking every token against the vocabulary, which
+    -- reads it whole) and takes 100 shuffled batches from 2 threads with up
+    -- to 4 in flight; it prints the growth of its anonymous resident memory
+    local script = write('big.lua', [[
+      local ds = require 'dslua'
+      local function kb(key)
+        local f = io.open('/proc/self/status')
+        local v = tonumber(f:read('*a'):match(key .. ':%s*(%d+)'))
+        f:close()
+        return v
+      end
+      collectgarbage()
+      local anon, hwm, grown = kb('RssAnon'), kb('VmHWM'), 0
+      local d = ds.data.shards{ paths = { arg[1] }, block_size = 1024, vocab_size = 50257 }
+      local l = ds.data.loader(d, { batch_size = 8, num_workers = 2, prefetch_factor = 2, seed = 1 })
+      local last
+      for step, b in l:epoch(1) do
+        collectgarbage()
+        grown = math.max(grown, kb('RssAnon') - anon)
+        last = b
+        if step == 100 then break end
+      end
+      local x, y = last.x, last.y
+      print(#d, grown, kb('VmHWM') - hwm, (y:narrow(2, 1, 1023) - x:narrow(2, 2, 1023)):abs():sum():item(),
+            x:amax():item())
+    ]])
+    local out, status = H.run('timeout 300 ' .. H.bin() .. ' ' .. script .. ' ' .. path)
+    assert.are.equal(0, status, out)
+    local n, grown, peak, diff, top = out:match('^(%d+)%s+(%-?%d+)%s+(%-?%d+)%s+(%d+)%s+(%d+)')
+    assert.are.equal(tostring(math.floor((ntok - 1025) / 1024) + 1), n, out)
+    assert.are.equal('0', diff, out)                    -- y is x shifted by one token
+    assert.is_true(tonumber(top) < 50256, out)
+    -- 4 batches in flight of x and y, 8 x 1024 i64 each (512 KB), and 32 MB
+    -- for what does not grow with the shard (two threads' stacks and malloc
+    -- arenas, the loader's ring, the Lua objects of one batch); the shard
+    -- read into memory would be 400 MB (i32) or 200 MB (its own uint16)
+    local bound = 4 * 2 * 8 * 1024 * 8 / 1024 + 32 * 1024
+    assert.is_true(tonumber(grown) < bound, 'anonymous memory grew by ' .. grown .. ' KB, bound ' .. bound .. ' KB')
+    -- the peak of all resident memory, the mapped file's pages too: the
+    -- vocabulary check holds 16 MB of the file at a time, a window its pages
+    local peak_bound = bound + 16 * 1024
+    assert.is_true(tonumber(peak) < peak_bound, 'peak resident memory grew by ' .. peak .. ' KB, bound ' .. peak_bound
+                   .. ' KB')
+  end)
 end)
 
 describe('ds.data on hostile files', function()

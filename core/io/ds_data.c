@@ -382,19 +382,27 @@ static int shard_open(const char *path, ds_shard *s) {
     return 0;
 }
 
-/* Every token below vocab, read once; the pages read are dropped from this
- * process after (the page cache keeps them). */
+/* Bytes of a shard read before they are dropped from this process: the
+ * vocabulary check streams through the file without keeping it resident. */
+#define SHARD_SCAN_BYTES ((size_t)16 << 20)
+
+/* Every token below vocab, read once, a piece at a time. */
 static int shard_check_vocab(const char *path, ds_shard *s, int64_t vocab) {
-    for (int64_t i = 0; i < s->ntok; i++) {
-        int64_t t = ds_shard_token(s, i);
-        if (t >= vocab) {
-            ds_fail(DS_ERR_IO, "%s: token %lld at position %lld (byte offset %lld) is outside the vocabulary [0, %lld)",
-                    path, (long long)t, (long long)i + 1, (long long)(DS_SHARD_HEADER_INTS * 4 + 2 * i),
-                    (long long)vocab);
-            return -1;
+    const size_t header = DS_SHARD_HEADER_INTS * 4;
+    int64_t i = 0;
+    for (size_t at = 0; at < s->map_len; at += SHARD_SCAN_BYTES) {
+        size_t end = at + SHARD_SCAN_BYTES < s->map_len ? at + SHARD_SCAN_BYTES : s->map_len;
+        for (; i < s->ntok && header + 2 * (size_t)i < end; i++) {
+            int64_t t = ds_shard_token(s, i);
+            if (t >= vocab) {
+                ds_fail(DS_ERR_IO, "%s: token %lld at position %lld (byte offset %lld) is outside the vocabulary "
+                        "[0, %lld)", path, (long long)t, (long long)i + 1, (long long)(header + 2 * (size_t)i),
+                        (long long)vocab);
+                return -1;
+            }
         }
+        madvise((char *)s->map + at, end - at, MADV_DONTNEED);
     }
-    madvise(s->map, s->map_len, MADV_DONTNEED);
     return 0;
 }
 
@@ -406,6 +414,19 @@ int ds_shard_map(const char *path, int64_t vocab, ds_shard *s) {
         return -1;
     }
     return 0;
+}
+
+/* A fault on a mapped file maps the cached pages around it too, up to 64 KB
+ * aligned (Linux's fault_around_bytes): a window drops that whole span. */
+#define SHARD_FAULT_AROUND ((uintptr_t)64 << 10)
+
+void ds_shard_drop(const ds_shard *s, int64_t at, int64_t n) {
+    uintptr_t lo = (uintptr_t)(s->tokens + 2 * at) & ~(SHARD_FAULT_AROUND - 1);
+    uintptr_t hi = ((uintptr_t)(s->tokens + 2 * (at + n)) + SHARD_FAULT_AROUND - 1) & ~(SHARD_FAULT_AROUND - 1);
+    uintptr_t first = (uintptr_t)s->map, last = first + s->map_len;
+    if (lo < first) lo = first;
+    if (hi > last) hi = last;
+    madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
 void ds_shard_unmap(ds_shard *s) {

@@ -56,6 +56,10 @@ typedef struct {
 /* Maps path, checking its header and size; vocab > 0 also checks every
  * token is below it (one read of the shard). 0, or -1 naming the file. */
 int ds_shard_map(const char *path, int64_t vocab, ds_shard *s);
+/* Drops the pages holding tokens [at, at + n) from this process once read
+ * (the page cache keeps them), so its resident size does not grow with
+ * the windows an epoch has read. */
+void ds_shard_drop(const ds_shard *s, int64_t at, int64_t n);
 /* Unmaps s (a zeroed s too). */
 void ds_shard_unmap(ds_shard *s);
 static inline int64_t ds_shard_token(const ds_shard *s, int64_t i) {

@@ -244,6 +244,7 @@ static int gather_windows(const ds_dataset *d, const int64_t *idx, int64_t n, ds
         if (d->shards) {
             copy_shard(x + b * d->block, &d->shards[lo], p, d->block);
             copy_shard(y + b * d->block, &d->shards[lo], p + 1, d->block);
+            ds_shard_drop(&d->shards[lo], p, d->block + 1);
         } else {
             copy_tokens(x + b * d->block, d->tokens, d->seg_start[lo] + p, d->block);
             copy_tokens(y + b * d->block, d->tokens, d->seg_start[lo] + p + 1, d->block);
