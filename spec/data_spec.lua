@@ -365,6 +365,25 @@ describe('ds.data.shards', function()
     fails("no file matches '.*zzz_%*%.bin'", ds.data.shards, { pattern = dir .. '/zzz_*.bin', block_size = 2 })
     fails('ok%.bin: 10 tokens, a window of block_size 10 needs 11', ds.data.shards,
           { paths = { shard('ok.bin', A) }, block_size = 10 })
+    fails('ok%.bin%.gz: gzip%-compressed; token shards are memory%-mapped, decompress it first', ds.data.shards,
+          { paths = { gzip(dir .. '/ok.bin') }, block_size = 2 })
+  end)
+
+  it('maps a glob of 3000 shards in name order, keeping no file open', function()
+    os.execute('mkdir -p ' .. dir .. '/many')
+    for k = 0, 2999 do shard(string.format('many/m_%05d.bin', k), { k, k + 1, k + 2, k + 3 }) end
+    local glob = require('dslua.core').data_core.glob
+    local fds = #glob('/proc/self/fd/*')
+    local d = ds.data.shards{ pattern = dir .. '/many/m_*.bin', block_size = 2, stride = 1 }
+    assert.are.equal(3000, #d.lengths)
+    assert.are.equal(2 * 3000, #d)
+    assert.are.equal(fds, #glob('/proc/self/fd/*'))
+    assert.are.same({ 0, 1 }, values(d:get(1).x))
+    assert.are.same({ 2, 3 }, values(d:get(2).y))
+    assert.are.same({ 2999, 3000 }, values(d:get(2 * 3000 - 1).x))
+    assert.are.same({ 3001, 3002 }, values(d:get(2 * 3000).y))
+    local b = d:batch({ 2 * 1234 + 1, 2 * 2345 + 2 })
+    assert.are.same({ 1234, 1235, 2346, 2347 }, values(b.x))
   end)
 
   -- The windows of each shard by their definition, as rows of x and y.
