@@ -408,7 +408,7 @@ describe('ds.data.shards', function()
     return out
   end
 
-  it('gives the batches of the same windows in memory: shuffled, in threads, per rank, resumed', function()
+  it('gives the batches of the windows in memory: shuffled, in threads, per rank (even, uneven), resumed', function()
     os.execute('mkdir -p ' .. dir .. '/same')
     local seed, shards = 7, {}
     for k, n in ipairs { 301, 17, 250, 64 } do
@@ -420,7 +420,7 @@ describe('ds.data.shards', function()
       shards[k] = toks
       shard(string.format('same/s_%03d.bin', k), toks)
     end
-    local DS = require 'samplers.distributed'
+    local DS, U = require 'samplers.distributed', require 'samplers.uneven'
     for _, w in ipairs { { T = 16, stride = 16, n = 18 + 1 + 15 + 3 }, { T = 5, stride = 3, n = 99 + 4 + 82 + 20 } } do
       local d = ds.data.shards{ pattern = dir .. '/same/s_*.bin', block_size = w.T, stride = w.stride }
       local ref = windows_of(shards, w.T, w.stride)
@@ -428,7 +428,17 @@ describe('ds.data.shards', function()
       assert.are.equal(w.n, #ref)
       local cases = { { batch_size = 4, seed = 3 }, { batch_size = 5, seed = 3, num_workers = 2, prefetch_factor = 3 } }
       for r = 0, 2 do
-        cases[#cases + 1] = { batch_size = 3, num_workers = 1, sampler = DS(d, { num_replicas = 3, rank = r, seed = 5 }) }
+        local sampler = DS(d, { num_replicas = 3, rank = r, seed = 5 })
+        cases[#cases + 1] = { batch_size = 3, num_workers = 1, sampler = sampler }
+      end
+      -- the uneven policy: micro batches 4 and 2, shares 0.7 and 0.3
+      local L = U.layout(#d, { 4, 2 }, { 0.7, 0.3 }, false)
+      for r = 0, 1 do
+        local sampler = { set_epoch = function() end,
+                          indices = function(_, e) return U.indices(L, r, U.order(#d, true, 5, e)) end }
+        local micro = U.micro_batch(L, r)        -- a list where the sizes vary: its first
+        local b = type(micro) == 'table' and micro[1] or micro
+        cases[#cases + 1] = { batch_size = b, num_workers = 2, sampler = sampler }
       end
       for _, opts in ipairs(cases) do
         local want = batches(ref, opts)
