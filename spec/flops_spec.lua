@@ -38,12 +38,7 @@ local function run(profiler, steps, model, x, y)
   return engine
 end
 
-local function read(path)
-  local f = assert(io.open(path))
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local read = H.read
 
 describe('flops_profiler', function()
   it('profiles profile_step: params, MACs from the ops, latencies, the module tree', function()

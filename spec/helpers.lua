@@ -184,6 +184,14 @@ function H.tmpdir()
   return d
 end
 
+-- The whole of the file at path.
+function H.read(path)
+  local f = assert(io.open(path))
+  local text = f:read('*a')
+  f:close()
+  return text
+end
+
 -- Writes text to path and returns the path.
 function H.write(path, text)
   local f = assert(io.open(path, 'w'))
