@@ -163,7 +163,7 @@ end
 -- comment above its definition says, or that it is built in.
 local function describe_function(f, name)
   local info = debug.getinfo(f, 'S')
-  if info.what == 'C' then return name .. ': a built-in function (C); see the README for its arguments' end
+  if info.what == 'C' then return name .. ': a built-in function (C); see docs/tensors.md for its arguments' end
   local params = {}
   for i = 1, math.huge do
     local p = debug.getlocal(f, i)
