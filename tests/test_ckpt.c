@@ -1,7 +1,8 @@
 /* Checkpoint files without Lua: SHA-256 against FIPS 180-2's vector, a
  * safetensors round trip with ranged reads and CRC-32s, a truncated file
  * refused naming the tensor, a directory put in place of another, and the
- * guarded read: whole past its first buffer, bounded, a FIFO refused. */
+ * guarded read: whole past its first buffer, bounded, a FIFO refused; ranks
+ * making one folder at once all succeed. */
 #include "ds_error.h"
 #include "ds_file.h"
 #include "ds_ops.h"
@@ -12,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "check.h"
@@ -105,12 +107,35 @@ static void test_guarded_read(void) {
     free(text);
 }
 
+/* Every rank makes the nvme folder's missing parents at the same moment: a
+ * folder another rank made between a failed open and mkdir is no error. */
+static void test_mkdirs_race(void) {
+    enum { RANKS = 8, ROUNDS = 40 };
+    int failed = 0;
+    for (int round = 0; round < ROUNDS; round++) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/race%d/a/b/rank", dir, round);
+        pid_t kids[RANKS];
+        for (int r = 0; r < RANKS; r++) {
+            kids[r] = fork();
+            if (kids[r] == 0) _exit(ds_file_mkdirs(path, 0700) == 0 ? 0 : 1);
+        }
+        for (int r = 0; r < RANKS; r++) {
+            int status = 0;
+            waitpid(kids[r], &status, 0);
+            failed += !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+        }
+    }
+    check(failed == 0, "%d of %d concurrent mkdirs failed", failed, RANKS * ROUNDS);
+}
+
 int main(void) {
     if (!mkdtemp(dir)) return perror("mkdtemp"), 1;
     test_sha256();
     test_round_trip();
     test_replace_dir();
     test_guarded_read();
+    test_mkdirs_race();
     ds_file_remove_tree(dir);
     return check_summary("test_ckpt");
 }

@@ -23,9 +23,10 @@ int ds_file_mkdirs(const char *path, mode_t mode) {
         buf[i] = '\0';
         /* each directory walked as the guarded open walks it: none is made
          * through a link another user planted */
-        struct stat st;
         int fd = ds_file_open_dir(buf);
-        if (fd < 0 && lstat(buf, &st) != 0) {
+        if (fd < 0) {
+            /* missing, or made by another rank since (EEXIST); a directory
+             * refused for its owner or mode is refused again below */
             if (mkdir(buf, mode) != 0 && errno != EEXIST)
                 return ds_fail(DS_ERR_IO, "cannot create directory '%s': %s", buf, strerror(errno)), -1;
             fd = ds_file_open_dir(buf);
