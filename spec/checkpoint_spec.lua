@@ -588,10 +588,7 @@ describe('a checkpoint that is corrupt, truncated or does not fit', function()
 end)
 
 describe('a hostile checkpoint', function()
-  if not H.have_mpirun() then
-    print('skipping: multi-rank checkpoint specs need mpirun')
-    return
-  end
+  if H.skip_without_mpirun() then return end
 
   -- a 2-rank stage 1 checkpoint 'two', copied fresh for each case
   local base, dirs = nil, {}
