@@ -312,6 +312,14 @@ local function check_window(fname, opts, default_stride)
   return T, check_int(fname, opts, 'stride', default_stride or T, 1)
 end
 
+-- Where a dataset's source comes from: exactly one of keys a and b (of
+-- their types), both values returned.
+local function one_of(fname, opts, a, a_type, a_is, b, b_type, b_is)
+  local x, y = check_type(fname, opts, a, a_type), check_type(fname, opts, b, b_type)
+  if (x == nil) == (y == nil) then fail(fname, 'needs exactly one of %s (%s) and %s (%s)', a, a_is, b, b_is) end
+  return x, y
+end
+
 local TEXT_OPTS = { 'path', 'text', 'block_size', 'stride', 'vocab' }
 
 -- ds.data.text{path = file | text = string, block_size = T, stride = 1,
@@ -322,9 +330,7 @@ local TEXT_OPTS = { 'path', 'text', 'block_size', 'stride', 'vocab' }
 function M.text(opts)
   local fname = 'ds.data.text'
   check_opts(fname, opts, TEXT_OPTS)
-  local path = check_type(fname, opts, 'path', 'string')
-  local text = check_type(fname, opts, 'text', 'string')
-  if (path == nil) == (text == nil) then fail(fname, 'needs exactly one of path (a file) and text (a string)') end
+  local path, text = one_of(fname, opts, 'path', 'string', 'a file', 'text', 'string', 'a string')
   local T, stride = check_window(fname, opts, 1)
   if path then text = try(fname, C.read_file, path) end
   local source = path or 'the text'
@@ -361,9 +367,7 @@ local SHARD_OPTS = { 'paths', 'pattern', 'block_size', 'stride', 'vocab_size' }
 function M.shards(opts)
   local fname = 'ds.data.shards'
   check_opts(fname, opts, SHARD_OPTS)
-  local paths = check_type(fname, opts, 'paths', 'table')
-  local pattern = check_type(fname, opts, 'pattern', 'string')
-  if (paths == nil) == (pattern == nil) then fail(fname, 'needs exactly one of paths (a list) and pattern (a glob)') end
+  local paths, pattern = one_of(fname, opts, 'paths', 'table', 'a list', 'pattern', 'string', 'a glob')
   local T, stride = check_window(fname, opts)
   if pattern then
     paths = C.glob(pattern)
