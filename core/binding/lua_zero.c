@@ -23,6 +23,9 @@
  *   z:exclude_from_norm(param)  (a tied weight a pipeline's earlier stage counts)
  *   z:offload_params(file | nil)  stage 3's shards into host memory, or the file
  *   z:take_local_grads()       masters at stage 0: this rank's unreduced gradients into the masters'
+ *   z:reduces(boundary) -> bool   does this micro step's backward reduce?
+ *   z:holds() -> 'flat' | 'masters' | 'streamed'   what holds the fp32 weights stepped
+ *   z:parts() -> P             the shards each parameter is cut into
  *
  *   _zero.set_fetch(fn)        fn(t) must make a released tensor whole; it is
  *                              called when an op or a backward node reads one
@@ -436,6 +439,22 @@ static int l_take_local_grads(lua_State *L) {
     return 0;
 }
 
+static int l_reduces(lua_State *L) {
+    lua_pushboolean(L, ds_zero_reduces(check_engine(L), lua_toboolean(L, 2)));
+    return 1;
+}
+
+static int l_holds(lua_State *L) {
+    static const char *const names[] = { "flat", "masters", "streamed" };
+    lua_pushstring(L, names[ds_zero_holds(check_engine(L))]);
+    return 1;
+}
+
+static int l_parts(lua_State *L) {
+    lua_pushinteger(L, ds_zero_parts(check_engine(L)));
+    return 1;
+}
+
 static int l_close(lua_State *L) {
     ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
     ds_zero_free(*z);
@@ -456,7 +475,8 @@ static const luaL_Reg engine_methods[] = {
     {"post_forward", l_post_forward}, {"gather_all", l_gather_all}, {"release_all", l_release_all},
     {"shard", l_shard}, {"persistent", l_persistent}, {"set_logging", l_set_logging},
     {"comm_records", l_comm_records}, {"offload_params", l_offload_params},
-    {"take_local_grads", l_take_local_grads}, {"close", l_close},
+    {"take_local_grads", l_take_local_grads}, {"reduces", l_reduces}, {"holds", l_holds}, {"parts", l_parts},
+    {"close", l_close},
     {NULL, NULL}
 };
 

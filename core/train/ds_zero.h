@@ -13,6 +13,9 @@
  *            on the master device (the model's, or the CPU for
  *            offload_optimizer). The optimizer is built over the masters.
  *
+ * The layout is chosen once, here (ds_zero_config.masters), and asked
+ * afterwards: ds_zero_reduces, ds_zero_holds, ds_zero_parts.
+ *
  * Buckets are runs of neighbouring parameters of one group, from the last
  * to the first (backward's order), of at least bucket_size elements. A
  * parameter's leaf hook counts its gradient complete; a full bucket is
@@ -74,6 +77,18 @@ typedef struct {
  * with the error set. */
 ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, ds_tensor *const *params,
                      ds_optim *flat);
+/* What holds the fp32 weights the optimizer steps (what a checkpoint's
+ * fp32 is): the flat optimizer's own buffers over the parameters, the
+ * engine's masters, or a streaming optimizer's (ds_zero_stream). */
+typedef enum { DS_ZERO_HOLDS_PARAMS, DS_ZERO_HOLDS_MASTERS, DS_ZERO_HOLDS_STREAMED } ds_zero_holding;
+ds_zero_holding ds_zero_holds(const ds_zero *z);
+/* Does a backward reduce its gradients? boundary: it ends an accumulation
+ * window. Flat: at the boundary, on more than one rank; masters: at the
+ * boundary, and at every micro step from stage 2. */
+bool ds_zero_reduces(const ds_zero *z, bool boundary);
+/* P: the shards each parameter is cut into (1: every rank holds it whole). */
+int ds_zero_parts(const ds_zero *z);
+
 /* Removes the hooks (and stage 3's fetch) and drops every reference.
  * Released parameters stay released. */
 void ds_zero_free(ds_zero *z);

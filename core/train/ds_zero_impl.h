@@ -1,5 +1,8 @@
-/* Inside the step engine (ds_zero.c: layout, backward, step;
- * ds_zero_gather.c: stage 3's gathers and releases). */
+/* Inside the step engine: ds_zero.c the buckets, their flights, the
+ * backward and the step's agreement; a layout file each for where the
+ * gradients and the weights the optimizer steps live (ds_zero_flat.c,
+ * ds_zero_masters.c with ds_zero_local.c); ds_zero_gather.c stage 3's
+ * gathers and releases. */
 #ifndef DS_ZERO_IMPL_H
 #define DS_ZERO_IMPL_H
 
@@ -8,6 +11,31 @@
 #include "ds_comm.h"
 
 typedef struct zgather zgather;
+typedef struct zbucket zbucket;
+typedef struct zflight zflight;
+
+/* A layout: chosen once by ds_zero_new, asked by everything after it. */
+typedef struct {
+    ds_zero_holding holds;
+    /* parts, each parameter's shard and offset, where gradients live;
+     * flat: the optimizer whose gradients they are */
+    int (*build)(ds_zero *z, ds_optim *flat);
+    void (*free)(ds_zero *z);
+    /* does a backward reduce, at an accumulation boundary or not? */
+    bool (*reduces)(const ds_zero *z, bool boundary);
+    int (*arm)(ds_zero *z);                             /* before a reduced backward */
+    ds_comm_work *(*launch)(ds_zero *z, zbucket *b, ds_tensor **buf);
+    int (*land)(ds_zero *z, zflight *f);                /* a reduced bucket where the step reads it */
+    const char *(*collective)(const ds_zero *z);        /* the comms logger's name for launch's */
+    int (*scale)(ds_zero *z, double f);                 /* the gradients outside the parameters' */
+    ds_tensor *(*param_grad)(ds_zero *z, int i);        /* where the step reads parameter i's (new reference) */
+    /* after the drain, gradients off: overflow, norm, optimizer, refresh */
+    int (*step)(ds_zero *z, const ds_optim_hparams *h, double loss_scale, double clip, bool check_overflow,
+                ds_zero_result *out);
+    int (*zero_grad)(ds_zero *z);
+} zlayout;
+
+extern const zlayout ds_zero_flat_layout, ds_zero_masters_layout;
 
 typedef struct {
     ds_zero *z;             /* for the leaf hook */
@@ -28,20 +56,20 @@ typedef struct {
     zgather *in_flight;
 } zparam;
 
-typedef struct {
+struct zbucket {
     int first, count;       /* parameters first .. first + count - 1 */
     int group;
     int64_t offset, width;  /* in the group's master (shards) or flat gradients (elements) */
     int64_t numel;
     int pending;            /* gradients not complete in the armed backward */
-} zbucket;
+};
 
-typedef struct {
+struct zflight {
     int bucket;
     ds_comm_work *work;
     ds_tensor *buf;         /* masters: [P, width] rows; flat: the bucket's view */
     double launched, done;  /* seconds; done 0 while in flight */
-} zflight;
+};
 
 typedef struct {
     int n;
@@ -60,6 +88,7 @@ struct zgather {
 
 struct ds_zero {
     ds_zero_config c;
+    const zlayout *layout;
     int rank, world, parts;         /* parts: P */
     ds_dtype dtype;                 /* the model's */
     int n_groups, n;
@@ -67,8 +96,13 @@ struct ds_zero {
     int nb;
     zbucket *b;
     ds_optim *optim;
+    bool streamed;                  /* masters without optimizer (ds_zero_stream) */
     ds_zero_step_fn step_fn;        /* flat: steps instead of optim (ds_zero_set_step_fn) */
     void *step_ud;
+    /* the gradient buffers the step reads (borrowed): the flat optimizer's,
+     * or the master gradients */
+    int n_grads;
+    ds_tensor **grads;
     ds_tensor **masters, **master_grads;   /* masters mode, per group */
     /* masters mode, nothing partitioned: each group's parameters back to
      * back in the model's dtype (NULL where a parameter could not move in),
@@ -109,6 +143,25 @@ int64_t ds_zero_shard_len(const zparam *q, int r);
  * and device. */
 int ds_zero_copy_elements(ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at, int64_t n);
 int ds_zero_param_index(const ds_zero *z, const ds_tensor *t);
+int ds_zero_scale(ds_tensor *t, double f);
+int ds_zero_scale_all(int n, ds_tensor *const *t, double f);
+/* n elements of src from at, as a new 1-D tensor of dtype on dev. */
+ds_tensor *ds_zero_copy_out(ds_tensor *src, int64_t at, int64_t n, ds_dtype dtype, ds_device dev);
+ds_device ds_zero_param_device(const ds_zero *z);
+/* The step's gradients' sum of squares and inf/nan count on every rank
+ * whose gradients differ from this one's: sharded, the data-parallel
+ * group's too. The one host synchronisation of a step. */
+int ds_zero_grad_stats(ds_zero *z, bool sharded, double *sq, double *bad);
+/* The optimizer's step on the n gradient buffers times f; written[g]:
+ * group g's 16-bit parameters its pass writes too (NULL: none). */
+int ds_zero_optimizer_step(ds_zero *z, const ds_optim_hparams *h, int n, ds_tensor *const *grads, double f,
+                           ds_tensor *const *written);
+/* Whether the optimizer's pass takes the gradients' factor. */
+bool ds_zero_fused_step(const ds_zero *z);
+/* The end of an accumulation window. */
+int ds_zero_zero_grads(ds_zero *z);
+/* 0 when z holds masters, else -1 with the error naming what needs them. */
+int ds_zero_need_masters(const ds_zero *z, const char *what);
 
 /* stage 3 (ds_zero_gather.c) */
 int ds_zero_partition(ds_zero *z);

@@ -32,7 +32,8 @@ static int bad_everywhere(ds_zero *z, double *local, double *global) {
 }
 
 int ds_zero_take_local_grads(ds_zero *z) {
-    if (!z->c.masters || z->parts != 1)
+    if (ds_zero_need_masters(z, "take_local_grads")) return -1;
+    if (z->parts != 1)
         return ds_fail(DS_ERR_STATE, "step engine: local gradients are for masters of one partition (stage 0)"), -1;
     bool prev = ds_set_grad_enabled(false);
     int rc = 0;
