@@ -3,14 +3,7 @@
 local H = require 'helpers'
 local ds = H.ds
 
-local Two = ds.nn.Module:extend('Two')
-function Two:init()
-  self.fc1 = ds.nn.Linear(6, 8)
-  self.fc2 = ds.nn.Linear(8, 2)
-end
-function Two:forward(batch)
-  return ds.mse_loss(self.fc2(self.fc1(batch.x):tanh()), batch.y)
-end
+local Two = H.two_layer('Two')
 
 -- fused q,k,v projection and attention over 2 heads, on the backend given
 local Attn = ds.nn.Module:extend('Attn')

@@ -99,6 +99,18 @@ function H.gradcheck(fn, inputs, opts)
   return true
 end
 
+-- A module class named name: Linear(6, 8), tanh, Linear(8, 2), its forward
+-- the mean squared error of a batch {x = [B, 6], y = [B, 2]}.
+function H.two_layer(name)
+  local M = ds.nn.Module:extend(name)
+  function M:init()
+    self.fc1 = ds.nn.Linear(6, 8)
+    self.fc2 = ds.nn.Linear(8, 2)
+  end
+  function M:forward(batch) return ds.mse_loss(self.fc2(self.fc1(batch.x):tanh()), batch.y) end
+  return M
+end
+
 -- A tensor from a fixture record {shape=..., dtype=..., data=...}.
 function H.tensor(rec)
   local t = ds.tensor(rec.data, rec.dtype == 'bool' and 'u8' or rec.dtype)

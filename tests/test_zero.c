@@ -4,7 +4,7 @@
  * fp32 step; the overflow skip; and ZeRO-Offload's layout (parameters on
  * a device, masters and optimizer on the CPU) on a stand-in "cuda" device
  * made of the CPU kernels, through stages 1 and 3; a parameter left out of
- * the gradient norm. */
+ * the gradient norm; what each layout answers. */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_zero.h"
@@ -54,16 +54,23 @@ static ds_zero_config config(bool masters) {
                              .prefetch_bucket_size = 1000, .max_live_parameters = 1000000, .max_reuse_distance = 0 };
 }
 
-static void test_flat_buckets_and_clip(void) {
-    ds_tensor *p[NP];
+/* A flat engine over fp32 parameters p and an SGD of h over them (*o). */
+static ds_zero *flat_engine(ds_tensor **p, ds_optim **o, const ds_optim_hparams *h) {
     make_params(p, DS_F32);
-    ds_optim *o = ds_optim_new(DS_OPTIM_SGD);
-    ds_optim_hparams h = { .lr = 0.1 };
-    check(ds_optim_add_group(o, NP, p, &h) == 0, "add_group: %s", ds_error_message());
+    *o = ds_optim_new(DS_OPTIM_SGD);
+    check(ds_optim_add_group(*o, NP, p, h) == 0, "add_group: %s", ds_error_message());
     ds_zero_config c = config(false);
     int counts[1] = { NP };
-    ds_zero *z = ds_zero_new(&c, 1, counts, p, o);
+    ds_zero *z = ds_zero_new(&c, 1, counts, p, *o);
     check(z != NULL, "flat engine: %s", ds_error_message());
+    return z;
+}
+
+static void test_flat_buckets_and_clip(void) {
+    ds_tensor *p[NP];
+    ds_optim *o;
+    ds_optim_hparams h = { .lr = 0.1 };
+    ds_zero *z = flat_engine(p, &o, &h);
     if (!z) return;
     /* from the last parameter back, each bucket holding at least 8 elements */
     int first, count;
@@ -296,7 +303,42 @@ static void test_exclude_from_norm(void) {
     }
 }
 
+/* What the layout chosen at ds_zero_new answers: when a backward reduces,
+ * what holds the fp32 weights, the parts; a masters-only call on the flat
+ * layout is refused by name. */
+static void test_layout_answers(void) {
+    ds_tensor *p[NP];
+    ds_optim *o;
+    ds_optim_hparams h = { .lr = 0.1 };
+    ds_zero *z = flat_engine(p, &o, &h);
+    if (!z) return;
+    check(!ds_zero_reduces(z, true) && !ds_zero_reduces(z, false), "flat on one rank reduces nothing");
+    check(ds_zero_holds(z) == DS_ZERO_HOLDS_PARAMS && ds_zero_parts(z) == 1, "flat: the optimizer's own buffers");
+    check(ds_zero_master(z, 0) == NULL && strstr(ds_error_message(), "master needs fp32 masters") != NULL,
+          "flat has no master: %s", ds_error_message());
+    check(ds_zero_take_local_grads(z) == -1 && strstr(ds_error_message(), "take_local_grads needs fp32 masters"),
+          "flat has no local gradients to take: %s", ds_error_message());
+    ds_zero_free(z);
+    ds_optim_free(o);
+    int counts[1] = { NP };
+    for (int stage = 0; stage <= 2; stage++) {
+        ds_zero_config c = config(true);
+        c.stage = stage;
+        z = ds_zero_new(&c, 1, counts, p, NULL);
+        check(z != NULL, "masters engine at stage %d: %s", stage, ds_error_message());
+        if (!z) continue;
+        check(ds_zero_reduces(z, true) && ds_zero_reduces(z, false) == (stage >= 2),
+              "stage %d: reduces at the boundary, inside a window from stage 2", stage);
+        check(ds_zero_holds(z) == DS_ZERO_HOLDS_MASTERS, "stage %d: the engine's masters", stage);
+        check(ds_zero_stream(z) == 0 && ds_zero_holds(z) == DS_ZERO_HOLDS_STREAMED, "streamed: %s",
+              ds_error_message());
+        ds_zero_free(z);
+    }
+    for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
+}
+
 int main(void) {
+    test_layout_answers();
     test_flat_buckets_and_clip();
     test_exclude_from_norm();
     test_masters_step();

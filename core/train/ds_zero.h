@@ -105,9 +105,9 @@ int ds_zero_stream(ds_zero *z);
 int ds_zero_attach(ds_zero *z, ds_optim *o);
 
 /* loss's backward (loss NULL: none, as for a rank with no data that still
- * takes part). reduce: this backward's gradients are reduced now (the
- * accumulation boundary; every micro step from stage 2); else they
- * accumulate in the parameters' gradients. */
+ * takes part). reduce: this backward's gradients are reduced now (what
+ * ds_zero_reduces answers); else they accumulate in the parameters'
+ * gradients. */
 int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce);
 
 /* Multiplies every gradient accumulated so far by f (sample weighting). */

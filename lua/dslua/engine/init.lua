@@ -2,8 +2,9 @@
 -- over a dslua model, optimizer, LR scheduler and loader, with DeepSpeed's
 -- config semantics and log lines.
 --
--- The step itself is the C step engine's (core/train/ds_zero.h): plain
--- data parallel in fp32, or mixed precision and ZeRO through dslua/engine/zero.lua.
+-- The step itself is engine.steps (dslua/engine/step.lua), one object over
+-- the C step engine for every mode: plain data parallel in fp32, or mixed
+-- precision and ZeRO through dslua/engine/zero.lua.
 -- engine:backward and engine:step each call the step engine once and cross
 -- into C a fixed number of times (spec/engine_spec.lua counts them).
 --
@@ -30,7 +31,7 @@
 -- spans an epoch end of the engine's loader.
 local ds = require 'dslua'
 local progress = require 'dslua.io.progress'
-local Zero = require 'dslua.engine.zero'
+local Step = require 'dslua.engine.step'
 local report = require 'dslua.engine.report'
 local log, timers = report.log, report.timers
 
@@ -42,7 +43,11 @@ local Engine = {}
 -- backward: waiting there for the forward to finish would be a second
 -- host synchronisation per step. Asked after engine:step(), whose
 -- gradient norm waits anyway, it costs nothing.
+--
+-- engine.zero: the ZeRO view of the step (dslua/engine/zero.lua: what each
+-- rank holds, its masters, gathers), nil in plain fp32 data parallel.
 function Engine.__index(self, key)
+  if key == 'zero' then return rawget(self, 'steps') and self.steps.zero end
   if key ~= 'last_loss' then return Engine[key] end
   local pending = rawget(self, 'pending_loss')
   if not pending then return nil end
@@ -115,16 +120,6 @@ function M.check_builds(cfg, source)
   build_scheduler({}, cfg, optimizer)
 end
 
--- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights
--- (a pipeline stage's ranks from the stage's first rank).
-local function broadcast_model(model)
-  for _, list in ipairs({ model:named_parameters(), model:named_buffers() }) do
-    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], model.dp_root or 0, model.dp_group) end
-  end
-end
-
--- Mixed precision or ZeRO (dslua/engine/zero.lua): every rank starts from rank
--- 0's weights, then the partitioned optimizer takes the parameters over.
 -- model_parameters (tensors, or groups {params = {...}, ...}) with every
 -- tensor that model:to(device) replaced swapped for its replacement.
 local function moved_params(list, moved)
@@ -144,16 +139,6 @@ local function moved_params(list, moved)
     return groups
   end
   return swap(list)
-end
-
-local function build_zero(opts, cfg, model, params, rank, world_size, device)
-  if type(opts.optimizer) == 'table' then
-    error('initialize: with bf16, fp16 or zero_optimization.stage >= 1 the optimizer is built over the fp32 '
-          .. 'master weights: give it in the config or as a function(params) returning one', 3)
-  end
-  if world_size > 1 then broadcast_model(model) end
-  return Zero.new { model = model, params = params, cfg = cfg, rank = rank, world_size = world_size, device = device,
-                    build_optimizer = function(groups) return build_optimizer(opts, cfg, groups) end }
 end
 
 -- What the config's "auto" values resolve from (ds.config.check's given):
@@ -220,14 +205,12 @@ function M.initialize(opts)
     io.stderr:write('dslua: fp16 on the CPU: oneDNN 2.x has no f16 matmul, so matmuls widen to f32 and round back, '
                     .. 'slower than fp32 and bf16 (bench/precision.lua); bf16 is the CPU\'s 16-bit type\n')
   end
-  local optimizer, zero
   if model.is_pipeline then require('dslua.parallel.pipe.engine').check(model, cfg) end
-  if Zero.wanted(cfg) then
-    zero = build_zero(opts, cfg, model, params, rank, world_size, device)
-    optimizer = zero.optimizer
-  else
-    optimizer = build_optimizer(opts, cfg, params)
-  end
+  -- the step's mode, chosen once: every later question is the step's
+  local steps = Step.new { model = model, params = params, cfg = cfg, rank = rank, world_size = world_size,
+                           device = device, optimizer = opts.optimizer,
+                           build_optimizer = function(ps) return build_optimizer(opts, cfg, ps) end }
+  local optimizer = steps.optimizer
   local scheduler = build_scheduler(opts, cfg, optimizer, rank)
   -- one resolved config and one first lr on every rank (a difference in
   -- lr or gradient_clipping would train on, the ranks drifting apart)
@@ -240,7 +223,7 @@ function M.initialize(opts)
   end
 
   local self = setmetatable({
-    module = model, config = cfg, optimizer = optimizer, lr_scheduler = scheduler, zero = zero, device = device,
+    module = model, config = cfg, optimizer = optimizer, lr_scheduler = scheduler, steps = steps, device = device,
     scaler = cfg.fp16.enabled and require('dslua.engine.loss_scaler').from_config(cfg.fp16) or nil,
     rank = rank, world_size = world_size,
     micro_steps = 0, global_steps = 0, global_samples = 0, skipped_steps = 0,
@@ -254,25 +237,16 @@ function M.initialize(opts)
   self.monitor = require('dslua.io.monitor').new(cfg, rank)
   self.flops_profiler = require('dslua.nn.flops').new(self)   -- flops_profiler, at profile_step
 
-  if zero then
-    if rank == 0 then
-      for _, line in ipairs(zero:describe()) do io.stdout:write(line, '\n') end
-      if zero.offload == 'cpu' and device == 'cpu' then
-        io.stdout:write('ZeRO | offload_optimizer device cpu: the optimizer already runs on the CPU here (no-op)\n')
-      end
-      if zero.param_offload == 'cpu' and device == 'cpu' then
-        io.stdout:write('ZeRO | offload_param device cpu: the parameter shards are in host memory already here (no-op)\n')
-      end
-      io.stdout:flush()
+  local zero = steps.zero
+  if zero and rank == 0 then
+    for _, line in ipairs(zero:describe()) do io.stdout:write(line, '\n') end
+    if zero.offload == 'cpu' and device == 'cpu' then
+      io.stdout:write('ZeRO | offload_optimizer device cpu: the optimizer already runs on the CPU here (no-op)\n')
     end
-  else
-    if world_size > 1 then self:_broadcast_model() end
-    self:_setup_steps()
-  end
-  if cfg.comms_logger.enabled then (zero and zero.engine or self.steps):set_logging(true) end
-  -- the 1-bit optimizers step through the step engine (stage 0), and say when backward reduces
-  if optimizer.onebit then
-    self.onebit = require('dslua.core')._onebit.new(zero and zero.engine or self.steps, optimizer, optimizer.onebit)
+    if zero.param_offload == 'cpu' and device == 'cpu' then
+      io.stdout:write('ZeRO | offload_param device cpu: the parameter shards are in host memory already here (no-op)\n')
+    end
+    io.stdout:flush()
   end
 
   -- the engine's loader hands out batches on the device; on a GPU two
@@ -311,25 +285,6 @@ end
 ---------------------------------------------------------------- data parallel
 
 
-function Engine:_broadcast_model() broadcast_model(self.module) end
-
--- Plain data parallel (fp32, stage 0): the step engine over the
--- optimizer's own parameters, their gradients reduced in place.
-function Engine:_setup_steps()
-  local lists, cfg = {}, self.config
-  for gi, g in ipairs(self.optimizer.param_groups) do
-    lists[gi] = {}
-    for _, p in ipairs(g.params) do
-      if p.requires_grad then lists[gi][#lists[gi] + 1] = p end
-    end
-  end
-  self.steps = require('dslua.core')._zero.engine(Zero.engine_options(cfg, {
-    masters = false, optimizer = self.optimizer, groups = lists, group = self.module.dp_group,
-    stages = self.module.pipe_group,
-    prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
-  }))
-end
-
 -- The end of training: prints the comms logger's summary (DeepSpeed's
 -- table) when the config enables it. Every rank calls it.
 function Engine:finish()
@@ -341,12 +296,10 @@ end
 -- stage 3 gathers parameters no more) so it and its buffers can be freed.
 function Engine:destroy()
   if self.training_dataloader then self.training_dataloader.epoch = nil end   -- the engine's wrapper goes
-  if self.zero then self.zero:close() end
-  if self.onebit then self.onebit:close() end
   if self.steps then self.steps:close() end
   if self.reload then self.reload:close() end
   if self.monitor then self.monitor:close() end
-  self.zero, self.steps, self.optimizer, self.lr_scheduler = nil, nil, nil, nil
+  self.steps, self.optimizer, self.lr_scheduler = nil, nil, nil
   -- the verbs that need what went say so, rather than index a nil field
   for _, verb in ipairs({ 'backward', 'step', 'join' }) do
     self[verb] = function()
@@ -381,20 +334,8 @@ function Engine:_watch_loader(loader)
       engine.bar = nil
     end
     if not sampler then return epoch(l, e) end
-    local step, ended = 0, false
-    if l.position and l.position.epoch == e then step = l.position.step end    -- resumed (loader:resume)
-    return function()
-      if ended then return nil end
-      local s, batch = it()
-      if s == nil then
-        ended = true
-        engine:join()
-        return nil
-      end
-      step = step + 1
-      engine.window:loader_batch(sampler:batch_size(step))
-      return s, batch
-    end
+    local step = l.position and l.position.epoch == e and l.position.step or 0    -- resumed (loader:resume)
+    return require('samplers.join').epoch(engine, engine.window, sampler, it, step)
   end
 end
 
@@ -463,9 +404,9 @@ function Engine:forward(...)
   self.window:batch(batch_samples((...)))
   -- a rank that runs out of data under stage 3 repeats the last forward
   -- with zero weight, so its gathers match the others'
-  if self.weighted and self.zero and self.zero.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
+  if self.weighted and self.steps.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
   local out
-  local dtype = self.zero and self.zero.dtype ~= 'f32' and self.zero.dtype or nil
+  local dtype = self.steps.dtype ~= 'f32' and self.steps.dtype or nil
   if dtype or self.device ~= 'cpu' then
     out = self.module:forward(place_inputs(self.device, dtype, ...))
   else
@@ -492,7 +433,7 @@ function Engine:backward(loss, allreduce_gradients)
   if self.monitor then self.monitor:loss(self.pending_loss) end
   local boundary = self:is_gradient_accumulation_boundary()
   -- fp32 from here under mixed precision (DeepSpeed's loss.float() * scale)
-  if self.zero then loss = loss:to('f32') end
+  if self.steps.zero then loss = loss:to('f32') end
   if self.weighted then
     loss = self:_weighted_loss(loss, boundary)
   else
@@ -510,21 +451,7 @@ end
 
 -- One backward through the step engine (loss nil: none, for a rank that
 -- has run out of data); at the boundary the gradients are reduced.
-function Engine:_backward(loss, boundary)
-  -- a 1-bit optimizer's compressed steps take this rank's own gradients
-  local reduce = boundary and (not self.onebit or self.onebit:reduces())
-  self.onebit_local = boundary and not reduce
-  if self.zero then
-    self.zero:backward(loss, reduce)
-  else
-    self.steps:backward(loss, reduce and self.world_size > 1)
-  end
-end
-
-function Engine:_scale_grads(f)
-  if f == 1 then return end
-  if self.zero then self.zero:scale_grads(f) else self.steps:scale_grads(f) end
-end
+function Engine:_backward(loss, boundary) self.steps:backward(loss, boundary) end
 
 ---------------------------------------------------------------- weighting by samples
 
@@ -536,50 +463,45 @@ function Engine:_weighted_loss(loss, boundary)
     error('backward: cannot tell how many samples this micro step has: pass the batch ({x = ...} or x first) '
           .. 'to engine:forward, or read batches from the engine\'s loader', 3)
   end
-  self:_scale_grads(earlier)
+  self.steps:scale_grads(earlier)
   if f ~= 1 then loss = loss * f end
   return loss
 end
 
--- engine:join(): for a rank whose data has run out. Until every rank has
--- run out it takes part in each step of the others (its pending window,
--- if any, then nothing), so the collectives match and its weights stay the
--- same as theirs. When all have run out, a window some rank left
--- unfinished is stepped with what it has. Every rank calls it, any number
--- of times (the engine's loader calls it at the end of each epoch; call it
--- after a loop over your own batches). Without a sampler block: nothing.
--- A loop whose ranks take different numbers of steps must not run its own
--- per-step collectives (averaging the loss, say): the joined ranks only
--- match the engine's.
+-- engine:join(): for a rank whose data has run out (samplers/join.lua
+-- runs the protocol). Every rank calls it, any number of times (the
+-- engine's loader calls it at the end of each epoch; call it after a loop
+-- over your own batches). Without a sampler block: nothing. A loop whose
+-- ranks take different numbers of steps must not run its own per-step
+-- collectives (averaging the loss, say): the joined ranks only match the
+-- engine's.
 function Engine:join()
-  if not self.weighted then return end
-  self.window:forget()
+  if self.weighted then require('samplers.join').join(self, self.window) end
+end
+
+-- The join's moves: a micro step's backward without a step; the window's
+-- last backward and its step, its gradients times f; a window dropped.
+function Engine:_idle_micro_step(loss)
+  self:_backward(loss, false)
+  self.micro_steps = self.micro_steps + 1
+end
+
+function Engine:_join_step(loss, f)
   local gas = self:gradient_accumulation_steps()
-  -- from stage 2 every micro step reduces: the window's other micro steps too
-  local every = self.zero and self.zero.stage >= 2
-  while true do
-    while every and not self:is_gradient_accumulation_boundary() do
-      self:_backward(self:_shadow_loss(), false)
-      self.micro_steps = self.micro_steps + 1
-    end
-    local loss = self:_shadow_loss()
-    local G, active, f = self.window:join_round()
-    if G == 0 then
-      self.micro_steps = self.micro_steps - self.micro_steps % gas    -- nothing pending anywhere
-      return
-    end
-    self:_scale_grads(f)
-    self:_backward(loss, true)
-    self.micro_steps = self.micro_steps - self.micro_steps % gas + gas - 1      -- the window's last micro step
-    self:step()
-    if active == 0 then return end
-  end
+  self.steps:scale_grads(f)
+  self:_backward(loss, true)
+  self.micro_steps = self.micro_steps - self.micro_steps % gas + gas - 1      -- the window's last micro step
+  self:step()
+end
+
+function Engine:_drop_window()
+  self.micro_steps = self.micro_steps - self.micro_steps % self:gradient_accumulation_steps()
 end
 
 -- Stage 3 gathers parameters in forward: a rank with no data runs the
 -- last forward again for a loss of zero weight (nil below stage 3).
 function Engine:_shadow_loss()
-  if not (self.zero and self.zero.stage == 3) then return nil end
+  if self.steps.stage ~= 3 then return nil end
   local args = self.last_inputs
   if not args then
     error(string.format('join: rank %d ran out of data before its first step; with zero_optimization.stage 3 '
@@ -654,18 +576,12 @@ function Engine:_take_step()
   local clip = self.config.gradient_clipping or 0
   local scaler = self.scaler
   local check = scaler ~= nil or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
-  local overflow, norm
-  if self.zero then
-    if self.onebit_local then self.zero.engine:take_local_grads() end
-    overflow, norm = self.zero:step(scaler and scaler.cur_scale or 1, clip, check)
-  else
-    overflow, norm = self.steps:step(self.optimizer.param_groups, 1, clip, check)
-  end
-  local engine = self.zero and self.zero.engine or self.steps
-  if self.world_size > 1 then self.comm_stats = engine:stats() end
-  if self.onebit then self.onebit_stats = self.onebit:stats() end
+  local steps = self.steps
+  local overflow, norm = steps:step(scaler and scaler.cur_scale or 1, clip, check)
+  if self.world_size > 1 then self.comm_stats = steps:stats() end
+  self.onebit_stats = steps:onebit_stats() or nil
   if ds.comm.logging() then
-    for _, r in ipairs(engine:comm_records()) do ds.comm.log_collective(r[1], r[2], r[3]) end
+    for _, r in ipairs(steps:comm_records()) do ds.comm.log_collective(r[1], r[2], r[3]) end
   end
   self.overflow = overflow
   if overflow then
@@ -691,12 +607,11 @@ end
 -- and it needs stage3_gather_16bit_weights_on_model_save, as DeepSpeed's
 -- save_16bit_model.
 function Engine:module_state_dict()
-  if not self.zero then return self.module:state_dict() end
-  if self.zero.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save then
+  if self.steps.stage == 3 and not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save then
     error('module_state_dict: zero_optimization.stage3_gather_16bit_weights_on_model_save is false: the '
           .. 'stage 3 weights stay partitioned (set it to gather them)', 2)
   end
-  return self.zero:gathered_parameters()
+  return self.steps:gathered_parameters(self.module)
 end
 
 -- DeepSpeed's set_train_batch_size: the micro batch stays, the number of

@@ -6,7 +6,8 @@
 -- Lua decides and C moves the bytes: this file converts the model to its
 -- compute dtype, builds the optimizer over the engine's fp32 masters (or
 -- the nvme-streamed one), installs stage 3's module hooks, and reports
--- what each rank holds. A backward and a step are one call into C each.
+-- what each rank holds. dslua/engine/step.lua drives backward and step,
+-- one call into C each, for this and the flat mode alike.
 local ds = require 'dslua'
 local Z0 = require('dslua.core')._zero
 
@@ -87,7 +88,7 @@ function M.new(opts)
   local cfg = opts.cfg
   local zc = cfg.zero_optimization
   local z = setmetatable({
-    stage = zc.stage, rank = opts.rank, world_size = opts.world_size, parts = zc.stage > 0 and opts.world_size or 1,
+    stage = zc.stage, rank = opts.rank, world_size = opts.world_size,
     dtype = M.model_dtype(cfg), model = opts.model, cfg = cfg,
   }, Zero)
   local comm_dtype = cfg.communication_data_type and DTYPES[cfg.communication_data_type] or z.dtype
@@ -133,6 +134,7 @@ function M.new(opts)
   z.engine = Z0.engine(M.engine_options(cfg, { masters = true, comm_dtype = comm_dtype, master_device = master_device,
                                                groups = lists, group = opts.model.dp_group,
                                                stages = opts.model.pipe_group }))
+  z.parts = z.engine:parts()       -- the shards each parameter is cut into, as the engine cut them
   z:_build_optimizer(opts)
   if z.stage == 3 then
     z:_offload_params(zc.offload_param)
@@ -221,18 +223,7 @@ function Zero:_install_hooks()
   end
 end
 
----------------------------------------------------------------- backward and step
-
--- The engine's backward of a (scaled) loss, or of none (a rank without
--- data that still takes part). This micro step's gradients are reduced now
--- at the boundary, and at every micro step from stage 2; otherwise they
--- accumulate in the parameters' gradients.
-function Zero:backward(loss, boundary)
-  self.engine:backward(loss, boundary or self.stage >= 2)
-end
-
--- Multiplies the gradients accumulated so far by f.
-function Zero:scale_grads(f) self.engine:scale_grads(f) end
+---------------------------------------------------------------- step
 
 -- The boundary's step: average, overflow check (fp16), unscale and clip,
 -- the optimizer (or the nvme-streamed one) and the refresh. Returns

@@ -175,7 +175,7 @@ function M.dump_state(engine)
   for k, v in pairs(engine) do
     if type(v) ~= 'table' then state[k] = v end
   end
-  state.zero_stage = engine.zero and engine.zero.stage or 0
+  state.zero_stage = engine.steps.stage
   state.train_batch_size = engine:train_batch_size()
   state.train_micro_batch_size_per_gpu = engine:train_micro_batch_size_per_gpu()
   state.gradient_accumulation_steps = engine:gradient_accumulation_steps()

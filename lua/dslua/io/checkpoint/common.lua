@@ -157,9 +157,11 @@ end
 --   pieces[i] = {lo, hi, offset}: this rank holds elements [lo, hi) of
 --     parameter i at `offset` of its group's flat buffers
 --   groups[g] = the optimizer's param group (hyperparameters)
--- (read_buffers gives each group's flat f32 buffers), mode: 'flat' (fp32 stage 0: the optimizer's own buffers hold whole
--- parameters), 'masters' (this rank's shards back to back), 'nvme' (the
--- same, streamed through files: read with state_dict).
+-- (read_buffers gives each group's flat f32 buffers), mode: what holds
+-- them, as the step says (engine.steps:holds()): 'flat' (fp32 stage 0: the
+-- optimizer's own buffers hold whole parameters), 'masters' (this rank's
+-- shards back to back), 'streamed' (the same, through the nvme optimizer's
+-- files: read with state_dict).
 -- A checkpoint cuts each parameter into `parts` shards, rank `part`'s
 -- file holding shard `part` of those it owns: the world's ranks, or in a
 -- pipeline the data-parallel ranks of the stage that owns it (`ranks`).
@@ -183,9 +185,10 @@ local function engine_layout(engine)
     L.pieces[i] = { lo = lo, hi = hi, offset = offset }
     L.by_name[name] = i
   end
-  local z = engine.zero
+  local z = engine.steps.zero
+  L.mode = engine.steps:holds()
   if not z then
-    L.mode, L.optimizer = 'flat', engine.optimizer
+    L.optimizer = engine.optimizer
     for g, group in ipairs(L.optimizer.param_groups) do
       local off = 0
       for _, p in ipairs(group.params) do
@@ -194,7 +197,6 @@ local function engine_layout(engine)
       end
     end
   else
-    L.mode = z.offload == 'nvme' and 'nvme' or 'masters'
     L.optimizer = z.optimizer
     local r = z.parts > 1 and L.part or 0
     for g, group in ipairs(z.groups) do
@@ -215,14 +217,14 @@ end
 
 -- Does the engine step OneBitLamb, whose own state the checkpoint keeps?
 local function onebit_lamb(engine, L)
-  return engine.onebit ~= nil and L.optimizer.onebit ~= nil and L.optimizer.onebit.kind == 'OneBitLamb'
+  return engine.steps.onebit ~= nil and L.optimizer.onebit ~= nil and L.optimizer.onebit.kind == 'OneBitLamb'
 end
 
 -- The optimizer's state as flat buffers per group: {fp32 = tensor, [name]
 -- = tensor (only where it holds state)}, and each group's step.
 local function read_buffers(engine, L)
   local out, steps = {}, {}
-  if L.mode == 'nvme' then
+  if L.mode == 'streamed' then
     local sd = L.optimizer:state_dict()
     for g = 1, #L.groups do
       local st = sd.state[g]
@@ -234,7 +236,7 @@ local function read_buffers(engine, L)
   end
   local h = L.optimizer._h
   for g = 1, #L.groups do
-    out[g] = { fp32 = L.mode == 'flat' and L.optimizer:flat_params(g) or engine.zero:master(g) }
+    out[g] = { fp32 = engine.steps:master(g) }
     for _, s in ipairs(L.state_names) do
       if h:has_state(g, s) then out[g][s] = L.optimizer:flat_state(g, s) end
     end

@@ -203,7 +203,7 @@ end
 -- from their stages, each once, under their checkpoint names
 -- (layer_05.weight; models.gpt2.from_pipe_state_dict renames GPT-2's).
 function M.save_model(engine, path, dtype)
-  local z = engine.zero
+  local z = engine.steps.zero
   local pipe = engine.module.is_pipeline
   if z and z.stage == 3 and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save then
     fail('save_16bit_model: zero_optimization.stage3_gather_16bit_weights_on_model_save is false: the stage 3 '

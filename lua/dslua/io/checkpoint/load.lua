@@ -192,13 +192,13 @@ end
 -- The fp32 weights and optimizer state this rank holds, read from the
 -- saved shards, and the parameters made from them.
 local function load_tensors(engine, L, path, m, saved, get, with_state)
-  local h = L.mode ~= 'nvme' and L.optimizer._h or nil
-  local sd = L.mode == 'nvme' and L.optimizer:state_dict() or nil
+  local h = L.mode ~= 'streamed' and L.optimizer._h or nil
+  local sd = L.mode == 'streamed' and L.optimizer:state_dict() or nil
   local groups = m.optimizer.param_groups
   ds.no_grad(function()
     for g = 1, #L.groups do
       local fp32 = sd and sd.state[g].master
-                   or (L.mode == 'flat' and L.optimizer:flat_params(g) or engine.zero:master(g))
+                   or engine.steps:master(g)
       local states, fresh = {}, {}
       if with_state then
         for k, v in pairs(groups[g].hyperparameters) do L.groups[g][k] = v end
@@ -242,9 +242,9 @@ local function load_tensors(engine, L, path, m, saved, get, with_state)
       L.optimizer:load_state_dict(sd)      -- into the streamed files
       local masters = {}
       for g = 1, #L.groups do masters[g] = sd.state[g].master end
-      engine.zero:masters_loaded(masters)
-    elseif L.mode == 'masters' then
-      engine.zero:masters_loaded()
+      engine.steps:masters_loaded(masters)
+    else
+      engine.steps:masters_loaded()
     end
   end)
 end
@@ -258,7 +258,7 @@ local function load_onebit(engine, L, m, get)
   for g = 1, #L.groups do
     local k = 'onebit/' .. g .. '/'
     if f:entry(k .. 'fresh_v') and f:entry(k .. 'pieces') then
-      engine.onebit:load_lamb_state(g, m.optimizer.param_groups[g].step, f:read(k .. 'fresh_v'), f:read(k .. 'pieces'))
+      engine.steps.onebit:load_lamb_state(g, m.optimizer.param_groups[g].step, f:read(k .. 'fresh_v'), f:read(k .. 'pieces'))
     end
   end
 end
@@ -476,8 +476,8 @@ function M.load(engine, dir, tag, opts)
   end)
   close()
   note(engine, 'loaded checkpoint %s (saved on %d ranks at ZeRO stage %d in %s; loaded on %d at stage %d in %s)%s',
-       path, m.world_size, m.zero_stage, m.dtype, P, engine.zero and engine.zero.stage or 0,
-       engine.zero and engine.zero.dtype or 'f32',
+       path, m.world_size, m.zero_stage, m.dtype, P, engine.steps.stage,
+       engine.steps.dtype,
        L.pipeline and string.format(': saved as %s, loaded as %s', saved_layout, layout) or '')
   return path, client
 end

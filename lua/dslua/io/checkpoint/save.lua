@@ -140,7 +140,7 @@ end
 -- The manifest rank 0 writes (see the top of this file), from every rank's
 -- report: its parameters and module tensors.
 local function build_manifest(engine, L, steps, tag, files, reports, client)
-  local z = engine.zero
+  local z = engine.steps.zero
   local params, module = {}, {}
   for _, rep in ipairs(reports) do
     for _, p in ipairs(rep.params) do params[#params + 1] = p end
@@ -213,7 +213,7 @@ function M.save(engine, dir, tag, client_state, save_latest)
   end
   if r == 0 and onebit_lamb(engine, L) then
     for g = 1, #L.groups do
-      local fresh_v, pieces = engine.onebit:lamb_state(g)
+      local fresh_v, pieces = engine.steps.onebit:lamb_state(g)
       extra[#extra + 1] = { 'onebit/' .. g .. '/fresh_v', fresh_v }
       extra[#extra + 1] = { 'onebit/' .. g .. '/pieces', pieces }
     end

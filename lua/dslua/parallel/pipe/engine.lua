@@ -111,7 +111,7 @@ local function split(engine, batch)
     if batch.x ~= nil then x, y = batch.x, batch.y else x, y = batch[1], batch[2] end
   end
   local place = require('dslua.engine').place
-  local dtype = engine.zero and engine.zero.dtype ~= 'f32' and engine.zero.dtype or nil
+  local dtype = engine.steps.dtype ~= 'f32' and engine.steps.dtype or nil
   return place(engine.device, dtype, x), place(engine.device, dtype, y)
 end
 
@@ -181,7 +181,7 @@ end
 local function exclude_tied(engine, m)
   if engine.pipe_norm_set then return end
   engine.pipe_norm_set = true
-  local steps = engine.zero and engine.zero.engine or engine.steps
+  local steps = engine.steps
   for _, t in ipairs(m.tied_groups) do
     if not t.first then
       for _, w in ipairs(t.tensors) do steps:exclude_from_norm(w) end
