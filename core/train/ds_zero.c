@@ -138,14 +138,11 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
     for (int g = 0; g < n_groups; g++) n += counts[g];
     if (n_groups < 1 || n < 1) return ds_fail(DS_ERR_ARG, "step engine: no parameters");
     if (c->stage < 0 || c->stage > 3) return ds_fail(DS_ERR_ARG, "step engine: stage %d is not 0-3", c->stage);
-    const zlayout *layout = c->masters ? &ds_zero_masters_layout : &ds_zero_flat_layout;
-    if (layout == &ds_zero_flat_layout && (c->stage != 0 || !flat))
-        return ds_fail(DS_ERR_ARG, "step engine: without masters only stage 0 runs, over its optimizer");
     if (check_params(n, params)) return NULL;
     ds_zero *z = calloc(1, sizeof *z);
     if (!z) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory");
     z->c = *c;
-    z->layout = layout;
+    z->layout = c->masters ? &ds_zero_masters_layout : &ds_zero_flat_layout;     /* asked from here on */
     z->rank = ds_comm_rank(c->group);
     z->world = ds_comm_size(c->group);
     if (z->rank < 0) {
@@ -174,7 +171,7 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
         }
     }
     if (flat) z->optim = flat;
-    if (layout->build(z, flat)) {
+    if (z->layout->build(z, flat)) {
         ds_zero_free(z);
         return NULL;
     }

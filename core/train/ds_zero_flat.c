@@ -11,6 +11,8 @@
 /* Each parameter's gradient is its view into the optimizer's flat
  * gradients; the step reads those. */
 static int build(ds_zero *z, ds_optim *o) {
+    if (z->c.stage != 0 || !o)
+        return ds_fail(DS_ERR_ARG, "step engine: without masters only stage 0 runs, over its optimizer"), -1;
     z->parts = 1;
     for (int i = 0; i < z->n; i++) {
         zparam *q = &z->p[i];
@@ -25,7 +27,6 @@ static int build(ds_zero *z, ds_optim *o) {
         q->view = g->grads[k];
         ds_tensor_retain(q->view);
     }
-    z->optim = o;
     z->n_grads = o->n_groups;
     z->grads = calloc((size_t)o->n_groups, sizeof *z->grads);
     if (!z->grads) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;

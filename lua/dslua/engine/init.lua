@@ -282,8 +282,7 @@ function M.initialize(opts)
   return self, optimizer, loader, scheduler
 end
 
----------------------------------------------------------------- data parallel
-
+---------------------------------------------------------------- finish and destroy
 
 -- The end of training: prints the comms logger's summary (DeepSpeed's
 -- table) when the config enables it. Every rank calls it.
