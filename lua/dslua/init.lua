@@ -71,6 +71,7 @@ ds.checkpointing = require 'dslua.nn.checkpointing'
 -- the rest stay the checkpoint files' module
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
 ds.pipe = require 'dslua.parallel.pipe'
+ds.topology = require 'dslua.parallel.topology'
 -- ds.initialize{model, config, ...} -> engine, optimizer, loader, scheduler:
 -- deepspeed.initialize (lua/dslua/engine/init.lua), loaded when first called.
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end
