@@ -40,6 +40,10 @@ M.defaults = {
   -- kernels; the padded rows start at zero, and the loss and the logits
   -- returned count only the first vocab_size columns.
   padded_vocab_size = false,
+  -- Tensor parallelism (docs/parallel.md): tp ranks split the heads, the
+  -- MLP and the vocabulary; topology a ds.topology (ds.topology{tensor =
+  -- tp} over the world by default)
+  tp = 1, topology = false,
   dtype = 'f32', device = 'cpu',
 }
 
@@ -57,6 +61,8 @@ function M.config(cfg)
     error(string.format('gpt2: padded_vocab_size must be false or an integer >= vocab_size %d, got %s',
                         out.vocab_size, tostring(pv)), 0)
   end
+  nn.parallel.degree('gpt2', out, { { 'n_head', out.n_head },
+                                    { pv and 'padded_vocab_size' or 'vocab_size', pv or out.vocab_size } })
   return out
 end
 
@@ -126,6 +132,24 @@ function GPT:init(cfg)
   if rows > cfg.vocab_size then
     ds.no_grad(function() self.transformer.wte.weight:narrow(1, cfg.vocab_size + 1, rows - cfg.vocab_size):fill_(0) end)
   end
+  local g = nn.parallel.setup(self, cfg, 'gpt2')
+  if g then self:split(g) end
+end
+
+-- Tensor parallel over group g, from the whole model built: the token
+-- embedding by vocabulary (the lm_head its piece: logits split by
+-- vocabulary), each block's attention by heads, c_fc column- and c_proj
+-- row-parallel. Everything else is replicated.
+function GPT:split(g)
+  local P, tr = nn.parallel, self.transformer
+  tr.wte = P.VocabParallelEmbedding(tr.wte, { group = g })
+  for _, b in ipairs(tr.h) do
+    b.attn = P.ParallelSelfAttention(b.attn, { group = g })
+    b.mlp.c_fc = P.ColumnParallelLinear(b.mlp.c_fc, { group = g })
+    b.mlp.c_proj = P.RowParallelLinear(b.mlp.c_proj, { group = g })
+  end
+  self.lm_head = P.ColumnParallelLinear(self.lm_head, { group = g })
+  self.lm_head.weight = tr.wte.weight     -- tied again, to the embedding's piece
 end
 
 function GPT:build(cfg)
@@ -163,11 +187,20 @@ end
 
 -- forward(batch) with batch = {x = ids, y = targets}, or forward(ids [,
 -- targets]): the mean cross-entropy (targets -1 ignored, as nanoGPT) and
--- the logits when targets are given, else the logits [B, T, vocab].
+-- the logits when targets are given, else the logits [B, T, vocab]. Tensor
+-- parallel: the logits with the loss are this rank's vocabulary columns,
+-- without targets all of them.
 function GPT:forward(idx, targets)
   if type(idx) == 'table' then idx, targets = idx.x, idx.y end
   local V = self.config.vocab_size
   local logits = self.lm_head(self:hidden(idx))
+  local g = self.tensor_group
+  if g then
+    -- tensor parallel: this rank's columns of the logits, and the loss from all of them
+    if targets == nil then return self:_whole(logits) end
+    return nn.parallel.vocab_parallel_cross_entropy(logits, targets, {
+      group = g, vocab_start = self.transformer.wte.vocab_start, classes = V, ignore_index = -1 }), logits
+  end
   local real = logits:size(3) > V and logits:narrow(3, 1, V) or logits
   if targets == nil then return real end
   -- the loss reads the padded logits in place: no copy of the real columns
@@ -177,9 +210,17 @@ end
 -- Logits [B, vocab] of the last position only: what sampling needs.
 function GPT:last_logits(idx)
   local x = self:hidden(idx)
-  local logits = self.lm_head(x:narrow(2, x:size(2), 1))
+  local logits = self:_whole(self.lm_head(x:narrow(2, x:size(2), 1)))
   local V = self.config.vocab_size
   return logits:narrow(3, 1, V):reshape({ idx:size(1), V })
+end
+
+-- the logits of every column from this rank's, less the padding
+function GPT:_whole(logits)
+  local g = self.tensor_group
+  if g then logits = nn.parallel.gather_from_region(logits, g) end
+  local V = self.config.vocab_size
+  return logits:size(3) > V and logits:narrow(3, 1, V) or logits
 end
 
 -- generate(idx, max_new_tokens [, {temperature = 1, top_k}]) -> idx with
@@ -379,6 +420,7 @@ end
 -- opts.max_shard_bytes (shards and the index above it; 5 GiB by default).
 function M.save_hf(model, dir, opts)
   local c, who = model.config, 'gpt2.save_hf'
+  nn.parallel.check_whole(model, who)
   if not c.bias or c.gelu ~= 'tanh' then
     error(who .. ": Hugging Face's GPT-2 has biases and the tanh GELU: this model has bias = "
           .. tostring(c.bias) .. ", gelu = '" .. tostring(c.gelu) .. "'", 0)

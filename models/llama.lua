@@ -31,6 +31,10 @@ M.defaults = {
   intermediate_size = false, multiple_of = 256, norm_eps = 1e-5, rope_theta = 10000.0,
   tie_embeddings = false, initializer_range = 0.02, dtype = 'f32', device = 'cpu',
   checkpoint = false,   -- activation checkpointing: true (every layer) or k (segments of k layers)
+  -- Tensor parallelism (docs/parallel.md): tp ranks split the query and
+  -- key/value heads, the MLP and the vocabulary; topology a ds.topology
+  -- (ds.topology{tensor = tp} over the world by default)
+  tp = 1, topology = false,
 }
 
 function M.config(cfg)
@@ -49,6 +53,8 @@ function M.config(cfg)
   if out.n_head % out.n_kv_head ~= 0 then
     error(string.format('llama: n_head %d is not a multiple of n_kv_head %d', out.n_head, out.n_kv_head), 0)
   end
+  nn.parallel.degree('llama', out, { { 'n_head', out.n_head }, { 'n_kv_head', out.n_kv_head },
+                                     { 'intermediate_size', out.intermediate_size }, { 'vocab_size', out.vocab_size } })
   return out
 end
 
@@ -104,6 +110,7 @@ function Attention:init(cfg)
 end
 
 function Attention:forward(x, cos, sin)
+  if self.group then x = nn.parallel.copy_to_region(x, self.group) end    -- tensor parallel: q, k, v read one copy
   local B, T = x:size(1), x:size(2)
   local H, KV, D = self.n_head, self.n_kv_head, self.head_dim
   local q = self.q_proj(x):view({ B, T, H, D }):transpose(2, 3)
@@ -124,7 +131,10 @@ function MLP:init(cfg)
   self.down_proj = nn.Linear(cfg.intermediate_size, cfg.n_embd, lin)
 end
 
-function MLP:forward(x) return self.down_proj(ds.silu(self.gate_proj(x)) * self.up_proj(x)) end
+function MLP:forward(x)
+  if self.group then x = nn.parallel.copy_to_region(x, self.group) end    -- tensor parallel: gate and up read one copy
+  return self.down_proj(ds.silu(self.gate_proj(x)) * self.up_proj(x))
+end
 
 local Layer = nn.Module:extend('LlamaDecoderLayer')
 M.Layer = Layer
@@ -154,6 +164,31 @@ function Llama:init(cfg)
   for _, p in ipairs(self:parameters()) do
     if p:dim() >= 2 then nn.init.normal_(p, 0, cfg.initializer_range) end
   end
+  local g = nn.parallel.setup(self, cfg, 'llama')
+  if g then self:split(g) end
+end
+
+-- Tensor parallel over group g, from the whole model built: the embedding
+-- and the lm_head by vocabulary (a tied lm_head is the embedding's piece),
+-- q_proj, k_proj and v_proj column-parallel (each rank n_head / t query
+-- heads and their n_kv_head / t key/value heads), o_proj row-parallel,
+-- gate_proj and up_proj column- and down_proj row-parallel. The norms are
+-- replicated.
+function Llama:split(g)
+  local P, t = nn.parallel, g:size()
+  -- q, k and v (gate and up) read one copy of their input, which the
+  -- attention (the MLP) makes: one all-reduce backward each
+  local col, row = function(l) return P.ColumnParallelLinear(l, { group = g, copy_input = false }) end,
+                   function(l) return P.RowParallelLinear(l, { group = g }) end
+  self.model.embed_tokens = P.VocabParallelEmbedding(self.model.embed_tokens, { group = g })
+  for _, layer in ipairs(self.model.layers) do
+    local a, m = layer.self_attn, layer.mlp
+    a.q_proj, a.k_proj, a.v_proj, a.o_proj = col(a.q_proj), col(a.k_proj), col(a.v_proj), row(a.o_proj)
+    a.n_head, a.n_kv_head, a.group = a.n_head / t, a.n_kv_head / t, g
+    m.gate_proj, m.up_proj, m.down_proj, m.group = col(m.gate_proj), col(m.up_proj), row(m.down_proj), g
+  end
+  self.lm_head = P.ColumnParallelLinear(self.lm_head, { group = g })
+  if self.config.tie_embeddings then self.lm_head.weight = self.model.embed_tokens.weight end
 end
 
 function Llama:build(cfg)
@@ -190,17 +225,28 @@ end
 
 -- forward(batch) or forward(ids [, targets]): targets are the next tokens
 -- (already shifted, as the loaders make them; -100 ignored). Returns the
--- mean cross-entropy and the logits, or the logits [B, T, vocab].
+-- mean cross-entropy and the logits, or the logits [B, T, vocab]. Tensor
+-- parallel: the logits with the loss are this rank's vocabulary columns,
+-- without targets all of them.
 function Llama:forward(idx, targets)
   if type(idx) == 'table' then idx, targets = idx.x, idx.y end
   local logits = self.lm_head(self:hidden(idx))
+  local g = self.tensor_group
+  if g then
+    -- tensor parallel: this rank's columns of the logits, and the loss from all of them
+    if targets == nil then return nn.parallel.gather_from_region(logits, g) end
+    return nn.parallel.vocab_parallel_cross_entropy(logits, targets, {
+      group = g, vocab_start = self.model.embed_tokens.vocab_start }), logits
+  end
   if targets == nil then return logits end
   return ds.cross_entropy(logits, targets), logits
 end
 
 function Llama:last_logits(idx)
   local x = self:hidden(idx)
-  return self.lm_head(x:narrow(2, x:size(2), 1)):reshape({ idx:size(1), self.config.vocab_size })
+  local logits = self.lm_head(x:narrow(2, x:size(2), 1))
+  if self.tensor_group then logits = nn.parallel.gather_from_region(logits, self.tensor_group) end
+  return logits:reshape({ idx:size(1), self.config.vocab_size })
 end
 
 function Llama:generate(idx, max_new_tokens, opts)
@@ -267,6 +313,7 @@ end
 -- is written once, as the embedding.
 function M.save_hf(model, dir, opts)
   local c = model.config
+  nn.parallel.check_whole(model, 'llama.save_hf')
   local config = { architectures = { 'LlamaForCausalLM' }, model_type = 'llama', hidden_act = 'silu',
                    attention_bias = false, mlp_bias = false, rope_scaling = json.null,
                    head_dim = c.n_embd / c.n_head }

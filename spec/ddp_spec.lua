@@ -128,12 +128,6 @@ describe('data-parallel training', function()
     return runs[np], out
   end
 
-  local function norm(v)
-    local s = 0
-    for _, x in ipairs(v) do s = s + x * x end
-    return math.sqrt(s)
-  end
-
   local function same_training(case, np)
     local one, many = run(1)[case], run(np)[case]
     assert.are.equal(8 / np, many.micro_batch * (case == 'mlp_gas2_clip' and 2 or 1))
@@ -146,10 +140,7 @@ describe('data-parallel training', function()
     end
     local count = 0
     for name, w in pairs(one.weights) do
-      local v, d = many.weights[name], {}
-      assert.are.equal(#w, #v)
-      for i = 1, #w do d[i] = v[i] - w[i] end
-      local err = norm(d) / norm(w)
+      local err = H.rel_diff(many.weights[name], w)
       assert.is_true(err <= WEIGHT_RTOL, string.format('%s on %d ranks: %s differs by %.3g', case, np, name, err))
       count = count + 1
     end

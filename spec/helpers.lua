@@ -50,6 +50,18 @@ function H.assert_close(actual, expected, tol, what)
   return true
 end
 
+-- ||a - b|| / ||b|| of two lists of numbers of one length (weights
+-- trained two ways, as the rank scripts write them).
+function H.rel_diff(a, b)
+  assert(#a == #b, string.format('%d values, expected %d', #a, #b))
+  local d, n = 0, 0
+  for i = 1, #b do
+    d = d + (a[i] - b[i]) ^ 2
+    n = n + b[i] ^ 2
+  end
+  return math.sqrt(d) / math.sqrt(n)
+end
+
 -- Asserts actual equals expected element by element, exactly (a NaN
 -- matches only a NaN); the message names the first element that does not.
 function H.assert_same(actual, expected, what)

@@ -6,8 +6,9 @@
  *                prefetch_bucket_size, max_live_parameters,
  *                max_reuse_distance, groups = {{p...}...}, optimizer,
  *                group, stages}    (ds.comm.new_group's groups: group, the ranks that
- *                reduce (nil: the world); stages, a pipeline's ranks of this data
- *                index, over which the gradient norm sums too (nil: none))
+ *                reduce (nil: the world); stages, the model-parallel ranks of this
+ *                data index (pipeline stages, tensor group), over which the
+ *                gradient norm sums too (nil: none))
  *                              -> z (optimizer: the flat mode's, else nil)
  *   z:master(g), z:master_grad(g), z:attach(optimizer), z:stream()
  *   z:backward(loss | nil, reduce)   z:scale_grads(f)
@@ -20,7 +21,8 @@
  *   z:add_module({i...}) -> id | nil (it holds no partitioned parameter)
  *   z:pre_forward(id)  z:post_forward(id)  z:gather_all()  z:release_all()
  *   z:shard(i)  z:persistent(i)  z:close()
- *   z:exclude_from_norm(param)  (a tied weight a pipeline's earlier stage counts)
+ *   z:exclude_from_norm(param)  (a tied weight a pipeline's earlier stage counts,
+ *                              a replicated one tensor rank 0 counts)
  *   z:offload_params(file | nil)  stage 3's shards into host memory, or the file
  *   z:take_local_grads()       masters at stage 0: this rank's unreduced gradients into the masters'
  *   z:reduces(boundary) -> bool   does this micro step's backward reduce?

@@ -53,8 +53,9 @@ typedef struct ds_zero ds_zero;
 typedef struct {
     int stage;                    /* 0-3 */
     ds_comm_group *group;         /* the data-parallel ranks (a pipeline stage's); NULL: the world */
-    ds_comm_group *stages;        /* a pipeline's ranks of this data index, one per stage: the gradient
-                                   * norm and the overflow count sum over them too; NULL: one stage */
+    ds_comm_group *stages;        /* the model-parallel ranks of this data index (a pipeline's stages, a
+                                   * tensor group, or both): the gradient norm and the overflow count sum
+                                   * over them too; NULL: none */
     bool masters;                 /* fp32 masters (see above); false: flat */
     ds_dtype comm_dtype;          /* masters: gradients travel in it */
     ds_device master_device;      /* masters: where masters, their gradients and state live */
@@ -163,7 +164,8 @@ bool ds_zero_stats_get(const ds_zero *z, ds_zero_stats *out);
 int ds_zero_n_params(const ds_zero *z);
 /* param (one of the engine's) stays out of the gradient norm and the
  * overflow count: a pipeline's tied weight on every stage but the first
- * that holds it, so the norm counts it once. */
+ * that holds it, a weight replicated across a tensor group on every
+ * tensor rank but the first, so the norm counts it once. */
 int ds_zero_exclude_from_norm(ds_zero *z, const ds_tensor *param);
 /* The optimizer stepping the weights, NULL while none is attached. */
 ds_optim *ds_zero_optimizer(const ds_zero *z);

@@ -180,8 +180,9 @@ function M.initialize(opts)
     error('initialize: no config: pass `config` (a path or a table) or run with --config ds.json', 2)
   end
   local world_size = ds.comm and ds.comm.world_size() or 1
-  -- a pipeline's ranks split into stages: data parallel runs across dp_size
-  if model.is_pipeline then world_size = model.dp_size end
+  -- a pipeline's ranks split into stages, a tensor-parallel model's into
+  -- tensor groups: data parallel runs across dp_size
+  if model.is_pipeline or model.tensor_group then world_size = model.dp_size end
   local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
   schedule_path(cfg, source)
   require('dslua.nn.checkpointing').configure(cfg.activation_checkpointing)

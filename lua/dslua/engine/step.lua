@@ -32,7 +32,8 @@ local function flat_engine(cfg, model, optimizer)
     end
   end
   return C._zero.engine(Zero.engine_options(cfg, {
-    masters = false, optimizer = optimizer, groups = lists, group = model.dp_group, stages = model.pipe_group,
+    masters = false, optimizer = optimizer, groups = lists, group = model.dp_group,
+    stages = model.model_parallel_group or model.pipe_group,
     prescale = cfg.prescale_gradients, predivide = cfg.gradient_predivide_factor,
   }))
 end
@@ -54,6 +55,10 @@ function M.new(opts)
   else
     s.optimizer = opts.build_optimizer(opts.params)
     s.engine = flat_engine(cfg, model, s.optimizer)
+  end
+  -- a parameter replicated across a tensor group counts once in the gradient norm: on tensor rank 0
+  if model.tensor_group then
+    for _, p in ipairs(ds.nn.parallel.norm_excluded(model, model.tensor_group)) do s.engine:exclude_from_norm(p) end
   end
   -- the answers are the engine's, fixed when it is built: asked once, not per backward
   s.reduce_in_window, s.reduce_at_boundary = s.engine:reduces(false), s.engine:reduces(true)
@@ -94,7 +99,8 @@ function Step:step(loss_scale, clip, check_overflow)
 end
 
 -- param stays out of the gradient norm: a pipeline's tied weight on
--- every stage but the first that holds it.
+-- every stage but the first that holds it (a tensor group's replicated
+-- weights are left out when the step is built).
 function Step:exclude_from_norm(param) self.engine:exclude_from_norm(param) end
 
 -- The reduced backwards' statistics since the last step (nil before any).

@@ -133,7 +133,7 @@ function M.new(opts)
   local master_device = z.offload ~= 'none' and 'cpu' or (opts.device or 'cpu')
   z.engine = Z0.engine(M.engine_options(cfg, { masters = true, comm_dtype = comm_dtype, master_device = master_device,
                                                groups = lists, group = opts.model.dp_group,
-                                               stages = opts.model.pipe_group }))
+                                               stages = opts.model.model_parallel_group or opts.model.pipe_group }))
   z.parts = z.engine:parts()       -- the shards each parameter is cut into, as the engine cut them
   z:_build_optimizer(opts)
   if z.stage == 3 then

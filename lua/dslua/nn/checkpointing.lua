@@ -5,8 +5,8 @@
 -- runs fn(x, ...) with autograd off, so none of its intermediate
 -- activations are kept, and records one node from the tensor arguments that
 -- need grad to y. Backward runs fn again with autograd on, from the saved
--- arguments and the random-number state fn first saw (dropout draws the
--- same masks), and backpropagates through that copy: parameters fn uses get
+-- arguments and the random-number states fn first saw, the tracker's too
+-- (dropout draws the same masks), and backpropagates through that copy: parameters fn uses get
 -- their gradients there, the arguments' gradients go on down the graph.
 -- fn returns one tensor; other arguments (numbers, tables, tensors that need
 -- no grad) are passed through as they are, both times.
@@ -21,6 +21,55 @@ function M.configure(block) M.config = block end
 
 -- deepspeed.checkpointing.is_configured
 function M.is_configured() return M.config ~= nil end
+
+-- The model-parallel random states (Megatron's and DeepSpeed's RNG
+-- tracker): named generator states kept apart from the default one.
+-- tracker:fork(name, fn, ...) runs fn with the default generator set to
+-- the named state and saves where it left it. Dropout on an activation
+-- split across a tensor group runs forked (a different state on each
+-- tensor rank); on a replicated activation it draws from the default
+-- generator, the same on every rank of the group.
+local tracker = { states = {} }
+
+function tracker:add(name, seed)
+  if self.states[name] then error(string.format("rng tracker: state '%s' exists already", name), 2) end
+  local saved = C.get_rng_state()
+  C.manual_seed(seed)
+  self.states[name] = C.get_rng_state()
+  C.set_rng_state(saved)
+end
+
+function tracker:reset() self.states = {} end
+function tracker:get_states()
+  local out = {}
+  for k, v in pairs(self.states) do out[k] = v end
+  return out
+end
+function tracker:set_states(states) self.states = states end
+
+function tracker:fork(name, fn, ...)
+  local state = self.states[name]
+  if not state then error(string.format("rng tracker: no state '%s' (model_parallel_manual_seed makes it)", name), 2) end
+  local saved = C.get_rng_state()
+  C.set_rng_state(state)
+  local res = { pcall(fn, ...) }
+  self.states[name] = C.get_rng_state()
+  C.set_rng_state(saved)
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+M.MODEL_PARALLEL_RNG = 'model-parallel-rng'
+function M.get_rng_tracker() return tracker end
+
+-- Megatron's model_parallel_cuda_manual_seed: the default generator from
+-- seed (the same on a tensor group's ranks), the model-parallel state
+-- from seed + 2718 + tensor_rank.
+function M.model_parallel_manual_seed(seed, tensor_rank)
+  C.manual_seed(seed)
+  tracker:reset()
+  tracker:add(M.MODEL_PARALLEL_RNG, seed + 2718 + (tensor_rank or 0))
+end
 
 local function run_with_grad(fn, args, n)
   local prev = C.set_grad_enabled(true)
@@ -45,7 +94,7 @@ function M.checkpoint(fn, ...)
       inputs[#inputs + 1] = a
     end
   end
-  local rng = C.get_rng_state()
+  local rng, states = C.get_rng_state(), tracker:get_states()
   local prev = C.set_grad_enabled(false)
   local ok, out = pcall(fn, ...)
   C.set_grad_enabled(prev)
@@ -72,10 +121,12 @@ function M.checkpoint(fn, ...)
       xs[k] = x
       call[i] = x
     end
-    local now = C.get_rng_state()
+    local now, now_states = C.get_rng_state(), tracker:get_states()
     C.set_rng_state(rng)
+    tracker:set_states(states)
     local ok2, y = pcall(run_with_grad, fn, call, n)
     C.set_rng_state(now)
+    tracker:set_states(now_states)
     if not ok2 then error('ds.checkpoint: recomputing in backward: ' .. tostring(y), 0) end
     if not C.is_tensor(y) then error('ds.checkpoint: recomputing in backward, fn returned a ' .. type(y), 0) end
     if y.requires_grad then y:backward(grad) end

@@ -328,19 +328,22 @@ function CausalSelfAttention:forward(x)
     error(fmt('CausalSelfAttention: expected x [B, T, %d], got %s', self.n_embd,
               ds.is_tensor(x) and shape_str(x) or type(x)), 2)
   end
-  local B, T, C = x:size(1), x:size(2), x:size(3)
+  return self.resid_dropout(self.c_proj(self:attend(self.c_attn(x))))
+end
+
+-- The attention of qkv [B, T, 3C] (q, k, v side by side) over self.n_head
+-- heads: y [B, T, C].
+function CausalSelfAttention:attend(qkv)
+  local B, T, C = qkv:size(1), qkv:size(2), qkv:size(3) / 3
   local nh = self.n_head
-  local y
   if self.attn_dropout.training and self.attn_dropout.p > 0 then
-    local qkv = self.c_attn(x):split(C, 3)
-    local q = qkv[1]:view({ B, T, nh, C / nh }):transpose(2, 3)
-    local k = qkv[2]:view({ B, T, nh, C / nh }):transpose(2, 3)
-    local v = qkv[3]:view({ B, T, nh, C / nh }):transpose(2, 3)
-    y = attention_with_dropout(q, k, v, self.attn_dropout.p):transpose(2, 3):reshape({ B, T, C })
-  else
-    y = ds.qkv_attention(self.c_attn(x), nh, self.attention)    -- no split, transposes or concatenation in backward
+    local parts = qkv:split(C, 3)
+    local q = parts[1]:view({ B, T, nh, C / nh }):transpose(2, 3)
+    local k = parts[2]:view({ B, T, nh, C / nh }):transpose(2, 3)
+    local v = parts[3]:view({ B, T, nh, C / nh }):transpose(2, 3)
+    return attention_with_dropout(q, k, v, self.attn_dropout.p):transpose(2, 3):reshape({ B, T, C })
   end
-  return self.resid_dropout(self.c_proj(y))
+  return ds.qkv_attention(qkv, nh, self.attention)    -- no split, transposes or concatenation in backward
 end
 
 function CausalSelfAttention:extra_repr() return fmt('n_embd=%d, n_head=%d', self.n_embd, self.n_head) end

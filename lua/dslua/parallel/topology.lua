@@ -63,8 +63,8 @@ function M.new(opts)
   local d = opts.data
   if d == nil then
     if W % model ~= 0 then
-      error(fmt('topology: pipe %d x tensor %d x sequence %d = %d does not divide the world of %d ranks',
-                p, t, s, model, W), 2)
+      error(fmt('topology: pipe %d x tensor %d x sequence %d = %d does not divide the world of %d rank%s',
+                p, t, s, model, W, W == 1 and '' or 's'), 2)
     end
     d = W / model
   end
