@@ -132,9 +132,14 @@ function GPT:init(cfg)
   if rows > cfg.vocab_size then
     ds.no_grad(function() self.transformer.wte.weight:narrow(1, cfg.vocab_size + 1, rows - cfg.vocab_size):fill_(0) end)
   end
-  local g = nn.parallel.setup(self, cfg, 'gpt2')
-  if g then self:split(g) end
+  self:parallelize(cfg.tp, cfg.topology)
 end
+
+-- parallelize(tp [, topology]): this model, built whole, split across tp
+-- ranks (a topology's tensor groups; ds.topology{tensor = tp} by
+-- default), as the tp config key does; initialize calls it for
+-- DeepSpeed's tensor_parallel.autotp_size.
+function GPT:parallelize(tp, topology) return nn.parallel.parallelize(self, M.config, 'gpt2', tp, topology) end
 
 -- Tensor parallel over group g, from the whole model built: the token
 -- embedding by vocabulary (the lm_head its piece: logits split by

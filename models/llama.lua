@@ -164,9 +164,14 @@ function Llama:init(cfg)
   for _, p in ipairs(self:parameters()) do
     if p:dim() >= 2 then nn.init.normal_(p, 0, cfg.initializer_range) end
   end
-  local g = nn.parallel.setup(self, cfg, 'llama')
-  if g then self:split(g) end
+  self:parallelize(cfg.tp, cfg.topology)
 end
+
+-- parallelize(tp [, topology]): this model, built whole, split across tp
+-- ranks (a topology's tensor groups; ds.topology{tensor = tp} by
+-- default), as the tp config key does; initialize calls it for
+-- DeepSpeed's tensor_parallel.autotp_size.
+function Llama:parallelize(tp, topology) return nn.parallel.parallelize(self, M.config, 'llama', tp, topology) end
 
 -- Tensor parallel over group g, from the whole model built: the embedding
 -- and the lm_head by vocabulary (a tied lm_head is the embedding's piece),

@@ -73,7 +73,7 @@ local CASES = {
                           .. 'micro_batch_per_rank 16, 16' } },
   { 'sequence_parallel', 1, false, { 'sequence_parallel_size: sequence parallelism over 2 ranks (DeepSpeed-Ulysses): '
                                      .. 'dslua has none' } },
-  { 'tensor_parallel', 1, false, { 'tensor_parallel: tensor parallelism over 2 ranks (AutoTP): dslua has none' } },
+  { 'tensor_parallel', 1, false, { 'tensor_parallel: tensor parallelism over 2 ranks does not divide the world of 1 rank' } },
 }
 
 -- Key paths dslua acts on (a path covers what is under it), or a function

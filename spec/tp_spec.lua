@@ -194,8 +194,8 @@ describe('tensor-parallel training', function()
     return runs[key]
   end
 
-  local function same_training(case, np, tp)
-    local one, many = run(1, 1)[case], run(np, tp)[case]
+  local function same_training(case, np, tp, ref)
+    local one, many = run(1, 1)[ref or case], run(np, tp)[case]
     assert.are.equal(5, #many.losses)
     for i, l in ipairs(one.losses) do
       local err = math.abs(many.losses[i] - l) / math.abs(l)
@@ -225,6 +225,23 @@ describe('tensor-parallel training', function()
 
   it('trains tensor 2 x data 2 as on one rank, plain, ZeRO 1 and ZeRO 2 over the data group', function()
     for _, case in ipairs({ 'gpt2', 'llama', 'gpt2_zero1', 'llama_zero2' }) do same_training(case, 4, 2) end
+  end)
+
+  it('splits a GPT-2 built whole for DeepSpeed\'s tensor_parallel.autotp_size and trains it as on one rank', function()
+    same_training('gpt2_autotp', 2, 2, 'gpt2')
+    same_training('gpt2_autotp', 4, 2, 'gpt2')
+  end)
+
+  it('refuses AutoTP for a model without a tensor-parallel form, naming it', function()
+    local script = dir .. '/plain.lua'
+    H.write(script, [[
+local ds = require 'dslua'
+ds.initialize { model = ds.nn.Sequential(ds.nn.Linear(4, 4)),
+                config = { train_batch_size = 2, tensor_parallel = { autotp_size = 2 } } }
+]])
+    local out, status = H.run(H.ranks_cmd(2) .. ' ' .. script .. ' 2>&1')
+    assert.are_not.equal(0, status)
+    H.has(out, 'initialize: tensor_parallel.autotp_size 2: the model (Sequential) has no tensor-parallel form')
   end)
 
   -- Per step, f32, b sequences of T tokens per data rank, width C, L layers:

@@ -14,13 +14,13 @@ local P = ds.nn.parallel
 local out_path, tp = assert(arg[1], 'usage: equiv.lua out.json tp [case...]'), tonumber(arg[2] or 1)
 local GLOBAL, STEPS, B_T = 8, 5, 8
 
-local function model(kind, bias)
+local function model(kind, bias, degree)
   ds.manual_seed(7)      -- every rank draws the same full weights; each keeps its piece
   if kind == 'gpt2' then
-    return GPT { vocab_size = 32, block_size = B_T, n_layer = 2, n_head = 4, n_embd = 16, bias = bias, tp = tp }
+    return GPT { vocab_size = 32, block_size = B_T, n_layer = 2, n_head = 4, n_embd = 16, bias = bias, tp = degree }
   end
   return Llama { vocab_size = 32, block_size = B_T, n_layer = 2, n_head = 8, n_kv_head = 4, n_embd = 32,
-                 intermediate_size = 24, tp = tp }
+                 intermediate_size = 24, tp = degree }
 end
 
 -- Biases train with SGD: a key's bias has no gradient but rounding (the
@@ -32,6 +32,8 @@ local CASES = {
   { name = 'llama', kind = 'llama' },
   { name = 'gpt2_zero1', kind = 'gpt2', zero = 1 },
   { name = 'llama_zero2', kind = 'llama', zero = 2 },
+  -- built whole, split by initialize for DeepSpeed's AutoTP size
+  { name = 'gpt2_autotp', kind = 'gpt2', autotp = true },
 }
 
 -- the bytes the comms logger saw since its reset: the tensor group's
@@ -56,7 +58,8 @@ local function run(case)
     comms_logger = { enabled = true },
   }
   if case.zero then cfg.zero_optimization = { stage = case.zero } end
-  local m = model(case.kind, case.bias or false)
+  if case.autotp then cfg.tensor_parallel = { autotp_size = tp } end
+  local m = model(case.kind, case.bias or false, case.autotp and 1 or tp)
   local engine = ds.initialize { model = m, config = cfg }
   local dp, dp_rank = m.dp_size or 1, m.dp_rank or 0
   local mb = GLOBAL / dp

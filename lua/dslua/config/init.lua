@@ -158,15 +158,29 @@ local TENSOR_PARALLEL = { open = true, fields = {
   autotp_size = int(0, 0), tp = block({ open = true, fields = { tp_size = int(1, 1) } }),
 } }
 
+-- AutoTP's size acts on a model with a tensor-parallel form: initialize
+-- splits it (ctx.tensor), and the batch triple counts the data-parallel
+-- ranks, the world over it. ctx.given.tensor: the degree the model passed
+-- to initialize is split into already.
 local function check_tensor_parallel(ctx, path, v)
   local t = check_value(ctx, path, v, block(TENSOR_PARALLEL))
   if not t then return nil end
-  local size = math.max(t.autotp_size, t.tp.tp_size)
-  if size > 1 then
-    return problem(ctx, path, string.format('tensor parallelism over %d ranks (AutoTP): dslua has none, every '
-                   .. 'rank holds whole layers; use "autotp_size": 0 (data parallel over every rank)', size))
+  local size, split = math.max(t.autotp_size, t.tp.tp_size), ctx.given.tensor or 1
+  if size <= 1 then
+    note(ctx, path, 'AutoTP is off (size <= 1): nothing for dslua to do')
+    return t
   end
-  note(ctx, path, 'AutoTP is off (size <= 1): nothing for dslua to do')
+  if split > 1 and split ~= size then
+    return problem(ctx, path, string.format('tensor parallelism over %d ranks: the model is split across %d ranks '
+                   .. 'already (its tp)', size, split))
+  end
+  if ctx.world_size % size ~= 0 then
+    return problem(ctx, path, string.format('tensor parallelism over %d ranks does not divide the world of %d rank%s',
+                   size, ctx.world_size, ctx.world_size == 1 and '' or 's'))
+  end
+  note(ctx, path, string.format('tensor parallelism over %d ranks: initialize splits a model with a tensor-parallel '
+       .. 'form (models.gpt2, models.llama; docs/parallel.md), data parallel over the world / %d', size, size))
+  ctx.tensor = size
   return t
 end
 
@@ -578,7 +592,8 @@ local function render(ctx, list)
 end
 
 -- check(path_or_table [, {world_size = 1, source = name, given = {optimizer
--- = the first param group of the optimizer passed to initialize,
+-- = the first param group of the optimizer passed to initialize, tensor =
+-- the degree the model is split into (world_size counts its ranks),
 -- batch_size = the micro batch passed to it (fills an "auto" one),
 -- optimizer_function = true when a function builds it, scheduler = the
 -- params the scheduler passed to it was built with, hidden_size = the
@@ -607,6 +622,10 @@ function M.check(src, opts)
       problem(ctx, '', 'the config must be a JSON object, got ' .. describe(raw))
     else
       cfg = check_block(ctx, '', raw, TOP)
+      -- the batch triple's world: the data-parallel ranks, the world over the tensor degree
+      local tp = math.max(ctx.tensor or 1, ctx.given.tensor or 1)
+      if ws % tp == 0 then ws = ws / tp end
+      ctx.world_size = ws
       if not (ctx.bad.train_batch_size or ctx.bad.train_micro_batch_size_per_gpu
               or ctx.bad.gradient_accumulation_steps) then
         if not sampler_config.resolve_batch(ctx, cfg) then resolve_batch(ctx, cfg, ws) end

@@ -150,7 +150,23 @@ local function config_given(opts, model)
   return { optimizer = type(o) == 'table' and type(o.param_groups) == 'table' and o.param_groups[1] or nil,
            scheduler = type(s) == 'table' and type(s.params) == 'table' and s.params or nil,
            optimizer_function = type(o) == 'function', batch_size = opts.batch_size,
-           hidden_size = type(c) == 'table' and (c.hidden_size or c.n_embd) or nil }
+           hidden_size = type(c) == 'table' and (c.hidden_size or c.n_embd) or nil,
+           tensor = model.tensor_group and model.tensor_group:size() or nil }
+end
+
+-- DeepSpeed's tensor_parallel.autotp_size (or tp.tp_size) above 1 splits
+-- a model built whole through its parallelize (the config checker has
+-- seen that the degree divides the world).
+local function split_for_autotp(model, cfg)
+  local t = cfg.tensor_parallel
+  local size = t and math.max(t.autotp_size, t.tp.tp_size) or 1
+  if size <= 1 or model.tensor_group then return end
+  if type(model.parallelize) ~= 'function' then
+    error(string.format('initialize: tensor_parallel.autotp_size %d: the model (%s) has no tensor-parallel form; '
+                        .. 'models.gpt2 and models.llama have one (docs/parallel.md)', size,
+                        tostring(model.__name or type(model))), 3)
+  end
+  model:parallelize(size)
 end
 
 local KNOWN_OPTS = {
@@ -180,10 +196,13 @@ function M.initialize(opts)
     error('initialize: no config: pass `config` (a path or a table) or run with --config ds.json', 2)
   end
   local world_size = ds.comm and ds.comm.world_size() or 1
-  -- a pipeline's ranks split into stages, a tensor-parallel model's into
-  -- tensor groups: data parallel runs across dp_size
-  if model.is_pipeline or model.tensor_group then world_size = model.dp_size end
+  -- a pipeline's ranks split into stages: data parallel runs across dp_size
+  if model.is_pipeline then world_size = model.dp_size end
+  -- a tensor-parallel model's (the config sees its tensor and data ranks)
+  if model.tensor_group then world_size = model.dp_size * model.tensor_group:size() end
   local cfg, notes = ds.config.load(source, { world_size = world_size, given = config_given(opts, model) })
+  split_for_autotp(model, cfg)
+  if model.tensor_group then world_size = model.dp_size end
   schedule_path(cfg, source)
   require('dslua.nn.checkpointing').configure(cfg.activation_checkpointing)
   require('dslua.base.guard').budget = cfg.reload.budget     -- before the schedule file runs

@@ -352,6 +352,25 @@ function M.degree(who, cfg, sizes)
   return tp
 end
 
+-- model:parallelize(tp [, topology]) of a model with a tensor-parallel
+-- form: its config (model.config) checked by check with tp and topology
+-- set, then M.setup and model:split(group). Returns model.
+function M.parallelize(model, check, who, tp, topology)
+  if rawget(model, 'tensor_group') then
+    error(fmt('%s: parallelize: the model is split across %d ranks already', who, model.tensor_group:size()), 0)
+  end
+  local cfg = {}
+  for k, v in pairs(model.config) do cfg[k] = v end
+  cfg.tp, cfg.topology = tp or 1, topology or false
+  cfg = check(cfg)
+  local g = M.setup(model, cfg, who)
+  if g then
+    model.config = cfg
+    model:split(g)
+  end
+  return model
+end
+
 -- Errors when model is split across a tensor group (what reads whole
 -- weights, such as an export, needs an unsplit model).
 function M.check_whole(model, who)
