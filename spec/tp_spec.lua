@@ -105,6 +105,8 @@ describe('tensor-parallel layers on one rank', function()
     local emb = ds.nn.Embedding(10, 3)
     local ids = ds.tensor({ { 1, 9, 0 } }, 'i64')
     H.assert_same(P.VocabParallelEmbedding(emb)(ids), emb(ids))
+    H.has(H.err(P.ColumnParallelLinear, emb), 'ColumnParallelLinear: expected an nn.Linear to split, got a Embedding')
+    H.has(H.err(P.ColumnParallelLinear, 6, 4, { group = 2 }), 'ColumnParallelLinear: group must be a ds.comm group')
     local logits = ds.randn(2, 3, 7):requires_grad_()
     local targets = ds.tensor({ { 1, 6, -100 }, { 0, 2, 3 } }, 'i64')
     local a = P.vocab_parallel_cross_entropy(logits, targets)
@@ -152,7 +154,8 @@ describe('tensor-parallel layers on one rank', function()
       c[k] = v
       return c
     end
-    H.has(H.err(GPT, with(with(g, 'n_head', 2), 'tp', 4)), 'gpt2: n_head 2 is not divisible by the tensor-parallel degree 4')
+    H.has(H.err(GPT, with(with(g, 'n_head', 2), 'tp', 4)),
+          'gpt2: n_head 2 is not divisible by the tensor-parallel degree 4')
     H.has(H.err(GPT, with(with(g, 'vocab_size', 30), 'tp', 4)),
           'gpt2: vocab_size 30 is not divisible by the tensor-parallel degree 4')
     H.has(H.err(GPT, with(with(with(g, 'vocab_size', 30), 'padded_vocab_size', 34), 'tp', 4)),
@@ -210,7 +213,8 @@ describe('tensor-parallel training', function()
     local count = 0
     for name, w in pairs(one.weights) do
       local err = H.rel_diff(many.weights[name], w)
-      assert.is_true(err <= WEIGHT_RTOL, string.format('%s tp %d on %d ranks: %s differs by %.3g', case, tp, np, name, err))
+      assert.is_true(err <= WEIGHT_RTOL,
+                     string.format('%s tp %d on %d ranks: %s differs by %.3g', case, tp, np, name, err))
       count = count + 1
     end
     assert.is_true(count >= 10)
@@ -244,6 +248,30 @@ ds.initialize { model = ds.nn.Sequential(ds.nn.Linear(4, 4)),
     H.has(out, 'initialize: tensor_parallel.autotp_size 2: the model (Sequential) has no tensor-parallel form')
   end)
 
+  it('refuses to save or load a split model as if its piece were the whole model', function()
+    local script = dir .. '/save.lua'
+    H.write(script, string.format([[
+local ds = require 'dslua'
+local GPT = require 'models.gpt2'
+local m = GPT { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 8, tp = 2 }
+local engine = ds.initialize { model = m, config = { train_batch_size = 2,
+                                                     optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+for _, call in ipairs({ function() engine:save_checkpoint('%s/ckpt') end,
+                        function() engine:load_checkpoint('%s/ckpt') end,
+                        function() engine:save_16bit_model('%s/ckpt') end }) do
+  local ok, err = pcall(call)
+  assert(not ok)
+  ds.comm.print0(err)
+end
+]], dir, dir, dir))
+    local out, status = H.run(H.ranks_cmd(2) .. ' ' .. script .. ' 2>&1')
+    assert.are.equal(0, status, out)
+    for _, verb in ipairs({ 'save_checkpoint', 'load_checkpoint', 'save_16bit_model' }) do
+      H.has(out, verb .. ': the model is split across a tensor group of 2 ranks')
+    end
+    assert.is_nil(io.open(dir .. '/ckpt'))
+  end)
+
   -- Per step, f32, b sequences of T tokens per data rank, width C, L layers:
   -- the tensor group all-reduces b T C values 4L + 2 times (each layer's
   -- two row-parallel outputs forward and two copied inputs backward, the
@@ -264,8 +292,10 @@ ds.initialize { model = ds.nn.Sequential(ds.nn.Linear(4, 4)),
         local n = res.n_local
         local data = d == 1 and 0 or case:match('zero') and (n * 4 + n / d * 4) or n * 4
         for s, c in ipairs(res.comm) do
-          if s == 1 then print(string.format('%s tensor %d x data %d, step %d: tensor group %d bytes (%d calls), data group %d bytes',
-                              case, tp, d, s, c.tensor, c.calls.tensor_all_reduce, c.data)) end
+          if s == 1 then
+            print(string.format('%s tensor %d x data %d, step %d: tensor group %d bytes (%d calls), data group %d bytes',
+                                case, tp, d, s, c.tensor, c.calls.tensor_all_reduce, c.data))
+          end
           assert.are.equal(tensor, c.tensor, case)
           assert.are.equal(4 * L + 5, c.calls.tensor_all_reduce, case)
           if d > 1 then assert.are.equal(data, c.data, case) end
@@ -280,5 +310,20 @@ ds.initialize { model = ds.nn.Sequential(ds.nn.Linear(4, 4)),
     assert.are.equal(0, res.loss_spread)      -- the ranks' replicated activations agree, dropout included
     assert.are.equal(0, res.default_spread)
     assert.is_true(res.forked_spread > 0)
+  end)
+
+  it('gives the ranks of a tensor group the same batches from the engine\'s loader, in one rank\'s order', function()
+    local json = dir .. '/rng.json'
+    local res = H.run_json(string.format('%s spec/tp/rng.lua %s 2 2>&1', H.ranks_cmd(2), json), json)
+    assert.are.equal(0, res.batch_spread)
+    -- one rank's loader, its own shuffle
+    local data = ds.data.tensors { x = ds.arange(24, 'f32'):reshape({ 24, 1 }) }
+    local model = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 8 }
+    local _, _, loader = ds.initialize { model = model, training_data = data, config = {
+      train_batch_size = 4, optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+    for _, b in loader:epoch(1) do
+      assert.are.same(b.x:reshape(-1):totable(), res.first_batch)
+      break
+    end
   end)
 end)

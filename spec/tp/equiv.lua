@@ -90,7 +90,8 @@ local function run(case)
   engine:destroy()
   local n_local = 0
   for _, p in ipairs(m:parameters()) do n_local = n_local + p:numel() end
-  return { losses = losses, norms = norms, weights = weights, replicated_diff = diff, comm = per_step, n_local = n_local,
+  return { losses = losses, norms = norms, weights = weights, replicated_diff = diff, comm = per_step,
+           n_local = n_local,
            micro_batch = engine:train_micro_batch_size_per_gpu(), dp = dp }
 end
 

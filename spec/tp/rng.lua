@@ -3,7 +3,8 @@
 -- arg[1] the largest difference between the tensor ranks' losses (the
 -- replicated activations, with their dropout masks, must agree), whether
 -- a mask drawn forked (the model-parallel state) differs between tensor
--- ranks and whether one drawn from the default generator agrees.
+-- ranks and whether one drawn from the default generator agrees; and
+-- whether the engine's own loader gives the tensor ranks the same batches.
 local ds = require 'dslua'
 local GPT = require 'models.gpt2'
 
@@ -34,8 +35,20 @@ local ones = ds.ones(64)
 local tracker = ds.checkpointing.get_rng_tracker()
 local forked = tracker:fork(ds.checkpointing.MODEL_PARALLEL_RNG, function() return ds.dropout(ones, 0.5) end)
 local plain = ds.dropout(ones, 0.5)
+-- the engine's own loader: the same batches on the tensor ranks, whatever
+-- their generators' states
+if g:rank() == 1 then ds.rand(3) end
+local data = ds.data.tensors { x = ds.arange(24, 'f32'):reshape({ 24, 1 }) }
+local _, _, loader = ds.initialize {
+  model = GPT { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 8, tp = tp },
+  config = { train_batch_size = 4, optimizer = { type = 'SGD', params = { lr = 0.1 } } }, training_data = data }
+local batch_spread, first = 0, nil
+for _, b in loader:epoch(1) do
+  batch_spread = math.max(batch_spread, spread(b.x))
+  first = first or b.x:reshape(-1):totable()
+end
 local result = { loss_spread = loss_spread, forked_spread = spread(forked), default_spread = spread(plain),
-                 loss = engine.last_loss }
+                 loss = engine.last_loss, batch_spread = batch_spread, first_batch = first }
 if ds.comm.rank() == 0 then
   local f = assert(io.open(out_path, 'w'))
   f:write(ds.json.encode(result))

@@ -6,8 +6,9 @@
 -- activations are kept, and records one node from the tensor arguments that
 -- need grad to y. Backward runs fn again with autograd on, from the saved
 -- arguments and the random-number states fn first saw, the tracker's too
--- (dropout draws the same masks), and backpropagates through that copy: parameters fn uses get
--- their gradients there, the arguments' gradients go on down the graph.
+-- (dropout draws the same masks), and backpropagates through that copy:
+-- parameters fn uses get their gradients there, the arguments' gradients
+-- go on down the graph.
 -- fn returns one tensor; other arguments (numbers, tables, tensors that need
 -- no grad) are passed through as they are, both times.
 local C = require 'dslua.core'
@@ -49,7 +50,9 @@ function tracker:set_states(states) self.states = states end
 
 function tracker:fork(name, fn, ...)
   local state = self.states[name]
-  if not state then error(string.format("rng tracker: no state '%s' (model_parallel_manual_seed makes it)", name), 2) end
+  if not state then
+    error(string.format("rng tracker: no state '%s' (model_parallel_manual_seed makes it)", name), 2)
+  end
   local saved = C.get_rng_state()
   C.set_rng_state(state)
   local res = { pcall(fn, ...) }

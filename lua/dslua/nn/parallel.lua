@@ -16,7 +16,7 @@
 -- vocabulary, so no rank holds the full logits. A layer built on the full
 -- shape draws the full weight (the same on every rank, from the same
 -- generator state) and keeps its piece, so a model has the same weights on
--- any tensor degree; from_linear and from_embedding split a built layer.
+-- any tensor degree; each constructor also takes a built layer to split.
 --
 -- Each split parameter records how (module field tp_split: {name = {axis,
 -- stride}}); every other parameter is replicated across the tensor group.
@@ -25,7 +25,7 @@
 local ds = require 'dslua'
 local C = require 'dslua.core'
 local base = require 'dslua.nn.module'
-local nn, fmt, check_int, options, Module = base.nn, base.fmt, base.check_int, base.options, base.Module
+local nn, fmt, options, Module = base.nn, base.fmt, base.options, base.Module
 
 local M = {}
 
@@ -59,7 +59,7 @@ local function node(x, forward, backward)
   C.set_grad_enabled(prev)
   if not ok then error(out, 0) end
   if not (prev and x.requires_grad) then return out end
-  return C.function_node(out, function(grad) return backward(grad) end, x)
+  return C.function_node(out, backward, x)
 end
 
 function M.copy_to_region(x, g)
@@ -148,17 +148,23 @@ M.ColumnParallelLinear = ColumnParallelLinear
 local COLUMN = { bias = true, gather_output = false, group = nn.NONE, stride = 1, copy_input = true,
                  dtype = 'f32', device = 'cpu' }
 
--- the whole layer (built by make from the options, or given) and the options
-local function whole(who, defaults, make, a, b, c)
-  if is_module(a) then return a, options(b, who, defaults) end
+-- the whole layer (built by make from the options, or given: an
+-- instance of cls) and the options
+local function whole(who, defaults, make, cls, a, b, c)
+  if is_module(a) then
+    if getmetatable(a) ~= cls then error(fmt('%s: expected an nn.%s to split, got a %s', who, cls.__name, a.__name), 4) end
+    return a, options(b, who, defaults)
+  end
   local opts = options(c, who, defaults, defaults.bias ~= nil and 'bias' or nil)
   return make(a, b, opts), opts
 end
 
-local function linear(i, o, opts) return nn.Linear(i, o, { bias = opts.bias, dtype = opts.dtype, device = opts.device }) end
+local function linear(i, o, opts)
+  return nn.Linear(i, o, { bias = opts.bias, dtype = opts.dtype, device = opts.device })
+end
 
 function ColumnParallelLinear:init(a, b, c)
-  local full, opts = whole('ColumnParallelLinear', COLUMN, linear, a, b, c)
+  local full, opts = whole('ColumnParallelLinear', COLUMN, linear, nn.Linear, a, b, c)
   local g = check_group(opts.group, 'ColumnParallelLinear')
   divides(full.out_features, g, 'ColumnParallelLinear', 'out_features')
   self.group, self.gather_output, self.stride, self.copy_input = g, opts.gather_output, opts.stride, opts.copy_input
@@ -193,7 +199,7 @@ M.RowParallelLinear = RowParallelLinear
 local ROW = { bias = true, input_is_parallel = true, group = nn.NONE, dtype = 'f32', device = 'cpu' }
 
 function RowParallelLinear:init(a, b, c)
-  local full, opts = whole('RowParallelLinear', ROW, linear, a, b, c)
+  local full, opts = whole('RowParallelLinear', ROW, linear, nn.Linear, a, b, c)
   local g = check_group(opts.group, 'RowParallelLinear')
   divides(full.in_features, g, 'RowParallelLinear', 'in_features')
   self.group, self.input_is_parallel = g, opts.input_is_parallel
@@ -228,7 +234,7 @@ local VOCAB = { group = nn.NONE, dtype = 'f32', device = 'cpu' }
 local function embedding(n, d, opts) return nn.Embedding(n, d, { dtype = opts.dtype, device = opts.device }) end
 
 function VocabParallelEmbedding:init(a, b, c)
-  local full, opts = whole('VocabParallelEmbedding', VOCAB, embedding, a, b, c)
+  local full, opts = whole('VocabParallelEmbedding', VOCAB, embedding, nn.Embedding, a, b, c)
   local g = check_group(opts.group, 'VocabParallelEmbedding')
   divides(full.num_embeddings, g, 'VocabParallelEmbedding', 'num_embeddings')
   self.group = g
