@@ -117,6 +117,9 @@ describe('tensor-parallel layers on one rank', function()
     b:backward()
     H.assert_close(a, b, TOL)
     H.assert_close(ga, logits.grad, TOL)
+    -- 16-bit logits: the loss in f32 from their values
+    local l16 = (logits:detach() * 3):to('bf16')
+    H.assert_same(P.vocab_parallel_cross_entropy(l16, targets), P.vocab_parallel_cross_entropy(l16:to('f32'), targets))
     -- padding columns past `classes` count for nothing
     local padded = ds.cat({ logits:detach(), ds.full({ 2, 3, 2 }, 50) }, 3)
     H.assert_close(P.vocab_parallel_cross_entropy(padded, targets, { classes = 7 }), b, TOL)

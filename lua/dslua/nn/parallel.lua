@@ -400,6 +400,8 @@ function M.vocab_parallel_cross_entropy(logits, targets, opts)
                                                          ignore_index = -100 })
   local g, d = opts.group, logits:dim()
   local n = logits:size(d)
+  -- 16-bit logits: the sums in f32, as Megatron's float() before the loss
+  if logits:dtype() == 'bf16' or logits:dtype() == 'f16' then logits = logits:to('f32') end
   if opts.classes then
     local real = math.max(0, math.min(n, opts.classes - opts.vocab_start))
     if real < n then
