@@ -230,8 +230,8 @@ describe('tensor-parallel training', function()
     end)
   end
 
-  it('trains tensor 2 x data 2 as on one rank, plain, ZeRO 1 and ZeRO 2 over the data group', function()
-    for _, case in ipairs({ 'gpt2', 'llama', 'gpt2_zero1', 'llama_zero2' }) do same_training(case, 4, 2) end
+  it('trains tensor 2 x data 2 as on one rank, plain and ZeRO 1, 2 and 3 over the data group', function()
+    for _, case in ipairs({ 'gpt2', 'llama', 'gpt2_zero1', 'llama_zero2', 'gpt2_zero3' }) do same_training(case, 4, 2) end
   end)
 
   it('splits a GPT-2 built whole for DeepSpeed\'s tensor_parallel.autotp_size and trains it as on one rank', function()

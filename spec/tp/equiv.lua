@@ -32,6 +32,7 @@ local CASES = {
   { name = 'llama', kind = 'llama' },
   { name = 'gpt2_zero1', kind = 'gpt2', zero = 1 },
   { name = 'llama_zero2', kind = 'llama', zero = 2 },
+  { name = 'gpt2_zero3', kind = 'gpt2', zero = 3 },
   -- built whole, split by initialize for DeepSpeed's AutoTP size
   { name = 'gpt2_autotp', kind = 'gpt2', autotp = true },
 }
@@ -57,7 +58,7 @@ local function run(case)
     optimizer = case.optimizer or { type = 'AdamW', params = { lr = 1e-3, weight_decay = 0.01 } },
     comms_logger = { enabled = true },
   }
-  if case.zero then cfg.zero_optimization = { stage = case.zero } end
+  if case.zero then cfg.zero_optimization = { stage = case.zero, stage3_param_persistence_threshold = 0 } end
   if case.autotp then cfg.tensor_parallel = { autotp_size = tp } end
   local m = model(case.kind, case.bias or false, case.autotp and 1 or tp)
   local engine = ds.initialize { model = m, config = cfg }
