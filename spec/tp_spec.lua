@@ -231,7 +231,9 @@ describe('tensor-parallel training', function()
   end
 
   it('trains tensor 2 x data 2 as on one rank, plain and ZeRO 1, 2 and 3 over the data group', function()
-    for _, case in ipairs({ 'gpt2', 'llama', 'gpt2_zero1', 'llama_zero2', 'gpt2_zero3' }) do same_training(case, 4, 2) end
+    for _, case in ipairs({ 'gpt2', 'llama', 'gpt2_zero1', 'llama_zero2', 'gpt2_zero3' }) do
+      same_training(case, 4, 2)
+    end
   end)
 
   it('splits a GPT-2 built whole for DeepSpeed\'s tensor_parallel.autotp_size and trains it as on one rank', function()
@@ -296,8 +298,8 @@ end
         local data = d == 1 and 0 or case:match('zero') and (n * 4 + n / d * 4) or n * 4
         for s, c in ipairs(res.comm) do
           if s == 1 then
-            print(string.format('%s tensor %d x data %d, step %d: tensor group %d bytes (%d calls), data group %d bytes',
-                                case, tp, d, s, c.tensor, c.calls.tensor_all_reduce, c.data))
+            print(string.format('%s tensor %d x data %d, step %d: tensor group %d bytes (%d calls), '
+                                .. 'data group %d bytes', case, tp, d, s, c.tensor, c.calls.tensor_all_reduce, c.data))
           end
           assert.are.equal(tensor, c.tensor, case)
           assert.are.equal(4 * L + 5, c.calls.tensor_all_reduce, case)
