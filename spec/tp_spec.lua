@@ -227,6 +227,7 @@ describe('tensor-parallel training', function()
   for _, tp in ipairs({ 2, 4 }) do
     it(string.format('trains GPT-2 and Llama (grouped-query) with tensor degree %d as on one rank', tp), function()
       for _, case in ipairs({ 'gpt2', 'gpt2_bias_sgd', 'llama' }) do same_training(case, tp, tp) end
+      same_training('gpt2_checkpoint', tp, tp, 'gpt2')      -- activation checkpointing
     end)
   end
 

@@ -14,10 +14,11 @@ local P = ds.nn.parallel
 local out_path, tp = assert(arg[1], 'usage: equiv.lua out.json tp [case...]'), tonumber(arg[2] or 1)
 local GLOBAL, STEPS, B_T = 8, 5, 8
 
-local function model(kind, bias, degree)
+local function model(kind, bias, degree, checkpoint)
   ds.manual_seed(7)      -- every rank draws the same full weights; each keeps its piece
   if kind == 'gpt2' then
-    return GPT { vocab_size = 32, block_size = B_T, n_layer = 2, n_head = 4, n_embd = 16, bias = bias, tp = degree }
+    return GPT { vocab_size = 32, block_size = B_T, n_layer = 2, n_head = 4, n_embd = 16, bias = bias, tp = degree,
+                 checkpoint = checkpoint }
   end
   return Llama { vocab_size = 32, block_size = B_T, n_layer = 2, n_head = 8, n_kv_head = 4, n_embd = 32,
                  intermediate_size = 24, tp = degree }
@@ -33,6 +34,8 @@ local CASES = {
   { name = 'gpt2_zero1', kind = 'gpt2', zero = 1 },
   { name = 'llama_zero2', kind = 'llama', zero = 2 },
   { name = 'gpt2_zero3', kind = 'gpt2', zero = 3 },
+  -- the tensor group's collectives run again in the recomputing backward
+  { name = 'gpt2_checkpoint', kind = 'gpt2', checkpoint = true },
   -- built whole, split by initialize for DeepSpeed's AutoTP size
   { name = 'gpt2_autotp', kind = 'gpt2', autotp = true },
 }
@@ -60,7 +63,7 @@ local function run(case)
   }
   if case.zero then cfg.zero_optimization = { stage = case.zero, stage3_param_persistence_threshold = 0 } end
   if case.autotp then cfg.tensor_parallel = { autotp_size = tp } end
-  local m = model(case.kind, case.bias or false, case.autotp and 1 or tp)
+  local m = model(case.kind, case.bias or false, case.autotp and 1 or tp, case.checkpoint or false)
   local engine = ds.initialize { model = m, config = cfg }
   local dp, dp_rank = m.dp_size or 1, m.dp_rank or 0
   local mb = GLOBAL / dp
