@@ -280,6 +280,10 @@ local function logits(wte, x) return ds.linear(x, wte.weight) end
 -- place of the checkpoint option.
 function M.pipe_layers(cfg)
   cfg = M.config(cfg)
+  local tp = cfg.topology and cfg.topology:get_dim('tensor') or cfg.tp
+  if tp > 1 then
+    error(string.format('gpt2.pipe_layers: the pipeline layers are built whole; tp = %d has no pipeline form', tp), 0)
+  end
   local pipe = ds.pipe
   local where = { dtype = cfg.dtype, device = cfg.device }
   local function wte(forward_fn)
