@@ -417,8 +417,12 @@ function M.from_hf(path, overrides)
   if not cfg.n_head then
     error(string.format('gpt2: no named size has n_embd %d: pass n_head in the overrides', cfg.n_embd), 0)
   end
+  -- the files hold whole weights: a tensor-parallel model splits once they are in
+  local tp, topology = cfg.tp, cfg.topology
+  cfg.tp, cfg.topology = nil, nil
   local model = GPT(cfg)
   model:load_state_dict(sd)
+  if tp or topology then model:parallelize(tp, topology) end
   return model
 end
 

@@ -287,7 +287,7 @@ local HF_REFUSED = {
 -- from_hf(dir [, overrides]) -> a Llama with the weights of a Hugging Face
 -- folder (config.json and model.safetensors or the sharded index), f32,
 -- bf16 or f16 in the files, converted to the config's dtype (overrides:
--- dtype, device, checkpoint, ...).
+-- dtype, device, checkpoint, tp, ...).
 function M.from_hf(dir, overrides)
   local who = 'llama.from_hf'
   local config, sd = hf.load(dir, who)
@@ -305,9 +305,13 @@ function M.from_hf(dir, overrides)
   for name in pairs(sd) do     -- the rotary tables older transformers saved: built here from rope_theta
     if name:match('%.rotary_emb%.inv_freq$') then sd[name] = nil end
   end
+  -- the files hold whole weights: a tensor-parallel model splits once they are in
+  local tp, topology = cfg.tp, cfg.topology
+  cfg.tp, cfg.topology = nil, nil
   local model = Llama(cfg)
   if model.config.tie_embeddings then sd['lm_head.weight'] = sd['lm_head.weight'] or sd['model.embed_tokens.weight'] end
   model:load_state_dict(sd)
+  if tp or topology then model:parallelize(tp, topology) end
   return model
 end
 

@@ -255,6 +255,31 @@ ds.initialize { model = ds.nn.Sequential(ds.nn.Linear(4, 4)),
     H.has(out, 'initialize: tensor_parallel.autotp_size 2: the model (Sequential) has no tensor-parallel form')
   end)
 
+  it('loads Hugging Face weights into a split model: the same loss as the whole one', function()
+    local script = dir .. '/hf.lua'
+    H.write(script, string.format([[
+local ds = require 'dslua'
+local Llama = require 'models.llama'
+local folder = '%s/hf'
+ds.manual_seed(4)
+local whole = Llama { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 4, n_kv_head = 2, n_embd = 16,
+                      intermediate_size = 24 }
+if ds.comm.rank() == 0 then Llama.save_hf(whole, folder) end
+ds.comm.barrier()
+local split = Llama.from_hf(folder, { tp = 2 })
+assert(split.tensor_group:size() == 2)
+local x = (ds.rand(2, 9) * 32):to('i64')
+ds.comm.broadcast(x, 0)
+local a = whole(x:narrow(2, 1, 8):contiguous(), x:narrow(2, 2, 8):contiguous()):item()
+local b = split(x:narrow(2, 1, 8):contiguous(), x:narrow(2, 2, 8):contiguous()):item()
+ds.comm.print0(string.format('losses %%.9g %%.9g', a, b))
+assert(math.abs(a - b) <= 1e-5 * math.abs(a), 'losses differ')
+]], dir))
+    local out, status = H.run(H.ranks_cmd(2) .. ' ' .. script .. ' 2>&1')
+    assert.are.equal(0, status, out)
+    H.has(out, 'losses ')
+  end)
+
   it('refuses to save or load a split model as if its piece were the whole model', function()
     local script = dir .. '/save.lua'
     H.write(script, string.format([[
