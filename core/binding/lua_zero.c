@@ -5,10 +5,12 @@
  *                prescale, predivide, persistence_threshold,
  *                prefetch_bucket_size, max_live_parameters,
  *                max_reuse_distance, groups = {{p...}...}, optimizer,
- *                group, stages}    (ds.comm.new_group's groups: group, the ranks that
+ *                group, stages, shards}    (ds.comm.new_group's groups: group, the ranks that
  *                reduce (nil: the world); stages, the model-parallel ranks of this
  *                data index (pipeline stages, tensor group), over which the
- *                gradient norm sums too (nil: none))
+ *                gradient norm sums too (nil: none); shards, {[i] = shard} by
+ *                global index: stage 3's parameters built partitioned, each
+ *                this rank's shard already)
  *                              -> z (optimizer: the flat mode's, else nil)
  *   z:master(g), z:master_grad(g), z:attach(optimizer), z:stream()
  *   z:backward(loss | nil, reduce)   z:scale_grads(f)
@@ -34,7 +36,10 @@
  *   _zero.release_data(t)      t (a leaf) keeps its shape, loses its data
  *   _zero.set_data(t, src)     t becomes a view of src's data (no copy)
  *   _zero.is_released(t)
- *   _zero.retype(t, dtype)     t (a leaf) converted in place
+ *   _zero.retype(t, dtype)     t (a leaf) converted in place (a released one changes dtype alone)
+ *   _zero.placeholder(like, shape)  a released leaf of shape, like's dtype and device, no bytes
+ *   _zero.draw(normal, total, lo, n, like)  elements lo .. lo + n - 1 (0-based) of ds.rand
+ *                              (ds.randn) of total elements, in like's dtype and device
  *   _zero.drop(t, ...)         the handles let go of their tensors now
  *   _zero.key(t)               a value that names the tensor itself (every
  *                              Lua handle of one tensor gives the same key)
@@ -45,6 +50,7 @@
 #include "lua_optim.h"
 #include "ds_autograd.h"
 #include "ds_error.h"
+#include "ds_rng.h"
 #include "ds_zero.h"
 
 #include <math.h>
@@ -103,6 +109,10 @@ static int l_retype(lua_State *L) {
     if (dt < 0 || !ds_dtype_is_float((ds_dtype)dt))
         return luaL_argerror(L, 2, lua_pushfstring(L, "expected a float dtype, got '%s'", lua_tostring(L, 2)));
     if (t->grad_fn) return luaL_error(L, "retype: only a leaf can change dtype in place");
+    if (ds_tensor_is_released(t)) {     /* its shard lives elsewhere, converted by the caller */
+        t->dtype = (ds_dtype)dt;
+        return 0;
+    }
     bool prev = ds_set_grad_enabled(false);
     ds_tensor *c = ds_to_dtype(t, (ds_dtype)dt);
     ds_set_grad_enabled(prev);
@@ -129,6 +139,33 @@ static int l_drop(lua_State *L) {
         *p = NULL;
     }
     return 0;
+}
+
+static int l_placeholder(lua_State *L) {
+    ds_tensor *like = dsL_checktensor(L, 1);
+    int64_t shape[DS_MAX_DIMS], one = 1;
+    int nd = dsL_checkshape(L, 2, shape);
+    ds_tensor *t = ds_tensor_new(1, &one, like->dtype, ds_tensor_device(like));
+    if (!t || ds_tensor_release_data(t)) {
+        ds_tensor_release(t);
+        return dsL_error(L);
+    }
+    int64_t stride[DS_MAX_DIMS], s = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        stride[d] = s;
+        s *= shape[d];
+    }
+    ds_tensor *v = ds_tensor_view_of(t, nd, shape, stride, 0);
+    ds_tensor_release(t);
+    return dsL_pushtensor(L, v);
+}
+
+static int l_draw(lua_State *L) {
+    bool normal = lua_toboolean(L, 1);
+    int64_t total = dsL_checkint(L, 2, 0, INT64_MAX, "total"), lo = dsL_checkint(L, 3, 0, INT64_MAX, "lo");
+    int64_t n = dsL_checkint(L, 4, 0, INT64_MAX, "n");
+    ds_tensor *like = dsL_checkmeta(L, 5);
+    return dsL_pushtensor(L, ds_rand_range(normal, total, lo, n, like->dtype, ds_tensor_device(like), NULL));
 }
 
 static int l_is_released(lua_State *L) {
@@ -207,7 +244,7 @@ static void read_config(lua_State *L, int t, ds_zero_config *c) {
 /* engine{...}: the groups' parameters flattened, counted per group. */
 static int l_engine(lua_State *L) {
     luaL_checktype(L, 1, LUA_TTABLE);
-    ds_zero_config c;
+    ds_zero_config c = { 0 };
     read_config(L, 1, &c);
     lua_getfield(L, 1, "optimizer");
     ds_optim *flat = lua_isnil(L, -1) ? NULL : dsL_checkoptim(L, lua_gettop(L));
@@ -234,6 +271,19 @@ static int l_engine(lua_State *L) {
             lua_pop(L, 1);
         }
         lua_pop(L, 1);
+    }
+    lua_getfield(L, 1, "shards");
+    if (!lua_isnil(L, -1)) {
+        int si = lua_gettop(L);
+        c.shards = lua_newuserdata(L, sizeof *c.shards * (size_t)(n + 1));
+        for (int i = 0; i < n; i++) {
+            lua_rawgeti(L, si, i + 1);
+            if (!lua_isnil(L, -1) && !(c.shards[i] = dsL_totensor(L, -1)))
+                return luaL_error(L, "step engine: shard of parameter %d is a %s, not a tensor", i + 1,
+                                  luaL_typename(L, -1));
+            if (lua_isnil(L, -1)) c.shards[i] = NULL;
+            lua_pop(L, 1);
+        }
     }
     ds_zero **ud = lua_newuserdata(L, sizeof *ud);
     *ud = NULL;
@@ -484,7 +534,7 @@ static const luaL_Reg engine_methods[] = {
 
 static const luaL_Reg zero_functions[] = {
     {"engine", l_engine}, {"set_fetch", l_set_fetch}, {"release_data", l_release_data}, {"set_data", l_set_data},
-    {"is_released", l_is_released}, {"retype", l_retype}, {"drop", l_drop}, {"key", l_key},
+    {"is_released", l_is_released}, {"retype", l_retype}, {"placeholder", l_placeholder}, {"draw", l_draw}, {"drop", l_drop}, {"key", l_key},
     {NULL, NULL}
 };
 

@@ -171,7 +171,7 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
         }
     }
     if (flat) z->optim = flat;
-    if (z->layout->build(z, flat)) {
+    if (ds_zero_check_shards(z) || z->layout->build(z, flat)) {
         ds_zero_free(z);
         return NULL;
     }
@@ -189,7 +189,9 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
             return NULL;
         }
     }
-    if (c->stage == 3 && ds_zero_partition(z)) {
+    int rc = c->stage == 3 ? ds_zero_partition(z) : 0;
+    z->c.shards = NULL;     /* borrowed until here */
+    if (rc) {
         ds_zero_free(z);
         return NULL;
     }

@@ -67,6 +67,8 @@ typedef struct {
     int64_t prefetch_bucket_size;     /* elements gathered ahead */
     int64_t max_live_parameters;      /* gathered elements at most */
     int64_t max_reuse_distance;       /* kept after forward when backward needs them within this */
+    ds_tensor **shards;               /* NULL, or per parameter NULL or this rank's shard of a parameter
+                                       * built partitioned (released, no data): borrowed by ds_zero_new */
 } ds_zero_config;
 
 /* One engine over n_groups lists of parameters (counts[g] each, back to

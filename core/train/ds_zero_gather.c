@@ -206,12 +206,53 @@ static int fetch(ds_tensor *t, void *ud) {
     return rc;
 }
 
+/* Before the layout is built: stage 3 cuts every parameter into world
+ * shards of ceil(n / world). */
+static int check_shard(ds_zero *z, int i, ds_tensor *shard) {
+    zparam *q = &z->p[i];
+    int64_t want = (q->numel + z->world - 1) / z->world;
+    char s1[96], s2[96];
+    if (z->c.stage != 3)
+        return ds_fail(DS_ERR_ARG, "step engine: parameter %d was built partitioned, which only stage 3 takes "
+                       "(this is stage %d)", i + 1, z->c.stage), -1;
+    if (q->numel <= z->c.persistence_threshold)
+        return ds_fail(DS_ERR_ARG, "step engine: parameter %d (%s) was built partitioned but its %lld elements are "
+                       "within persistence_threshold %lld, so stage 3 keeps it whole: build and train with one "
+                       "threshold", i + 1, ds_shape_str(q->param, s1, sizeof s1), (long long)q->numel,
+                       (long long)z->c.persistence_threshold), -1;
+    if (!ds_tensor_is_released(q->param) || shard->ndim != 1 || shard->shape[0] != want ||
+        !ds_tensor_is_contiguous(shard) || shard->dtype != z->dtype ||
+        !ds_device_equal(ds_tensor_device(shard), ds_tensor_device(q->param)))
+        return ds_fail(DS_ERR_ARG, "step engine: parameter %d (%s) on %d ranks needs a released parameter and its "
+                       "contiguous %s shard [%lld] on its device, got %s %s", i + 1,
+                       ds_shape_str(q->param, s1, sizeof s1), z->world, ds_dtype_name(z->dtype),
+                       (long long)want, ds_dtype_name(shard->dtype), ds_shape_str(shard, s2, sizeof s2)), -1;
+    return 0;
+}
+
+int ds_zero_check_shards(ds_zero *z) {
+    for (int i = 0; i < z->n; i++) {
+        ds_tensor *shard = z->c.shards ? z->c.shards[i] : NULL;
+        char s[96];
+        if (shard && check_shard(z, i, shard)) return -1;
+        if (!shard && ds_tensor_is_released(z->p[i].param))
+            return ds_fail(DS_ERR_ARG, "step engine: parameter %d (%s) has no data and no shard", i + 1,
+                           ds_shape_str(z->p[i].param, s, sizeof s)), -1;
+    }
+    return 0;
+}
+
 int ds_zero_partition(ds_zero *z) {
     bool prev = ds_set_grad_enabled(false);
     int rc = 0;
     for (int i = 0; i < z->n && rc == 0; i++) {
         zparam *q = &z->p[i];
         if (q->numel <= z->c.persistence_threshold) continue;
+        if (z->c.shards && z->c.shards[i]) {    /* built partitioned: no whole to cut */
+            ds_tensor_retain(q->own = z->c.shards[i]);
+            ds_tensor_set_category(q->own, DS_MEM_PARAM);
+            continue;
+        }
         if (!(q->own = ds_tensor_full(1, &q->shard, z->dtype, ds_tensor_device(q->param), 0.0))) rc = -1;
         if (rc == 0) {
             ds_tensor_set_category(q->own, DS_MEM_PARAM);

@@ -164,6 +164,9 @@ int ds_zero_zero_grads(ds_zero *z);
 int ds_zero_need_masters(const ds_zero *z, const char *what);
 
 /* stage 3 (ds_zero_gather.c) */
+/* c.shards against the parameters (before the layout is built); a
+ * released parameter needs its shard. */
+int ds_zero_check_shards(ds_zero *z);
 int ds_zero_partition(ds_zero *z);
 int ds_zero_gather_now(ds_zero *z, int n, const int *params);
 void ds_zero_release(ds_zero *z, int i);

@@ -76,7 +76,9 @@ static int build(ds_zero *z, ds_optim *flat) {
     bool prev = ds_set_grad_enabled(false);
     for (int i = 0; i < z->n && rc == 0; i++) {
         zparam *q = &z->p[i];
-        rc = ds_zero_copy_elements(z->masters[q->group], q->offset, q->param, (int64_t)r * q->shard, ds_zero_shard_len(q, r));
+        ds_tensor *shard = z->c.shards ? z->c.shards[i] : NULL;     /* built partitioned: its shard is all there is */
+        rc = ds_zero_copy_elements(z->masters[q->group], q->offset, shard ? shard : q->param,
+                                   shard ? 0 : (int64_t)r * q->shard, ds_zero_shard_len(q, r));
     }
     ds_set_grad_enabled(prev);
     return rc == 0 && z->parts == 1 && z->c.stage != 3 ? make_flat_params(z) : rc;

@@ -72,6 +72,9 @@ ds.checkpointing = require 'dslua.nn.checkpointing'
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
 ds.pipe = require 'dslua.parallel.pipe'
 ds.topology = require 'dslua.parallel.topology'
+-- ds.zero.Init(config, fn): a model built partitioned for ZeRO stage 3
+-- (lua/dslua/engine/zinit.lua)
+ds.zero = require 'dslua.engine.zinit'
 -- ds.initialize{model, config, ...} -> engine, optimizer, loader, scheduler:
 -- deepspeed.initialize (lua/dslua/engine/init.lua), loaded when first called.
 ds.initialize = function(...) return require('dslua.engine').initialize(...) end

@@ -8,6 +8,7 @@
 -- checkpoint keeps (step:holds), where the master of a group is.
 local ds = require 'dslua'
 local Zero = require 'dslua.engine.zero'
+local zinit = require 'dslua.engine.zinit'
 local C = require('dslua.core')
 
 local M = {}
@@ -16,9 +17,13 @@ local Step = {}
 Step.__index = Step
 
 -- DeepSpeed's _broadcast_model: every rank starts from rank 0's weights.
+-- A parameter built partitioned (ds.zero.Init) has no whole to send: its
+-- shards were drawn from rank 0's generator state on every rank.
 local function broadcast_model(model)
   for _, list in ipairs({ model:named_parameters(), model:named_buffers() }) do
-    for _, entry in ipairs(list) do ds.comm.broadcast(entry[2], model.dp_root or 0, model.dp_group) end
+    for _, entry in ipairs(list) do
+      if not zinit.partitioned(entry[2]) then ds.comm.broadcast(entry[2], model.dp_root or 0, model.dp_group) end
+    end
   end
 end
 

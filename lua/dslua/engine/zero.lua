@@ -10,6 +10,7 @@
 -- one call into C each, for this and the flat mode alike.
 local ds = require 'dslua'
 local Z0 = require('dslua.core')._zero
+local zinit = require 'dslua.engine.zinit'
 
 local M = {}
 
@@ -98,9 +99,25 @@ function M.new(opts)
   local names = {}
   for _, e in ipairs(opts.model:named_parameters()) do names[e[2]] = e[1] end
 
+  -- parameters built partitioned (ds.zero.Init): their shards, by engine
+  -- index below; the parameters themselves have no data to convert
+  local shards = {}
+  for _, p in ipairs(opts.model:parameters()) do
+    if zinit.partitioned(p) then
+      if z.stage ~= 3 then
+        error(string.format("initialize: parameter '%s' was built partitioned (ds.zero.Init), which needs "
+                            .. 'zero_optimization.stage 3, not %d', names[p] or '?', z.stage), 3)
+      end
+      shards[p] = zinit.take(p)
+    end
+  end
+
   -- the model in its compute dtype, converted in place so every list of
   -- its tensors stays valid
   ds.no_grad(function()
+    for _, t in pairs(shards) do
+      if t:dtype() ~= z.dtype then Z0.retype(t, z.dtype) end
+    end
     for _, m in ipairs(opts.model:modules()) do
       for _, list in ipairs({ m:named_parameters(), m:named_buffers() }) do
         for _, e in ipairs(list) do
@@ -126,6 +143,14 @@ function M.new(opts)
       z.names[#z.all_params] = names[p] or string.format('group %d param %d', gi, k)
     end
   end
+  local by_index = {}
+  for p, t in pairs(shards) do
+    if not z.index[p] then
+      error(string.format("initialize: parameter '%s' was built partitioned but is not trained (not in the "
+                          .. 'param groups): stage 3 can only gather what it trains', names[p] or '?'), 3)
+    end
+    by_index[z.index[p]] = t
+  end
   local off = zc.offload_optimizer
   z.offload = off and off.device or 'none'
   -- ZeRO-Offload: from a GPU the masters, their gradients and the
@@ -133,7 +158,8 @@ function M.new(opts)
   local master_device = z.offload ~= 'none' and 'cpu' or (opts.device or 'cpu')
   z.engine = Z0.engine(M.engine_options(cfg, { masters = true, comm_dtype = comm_dtype, master_device = master_device,
                                                groups = lists, group = opts.model.dp_group,
-                                               stages = opts.model.model_parallel_group or opts.model.pipe_group }))
+                                               stages = opts.model.model_parallel_group or opts.model.pipe_group,
+                                               shards = by_index }))
   z.parts = z.engine:parts()       -- the shards each parameter is cut into, as the engine cut them
   z:_build_optimizer(opts)
   if z.stage == 3 then

@@ -72,8 +72,18 @@ nn.init = {}
 -- initialises everything itself.
 local skipping = false
 
+-- The partitioned-construction scope open now (ds.zero.Init,
+-- dslua/engine/zinit.lua), or nil: it makes parameters' tensors and fills
+-- its shards.
+local partition = nil
+function M.set_partition(p) partition = p end
+
 local function refill(t, draw, scale, shift)
   if skipping then return t end
+  if partition and partition:owns(t) then
+    partition:fill(t, draw == ds.randn, scale, shift)
+    return t
+  end
   ds.no_grad(function()
     local r = draw(t:size(), t:dtype(), t:device())
     if scale ~= 1 then r:mul_(scale) end
@@ -104,6 +114,10 @@ function nn.skip_init(fn, ...)
 end
 
 function nn.init.constant_(t, v)
+  if partition and partition:owns(t) then
+    partition:constant(t, v)
+    return t
+  end
   ds.no_grad(function() t:fill_(v) end)
   return t
 end
@@ -136,6 +150,7 @@ function nn.parameter(t)
 end
 
 local function empty(shape, opts)
+  if partition then return partition:empty(shape, opts) end
   return ds.zeros(shape, opts.dtype or 'f32', opts.device)
 end
 
@@ -236,6 +251,7 @@ local function register(self, kind, key, value)
   if prev and prev ~= kind then
     error(fmt("%s: '%s' is already registered as a %s", self.__name, tostring(key), prev), 3)
   end
+  if partition and kind == 'param' and value ~= nil then partition:named(value, self.__name, key) end
   if not prev then
     kinds[key] = kind
     local list = rawget(self, kind == 'param' and '_params' or kind == 'buffer' and '_buffers' or '_modules')
