@@ -388,9 +388,11 @@ local HF_REFUSED = {
 -- folder (config.json and model.safetensors or the sharded index) or of
 -- one safetensors file (sizes read from the tensors, n_head from the named
 -- size of that width or overrides.n_head); f32, bf16 or f16 in the files,
--- dtype and device from overrides.
+-- dtype and device from overrides. Inside ds.zero.Init each rank reads
+-- only its shards' ranges of the files (partitioned = true says so).
 function M.from_hf(path, overrides)
   local who = 'gpt2.from_hf'
+  overrides = hf.overrides(overrides, who)
   local config, raw = hf.load(path, who)
   local sd = nano_state_dict(raw, path)
   local wte, wpe = sd['transformer.wte.weight'], sd['transformer.wpe.weight']
@@ -421,7 +423,7 @@ function M.from_hf(path, overrides)
   local tp, topology = cfg.tp, cfg.topology
   cfg.tp, cfg.topology = nil, nil
   local model = GPT(cfg)
-  model:load_state_dict(sd)
+  hf.load_state_dict(model, sd, who)
   if tp or topology then model:parallelize(tp, topology) end
   return model
 end

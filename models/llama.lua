@@ -287,9 +287,11 @@ local HF_REFUSED = {
 -- from_hf(dir [, overrides]) -> a Llama with the weights of a Hugging Face
 -- folder (config.json and model.safetensors or the sharded index), f32,
 -- bf16 or f16 in the files, converted to the config's dtype (overrides:
--- dtype, device, checkpoint, tp, ...).
+-- dtype, device, checkpoint, tp, ...). Inside ds.zero.Init each rank
+-- reads only its shards' ranges of the files (partitioned = true says so).
 function M.from_hf(dir, overrides)
   local who = 'llama.from_hf'
+  overrides = hf.overrides(overrides, who)
   local config, sd = hf.load(dir, who)
   if not config then error(who .. ": expected a folder with config.json, got '" .. dir .. "'", 0) end
   hf.check_type(config, 'llama', who)
@@ -310,7 +312,7 @@ function M.from_hf(dir, overrides)
   cfg.tp, cfg.topology = nil, nil
   local model = Llama(cfg)
   if model.config.tie_embeddings then sd['lm_head.weight'] = sd['lm_head.weight'] or sd['model.embed_tokens.weight'] end
-  model:load_state_dict(sd)
+  hf.load_state_dict(model, sd, who)
   if tp or topology then model:parallelize(tp, topology) end
   return model
 end

@@ -36,7 +36,8 @@
  *   _zero.release_data(t)      t (a leaf) keeps its shape, loses its data
  *   _zero.set_data(t, src)     t becomes a view of src's data (no copy)
  *   _zero.is_released(t)
- *   _zero.retype(t, dtype)     t (a leaf) converted in place (a released one changes dtype alone)
+ *   _zero.retype(t, dtype [, bare])  t (a leaf) converted in place; bare: t is released,
+ *                              its dtype alone changes
  *   _zero.placeholder(like, shape)  a released leaf of shape, like's dtype and device, no bytes
  *   _zero.draw(normal, total, lo, n, like)  elements lo .. lo + n - 1 (0-based) of ds.rand
  *                              (ds.randn) of total elements, in like's dtype and device
@@ -104,12 +105,15 @@ static int l_set_data(lua_State *L) {
 /* retype(t, dtype): t (a leaf) converted in place, so every list holding
  * it sees the new dtype; its gradient is dropped. */
 static int l_retype(lua_State *L) {
-    ds_tensor *t = dsL_checktensor(L, 1);
+    /* a parameter built partitioned stays released: its shard is converted apart */
+    bool bare = lua_toboolean(L, 3);
+    ds_tensor *t = bare ? dsL_checkmeta(L, 1) : dsL_checktensor(L, 1);
     int dt = ds_dtype_parse(luaL_checkstring(L, 2));
     if (dt < 0 || !ds_dtype_is_float((ds_dtype)dt))
         return luaL_argerror(L, 2, lua_pushfstring(L, "expected a float dtype, got '%s'", lua_tostring(L, 2)));
     if (t->grad_fn) return luaL_error(L, "retype: only a leaf can change dtype in place");
-    if (ds_tensor_is_released(t)) {     /* its shard lives elsewhere, converted by the caller */
+    if (bare && !ds_tensor_is_released(t)) return luaL_error(L, "retype: the tensor is not released");
+    if (bare) {
         t->dtype = (ds_dtype)dt;
         return 0;
     }

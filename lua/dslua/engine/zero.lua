@@ -108,6 +108,12 @@ function M.new(opts)
         error(string.format("initialize: parameter '%s' was built partitioned (ds.zero.Init), which needs "
                             .. 'zero_optimization.stage 3, not %d', names[p] or '?', z.stage), 3)
       end
+      local threshold = zc.stage3_param_persistence_threshold
+      if p:numel() <= threshold then
+        error(string.format("initialize: parameter '%s' was built partitioned (ds.zero.Init) but its %d elements "
+                            .. 'are within stage3_param_persistence_threshold %d, which keeps it whole: give '
+                            .. 'ds.zero.Init and initialize one config', names[p] or '?', p:numel(), threshold), 3)
+      end
       shards[p] = zinit.take(p)
     end
   end
@@ -121,9 +127,10 @@ function M.new(opts)
     for _, m in ipairs(opts.model:modules()) do
       for _, list in ipairs({ m:named_parameters(), m:named_buffers() }) do
         for _, e in ipairs(list) do
-          local t = e[2]
-          if t:dtype() ~= z.dtype and (t:dtype() == 'f32' or t:dtype() == 'f64' or t:dtype() == 'bf16'
-                                       or t:dtype() == 'f16') then
+          local t, dt = e[2], e[2]:dtype()
+          if dt ~= z.dtype and shards[t] then
+            Z0.retype(t, z.dtype, true)
+          elseif dt ~= z.dtype and (dt == 'f32' or dt == 'f64' or dt == 'bf16' or dt == 'f16') then
             Z0.retype(t, z.dtype)
           end
         end
