@@ -30,7 +30,9 @@
  * gathered when a module's forward (ds_zero_pre_forward) or any op or
  * backward node reads it (the autograd fetch hook), with prefetch along the
  * module order recorded in the first forward, and released after its
- * module's forward and as soon as its gradient is complete.
+ * module's forward and as soon as its gradient is complete. A parameter
+ * built partitioned (ds.zero.Init) arrives released, with its shard in
+ * c.shards: taken as it is, never whole here.
  *
  * The step: wait for the buckets; one fused pass over the gradients (sum of
  * squares and inf/nan count, kept on the device); one agreement across
