@@ -4,7 +4,8 @@
  * fp32 step; the overflow skip; and ZeRO-Offload's layout (parameters on
  * a device, masters and optimizer on the CPU) on a stand-in "cuda" device
  * made of the CPU kernels, through stages 1 and 3; a parameter left out of
- * the gradient norm; what each layout answers. */
+ * the gradient norm; what each layout answers; shards given for parameters
+ * built partitioned. */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_zero.h"
@@ -259,6 +260,51 @@ static void test_errors(void) {
     for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
 }
 
+/* Parameters built partitioned (ds.zero.Init): released, each with its
+ * shard; taken as they are at stage 3 (one rank: the shard is the whole),
+ * refused by name otherwise. */
+static void test_given_shards(void) {
+    ds_tensor *p[NP], *shards[NP] = { NULL };
+    make_params(p, DS_F32);
+    shards[0] = ds_tensor_full(1, &SIZES[0], DS_F32, DS_CPU_DEVICE, 1.5);
+    ds_tensor_release_data(p[0]);
+    int counts[1] = { NP };
+    ds_zero_config c = config(true);
+    c.stage = 3;
+    check(ds_zero_new(&c, 1, counts, p, NULL) == NULL &&
+              strstr(ds_error_message(), "parameter 1 ([6]) has no data and no shard") != NULL,
+          "a released parameter without its shard: %s", ds_error_message());
+    c.shards = shards;
+    c.stage = 1;
+    check(ds_zero_new(&c, 1, counts, p, NULL) == NULL &&
+              strstr(ds_error_message(), "which only stage 3 takes (this is stage 1)") != NULL,
+          "a shard at stage 1: %s", ds_error_message());
+    c.stage = 3;
+    ds_tensor *short_shard = ds_tensor_full(1, &SIZES[1], DS_F32, DS_CPU_DEVICE, 0);
+    shards[0] = short_shard;
+    check(ds_zero_new(&c, 1, counts, p, NULL) == NULL &&
+              strstr(ds_error_message(), "needs a released parameter and its contiguous f32 shard [6]") != NULL,
+          "a shard of another size: %s", ds_error_message());
+    shards[0] = ds_tensor_full(1, &SIZES[0], DS_F32, DS_CPU_DEVICE, 1.5);
+    double next = ds_tensor_get(p[1], 0);      /* the engine releases p[1] too */
+    ds_zero *z = ds_zero_new(&c, 1, counts, p, NULL);
+    check(z != NULL, "engine over a given shard: %s", ds_error_message());
+    if (z) {
+        ds_tensor *master = ds_zero_master(z, 0);
+        check(ds_tensor_get(master, 0) == 1.5 && ds_tensor_get(master, 5) == 1.5 &&
+                  ds_tensor_get(master, 6) == next,
+              "the master starts from the shard, then the next parameter");
+        check(ds_zero_gather_all(z) == 0 && ds_tensor_get(p[0], 3) == 1.5, "gathered from the shard: %s",
+              ds_error_message());
+        ds_zero_release_all(z);
+        ds_tensor_release(master);
+        ds_zero_free(z);
+    }
+    ds_tensor_release(short_shard);
+    ds_tensor_release(shards[0]);
+    for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
+}
+
 /* A parameter left out of the norm (a pipeline's tied copy), flat and with
  * masters: the norm is the others' alone; a foreign tensor is refused. */
 static void test_exclude_from_norm(void) {
@@ -343,6 +389,7 @@ int main(void) {
     test_exclude_from_norm();
     test_masters_step();
     test_errors();
+    test_given_shards();
     test_offload();
     return check_summary("test_zero");
 }
