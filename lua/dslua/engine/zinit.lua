@@ -44,13 +44,15 @@ local Scope = {}
 Scope.__index = Scope
 
 -- A parameter's tensor as a layer asks for it (nn.Module's empty): small
--- ones whole, as stage 3 keeps them; others a placeholder and its shard.
+-- ones whole, as stage 3 keeps them; others a placeholder and its shard,
+-- on this rank's device, where initialize moves a whole model (a
+-- placeholder cannot move).
 function Scope:empty(shape, opts)
   local n = 1
   for _, d in ipairs(shape) do n = n * d end
   if n <= self.threshold then return ds.zeros(shape, opts.dtype or 'f32', opts.device) end
   local shard_n = math.ceil(n / self.parts)
-  local shard = ds.zeros({ shard_n }, opts.dtype or 'f32', opts.device)
+  local shard = ds.zeros({ shard_n }, opts.dtype or 'f32', self.device)
   local t = Z0.placeholder(shard, shape)
   local lo = math.min(self.rank * shard_n, n)
   built[Z0.key(t)] = { param = t, shard = shard, numel = n, lo = lo, len = math.min(shard_n, n - lo),
@@ -129,7 +131,8 @@ function M.Init(config, fn, ...)
   if not ds.comm.launched() then
     fail(2, 'not a launched job: run the script with dslua -n N (or mpirun) so that each rank builds its shard')
   end
-  local scope = setmetatable({ threshold = threshold, rank = ds.comm.rank(), parts = ds.comm.world_size() }, Scope)
+  local scope = setmetatable({ threshold = threshold, rank = ds.comm.rank(), parts = ds.comm.world_size(),
+                                device = ds.device() }, Scope)
   local mine, first = share_generator()
   open = scope
   base.set_partition(scope)
