@@ -42,11 +42,14 @@ describe('ds.zero.Init', function()
     assert.is_false(ds.zero.active())
   end)
 
-  it('refuses a stage other than 3 and a config it cannot read', function()
+  it('refuses a stage other than 3, tensor parallelism and a config it cannot read', function()
     H.has(H.err(function() ds.zero.Init({ zero_optimization = { stage = 1 } }, function() end) end),
           'zero_optimization.stage is 1: partitioned construction is for stage 3')
     H.has(H.err(function() ds.zero.Init('/nonexistent/ds.json', function() end) end),
           "ds.zero.Init: cannot read '/nonexistent/ds.json'")
+    H.has(H.err(function()
+      ds.zero.Init({ zero_optimization = { stage = 3 }, tensor_parallel = { autotp_size = 2 } }, function() end)
+    end), 'tensor_parallel.autotp_size 2 splits a model built whole')
   end)
 end)
 

@@ -24,7 +24,8 @@ local function fail(level, msg, ...) error(fmt('ds.zero.Init: ' .. msg, ...), le
 
 local function shape_str(s) return '[' .. table.concat(s, 'x') .. ']' end
 
--- The zero_optimization block of a config (a table or a JSON file).
+-- The zero_optimization block of a config (a table or a JSON file) and
+-- its tensor-parallel degree.
 local function zero_block(config)
   if type(config) == 'string' then
     local text, why = file_io.text(config)
@@ -34,8 +35,10 @@ local function zero_block(config)
     config = v
   end
   if type(config) ~= 'table' then fail(4, 'expected a config (a table or a JSON file), got %s', type(config)) end
-  local z = config.zero_optimization
-  return type(z) == 'table' and z or {}
+  local z, t = config.zero_optimization, config.tensor_parallel
+  local tp = type(t) == 'table' and math.max(tonumber(t.autotp_size) or 1, type(t.tp) == 'table'
+                                                 and tonumber(t.tp.tp_size) or 1) or 1
+  return type(z) == 'table' and z or {}, tp
 end
 
 ---------------------------------------------------------------- the scope
@@ -118,10 +121,14 @@ end
 function M.Init(config, fn, ...)
   if open then fail(2, 'a partitioned-construction scope is open already: scopes do not nest') end
   if type(fn) ~= 'function' then fail(2, 'expected Init(config, function() ... return model end), got %s', type(fn)) end
-  local z = zero_block(config)
+  local z, tp = zero_block(config)
   if z.stage ~= 3 then
     fail(2, 'zero_optimization.stage is %s: partitioned construction is for stage 3, where the parameters '
          .. 'stay partitioned', tostring(z.stage))
+  end
+  if tp > 1 then
+    fail(2, 'tensor_parallel.autotp_size %d splits a model built whole; partitioned construction cuts it over '
+         .. 'every rank: not both', tp)
   end
   local threshold = z.stage3_param_persistence_threshold or z.param_persistence_threshold or 1e5
   if type(threshold) ~= 'number' then
