@@ -416,9 +416,12 @@ int ds_shard_map(const char *path, int64_t vocab, ds_shard *s) {
     return 0;
 }
 
-/* A fault on a mapped file maps the cached pages around it too, up to 64 KB
- * aligned (Linux's fault_around_bytes): a window drops that whole span. */
-#define SHARD_FAULT_AROUND ((uintptr_t)64 << 10)
+/* A fault on a mapped file maps the cached pages around it too: 64 KB
+ * (Linux's fault_around_bytes), or the whole large folio the page cache
+ * holds the page in, up to a PMD (2 MB on x86-64) aligned. A window drops
+ * its 2 MB-aligned span: dropping 64 KB left the rest of each folio
+ * mapped, and a shuffled epoch grew resident memory towards the corpus. */
+#define SHARD_FAULT_AROUND ((uintptr_t)2 << 20)
 
 void ds_shard_drop(const ds_shard *s, int64_t at, int64_t n) {
     uintptr_t lo = (uintptr_t)(s->tokens + 2 * at) & ~(SHARD_FAULT_AROUND - 1);
