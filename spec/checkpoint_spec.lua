@@ -256,6 +256,8 @@ describe('exact resume', function()
       o = { stage = 0, gas = 2, dropout = 0.1, sampler = { policy = 'spec/ckpt/policy.lua', micro_batch_per_rank = { 3, 3 } } } },
     { name = '2 ranks, stage 2 bf16, gas 2, the uneven policy', np = 2,
       o = { stage = 2, dtype = 'bf16', gas = 2, sampler = UNEVEN } },
+    { name = '2 ranks, stage 1, gas 2, token shards (memory-mapped)', np = 2,
+      o = { stage = 1, gas = 2, shards = H.tmpdir() } },
     { name = '1 rank, stage 2, the optimizer offloaded to nvme (streamed state)', np = 1,
       o = { stage = 2, nvme = H.tmpdir() } },
   }
@@ -338,6 +340,17 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
     assert.are.equal(24, a.global_samples)
     for np, micro in pairs({ [1] = 4, [3] = 3 }) do
       local b, out = run(np, { dir = dir, load = 'global_step3', steps = 40, micro = micro })
+      H.has(out, string.format('saved on 2 ranks, loaded on %d: epoch 1 goes on with the 72 of its 96 samples', np))
+      one_epoch(a, b)
+    end
+  end)
+
+  it('goes on with exactly the samples the saved run had not read: token shards', function()
+    local dir, shards = H.tmpdir(), H.tmpdir()
+    local a = run(2, { dir = dir, steps = 3, save_at = 3, shards = shards })
+    assert.are.equal(24, a.global_samples)
+    for np, micro in pairs({ [1] = 4, [3] = 3 }) do
+      local b, out = run(np, { dir = dir, load = 'global_step3', steps = 40, micro = micro, shards = shards })
       H.has(out, string.format('saved on 2 ranks, loaded on %d: epoch 1 goes on with the 72 of its 96 samples', np))
       one_epoch(a, b)
     end

@@ -8,7 +8,8 @@
 -- which the loop saves, global_step<N>), final (a tag saved at the end),
 -- tag_validation, tag (the tag every rank saves at save_at, %d the rank),
 -- nvme (a folder: offload_optimizer to nvme there), micro (the micro batch
--- without a sampler, default 4).
+-- without a sampler, default 4), shards (a folder: the same samples read
+-- from llm.c token shards written there, 4 shards of 24 windows).
 -- Rank 0 writes {losses = {"<step>" = {rank losses}}, skipped, scale, lr,
 -- seen = the 0-based samples of epoch 1 every rank read, epoch1_samples =
 -- global_samples when epoch 1 ended}.
@@ -22,6 +23,26 @@ local W, rank = ds.comm.world_size(), ds.comm.rank()
 ds.manual_seed(11)
 local tokens = (ds.rand(96, 9) * 32):to('i64')
 local data = ds.data.tensors { x = tokens:narrow(2, 1, 8):contiguous(), y = tokens:narrow(2, 2, 8):contiguous() }
+if o.shards then
+  -- the rows one after another, 24 to a shard: windows of 8 at stride 9
+  -- are the rows' x and y (each rank writes its own copy)
+  local dir, rows = o.shards .. '/' .. rank, tokens:totable()
+  os.execute('mkdir -p ' .. dir)
+  local function le32(v)
+    return string.char(v % 256, math.floor(v / 256) % 256, math.floor(v / 65536) % 256, math.floor(v / 16777216))
+  end
+  for k = 0, 3 do
+    local parts = { le32(20240520), le32(1), le32(24 * 9), string.rep('\0', 253 * 4) }
+    for r = 24 * k + 1, 24 * k + 24 do
+      for _, t in ipairs(rows[r]) do parts[#parts + 1] = string.char(t, 0) end
+    end
+    local f = assert(io.open(string.format('%s/tok_%d.bin', dir, k), 'wb'))
+    f:write(table.concat(parts))
+    f:close()
+  end
+  data = ds.data.shards { pattern = dir .. '/tok_*.bin', block_size = 8, stride = 9, vocab_size = 32 }
+  assert(#data == 96)
+end
 
 ds.manual_seed(100 + rank)         -- each rank its own init: rank 0's is broadcast
 local model = GPT { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 16, dropout = o.dropout or 0 }
