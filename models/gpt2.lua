@@ -13,6 +13,7 @@
 local ds = require 'dslua'
 local json = require 'dslua.base.json'
 local nn = ds.nn
+local VocabHead = require 'models.vocab_head'
 
 local M = {}
 
@@ -44,6 +45,10 @@ M.defaults = {
   -- MLP and the vocabulary; topology a ds.topology (ds.topology{tensor =
   -- tp} over the world by default)
   tp = 1, topology = false,
+  -- The lm_head's GEMMs on its rows padded to a multiple of 64 on a GPU,
+  -- the parameter keeping the real vocab (models/vocab_head.lua): 'auto',
+  -- a multiple (any device) or false.
+  pad_vocab = 'auto',
   dtype = 'f32', device = 'cpu',
 }
 
@@ -63,6 +68,7 @@ function M.config(cfg)
   end
   nn.parallel.degree('gpt2', out, { { 'n_head', out.n_head },
                                     { pv and 'padded_vocab_size' or 'vocab_size', pv or out.vocab_size } })
+  VocabHead.check('gpt2', out)
   return out
 end
 
@@ -168,8 +174,7 @@ function GPT:build(cfg)
   tr.h = nn.ModuleList(blocks)
   tr.ln_f = nn.LayerNorm(cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
   self.transformer = tr
-  self.lm_head = nn.Linear(cfg.n_embd, cfg.padded_vocab_size or cfg.vocab_size,
-                           { bias = false, dtype = cfg.dtype, device = cfg.device })
+  self.lm_head = VocabHead.Head(cfg.n_embd, cfg.padded_vocab_size or cfg.vocab_size, cfg)
   self.lm_head.weight = tr.wte.weight
 end
 

@@ -12,6 +12,7 @@
 local ds = require 'dslua'
 local json = require 'dslua.base.json'
 local nn = ds.nn
+local VocabHead = require 'models.vocab_head'
 
 local M = {}
 
@@ -35,6 +36,10 @@ M.defaults = {
   -- key/value heads, the MLP and the vocabulary; topology a ds.topology
   -- (ds.topology{tensor = tp} over the world by default)
   tp = 1, topology = false,
+  -- The lm_head's GEMMs on its rows padded to a multiple of 64 on a GPU,
+  -- the parameter keeping the real vocab (models/vocab_head.lua): 'auto',
+  -- a multiple (any device) or false.
+  pad_vocab = 'auto',
 }
 
 function M.config(cfg)
@@ -55,6 +60,7 @@ function M.config(cfg)
   end
   nn.parallel.degree('llama', out, { { 'n_head', out.n_head }, { 'n_kv_head', out.n_kv_head },
                                      { 'intermediate_size', out.intermediate_size }, { 'vocab_size', out.vocab_size } })
+  VocabHead.check('llama', out)
   return out
 end
 
@@ -205,7 +211,7 @@ function Llama:build(cfg)
   model.layers = nn.ModuleList(layers)
   model.norm = nn.RMSNorm(cfg.n_embd, { eps = cfg.norm_eps, dtype = cfg.dtype, device = cfg.device })
   self.model = model
-  self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, { bias = false, dtype = cfg.dtype, device = cfg.device })
+  self.lm_head = VocabHead.Head(cfg.n_embd, cfg.vocab_size, cfg)
   if cfg.tie_embeddings then self.lm_head.weight = model.embed_tokens.weight end
   local cos, sin = rope_tables(cfg)
   self:register_buffer('rope_cos', cos, false)
@@ -243,14 +249,15 @@ function Llama:forward(idx, targets)
     return nn.parallel.vocab_parallel_cross_entropy(logits, targets, {
       group = g, vocab_start = self.model.embed_tokens.vocab_start }), logits
   end
-  if targets == nil then return logits end
-  return ds.cross_entropy(logits, targets), logits
+  if targets == nil then return VocabHead.real(logits, self.config.vocab_size) end
+  return VocabHead.loss(logits, targets, self.config.vocab_size)
 end
 
 function Llama:last_logits(idx)
   local x = self:hidden(idx)
   local logits = self.lm_head(x:narrow(2, x:size(2), 1))
   if self.tensor_group then logits = nn.parallel.gather_from_region(logits, self.tensor_group) end
+  logits = VocabHead.real(logits, self.config.vocab_size)
   return logits:reshape({ idx:size(1), self.config.vocab_size })
 end
 

@@ -363,6 +363,65 @@ describe('models.llama', function()
   end)
 end)
 
+describe('models.gpt2 and models.llama at a vocab not a multiple of 64 (pad_vocab)', function()
+  local V = 1001                  -- GPT-2's 50257 in small: 1001 = 15 x 64 + 41
+  local models = {
+    { 'gpt2', GPT, { n_layer = 2, n_head = 2, n_embd = 16, block_size = 8 }, 'transformer.wte.weight' },
+    { 'llama', Llama, { n_layer = 2, n_head = 4, n_kv_head = 2, n_embd = 16, block_size = 8 }, 'model.embed_tokens.weight' },
+  }
+  local function build(M, base, pad)
+    local cfg = { vocab_size = V, dtype = 'f64', pad_vocab = pad }
+    for k, v in pairs(base) do cfg[k] = v end
+    return M(cfg)
+  end
+  -- f64: the padded GEMMs add only zeros to the unpadded ones' sums, in
+  -- another order at most, so they agree to rounding of ~1e-16 per term
+  local function close(a, b, what)
+    local d, scale = (a - b):abs():amax():item(), a:abs():amax():item()
+    assert.is_true(d <= 1e-12 * (1 + scale), string.format('%s differs by %g (largest %g)', what, d, scale))
+  end
+
+  for _, m in ipairs(models) do
+    local name, M, base, embed = m[1], m[2], m[3], m[4]
+    it(name .. ': the loss, logits and every gradient of the unpadded model; the real vocab everywhere else', function()
+      ds.manual_seed(9)
+      local plain, padded = build(M, base, false), build(M, base, 64)
+      padded:load_state_dict(plain:state_dict())
+      -- the GEMM runs on 1024 rows, on the CPU only when asked
+      assert.are.equal(1024, padded.lm_head(ds.randn({ 3, 16 }, 'f64')):size(2))
+      assert.are.equal(V, build(M, base, 'auto').lm_head(ds.randn({ 3, 16 }, 'f64')):size(2))
+      -- what the user sees: parameters and state_dict of the real vocab
+      local sd = padded:state_dict()
+      assert.are.equal(V .. 'x16', shape(sd['lm_head.weight']))
+      assert.are.equal(V .. 'x16', shape(sd[embed]))
+      local n = 0
+      for _, e in ipairs(padded:named_parameters()) do
+        assert.are.equal(shape(plain:state_dict()[e[1]]), shape(e[2]), e[1])
+        n = n + e[2]:numel()
+      end
+      assert.are.equal(plain:num_parameters(), n)
+      -- targets at the top of the vocab, where the padded columns follow
+      local x = ds.tensor({ { 1, 999, 1000, 4 }, { 1000, 6, 7, 998 } }, 'i64')
+      local y = ds.tensor({ { 1000, 999, 4, 5 }, { 6, 1000, 998, 0 } }, 'i64')
+      local l0, logits0 = plain(x, y)
+      local l1, logits1 = padded(x, y)
+      assert.are.equal('2x4x' .. V, shape(logits1))
+      close(l0, l1, 'the loss')
+      close(logits0, logits1, 'the logits')
+      assert.are.equal('2x4x' .. V, shape(padded(x)))
+      l0:backward()
+      l1:backward()
+      local g0 = {}
+      for _, e in ipairs(plain:named_parameters()) do g0[e[1]] = e[2].grad end
+      for _, e in ipairs(padded:named_parameters()) do close(g0[e[1]], e[2].grad, e[1] .. "'s gradient") end
+      -- a padded column never wins: greedy sampling picks what the unpadded model picks
+      assert.are.same(plain:generate(x, 4, { temperature = 0 }):totable(),
+                      padded:generate(x, 4, { temperature = 0 }):totable())
+      fails(name .. ": pad_vocab must be 'auto', false or an integer >= 1, got 0", build, M, base, 0)
+    end)
+  end
+end)
+
 describe('models.mlp', function()
   it('is 784-256-10 by default with torch names', function()
     local m = require('models.mlp')()
