@@ -1,13 +1,18 @@
 -- dslua's side of bench/gpu.sh, on the GPU:
---   dslua bench/gpu.lua train B DTYPE V [quick] GPT-2 124M, T=1024, AdamW, clip 1.0
+--   dslua bench/gpu.lua train B DTYPE V [MODEL] [quick]   MODEL (gpt2_124M by default, T=1024; gpt2_xl,
+--                                                          T=1024; llama_1B, TinyLlama's 1.1B, T=2048) trained
+--                                                          with AdamW, clip 1.0
 --   dslua bench/gpu.lua ops [quick]              the per-op rows
---   dslua bench/gpu.lua steps B DTYPE V N         N plain steps, for a profiler
--- Prints `result dslua <row> <shape> <value> <unit>` lines that
--- bench/gpu_table.lua joins with bench/gpu_torch.py's.
+--   dslua bench/gpu.lua steps B DTYPE V N         N plain steps of GPT-2 124M, for a profiler
+--   dslua bench/gpu.lua probe                     exits 2 naming the reason when there is no GPU
+-- Prints `result dslua <row> <shape> <value> <unit>` lines, and for each
+-- model trained `flops <row> <FLOPs per token>`, that bench/gpu.sh joins
+-- with bench/gpu_torch.py's.
 local ds = require 'dslua'
-local GPT = require 'models.gpt2'
+local GPT, Llama = require 'models.gpt2', require 'models.llama'
 
 local mode, quick = arg[1], arg[#arg] == 'quick'
+if arg[#arg] == 'quick' then arg[#arg] = nil end
 local dev = 'cuda'
 if ds.device() == 'cpu' then
   io.stderr:write('bench/gpu.lua: no GPU: ' .. ds.cuda.unavailable_reason() .. '\n')
@@ -44,32 +49,57 @@ end
 
 local function randn(shape, dt) return ds.randn(shape, dt, dev) end
 
-local T = 1024
+-- The models of the train rows: config, context length, and FLOPs per
+-- token by nanoGPT's count, 6 N + 12 L C T (N the parameters in matmuls:
+-- a tied lm_head counted once, Llama's embedding left out).
+local MODELS = {
+  gpt2_124M = { build = GPT, T = 1024, cfg = { n_layer = 12, n_head = 12, n_embd = 768 } },
+  gpt2_xl = { build = GPT, T = 1024, cfg = { n_layer = 48, n_head = 25, n_embd = 1600 } },
+  llama_1B = { build = Llama, T = 2048, cfg = { name = 'tinyllama-1.1b' } },
+}
 
--- The engine over GPT-2 124M and four random batches of B x T tokens. V
--- 50304 pads the vocab as nanoGPT and llm.c train it (the loss still over
--- the 50257 real classes): N = 50257 sends cuBLAS to a slow kernel for the
--- three lm_head GEMMs.
-local function setup(B, dtype, V)
+local function flops_per_token(spec, model)
+  local c, n = model.config, model:num_parameters()
+  if spec.build == Llama then
+    n = n - model.model.embed_tokens.weight:numel()
+  else
+    n = n - (model.transformer.wte.weight:size(1) - c.vocab_size) * c.n_embd    -- the real vocab's
+  end
+  return 6 * n + 12 * c.n_layer * c.n_embd * spec.T
+end
+
+-- The engine over a model and four random batches of B x T tokens. GPT-2
+-- at V 50304 pads the vocab as nanoGPT and llm.c train it (the loss still
+-- over the 50257 real classes); at 50257 the model pads its lm_head GEMMs
+-- itself.
+local function setup(B, dtype, V, name)
+  local spec = assert(MODELS[name or 'gpt2_124M'], 'bench/gpu.lua: no model ' .. tostring(name))
   ds.manual_seed(0)
-  local model = GPT { vocab_size = 50257, padded_vocab_size = V > 50257 and V or nil, block_size = T, n_layer = 12,
-                      n_head = 12, n_embd = 768, bias = true }
+  local cfg = { block_size = spec.T }
+  for k, v in pairs(spec.cfg) do cfg[k] = v end
+  if spec.build == GPT then
+    cfg.vocab_size, cfg.padded_vocab_size = 50257, V > 50257 and V or nil
+  else
+    cfg.vocab_size = V
+  end
+  local model = spec.build(cfg)
   local engine = ds.initialize { model = model, config = {
     train_batch_size = B, steps_per_print = 1e9, gradient_clipping = 1.0,
     bf16 = { enabled = dtype == 'bf16' },
     optimizer = { type = 'AdamW', params = { lr = 3e-4, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-8 } },
   } }
-  local batches = {}
+  local batches, real = {}, math.min(V, 50257)
   for i = 1, 4 do
-    local ids = (ds.rand(B, T + 1) * 50257):to('i64')
-    batches[i] = { x = ids:narrow(2, 1, T):contiguous():to(dev), y = ids:narrow(2, 2, T):contiguous():to(dev) }
+    local ids = (ds.rand(B, spec.T + 1) * real):to('i64')
+    batches[i] = { x = ids:narrow(2, 1, spec.T):contiguous():to(dev), y = ids:narrow(2, 2, spec.T):contiguous():to(dev) }
   end
-  return engine, batches, model:num_parameters()
+  return engine, batches, model, spec
 end
 
-local function train(B, dtype, V)
+local function train(B, dtype, V, name)
+  name = name or 'gpt2_124M'
   local n_steps = quick and 3 or 10
-  local engine, batches, n_params = setup(B, dtype, V)
+  local engine, batches, model, spec = setup(B, dtype, V, name)
   local function step(i)
     engine:backward(engine(batches[(i - 1) % #batches + 1]))
     engine:step()
@@ -81,9 +111,10 @@ local function train(B, dtype, V)
   for i = 1, n_steps do step(i) end
   sync()
   local sec = (ds.wall_time() - t0) / n_steps
-  local shape = string.format('B%dxT%d_%s_V%d', B, T, dtype, V)
-  result('gpt2_124M', shape, B * T / sec, 'tokens/s')
-  result('gpt2_124M_peak', shape, ds.cuda.memory_info().peak / 2^30, 'GiB')
+  local shape = string.format('B%dxT%d_%s_V%d', B, spec.T, dtype, V)
+  print(string.format('flops\t%s\t%.0f', name, flops_per_token(spec, model)))
+  result(name, shape, B * spec.T / sec, 'tokens/s')
+  result(name .. '_peak', shape, ds.cuda.memory_info().peak / 2^30, 'GiB')
   -- Phases apart, each synchronized: where a step's time goes.
   local f, b, s = {}, {}, {}
   for i = 1, quick and 2 or 5 do
@@ -92,11 +123,11 @@ local function train(B, dtype, V)
     engine:backward(loss); sync(); b[i] = ds.wall_time() - t; t = ds.wall_time()
     engine:step(); sync(); s[i] = ds.wall_time() - t
   end
-  result('gpt2_124M_forward', shape, median(f), 's')
-  result('gpt2_124M_backward', shape, median(b), 's')
-  result('gpt2_124M_step', shape, median(s), 's')
-  io.stderr:write(string.format('bench/gpu.lua: %s %d params, %.1f ms/step, last loss %.4f\n', shape, n_params,
-                                1000 * sec, engine.last_loss or 0))
+  result(name .. '_forward', shape, median(f), 's')
+  result(name .. '_backward', shape, median(b), 's')
+  result(name .. '_step', shape, median(s), 's')
+  io.stderr:write(string.format('bench/gpu.lua: %s %s %d params, %.1f ms/step, last loss %.4f\n', name, shape,
+                                model:num_parameters(), 1000 * sec, engine.last_loss or 0))
 end
 
 -- N steps and nothing else: what bench/gpu_kernels.sh profiles.
@@ -186,10 +217,12 @@ local function ops()
 end
 
 print(string.format('info\tdslua\tdevice\t%s', ds.device()))
-if mode == 'train' then train(tonumber(arg[2]), arg[3], tonumber(arg[4]))
+if mode == 'probe' then os.exit(0)
+elseif mode == 'train' then train(tonumber(arg[2]), arg[3], tonumber(arg[4]), arg[5])
 elseif mode == 'ops' then ops()
 elseif mode == 'steps' then steps(tonumber(arg[2]), arg[3], tonumber(arg[4]), tonumber(arg[5]))
 else
-  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32 V [quick] | ops [quick] | steps B bf16|f32 V N\n')
+  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32 V [gpt2_124M|gpt2_xl|llama_1B] [quick] | ops [quick] | '
+                  .. 'steps B bf16|f32 V N | probe\n')
   os.exit(2)
 end

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # dslua against PyTorch on the same GPU in one run: GPT-2 124M training
 # tokens/s (T=1024, AdamW, clip 1.0) at B=8 and B=16 in bf16 and fp32 (vocab
-# padded to 50304, and bf16 B=8 also at 50257), peak
-# memory, MFU against the bf16 GEMM rate measured here, where a step's time
-# goes, and the per-op table. Needs a CUDA build of dslua and python3 with
-# torch on a GPU machine (../shared/device/README.md says how to carry the
-# build to one).
+# padded to 50304, and bf16 B=8 also at 50257), GPT-2 XL (1.5B, T=1024) and
+# TinyLlama's 1.1B shape (T=2048) in bf16, peak memory, MFU against the bf16
+# GEMM rate measured here, where a step's time goes, and the per-op table.
+# Needs a CUDA build of dslua and python3 with torch on a GPU machine
+# (../shared/device/README.md says how to carry the build to one); without
+# a GPU it stops at once with an error.
 set -euo pipefail
 
 usage() {
@@ -13,7 +14,7 @@ usage() {
 usage: bench/gpu.sh [-b BUILD_DIR] [-o RESULTS] [-c] [-q]
   -b BUILD_DIR  dslua's build (default: build; built first unless it holds only a carried binary)
   -o RESULTS    also keep the raw result lines in this file
-  -c            also time torch.compile at B=16 in bf16 (a minute of compiling)
+  -c            also time torch.compile on the bf16 rows at B=16, GPT-2 XL and Llama (minutes of compiling)
   -q            quick: few steps and short samples (a smoke test, not a measurement)
 EOF
 }
@@ -35,7 +36,16 @@ while getopts "b:o:cqh" opt; do
     *) usage >&2; exit 2 ;;
     esac
 done
+# no GPU: stop before building anything
+if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+    echo "$me: no GPU on this machine (nvidia-smi lists none); run it on a GPU machine" >&2
+    exit 1
+fi
 bench_build
+if ! "$build/dslua" "$root/bench/gpu.lua" probe >/dev/null; then
+    echo "$me: $build/dslua sees no GPU (built without CUDA?); build it with DSLUA_CUDA=ON" >&2
+    exit 1
+fi
 py=python3
 if ! $py -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
     echo "$me: python3 has no torch with CUDA here; the torch columns show n/a" >&2
@@ -45,22 +55,36 @@ raw=$(mktemp)
 trap 'rm -f "$raw"' EXIT
 cd "$root"
 
-run() { "$@" | tee -a "$raw" | grep -v '^result' || true; }
+# A row that fails (out of memory, say) is named at the end and the exit
+# status is 1; the rows before and after it still run.
+failed=()
+run() {
+    local rc=0
+    "$@" | tee -a "$raw" | grep -v '^result\|^flops' || rc=${PIPESTATUS[0]}
+    ((rc == 0)) || failed+=("$* (exit $rc)")
+}
 run "$build/dslua" bench/gpu.lua ops $quick
 [[ -n $py ]] && run $py bench/gpu_torch.py ops $quick
 # GPT-2's vocab padded to 50304 (nanoGPT, llm.c) on both sides; bf16 at B=8
-# also with the 50257 of the checkpoints.
-for row in "8 bf16 50304" "8 bf16 50257" "16 bf16 50304" "8 f32 50304" "16 f32 50304"; do
+# also with the 50257 of the checkpoints. GPT-2 XL and Llama 1.1B in bf16.
+for row in "8 bf16 50304" "8 bf16 50257" "16 bf16 50304" "8 f32 50304" "16 f32 50304" \
+    "4 bf16 50304 gpt2_xl" "4 bf16 32000 llama_1B"; do
     run "$build/dslua" bench/gpu.lua train $row $quick
     [[ -n $py ]] && run $py bench/gpu_torch.py train $row $quick
 done
-[[ -n $py && -n $compiled ]] && run $py bench/gpu_torch.py train 16 bf16 50304 compile $quick
+if [[ -n $py && -n $compiled ]]; then
+    for row in "16 bf16 50304" "4 bf16 50304 gpt2_xl" "4 bf16 32000 llama_1B"; do
+        run $py bench/gpu_torch.py train $row compile $quick
+    done
+fi
 [[ -n $results ]] && cp "$raw" "$results"
 
 # The table: one row per (row, shape); ratio > 1 means dslua is faster.
-# MFU: nanoGPT's 6N + 12 L H Q T FLOPs per token over torch's bf16 GEMM rate.
+# MFU: nanoGPT's 6N + 12 L H Q T FLOPs per token (each model's, from
+# bench/gpu.lua) over torch's bf16 GEMM rate (dslua's without torch).
 awk -F'\t' '
 $1 == "info" { dev[$2] = $4 }
+$1 == "flops" { fpt[$2] = $3 }
 $1 == "result" {
     key = $3 "\t" $4
     if (!(key in unit)) order[++n] = key
@@ -69,9 +93,9 @@ $1 == "result" {
 END {
     printf "GPU: %s\n", dev["torch"] != "" ? dev["torch"] : dev["dslua"]
     gemm = val["torch", "matmul\t8192^3_bf16"]
+    if (gemm == "") gemm = val["dslua", "matmul\t8192^3_bf16"]
     copy = val["torch", "copy\t1GiB"]
     if (copy == "") copy = val["dslua", "copy\t1GiB"]
-    flops = 6 * 124439808 + 12 * 12 * 12 * 64 * 1024
     printf "%-24s %-22s %12s %12s %14s %8s\n", "row", "shape", "dslua", "torch", "torch.compile", "ratio"
     for (i = 1; i <= n; i++) {
         key = order[i]; split(key, k, "\t"); u = unit[key]
@@ -87,7 +111,8 @@ END {
             if (t != "") of = of sprintf(" torch %.0f%%", 100 * t / copy)
             printf "%-24s %-22s of the copy rate (%.2f TB/s):%s\n", "", "", copy, of
         }
-        if (k[1] == "gpt2_124M" && gemm > 0) {
+        if ((k[1] in fpt) && gemm > 0) {
+            flops = fpt[k[1]]
             mfu = ""
             if (d != "") mfu = mfu sprintf(" dslua %.1f%%", 100 * d * flops / (gemm * 1e12))
             if (t != "") mfu = mfu sprintf(" torch %.1f%%", 100 * t * flops / (gemm * 1e12))
@@ -96,3 +121,7 @@ END {
         }
     }
 }' "$raw"
+if ((${#failed[@]})); then
+    printf '%s: failed: %s\n' "$me" "${failed[@]}" >&2
+    exit 1
+fi

@@ -1,10 +1,13 @@
 """PyTorch's side of bench/gpu.sh, on the same GPU and the same rows as
 bench/gpu.lua:
-    python3 bench/gpu_torch.py train B bf16|f32 V [compile] [quick]
+    python3 bench/gpu_torch.py train B bf16|f32 V [MODEL] [compile] [quick]
     python3 bench/gpu_torch.py ops [quick]
-GPT-2 124M as nanoGPT writes it (SDPA attention, tied lm_head), fused AdamW,
-bf16 through autocast over fp32 weights, gradient clipping 1.0. V is the
-vocab: 50257, or 50304 as nanoGPT pads it (its loss then over all 50304)."""
+MODEL: gpt2_124M (the default), gpt2_xl (1.5B), both T=1024, as nanoGPT
+writes GPT-2 (SDPA attention, tied lm_head); llama_1B, TinyLlama's 1.1B
+shape at T=2048 (RMSNorm, RoPE, grouped-query SDPA, SwiGLU, untied lm_head).
+Fused AdamW, bf16 through autocast over fp32 weights, gradient clipping
+1.0. V is the vocab: for GPT-2 50257, or 50304 as nanoGPT pads it (its
+loss then over all 50304)."""
 import math
 import statistics
 import sys
@@ -78,13 +81,78 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
 
 
-def train(B, dtype, V, compiled):
-    T, steps = 1024, 3 if quick else 10
+def rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+class LlamaLayer(nn.Module):
+    def __init__(s, C, H, KV, I):
+        super().__init__()
+        s.H, s.KV = H, KV
+        s.input_layernorm, s.post_attention_layernorm = nn.RMSNorm(C, eps=1e-5), nn.RMSNorm(C, eps=1e-5)
+        D = C // H
+        s.q_proj, s.k_proj = nn.Linear(C, C, bias=False), nn.Linear(C, KV * D, bias=False)
+        s.v_proj, s.o_proj = nn.Linear(C, KV * D, bias=False), nn.Linear(C, C, bias=False)
+        s.gate_proj, s.up_proj = nn.Linear(C, I, bias=False), nn.Linear(C, I, bias=False)
+        s.down_proj = nn.Linear(I, C, bias=False)
+
+    def forward(s, x, cos, sin):
+        B, T, C = x.shape
+        D = C // s.H
+        h = s.input_layernorm(x)
+        q = rope(s.q_proj(h).view(B, T, s.H, D).transpose(1, 2), cos, sin)
+        k = rope(s.k_proj(h).view(B, T, s.KV, D).transpose(1, 2), cos, sin)
+        v = s.v_proj(h).view(B, T, s.KV, D).transpose(1, 2)
+        k, v = k.repeat_interleave(s.H // s.KV, 1), v.repeat_interleave(s.H // s.KV, 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
+        x = x + s.o_proj(y)
+        h = s.post_attention_layernorm(x)
+        return x + s.down_proj(F.silu(s.gate_proj(h)) * s.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(s, V=32000, T=2048, L=22, H=32, KV=4, C=2048, I=5632):
+        super().__init__()
+        s.embed_tokens = nn.Embedding(V, C)
+        s.layers = nn.ModuleList(LlamaLayer(C, H, KV, I) for _ in range(L))
+        s.norm = nn.RMSNorm(C, eps=1e-5)
+        s.lm_head = nn.Linear(C, V, bias=False)
+        for p in s.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, 0.0, 0.02)
+        D = C // H
+        ang = torch.outer(torch.arange(T).float(), 10000.0 ** (-torch.arange(0, D, 2).float() / D))
+        ang = torch.cat((ang, ang), -1)
+        s.register_buffer("cos", ang.cos(), persistent=False)
+        s.register_buffer("sin", ang.sin(), persistent=False)
+
+    def forward(s, idx, y):
+        T = idx.shape[1]
+        x = s.embed_tokens(idx)
+        cos, sin = s.cos[:T].to(x.dtype), s.sin[:T].to(x.dtype)
+        for layer in s.layers:
+            x = layer(x, cos, sin)
+        logits = s.lm_head(s.norm(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1))
+
+
+# bench/gpu.lua's MODELS: the module and its context length
+MODELS = {
+    "gpt2_124M": (lambda V: GPT(V=V), 1024),
+    "gpt2_xl": (lambda V: GPT(V=V, L=48, H=25, C=1600), 1024),
+    "llama_1B": (lambda V: Llama(V=V), 2048),
+}
+
+
+def train(B, dtype, V, name, compiled):
+    build, T = MODELS[name]
+    steps = 3 if quick else 10
     torch.manual_seed(0)
-    model = GPT(V=V).to(dev)
+    model = build(V).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     fwd = torch.compile(model) if compiled else model
-    batches = [torch.randint(0, 50257, (B, T + 1), device=dev) for _ in range(4)]
+    batches = [torch.randint(0, min(V, 50257), (B, T + 1), device=dev) for _ in range(4)]
 
     def step(i):
         ids = batches[i % 4]
@@ -107,9 +175,9 @@ def train(B, dtype, V, compiled):
     sec = (time.perf_counter() - t0) / steps
     impl = "torch_compile" if compiled else "torch"
     shape = f"B{B}xT{T}_{dtype}_V{V}"
-    result("gpt2_124M", shape, B * T / sec, "tokens/s", impl)
-    result("gpt2_124M_peak", shape, torch.cuda.max_memory_allocated() / 2**30, "GiB", impl)
-    print(f"bench/gpu_torch.py: {impl} {shape} {1000 * sec:.1f} ms/step, last loss {loss.item():.4f}",
+    result(name, shape, B * T / sec, "tokens/s", impl)
+    result(name + "_peak", shape, torch.cuda.max_memory_allocated() / 2**30, "GiB", impl)
+    print(f"bench/gpu_torch.py: {impl} {name} {shape} {1000 * sec:.1f} ms/step, last loss {loss.item():.4f}",
           file=sys.stderr)
 
 
@@ -187,8 +255,10 @@ def ops():
 
 print(f"info\ttorch\tdevice\t{torch.cuda.get_device_name()}")
 if args and args[0] == "train":
-    train(int(args[1]), args[2], int(args[3]), "compile" in args)
+    named = [a for a in args[4:] if a in MODELS]
+    train(int(args[1]), args[2], int(args[3]), named[0] if named else "gpt2_124M", "compile" in args)
 elif args and args[0] == "ops":
     ops()
 else:
-    sys.exit("usage: python3 bench/gpu_torch.py train B bf16|f32 V [compile] [quick] | ops [quick]")
+    sys.exit("usage: python3 bench/gpu_torch.py train B bf16|f32 V [gpt2_124M|gpt2_xl|llama_1B] [compile] [quick] "
+             "| ops [quick]")
