@@ -141,6 +141,32 @@ describe('examples', function()
     H.has(out, 'x 128 tokens; on cpu, ')
   end)
 
+  describe('shards', function()
+    local out_dir
+    after_each(function()
+      if out_dir then os.execute('rm -rf ' .. out_dir) end
+      out_dir = nil
+    end)
+
+    it('writes byte-level shards of tiny Shakespeare with Python and trains 6 steps on them, the val loss falls', function()
+      local dir = H.shared_data('tinyshakespeare/input.txt')
+      if not dir then return end
+      local _, status = H.run('python3 -c pass')
+      if status ~= 0 then return pending('python3 is not on PATH') end
+      out_dir = H.tmpdir()
+      local w, ws = H.run('python3 examples/shards/write_shards.py ' .. dir .. '/tinyshakespeare/input.txt ' .. out_dir
+                          .. ' --shard-tokens 300000 --encoding bytes')
+      assert.are.equal(0, ws, w)
+      H.has(w, '1115394 tokens (bytes, vocabulary 256): 4 train shards, 111539 val tokens')
+      local out = run('examples/shards/train.lua --data ' .. out_dir .. ' --vocab 256 --steps 6 --eval-batches 2')
+      H.has(out, '4 train shards (1003855 tokens, 7840 windows of 128), 871 val windows; vocabulary 256')
+      local before = tonumber(out:match('step 0: val loss ([%d.]+)'))
+      local after = tonumber(out:match('step 6: train loss [%d.]+ %(first step [%d.]+%), val loss ([%d.]+)'))
+      assert(before and after, 'no val loss lines in:\n' .. out)
+      assert(after < before, string.format('val loss %.4f after 6 steps, %.4f before', after, before))
+    end)
+  end)
+
   it('shakespeare: says it skips and exits 0 when the text is absent', function()
     local out = run('examples/shakespeare/train.lua --data /nonexistent/input.txt', false)
     assert.matches('skipping: /nonexistent/input.txt is absent', out)
