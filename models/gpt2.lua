@@ -174,7 +174,7 @@ function GPT:build(cfg)
   tr.h = nn.ModuleList(blocks)
   tr.ln_f = nn.LayerNorm(cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
   self.transformer = tr
-  self.lm_head = VocabHead.Head(cfg.n_embd, cfg.padded_vocab_size or cfg.vocab_size, cfg)
+  self.lm_head = VocabHead.head(cfg.n_embd, cfg.padded_vocab_size or cfg.vocab_size, cfg)
   self.lm_head.weight = tr.wte.weight
 end
 

@@ -211,7 +211,7 @@ function Llama:build(cfg)
   model.layers = nn.ModuleList(layers)
   model.norm = nn.RMSNorm(cfg.n_embd, { eps = cfg.norm_eps, dtype = cfg.dtype, device = cfg.device })
   self.model = model
-  self.lm_head = VocabHead.Head(cfg.n_embd, cfg.vocab_size, cfg)
+  self.lm_head = VocabHead.head(cfg.n_embd, cfg.vocab_size, cfg)
   if cfg.tie_embeddings then self.lm_head.weight = model.embed_tokens.weight end
   local cos, sin = rope_tables(cfg)
   self:register_buffer('rope_cos', cos, false)

@@ -8,35 +8,35 @@
 -- never wins a sample and never counts in the cross-entropy (its gradient
 -- is zero).
 --
--- The config key pad_vocab: 'auto' (pads on a GPU; on the CPU the GEMM's
--- speed does not depend on the row count), a multiple to pad to on any
--- device, or false.
+-- The config key pad_vocab: 'auto' (pads on a GPU; on the CPU a round row
+-- count gains nothing), a multiple to pad to on any device, or false.
 local ds = require 'dslua'
 local nn = ds.nn
 
 local M = {}
 
-local Head = nn.Linear:extend('Linear')
-M.Head = Head
-
--- Head(n_embd, vocab, cfg): cfg.pad_vocab, cfg.dtype, cfg.device.
-function Head:init(n_embd, vocab, cfg)
-  nn.Linear.init(self, n_embd, vocab, { bias = false, dtype = cfg.dtype, device = cfg.device })
-  self.pad_vocab = cfg.pad_vocab
+-- The multiple a forward pads to under pad_vocab p, for a weight w; or false.
+local function multiple(p, w)
+  if p == 'auto' then return w:device() ~= 'cpu' and 64 end
+  return p
 end
 
--- The multiple this forward pads to, or false.
-function Head:multiple(w)
-  if self.pad_vocab == 'auto' then return w:device() ~= 'cpu' and 64 end
-  return self.pad_vocab
-end
-
-function Head:forward(x)
-  local w = self.weight
-  local m = self:multiple(w)
-  local extra = m and (-w:size(1)) % m or 0
-  if extra > 0 then w = ds.cat({ w, ds.zeros({ extra, w:size(2) }, w:dtype(), w:device()) }, 1) end
-  return ds.linear(x, w)
+-- M.head(n_embd, vocab, cfg) -> the lm_head: an nn.Linear without bias
+-- (what tensor parallelism splits, as any Linear) whose forward pads under
+-- cfg.pad_vocab; cfg.dtype, cfg.device.
+function M.head(n_embd, vocab, cfg)
+  local head = nn.Linear(n_embd, vocab, { bias = false, dtype = cfg.dtype, device = cfg.device })
+  local p = cfg.pad_vocab
+  if p then
+    function head.forward(self, x)
+      local w = self.weight
+      local m = multiple(p, w)
+      local extra = m and (-w:size(1)) % m or 0
+      if extra > 0 then w = ds.cat({ w, ds.zeros({ extra, w:size(2) }, w:dtype(), w:device()) }, 1) end
+      return ds.linear(x, w)
+    end
+  end
+  return head
 end
 
 -- The pad_vocab key of a model's config checked, naming the model.
