@@ -1,6 +1,7 @@
 -- The tiny GPT-2 of spec/models_spec.lua trained on the GPU and on the CPU
 -- from the same initial weights and batches: the first 20 AdamW losses
--- agree within 1e-4 relative in f32. Skips without a GPU.
+-- agree within 1e-4 relative in f32 (the GPU's lm_head padded to 128
+-- columns by the model). Skips without a GPU.
 local H = require 'helpers'
 local ds = H.ds
 local GPT = require 'models.gpt2'
@@ -64,6 +65,17 @@ describe('#gpu models.gpt2 on the GPU', function()
       assert.is_true(d < 1e-4, string.format('step %d: padded GPU loss %.9g, CPU %.9g (rel diff %.3g)', step, gpu[step],
                                              cpu[step], d))
     end
+  end)
+
+  it('pads the lm_head\'s GEMM itself (pad_vocab = \'auto\'): 65 -> 128 columns on the GPU, none on the CPU, '
+     .. 'the parameter of 65 rows', function()
+    local F = H.fixture('models_gpt2')
+    local model = GPT(F.config)
+    local x = ds.randn({ 2, F.config.n_embd })
+    assert.are.equal(65, model.lm_head(x):size(2))
+    model = model:to(ds.device())
+    assert.are.equal(128, model.lm_head(x:to(ds.device())):size(2))
+    assert.are.same({ 65, F.config.n_embd }, model:state_dict()['lm_head.weight']:size())
   end)
 
   it('generates from CPU ids on the model\'s GPU, returning CPU ids as the CPU model does (GPT-2 and Llama)', function()
