@@ -140,8 +140,8 @@ local function overlap()
     end
     -- tensors of the engine's bucket sizes, for the back-to-back reference
     local buckets = {}
-    for b = 1, engine.steps:buckets() do
-      local _, _, numel = engine.steps:bucket(b)
+    for b = 1, engine.steps.engine:buckets() do
+      local _, _, numel = engine.steps.engine:bucket(b)
       buckets[b] = ds.zeros(numel)
     end
     for s = 0, steps do

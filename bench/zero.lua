@@ -65,7 +65,7 @@ local function run(stage)
     collectgarbage()       -- untimed: every stage's peaks start from live tensors only
   end
   table.sort(times)
-  local steps = engine.zero and engine.zero.engine or engine.steps
+  local steps = engine.steps.engine
   local largest = 0
   for b = 1, steps:buckets() do largest = math.max(largest, select(3, steps:bucket(b))) end
   local report = engine:memory_report()
