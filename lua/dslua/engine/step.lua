@@ -6,6 +6,8 @@
 -- optimizers ride on either. Everything later asks this object: does this
 -- micro step reduce (step:reduces), what holds the fp32 weights a
 -- checkpoint keeps (step:holds), where the master of a group is.
+-- step.engine is the C step engine itself (its buckets, for benchmarks);
+-- step.zero the ZeRO wrapper (nil in plain fp32), which engine.zero reads.
 local ds = require 'dslua'
 local Zero = require 'dslua.engine.zero'
 local zinit = require 'dslua.engine.zinit'
