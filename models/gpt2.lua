@@ -41,6 +41,10 @@ M.defaults = {
   -- kernels; the padded rows start at zero, and the loss and the logits
   -- returned count only the first vocab_size columns.
   padded_vocab_size = false,
+  -- Ranks each sequence is split over (DeepSpeed-Ulysses, ds.sequence):
+  -- n_head and the sequence length divisible by it; every rank of a
+  -- sequence group is given the same whole batch and keeps its own tokens
+  sequence_parallel = 1,
   -- Tensor parallelism (docs/parallel.md): tp ranks split the heads, the
   -- MLP and the vocabulary; topology a ds.topology (ds.topology{tensor =
   -- tp} over the world by default)
@@ -56,10 +60,14 @@ M.defaults = {
 -- start from a named size (name = 'gpt2-medium').
 function M.config(cfg)
   local out = nn.model_config('gpt2', M.defaults, M.configs, cfg)
-  nn.check_positive('gpt2', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd' })
+  nn.check_positive('gpt2', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'sequence_parallel' })
   if out.n_embd % out.n_head ~= 0 then
     error(string.format('gpt2: n_embd %d is not divisible by n_head %d', out.n_embd, out.n_head), 0)
   end
+  if out.n_head % out.sequence_parallel ~= 0 then
+    error(string.format('gpt2: n_head %d is not divisible by sequence_parallel %d', out.n_head, out.sequence_parallel), 0)
+  end
+  ds.sequence.alone('gpt2', out)
   ds.checkpointing.interval('gpt2', out.checkpoint)
   local pv = out.padded_vocab_size
   if pv and (type(pv) ~= 'number' or pv ~= math.floor(pv) or pv < out.vocab_size) then
@@ -134,6 +142,9 @@ function GPT:init(cfg)
   self.config = cfg
   nn.skip_init(self.build, self, cfg)
   init_weights(self, cfg.n_layer)
+  local attns = {}
+  for i, block in ipairs(self.transformer.h:children()) do attns[i] = block.attn end
+  ds.sequence.apply(self, cfg.sequence_parallel, attns)
   local rows = self.transformer.wte.weight:size(1)
   if rows > cfg.vocab_size then
     ds.no_grad(function() self.transformer.wte.weight:narrow(1, cfg.vocab_size + 1, rows - cfg.vocab_size):fill_(0) end)
@@ -178,7 +189,8 @@ function GPT:build(cfg)
   self.lm_head.weight = tr.wte.weight
 end
 
--- The final hidden states [B, T, n_embd] of token ids idx [B, T].
+-- The final hidden states [B, T, n_embd] of token ids idx [B, T] (with
+-- sequence_parallel P, of this rank's T / P tokens).
 function GPT:hidden(idx)
   if not ds.is_tensor(idx) or idx:dim() ~= 2 then
     error('GPT: expected token ids [B, T], got ' .. (ds.is_tensor(idx) and ('[' .. table.concat(idx:size(), 'x') .. ']')
@@ -190,6 +202,11 @@ function GPT:hidden(idx)
   end
   local tr = self.transformer
   local pos = ds.arange(T, 'i64', idx:device())
+  local sp = rawget(self, 'seq')
+  if sp then
+    sp:check(T, 'GPT')
+    idx, pos = sp:chunk(idx), pos:narrow(1, sp:offset(T) + 1, T / sp.size)
+  end
   local x = tr.drop(tr.wte(idx) + tr.wpe(pos))
   x = ds.checkpointing.sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
   return tr.ln_f(x)
@@ -199,7 +216,8 @@ end
 -- targets]): the mean cross-entropy (targets -1 ignored, as nanoGPT) and
 -- the logits when targets are given, else the logits [B, T, vocab]. Tensor
 -- parallel: the logits with the loss are this rank's vocabulary columns,
--- without targets all of them.
+-- without targets all of them. With sequence_parallel the loss is the mean
+-- over the whole sequences, the logits this rank's tokens'.
 function GPT:forward(idx, targets)
   if type(idx) == 'table' then idx, targets = idx.x, idx.y end
   local V = self.config.vocab_size
@@ -214,7 +232,9 @@ function GPT:forward(idx, targets)
   local real = logits:size(3) > V and logits:narrow(3, 1, V) or logits
   if targets == nil then return real end
   -- the loss reads the padded logits in place: no copy of the real columns
-  return ds.cross_entropy(logits, targets, { ignore_index = -1, classes = V }), real
+  local opts = { ignore_index = -1, classes = V }
+  local sp = rawget(self, 'seq')
+  return sp and sp:cross_entropy(logits, targets, opts) or ds.cross_entropy(logits, targets, opts), real
 end
 
 -- Logits [B, vocab] of the last position only: what sampling needs.

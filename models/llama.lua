@@ -32,6 +32,10 @@ M.defaults = {
   intermediate_size = false, multiple_of = 256, norm_eps = 1e-5, rope_theta = 10000.0,
   tie_embeddings = false, initializer_range = 0.02, dtype = 'f32', device = 'cpu',
   checkpoint = false,   -- activation checkpointing: true (every layer) or k (segments of k layers)
+  -- Ranks each sequence is split over (DeepSpeed-Ulysses, ds.sequence):
+  -- n_head, n_kv_head and the sequence length divisible by it; every rank
+  -- of a sequence group is given the same whole batch
+  sequence_parallel = 1,
   -- Tensor parallelism (docs/parallel.md): tp ranks split the query and
   -- key/value heads, the MLP and the vocabulary; topology a ds.topology
   -- (ds.topology{tensor = tp} over the world by default)
@@ -51,13 +55,18 @@ function M.config(cfg)
     out.intermediate_size = out.multiple_of * math.ceil(h / out.multiple_of)
   end
   nn.check_positive('llama', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd',
-                                   'intermediate_size' })
+                                   'intermediate_size', 'sequence_parallel' })
   if out.n_embd % out.n_head ~= 0 or (out.n_embd / out.n_head) % 2 ~= 0 then
     error(string.format('llama: n_embd %d must split into n_head %d heads of an even size', out.n_embd, out.n_head), 0)
   end
   if out.n_head % out.n_kv_head ~= 0 then
     error(string.format('llama: n_head %d is not a multiple of n_kv_head %d', out.n_head, out.n_kv_head), 0)
   end
+  if out.n_kv_head % out.sequence_parallel ~= 0 then
+    error(string.format('llama: n_kv_head %d (and n_head %d) must be divisible by sequence_parallel %d', out.n_kv_head,
+                        out.n_head, out.sequence_parallel), 0)
+  end
+  ds.sequence.alone('llama', out)
   nn.parallel.degree('llama', out, { { 'n_head', out.n_head }, { 'n_kv_head', out.n_kv_head },
                                      { 'intermediate_size', out.intermediate_size }, { 'vocab_size', out.vocab_size } })
   VocabHead.check('llama', out)
@@ -115,15 +124,29 @@ function Attention:init(cfg)
   self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, lin)
 end
 
+-- [B, heads, T, D] <-> [B, T, A, heads, D], the layout of ds.sequence's all-to-alls
+local function wire(x) return x:transpose(2, 3):unsqueeze(3) end
+local function unwire(x, a) return x:narrow(3, a, 1):squeeze(3):transpose(2, 3) end
+
+-- With a sequence layout set (`sequence`, as sequence_parallel sets it) x
+-- holds this rank's T / P tokens, rotated at their own positions (cos and
+-- sin), and an all-to-all gives it every token of its heads around the
+-- attention (DeepSpeed-Ulysses).
 function Attention:forward(x, cos, sin)
   if self.group then x = nn.parallel.copy_to_region(x, self.group) end    -- tensor parallel: q, k, v read one copy
   local B, T = x:size(1), x:size(2)
   local H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-  local q = self.q_proj(x):view({ B, T, H, D }):transpose(2, 3)
-  local k = self.k_proj(x):view({ B, T, KV, D }):transpose(2, 3)
+  local q = rope(self.q_proj(x):view({ B, T, H, D }):transpose(2, 3), cos, sin)
+  local k = rope(self.k_proj(x):view({ B, T, KV, D }):transpose(2, 3), cos, sin)
   local v = self.v_proj(x):view({ B, T, KV, D }):transpose(2, 3)
-  q, k = rope(q, cos, sin), rope(k, cos, sin)
+  local sp = rawget(self, 'sequence')
+  if sp then
+    q = unwire(sp:seq_to_heads(wire(q)), 1)
+    local kv = sp:seq_to_heads(ds.cat({ wire(k), wire(v) }, 3))
+    k, v = unwire(kv, 1), unwire(kv, 2)
+  end
   local y = ds.scaled_dot_product_attention(q, repeat_kv(k, H / KV), repeat_kv(v, H / KV))
+  if sp then return self.o_proj(sp:heads_to_seq(wire(y)):reshape({ B, T, H * D })) end
   return self.o_proj(y:transpose(2, 3):reshape({ B, T, H * D }))
 end
 
@@ -170,6 +193,9 @@ function Llama:init(cfg)
   for _, p in ipairs(self:parameters()) do
     if p:dim() >= 2 then nn.init.normal_(p, 0, cfg.initializer_range) end
   end
+  local attns = {}
+  for i, layer in ipairs(self.model.layers:children()) do attns[i] = layer.self_attn end
+  ds.sequence.apply(self, cfg.sequence_parallel, attns)
   self:parallelize(cfg.tp, cfg.topology)
 end
 
@@ -227,7 +253,12 @@ function Llama:hidden(idx)
   if T > self.config.block_size then
     error(string.format('Llama: cannot forward sequence of length %d, block size is only %d', T, self.config.block_size), 0)
   end
-  local cos, sin = self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T)
+  local first, sp = 1, rawget(self, 'seq')
+  if sp then
+    sp:check(T, 'Llama')
+    idx, first, T = sp:chunk(idx), sp:offset(T) + 1, T / sp.size
+  end
+  local cos, sin = self.rope_cos:narrow(1, first, T), self.rope_sin:narrow(1, first, T)
   local x = self.model.embed_tokens(idx)
   x = ds.checkpointing.sequential(self.model.layers, ds.checkpointing.interval('llama', self.config.checkpoint),
                                    x, cos, sin)
@@ -238,7 +269,8 @@ end
 -- (already shifted, as the loaders make them; -100 ignored). Returns the
 -- mean cross-entropy and the logits, or the logits [B, T, vocab]. Tensor
 -- parallel: the logits with the loss are this rank's vocabulary columns,
--- without targets all of them.
+-- without targets all of them. With sequence_parallel the loss is the mean
+-- over the whole sequences, the logits this rank's tokens'.
 function Llama:forward(idx, targets)
   if type(idx) == 'table' then idx, targets = idx.x, idx.y end
   local logits = self.lm_head(self:hidden(idx))
@@ -249,8 +281,11 @@ function Llama:forward(idx, targets)
     return nn.parallel.vocab_parallel_cross_entropy(logits, targets, {
       group = g, vocab_start = self.model.embed_tokens.vocab_start }), logits
   end
-  if targets == nil then return VocabHead.real(logits, self.config.vocab_size) end
-  return VocabHead.loss(logits, targets, self.config.vocab_size)
+  local V = self.config.vocab_size
+  if targets == nil then return VocabHead.real(logits, V) end
+  local sp = rawget(self, 'seq')
+  if sp then return sp:cross_entropy(logits, targets, { classes = V }), VocabHead.real(logits, V) end
+  return VocabHead.loss(logits, targets, V)
 end
 
 function Llama:last_logits(idx)

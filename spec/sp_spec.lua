@@ -1,0 +1,86 @@
+-- Sequence parallelism (DeepSpeed-Ulysses, ds.sequence): the all-to-alls
+-- and their gradients, the errors, and tiny GPT-2 and Llama models
+-- (grouped-query heads) trained with sequence degree 2 and 4, and 2 x data
+-- 2 with ZeRO-1, against one rank (the rank scripts in spec/sp/ under mpirun).
+local H = require 'helpers'
+local ds = H.ds
+
+describe('ds.sequence on one rank', function()
+  it('refuses a degree that does not divide the world, or heads and kv heads it does not divide', function()
+    H.has(H.err(function() ds.sequence.new(2) end),
+          'sequence_parallel 2: topology: pipe 1 x tensor 1 x sequence 2 = 2 does not divide the world of 1 ranks')
+    H.has(H.err(function() ds.sequence.new(0) end), 'sequence_parallel must be a positive integer, got 0')
+    local GPT, Llama = require 'models.gpt2', require 'models.llama'
+    H.has(H.err(GPT, { n_head = 3, n_embd = 12, sequence_parallel = 2 }),
+          'gpt2: n_head 3 is not divisible by sequence_parallel 2')
+    H.has(H.err(Llama, { n_head = 4, n_kv_head = 1, n_embd = 16, sequence_parallel = 2 }),
+          'llama: n_kv_head 1 (and n_head 4) must be divisible by sequence_parallel 2')
+    H.has(H.err(GPT, { sequence_parallel = 1.5 }), 'sequence_parallel')
+  end)
+
+  it('is the identity with degree 1, and the batch sizes count data indices only', function()
+    local sp = ds.sequence.new(1)
+    local x = ds.randn(2, 4, 3, 2, 5)
+    assert.are.equal(x, sp:seq_to_heads(x))
+    assert.are.equal(x, sp:chunk(x))
+    H.has(H.err(function() sp:heads_to_seq(ds.zeros({ 2, 4 })) end),
+          'heads_to_seq: expected a tensor [B, T, A, H, D] with T divisible by sequence_parallel 1, got [2x4]')
+    local cfg = assert(ds.config.check({ train_micro_batch_size_per_gpu = 2, sequence_parallel_size = 4 },
+                                       { world_size = 8 }))
+    assert.are.equal(4, cfg.train_batch_size)     -- 2 data indices of 4 ranks each
+    local _, problems = ds.config.check({ train_micro_batch_size_per_gpu = 2, sequence_parallel_size = 3 },
+                                        { world_size = 8 })
+    H.has(problems[1], 'sequence_parallel_size: 3 ranks per sequence do not divide the world of 8 ranks')
+  end)
+end)
+
+describe('ds.sequence across ranks', function()
+  if H.skip_without_mpirun() then return end
+  local dir = H.tmpdir()
+  teardown(function() os.execute('rm -rf ' .. dir) end)
+
+  it('all-to-alls tokens into heads and back, gradients the reverse all-to-all; names bad shapes', function()
+    local path = dir .. '/ops.json'
+    local r = H.run_json(string.format('%s spec/sp/ops.lua %s', H.ranks_cmd(2), path), path)
+    assert.are.equal(0, r.to_heads)
+    assert.are.equal(0, r.back)
+    assert.are.equal(0, r.to_heads_grad)
+    assert.are.equal(0, r.to_seq_grad)
+    H.has(r.bad_heads, 'seq_to_heads: expected a tensor [B, T, A, H, D] with H divisible by sequence_parallel 2, '
+          .. 'got [2x2x3x3x2]')
+    H.has(r.bad_length, 'GPT: sequence length 7 is not divisible by sequence_parallel 2')
+    H.has(r.mismatch, 'initialize: sequence_parallel_size is 1 in the config but the model splits its sequences '
+          .. 'over 2 ranks (its sequence_parallel)')
+  end)
+
+  -- equiv.lua's JSON for kind on np ranks with sequence degree P, ZeRO stage zero
+  local function run(kind, np, P, zero)
+    local path = string.format('%s/%s-%d-%d-%d.json', dir, kind, np, P, zero or 0)
+    return H.run_json(string.format('%s spec/sp/equiv.lua %s %s %d %d', H.ranks_cmd(np), path, kind, P, zero or 0),
+                      path)
+  end
+
+  -- losses (relative) and weights (absolute) within 1e-5, every rank's weights rank 0's
+  local function same(one, other, what)
+    assert.are.equal(#one.losses, #other.losses)
+    for i, l in ipairs(one.losses) do
+      assert(math.abs(other.losses[i] - l) <= 1e-5 * math.abs(l),
+             string.format('%s, step %d: %.9g vs %.9g', what, i, other.losses[i], l))
+    end
+    for name, w in pairs(one.weights) do
+      local v = assert(other.weights[name], name)
+      for i = 1, #w do assert(math.abs(v[i] - w[i]) <= 1e-5, string.format('%s: %s[%d]', what, name, i)) end
+    end
+    assert.are.equal(0, other.spread, what .. ': the ranks\' weights differ')
+  end
+
+  for _, kind in ipairs({ 'gpt2', 'llama' }) do
+    it(kind .. ' trains with sequence degree 2 and 4, and 2 x data 2 with ZeRO-1, as one rank', function()
+      local one = run(kind, 1, 1)
+      assert(one.losses[1] > 3, 'an untrained model\'s loss over 32 tokens is near ln 32')
+      same(one, run(kind, 2, 2), kind .. ' sequence 2')
+      same(one, run(kind, 4, 4), kind .. ' sequence 4')
+      same(one, run(kind, 4, 2, 1), kind .. ' sequence 2 x data 2, ZeRO-1')
+    end)
+  end
+end)
