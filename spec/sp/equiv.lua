@@ -5,13 +5,17 @@
 -- over the sequence chunks; SGD with momentum (blind to no factor on the
 -- gradient), ZeRO stage `zero`. Rank 0 writes every step's loss, the
 -- final weights and the largest difference of any rank's weights from
--- rank 0's as JSON to the output path.
+-- rank 0's as JSON to the output path. With `save:<dir>` it saves a
+-- checkpoint in dir after the first step; with `load:<dir>` it loads one
+-- and runs the steps after it (losses: those steps').
 local ds = require 'dslua'
 package.path = 'spec/?.lua;' .. package.path
 local rank_weights = require 'ranks.weights'
 
 local out_path, kind, P, zero = arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4] or 0)
-assert(out_path and (kind == 'gpt2' or kind == 'llama') and P, 'usage: equiv.lua out.json gpt2|llama P [zero]')
+local ckpt, ckpt_dir = (arg[5] or ''):match('^(%a+):(.+)$')
+assert(out_path and (kind == 'gpt2' or kind == 'llama') and P,
+       'usage: equiv.lua out.json gpt2|llama P [zero [save:dir|load:dir]]')
 local GLOBAL, T, STEPS = 4, 8, 3
 local dp = ds.comm.world_size() / P
 local micro = GLOBAL / dp
@@ -51,8 +55,12 @@ for s = 1, STEPS do
   batches[s] = { x = ids:narrow(2, 1, T):contiguous(), y = y }
 end
 
-local losses = {}
-for s = 1, STEPS do
+local losses, first = {}, 1
+if ckpt == 'load' then
+  engine:load_checkpoint(ckpt_dir)
+  first = engine.global_steps + 1
+end
+for s = first, STEPS do
   local b = batches[s]
   local mine = { x = b.x:narrow(1, (model.dp_rank or 0) * micro + 1, micro):contiguous(),
                  y = b.y:narrow(1, (model.dp_rank or 0) * micro + 1, micro):contiguous() }
@@ -62,7 +70,8 @@ for s = 1, STEPS do
   -- the mean over the data indices (each loss already covers its whole sequences)
   local l = ds.tensor({ loss:item() / dp }, 'f64')
   ds.comm.all_reduce(l, 'sum')
-  losses[s] = l:item() / P
+  losses[#losses + 1] = l:item() / P
+  if ckpt == 'save' and s == 1 then engine:save_checkpoint(ckpt_dir) end
 end
 
 local weights, spread = rank_weights(model)

@@ -31,11 +31,10 @@ local function excerpt(s)
   return #s > SHOWN and q .. string.format(' (%d bytes)', #s) or q
 end
 
--- Every rank writes a file: a pipeline engine's world_size counts only the
--- data-parallel ranks of its stage.
-local function nranks(engine)
-  return engine.module.is_pipeline and ds.comm.world_size() or engine.world_size
-end
+-- Every rank writes a file (an engine's world_size counts only the batch's
+-- replicas: a pipeline's data-parallel ranks of a stage, a sequence-parallel
+-- model's data indices).
+local function nranks() return ds.comm.world_size() end
 
 -- {name, tensor, owned} for a list of {state_dict name, tensor}: a
 -- pipeline's under its checkpoint names (layer_05.weight, the same on any
@@ -174,7 +173,7 @@ local function engine_layout(engine)
     L.parts, L.part, L.pipeline, L.ranks = m.dp_size, m.dp_rank, m:layout(), {}
     for d = 0, m.dp_size - 1 do L.ranks[d + 1] = m.topology:get_rank(m.stage_id, d) end
   else
-    L.parts, L.part = engine.world_size, engine.rank
+    L.parts, L.part = engine.reduce_size, engine.rank   -- ZeRO's shards: over data x sequence
   end
   local function add(p, g, lo, hi, offset)
     local i = #L.params + 1
