@@ -1,7 +1,7 @@
 -- Sequence parallelism (DeepSpeed-Ulysses, ds.sequence): the all-to-alls
 -- and their gradients, the errors, and tiny GPT-2 and Llama models
 -- (grouped-query heads) trained with sequence degree 2 and 4, and 2 x data
--- 2 with ZeRO-1, against one rank (the rank scripts in spec/sp/ under mpirun).
+-- 2 with ZeRO-1, against one rank (spec/sp/ops.lua and spec/ranks/lm.lua under mpirun).
 local H = require 'helpers'
 local ds = H.ds
 
@@ -53,29 +53,15 @@ describe('ds.sequence across ranks', function()
           .. 'over 2 ranks (its sequence_parallel)')
   end)
 
-  -- equiv.lua's JSON for kind on np ranks with sequence degree P, ZeRO
-  -- stage zero, ckpt 'save:<dir>' or 'load:<dir>'
+  -- spec/ranks/lm.lua's JSON for kind on np ranks with sequence degree P,
+  -- ZeRO stage zero, ckpt 'save=<dir>' or 'load=<dir>'
   local function run(kind, np, P, zero, ckpt)
     local path = string.format('%s/%s-%d-%d-%d-%s.json', dir, kind, np, P, zero or 0, ckpt and ckpt:sub(1, 4) or '')
-    return H.run_json(string.format('%s spec/sp/equiv.lua %s %s %d %d %s', H.ranks_cmd(np), path, kind, P, zero or 0,
-                                    ckpt or ''), path)
+    return H.run_json(string.format('%s spec/ranks/lm.lua %s %s sp=%d zero=%d %s', H.ranks_cmd(np), path, kind, P,
+                                    zero or 0, ckpt or ''), path)
   end
 
-  -- losses (relative; other's may be the last steps only) and weights
-  -- (absolute) within 1e-5, every rank's weights rank 0's
-  local function same(one, other, what)
-    local skip = #one.losses - #other.losses
-    for i = 1, #other.losses do
-      local l = one.losses[skip + i]
-      assert(math.abs(other.losses[i] - l) <= 1e-5 * math.abs(l),
-             string.format('%s, step %d: %.9g vs %.9g', what, skip + i, other.losses[i], l))
-    end
-    for name, w in pairs(one.weights) do
-      local v = assert(other.weights[name], name)
-      for i = 1, #w do assert(math.abs(v[i] - w[i]) <= 1e-5, string.format('%s: %s[%d]', what, name, i)) end
-    end
-    assert.are.equal(0, other.spread, what .. ': the ranks\' weights differ')
-  end
+  local same = H.same_training
 
   for _, kind in ipairs({ 'gpt2', 'llama' }) do
     it(kind .. ' trains with sequence degree 2 and 4, and 2 x data 2 with ZeRO-1, as one rank', function()
@@ -90,11 +76,11 @@ describe('ds.sequence across ranks', function()
   it('checkpoints at sequence 2 with ZeRO-1 load on one rank, and one rank\'s at sequence 2 x data 2', function()
     local one = run('gpt2', 1, 1)
     local a, b = dir .. '/ckpt-sp2', dir .. '/ckpt-one'
-    run('gpt2', 2, 2, 1, 'save:' .. a)
-    local resumed = run('gpt2', 1, 1, 0, 'load:' .. a)
+    run('gpt2', 2, 2, 1, 'save=' .. a)
+    local resumed = run('gpt2', 1, 1, 0, 'load=' .. a)
     assert.are.equal(2, #resumed.losses)       -- the steps after the saved one
     same(one, resumed, 'sequence 2 ZeRO-1 -> one rank')
-    run('gpt2', 1, 1, 0, 'save:' .. b)
-    same(one, run('gpt2', 4, 2, 1, 'load:' .. b), 'one rank -> sequence 2 x data 2 ZeRO-1')
+    run('gpt2', 1, 1, 0, 'save=' .. b)
+    same(one, run('gpt2', 4, 2, 1, 'load=' .. b), 'one rank -> sequence 2 x data 2 ZeRO-1')
   end)
 end)

@@ -1,0 +1,79 @@
+-- Tensor-parallel checkpoints: each rank saves its pieces with their split,
+-- a checkpoint loads on another tensor and data degree (every tensor the
+-- same to the bit, training going on as one rank does), the 16-bit export
+-- is the whole model; a manifest whose pieces do not fit is refused.
+-- Rank script: spec/ranks/lm.lua under mpirun.
+local H = require 'helpers'
+local ds = H.ds
+
+describe('tensor-parallel checkpoints', function()
+  if H.skip_without_mpirun() then return end
+  local dir = H.tmpdir()
+  teardown(function() os.execute('rm -rf ' .. dir) end)
+
+  -- lm.lua's JSON for kind on np ranks with the arguments args (key=value ...)
+  local runs = 0
+  local function run(kind, np, args)
+    runs = runs + 1
+    local path = string.format('%s/run%d.json', dir, runs)
+    return H.run_json(string.format('%s spec/ranks/lm.lua %s %s %s', H.ranks_cmd(np), path, kind, args), path)
+  end
+
+  local same = H.same_training
+
+  it('tensor 2 -> 1: the same weights and AdamW state, training on as tensor 2 does; the export loads unsplit',
+     function()
+    local saved, again, export = dir .. '/t2', dir .. '/t2-on-1', dir .. '/t2-export/model.safetensors'
+    local two = run('gpt2', 2, 'tp=2 zero=1 optim=adamw save=' .. saved .. ' export=' .. export)
+    run('gpt2', 1, 'optim=adamw steps=1 load=' .. saved .. ' resave=' .. again)
+    local GPT = require 'models.gpt2'
+    local whole = GPT { vocab_size = 32, block_size = 8, n_layer = 2, n_head = 4, n_embd = 16 }
+    -- weights, exp_avg and exp_avg_sq of every parameter, whole, to the bit
+    assert.are.equal(3 * #whole:named_parameters(), H.same_checkpoints(saved, nil, again, nil))
+    same(two, run('gpt2', 1, 'optim=adamw load=' .. saved), 'tensor 2 -> 1')
+    whole:load_state_dict(ds.checkpoint.load_file(export))
+    for _, e in ipairs(whole:named_parameters()) do
+      local w = ds.tensor(two.weights[e[1]], 'f64')
+      assert.are.equal(0, (e[2]:reshape(-1):to('f64') - w):abs():amax():item(), e[1])
+    end
+  end)
+
+  it('1 -> tensor 4, and Llama tensor 2 x data 2 (ZeRO-1) -> tensor 4 (ZeRO-2): the same state', function()
+    local one, on4 = dir .. '/one', dir .. '/one-on-4'
+    local ref = run('gpt2', 1, 'optim=adamw save=' .. one)
+    run('gpt2', 4, 'tp=4 optim=adamw steps=1 load=' .. one .. ' resave=' .. on4)
+    assert(H.same_checkpoints(one, nil, on4, nil) > 0)
+    same(ref, run('gpt2', 4, 'tp=4 optim=adamw load=' .. one), '1 -> tensor 4')
+    local l22, l4 = dir .. '/llama-2x2', dir .. '/llama-on-4'
+    run('llama', 4, 'tp=2 zero=1 optim=adamw steps=1 save=' .. l22)
+    run('llama', 4, 'tp=4 zero=2 optim=adamw steps=1 load=' .. l22 .. ' resave=' .. l4)
+    assert(H.same_checkpoints(l22, nil, l4, nil) > 0)
+  end)
+
+  it('refuses a manifest whose pieces do not fit, naming the parameter', function()
+    local saved = dir .. '/t2-manifest'
+    run('gpt2', 2, 'tp=2 steps=1 save=' .. saved)
+    local path = saved .. '/' .. H.read(saved .. '/latest')
+    local m = ds.json.decode(H.read(path .. '/manifest.json'))
+    local function refused(edit, want)
+      local copy = ds.json.decode(ds.json.encode(m))
+      edit(copy)
+      local bad = H.tmpdir()
+      H.write(bad .. '/manifest.json', ds.json.encode(copy))
+      H.has(H.err(ds.checkpoint.read_manifest, bad), want)
+      os.execute('rm -rf ' .. bad)
+    end
+    local k = 0
+    for i, sp in ipairs(m.parameters) do
+      if sp.tp and sp.tp.rank == 1 and k == 0 then k = i end
+    end
+    assert(k > 0, 'no piece of tensor rank 1 in the manifest')
+    local name = m.parameters[k].name
+    refused(function(c) table.remove(c.parameters, k) end,
+            string.format('"%s" has 1 of its 2 tensor-parallel pieces: the manifest is corrupt', name))
+    refused(function(c) c.parameters[k].tp.axis = 3 end,
+            string.format('parameters[%d].tp (axis 3, stride', k))
+    refused(function(c) c.parameters[k].full[1] = c.parameters[k].full[1] + 1 end,
+            string.format('parameters[%d].full', k))
+  end)
+end)
