@@ -8,7 +8,7 @@ local ds = H.ds
 describe('ds.sequence on one rank', function()
   it('refuses a degree that does not divide the world, or heads and kv heads it does not divide', function()
     H.has(H.err(function() ds.sequence.new(2) end),
-          'sequence_parallel 2: topology: pipe 1 x tensor 1 x sequence 2 = 2 does not divide the world of 1 ranks')
+          'sequence_parallel 2: topology: pipe 1 x tensor 1 x sequence 2 = 2 does not divide the world of 1 rank')
     H.has(H.err(function() ds.sequence.new(0) end), 'sequence_parallel must be a positive integer, got 0')
     local GPT, Llama = require 'models.gpt2', require 'models.llama'
     H.has(H.err(GPT, { n_head = 3, n_embd = 12, sequence_parallel = 2 }),
@@ -16,6 +16,8 @@ describe('ds.sequence on one rank', function()
     H.has(H.err(Llama, { n_head = 4, n_kv_head = 1, n_embd = 16, sequence_parallel = 2 }),
           'llama: n_kv_head 1 (and n_head 4) must be divisible by sequence_parallel 2')
     H.has(H.err(GPT, { sequence_parallel = 1.5 }), 'sequence_parallel')
+    H.has(H.err(Llama, { n_head = 4, n_embd = 16, intermediate_size = 8, vocab_size = 8, tp = 2, sequence_parallel = 2 }),
+          'llama: sequence_parallel 2 cannot combine with tensor parallelism (tp 2)')
   end)
 
   it('is the identity with degree 1, and the batch sizes count data indices only', function()

@@ -280,30 +280,6 @@ assert(math.abs(a - b) <= 1e-5 * math.abs(a), 'losses differ')
     H.has(out, 'losses ')
   end)
 
-  it('refuses to save or load a split model as if its piece were the whole model', function()
-    local script = dir .. '/save.lua'
-    H.write(script, string.format([[
-local ds = require 'dslua'
-local GPT = require 'models.gpt2'
-local m = GPT { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 8, tp = 2 }
-local engine = ds.initialize { model = m, config = { train_batch_size = 2,
-                                                     optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
-for _, call in ipairs({ function() engine:save_checkpoint('%s/ckpt') end,
-                        function() engine:load_checkpoint('%s/ckpt') end,
-                        function() engine:save_16bit_model('%s/ckpt') end }) do
-  local ok, err = pcall(call)
-  assert(not ok)
-  ds.comm.print0(err)
-end
-]], dir, dir, dir))
-    local out, status = H.run(H.ranks_cmd(2) .. ' ' .. script .. ' 2>&1')
-    assert.are.equal(0, status, out)
-    for _, verb in ipairs({ 'save_checkpoint', 'load_checkpoint', 'save_16bit_model' }) do
-      H.has(out, verb .. ': the model is split across a tensor group of 2 ranks')
-    end
-    assert.is_nil(io.open(dir .. '/ckpt'))
-  end)
-
   -- Per step, f32, b sequences of T tokens per data rank, width C, L layers:
   -- the tensor group all-reduces b T C values 4L + 2 times (each layer's
   -- two row-parallel outputs forward and two copied inputs backward, the

@@ -714,14 +714,11 @@ end
 -- load_module_strict}]]) -> path, client_state, the tag defaulting to the
 -- one dir/latest names (nil, nil when there is none).
 function Engine:save_checkpoint(dir, tag, client_state, save_latest)
-  -- a checkpoint records whole weights: a rank's piece would pass for them
-  ds.nn.parallel.check_whole(self.module, 'save_checkpoint')
   if self.reload then self.reload:hook('on_save', self, dir, tag) end
   return require('dslua.io.checkpoint').save(self, dir, tag, client_state, save_latest)
 end
 
 function Engine:load_checkpoint(dir, tag, opts)
-  ds.nn.parallel.check_whole(self.module, 'load_checkpoint')
   return require('dslua.io.checkpoint').load(self, dir, tag, opts)
 end
 
@@ -729,7 +726,6 @@ end
 -- (fp32 without bf16/fp16) in one safetensors file, nanoGPT's key names,
 -- written by rank 0 (every rank calls it). -> true
 function Engine:save_16bit_model(dir, filename)
-  ds.nn.parallel.check_whole(self.module, 'save_16bit_model')
   return require('dslua.io.checkpoint').save_model(self, dir .. '/' .. (filename or 'model.safetensors'))
 end
 
