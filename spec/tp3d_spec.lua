@@ -1,10 +1,52 @@
+-- 3D parallelism: a pipeline of tensor-parallel stages, data parallel
+-- with ZeRO-1 across them, on 8 CPU ranks against one (spec/tp3d/mlp.lua).
 -- Tensor-parallel checkpoints: each rank saves its pieces with their split,
 -- a checkpoint loads on another tensor and data degree (every tensor the
 -- same to the bit, training going on as one rank does), the 16-bit export
--- is the whole model; a manifest whose pieces do not fit is refused.
--- Rank script: spec/ranks/lm.lua under mpirun.
+-- is the whole model; a manifest whose pieces do not fit is refused
+-- (spec/ranks/lm.lua). Both under mpirun.
 local H = require 'helpers'
 local ds = H.ds
+
+describe('pipeline x tensor x data', function()
+  if H.skip_without_mpirun() then return end
+  local dir = H.tmpdir()
+  teardown(function() os.execute('rm -rf ' .. dir) end)
+
+  local function run(np, pipe, tensor, zero)
+    local path = string.format('%s/%d-%d-%d-%d.json', dir, np, pipe, tensor, zero)
+    return H.run_json(string.format('%s spec/tp3d/mlp.lua %s %d %d %d', H.ranks_cmd(np), path, pipe, tensor, zero),
+                      path)
+  end
+
+  -- losses and the gradient norm (relative), whole weights (absolute)
+  -- within 1e-5 in f32; copies of a weight equal
+  local function same(one, other, what)
+    for i, l in ipairs(one.losses) do
+      assert(math.abs(other.losses[i] - l) <= 1e-5 * math.abs(l),
+             string.format('%s, step %d: %.9g vs %.9g', what, i, other.losses[i], l))
+    end
+    assert(math.abs(other.norm - one.norm) <= 1e-5 * one.norm, what .. ': gradient norm')
+    local n = 0
+    for name, w in pairs(one.weights) do
+      local v = assert(other.weights[name], what .. ': no ' .. name)
+      for i = 1, #w do assert(math.abs(v[i] - w[i]) <= 1e-5, string.format('%s: %s[%d]', what, name, i)) end
+      n = n + 1
+    end
+    assert.are.equal(0, other.spread, what .. ': copies of a weight differ')
+    return n
+  end
+
+  it('trains pipe 2 x tensor 2 x data 2 (plain and ZeRO-1) and pipe 2 x tensor 2 as one rank, clipped', function()
+    local one = run(1, 1, 1, 0)
+    assert(one.norm > 0.5, 'the norm is not above the clip: nothing is clipped')
+    local three = run(8, 2, 2, 1)
+    assert.are.same({ 0, 1 }, three.stages)       -- stage 0: the first two blocks
+    assert.are.equal(4 * 6, same(one, three, 'pipe 2 x tensor 2 x data 2, ZeRO-1'))
+    same(one, run(8, 2, 2, 0), 'pipe 2 x tensor 2 x data 2')
+    same(one, run(4, 2, 2, 0), 'pipe 2 x tensor 2')
+  end)
+end)
 
 describe('tensor-parallel checkpoints', function()
   if H.skip_without_mpirun() then return end

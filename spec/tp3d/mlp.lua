@@ -1,0 +1,76 @@
+-- Run by spec/tp3d_spec.lua on 1 rank and under mpirun: a pipeline of
+-- Megatron MLP blocks (LayerNorm, column-parallel Linear, GELU,
+-- row-parallel Linear, residual) in `pipe` stages of tensor degree
+-- `tensor`, the data degree the rest of the world, ZeRO stage `zero`;
+-- 3 steps of 4 micro batches of the same global batch, each data rank its
+-- share, SGD with momentum, gradient clipping. Rank 0 writes every step's
+-- loss, the last gradient norm, every weight whole (gathered over the
+-- tensor group, keyed by the layer's index) and the largest difference
+-- between copies of one weight (data replicas, tensor ranks' replicated
+-- weights) as JSON to the output path.
+local ds = require 'dslua'
+package.path = 'spec/?.lua;' .. package.path
+local shares = require 'ranks.shares'
+local P = ds.nn.parallel
+
+local out_path, pipe, tensor, zero = arg[1], tonumber(arg[2]), tonumber(arg[3]), tonumber(arg[4] or 0)
+assert(out_path and pipe and tensor, 'usage: mlp.lua out.json pipe tensor [zero]')
+local W, LAYERS, MICRO, B, STEPS = 16, 4, 4, 2, 3
+local topo = ds.topology { pipe = pipe, tensor = tensor }
+local group = topo:group('tensor')
+
+local Block = ds.nn.Module:extend('Block')
+function Block:init(w, g)
+  self.norm = ds.nn.LayerNorm(w)
+  self.fc = P.ColumnParallelLinear(w, 4 * w, { group = g })
+  self.proj = P.RowParallelLinear(4 * w, w, { group = g })
+end
+function Block:forward(x) return x + self.proj(ds.gelu(self.fc(self.norm(x)), 'tanh')) end
+
+local layers = {}
+for i = 1, LAYERS do layers[i] = ds.pipe.LayerSpec(Block, W, group) end
+local model = ds.pipe.PipelineModule { layers = layers, topology = topo, partition_method = 'uniform',
+                                       loss_fn = function(out, y) return ds.mse_loss(out, y) end }
+local dp = model.dp_size
+local gas = MICRO / dp
+local engine = ds.initialize { model = model, config = {
+  train_micro_batch_size_per_gpu = B, gradient_accumulation_steps = gas, steps_per_print = 1000,
+  optimizer = { type = 'SGD', params = { lr = 0.1, momentum = 0.9 } }, gradient_clipping = 0.5,
+  zero_optimization = { stage = zero },
+} }
+
+ds.manual_seed(11)
+local list = {}
+for i = 1, MICRO * STEPS do list[i] = { x = ds.randn(B, W), y = ds.randn(B, W) } end
+local it, losses = shares(list, MICRO, gas, model.dp_rank), {}
+for s = 1, STEPS do losses[s] = engine:train_batch(it) end
+
+-- this stage's weights whole, by the global layer index
+local mine, whole = {}, P.full_state_dict(model)
+for _, e in ipairs(model:named_parameters()) do
+  local k, rest = e[1]:match('^layers%.(%d+)%.(.+)$')
+  local index = model.layer_of[tonumber(k) + 1]
+  mine[index .. '.' .. rest] = whole[e[1]]:reshape(-1):to('f64'):totable()
+end
+-- every rank's to every rank, as JSON bytes
+local text = ds.json.encode(mine)
+local bytes = {}
+for i = 1, #text do bytes[i] = text:byte(i) end
+local all = ds.comm.world_size() > 1 and ds.comm.all_gather(ds.tensor(bytes, 'u8')) or { ds.tensor(bytes, 'u8') }
+local weights, spread = {}, 0
+for _, t in ipairs(all) do
+  local chunks, v = {}, t:totable()
+  for i = 1, #v, 4096 do chunks[#chunks + 1] = string.char(unpack(v, i, math.min(#v, i + 4095))) end
+  for name, w in pairs(ds.json.decode(table.concat(chunks))) do
+    if weights[name] then
+      for i = 1, #w do spread = math.max(spread, math.abs(w[i] - weights[name][i])) end
+    end
+    weights[name] = w
+  end
+end
+if ds.comm.rank() == 0 then
+  local f = assert(io.open(out_path, 'w'))
+  f:write(ds.json.encode { losses = losses, norm = engine.grad_norm, weights = weights, spread = spread,
+                           stages = { model:stage_layers(0) } })
+  f:close()
+end
