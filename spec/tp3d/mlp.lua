@@ -1,7 +1,6 @@
 -- Run by spec/tp3d_spec.lua on 1 rank and under mpirun: a pipeline of
--- Megatron MLP blocks (LayerNorm, column-parallel Linear, GELU,
--- row-parallel Linear, residual) in `pipe` stages of tensor degree
--- `tensor`, the data degree the rest of the world, ZeRO stage `zero`;
+-- Megatron MLP blocks (examples/3d/blocks.lua) in `pipe` stages of tensor
+-- degree `tensor`, the data degree the rest of the world, ZeRO stage `zero`;
 -- 3 steps of 4 micro batches of the same global batch, each data rank its
 -- share, SGD with momentum, gradient clipping. Rank 0 writes every step's
 -- loss, the last gradient norm, every weight whole (gathered over the
@@ -9,7 +8,7 @@
 -- between copies of one weight (data replicas, tensor ranks' replicated
 -- weights) as JSON to the output path.
 local ds = require 'dslua'
-package.path = 'spec/?.lua;' .. package.path
+package.path = 'spec/?.lua;examples/3d/?.lua;' .. package.path
 local shares = require 'ranks.shares'
 local P = ds.nn.parallel
 
@@ -19,16 +18,7 @@ local W, LAYERS, MICRO, B, STEPS = 16, 4, 4, 2, 3
 local topo = ds.topology { pipe = pipe, tensor = tensor }
 local group = topo:group('tensor')
 
-local Block = ds.nn.Module:extend('Block')
-function Block:init(w, g)
-  self.norm = ds.nn.LayerNorm(w)
-  self.fc = P.ColumnParallelLinear(w, 4 * w, { group = g })
-  self.proj = P.RowParallelLinear(4 * w, w, { group = g })
-end
-function Block:forward(x) return x + self.proj(ds.gelu(self.fc(self.norm(x)), 'tanh')) end
-
-local layers = {}
-for i = 1, LAYERS do layers[i] = ds.pipe.LayerSpec(Block, W, group) end
+local layers = require('blocks').layers(LAYERS, W, group)
 local model = ds.pipe.PipelineModule { layers = layers, topology = topo, partition_method = 'uniform',
                                        loss_fn = function(out, y) return ds.mse_loss(out, y) end }
 local dp = model.dp_size
