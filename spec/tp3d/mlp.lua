@@ -2,7 +2,9 @@
 -- Megatron MLP blocks (examples/3d/blocks.lua) in `pipe` stages of tensor
 -- degree `tensor`, the data degree the rest of the world, ZeRO stage `zero`;
 -- 3 steps of 4 micro batches of the same global batch, each data rank its
--- share, SGD with momentum, gradient clipping. Rank 0 writes every step's
+-- share, SGD with momentum, gradient clipping; with save:<dir> a
+-- checkpoint after the first step, with load:<dir> the steps after the
+-- loaded one (losses: those steps'). Rank 0 writes every step's
 -- loss, the last gradient norm, every weight whole (gathered over the
 -- tensor group, keyed by the layer's index) and the largest difference
 -- between copies of one weight (data replicas, tensor ranks' replicated
@@ -13,7 +15,8 @@ local shares = require 'ranks.shares'
 local P = ds.nn.parallel
 
 local out_path, pipe, tensor, zero = arg[1], tonumber(arg[2]), tonumber(arg[3]), tonumber(arg[4] or 0)
-assert(out_path and pipe and tensor, 'usage: mlp.lua out.json pipe tensor [zero]')
+local ckpt, ckpt_dir = (arg[5] or ''):match('^(%a+):(.+)$')
+assert(out_path and pipe and tensor, 'usage: mlp.lua out.json pipe tensor [zero [save:dir|load:dir]]')
 local W, LAYERS, MICRO, B, STEPS = 16, 4, 4, 2, 3
 local topo = ds.topology { pipe = pipe, tensor = tensor }
 local group = topo:group('tensor')
@@ -32,8 +35,16 @@ local engine = ds.initialize { model = model, config = {
 ds.manual_seed(11)
 local list = {}
 for i = 1, MICRO * STEPS do list[i] = { x = ds.randn(B, W), y = ds.randn(B, W) } end
-local it, losses = shares(list, MICRO, gas, model.dp_rank), {}
-for s = 1, STEPS do losses[s] = engine:train_batch(it) end
+local it, losses, first = shares(list, MICRO, gas, model.dp_rank), {}, 1
+if ckpt == 'load' then
+  engine:load_checkpoint(ckpt_dir)
+  first = engine.global_steps + 1
+  for _ = 1, gas * engine.global_steps do it() end     -- the saved steps' batches
+end
+for s = first, STEPS do
+  losses[#losses + 1] = engine:train_batch(it)
+  if ckpt == 'save' and s == 1 then engine:save_checkpoint(ckpt_dir) end
+end
 
 -- this stage's weights whole, by the global layer index
 local mine, whole = {}, P.full_state_dict(model)
