@@ -75,6 +75,30 @@ describe('ds.sequence across ranks', function()
     end)
   end
 
+  -- Per step (one micro batch), f32, b sequences of T tokens per data
+  -- index, width C, L layers: each layer's attention all-to-alls b T/P
+  -- tokens of q, k and v and of its output forward, the same backward
+  -- (GPT-2: 2 (3C + C) b T/P values in 4 calls; Llama, kv heads of width
+  -- KV D: 2 (C + 2 KV D + C) b T/P in 6); the loss is one all-reduce of
+  -- 4 bytes over the group.
+  it('moves the bytes the formula gives per step over the sequence group', function()
+    local function check(kind, np, P, b, C, kv, calls)
+      local path = string.format('%s/%s-log.json', dir, kind)
+      local r = H.run_json(string.format('%s spec/ranks/lm.lua %s %s sp=%d log=1', H.ranks_cmd(np), path, kind, P),
+                           path)
+      local L, T = 2, 8
+      for s, c in ipairs(r.comm) do
+        local want = 2 * (C + kv + C) * b * T / P * L * 4
+        assert.are.equal(want, c.sequence_all_to_all.bytes, kind .. ' step ' .. s)
+        assert.are.equal(calls * L, c.sequence_all_to_all.calls, kind .. ' step ' .. s)
+        assert.are.same({ bytes = 4, calls = 1 }, c.sequence_all_reduce)
+      end
+      assert.are.equal(3, #r.comm)
+    end
+    check('gpt2', 2, 2, 4, 16, 2 * 16, 4)          -- one data index: b = 4; GPT-2's k and v as wide as q
+    check('llama', 4, 2, 2, 32, 2 * 4 * 4, 6)      -- two data indices: b = 2; 4 kv heads of 4
+  end)
+
   it('checkpoints at sequence 2 with ZeRO-1 load on one rank, and one rank\'s at sequence 2 x data 2', function()
     local one = run('gpt2', 1, 1)
     local a, b = dir .. '/ckpt-sp2', dir .. '/ckpt-one'

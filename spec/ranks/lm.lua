@@ -4,23 +4,25 @@
 -- step (some targets ignored, unevenly over each sequence's chunks, evenly
 -- over the halves of the batch), every data index its slice.
 --
---   lm.lua out.json gpt2|llama [sp=P] [tp=T] [zero=Z] [optim=sgd|adamw] [steps=3] [save=dir] [load=dir]
---          [resave=dir] [export=file]
+--   lm.lua out.json gpt2|llama [sp=P] [tp=T] [zero=Z] [optim=sgd|adamw] [steps=3] [log=1] [save=dir]
+--          [load=dir] [resave=dir] [export=file]
 --
 -- sp: sequence_parallel, tp: the tensor degree (the data degree the rest
 -- of the world), zero: ZeRO's stage; SGD with momentum (blind to no factor
 -- on the gradient) or AdamW (a state to reshard); steps in all. save: a
 -- checkpoint after the first step; load: one loaded, then the steps after
 -- it (losses: those steps'), resave: saved again at once after the load;
--- export: save_16bit_model after the last. Rank 0 writes every
--- step's loss (the mean over the data indices), the weights whole
--- (gathered over the tensor group) and the largest difference of any
--- rank's whole weights from rank 0's as JSON to out.json.
+-- export: save_16bit_model after the last; log: the comms logger on, each
+-- step's bytes and calls of the sequence group's collectives printed and
+-- written (comm). Rank 0 writes every step's loss (the mean over the data
+-- indices), the weights whole (gathered over the tensor group) and the
+-- largest difference of any rank's whole weights from rank 0's as JSON to
+-- out.json.
 local ds = require 'dslua'
 
 local out_path, kind = arg[1], arg[2]
 assert(out_path and (kind == 'gpt2' or kind == 'llama'), 'usage: lm.lua out.json gpt2|llama [key=value...]')
-local o = { sp = 1, tp = 1, zero = 0, optim = 'sgd', steps = 3 }
+local o = { sp = 1, tp = 1, zero = 0, optim = 'sgd', steps = 3, log = 0 }
 local PATHS = { save = true, load = true, resave = true, export = true }
 for i = 3, #arg do
   local k, v = arg[i]:match('^(%a+)=(.+)$')    -- the launcher's --local_rank=N is not one
@@ -53,7 +55,21 @@ local OPTIM = { sgd = { type = 'SGD', params = { lr = 0.2, momentum = 0.9 } },
 local engine = ds.initialize { model = model, config = {
   train_micro_batch_size_per_gpu = micro, gradient_accumulation_steps = 1, steps_per_print = 1000,
   optimizer = OPTIM[o.optim], zero_optimization = { stage = o.zero }, sequence_parallel_size = o.sp,
+  comms_logger = { enabled = o.log == 1 },
 } }
+
+-- the bytes and calls of the sequence group's collectives since the logger's reset, by name
+local function sequence_bytes()
+  local out = {}
+  for name, by_size in pairs(ds.comm.logger_records()) do
+    if name:match('^sequence_') then
+      local e = { bytes = 0, calls = 0 }
+      for size, r in pairs(by_size) do e.bytes, e.calls = e.bytes + size * r.count, e.calls + r.count end
+      out[name] = e
+    end
+  end
+  return out
+end
 
 -- in each half of the batch the targets of one row's last 3 tokens and of
 -- the other's second ignored
@@ -78,8 +94,10 @@ if o.load then
   if o.resave then engine:save_checkpoint(o.resave) end
 end
 local rows = (model.dp_rank or 0) * micro + 1
+local comm = {}
 for s = first, STEPS do
   local b = batches[s]
+  ds.comm.reset_logger()
   local loss = engine:forward { x = b.x:narrow(1, rows, micro):contiguous(), y = b.y:narrow(1, rows, micro):contiguous() }
   engine:backward(loss)
   engine:step()
@@ -87,6 +105,11 @@ for s = first, STEPS do
   local l = ds.tensor({ loss:item() / world }, 'f64')
   ds.comm.all_reduce(l, 'sum')
   losses[#losses + 1] = l:item()
+  if o.log == 1 then
+    comm[#comm + 1] = sequence_bytes()
+    local a2a = comm[#comm].sequence_all_to_all or { bytes = 0, calls = 0 }
+    ds.comm.print0(string.format('step %d: sequence group all-to-all %d bytes (%d calls)', s, a2a.bytes, a2a.calls))
+  end
   if o.save and s == 1 then engine:save_checkpoint(o.save) end
 end
 if o.export then engine:save_16bit_model(o.export:match('^(.*)/') or '.', o.export:match('[^/]+$')) end
@@ -102,6 +125,6 @@ local d = ds.tensor({ spread }, 'f64')
 ds.comm.all_reduce(d, 'max')
 if ds.comm.rank() == 0 then
   local f = assert(io.open(out_path, 'w'))
-  f:write(ds.json.encode { losses = losses, weights = weights, spread = d:item() })
+  f:write(ds.json.encode { losses = losses, weights = weights, spread = d:item(), comm = comm })
   f:close()
 end

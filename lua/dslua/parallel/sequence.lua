@@ -19,6 +19,9 @@ local C = require 'dslua.core'
 
 local M = {}
 
+-- The names the comms logger gives the sequence group's collectives.
+M.LOG = { all_to_all = 'sequence_all_to_all', all_reduce = 'sequence_all_reduce' }
+
 local Seq = {}
 Seq.__index = Seq
 
@@ -93,7 +96,7 @@ function Seq:offset(T) return self.rank * (T / self.size) end
 local function to_heads(x, group, P)
   local B, Tl, A, H, D = x:size(1), x:size(2), x:size(3), x:size(4), x:size(5)
   local send = x:reshape({ B, Tl, A, P, H / P, D }):permute(4, 1, 2, 3, 5, 6):contiguous()
-  local got = ds.comm.all_to_all(send, group)
+  local got = ds.comm.all_to_all(send, { group = group, log_name = M.LOG.all_to_all })
   return got:permute(2, 1, 3, 4, 5, 6):contiguous():view({ B, P * Tl, A, H / P, D })
 end
 
@@ -101,7 +104,7 @@ end
 local function to_seq(y, group, P)
   local B, T, A, Hl, D = y:size(1), y:size(2), y:size(3), y:size(4), y:size(5)
   local send = y:reshape({ B, P, T / P, A, Hl, D }):permute(2, 1, 3, 4, 5, 6):contiguous()
-  local got = ds.comm.all_to_all(send, group)
+  local got = ds.comm.all_to_all(send, { group = group, log_name = M.LOG.all_to_all })
   return got:permute(2, 3, 4, 1, 5, 6):contiguous():view({ B, T / P, A, P * Hl, D })
 end
 
@@ -128,7 +131,9 @@ function Seq:heads_to_seq(y) return exchange(self, y, to_seq, to_heads, 'heads_t
 -- engine averages gradients over data x sequence, so P copies count once.
 function Seq:sum(x)
   if self.size == 1 then return x end
-  local y = ds.no_grad(function() return ds.comm.all_reduce(x:clone(), 'sum', self.group) end)
+  local y = ds.no_grad(function()
+    return ds.comm.all_reduce(x:clone(), 'sum', { group = self.group, log_name = M.LOG.all_reduce })
+  end)
   local P = self.size
   return C.function_node(y, function(g) return g * P end, x)
 end
