@@ -1,7 +1,8 @@
 -- Sequence parallelism (DeepSpeed-Ulysses, ds.sequence): the all-to-alls
 -- and their gradients, the errors, and tiny GPT-2 and Llama models
--- (grouped-query heads) trained with sequence degree 2 and 4, and 2 x data
--- 2 with ZeRO-1, against one rank (spec/sp/ops.lua and spec/ranks/lm.lua under mpirun).
+-- (grouped-query heads) trained with sequence degree 2 and 4, 2 x data 2
+-- with ZeRO-1, and 2 with activation checkpointing, against one rank
+-- (spec/sp/ops.lua and spec/ranks/lm.lua under mpirun).
 local H = require 'helpers'
 local ds = H.ds
 
@@ -56,11 +57,11 @@ describe('ds.sequence across ranks', function()
   end)
 
   -- spec/ranks/lm.lua's JSON for kind on np ranks with sequence degree P,
-  -- ZeRO stage zero, ckpt 'save=<dir>' or 'load=<dir>'
-  local function run(kind, np, P, zero, ckpt)
-    local path = string.format('%s/%s-%d-%d-%d-%s.json', dir, kind, np, P, zero or 0, ckpt and ckpt:sub(1, 4) or '')
+  -- ZeRO stage zero, more arguments (save=<dir>, load=<dir>, recompute=1)
+  local function run(kind, np, P, zero, more)
+    local path = string.format('%s/%s-%d-%d-%d-%s.json', dir, kind, np, P, zero or 0, more and more:sub(1, 4) or '')
     return H.run_json(string.format('%s spec/ranks/lm.lua %s %s sp=%d zero=%d %s', H.ranks_cmd(np), path, kind, P,
-                                    zero or 0, ckpt or ''), path)
+                                    zero or 0, more or ''), path)
   end
 
   local same = H.same_training
@@ -72,6 +73,8 @@ describe('ds.sequence across ranks', function()
       same(one, run(kind, 2, 2), kind .. ' sequence 2')
       same(one, run(kind, 4, 4), kind .. ' sequence 4')
       same(one, run(kind, 4, 2, 1), kind .. ' sequence 2 x data 2, ZeRO-1')
+      -- the all-to-alls run again in the recomputing backward
+      same(one, run(kind, 2, 2, 0, 'recompute=1'), kind .. ' sequence 2, every block checkpointed')
     end)
   end
 

@@ -4,12 +4,13 @@
 -- step (some targets ignored, unevenly over each sequence's chunks, evenly
 -- over the halves of the batch), every data index its slice.
 --
---   lm.lua out.json gpt2|llama [sp=P] [tp=T] [zero=Z] [optim=sgd|adamw] [steps=3] [log=1] [save=dir]
---          [load=dir] [resave=dir] [export=file]
+--   lm.lua out.json gpt2|llama [sp=P] [tp=T] [zero=Z] [optim=sgd|adamw] [steps=3] [log=1] [recompute=1]
+--          [save=dir] [load=dir] [resave=dir] [export=file]
 --
 -- sp: sequence_parallel, tp: the tensor degree (the data degree the rest
 -- of the world), zero: ZeRO's stage; SGD with momentum (blind to no factor
--- on the gradient) or AdamW (a state to reshard); steps in all. save: a
+-- on the gradient) or AdamW (a state to reshard); steps in all;
+-- recompute: activation checkpointing on every block. save: a
 -- checkpoint after the first step; load: one loaded, then the steps after
 -- it (losses: those steps'), resave: saved again at once after the load;
 -- export: save_16bit_model after the last; log: the comms logger on, each
@@ -22,7 +23,7 @@ local ds = require 'dslua'
 
 local out_path, kind = arg[1], arg[2]
 assert(out_path and (kind == 'gpt2' or kind == 'llama'), 'usage: lm.lua out.json gpt2|llama [key=value...]')
-local o = { sp = 1, tp = 1, zero = 0, optim = 'sgd', steps = 3, log = 0 }
+local o = { sp = 1, tp = 1, zero = 0, optim = 'sgd', steps = 3, log = 0, recompute = 0 }
 local PATHS = { save = true, load = true, resave = true, export = true }
 for i = 3, #arg do
   local k, v = arg[i]:match('^(%a+)=(.+)$')    -- the launcher's --local_rank=N is not one
@@ -42,11 +43,12 @@ ds.manual_seed(100 + (o.tp == 1 and ds.comm.rank() or 0))
 local model, ignore
 if kind == 'gpt2' then
   model = require('models.gpt2') { vocab_size = 32, block_size = T, n_layer = 2, n_head = 4, n_embd = 16,
-                                   sequence_parallel = o.sp, tp = o.tp }
+                                   sequence_parallel = o.sp, tp = o.tp, checkpoint = o.recompute == 1 }
   ignore = -1
 else
   model = require('models.llama') { vocab_size = 32, block_size = T, n_layer = 2, n_head = 8, n_kv_head = 4,
-                                    n_embd = 32, intermediate_size = 24, sequence_parallel = o.sp, tp = o.tp }
+                                    n_embd = 32, intermediate_size = 24, sequence_parallel = o.sp, tp = o.tp,
+                                    checkpoint = o.recompute == 1 }
   ignore = -100
 end
 
