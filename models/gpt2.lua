@@ -162,14 +162,18 @@ function GPT:parallelize(tp, topology) return nn.parallel.parallelize(self, M.co
 -- embedding by vocabulary (the lm_head its piece: logits split by
 -- vocabulary), each block's attention by heads, c_fc column- and c_proj
 -- row-parallel. Everything else is replicated.
+-- a Block's attention by heads, c_fc column- and c_proj row-parallel over g
+local function split_block(b, g)
+  local P = nn.parallel
+  b.attn = P.ParallelSelfAttention(b.attn, { group = g })
+  b.mlp.c_fc = P.ColumnParallelLinear(b.mlp.c_fc, { group = g })
+  b.mlp.c_proj = P.RowParallelLinear(b.mlp.c_proj, { group = g })
+end
+
 function GPT:split(g)
   local P, tr = nn.parallel, self.transformer
   tr.wte = P.VocabParallelEmbedding(tr.wte, { group = g })
-  for _, b in ipairs(tr.h) do
-    b.attn = P.ParallelSelfAttention(b.attn, { group = g })
-    b.mlp.c_fc = P.ColumnParallelLinear(b.mlp.c_fc, { group = g })
-    b.mlp.c_proj = P.RowParallelLinear(b.mlp.c_proj, { group = g })
-  end
+  for _, b in ipairs(tr.h) do split_block(b, g) end
   self.lm_head = P.ColumnParallelLinear(self.lm_head, { group = g })
   self.lm_head.weight = tr.wte.weight     -- tied again, to the embedding's piece
 end
@@ -298,33 +302,64 @@ end
 
 local function logits(wte, x) return ds.linear(x, wte.weight) end
 
+-- The pipeline's loss: GPT's (targets -1 ignored).
+function M.pipe_loss(out, targets) return ds.cross_entropy(out, targets, { ignore_index = -1 }) end
+
+-- The tensor-parallel pieces of the pipeline layers over group g: the
+-- embedding drawn whole with nanoGPT's init and split by vocabulary (its
+-- lm_head's logits this rank's columns, the loss vocab-parallel), each
+-- Block drawn whole and split as GPT:split splits it.
+local function pipe_pieces(cfg, g)
+  local P, V = nn.parallel, cfg.vocab_size
+  local Embedding = P.VocabParallelEmbedding:extend('Embedding')
+  function Embedding:init(num, dim, where)
+    local e = nn.skip_init(function() return nn.Embedding(num, dim, where) end)
+    init_weights(e, cfg.n_layer)
+    P.VocabParallelEmbedding.init(self, e, { group = g })
+  end
+  local SplitBlock = Block:extend('Block')
+  function SplitBlock:init(c)
+    nn.skip_init(Block.init, self, c)
+    init_weights(self, cfg.n_layer)
+    split_block(self, g)
+  end
+  local function head(wte, x) return ds.linear(P.copy_to_region(x, g), wte.weight) end
+  local function loss(out, targets)
+    return P.vocab_parallel_cross_entropy(out, targets, { group = g, vocab_start = g:rank() * V / g:size(),
+                                                          ignore_index = -1 })
+  end
+  return Embedding, SplitBlock, head, loss
+end
+
 -- The GPT of cfg as ds.pipe layers: the token embedding (TiedLayerSpec
 -- 'wte', tied to the lm_head in the last layer), the positions, the
--- blocks, ln_f, the lm_head; loss_fn = M.pipe_loss. Weights start as
--- GPT's do; the PipelineModule's activation_checkpoint_interval takes the
--- place of the checkpoint option.
+-- blocks, ln_f, the lm_head; and the loss_fn for them (M.pipe_loss).
+-- Weights start as GPT's do; the PipelineModule's
+-- activation_checkpoint_interval takes the place of the checkpoint option.
+-- With tp above 1, cfg.topology is the pipeline's (a ds.topology of pipe,
+-- data and tensor axes) and the layers are tensor parallel over its
+-- tensor group, their weights those of the whole layers.
 function M.pipe_layers(cfg)
   cfg = M.config(cfg)
   local tp = cfg.topology and cfg.topology:get_dim('tensor') or cfg.tp
-  if tp > 1 then
-    error(string.format('gpt2.pipe_layers: the pipeline layers are built whole; tp = %d has no pipeline form', tp), 0)
+  if tp > 1 and not cfg.topology then
+    error(string.format('gpt2.pipe_layers: tp %d needs the pipeline\'s topology (topology = ds.topology{pipe = ..., '
+                        .. 'tensor = %d}), which the PipelineModule takes too', tp, tp), 0)
   end
   local pipe = ds.pipe
   local where = { dtype = cfg.dtype, device = cfg.device }
+  local embedding, block, head, loss = initialized(nn.Embedding, cfg.n_layer), initialized(Block, cfg.n_layer), logits,
+                                       M.pipe_loss
+  if tp > 1 then embedding, block, head, loss = pipe_pieces(cfg, cfg.topology:group('tensor')) end
   local function wte(forward_fn)
-    return pipe.TiedLayerSpec { 'wte', initialized(nn.Embedding, cfg.n_layer), cfg.vocab_size, cfg.n_embd, where,
-                                forward_fn = forward_fn }
+    return pipe.TiedLayerSpec { 'wte', embedding, cfg.vocab_size, cfg.n_embd, where, forward_fn = forward_fn }
   end
   local layers = { wte(), pipe.LayerSpec(initialized(Positions, cfg.n_layer), cfg) }
-  local block = initialized(Block, cfg.n_layer)
   for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(block, cfg) end
   layers[#layers + 1] = pipe.LayerSpec(nn.LayerNorm, cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
-  layers[#layers + 1] = wte(logits)
-  return layers
+  layers[#layers + 1] = wte(head)
+  return layers, loss
 end
-
--- The pipeline's loss: GPT's (targets -1 ignored).
-function M.pipe_loss(out, targets) return ds.cross_entropy(out, targets, { ignore_index = -1 }) end
 
 -- A pipeline's weights by layer (engine:save_16bit_model's layer_05.weight,
 -- the layers of M.pipe_layers) under GPT's names, for GPT:load_state_dict:

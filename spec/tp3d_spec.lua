@@ -1,5 +1,5 @@
 -- 3D parallelism: a pipeline of tensor-parallel stages, data parallel
--- with ZeRO-1 across them, on 8 CPU ranks against one (spec/tp3d/mlp.lua).
+-- with ZeRO-1 across them, on 8 CPU ranks against one (spec/tp3d/train.lua).
 -- Tensor-parallel checkpoints: each rank saves its pieces with their split,
 -- a checkpoint loads on another tensor and data degree (every tensor the
 -- same to the bit, training going on as one rank does), the 16-bit export
@@ -13,10 +13,12 @@ describe('pipeline x tensor x data', function()
   local dir = H.tmpdir()
   teardown(function() os.execute('rm -rf ' .. dir) end)
 
+  local kind = 'mlp'
   local function run(np, pipe, tensor, zero, ckpt)
-    local path = string.format('%s/%d-%d-%d-%d-%s.json', dir, np, pipe, tensor, zero, ckpt and ckpt:sub(1, 4) or '')
-    return H.run_json(string.format('%s spec/tp3d/mlp.lua %s %d %d %d %s', H.ranks_cmd(np), path, pipe, tensor, zero,
-                                    ckpt or ''), path)
+    local path = string.format('%s/%s-%d-%d-%d-%d-%s.json', dir, kind, np, pipe, tensor, zero,
+                               ckpt and ckpt:sub(1, 4) or '')
+    return H.run_json(string.format('%s spec/tp3d/train.lua %s %s %d %d %d %s', H.ranks_cmd(np), path, kind, pipe,
+                                    tensor, zero, ckpt or ''), path)
   end
 
   -- losses (other's maybe the last steps only) and the gradient norm
@@ -48,6 +50,16 @@ describe('pipeline x tensor x data', function()
     assert.are.equal(4 * 6, same(one, three, 'pipe 2 x tensor 2 x data 2, ZeRO-1'))
     same(one, run(8, 2, 2, 0), 'pipe 2 x tensor 2 x data 2')
     same(one, run(4, 2, 2, 0), 'pipe 2 x tensor 2')
+  end)
+
+  it('trains a tiny GPT-2 (its embedding tied to the lm_head, split by vocabulary) as pipe 2 x tensor 2 x data 2 '
+     .. '(ZeRO-1) as one rank', function()
+    kind = 'gpt'
+    local one = run(1, 1, 1, 0)
+    local three = run(8, 2, 2, 1)
+    assert.is_not_nil(three.weights['0.weight'])   -- the tied embedding, on the first and last stage alike
+    same(one, three, 'GPT-2 pipe 2 x tensor 2 x data 2, ZeRO-1')
+    kind = 'mlp'
   end)
 
   it('checkpoints at pipe 2 x tensor 2 x data 2 (ZeRO-1) load on one rank, and one rank\'s at 2 x 2 x 2', function()

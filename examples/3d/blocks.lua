@@ -1,4 +1,4 @@
--- Megatron's MLP block, as examples/3d/train.lua and spec/tp3d/mlp.lua
+-- Megatron's MLP block, as examples/3d/train.lua and spec/tp3d/train.lua
 -- build it: LayerNorm, a column-parallel Linear (this tensor rank's share
 -- of the 4W hidden units), GELU on them, a row-parallel Linear (its
 -- all-reduce makes the output whole on every tensor rank), the residual.

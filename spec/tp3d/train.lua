@@ -1,29 +1,44 @@
 -- Run by spec/tp3d_spec.lua on 1 rank and under mpirun: a pipeline of
--- Megatron MLP blocks (examples/3d/blocks.lua) in `pipe` stages of tensor
--- degree `tensor`, the data degree the rest of the world, ZeRO stage `zero`;
--- 3 steps of 4 micro batches of the same global batch, each data rank its
--- share, SGD with momentum, gradient clipping; with save:<dir> a
+-- `pipe` stages of tensor degree `tensor`, the data degree the rest of the
+-- world, ZeRO stage `zero`: kind mlp, Megatron MLP blocks
+-- (examples/3d/blocks.lua); kind gpt, a tiny GPT-2's pipeline layers
+-- (models.gpt2.pipe_layers, its embedding tied to the lm_head on the last
+-- stage). 3 steps of 4 micro batches of the same global batch, each data
+-- rank its share, SGD with momentum, gradient clipping; with save:<dir> a
 -- checkpoint after the first step, with load:<dir> the steps after the
--- loaded one (losses: those steps'). Rank 0 writes every step's
--- loss, the last gradient norm, every weight whole (gathered over the
--- tensor group, keyed by the layer's index) and the largest difference
--- between copies of one weight (data replicas, tensor ranks' replicated
--- weights) as JSON to the output path.
+-- loaded one (losses: those steps'). Rank 0 writes every step's loss, the
+-- last gradient norm, every weight whole (gathered over the tensor group,
+-- keyed by the layer's index) and the largest difference between copies of
+-- one weight (data replicas, tensor ranks' replicated weights, tied
+-- copies) as JSON to the output path.
 local ds = require 'dslua'
 package.path = 'spec/?.lua;examples/3d/?.lua;' .. package.path
 local shares = require 'ranks.shares'
 local P = ds.nn.parallel
 
-local out_path, pipe, tensor, zero = arg[1], tonumber(arg[2]), tonumber(arg[3]), tonumber(arg[4] or 0)
-local ckpt, ckpt_dir = (arg[5] or ''):match('^(%a+):(.+)$')
-assert(out_path and pipe and tensor, 'usage: mlp.lua out.json pipe tensor [zero [save:dir|load:dir]]')
+local out_path, kind, pipe, tensor = arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4])
+local zero = tonumber(arg[5] or 0)
+local ckpt, ckpt_dir = (arg[6] or ''):match('^(%a+):(.+)$')
+assert(out_path and (kind == 'mlp' or kind == 'gpt') and pipe and tensor,
+       'usage: train.lua out.json mlp|gpt pipe tensor [zero [save:dir|load:dir]]')
 local W, LAYERS, MICRO, B, STEPS = 16, 4, 4, 2, 3
 local topo = ds.topology { pipe = pipe, tensor = tensor }
-local group = topo:group('tensor')
 
-local layers = require('blocks').layers(LAYERS, W, group)
-local model = ds.pipe.PipelineModule { layers = layers, topology = topo, partition_method = 'uniform',
-                                       loss_fn = function(out, y) return ds.mse_loss(out, y) end }
+local layers, loss_fn, sample
+if kind == 'mlp' then
+  layers = require('blocks').layers(LAYERS, W, topo:group('tensor'))
+  loss_fn = function(out, y) return ds.mse_loss(out, y) end
+  sample = function() return { x = ds.randn(B, W), y = ds.randn(B, W) } end
+else
+  layers, loss_fn = require('models.gpt2').pipe_layers { n_layer = 2, n_head = 4, n_embd = 16, vocab_size = 32,
+                                                         block_size = 8, topology = topo }
+  sample = function()
+    local ids = (ds.rand(B, 9) * 31.99):to('i64')
+    return { x = ids:narrow(2, 1, 8):contiguous(), y = ids:narrow(2, 2, 8):contiguous() }
+  end
+end
+local model = ds.pipe.PipelineModule { layers = layers, topology = topo, loss_fn = loss_fn,
+                                       partition_method = kind == 'mlp' and 'uniform' or 'type:Block' }
 local dp = model.dp_size
 local gas = MICRO / dp
 local engine = ds.initialize { model = model, config = {
@@ -34,7 +49,7 @@ local engine = ds.initialize { model = model, config = {
 
 ds.manual_seed(11)
 local list = {}
-for i = 1, MICRO * STEPS do list[i] = { x = ds.randn(B, W), y = ds.randn(B, W) } end
+for i = 1, MICRO * STEPS do list[i] = sample() end
 local it, losses, first = shares(list, MICRO, gas, model.dp_rank), {}, 1
 if ckpt == 'load' then
   engine:load_checkpoint(ckpt_dir)
