@@ -78,6 +78,23 @@ describe('ds.sequence across ranks', function()
     end)
   end
 
+  it("gives a sequence group's ranks the same batches from the engine's loader: 2 and 2 x data 2 as one rank",
+     function()
+    local function losses(np)
+      local path = string.format('%s/loader-%d.json', dir, np)
+      return H.run_json(string.format('%s spec/sp/loader.lua %s', H.ranks_cmd(np), path), path).losses
+    end
+    local one = losses(1)
+    assert.are.equal(4, #one)     -- 32 sequences, 8 a step
+    for _, np in ipairs({ 2, 4 }) do
+      local other = losses(np)
+      assert.are.equal(#one, #other)
+      for i, l in ipairs(one) do
+        assert(math.abs(other[i] - l) <= 1e-5 * l, string.format('%d ranks, step %d: %.9g vs %.9g', np, i, other[i], l))
+      end
+    end
+  end)
+
   -- Per step (one micro batch), f32, b sequences of T tokens per data
   -- index, width C, L layers: each layer's attention all-to-alls b T/P
   -- tokens of q, k and v and of its output forward, the same backward
