@@ -8,6 +8,17 @@
 local H = require 'helpers'
 local ds = H.ds
 
+describe('pipeline x tensor x data on one rank', function()
+  it('refuses a topology with a sequence axis, or one that is no topology, naming it', function()
+    local layers = { ds.pipe.LayerSpec(ds.nn.Linear, 2, 2) }
+    local topo = ds.topology { sequence = 2, world_size = 2, groups = false }
+    H.has(H.err(ds.pipe.PipelineModule, { layers = layers, topology = topo }),
+          'PipelineModule: the topology has a sequence degree of 2; a pipeline takes pipe, data and tensor axes')
+    H.has(H.err(ds.pipe.PipelineModule, { layers = layers, topology = { pipe = 2 } }),
+          'PipelineModule: topology must be a ds.pipe.PipeDataParallelTopology or a ds.topology')
+  end)
+end)
+
 describe('pipeline x tensor x data', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
