@@ -67,9 +67,19 @@ describe('pipeline x tensor x data', function()
      .. '(ZeRO-1) as one rank', function()
     kind = 'gpt'
     local one = run(1, 1, 1, 0)
-    local three = run(8, 2, 2, 1)
+    local export = dir .. '/gpt-export'
+    local three = run(8, 2, 2, 1, 'export:' .. export)
     assert.is_not_nil(three.weights['0.weight'])   -- the tied embedding, on the first and last stage alike
     same(one, three, 'GPT-2 pipe 2 x tensor 2 x data 2, ZeRO-1')
+    -- save_16bit_model: every layer's weights whole, once (layer_05.weight)
+    local n = 0
+    for name, t in pairs(ds.checkpoint.load_file(export .. '/model.safetensors')) do
+      local w = assert(three.weights[name:gsub('^layer_0*(%d)', '%1')], name)
+      assert.are.equal(0, (t:reshape(-1):to('f64') - ds.tensor(w, 'f64')):abs():amax():item(), name)
+      n = n + 1
+    end
+    assert.are.equal(n, #require('models.gpt2')({ n_layer = 2, n_head = 4, n_embd = 16, vocab_size = 32,
+                                                 block_size = 8 }):named_parameters())
     kind = 'mlp'
   end)
 

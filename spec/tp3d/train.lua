@@ -6,7 +6,8 @@
 -- stage). 3 steps of 4 micro batches of the same global batch, each data
 -- rank its share, SGD with momentum, gradient clipping; with save:<dir> a
 -- checkpoint after the first step, with load:<dir> the steps after the
--- loaded one (losses: those steps'). Rank 0 writes every step's loss, the
+-- loaded one (losses: those steps'), with export:<dir> save_16bit_model
+-- after the last. Rank 0 writes every step's loss, the
 -- last gradient norm, every weight whole (gathered over the tensor group,
 -- keyed by the layer's index) and the largest difference between copies of
 -- one weight (data replicas, tensor ranks' replicated weights, tied
@@ -20,7 +21,7 @@ local out_path, kind, pipe, tensor = arg[1], arg[2], tonumber(arg[3]), tonumber(
 local zero = tonumber(arg[5] or 0)
 local ckpt, ckpt_dir = (arg[6] or ''):match('^(%a+):(.+)$')
 assert(out_path and (kind == 'mlp' or kind == 'gpt') and pipe and tensor,
-       'usage: train.lua out.json mlp|gpt pipe tensor [zero [save:dir|load:dir]]')
+       'usage: train.lua out.json mlp|gpt pipe tensor [zero [save:dir|load:dir|export:dir]]')
 local W, LAYERS, MICRO, B, STEPS = 16, 4, 4, 2, 3
 local topo = ds.topology { pipe = pipe, tensor = tensor }
 
@@ -60,6 +61,7 @@ for s = first, STEPS do
   losses[#losses + 1] = engine:train_batch(it)
   if ckpt == 'save' and s == 1 then engine:save_checkpoint(ckpt_dir) end
 end
+if ckpt == 'export' then engine:save_16bit_model(ckpt_dir, 'model.safetensors') end
 
 -- this stage's weights whole, by the global layer index
 local mine, whole = {}, P.full_state_dict(model)

@@ -264,7 +264,11 @@ function M.save_model(engine, path, dtype)
       entries[i][2] = ds.nn.parallel.join(all, s.axis, s.stride):to('cpu')
     end
   end
-  if pipe then entries = gather_stages(engine, entries) end
+  if pipe then
+    -- a stage's pieces are whole on each of its tensor ranks: tensor rank 0's go
+    if (engine.module.tensor_rank or 0) > 0 then entries = {} end
+    entries = gather_stages(engine, entries)
+  end
   everywhere(nranks(engine), 'save_16bit_model', function()
     if engine.rank == 0 then
       C.mkdirs(path:match('^(.*)/[^/]*$') or '.')
