@@ -341,16 +341,12 @@ end
 -- tensor group, their weights those of the whole layers.
 function M.pipe_layers(cfg)
   cfg = M.config(cfg)
-  local tp = cfg.topology and cfg.topology:get_dim('tensor') or cfg.tp
-  if tp > 1 and not cfg.topology then
-    error(string.format('gpt2.pipe_layers: tp %d needs the pipeline\'s topology (topology = ds.topology{pipe = ..., '
-                        .. 'tensor = %d}), which the PipelineModule takes too', tp, tp), 0)
-  end
   local pipe = ds.pipe
   local where = { dtype = cfg.dtype, device = cfg.device }
   local embedding, block, head, loss = initialized(nn.Embedding, cfg.n_layer), initialized(Block, cfg.n_layer), logits,
                                        M.pipe_loss
-  if tp > 1 then embedding, block, head, loss = pipe_pieces(cfg, cfg.topology:group('tensor')) end
+  local g = nn.parallel.pipe_group('gpt2.pipe_layers', cfg)
+  if g then embedding, block, head, loss = pipe_pieces(cfg, g) end
   local function wte(forward_fn)
     return pipe.TiedLayerSpec { 'wte', embedding, cfg.vocab_size, cfg.n_embd, where, forward_fn = forward_fn }
   end

@@ -211,19 +211,23 @@ function Llama:parallelize(tp, topology) return nn.parallel.parallelize(self, M.
 -- heads and their n_kv_head / t key/value heads), o_proj row-parallel,
 -- gate_proj and up_proj column- and down_proj row-parallel. The norms are
 -- replicated.
-function Llama:split(g)
+-- a decoder layer's attention and MLP split over g
+local function split_layer(layer, g)
   local P, t = nn.parallel, g:size()
   -- q, k and v (gate and up) read one copy of their input, which the
   -- attention (the MLP) makes: one all-reduce backward each
   local col, row = function(l) return P.ColumnParallelLinear(l, { group = g, copy_input = false }) end,
                    function(l) return P.RowParallelLinear(l, { group = g }) end
+  local a, m = layer.self_attn, layer.mlp
+  a.q_proj, a.k_proj, a.v_proj, a.o_proj = col(a.q_proj), col(a.k_proj), col(a.v_proj), row(a.o_proj)
+  a.n_head, a.n_kv_head, a.group = a.n_head / t, a.n_kv_head / t, g
+  m.gate_proj, m.up_proj, m.down_proj, m.group = col(m.gate_proj), col(m.up_proj), row(m.down_proj), g
+end
+
+function Llama:split(g)
+  local P = nn.parallel
   self.model.embed_tokens = P.VocabParallelEmbedding(self.model.embed_tokens, { group = g })
-  for _, layer in ipairs(self.model.layers) do
-    local a, m = layer.self_attn, layer.mlp
-    a.q_proj, a.k_proj, a.v_proj, a.o_proj = col(a.q_proj), col(a.k_proj), col(a.v_proj), row(a.o_proj)
-    a.n_head, a.n_kv_head, a.group = a.n_head / t, a.n_kv_head / t, g
-    m.gate_proj, m.up_proj, m.down_proj, m.group = col(m.gate_proj), col(m.up_proj), row(m.down_proj), g
-  end
+  for _, layer in ipairs(self.model.layers) do split_layer(layer, g) end
   self.lm_head = P.ColumnParallelLinear(self.lm_head, { group = g })
   if self.config.tie_embeddings then self.lm_head.weight = self.model.embed_tokens.weight end
 end
@@ -305,6 +309,76 @@ function Llama:extra_repr()
   return string.format('n_layer=%d, n_head=%d, n_kv_head=%d, n_embd=%d, intermediate_size=%d, vocab_size=%d, '
                        .. 'block_size=%d', c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.intermediate_size,
                        c.vocab_size, c.block_size)
+end
+
+---------------------------------------------------------------- pipeline layers
+
+-- Hugging Face's init on a module built without its own: N(0,
+-- initializer_range) for every weight of 2 dims or more.
+local function init_normal(m, cfg)
+  for _, p in ipairs(m:parameters()) do
+    if p:dim() >= 2 then nn.init.normal_(p, 0, cfg.initializer_range) end
+  end
+  return m
+end
+
+-- The Llama of cfg as ds.pipe layers: the embedding, the decoder layers
+-- (each with its own rotary tables, rotating at positions 0..T-1), the
+-- final norm, the lm_head (a TiedLayerSpec 'embed' with the embedding
+-- under tie_embeddings); and the loss_fn for them (the mean cross-entropy,
+-- targets -100 ignored). With tp above 1, cfg.topology is the pipeline's
+-- (a ds.topology of pipe, data and tensor axes) and each layer is drawn
+-- whole, then split over its tensor group as Llama:split splits the model:
+-- the embedding and the lm_head by vocabulary (the loss vocab-parallel),
+-- q, k, v and gate, up column- and o, down row-parallel.
+function M.pipe_layers(cfg)
+  cfg = M.config(cfg)
+  local P, pipe = nn.parallel, ds.pipe
+  local g = P.pipe_group('llama.pipe_layers', cfg)
+  local where = { dtype = cfg.dtype, device = cfg.device }
+  local function whole(make) return init_normal(nn.skip_init(make), cfg) end
+  local Embedding = nn.Module:extend('LlamaEmbedding')
+  function Embedding:init()
+    local e = whole(function() return nn.Embedding(cfg.vocab_size, cfg.n_embd, where) end)
+    self.embed = g and P.VocabParallelEmbedding(e, { group = g }) or e
+    self.weight = self.embed.weight      -- the tied lm_head's, by this name
+  end
+  function Embedding:forward(ids) return self.embed(ids) end
+  local Head = nn.Module:extend('LlamaHead')
+  function Head:init()
+    local l = whole(function() return nn.Linear(cfg.n_embd, cfg.vocab_size, { bias = false, dtype = cfg.dtype,
+                                                                              device = cfg.device }) end)
+    self.lm_head = g and P.ColumnParallelLinear(l, { group = g }) or l
+  end
+  function Head:forward(x) return self.lm_head(x) end
+  local PipeLayer = Layer:extend('LlamaDecoderLayer')
+  function PipeLayer:init()
+    nn.skip_init(Layer.init, self, cfg)
+    init_normal(self, cfg)
+    if g then split_layer(self, g) end
+    local cos, sin = rope_tables(cfg)
+    self:register_buffer('rope_cos', cos, false)
+    self:register_buffer('rope_sin', sin, false)
+  end
+  function PipeLayer:forward(x)
+    local T = x:size(2)
+    return Layer.forward(self, x, self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T))
+  end
+  local function tied_head(e, x)
+    return ds.linear(g and P.copy_to_region(x, g) or x, e.weight)
+  end
+  local layers = { cfg.tie_embeddings and pipe.TiedLayerSpec { 'embed', Embedding } or pipe.LayerSpec(Embedding) }
+  for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(PipeLayer) end
+  layers[#layers + 1] = pipe.LayerSpec(nn.RMSNorm, cfg.n_embd, { eps = cfg.norm_eps, dtype = cfg.dtype,
+                                                                 device = cfg.device })
+  layers[#layers + 1] = cfg.tie_embeddings and pipe.TiedLayerSpec { 'embed', Embedding, forward_fn = tied_head }
+                        or pipe.LayerSpec(Head)
+  local V = cfg.vocab_size
+  local function loss(out, targets)
+    if not g then return ds.cross_entropy(out, targets) end
+    return P.vocab_parallel_cross_entropy(out, targets, { group = g, vocab_start = g:rank() * V / g:size() })
+  end
+  return layers, loss
 end
 
 ---------------------------------------------------------------- Hugging Face's folders

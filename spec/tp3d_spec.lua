@@ -9,13 +9,16 @@ local H = require 'helpers'
 local ds = H.ds
 
 describe('pipeline x tensor x data on one rank', function()
-  it('refuses a topology with a sequence axis, or one that is no topology, naming it', function()
+  it('refuses a topology with a sequence axis, one that is no topology, and tp without the topology', function()
     local layers = { ds.pipe.LayerSpec(ds.nn.Linear, 2, 2) }
     local topo = ds.topology { sequence = 2, world_size = 2, groups = false }
     H.has(H.err(ds.pipe.PipelineModule, { layers = layers, topology = topo }),
           'PipelineModule: the topology has a sequence degree of 2; a pipeline takes pipe, data and tensor axes')
     H.has(H.err(ds.pipe.PipelineModule, { layers = layers, topology = { pipe = 2 } }),
           'PipelineModule: topology must be a ds.pipe.PipeDataParallelTopology or a ds.topology')
+    H.has(H.err(require('models.llama').pipe_layers, { n_head = 4, n_embd = 16, vocab_size = 8,
+                                                        intermediate_size = 8, tp = 2 }),
+          "llama.pipe_layers: tp 2 needs the pipeline's topology (topology = ds.topology{pipe = ..., tensor = 2})")
   end)
 end)
 
@@ -80,6 +83,12 @@ describe('pipeline x tensor x data', function()
     end
     assert.are.equal(n, #require('models.gpt2')({ n_layer = 2, n_head = 4, n_embd = 16, vocab_size = 32,
                                                  block_size = 8 }):named_parameters())
+    kind = 'mlp'
+  end)
+
+  it('trains a tiny Llama (grouped-query heads) as pipe 2 x tensor 2 x data 2 (ZeRO-1) as one rank', function()
+    kind = 'llama'
+    same(run(1, 1, 1, 0), run(8, 2, 2, 1), 'Llama pipe 2 x tensor 2 x data 2, ZeRO-1')
     kind = 'mlp'
   end)
 

@@ -3,7 +3,7 @@
 -- world, ZeRO stage `zero`: kind mlp, Megatron MLP blocks
 -- (examples/3d/blocks.lua); kind gpt, a tiny GPT-2's pipeline layers
 -- (models.gpt2.pipe_layers, its embedding tied to the lm_head on the last
--- stage). 3 steps of 4 micro batches of the same global batch, each data
+-- stage); kind llama, a tiny Llama's with grouped-query heads. 3 steps of 4 micro batches of the same global batch, each data
 -- rank its share, SGD with momentum, gradient clipping; with save:<dir> a
 -- checkpoint after the first step, with load:<dir> the steps after the
 -- loaded one (losses: those steps'), with export:<dir> save_16bit_model
@@ -20,8 +20,8 @@ local P = ds.nn.parallel
 local out_path, kind, pipe, tensor = arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4])
 local zero = tonumber(arg[5] or 0)
 local ckpt, ckpt_dir = (arg[6] or ''):match('^(%a+):(.+)$')
-assert(out_path and (kind == 'mlp' or kind == 'gpt') and pipe and tensor,
-       'usage: train.lua out.json mlp|gpt pipe tensor [zero [save:dir|load:dir|export:dir]]')
+assert(out_path and (kind == 'mlp' or kind == 'gpt' or kind == 'llama') and pipe and tensor,
+       'usage: train.lua out.json mlp|gpt|llama pipe tensor [zero [save:dir|load:dir|export:dir]]')
 local W, LAYERS, MICRO, B, STEPS = 16, 4, 4, 2, 3
 local topo = ds.topology { pipe = pipe, tensor = tensor }
 
@@ -31,15 +31,22 @@ if kind == 'mlp' then
   loss_fn = function(out, y) return ds.mse_loss(out, y) end
   sample = function() return { x = ds.randn(B, W), y = ds.randn(B, W) } end
 else
-  layers, loss_fn = require('models.gpt2').pipe_layers { n_layer = 2, n_head = 4, n_embd = 16, vocab_size = 32,
-                                                         block_size = 8, topology = topo }
+  if kind == 'gpt' then
+    layers, loss_fn = require('models.gpt2').pipe_layers { n_layer = 2, n_head = 4, n_embd = 16, vocab_size = 32,
+                                                           block_size = 8, topology = topo }
+  else
+    layers, loss_fn = require('models.llama').pipe_layers { n_layer = 2, n_head = 8, n_kv_head = 4, n_embd = 32,
+                                                            intermediate_size = 24, vocab_size = 32, block_size = 8,
+                                                            topology = topo }
+  end
   sample = function()
     local ids = (ds.rand(B, 9) * 31.99):to('i64')
     return { x = ids:narrow(2, 1, 8):contiguous(), y = ids:narrow(2, 2, 8):contiguous() }
   end
 end
 local model = ds.pipe.PipelineModule { layers = layers, topology = topo, loss_fn = loss_fn,
-                                       partition_method = kind == 'mlp' and 'uniform' or 'type:Block' }
+                                       partition_method = ({ mlp = 'uniform', gpt = 'type:Block',
+                                                             llama = 'type:LlamaDecoderLayer' })[kind] }
 local dp = model.dp_size
 local gas = MICRO / dp
 local engine = ds.initialize { model = model, config = {
