@@ -40,3 +40,19 @@ bench_build() {
     fi
     rm -f "$log"
 }
+
+# Parses -b BUILD_DIR, -q and -h into $build and $quick: the options of a
+# driver that has no others (its usage function prints the help).
+bench_build_quick_options() {
+    build=$root/build
+    quick=
+    local opt OPTIND=1
+    while getopts "b:qh" opt; do
+        case $opt in
+        b) build=$(realpath -m "$OPTARG") ;;
+        q) quick=quick ;;
+        h) usage; exit 0 ;;
+        *) usage >&2; exit 2 ;;
+        esac
+    done
+}

@@ -15,16 +15,7 @@ EOF2
 me=bench/step.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
-quick=
-while getopts "b:qh" opt; do
-    case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
-    esac
-done
+bench_build_quick_options "$@"
 
 bench_build
 echo "dslua step-phase bench  $(date -u '+%Y-%m-%d %H:%M UTC')${quick:+  (quick)}"

@@ -41,6 +41,10 @@ M.defaults = {
   -- kernels; the padded rows start at zero, and the loss and the logits
   -- returned count only the first vocab_size columns.
   padded_vocab_size = false,
+  -- Ranks each sequence is split over (DeepSpeed-Ulysses, ds.sequence):
+  -- n_head and the sequence length divisible by it; every rank of a
+  -- sequence group is given the same whole batch and keeps its own tokens
+  sequence_parallel = 1,
   -- Tensor parallelism (docs/parallel.md): tp ranks split the heads, the
   -- MLP and the vocabulary; topology a ds.topology (ds.topology{tensor =
   -- tp} over the world by default)
@@ -56,10 +60,14 @@ M.defaults = {
 -- start from a named size (name = 'gpt2-medium').
 function M.config(cfg)
   local out = nn.model_config('gpt2', M.defaults, M.configs, cfg)
-  nn.check_positive('gpt2', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd' })
+  nn.check_positive('gpt2', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd', 'sequence_parallel' })
   if out.n_embd % out.n_head ~= 0 then
     error(string.format('gpt2: n_embd %d is not divisible by n_head %d', out.n_embd, out.n_head), 0)
   end
+  if out.n_head % out.sequence_parallel ~= 0 then
+    error(string.format('gpt2: n_head %d is not divisible by sequence_parallel %d', out.n_head, out.sequence_parallel), 0)
+  end
+  ds.sequence.alone('gpt2', out)
   ds.checkpointing.interval('gpt2', out.checkpoint)
   local pv = out.padded_vocab_size
   if pv and (type(pv) ~= 'number' or pv ~= math.floor(pv) or pv < out.vocab_size) then
@@ -134,6 +142,9 @@ function GPT:init(cfg)
   self.config = cfg
   nn.skip_init(self.build, self, cfg)
   init_weights(self, cfg.n_layer)
+  local attns = {}
+  for i, block in ipairs(self.transformer.h:children()) do attns[i] = block.attn end
+  ds.sequence.apply(self, cfg.sequence_parallel, attns)
   local rows = self.transformer.wte.weight:size(1)
   if rows > cfg.vocab_size then
     ds.no_grad(function() self.transformer.wte.weight:narrow(1, cfg.vocab_size + 1, rows - cfg.vocab_size):fill_(0) end)
@@ -151,14 +162,18 @@ function GPT:parallelize(tp, topology) return nn.parallel.parallelize(self, M.co
 -- embedding by vocabulary (the lm_head its piece: logits split by
 -- vocabulary), each block's attention by heads, c_fc column- and c_proj
 -- row-parallel. Everything else is replicated.
+-- a Block's attention by heads, c_fc column- and c_proj row-parallel over g
+local function split_block(b, g)
+  local P = nn.parallel
+  b.attn = P.ParallelSelfAttention(b.attn, { group = g })
+  b.mlp.c_fc = P.ColumnParallelLinear(b.mlp.c_fc, { group = g })
+  b.mlp.c_proj = P.RowParallelLinear(b.mlp.c_proj, { group = g })
+end
+
 function GPT:split(g)
   local P, tr = nn.parallel, self.transformer
   tr.wte = P.VocabParallelEmbedding(tr.wte, { group = g })
-  for _, b in ipairs(tr.h) do
-    b.attn = P.ParallelSelfAttention(b.attn, { group = g })
-    b.mlp.c_fc = P.ColumnParallelLinear(b.mlp.c_fc, { group = g })
-    b.mlp.c_proj = P.RowParallelLinear(b.mlp.c_proj, { group = g })
-  end
+  for _, b in ipairs(tr.h) do split_block(b, g) end
   self.lm_head = P.ColumnParallelLinear(self.lm_head, { group = g })
   self.lm_head.weight = tr.wte.weight     -- tied again, to the embedding's piece
 end
@@ -178,7 +193,8 @@ function GPT:build(cfg)
   self.lm_head.weight = tr.wte.weight
 end
 
--- The final hidden states [B, T, n_embd] of token ids idx [B, T].
+-- The final hidden states [B, T, n_embd] of token ids idx [B, T] (with
+-- sequence_parallel P, of this rank's T / P tokens).
 function GPT:hidden(idx)
   if not ds.is_tensor(idx) or idx:dim() ~= 2 then
     error('GPT: expected token ids [B, T], got ' .. (ds.is_tensor(idx) and ('[' .. table.concat(idx:size(), 'x') .. ']')
@@ -190,6 +206,11 @@ function GPT:hidden(idx)
   end
   local tr = self.transformer
   local pos = ds.arange(T, 'i64', idx:device())
+  local sp = rawget(self, 'seq')
+  if sp then
+    sp:check(T, 'GPT')
+    idx, pos = sp:chunk(idx), pos:narrow(1, sp:offset(T) + 1, T / sp.size)
+  end
   local x = tr.drop(tr.wte(idx) + tr.wpe(pos))
   x = ds.checkpointing.sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
   return tr.ln_f(x)
@@ -199,7 +220,8 @@ end
 -- targets]): the mean cross-entropy (targets -1 ignored, as nanoGPT) and
 -- the logits when targets are given, else the logits [B, T, vocab]. Tensor
 -- parallel: the logits with the loss are this rank's vocabulary columns,
--- without targets all of them.
+-- without targets all of them. With sequence_parallel the loss is the mean
+-- over the whole sequences, the logits this rank's tokens'.
 function GPT:forward(idx, targets)
   if type(idx) == 'table' then idx, targets = idx.x, idx.y end
   local V = self.config.vocab_size
@@ -214,7 +236,9 @@ function GPT:forward(idx, targets)
   local real = logits:size(3) > V and logits:narrow(3, 1, V) or logits
   if targets == nil then return real end
   -- the loss reads the padded logits in place: no copy of the real columns
-  return ds.cross_entropy(logits, targets, { ignore_index = -1, classes = V }), real
+  local opts = { ignore_index = -1, classes = V }
+  local sp = rawget(self, 'seq')
+  return sp and sp:cross_entropy(logits, targets, opts) or ds.cross_entropy(logits, targets, opts), real
 end
 
 -- Logits [B, vocab] of the last position only: what sampling needs.
@@ -278,33 +302,60 @@ end
 
 local function logits(wte, x) return ds.linear(x, wte.weight) end
 
--- The GPT of cfg as ds.pipe layers: the token embedding (TiedLayerSpec
--- 'wte', tied to the lm_head in the last layer), the positions, the
--- blocks, ln_f, the lm_head; loss_fn = M.pipe_loss. Weights start as
--- GPT's do; the PipelineModule's activation_checkpoint_interval takes the
--- place of the checkpoint option.
-function M.pipe_layers(cfg)
-  cfg = M.config(cfg)
-  local tp = cfg.topology and cfg.topology:get_dim('tensor') or cfg.tp
-  if tp > 1 then
-    error(string.format('gpt2.pipe_layers: the pipeline layers are built whole; tp = %d has no pipeline form', tp), 0)
-  end
-  local pipe = ds.pipe
-  local where = { dtype = cfg.dtype, device = cfg.device }
-  local function wte(forward_fn)
-    return pipe.TiedLayerSpec { 'wte', initialized(nn.Embedding, cfg.n_layer), cfg.vocab_size, cfg.n_embd, where,
-                                forward_fn = forward_fn }
-  end
-  local layers = { wte(), pipe.LayerSpec(initialized(Positions, cfg.n_layer), cfg) }
-  local block = initialized(Block, cfg.n_layer)
-  for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(block, cfg) end
-  layers[#layers + 1] = pipe.LayerSpec(nn.LayerNorm, cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
-  layers[#layers + 1] = wte(logits)
-  return layers
-end
-
 -- The pipeline's loss: GPT's (targets -1 ignored).
 function M.pipe_loss(out, targets) return ds.cross_entropy(out, targets, { ignore_index = -1 }) end
+
+-- The tensor-parallel pieces of the pipeline layers over group g: the
+-- embedding drawn whole with nanoGPT's init and split by vocabulary (its
+-- lm_head's logits this rank's columns, the loss vocab-parallel), each
+-- Block drawn whole and split as GPT:split splits it.
+local function pipe_pieces(cfg, g)
+  local P, V = nn.parallel, cfg.vocab_size
+  local Embedding = P.VocabParallelEmbedding:extend('Embedding')
+  function Embedding:init(num, dim, where)
+    local e = nn.skip_init(function() return nn.Embedding(num, dim, where) end)
+    init_weights(e, cfg.n_layer)
+    P.VocabParallelEmbedding.init(self, e, { group = g })
+  end
+  local SplitBlock = Block:extend('Block')
+  function SplitBlock:init(c)
+    nn.skip_init(Block.init, self, c)
+    init_weights(self, cfg.n_layer)
+    split_block(self, g)
+  end
+  local function head(wte, x) return ds.linear(P.copy_to_region(x, g), wte.weight) end
+  local function loss(out, targets)
+    return P.vocab_parallel_cross_entropy(out, targets, { group = g, vocab_start = g:rank() * V / g:size(),
+                                                          ignore_index = -1 })
+  end
+  return Embedding, SplitBlock, head, loss
+end
+
+-- The GPT of cfg as ds.pipe layers: the token embedding (TiedLayerSpec
+-- 'wte', tied to the lm_head in the last layer), the positions, the
+-- blocks, ln_f, the lm_head; and the loss_fn for them (M.pipe_loss).
+-- Weights start as GPT's do; the PipelineModule's
+-- activation_checkpoint_interval takes the place of the checkpoint option.
+-- With tp above 1, cfg.topology is the pipeline's (a ds.topology of pipe,
+-- data and tensor axes) and the layers are tensor parallel over its
+-- tensor group, their weights those of the whole layers.
+function M.pipe_layers(cfg)
+  cfg = M.config(cfg)
+  local pipe = ds.pipe
+  local where = { dtype = cfg.dtype, device = cfg.device }
+  local embedding, block, head, loss = initialized(nn.Embedding, cfg.n_layer), initialized(Block, cfg.n_layer), logits,
+                                       M.pipe_loss
+  local g = nn.parallel.pipe_group('gpt2.pipe_layers', cfg)
+  if g then embedding, block, head, loss = pipe_pieces(cfg, g) end
+  local function wte(forward_fn)
+    return pipe.TiedLayerSpec { 'wte', embedding, cfg.vocab_size, cfg.n_embd, where, forward_fn = forward_fn }
+  end
+  local layers = { wte(), pipe.LayerSpec(initialized(Positions, cfg.n_layer), cfg) }
+  for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(block, cfg) end
+  layers[#layers + 1] = pipe.LayerSpec(nn.LayerNorm, cfg.n_embd, { bias = cfg.bias, dtype = cfg.dtype, device = cfg.device })
+  layers[#layers + 1] = wte(head)
+  return layers, loss
+end
 
 -- A pipeline's weights by layer (engine:save_16bit_model's layer_05.weight,
 -- the layers of M.pipe_layers) under GPT's names, for GPT:load_state_dict:

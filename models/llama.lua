@@ -32,6 +32,10 @@ M.defaults = {
   intermediate_size = false, multiple_of = 256, norm_eps = 1e-5, rope_theta = 10000.0,
   tie_embeddings = false, initializer_range = 0.02, dtype = 'f32', device = 'cpu',
   checkpoint = false,   -- activation checkpointing: true (every layer) or k (segments of k layers)
+  -- Ranks each sequence is split over (DeepSpeed-Ulysses, ds.sequence):
+  -- n_head, n_kv_head and the sequence length divisible by it; every rank
+  -- of a sequence group is given the same whole batch
+  sequence_parallel = 1,
   -- Tensor parallelism (docs/parallel.md): tp ranks split the query and
   -- key/value heads, the MLP and the vocabulary; topology a ds.topology
   -- (ds.topology{tensor = tp} over the world by default)
@@ -51,13 +55,18 @@ function M.config(cfg)
     out.intermediate_size = out.multiple_of * math.ceil(h / out.multiple_of)
   end
   nn.check_positive('llama', out, { 'vocab_size', 'block_size', 'n_layer', 'n_head', 'n_kv_head', 'n_embd',
-                                   'intermediate_size' })
+                                   'intermediate_size', 'sequence_parallel' })
   if out.n_embd % out.n_head ~= 0 or (out.n_embd / out.n_head) % 2 ~= 0 then
     error(string.format('llama: n_embd %d must split into n_head %d heads of an even size', out.n_embd, out.n_head), 0)
   end
   if out.n_head % out.n_kv_head ~= 0 then
     error(string.format('llama: n_head %d is not a multiple of n_kv_head %d', out.n_head, out.n_kv_head), 0)
   end
+  if out.n_kv_head % out.sequence_parallel ~= 0 then
+    error(string.format('llama: n_kv_head %d (and n_head %d) must be divisible by sequence_parallel %d', out.n_kv_head,
+                        out.n_head, out.sequence_parallel), 0)
+  end
+  ds.sequence.alone('llama', out)
   nn.parallel.degree('llama', out, { { 'n_head', out.n_head }, { 'n_kv_head', out.n_kv_head },
                                      { 'intermediate_size', out.intermediate_size }, { 'vocab_size', out.vocab_size } })
   VocabHead.check('llama', out)
@@ -115,15 +124,29 @@ function Attention:init(cfg)
   self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.n_embd, lin)
 end
 
+-- [B, heads, T, D] <-> [B, T, A, heads, D], the layout of ds.sequence's all-to-alls
+local function wire(x) return x:transpose(2, 3):unsqueeze(3) end
+local function unwire(x, a) return x:narrow(3, a, 1):squeeze(3):transpose(2, 3) end
+
+-- With a sequence layout set (`sequence`, as sequence_parallel sets it) x
+-- holds this rank's T / P tokens, rotated at their own positions (cos and
+-- sin), and an all-to-all gives it every token of its heads around the
+-- attention (DeepSpeed-Ulysses).
 function Attention:forward(x, cos, sin)
   if self.group then x = nn.parallel.copy_to_region(x, self.group) end    -- tensor parallel: q, k, v read one copy
   local B, T = x:size(1), x:size(2)
   local H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-  local q = self.q_proj(x):view({ B, T, H, D }):transpose(2, 3)
-  local k = self.k_proj(x):view({ B, T, KV, D }):transpose(2, 3)
+  local q = rope(self.q_proj(x):view({ B, T, H, D }):transpose(2, 3), cos, sin)
+  local k = rope(self.k_proj(x):view({ B, T, KV, D }):transpose(2, 3), cos, sin)
   local v = self.v_proj(x):view({ B, T, KV, D }):transpose(2, 3)
-  q, k = rope(q, cos, sin), rope(k, cos, sin)
+  local sp = rawget(self, 'sequence')
+  if sp then
+    q = unwire(sp:seq_to_heads(wire(q)), 1)
+    local kv = sp:seq_to_heads(ds.cat({ wire(k), wire(v) }, 3))
+    k, v = unwire(kv, 1), unwire(kv, 2)
+  end
   local y = ds.scaled_dot_product_attention(q, repeat_kv(k, H / KV), repeat_kv(v, H / KV))
+  if sp then return self.o_proj(sp:heads_to_seq(wire(y)):reshape({ B, T, H * D })) end
   return self.o_proj(y:transpose(2, 3):reshape({ B, T, H * D }))
 end
 
@@ -170,6 +193,9 @@ function Llama:init(cfg)
   for _, p in ipairs(self:parameters()) do
     if p:dim() >= 2 then nn.init.normal_(p, 0, cfg.initializer_range) end
   end
+  local attns = {}
+  for i, layer in ipairs(self.model.layers:children()) do attns[i] = layer.self_attn end
+  ds.sequence.apply(self, cfg.sequence_parallel, attns)
   self:parallelize(cfg.tp, cfg.topology)
 end
 
@@ -185,19 +211,23 @@ function Llama:parallelize(tp, topology) return nn.parallel.parallelize(self, M.
 -- heads and their n_kv_head / t key/value heads), o_proj row-parallel,
 -- gate_proj and up_proj column- and down_proj row-parallel. The norms are
 -- replicated.
-function Llama:split(g)
+-- a decoder layer's attention and MLP split over g
+local function split_layer(layer, g)
   local P, t = nn.parallel, g:size()
   -- q, k and v (gate and up) read one copy of their input, which the
   -- attention (the MLP) makes: one all-reduce backward each
   local col, row = function(l) return P.ColumnParallelLinear(l, { group = g, copy_input = false }) end,
                    function(l) return P.RowParallelLinear(l, { group = g }) end
+  local a, m = layer.self_attn, layer.mlp
+  a.q_proj, a.k_proj, a.v_proj, a.o_proj = col(a.q_proj), col(a.k_proj), col(a.v_proj), row(a.o_proj)
+  a.n_head, a.n_kv_head, a.group = a.n_head / t, a.n_kv_head / t, g
+  m.gate_proj, m.up_proj, m.down_proj, m.group = col(m.gate_proj), col(m.up_proj), row(m.down_proj), g
+end
+
+function Llama:split(g)
+  local P = nn.parallel
   self.model.embed_tokens = P.VocabParallelEmbedding(self.model.embed_tokens, { group = g })
-  for _, layer in ipairs(self.model.layers) do
-    local a, m = layer.self_attn, layer.mlp
-    a.q_proj, a.k_proj, a.v_proj, a.o_proj = col(a.q_proj), col(a.k_proj), col(a.v_proj), row(a.o_proj)
-    a.n_head, a.n_kv_head, a.group = a.n_head / t, a.n_kv_head / t, g
-    m.gate_proj, m.up_proj, m.down_proj, m.group = col(m.gate_proj), col(m.up_proj), row(m.down_proj), g
-  end
+  for _, layer in ipairs(self.model.layers) do split_layer(layer, g) end
   self.lm_head = P.ColumnParallelLinear(self.lm_head, { group = g })
   if self.config.tie_embeddings then self.lm_head.weight = self.model.embed_tokens.weight end
 end
@@ -227,7 +257,12 @@ function Llama:hidden(idx)
   if T > self.config.block_size then
     error(string.format('Llama: cannot forward sequence of length %d, block size is only %d', T, self.config.block_size), 0)
   end
-  local cos, sin = self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T)
+  local first, sp = 1, rawget(self, 'seq')
+  if sp then
+    sp:check(T, 'Llama')
+    idx, first, T = sp:chunk(idx), sp:offset(T) + 1, T / sp.size
+  end
+  local cos, sin = self.rope_cos:narrow(1, first, T), self.rope_sin:narrow(1, first, T)
   local x = self.model.embed_tokens(idx)
   x = ds.checkpointing.sequential(self.model.layers, ds.checkpointing.interval('llama', self.config.checkpoint),
                                    x, cos, sin)
@@ -238,7 +273,8 @@ end
 -- (already shifted, as the loaders make them; -100 ignored). Returns the
 -- mean cross-entropy and the logits, or the logits [B, T, vocab]. Tensor
 -- parallel: the logits with the loss are this rank's vocabulary columns,
--- without targets all of them.
+-- without targets all of them. With sequence_parallel the loss is the mean
+-- over the whole sequences, the logits this rank's tokens'.
 function Llama:forward(idx, targets)
   if type(idx) == 'table' then idx, targets = idx.x, idx.y end
   local logits = self.lm_head(self:hidden(idx))
@@ -249,8 +285,11 @@ function Llama:forward(idx, targets)
     return nn.parallel.vocab_parallel_cross_entropy(logits, targets, {
       group = g, vocab_start = self.model.embed_tokens.vocab_start }), logits
   end
-  if targets == nil then return VocabHead.real(logits, self.config.vocab_size) end
-  return VocabHead.loss(logits, targets, self.config.vocab_size)
+  local V = self.config.vocab_size
+  if targets == nil then return VocabHead.real(logits, V) end
+  local sp = rawget(self, 'seq')
+  if sp then return sp:cross_entropy(logits, targets, { classes = V }), VocabHead.real(logits, V) end
+  return VocabHead.loss(logits, targets, V)
 end
 
 function Llama:last_logits(idx)
@@ -270,6 +309,76 @@ function Llama:extra_repr()
   return string.format('n_layer=%d, n_head=%d, n_kv_head=%d, n_embd=%d, intermediate_size=%d, vocab_size=%d, '
                        .. 'block_size=%d', c.n_layer, c.n_head, c.n_kv_head, c.n_embd, c.intermediate_size,
                        c.vocab_size, c.block_size)
+end
+
+---------------------------------------------------------------- pipeline layers
+
+-- Hugging Face's init on a module built without its own: N(0,
+-- initializer_range) for every weight of 2 dims or more.
+local function init_normal(m, cfg)
+  for _, p in ipairs(m:parameters()) do
+    if p:dim() >= 2 then nn.init.normal_(p, 0, cfg.initializer_range) end
+  end
+  return m
+end
+
+-- The Llama of cfg as ds.pipe layers: the embedding, the decoder layers
+-- (each with its own rotary tables, rotating at positions 0..T-1), the
+-- final norm, the lm_head (a TiedLayerSpec 'embed' with the embedding
+-- under tie_embeddings); and the loss_fn for them (the mean cross-entropy,
+-- targets -100 ignored). With tp above 1, cfg.topology is the pipeline's
+-- (a ds.topology of pipe, data and tensor axes) and each layer is drawn
+-- whole, then split over its tensor group as Llama:split splits the model:
+-- the embedding and the lm_head by vocabulary (the loss vocab-parallel),
+-- q, k, v and gate, up column- and o, down row-parallel.
+function M.pipe_layers(cfg)
+  cfg = M.config(cfg)
+  local P, pipe = nn.parallel, ds.pipe
+  local g = P.pipe_group('llama.pipe_layers', cfg)
+  local where = { dtype = cfg.dtype, device = cfg.device }
+  local function whole(make) return init_normal(nn.skip_init(make), cfg) end
+  local Embedding = nn.Module:extend('LlamaEmbedding')
+  function Embedding:init()
+    local e = whole(function() return nn.Embedding(cfg.vocab_size, cfg.n_embd, where) end)
+    self.embed = g and P.VocabParallelEmbedding(e, { group = g }) or e
+    self.weight = self.embed.weight      -- the tied lm_head's, by this name
+  end
+  function Embedding:forward(ids) return self.embed(ids) end
+  local Head = nn.Module:extend('LlamaHead')
+  function Head:init()
+    local l = whole(function() return nn.Linear(cfg.n_embd, cfg.vocab_size, { bias = false, dtype = cfg.dtype,
+                                                                              device = cfg.device }) end)
+    self.lm_head = g and P.ColumnParallelLinear(l, { group = g }) or l
+  end
+  function Head:forward(x) return self.lm_head(x) end
+  local PipeLayer = Layer:extend('LlamaDecoderLayer')
+  function PipeLayer:init()
+    nn.skip_init(Layer.init, self, cfg)
+    init_normal(self, cfg)
+    if g then split_layer(self, g) end
+    local cos, sin = rope_tables(cfg)
+    self:register_buffer('rope_cos', cos, false)
+    self:register_buffer('rope_sin', sin, false)
+  end
+  function PipeLayer:forward(x)
+    local T = x:size(2)
+    return Layer.forward(self, x, self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T))
+  end
+  local function tied_head(e, x)
+    return ds.linear(g and P.copy_to_region(x, g) or x, e.weight)
+  end
+  local layers = { cfg.tie_embeddings and pipe.TiedLayerSpec { 'embed', Embedding } or pipe.LayerSpec(Embedding) }
+  for _ = 1, cfg.n_layer do layers[#layers + 1] = pipe.LayerSpec(PipeLayer) end
+  layers[#layers + 1] = pipe.LayerSpec(nn.RMSNorm, cfg.n_embd, { eps = cfg.norm_eps, dtype = cfg.dtype,
+                                                                 device = cfg.device })
+  layers[#layers + 1] = cfg.tie_embeddings and pipe.TiedLayerSpec { 'embed', Embedding, forward_fn = tied_head }
+                        or pipe.LayerSpec(Head)
+  local V = cfg.vocab_size
+  local function loss(out, targets)
+    if not g then return ds.cross_entropy(out, targets) end
+    return P.vocab_parallel_cross_entropy(out, targets, { group = g, vocab_start = g:rank() * V / g:size() })
+  end
+  return layers, loss
 end
 
 ---------------------------------------------------------------- Hugging Face's folders

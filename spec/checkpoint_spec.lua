@@ -28,25 +28,7 @@ local function tiny_engine()
                                                 optimizer = { type = 'AdamW', params = { lr = 1e-2 } } } })
 end
 
--- Every tensor of two checkpoints the same, to the bit: fp32 weights,
--- optimizer buffers, module buffers, and the optimizer's steps.
-local function same_state(dir_a, tag_a, dir_b, tag_b)
-  local a, b = CK.read_full(dir_a, tag_a, true), CK.read_full(dir_b, tag_b, true)
-  local n = 0
-  for kind, tensors in pairs(a.states) do
-    for name, t in pairs(tensors) do
-      local u = assert(b.states[kind][name], kind .. '/' .. name .. ' missing')
-      assert.are.same(t:size(), u:size())
-      local d = (t - u):abs():amax():item()
-      assert(d == 0, string.format('%s/%s differs by %g', kind, name, d))
-      n = n + 1
-    end
-  end
-  for g, grp in ipairs(a.manifest.optimizer.param_groups) do
-    assert.are.equal(grp.step, b.manifest.optimizer.param_groups[g].step)
-  end
-  return n
-end
+local same_state = H.same_checkpoints
 
 local function steps_of(r)
   local out = {}

@@ -71,8 +71,8 @@ local CASES = {
                           .. 'step (rank 1, share 0.5 in micro batches of 16, sets the number of steps), so its batch '
                           .. 'would be cut; give shares in proportion to the micro batches (0.75, 0.25) or '
                           .. 'micro_batch_per_rank 16, 16' } },
-  { 'sequence_parallel', 1, false, { 'sequence_parallel_size: sequence parallelism over 2 ranks (DeepSpeed-Ulysses): '
-                                     .. 'dslua has none' } },
+  { 'sequence_parallel', 1, false, { 'sequence_parallel_size: 2 ranks per sequence do not divide the world of 1 '
+                                     .. 'rank' } },
   { 'tensor_parallel', 1, false, { 'tensor_parallel: tensor parallelism over 2 ranks does not divide the world of 1 rank' } },
 }
 

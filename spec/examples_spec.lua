@@ -114,6 +114,20 @@ describe('examples', function()
     assert(acc and acc > 50, 'accuracy after 20 steps in:\n' .. out)
   end)
 
+  it('3d: pipe 2 x tensor 2 x data 2 on 8 ranks trains as one rank does', function()
+    if not H.have_mpirun() then return pending('mpirun is not on PATH') end
+    local args = ' examples/3d/train.lua --config examples/3d/ds.json --steps 20 2>&1'
+    local out, status = H.run(H.ranks_cmd(8) .. args)
+    assert(status == 0, out)
+    H.has(out, '[rank 7] pipe 2 x data 2 x tensor 2: stage 1, data index 1, tensor rank 1, layers 2..3')
+    local one = run('examples/3d/train.lua --config examples/3d/ds.json --steps 20')
+    local a = tonumber(one:match('done: 20 steps, loss ([%d.]+)'))
+    local b = tonumber(out:match('done: 20 steps, loss ([%d.]+)'))
+    assert(a and b, out .. one)
+    -- within 1e-5 in f32, and the printed six decimals' rounding
+    assert(math.abs(a - b) <= 1e-5 * a + 1e-6, string.format('8 ranks %.6f, one rank %.6f', b, a))
+  end)
+
   it('pipeline: says it skips and exits 0 when the data folder is absent', function()
     local out = run('examples/pipeline/train.lua --data /nonexistent/mnist', false)
     assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)

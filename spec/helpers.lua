@@ -320,6 +320,45 @@ function H.shared_data(sub)
   return dir
 end
 
+-- Two runs of spec/ranks/lm.lua (their JSON) alike: other's losses
+-- (relative; maybe only the last steps') and whole weights (absolute)
+-- within 1e-5 in f32 of one's, and every rank's weights rank 0's. what:
+-- the case, for messages.
+function H.same_training(one, other, what)
+  local skip = #one.losses - #other.losses
+  for i = 1, #other.losses do
+    local l = one.losses[skip + i]
+    assert(math.abs(other.losses[i] - l) <= 1e-5 * math.abs(l),
+           string.format('%s, step %d: %.9g vs %.9g', what, skip + i, other.losses[i], l))
+  end
+  for name, w in pairs(one.weights) do
+    local v = assert(other.weights[name], what .. ': no ' .. name)
+    for i = 1, #w do assert(math.abs(v[i] - w[i]) <= 1e-5, string.format('%s: %s[%d]', what, name, i)) end
+  end
+  assert(other.spread == 0, what .. ": the ranks' weights differ by " .. tostring(other.spread))
+end
+
+-- Every tensor of two checkpoints the same, to the bit, whatever degrees
+-- saved them: fp32 weights, optimizer buffers, module buffers, and the
+-- optimizer's steps. Returns how many tensors it compared.
+function H.same_checkpoints(dir_a, tag_a, dir_b, tag_b)
+  local a, b = ds.checkpoint.read_full(dir_a, tag_a, true), ds.checkpoint.read_full(dir_b, tag_b, true)
+  local n = 0
+  for kind, tensors in pairs(a.states) do
+    for name, t in pairs(tensors) do
+      local u = assert(b.states[kind][name], kind .. '/' .. name .. ' missing')
+      assert(table.concat(t:size(), 'x') == table.concat(u:size(), 'x'), kind .. '/' .. name .. ': shapes differ')
+      local d = (t - u):abs():amax():item()
+      assert(d == 0, string.format('%s/%s differs by %g', kind, name, d))
+      n = n + 1
+    end
+  end
+  for g, grp in ipairs(a.manifest.optimizer.param_groups) do
+    assert(grp.step == b.manifest.optimizer.param_groups[g].step, 'param group ' .. g .. ': steps differ')
+  end
+  return n
+end
+
 -- Whether this binary sees a GPU (GPU specs skip with one line without).
 function H.has_cuda()
   return ds.cuda ~= nil and ds.cuda.is_available()

@@ -72,6 +72,7 @@ ds.checkpointing = require 'dslua.nn.checkpointing'
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
 ds.pipe = require 'dslua.parallel.pipe'
 ds.topology = require 'dslua.parallel.topology'
+ds.sequence = require 'dslua.parallel.sequence'
 -- ds.zero.Init(config, fn): a model built partitioned for ZeRO stage 3
 -- (lua/dslua/engine/zinit.lua)
 ds.zero = require 'dslua.engine.zinit'

@@ -14,6 +14,8 @@
 -- after the last (dir/model.safetensors); with `load:<dir>` it loads that
 -- checkpoint and runs the steps after it (losses: those steps').
 local ds = require 'dslua'
+package.path = 'spec/?.lua;' .. package.path
+local shares = require 'ranks.shares'
 
 local out_path, kind, stages = arg[1], arg[2], tonumber(arg[3])
 local zero, clip, precision, interval = tonumber(arg[4] or 0), tonumber(arg[5] or 0), arg[6], tonumber(arg[7] or 0)
@@ -48,12 +50,7 @@ local function batches()
   ds.manual_seed(11)
   local list = {}
   for i = 1, MICRO * STEPS do list[i] = sample() end
-  local step, k = 0, gas
-  return function()
-    if k == gas then step, k = step + 1, 0 end
-    k = k + 1
-    return list[(step - 1) * MICRO + model.dp_rank * gas + k]
-  end
+  return shares(list, MICRO, gas, model.dp_rank)
 end
 
 local engine = ds.initialize { model = model, config = {

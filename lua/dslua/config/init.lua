@@ -184,13 +184,11 @@ local function check_tensor_parallel(ctx, path, v)
   return t
 end
 
+-- DeepSpeed-Ulysses' degree: the model splits its sequences
+-- (sequence_parallel in models.gpt2 and models.llama; initialize checks
+-- that the two agree), the batch counts data indices (data_world).
 local function check_sequence_parallel(ctx, path, v)
-  local n = check_value(ctx, path, v, int(1, 1))
-  if n and n > 1 then
-    return problem(ctx, path, string.format('sequence parallelism over %d ranks (DeepSpeed-Ulysses): dslua has '
-                   .. 'none, every rank holds whole sequences; use 1', n))
-  end
-  return n
+  return check_value(ctx, path, v, int(1, 1))
 end
 
 local function check_cuda_visible_devices(ctx, path, v)
@@ -591,6 +589,24 @@ local function render(ctx, list)
   return lines
 end
 
+-- The ranks the batch triple counts, the data-parallel ones (DeepSpeed's
+-- world size): the world over the tensor degree (the model's split, or
+-- AutoTP's) and over sequence_parallel_size (a sequence group, DeepSpeed-
+-- Ulysses', reads one batch).
+local function data_world(ctx, cfg, ws)
+  local tp = math.max(ctx.tensor or 1, ctx.given.tensor or 1)
+  if ws % tp == 0 then ws = ws / tp end
+  local sp = cfg.sequence_parallel_size or 1
+  if ws % sp ~= 0 then
+    problem(ctx, 'sequence_parallel_size', string.format('%d ranks per sequence do not divide the world of %d rank%s',
+                                                         sp, ws, ws == 1 and '' or 's'))
+  else
+    ws = ws / sp
+  end
+  ctx.world_size = ws
+  return ws
+end
+
 -- check(path_or_table [, {world_size = 1, source = name, given = {optimizer
 -- = the first param group of the optimizer passed to initialize, tensor =
 -- the degree the model is split into (world_size counts its ranks),
@@ -622,10 +638,7 @@ function M.check(src, opts)
       problem(ctx, '', 'the config must be a JSON object, got ' .. describe(raw))
     else
       cfg = check_block(ctx, '', raw, TOP)
-      -- the batch triple's world: the data-parallel ranks, the world over the tensor degree
-      local tp = math.max(ctx.tensor or 1, ctx.given.tensor or 1)
-      if ws % tp == 0 then ws = ws / tp end
-      ctx.world_size = ws
+      ws = data_world(ctx, cfg, ws)
       if not (ctx.bad.train_batch_size or ctx.bad.train_micro_batch_size_per_gpu
               or ctx.bad.gradient_accumulation_steps) then
         if not sampler_config.resolve_batch(ctx, cfg) then resolve_batch(ctx, cfg, ws) end

@@ -169,6 +169,24 @@ local function split_for_autotp(model, cfg)
   model:parallelize(size)
 end
 
+-- The config's sequence_parallel_size is the model's (DeepSpeed's engine
+-- builds the groups from it; here the model did, from its own setting).
+local function check_sequence_parallel(cfg, model)
+  local P, mine = cfg.sequence_parallel_size, model.sequence_parallel or 1
+  if P ~= mine then
+    error(string.format('initialize: sequence_parallel_size is %d in the config but the model splits its sequences '
+                        .. 'over %d ranks (its sequence_parallel)', P, mine), 3)
+  end
+  if P > 1 and model.tensor_group then
+    error('initialize: sequence_parallel_size ' .. P .. ' cannot combine with tensor parallelism (the model is split '
+          .. 'over ' .. model.tensor_group:size() .. ' ranks)', 3)
+  end
+  if P > 1 and cfg.sampler then
+    error('initialize: the sampler block sets each rank\'s own batches, but the ranks of a sequence group '
+          .. '(sequence_parallel_size ' .. P .. ') must read the same ones', 3)
+  end
+end
+
 local KNOWN_OPTS = {
   model = true, config = true, config_params = true, training_data = true, model_parameters = true,
   optimizer = true, lr_scheduler = true, collate_fn = true, args = true, batch_size = true,
@@ -204,6 +222,11 @@ function M.initialize(opts)
   split_for_autotp(model, cfg)
   if model.tensor_group then world_size = model.dp_size end
   schedule_path(cfg, source)
+  check_sequence_parallel(cfg, model)
+  -- a sequence group reads one batch: the data indices are the batch's
+  -- replicas; gradients are reduced over dp_group (nil: the world), data x sequence
+  world_size = world_size / cfg.sequence_parallel_size
+  local reduce_size = ds.comm and ds.comm.world_size(model.dp_group) or 1
   require('dslua.nn.checkpointing').configure(cfg.activation_checkpointing)
   require('dslua.base.guard').budget = cfg.reload.budget     -- before the schedule file runs
 
@@ -227,7 +250,7 @@ function M.initialize(opts)
   end
   if model.is_pipeline then require('dslua.parallel.pipe.engine').check(model, cfg) end
   -- the step's mode, chosen once: every later question is the step's
-  local steps = Step.new { model = model, params = params, cfg = cfg, rank = rank, world_size = world_size,
+  local steps = Step.new { model = model, params = params, cfg = cfg, rank = rank, world_size = reduce_size,
                            device = device, optimizer = opts.optimizer,
                            build_optimizer = function(ps) return build_optimizer(opts, cfg, ps) end }
   local optimizer = steps.optimizer
@@ -245,7 +268,7 @@ function M.initialize(opts)
   local self = setmetatable({
     module = model, config = cfg, optimizer = optimizer, lr_scheduler = scheduler, steps = steps, device = device,
     scaler = cfg.fp16.enabled and require('dslua.engine.loss_scaler').from_config(cfg.fp16) or nil,
-    rank = rank, world_size = world_size,
+    rank = rank, world_size = world_size, reduce_size = reduce_size,
     micro_steps = 0, global_steps = 0, global_samples = 0, skipped_steps = 0,
     timers = cfg.wall_clock_breakdown and timers() or nil,
     busy_time = 0,
@@ -597,7 +620,7 @@ function Engine:_take_step()
   local check = scaler ~= nil or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
   local steps = self.steps
   local overflow, norm = steps:step(scaler and scaler.cur_scale or 1, clip, check)
-  if self.world_size > 1 then self.comm_stats = steps:stats() end
+  if self.reduce_size > 1 then self.comm_stats = steps:stats() end
   self.onebit_stats = steps:onebit_stats() or nil
   if ds.comm.logging() then
     for _, r in ipairs(steps:comm_records()) do ds.comm.log_collective(r[1], r[2], r[3]) end
@@ -691,14 +714,11 @@ end
 -- load_module_strict}]]) -> path, client_state, the tag defaulting to the
 -- one dir/latest names (nil, nil when there is none).
 function Engine:save_checkpoint(dir, tag, client_state, save_latest)
-  -- a checkpoint records whole weights: a rank's piece would pass for them
-  ds.nn.parallel.check_whole(self.module, 'save_checkpoint')
   if self.reload then self.reload:hook('on_save', self, dir, tag) end
   return require('dslua.io.checkpoint').save(self, dir, tag, client_state, save_latest)
 end
 
 function Engine:load_checkpoint(dir, tag, opts)
-  ds.nn.parallel.check_whole(self.module, 'load_checkpoint')
   return require('dslua.io.checkpoint').load(self, dir, tag, opts)
 end
 
@@ -706,7 +726,6 @@ end
 -- (fp32 without bf16/fp16) in one safetensors file, nanoGPT's key names,
 -- written by rank 0 (every rank calls it). -> true
 function Engine:save_16bit_model(dir, filename)
-  ds.nn.parallel.check_whole(self.module, 'save_16bit_model')
   return require('dslua.io.checkpoint').save_model(self, dir .. '/' .. (filename or 'model.safetensors'))
 end
 

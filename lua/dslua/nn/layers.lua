@@ -323,19 +323,31 @@ local function attention_with_dropout(q, k, v, p)
   return ds.matmul(ds.dropout(att, p, true), v)
 end
 
+-- With a sequence layout set (`attn.sequence = ds.sequence.new(P)`, as
+-- models.gpt2's sequence_parallel does) x holds this rank's T / P tokens:
+-- an all-to-all gives it every token of its n_head / P heads around the
+-- attention (DeepSpeed-Ulysses).
 function CausalSelfAttention:forward(x)
   if not ds.is_tensor(x) or x:dim() ~= 3 or x:size(3) ~= self.n_embd then
     error(fmt('CausalSelfAttention: expected x [B, T, %d], got %s', self.n_embd,
               ds.is_tensor(x) and shape_str(x) or type(x)), 2)
   end
-  return self.resid_dropout(self.c_proj(self:attend(self.c_attn(x))))
+  local qkv, sp = self.c_attn(x), rawget(self, 'sequence')
+  if not sp then return self.resid_dropout(self.c_proj(self:attend(qkv))) end
+  local B, T, C = x:size(1), x:size(2), x:size(3)
+  local nh, D = self.n_head, C / self.n_head
+  qkv = sp:seq_to_heads(qkv:view({ B, T, 3, nh, D }))
+  local full, mine = qkv:size(2), nh / sp.size
+  local y = self:attend(qkv:view({ B, full, 3 * mine * D }), mine)
+  y = sp:heads_to_seq(y:view({ B, full, 1, mine, D })):view({ B, T, C })
+  return self.resid_dropout(self.c_proj(y))
 end
 
--- The attention of qkv [B, T, 3C] (q, k, v side by side) over self.n_head
--- heads: y [B, T, C].
-function CausalSelfAttention:attend(qkv)
+-- The attention of qkv [B, T, 3C] (q, k, v side by side) over n_head
+-- heads (self.n_head unless given): y [B, T, C].
+function CausalSelfAttention:attend(qkv, n_head)
   local B, T, C = qkv:size(1), qkv:size(2), qkv:size(3) / 3
-  local nh = self.n_head
+  local nh = n_head or self.n_head
   if self.attn_dropout.training and self.attn_dropout.p > 0 then
     local parts = qkv:split(C, 3)
     local q = parts[1]:view({ B, T, nh, C / nh }):transpose(2, 3)

@@ -377,6 +377,19 @@ function M.parallelize(model, check, who, tp, topology)
   return model
 end
 
+-- The tensor group a model's pipeline layers split over (who: its
+-- pipe_layers), nil for tp 1: the pipeline's topology must be given, the
+-- one the PipelineModule takes too.
+function M.pipe_group(who, cfg)
+  local tp = cfg.topology and cfg.topology:get_dim('tensor') or cfg.tp
+  if tp == 1 then return nil end
+  if not cfg.topology then
+    error(fmt("%s: tp %d needs the pipeline's topology (topology = ds.topology{pipe = ..., tensor = %d}), which "
+              .. 'the PipelineModule takes too', who, tp, tp), 0)
+  end
+  return cfg.topology:group('tensor')
+end
+
 -- Errors when model is split across a tensor group (what reads whole
 -- weights, such as an export, needs an unsplit model).
 function M.check_whole(model, who)

@@ -31,11 +31,10 @@ local function excerpt(s)
   return #s > SHOWN and q .. string.format(' (%d bytes)', #s) or q
 end
 
--- Every rank writes a file: a pipeline engine's world_size counts only the
--- data-parallel ranks of its stage.
-local function nranks(engine)
-  return engine.module.is_pipeline and ds.comm.world_size() or engine.world_size
-end
+-- Every rank writes a file (an engine's world_size counts only the batch's
+-- replicas: a pipeline's data-parallel ranks of a stage, a sequence-parallel
+-- model's data indices).
+local function nranks() return ds.comm.world_size() end
 
 -- {name, tensor, owned} for a list of {state_dict name, tensor}: a
 -- pipeline's under its checkpoint names (layer_05.weight, the same on any
@@ -163,25 +162,41 @@ end
 -- shards back to back), 'streamed' (the same, through the nvme optimizer's
 -- files: read with state_dict).
 -- A checkpoint cuts each parameter into `parts` shards, rank `part`'s
--- file holding shard `part` of those it owns: the world's ranks, or in a
--- pipeline the data-parallel ranks of the stage that owns it (`ranks`).
+-- file holding shard `part` of those it owns: the world's ranks, or the
+-- ranks of the model's data group (`ranks`: a pipeline stage's, a tensor
+-- rank's; data x sequence). A parameter split across a tensor group is
+-- saved as its pieces, each with its split (`tp`: {axis, stride, size,
+-- rank}, ds.nn.parallel's) and the whole shape (`full`); a replicated one
+-- by tensor rank 0 alone (`tensor_rank`: this rank's).
 local function engine_layout(engine)
   local names = {}
   for _, e in ipairs(named_parameters(engine)) do names[e[2]] = e end
-  local L = { params = {}, pieces = {}, by_name = {} }
+  local L = { params = {}, pieces = {}, by_name = {}, tensor_rank = 0 }
   local m = engine.module
   if m.is_pipeline then
     L.parts, L.part, L.pipeline, L.ranks = m.dp_size, m.dp_rank, m:layout(), {}
     for d = 0, m.dp_size - 1 do L.ranks[d + 1] = m.topology:get_rank(m.stage_id, d) end
+  elseif m.dp_group then
+    L.parts, L.part, L.ranks = m.dp_group:size(), m.dp_group:rank(), m.dp_group:ranks()
   else
-    L.parts, L.part = engine.world_size, engine.rank
+    L.parts, L.part = engine.reduce_size, engine.rank
+  end
+  local splits, T = {}, m.tensor_group and m.tensor_group:size() or 1
+  if T > 1 then
+    L.tensor_rank = m.tensor_group:rank()
+    for _, e in ipairs(ds.nn.parallel.params(m)) do
+      if e.axis then splits[e.tensor] = { axis = e.axis, stride = e.stride, size = T, rank = L.tensor_rank } end
+    end
   end
   local function add(p, g, lo, hi, offset)
     local i = #L.params + 1
     local e = names[p]
     if not e then fail('checkpoint: parameter %d of param group %d is not a parameter of the model', i, g) end
-    local name = e[1]
-    L.params[i] = { name = name, shape = p:size(), numel = p:numel(), group = g, owned = e[3] }
+    local name, tp = e[1], splits[p]
+    local full = p:size()
+    if tp then full[tp.axis] = full[tp.axis] * T end
+    L.params[i] = { name = name, shape = p:size(), full = full, tp = tp, numel = p:numel(), group = g,
+                    owned = e[3] and (tp ~= nil or L.tensor_rank == 0) }
     L.pieces[i] = { lo = lo, hi = hi, offset = offset }
     L.by_name[name] = i
   end

@@ -69,7 +69,7 @@ local gather_strings, everywhere = common.gather_strings, common.everywhere
 local engine_layout, read_buffers = common.engine_layout, common.read_buffers
 local manifest = require 'dslua.io.checkpoint.manifest'
 local load = require 'dslua.io.checkpoint.load'
-local opener, read_range = load.opener, load.read_range
+local opener, read_param, saved_by_name = load.opener, load.read_param, load.saved_by_name
 
 local M = {}
 
@@ -134,15 +134,19 @@ function M.read_full(dir, tag, with_states)
   end
   local out, order = {}, {}
   for _, k in ipairs(kinds) do out[k] = {} end
-  for i, sp in ipairs(m.parameters) do
+  local _, saved = saved_by_name(m)
+  for i, sp in ipairs(saved) do
     order[i] = sp.name
+    local whole = { full = sp.full }      -- the pieces of a tensor-parallel save joined
+    local n = 1
+    for _, d in ipairs(sp.full) do n = n * d end
     for _, k in ipairs(kinds) do
       local held = k == 'fp32'
       for _, s in ipairs(m.optimizer.param_groups[sp.group].state) do held = held or s == k end
       if held then
-        local t = ds.zeros({ sp.numel })
-        read_range(get, m, sp, k, 0, sp.numel, t, 0)
-        out[k][sp.name] = #sp.shape > 0 and t:view(sp.shape) or t:view({})
+        local t = ds.zeros({ n })
+        read_param(get, m, sp, whole, k, 0, n, t, 0)
+        out[k][sp.name] = #sp.full > 0 and t:view(sp.full) or t:view({})
       end
     end
   end
@@ -201,7 +205,9 @@ end
 -- under bf16/fp16. Stage 3 gathers the parameters, which DeepSpeed allows
 -- with stage3_gather_16bit_weights_on_model_save. A pipeline's layers come
 -- from their stages, each once, under their checkpoint names
--- (layer_05.weight; models.gpt2.from_pipe_state_dict renames GPT-2's).
+-- (layer_05.weight; models.gpt2.from_pipe_state_dict renames GPT-2's). A
+-- tensor-parallel model's pieces are joined whole, so the file loads into
+-- the unsplit model.
 function M.save_model(engine, path, dtype)
   local z = engine.steps.zero
   local pipe = engine.module.is_pipeline
@@ -226,7 +232,13 @@ function M.save_model(engine, path, dtype)
       masters[p.name] = whole:narrow(1, 1, p.numel):view(p.shape)
     end
   end
-  local entries = {}
+  local split = {}
+  if engine.module.tensor_group then
+    for _, e in ipairs(ds.nn.parallel.params(engine.module)) do
+      if e.axis then split[e.tensor] = e end
+    end
+  end
+  local entries, pieces = {}, {}
   local function collect()
     local names = {}
     for _, e in ipairs(named_parameters(engine)) do names[e[2]] = e[1] end
@@ -238,13 +250,25 @@ function M.save_model(engine, path, dtype)
           t = t:to(dtype)
         end
         entries[#entries + 1] = { e[1], t }
+        pieces[#entries] = split[e[2]]
       end
     end
   end
   local ok, err
   if z then ok, err = z:with_gathered(collect) else ok, err = pcall(collect) end
   everywhere(nranks(engine), 'save_16bit_model', function() if not ok then error(err, 0) end end)
-  if pipe then entries = gather_stages(engine, entries) end
+  for i = 1, #entries do     -- every rank of each tensor group, in the same order
+    local s = pieces[i]
+    if s then
+      local all = ds.comm.all_gather(entries[i][2]:to(engine.device), s.group)
+      entries[i][2] = ds.nn.parallel.join(all, s.axis, s.stride):to('cpu')
+    end
+  end
+  if pipe then
+    -- a stage's pieces are whole on each of its tensor ranks: tensor rank 0's go
+    if (engine.module.tensor_rank or 0) > 0 then entries = {} end
+    entries = gather_stages(engine, entries)
+  end
   everywhere(nranks(engine), 'save_16bit_model', function()
     if engine.rank == 0 then
       C.mkdirs(path:match('^(.*)/[^/]*$') or '.')

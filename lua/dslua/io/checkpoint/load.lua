@@ -122,6 +122,57 @@ local function read_range(get, m, sp, kind, a, b, dst, at)
   end
 end
 
+-- The saved parameters by name, in the manifest's order: {name, full
+-- (the whole shape), tp (the split of its pieces; nil: saved whole),
+-- group, pieces = {[tensor rank] = manifest entry}}.
+local function saved_by_name(m)
+  local by, order = {}, {}
+  for _, sp in ipairs(m.parameters) do
+    local s = by[sp.name]
+    if not s then
+      s = { name = sp.name, full = sp.tp and sp.full or sp.shape, tp = sp.tp, group = sp.group, pieces = {} }
+      by[sp.name], order[#order + 1] = s, s
+    end
+    s.pieces[sp.tp and sp.tp.rank or 0] = sp
+  end
+  return by, order
+end
+
+-- Elements [a, b) of kind ('fp32', 'exp_avg'...) of p, this rank's piece
+-- of a parameter (p.tp: its split, nil: whole; p.full: the whole shape),
+-- into dst (1-D) from element at, from the saved pieces of s however the
+-- tensor degree cut them. Along the split axis the whole tensor is
+-- [outer, stride, rows, inner] and a piece holds its cut of the rows of
+-- each stride block: runs of whole inner rows are contiguous in both.
+local function read_param(get, m, s, p, kind, a, b, dst, at)
+  local mine, theirs = p.tp, s.tp
+  if not mine and not theirs then return read_range(get, m, s.pieces[0], kind, a, b, dst, at) end
+  local how = mine or theirs
+  if mine and theirs and (mine.axis ~= theirs.axis or mine.stride ~= theirs.stride) then
+    fail("load_checkpoint: parameter '%s' is split on axis %d (stride %d) in the checkpoint, on axis %d (stride %d) "
+         .. 'in the model', s.name, theirs.axis, theirs.stride, mine.axis, mine.stride)
+  end
+  local F = s.full
+  local outer, inner = how.stride, 1
+  for d = 1, how.axis - 1 do outer = outer * F[d] end
+  for d = how.axis + 1, #F do inner = inner * F[d] end
+  local rows = F[how.axis] / how.stride
+  local here, there = rows / (mine and mine.size or 1), rows / (theirs and theirs.size or 1)
+  local first = (mine and mine.rank or 0) * here
+  local k = a
+  while k < b do
+    local o = math.floor(k / (here * inner))
+    local r = math.floor((k - o * here * inner) / inner)
+    local i = k - (o * here + r) * inner
+    local t = math.floor((first + r) / there)
+    local rt = first + r - t * there
+    local n = math.min(b - k, math.min(here - r, there - rt) * inner - i)
+    local from = (o * there + rt) * inner + i
+    read_range(get, m, s.pieces[t], kind, from, from + n, dst, at + (k - a))
+    k = k + n
+  end
+end
+
 -- Whether a saved parameter belongs on this rank: any, or in a pipeline
 -- those of this stage's layers.
 local function on_this_stage(engine, name)
@@ -132,20 +183,21 @@ local function on_this_stage(engine, name)
   return index ~= nil and index >= first and index <= last
 end
 
--- The parameters of the checkpoint against the engine's: names and shapes.
+-- The parameters of the checkpoint against the engine's: names and whole
+-- shapes (any tensor degree on either side).
 local function match_params(engine, path, m, L, strict)
-  local saved, missing, unexpected = {}, {}, {}
-  for _, sp in ipairs(m.parameters) do saved[sp.name] = sp end
+  local saved, order = saved_by_name(m)
+  local missing, unexpected = {}, {}
   for _, p in ipairs(L.params) do
     local sp = saved[p.name]
     if not sp then
       missing[#missing + 1] = p.name
-    elseif shape_str(sp.shape) ~= shape_str(p.shape) then
+    elseif shape_str(sp.full) ~= shape_str(p.full) then
       fail("load_checkpoint: '%s': parameter '%s' is %s in the checkpoint, %s in the model", path, p.name,
-           shape_str(sp.shape), shape_str(p.shape))
+           shape_str(sp.full), shape_str(p.full))
     end
   end
-  for _, sp in ipairs(m.parameters) do
+  for _, sp in ipairs(order) do
     if not L.by_name[sp.name] and on_this_stage(engine, sp.name) then unexpected[#unexpected + 1] = sp.name end
   end
   if strict and (#missing > 0 or #unexpected > 0) then
@@ -219,8 +271,8 @@ local function load_tensors(engine, L, path, m, saved, get, with_state)
         local sp = saved[p.name]
         if p.group == g and sp then
           local piece = L.pieces[i]
-          read_range(get, m, sp, 'fp32', piece.lo, piece.hi, fp32, piece.offset)
-          for s, buf in pairs(states) do read_range(get, m, sp, s, piece.lo, piece.hi, buf, piece.offset) end
+          read_param(get, m, sp, p, 'fp32', piece.lo, piece.hi, fp32, piece.offset)
+          for s, buf in pairs(states) do read_param(get, m, sp, p, s, piece.lo, piece.hi, buf, piece.offset) end
         end
       end
       if with_state and h then
@@ -483,6 +535,7 @@ function M.load(engine, dir, tag, opts)
 end
 
 M.opener = opener
-M.read_range = read_range
+M.read_param = read_param
+M.saved_by_name = saved_by_name
 
 return M

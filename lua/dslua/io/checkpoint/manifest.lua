@@ -7,7 +7,7 @@ local C = core.ckpt
 local common = require 'dslua.io.checkpoint.common'
 local FORMAT, FORMAT_VERSION, MANIFEST = common.FORMAT, common.FORMAT_VERSION, common.MANIFEST
 local MAX_MANIFEST, SHOWN, fail, read_text = common.MAX_MANIFEST, common.SHOWN, common.fail, common.read_text
-local excerpt, ceil_div = common.excerpt, common.ceil_div
+local excerpt, ceil_div, shape_str = common.excerpt, common.ceil_div, common.shape_str
 
 local M = {}
 
@@ -59,6 +59,52 @@ local function check_files(file, m)
     if e.rank ~= k - 1 then
       fail("load_checkpoint: '%s': files[%d] (%s) is listed as rank %s's, expected rank %d's: the manifest is corrupt",
            file, k, excerpt(name), tostring(e.rank), k - 1)
+    end
+  end
+end
+
+-- A tensor-parallel piece's split and whole shape: the piece is its
+-- rank's cut of the whole along the axis, and a name's pieces are one of
+-- each rank of the same split (a whole parameter is listed once).
+local function check_pieces(file, m)
+  local function corrupt(key, what) fail("load_checkpoint: '%s': %s %s: the manifest is corrupt", file, key, what) end
+  local first = {}
+  for k, sp in ipairs(m.parameters) do
+    local key, tp = string.format('parameters[%d]', k), sp.tp
+    local prev = first[sp.name]
+    if tp == nil then
+      if prev then corrupt(key, string.format('lists %s a second time', excerpt(sp.name))) end
+    else
+      if type(tp) ~= 'table' or type(sp.full) ~= 'table' or #sp.full ~= #sp.shape then
+        corrupt(key, 'has a split without the whole shape')
+      end
+      check_int(file, key .. '.tp.size', tp.size, 1)
+      check_int(file, key .. '.tp.rank', tp.rank, 0)
+      check_int(file, key .. '.tp.stride', tp.stride, 1)
+      check_int(file, key .. '.tp.axis', tp.axis, 1)
+      if tp.rank >= tp.size or tp.axis > #sp.shape or sp.shape[tp.axis] % tp.stride ~= 0 then
+        corrupt(key .. '.tp', string.format('(axis %d, stride %d, rank %d of %d) does not fit shape %s', tp.axis,
+                                            tp.stride, tp.rank, tp.size, shape_str(sp.shape)))
+      end
+      for d, n in ipairs(sp.full) do
+        if n ~= sp.shape[d] * (d == tp.axis and tp.size or 1) then
+          corrupt(key .. '.full', string.format('%s is not %d pieces of %s on axis %d', shape_str(sp.full), tp.size,
+                                                shape_str(sp.shape), tp.axis))
+        end
+      end
+      if prev and (prev.tp == nil or prev.tp.axis ~= tp.axis or prev.tp.stride ~= tp.stride or prev.tp.size ~= tp.size
+                   or shape_str(prev.full) ~= shape_str(sp.full) or prev.ranks[tp.rank]) then
+        corrupt(key, string.format('does not match the other pieces of %s', excerpt(sp.name)))
+      end
+    end
+    prev = prev or { tp = tp, full = sp.full, ranks = {}, n = 0 }
+    prev.ranks[tp and tp.rank or 0], prev.n = true, prev.n + 1
+    first[sp.name] = prev
+  end
+  for name, e in pairs(first) do
+    if e.tp and e.n ~= e.tp.size then
+      fail("load_checkpoint: '%s': %s has %d of its %d tensor-parallel pieces: the manifest is corrupt", file,
+           excerpt(name), e.n, e.tp.size)
     end
   end
 end
@@ -153,6 +199,7 @@ function M.read_manifest(path)
   check_files(file, m)
   check_params(file, m)
   check_entries(file, m)
+  check_pieces(file, m)
   return m
 end
 

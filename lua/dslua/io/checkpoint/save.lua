@@ -123,15 +123,17 @@ local function rank_state(engine, tensors)
 end
 
 -- The parameters whose shards this rank's file starts (shard 0, so each
--- once), as the manifest lists them: a pipeline's with the ranks whose
--- files hold their shards (the owning stage's, by data index).
+-- once), as the manifest lists them: with the ranks whose files hold their
+-- shards (the data group's: a pipeline stage's, a tensor rank's), a
+-- tensor-parallel piece with its split and the whole shape.
 local function saved_params(L)
   local out = {}
   if L.part ~= 0 then return json.array(out) end
   for _, p in ipairs(L.params) do
     if p.owned then
       out[#out + 1] = { name = p.name, shape = json.array(p.shape), numel = p.numel, group = p.group,
-                        shard = ceil_div(p.numel, L.parts), ranks = L.ranks and json.array(L.ranks) }
+                        shard = ceil_div(p.numel, L.parts), ranks = L.ranks and json.array(L.ranks),
+                        tp = p.tp, full = p.tp and json.array(p.full) or nil }
     end
   end
   return json.array(out)
@@ -148,9 +150,9 @@ local function build_manifest(engine, L, steps, tag, files, reports, client)
   end
   local groups = {}
   for g, group in ipairs(L.groups) do
-    local names = {}
-    for _, p in ipairs(params) do
-      if p.group == g then names[#names + 1] = p.name end
+    local names, seen = {}, {}
+    for _, p in ipairs(params) do      -- a tensor-parallel parameter once, not once a piece
+      if p.group == g and not seen[p.name] then names[#names + 1], seen[p.name] = p.name, true end
     end
     groups[g] = { hyperparameters = hyperparams(group), step = steps[g], params = json.array(names),
                   state = json.array(reports[1].saved_states[g]) }
@@ -203,7 +205,7 @@ function M.save(engine, dir, tag, client_state, save_latest)
   local L = engine_layout(engine)
   local bufs, steps = read_buffers(engine, L)
   local extra, client, module = {}, nil, {}
-  if L.part == 0 then
+  if L.part == 0 and L.tensor_rank == 0 then
     for _, e in ipairs(module_tensors(engine, L)) do
       if e[3] then
         extra[#extra + 1] = { 'module/' .. e[1], e[2] }

@@ -169,10 +169,11 @@ local function check_iter(engine, data_iter, who)
 end
 
 -- The mean loss over the micro batches and data-parallel ranks, on every
--- rank (DeepSpeed's _aggregate_total_loss): only last stages add theirs.
+-- rank (DeepSpeed's _aggregate_total_loss): only last stages add theirs,
+-- of tensor-parallel ones tensor rank 0.
 local function mean_loss(m, total, gas)
   if ds.comm.world_size() == 1 then return total / gas end
-  local last = m.stage_id == m.num_stages - 1
+  local last = m.stage_id == m.num_stages - 1 and m.tensor_rank == 0
   local t = ds.tensor({ last and total / (gas * m.dp_size) or 0 }, 'f64')
   return ds.comm.all_reduce(t, 'sum'):item()
 end

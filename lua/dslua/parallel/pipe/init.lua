@@ -193,6 +193,37 @@ function Topology:world_size() return self.num_pp * self.num_dp end
 function Topology:get_rank(pipe, data) return pipe * self.num_dp + data end
 function Topology:get_coord(rank) return { pipe = math.floor(rank / self.num_dp), data = rank % self.num_dp } end
 
+-- The ranks of a ds.topology (pipe x data x tensor) at one tensor index,
+-- seen as a PipeDataParallelTopology: a pipeline of tensor-parallel stages
+-- sends and reduces between the ranks of its own tensor index.
+local function slice(full, t)
+  local s = setmetatable({ num_pp = full:get_dim('pipe'), num_dp = full:get_dim('data'), tensor = t }, Topology)
+  function s.world_size() return full:world_size() end
+  function s.get_rank(_, pipe, data) return full:get_rank { pipe = pipe, data = data, tensor = t } end
+  function s.get_coord(_, rank)
+    local c = full:get_coord(rank)
+    return { pipe = c.pipe, data = c.data }
+  end
+  return s
+end
+
+-- opts.topology as PipelineModule takes it: a PipeDataParallelTopology,
+-- or a ds.topology with pipe, data and tensor axes (sequence 1): then the
+-- slice at each tensor index, this rank's, and the tensor groups.
+local function topologies(topo)
+  if topo == nil or getmetatable(topo) == Topology then return topo end
+  if type(topo) ~= 'table' or type(topo.group) ~= 'function' or type(topo.get_dim) ~= 'function' then
+    error('PipelineModule: topology must be a ds.pipe.PipeDataParallelTopology or a ds.topology', 4)
+  end
+  if topo:get_dim('sequence') > 1 then
+    error(fmt('PipelineModule: the topology has a sequence degree of %d; a pipeline takes pipe, data and tensor axes',
+              topo:get_dim('sequence')), 4)
+  end
+  local slices, t = {}, topo:coord('tensor')
+  for i = 0, topo:get_dim('tensor') - 1 do slices[i + 1] = slice(topo, i) end
+  return slices[t + 1], { slices = slices, tensor_rank = t, full = topo }
+end
+
 ------------------------------------------------------------------------
 -- PipelineModule
 
@@ -207,12 +238,10 @@ function PipelineModule:init(opts)
   for k in pairs(opts) do
     if not OPTIONS[k] then error(fmt("PipelineModule: unknown option '%s'", tostring(k)), 3) end
   end
-  local layers, S, topo = opts.layers, opts.num_stages, opts.topology
+  local layers, S = opts.layers, opts.num_stages
+  local topo, tensor = topologies(opts.topology)
   if type(layers) ~= 'table' or #layers == 0 then error('PipelineModule: layers must be a non-empty list', 3) end
   if topo ~= nil then
-    if getmetatable(topo) ~= Topology then
-      error('PipelineModule: topology must be a ds.pipe.PipeDataParallelTopology', 3)
-    end
     if S ~= nil and S ~= topo.num_pp then
       error(fmt('PipelineModule: num_stages %s and the topology\'s %d pipe stages differ', tostring(S), topo.num_pp), 3)
     end
@@ -241,6 +270,13 @@ function PipelineModule:init(opts)
   rawset(self, 'stage_id', coord.pipe)
   rawset(self, 'dp_rank', coord.data)
   rawset(self, 'dp_root', topo:get_rank(coord.pipe, 0))   -- the stage's first rank: broadcasts start there
+  rawset(self, 'slices', tensor and tensor.slices or { topo })
+  rawset(self, 'tensor_rank', tensor and tensor.tensor_rank or 0)
+  if tensor and tensor.full:get_dim('tensor') > 1 then
+    -- tensor-parallel stages: the norm sums over pipe x tensor, replicated weights count on tensor rank 0
+    rawset(self, 'tensor_group', tensor.full:group('tensor'))
+    rawset(self, 'model_parallel_group', tensor.full:group { 'pipe', 'tensor' })
+  end
   rawset(self, 'loss_fn', opts.loss_fn)
   rawset(self, 'activation_checkpoint_interval', opts.activation_checkpoint_interval or 0)
   rawset(self, 'is_pipeline', true)
@@ -316,20 +352,26 @@ function PipelineModule:init(opts)
   end
 end
 
--- The groups every rank makes alike (ds.comm.new_group): the data-parallel
--- ranks of each stage (dp_group, where the step engine reduces), the ranks
--- of each data index (pipe_group, over which the gradient norm sums), and
--- for each tied key held by several stages, the ranks of one data index on
--- those stages (tied_groups: {key, group, tensors, first: this stage is
--- the key's first, where the norm counts it}).
+-- The groups every rank makes alike (ds.comm.new_group), at each tensor
+-- index (self.slices) the same: the data-parallel ranks of each stage
+-- (dp_group, where the step engine reduces), the ranks of each data index
+-- (pipe_group, over which the gradient norm sums), and for each tied key
+-- held by several stages, the ranks of one data index on those stages
+-- (tied_groups: {key, group, tensors, first: this stage is the key's
+-- first, where the norm counts it}). This rank keeps its tensor index's.
 function PipelineModule:_make_groups(layers)
-  local topo, S, dp = self.topology, self.num_stages, self.dp_size
+  for t, topo in ipairs(self.slices) do self:_make_slice_groups(layers, topo, t - 1 == self.tensor_rank) end
+end
+
+function PipelineModule:_make_slice_groups(layers, topo, keep)
+  local S, dp = self.num_stages, self.dp_size
+  local function set(k, v) if keep then rawset(self, k, v) end end
   -- n groups, group i (0-based) of the ranks ranks_of(i); this rank's is group mine
   local function make(n, ranks_of, mine)
     local out
     for i = 0, n - 1 do
       local g = ds.comm.new_group(ranks_of(i))
-      if i == mine then out = g end
+      if i == mine and keep then out = g end
     end
     return out
   end
@@ -349,8 +391,8 @@ function PipelineModule:_make_groups(layers)
   local all = {}
   for s = 0, S - 1 do all[#all + 1] = s end
   -- one rank per stage too: the step engine's nil group is the world
-  if ds.comm.world_size() > 1 then rawset(self, 'dp_group', make(S, stage_ranks, self.stage_id)) end
-  if S > 1 then rawset(self, 'pipe_group', make(dp, at(all), self.dp_rank)) end
+  if ds.comm.world_size() > 1 then set('dp_group', make(S, stage_ranks, self.stage_id)) end
+  if S > 1 then set('pipe_group', make(dp, at(all), self.dp_rank)) end
   local keys, stages = {}, {}
   for s = 0, S - 1 do
     for i = self.parts[s + 1], self.parts[s + 2] - 1 do
@@ -374,7 +416,7 @@ function PipelineModule:_make_groups(layers)
       end
     end
   end
-  rawset(self, 'tied_groups', groups)
+  set('tied_groups', groups)
 end
 
 -- DeepSpeed's allreduce_tied_weight_gradients: each tied weight's gradient
