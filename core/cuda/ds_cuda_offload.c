@@ -38,7 +38,7 @@ ds_cuda_copier *ds_cuda_copier_new(int index) {
 
 void ds_cuda_copier_free(ds_cuda_copier *c) {
     if (!c) return;
-    cudaSetDevice(c->index);
+    ds_cuda_set_device(c->index);
     cudaStreamSynchronize(c->down);
     for (int k = 0; k < 4; k++) cudaEventDestroy(c->marks[k / 2][k % 2]);
     cudaStreamDestroy(c->down);
@@ -47,8 +47,8 @@ void ds_cuda_copier_free(ds_cuda_copier *c) {
 
 int ds_cuda_copier_start(ds_cuda_copier *c) {
     cudaEvent_t before;
-    cudaError_t e = cudaSetDevice(c->index);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&before, cudaEventDisableTiming);
+    if (ds_cuda_set_device(c->index)) return ds_fail(DS_ERR_STATE, "cuda:%d: %s", c->index, ds_kernel_error()), -1;
+    cudaError_t e = cudaEventCreateWithFlags(&before, cudaEventDisableTiming);
     if (e != cudaSuccess) return fail(c, "start", e);
     e = cudaEventRecord(before, ds_cuda_compute_stream(c->index));
     for (int up = 0; up < 2 && e == cudaSuccess; up++) e = cudaStreamWaitEvent(stream(c, up), before, 0);
