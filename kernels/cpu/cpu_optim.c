@@ -42,7 +42,19 @@ typedef struct {
 #define CPU_OPTIM_ISA sse2
 #include "cpu_optim_loops.h"
 #undef CPU_OPTIM_ISA
-#if defined(__x86_64__)
+/* Each wider set's loops under its target: gcc's pragma, clang's attribute. */
+#if defined(__x86_64__) && defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#define CPU_OPTIM_ISA avx2
+#include "cpu_optim_loops.h"
+#undef CPU_OPTIM_ISA
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2"))), apply_to = function)
+#define CPU_OPTIM_ISA avx512
+#include "cpu_optim_loops.h"
+#undef CPU_OPTIM_ISA
+#pragma clang attribute pop
+#elif defined(__x86_64__)
 #pragma GCC push_options
 #pragma GCC target("avx2")
 #define CPU_OPTIM_ISA avx2
