@@ -3,8 +3,8 @@
 -- The CPU AdamW step over flat f32 buffers in GB/s (bytes read and
 -- written per step: p, g, m, v in, p, m, v out, 28 per element, over its
 -- median time), under each instruction set this CPU runs and on 1 thread
--- and all, against a large memcpy's rate measured in the same run (2 x
--- its bytes; ds copy_ of contiguous f32 is memcpy in threads' pieces).
+-- and all, against a large memcpy's rate measured beside it (2 x its
+-- bytes; ds copy_ of contiguous f32 is memcpy in threads' pieces).
 --   mpirun ... dslua bench/offload.lua zero [steps] [quick]
 -- A GPT-2 trained with AdamW at stages 2 and 3, with and without
 -- offload_optimizer device cpu: the median step time of each (the faster
@@ -14,23 +14,39 @@ local ds = require 'dslua'
 local MODE = arg[1]
 local quick = arg[3] == 'quick'
 
--- Seconds per call of fn: the median of 7 samples of k calls, k such that
--- a sample lasts 0.1 s (bench/README.md's method).
-local function per_call(fn)
+-- Calls of fn that last 0.1 s, after as many warm-up calls.
+local function calls_for(fn)
   fn()
-  local k, t0 = 1, ds.wall_time()
+  local t0 = ds.wall_time()
   fn()
-  local once = ds.wall_time() - t0
-  k = math.max(1, math.ceil(0.1 / math.max(once, 1e-6)))
+  local k = math.max(1, math.ceil(0.1 / math.max(ds.wall_time() - t0, 1e-6)))
   for _ = 1, math.max(2, k) do fn() end
-  local samples = {}
+  return k
+end
+
+local function seconds(fn, k)
+  local t0 = ds.wall_time()
+  for _ = 1, k do fn() end
+  return (ds.wall_time() - t0) / k
+end
+
+local function median(xs)
+  table.sort(xs)
+  return xs[math.floor((#xs + 1) / 2)]
+end
+
+-- GB/s of a and of b (bytes per call ba, bb) and their ratio: 7 samples of
+-- each, a's and b's taken back to back so that both see the same load
+-- (bench/README.md's method, in pairs); the medians.
+local function paired(a, ba, b, bb)
+  local ka, kb = calls_for(a), calls_for(b)
+  local ra, rb, ratio = {}, {}, {}
   for s = 1, 7 do
-    t0 = ds.wall_time()
-    for _ = 1, k do fn() end
-    samples[s] = (ds.wall_time() - t0) / k
+    ra[s] = ba / seconds(a, ka) / 1e9
+    rb[s] = bb / seconds(b, kb) / 1e9
+    ratio[s] = ra[s] / rb[s]
   end
-  table.sort(samples)
-  return samples[4]
+  return median(ra), median(rb), median(ratio)
 end
 
 local function adam()
@@ -49,16 +65,17 @@ local function adam()
     if pcall(ds.cpu_optim_isa, isa) then
       for _, t in ipairs(counts) do
         ds.num_threads(t)
-        local copy = 2 * 4 * n / per_call(function() dst:copy_(src) end) / 1e9
-        local step = 28 * n / per_call(function() opt:step() end) / 1e9
-        print(string.format('%-8s %8d %12.2f %12.2f %8.2f', isa, t, step, copy, step / copy))
+        local step, copy, ratio = paired(function() opt:step() end, 28 * n, function() dst:copy_(src) end, 8 * n)
+        print(string.format('%-8s %8d %12.2f %12.2f %8.2f', isa, t, step, copy, ratio))
         print(string.format('result dslua adamw %s %d %.3f %.3f', isa, t, step, copy))
       end
     end
   end
   ds.num_threads(threads)
   ds.cpu_optim_isa(best)
-  print('ratio: AdamW GB/s / copy GB/s (1: the step runs at the copy rate)')
+  print('ratio: AdamW GB/s / copy GB/s, the median of 7 back-to-back pairs (1: the step runs at the copy rate);')
+  print('a copy\'s stores read their lines first (write-allocate), a third more traffic than it counts;')
+  print('AdamW stores into lines it has read')
 end
 
 local function zero()
