@@ -263,6 +263,13 @@ typedef struct ds_kernels_optim {
                          const ds_onebit_params *h);
 } ds_kernels_optim;
 
+/* The instruction set of the CPU optimizer loops: the widest this CPU runs
+ * ("avx512", "avx2", "sse2"), picked at first use. Every one writes the same
+ * bits. ds_cpu_optim_use picks one by name (tests, benchmarks); -1 where
+ * the CPU lacks it or the name is unknown. */
+const char *ds_cpu_optim_isa(void);
+int ds_cpu_optim_use(const char *isa);
+
 typedef struct ds_kernels {
     const char *name;
     const ds_kernels_core *core;

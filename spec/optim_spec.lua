@@ -171,6 +171,50 @@ describe('optim trajectories (100 steps, f32 vs float64 reference)', function()
   end)
 end)
 
+-- The CPU loops are compiled per instruction set and picked by the CPU; every
+-- one rounds each step as the scalar math does, so each set's trajectories
+-- are the same bits as SSE2's (which every x86-64 runs), and within the
+-- references' tolerance.
+describe('optim CPU instruction sets', function()
+  local best = ds.cpu_optim_isa()
+  after_each(function() ds.cpu_optim_isa(best) end)
+
+  local function trajectories(isa)
+    ds.cpu_optim_isa(isa)
+    local out = {}
+    for _, name in ipairs({ 'adam', 'adam_betas', 'adamw', 'adamw_schedule', 'adamw_groups', 'sgd_nesterov',
+                            'adagrad', 'lion' }) do
+      local _, ps = check_trajectory(name)
+      out[name] = values(ps)
+    end
+    -- the threaded path with a short last block, a gradient factor and a bf16 copy
+    ds.manual_seed(3)
+    local w = ds.randn(40007):requires_grad_()
+    local opt = ds.optim.AdamW({ w }, { lr = 0.01, weight_decay = 0.1 })
+    for t = 1, 3 do
+      ds.manual_seed(10 + t)
+      w.grad:copy_(ds.randn(40007))
+      opt:step()
+    end
+    out.big = w:totable()
+    return out
+  end
+
+  for _, isa in ipairs({ 'avx512', 'avx2' }) do
+    it(isa .. ' writes the same bits as sse2 and matches the references', function()
+      if not pcall(ds.cpu_optim_isa, isa) then return pending('this CPU has no ' .. isa) end
+      local want, got = trajectories('sse2'), trajectories(isa)
+      for name, v in pairs(want) do assert.are.same(v, got[name], name) end
+    end)
+  end
+
+  it('refuses an instruction set by name', function()
+    H.has(H.err(ds.cpu_optim_isa, 'neon'),
+          'cpu_optim_isa: cpu optimizer: unknown instruction set "neon" (avx512, avx2 or sse2)')
+    assert.are.equal(best, ds.cpu_optim_isa())
+  end)
+end)
+
 describe('optim flat buffers', function()
   it('re-seats parameters as views of one flat buffer per group, with flat grads', function()
     local ps = fresh_params()

@@ -2,11 +2,15 @@
  * the errors Lua cannot provoke (a grad of the wrong shape set from C,
  * parameters on two devices, a device without optimizer kernels), using a
  * stand-in "cuda" backend made of the CPU kernels; and Lamb over pieces of
- * parameters, with ZeRO's shards simulated by threads that all-reduce. */
+ * parameters, with ZeRO's shards simulated by threads that all-reduce;
+ * the CPU loops of every instruction set this CPU runs against a scalar
+ * loop of ds_optim_elem.h, bit for bit (this file, like cpu_optim.c, is
+ * built without contracted multiply-adds). */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_error.h"
 #include "ds_rng.h"
+#include "ds_optim_elem.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -467,6 +471,135 @@ static void test_onebit_kernels(void) {
     for (int i = 0; i < 5; i++) ds_tensor_release(all[i]);
 }
 
+/* One fused update of n elements by each CPU instruction set. */
+enum { ISA_ADAM, ISA_ADAMW, ISA_SGD, ISA_ADAGRAD, ISA_LION, ISA_KINDS };
+static const char *const isa_kind_names[ISA_KINDS] = { "adam", "adamw", "sgd", "adagrad", "lion" };
+
+typedef struct {
+    float *p, *g, *m, *v;
+    uint16_t *shadow;
+} isa_bufs;
+
+static const ds_adam_params isa_adam = { .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01,
+                                         .grad_scale = 0.37, .decay = 1 - 1e-3 * 0.01, .step_size = 1e-3 / 0.1,
+                                         .sqrt_bc2 = 0.0316227766 };
+static const ds_sgd_params isa_sgd = { .lr = 0.05, .weight_decay = 0.01, .momentum = 0.9, .dampening = 0.1,
+                                       .grad_scale = 0.37, .nesterov = 1 };
+static const ds_adagrad_params isa_adagrad = { .clr = 0.05, .eps = 1e-10, .weight_decay = 0.01, .grad_scale = 0.37 };
+static const ds_lion_params isa_lion = { .lr = 1e-4, .beta1 = 0.9, .beta2 = 0.99, .decay = 1 - 1e-5, .grad_scale = 0.37 };
+
+/* The scalar loop: the gradient scaled, the element's update, its bf16 copy. */
+static void isa_reference(int kind, isa_bufs b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        if (kind == ISA_ADAM || kind == ISA_ADAMW) {
+            const ds_adam_params *h = &isa_adam;
+            ds_adam_elem(&b.p[i], &b.m[i], &b.v[i], b.g[i] * (float)h->grad_scale, (float)h->beta1, (float)h->beta2,
+                         (float)h->eps, (float)h->weight_decay, (float)h->decay, (float)h->step_size,
+                         (float)h->sqrt_bc2, kind == ISA_ADAMW);
+        } else if (kind == ISA_SGD) {
+            const ds_sgd_params *h = &isa_sgd;
+            ds_sgd_momentum_elem(&b.p[i], &b.m[i], b.g[i] * (float)h->grad_scale, (float)h->lr,
+                                 (float)h->weight_decay, (float)h->momentum, (float)h->dampening, h->nesterov, 0);
+        } else if (kind == ISA_ADAGRAD) {
+            const ds_adagrad_params *h = &isa_adagrad;
+            ds_adagrad_elem(&b.p[i], &b.m[i], b.g[i] * (float)h->grad_scale, (float)h->clr, (float)h->eps,
+                            (float)h->weight_decay);
+        } else {
+            const ds_lion_params *h = &isa_lion;
+            ds_lion_elem(&b.p[i], &b.m[i], b.g[i] * (float)h->grad_scale, (float)h->lr, (float)h->beta1,
+                         (float)h->beta2, (float)h->decay);
+        }
+        b.shadow[i] = ds_optim_half(b.p[i], DS_BF16);
+    }
+}
+
+static ds_kview isa_view(void *data, ds_dtype t, int64_t n) {
+    ds_kview k = { .data = data, .dtype = t, .ndim = 1 };
+    k.shape[0] = n;
+    k.stride[0] = 1;
+    return k;
+}
+
+static int isa_kernel(int kind, isa_bufs b, int64_t n) {
+    const ds_kernels_optim *k = ds_cpu_kernels.optim;
+    ds_kview p = isa_view(b.p, DS_F32, n), g = isa_view(b.g, DS_F32, n), m = isa_view(b.m, DS_F32, n);
+    ds_kview v = isa_view(b.v, DS_F32, n), s = isa_view(b.shadow, DS_BF16, n);
+    if (kind == ISA_ADAM || kind == ISA_ADAMW) {
+        ds_adam_params h = isa_adam;
+        h.decoupled = kind == ISA_ADAMW;
+        return k->adam(p, g, m, v, s, &h);
+    }
+    if (kind == ISA_SGD) return k->sgd(p, g, m, s, &isa_sgd);
+    if (kind == ISA_ADAGRAD) return k->adagrad(p, g, m, s, &isa_adagrad);
+    return k->lion(p, g, m, s, &isa_lion);
+}
+
+/* n elements of each buffer: p and g normal with a few zeros and huge
+ * values, m signed, v (a second moment, or Adagrad's sum) positive. */
+static isa_bufs isa_fill(int64_t n, uint64_t seed) {
+    isa_bufs b = { malloc(4 * (size_t)n), malloc(4 * (size_t)n), malloc(4 * (size_t)n), malloc(4 * (size_t)n),
+                   malloc(2 * (size_t)n) };
+    uint64_t x = seed;
+    for (int64_t i = 0; i < n; i++) {
+        float r[4];
+        for (int k = 0; k < 4; k++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            r[k] = (float)((double)(x >> 11) / 9007199254740992.0 * 2 - 1);
+        }
+        b.p[i] = i % 97 == 0 ? 0 : i % 89 == 0 ? 3e30f * r[0] : r[0];
+        b.g[i] = i % 83 == 0 ? 0 : r[1] * (i % 7 == 0 ? 1e-6f : 1);
+        b.m[i] = r[2] * 0.1f;
+        b.v[i] = r[3] * r[3] * 0.01f;
+    }
+    return b;
+}
+
+static void isa_free(isa_bufs b) {
+    free(b.p);
+    free(b.g);
+    free(b.m);
+    free(b.v);
+    free(b.shadow);
+}
+
+static bool isa_same(isa_bufs a, isa_bufs b, int64_t n) {
+    return memcmp(a.p, b.p, 4 * (size_t)n) == 0 && memcmp(a.m, b.m, 4 * (size_t)n) == 0 &&
+           memcmp(a.v, b.v, 4 * (size_t)n) == 0 && memcmp(a.shadow, b.shadow, 2 * (size_t)n) == 0;
+}
+
+/* Every instruction set this CPU runs writes the scalar loop's bits, over
+ * the threaded path with a short last block (40007) and a short buffer
+ * (13); one the CPU lacks, or an unknown name, is refused. */
+static void test_isa_agree(void) {
+    const char *isas[] = { "avx512", "avx2", "sse2" };
+    const char *best = ds_cpu_optim_isa();
+    int ran = 0;
+    for (int s = 0; s < 3; s++) {
+        if (ds_cpu_optim_use(isas[s]) != 0) {
+            check(strstr(ds_kernel_error(), "this CPU has no") != NULL, "%s refused: %s", isas[s], ds_kernel_error());
+            continue;
+        }
+        ran++;
+        for (int kind = 0; kind < ISA_KINDS; kind++) {
+            const int64_t sizes[2] = { 40007, 13 };
+            for (int z = 0; z < 2; z++) {
+                int64_t n = sizes[z];
+                isa_bufs want = isa_fill(n, 17 + (uint64_t)kind), got = isa_fill(n, 17 + (uint64_t)kind);
+                isa_reference(kind, want, n);
+                check(isa_kernel(kind, got, n) == 0, "%s %s: %s", isas[s], isa_kind_names[kind], ds_kernel_error());
+                check(isa_same(want, got, n), "%s %s over %lld elements: the scalar loop's bits", isas[s],
+                      isa_kind_names[kind], (long long)n);
+                isa_free(want);
+                isa_free(got);
+            }
+        }
+    }
+    check(ran >= 1 && strcmp(ds_cpu_optim_isa(), "sse2") == 0, "sse2 runs everywhere");
+    check(ds_cpu_optim_use("neon") != 0 && strstr(ds_kernel_error(), "unknown instruction set \"neon\""),
+          "an unknown instruction set is refused: %s", ds_kernel_error());
+    check(ds_cpu_optim_use(best) == 0, "back to %s", best);
+}
+
 int main(void) {
     test_reseat();
     test_adam_step();
@@ -478,6 +611,7 @@ int main(void) {
             for (int clipped = 0; clipped <= 1; clipped++) test_lamb_partitioned(P, padded, clipped);
     test_lamb_errors();
     test_onebit_kernels();
+    test_isa_agree();
     test_shadow();
     return check_summary("test_optim");
 }

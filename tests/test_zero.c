@@ -5,10 +5,12 @@
  * a device, masters and optimizer on the CPU) on a stand-in "cuda" device
  * made of the CPU kernels, through stages 1 and 3; a parameter left out of
  * the gradient norm; what each layout answers; shards given for parameters
- * built partitioned. */
+ * built partitioned; ZeRO-Offload's pipeline of chunks with copies that
+ * happen only when waited for, alone and in the engine's step. */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_zero.h"
+#include "ds_zero_impl.h"
 #include "ds_cuda.h"
 #include "ds_error.h"
 
@@ -383,6 +385,217 @@ static void test_layout_answers(void) {
     for (int k = 0; k < NP; k++) ds_tensor_release(p[k]);
 }
 
+/* Copies as a GPU's streams make them: queued, done only when a wait
+ * reaches the mark after them, each step written to log. */
+enum { Q_MAX = 64 };
+typedef struct {
+    struct { void *dst; const void *src; size_t nb; } q[2][Q_MAX];
+    int queued[2], done[2], marks[2][2];
+    char log[1024];
+} deferred;
+
+static void note(deferred *d, const char *fmt, int a, int b) {
+    size_t at = strlen(d->log);
+    snprintf(d->log + at, sizeof d->log - at, fmt, a, b);
+}
+
+static int d_start(void *ud) {
+    note(ud, "start", 0, 0);
+    return 0;
+}
+
+static int d_copy(void *ud, int up, void *dst, const void *src, size_t nb) {
+    deferred *d = ud;
+    if (d->queued[up] == Q_MAX) return -1;
+    d->q[up][d->queued[up]++] = (typeof(d->q[0][0])){ dst, src, nb };
+    note(d, " %c%d", up ? 'U' : 'D', d->queued[up] - 1);
+    return 0;
+}
+
+static int d_mark(void *ud, int up, int slot) {
+    deferred *d = ud;
+    d->marks[up][slot] = d->queued[up];
+    return 0;
+}
+
+static int d_wait(void *ud, int up, int slot) {
+    deferred *d = ud;
+    for (; d->done[up] < d->marks[up][slot]; d->done[up]++)
+        memcpy(d->q[up][d->done[up]].dst, d->q[up][d->done[up]].src, d->q[up][d->done[up]].nb);
+    note(d, " w%c%d", up ? 'U' : 'D', slot);
+    return 0;
+}
+
+typedef struct {
+    deferred *d;
+    float *grads, *params;
+    int fail_at;                    /* the chunk whose step fails, -1 none */
+} pipe_case;
+
+/* params = 2 grads + 1 over the chunk, from the host gradients as they are now */
+static int p_step(void *ud, int64_t lo, int64_t n) {
+    pipe_case *c = ud;
+    note(c->d, " S%d", (int)lo, 0);
+    if (c->fail_at >= 0 && lo >= c->fail_at) return -1;
+    for (int64_t i = lo; i < lo + n; i++) c->params[i] = 2 * c->grads[i] + 1;
+    return 0;
+}
+
+/* 10 elements in chunks of 4: chunk i+1's gradients go down before chunk i
+ * steps, which waits for its own; each chunk's parameters go up after its
+ * step; every copy has happened on return; a failed step stops the steps
+ * after it and still waits for the copies started. */
+static void test_offload_pipeline(void) {
+    float dev_grads[10], host_grads[10] = { 0 }, host_params[10] = { 0 }, dev_params[10] = { 0 };
+    for (int i = 0; i < 10; i++) dev_grads[i] = (float)i;
+    deferred d = { 0 };
+    pipe_case pc = { &d, host_grads, host_params, -1 };
+    ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d };
+    ds_offload_plan p = { .n = 10, .chunk = 4, .grad_src = (const char *)dev_grads, .grad_dst = (char *)host_grads,
+                          .grad_size = 4, .param_src = (const char *)host_params, .param_dst = (char *)dev_params,
+                          .param_size = 4, .step = p_step, .ud = &pc };
+    check(ds_offload_run(&c, &p) == 0, "pipeline: %s", ds_error_message());
+    const char *order = "start D0 D1 wD0 S0 U0 D2 wD1 S4 U1 wD0 S8 U2 wD0 wU0";
+    check(strcmp(d.log, order) == 0, "pipeline order: %s", d.log);
+    for (int i = 0; i < 10; i++)
+        check(dev_params[i] == 2 * i + 1, "pipeline: parameter %d is %g, not %d", i, dev_params[i], 2 * i + 1);
+    check(d.done[0] == 3 && d.done[1] == 3, "every copy done on return");
+    /* gradients on the host already: no copies down, no waits for them */
+    deferred d2 = { 0 };
+    pc.d = &d2;
+    c.ud = &d2;
+    p.grad_src = NULL;
+    check(ds_offload_run(&c, &p) == 0 && strcmp(d2.log, "start S0 U0 S4 U1 S8 U2 wU0") == 0, "host gradients: %s",
+          d2.log);
+    deferred d3 = { 0 };
+    pc.d = &d3;
+    pc.fail_at = 4;
+    c.ud = &d3;
+    p.grad_src = (const char *)dev_grads;
+    check(ds_offload_run(&c, &p) != 0 && strcmp(d3.log, "start D0 D1 wD0 S0 U0 D2 wD1 S4 wD0 wU0") == 0 &&
+          d3.done[0] == d3.queued[0] && d3.done[1] == d3.queued[1], "a failed step: %s", d3.log);
+}
+
+/* The engine's offload step through the pipeline (deferred copies, chunks
+ * of 5 across the parameters' boundaries) writes the same bits as the
+ * plain step, AdamW with a gradient factor, f32 and bf16 parameters. */
+static void test_offload_engine(void) {
+    const ds_dtype dts[2] = { DS_F32, DS_BF16 };
+    for (int k = 0; k < 2; k++) {
+        ds_tensor *p[2][NP];
+        ds_zero *z[2];
+        ds_optim *o[2];
+        ds_tensor *master[2];
+        deferred d = { 0 };
+        ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d };
+        ds_optim_hparams h = { .lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
+                               .bias_correction = true };
+        for (int e = 0; e < 2; e++) {
+            make_params(p[e], dts[k]);
+            ds_zero_config cfg = config(true);
+            cfg.stage = 2;
+            int counts[1] = { NP };
+            z[e] = ds_zero_new(&cfg, 1, counts, p[e], NULL);
+            master[e] = z[e] ? ds_zero_master(z[e], 0) : NULL;
+            o[e] = ds_optim_new(DS_OPTIM_ADAMW);
+            check(master[e] && ds_optim_add_group(o[e], 1, &master[e], &h) == 0 && ds_zero_attach(z[e], o[e]) == 0,
+                  "offload engine %d: %s", e, ds_error_message());
+        }
+        check(ds_zero_offload_use(z[1], &c, 5) == 0, "offload use: %s", ds_error_message());
+        for (int step = 0; step < 3; step++) {
+            for (int e = 0; e < 2; e++) {
+                d.queued[1] = d.done[1] = 0;
+                ds_tensor *loss = loss_of(p[e], 8);
+                ds_zero_result r;
+                check(ds_zero_backward(z[e], loss, true) == 0 && ds_zero_step(z[e], &h, 8, 1.0, false, &r) == 0,
+                      "offload engine %d step %d: %s", e, step, ds_error_message());
+                ds_tensor_release(loss);
+            }
+            check(d.done[1] == 5, "%s: 23 elements go up in 5 chunks (%d)", ds_dtype_name(dts[k]), d.done[1]);
+        }
+        size_t es = ds_dtype_size(dts[k]);
+        for (int i = 0; i < NP; i++)
+            check(memcmp(ds_tensor_data(p[0][i]), ds_tensor_data(p[1][i]), (size_t)SIZES[i] * es) == 0,
+                  "%s parameter %d: the pipeline's bits", ds_dtype_name(dts[k]), i);
+        check(memcmp(ds_tensor_data(master[0]), ds_tensor_data(master[1]), 23 * 4) == 0, "%s masters: the same bits",
+              ds_dtype_name(dts[k]));
+        for (int e = 0; e < 2; e++) {
+            ds_tensor_release(master[e]);
+            ds_zero_free(z[e]);
+            ds_optim_free(o[e]);
+            for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
+        }
+    }
+}
+
+/* On a GPU (a CUDA build on a machine with one): the engine's offloaded
+ * AdamW step through ds_cuda_copier's streams, into page-locked host
+ * memory, equal to the same engine on the CPU (the optimizer runs on the
+ * host in both), f32 and bf16 parameters. Runs before test_offload, which
+ * puts a stand-in in the CUDA backend's place. */
+static void test_offload_gpu(void) {
+    if (ds_cuda_device_count() == 0) {
+        printf("test_zero: offload on a GPU skipped: %s\n", ds_cuda_unavailable_reason());
+        return;
+    }
+    const ds_dtype dts[2] = { DS_F32, DS_BF16 };
+    ds_device where[2] = { DS_CPU_DEVICE, { DS_DEV_CUDA, 0 } };
+    ds_optim_hparams h = { .lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
+                           .bias_correction = true };
+    for (int k = 0; k < 2; k++) {
+        ds_tensor *p[2][NP], *master[2];
+        ds_zero *z[2];
+        ds_optim *o[2];
+        for (int e = 0; e < 2; e++) {
+            ds_tensor *host[NP];
+            make_params(host, dts[k]);
+            for (int i = 0; i < NP; i++) {
+                p[e][i] = ds_to_device(host[i], where[e]);
+                p[e][i]->requires_grad = true;
+                ds_tensor_release(host[i]);
+            }
+            ds_zero_config cfg = config(true);
+            cfg.stage = 2;
+            int counts[1] = { NP };
+            z[e] = ds_zero_new(&cfg, 1, counts, p[e], NULL);
+            master[e] = z[e] ? ds_zero_master(z[e], 0) : NULL;
+            o[e] = ds_optim_new(DS_OPTIM_ADAMW);
+            check(master[e] && ds_optim_add_group(o[e], 1, &master[e], &h) == 0 && ds_zero_attach(z[e], o[e]) == 0,
+                  "gpu offload engine %d: %s", e, ds_error_message());
+        }
+        ds_cuda_mem_info info;
+        check(ds_cuda_memory_info(0, &info) == 0 && info.pinned >= 2 * 23 * 4, "the masters are page-locked (%lld bytes)",
+              (long long)info.pinned);
+        for (int step = 0; step < 3; step++)
+            for (int e = 0; e < 2; e++) {
+                ds_tensor *loss = loss_of(p[e], 8);
+                ds_zero_result r;
+                check(ds_zero_backward(z[e], loss, true) == 0 && ds_zero_step(z[e], &h, 8, 1.0, false, &r) == 0,
+                      "gpu offload engine %d step %d: %s", e, step, ds_error_message());
+                ds_tensor_release(loss);
+            }
+        /* f32: the same sums; bf16: the GPU's 16-bit gradients may round
+         * apart by a step of bf16 (2^-8 relative), a step of AdamW moves
+         * each parameter by about lr */
+        double worst = 0, tol = k == 0 ? 1e-6 : 1.0 / 128;
+        for (int i = 0; i < NP; i++) {
+            ds_tensor *back = ds_to_device(p[1][i], DS_CPU_DEVICE);
+            for (int64_t j = 0; back && j < SIZES[i]; j++) {
+                double want = ds_tensor_get(p[0][i], j), d = fabs(ds_tensor_get(back, j) - want);
+                worst = fmax(worst, k == 0 ? d : d / fabs(want));
+            }
+            ds_tensor_release(back);
+        }
+        check(worst < tol, "%s: the GPU's offloaded step is off the CPU's by %g", ds_dtype_name(dts[k]), worst);
+        for (int e = 0; e < 2; e++) {
+            ds_tensor_release(master[e]);
+            ds_zero_free(z[e]);
+            ds_optim_free(o[e]);
+            for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
+        }
+    }
+}
+
 int main(void) {
     test_layout_answers();
     test_flat_buckets_and_clip();
@@ -390,6 +603,9 @@ int main(void) {
     test_masters_step();
     test_errors();
     test_given_shards();
+    test_offload_gpu();
     test_offload();
+    test_offload_pipeline();
+    test_offload_engine();
     return check_summary("test_zero");
 }

@@ -27,6 +27,15 @@ static int l_num_threads(lua_State *L) {
     return 1;
 }
 
+/* cpu_optim_isa([name]): the CPU optimizer loops' instruction set, read or
+ * picked ("avx512", "avx2", "sse2"); each writes the same bits */
+static int l_cpu_optim_isa(lua_State *L) {
+    if (!lua_isnoneornil(L, 1) && ds_cpu_optim_use(luaL_checkstring(L, 1)))
+        return luaL_error(L, "cpu_optim_isa: %s", ds_kernel_error());
+    lua_pushstring(L, ds_cpu_optim_isa());
+    return 1;
+}
+
 /* isatty(fd): progress output draws a bar on a terminal, plain lines in a pipe */
 static int l_isatty(lua_State *L) {
     lua_pushboolean(L, isatty((int)luaL_optinteger(L, 1, 1)));
@@ -195,6 +204,8 @@ int luaopen_dslua_core(lua_State *L) {
     lua_setfield(L, -2, "isatty");
     lua_pushcfunction(L, l_num_threads);
     lua_setfield(L, -2, "num_threads");
+    lua_pushcfunction(L, l_cpu_optim_isa);
+    lua_setfield(L, -2, "cpu_optim_isa");
     lua_pushstring(L, DSLUA_VERSION);
     lua_setfield(L, -2, "version");
     name_all(L);

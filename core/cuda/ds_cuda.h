@@ -44,6 +44,23 @@ int ds_cuda_reset_peak(int index);
 /* Returns every cached block of every device to the driver. */
 void ds_cuda_empty_cache(void);
 
+/* Copies beside the compute stream, for ZeRO-Offload's step
+ * (core/train/ds_zero_offload.c): device to host on a stream of its own,
+ * host to device on the device's copy stream, so the two directions and
+ * the host's work all run at once. Host memory should be page-locked
+ * (ds_tensor_new_staging), or the driver copies it again in the calling
+ * thread. start: both streams wait for the work queued on cuda:index's
+ * compute stream so far. mark: an event after the copies started so far
+ * in one direction (up: host to device), in slot 0 or 1; wait: the host
+ * waits for it. Each returns 0, or -1 with the error set. */
+typedef struct ds_cuda_copier ds_cuda_copier;
+ds_cuda_copier *ds_cuda_copier_new(int index);
+void ds_cuda_copier_free(ds_cuda_copier *c);
+int ds_cuda_copier_start(ds_cuda_copier *c);
+int ds_cuda_copier_copy(ds_cuda_copier *c, int up, void *dst, const void *src, size_t nb);
+int ds_cuda_copier_mark(ds_cuda_copier *c, int up, int slot);
+int ds_cuda_copier_wait(ds_cuda_copier *c, int up, int slot);
+
 /* f32 matmuls and convolutions on the GPU may round inputs to TF32 (off
  * by default): on 1 or 0 sets it, -1 only asks. Returns the setting. */
 int ds_cuda_allow_tf32(int on);

@@ -448,26 +448,91 @@ int ds_optim_step(ds_optim *o, int g, const ds_optim_hparams *h) {
     return ds_optim_step_shared(o, g, h, 1, NULL, NULL, NULL);
 }
 
+int ds_optim_begin_pieces(ds_optim *o, int g, const ds_optim_hparams *h) {
+    ds_optim_group *gr = &o->groups[g];
+    if (ds_optim_check_hparams(o->kind, h, g)) return -1;
+    for (int i = 0; i < gr->n_params; i++)
+        if (sync_param(o, g, i)) return -1;
+    if (o->kind == DS_OPTIM_SGD && h->momentum != 0 && !gr->state[0] && alloc_state(o, gr, h)) return -1;
+    return 0;
+}
+
+/* n elements of flat buffer t from lo (NULL stays NULL). */
+static ds_tensor *piece_of(ds_tensor *t, int64_t lo, int64_t n) {
+    return t ? ds_tensor_view_of(t, 1, (int64_t[]){ n }, (int64_t[]){ 1 }, t->offset + lo) : NULL;
+}
+
+int ds_optim_step_piece(ds_optim *o, int g, const ds_optim_hparams *h, int64_t lo, int64_t n, double grad_scale,
+                        ds_tensor *shadow) {
+    ds_optim_group *gr = &o->groups[g];
+    ds_tensor *v[4] = { piece_of(gr->flat_params, lo, n), piece_of(gr->flat_grads, lo, n),
+                        piece_of(gr->state[0], lo, n), piece_of(gr->state[1], lo, n) };
+    int rc = v[0] && v[1] && (v[2] || !gr->state[0]) && (v[3] || !gr->state[1])
+             ? ds_optim_apply(o->kind, h, gr->step + 1, !gr->momentum_started, v[0], v[1], v[2], v[3], grad_scale,
+                              shadow)
+             : -1;
+    for (int k = 0; k < 4; k++) ds_tensor_release(v[k]);
+    return rc;
+}
+
+void ds_optim_end_pieces(ds_optim *o, int g, const ds_optim_hparams *h) {
+    ds_optim_group *gr = &o->groups[g];
+    gr->momentum_started |= o->kind == DS_OPTIM_SGD && h->momentum != 0;
+    gr->step++;
+}
+
 int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, double grad_scale, ds_tensor *shadow,
                          ds_optim_sum_fn sum, void *ud) {
     ds_optim_group *gr = &o->groups[g];
-    if (ds_optim_check_hparams(o->kind, h, g)) return -1;
     /* FusedLamb's grad_scale divides, and its update takes two passes */
     if (o->kind == DS_OPTIM_LAMB && (grad_scale != 1 || shadow))
         return ds_fail(DS_ERR_ARG, "optim.Lamb: group %d: Lamb's step takes neither a gradient scale (%g) nor a "
                        "16-bit copy to write; scale the gradients and copy the parameters apart", g + 1,
                        grad_scale), -1;
-    for (int i = 0; i < gr->n_params; i++)
-        if (sync_param(o, g, i)) return -1;
-    if (o->kind == DS_OPTIM_SGD && h->momentum != 0 && !gr->state[0] && alloc_state(o, gr, h)) return -1;
+    if (ds_optim_begin_pieces(o, g, h)) return -1;
     int64_t t = gr->step + 1;
     int rc = o->kind == DS_OPTIM_LAMB
         ? lamb_step(gr, h, t, sum, ud)
         : ds_optim_apply(o->kind, h, t, !gr->momentum_started, gr->flat_params, gr->flat_grads, gr->state[0],
                          gr->state[1], grad_scale, shadow);
     if (rc) return -1;
-    gr->momentum_started |= o->kind == DS_OPTIM_SGD && h->momentum != 0;
-    gr->step = t;
+    ds_optim_end_pieces(o, g, h);
+    return 0;
+}
+
+int ds_optim_move_flat(ds_optim *o, int g, ds_tensor *params, ds_tensor *grads) {
+    ds_optim_group *gr = &o->groups[g];
+    int64_t n = ds_tensor_numel(gr->flat_params);
+    const ds_tensor *both[2] = { params, grads };
+    for (int k = 0; k < 2; k++) {
+        const ds_tensor *t = both[k];
+        if (t->dtype != DS_F32 || t->ndim != 1 || !ds_tensor_is_contiguous(t) || ds_tensor_numel(t) != n ||
+            ds_tensor_device(t).type != ds_tensor_device(gr->flat_params).type)
+            return ds_fail(DS_ERR_ARG, "optim.%s: group %d's new %s buffer is not a contiguous f32 buffer of %lld "
+                           "elements on its device", kinds[o->kind].name, g + 1, k ? "gradient" : "parameter",
+                           (long long)n), -1;
+    }
+    if (ds_copy_(params, gr->flat_params) || ds_copy_(grads, gr->flat_grads)) return -1;
+    for (int i = 0; i < gr->n_params; i++) {
+        ds_tensor *p = gr->params[i], *view = slot_view(grads, p, grads->offset + gr->offsets[i]);
+        if (!view || ds_tensor_reseat(p, params->storage, params->offset + gr->offsets[i])) {
+            ds_tensor_release(view);
+            return -1;
+        }
+        if (p->grad == gr->grads[i]) {
+            ds_tensor_retain(view);
+            ds_tensor_release(p->grad);
+            p->grad = view;
+        }
+        ds_tensor_release(gr->grads[i]);
+        gr->grads[i] = view;
+    }
+    ds_tensor_retain(params);
+    ds_tensor_retain(grads);
+    ds_tensor_release(gr->flat_params);
+    ds_tensor_release(gr->flat_grads);
+    gr->flat_params = params;
+    gr->flat_grads = grads;
     return 0;
 }
 

@@ -110,6 +110,21 @@ int ds_optim_step_shared(ds_optim *o, int g, const ds_optim_hparams *h, double g
  * needs whole parameters. 0, or -1 with the error. */
 int ds_optim_apply(ds_optim_kind kind, const ds_optim_hparams *h, int64_t t, bool first, ds_tensor *p,
                    ds_tensor *g, ds_tensor *s0, ds_tensor *s1, double grad_scale, ds_tensor *shadow);
+/* ds_optim_step_shared in pieces the caller orders (ZeRO-Offload's
+ * pipeline steps a chunk while others are copied): begin checks h and
+ * takes in the gradients; step_piece updates elements [lo, lo + n) of the
+ * group as the whole step would (shadow: NULL, or the 16-bit copy of that
+ * piece); end counts the step once every element has been stepped. Not
+ * Lamb (ds_optim_apply refuses it). 0, or -1 with the error. */
+int ds_optim_begin_pieces(ds_optim *o, int g, const ds_optim_hparams *h);
+int ds_optim_step_piece(ds_optim *o, int g, const ds_optim_hparams *h, int64_t lo, int64_t n, double grad_scale,
+                        ds_tensor *shadow);
+void ds_optim_end_pieces(ds_optim *o, int g, const ds_optim_hparams *h);
+/* Moves group g's flat parameters and gradients into params and grads
+ * (contiguous 1-D f32 of the group's length, on a device of the same
+ * type: ZeRO-Offload's page-locked host buffers), the parameters and their
+ * .grad views re-seated there. 0, or -1 with the error. */
+int ds_optim_move_flat(ds_optim *o, int g, ds_tensor *params, ds_tensor *grads);
 /* Zeros every group's flat gradients and re-attaches the .grad views. */
 int ds_optim_zero_grad(ds_optim *o);
 

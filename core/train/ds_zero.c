@@ -74,9 +74,13 @@ int ds_zero_copy_elements(ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at
 
 ds_device ds_zero_param_device(const ds_zero *z) { return ds_tensor_device(z->p[0].param); }
 
-/* One copy, which may cast and cross devices. */
+/* One copy, which may cast and cross devices. From a device to the host
+ * (an offloaded gradient) it lands in the device's page-locked memory,
+ * which the copy fills directly. */
 ds_tensor *ds_zero_copy_out(ds_tensor *src, int64_t at, int64_t n, ds_dtype dtype, ds_device dev) {
-    ds_tensor *t = ds_tensor_new(1, &n, dtype, dev);
+    ds_device from = ds_tensor_device(src);
+    ds_tensor *t = dev.type == DS_DEV_CPU && from.type != DS_DEV_CPU ? ds_tensor_new_staging(1, &n, dtype, from)
+                                                                     : ds_tensor_new(1, &n, dtype, dev);
     if (t && ds_zero_copy_elements(t, 0, src, at, n)) {
         ds_tensor_release(t);
         return NULL;

@@ -9,8 +9,10 @@
 #include "ds_zero.h"
 #include "ds_aio.h"
 #include "ds_comm.h"
+#include "ds_zero_offload.h"
 
 typedef struct zgather zgather;
+typedef struct zoffload zoffload;
 typedef struct zbucket zbucket;
 typedef struct zflight zflight;
 
@@ -130,6 +132,7 @@ struct ds_zero {
     bool *keep_after_forward;       /* per trace place */
     int64_t live;                   /* gathered elements of partitioned parameters */
     ds_aio_file *param_file;        /* offload_param nvme: every shard, back to back */
+    zoffload *offload;              /* ZeRO-Offload's pipeline (ds_zero_offload.c), or NULL */
 };
 
 double ds_zero_now(void);
@@ -175,5 +178,17 @@ int ds_zero_store_shard(ds_zero *z, zparam *q, ds_tensor *src, int64_t at);
 int ds_zero_finish_recording(ds_zero *z);
 int ds_zero_after_backward(ds_zero *z);
 void ds_zero_free_stage3(ds_zero *z);
+
+/* ZeRO-Offload from a GPU (ds_zero_offload.c). attach: the masters and
+ * their gradients into page-locked host memory, and the pipeline's copier
+ * where the device copies asynchronously. step: the optimizer's step and
+ * the parameters' refresh through the pipeline; 1 where this step cannot
+ * take it (the caller steps as without), 0 done, -1 the error.
+ * use: the copier and chunk length the pipeline takes (tests: host
+ * memcpys, any device). */
+int ds_zero_offload_attach(ds_zero *z, ds_optim *o);
+int ds_zero_offload_step(ds_zero *z, const ds_optim_hparams *h, double f);
+int ds_zero_offload_use(ds_zero *z, const ds_offload_copier *c, int64_t chunk);
+void ds_zero_offload_free(ds_zero *z);
 
 #endif

@@ -85,6 +85,7 @@ static int build(ds_zero *z, ds_optim *flat) {
 }
 
 static void free_layout(ds_zero *z) {
+    ds_zero_offload_free(z);
     for (int g = 0; z->masters && g < z->n_groups; g++) {
         ds_tensor_release(z->masters[g]);
         ds_tensor_release(z->master_grads[g]);
@@ -153,6 +154,7 @@ int ds_zero_attach(ds_zero *z, ds_optim *o) {
         swap_in(&z->masters[g], o->groups[g].flat_params);
         swap_in(&z->master_grads[g], o->groups[g].flat_grads);
     }
+    if (ds_zero_offload_attach(z, o)) return -1;
     z->optim = o;
     return 0;
 }
@@ -358,10 +360,14 @@ static int step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, double
     double f = 1 / (n * combined);
     out->grad_norm = norm / loss_scale;
     if (!z->optim) return ds_zero_scale_all(z->n_groups, z->master_grads, f);
-    ds_tensor *written[z->n_groups];
-    for (int g = 0; g < z->n_groups; g++) written[g] = written_by_step(z, g);
-    rc = ds_zero_optimizer_step(z, h, z->n_groups, z->master_grads, f, written);
-    if (rc == 0) rc = refresh(z, z->masters, true);
+    /* ZeRO-Offload's pipeline steps and refreshes, or says 1 */
+    rc = ds_zero_offload_step(z, h, f);
+    if (rc == 1) {
+        ds_tensor *written[z->n_groups];
+        for (int g = 0; g < z->n_groups; g++) written[g] = written_by_step(z, g);
+        rc = ds_zero_optimizer_step(z, h, z->n_groups, z->master_grads, f, written);
+        if (rc == 0) rc = refresh(z, z->masters, true);
+    }
     return rc == 0 ? ds_zero_zero_grads(z) : rc;
 }
 

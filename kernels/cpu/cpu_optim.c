@@ -1,9 +1,13 @@
 /* Fused optimizer steps on the CPU: one pass over flat f32 buffers per
- * parameter group, in loops the compiler vectorises, cut into chunks that
- * threads share once a buffer is large enough to pay for the fork. */
+ * parameter group, in loops compiled once per instruction set (AVX-512,
+ * AVX2, and SSE2 that every x86-64 has; the widest the CPU has is picked
+ * at first use), cut into chunks that threads share once a buffer is large
+ * enough to pay for the fork. */
 #include "cpu_kernels.h"
 #include "cpu_iter.h"
 #include "../ds_optim_elem.h"
+
+#include <string.h>
 
 #define CPU_OPTIM_CHUNK 16384
 #define CPU_OPTIM_BLOCK 1024      /* scaled gradients that stay in L1 */
@@ -25,6 +29,88 @@ struct optim_ctx {
     int flag1, flag2;
 };
 
+/* One instruction set's loops (cpu_optim_loops.h). */
+typedef struct {
+    const char *isa;
+    void (*scale)(float *out, const float *g, float f, int64_t n);
+    void (*shadow)(uint16_t *s, const float *p, ds_dtype t, int64_t n);
+    update_fn sgd, adam, adagrad, lion;
+} optim_loops;
+
+#define CPU_OPTIM_QUOTE(isa) #isa
+#define CPU_OPTIM_STR(isa) CPU_OPTIM_QUOTE(isa)
+#define CPU_OPTIM_ISA sse2
+#include "cpu_optim_loops.h"
+#undef CPU_OPTIM_ISA
+/* Each wider set's loops under its target: gcc's pragma, clang's attribute. */
+#if defined(__x86_64__) && defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#define CPU_OPTIM_ISA avx2
+#include "cpu_optim_loops.h"
+#undef CPU_OPTIM_ISA
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx2"))), apply_to = function)
+#define CPU_OPTIM_ISA avx512
+#include "cpu_optim_loops.h"
+#undef CPU_OPTIM_ISA
+#pragma clang attribute pop
+#elif defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define CPU_OPTIM_ISA avx2
+#include "cpu_optim_loops.h"
+#undef CPU_OPTIM_ISA
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx2,prefer-vector-width=512")
+#define CPU_OPTIM_ISA avx512
+#include "cpu_optim_loops.h"
+#undef CPU_OPTIM_ISA
+#pragma GCC pop_options
+#endif
+
+/* The variants, widest first, each with whether this CPU runs it. */
+static bool cpu_has(const optim_loops *l) {
+#if defined(__x86_64__)
+    if (l == &loops_avx512)
+        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+    if (l == &loops_avx2) return __builtin_cpu_supports("avx2");
+#endif
+    return true;
+}
+
+static const optim_loops *const all_loops[] = {
+#if defined(__x86_64__)
+    &loops_avx512, &loops_avx2,
+#endif
+    &loops_sse2,
+};
+#define N_LOOPS (int)(sizeof all_loops / sizeof all_loops[0])
+
+static const optim_loops *_Atomic chosen;
+
+static const optim_loops *loops(void) {
+    const optim_loops *l = chosen;
+    if (l) return l;
+    for (int k = 0; k < N_LOOPS && !l; k++)
+        if (cpu_has(all_loops[k])) l = all_loops[k];
+    chosen = l;
+    return l;
+}
+
+const char *ds_cpu_optim_isa(void) { return loops()->isa; }
+
+int ds_cpu_optim_use(const char *isa) {
+    for (int k = 0; k < N_LOOPS; k++) {
+        if (strcmp(all_loops[k]->isa, isa) != 0) continue;
+        if (!cpu_has(all_loops[k])) return ds_kernel_fail("cpu optimizer: this CPU has no %s", isa);
+        chosen = all_loops[k];
+        return 0;
+    }
+    return ds_kernel_fail("cpu optimizer: unknown instruction set \"%s\" (avx512, avx2 or sse2)", isa);
+}
+
 typedef void (*chunk_fn)(const optim_ctx *x, int64_t lo, int64_t hi);
 
 /* fn over [lo, hi): directly when small, else chunks spread over threads */
@@ -42,30 +128,22 @@ static void run_chunks(chunk_fn fn, const optim_ctx *x, int64_t lo, int64_t hi) 
     }
 }
 
-/* The block's updated parameters into their 16-bit copy, while in L1. */
-static void store_shadow(const optim_ctx *x, int64_t lo, int64_t hi) {
-    const float *restrict p = x->p;
-    uint16_t *restrict s = x->shadow;
-    ds_dtype t = x->shadow_dtype;
-    #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) s[i] = ds_optim_half(p[i], t);
-}
-
 /* x->update over [lo, hi) a block at a time. The gradients are scaled in
- * a loop of their own, so each product is rounded to f32 as a separate
- * scaling pass rounds it; inside the update's loop the compiler could fuse
- * it into a multiply-add. */
+ * a pass of their own, so each product is rounded to f32 as a separate
+ * scaling pass rounds it; the updated parameters go into their 16-bit copy
+ * while in L1. */
 static void update_chunk(const optim_ctx *x, int64_t lo, int64_t hi) {
+    const optim_loops *l = loops();
     float scaled[CPU_OPTIM_BLOCK];
     for (int64_t a = lo; a < hi; a += CPU_OPTIM_BLOCK) {
         int64_t b = a + CPU_OPTIM_BLOCK < hi ? a + CPU_OPTIM_BLOCK : hi;
         const float *g = x->g + a;
         if (x->grad_scale != 1.0f) {
-            for (int64_t i = a; i < b; i++) scaled[i - a] = x->g[i] * x->grad_scale;
+            l->scale(scaled, g, x->grad_scale, b - a);
             g = scaled;
         }
         x->update(x, g, a, b);
-        if (x->shadow) store_shadow(x, a, b);
+        if (x->shadow) l->shadow(x->shadow + a, x->p + a, x->shadow_dtype, b - a);
     }
 }
 
@@ -81,43 +159,20 @@ static int run_update(const char *op, optim_ctx *x, const ds_kview *bufs, int k,
 
 /* ---- SGD ---- */
 
-static void sgd_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
-    float *restrict p = x->p, *restrict buf = x->m;
-    float lr = x->lr, wd = x->wd, mom = x->a, damp = x->b;
-    int nesterov = x->flag1, first = x->flag2;
-    if (!buf) {
-        #pragma omp simd
-        for (int64_t i = lo; i < hi; i++) ds_sgd_elem(&p[i], g[i - lo], lr, wd);
-        return;
-    }
-    #pragma omp simd
-    for (int64_t i = lo; i < hi; i++)
-        ds_sgd_momentum_elem(&p[i], &buf[i], g[i - lo], lr, wd, mom, damp, nesterov, first);
-}
-
 static int cpu_sgd(ds_kview p, ds_kview g, ds_kview buf, ds_kview shadow, const ds_sgd_params *h) {
     ds_kview v[3] = { p, g, buf };
     optim_ctx x = { .p = p.data, .m = buf.data, .g = g.data, .grad_scale = (float)h->grad_scale,
-                    .update = sgd_update, .lr = (float)h->lr, .wd = (float)h->weight_decay,
+                    .update = loops()->sgd, .lr = (float)h->lr, .wd = (float)h->weight_decay,
                     .a = (float)h->momentum, .b = (float)h->dampening, .flag1 = h->nesterov, .flag2 = h->first };
     return run_update("sgd", &x, v, 3, shadow);
 }
 
 /* ---- Adam, AdamW ---- */
 
-static void adam_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
-    float *restrict p = x->p, *restrict m = x->m, *restrict v = x->v;
-    float b1 = x->beta1, b2 = x->beta2, eps = x->eps, wd = x->wd, decay = x->a, step = x->b, sbc2 = x->c;
-    int decoupled = x->flag1;
-    #pragma omp simd
-    for (int64_t i = lo; i < hi; i++)
-        ds_adam_elem(&p[i], &m[i], &v[i], g[i - lo], b1, b2, eps, wd, decay, step, sbc2, decoupled);
-}
-
 static int cpu_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview shadow, const ds_adam_params *h) {
     ds_kview b[4] = { p, g, m, v };
     optim_ctx x = { .p = p.data, .m = m.data, .v = v.data, .g = g.data, .grad_scale = (float)h->grad_scale,
-                    .update = adam_update, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
+                    .update = loops()->adam, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
                     .eps = (float)h->eps, .wd = (float)h->weight_decay, .a = (float)h->decay,
                     .b = (float)h->step_size, .c = (float)h->sqrt_bc2, .flag1 = h->decoupled };
     return run_update("adam", &x, b, 4, shadow);
@@ -125,17 +180,10 @@ static int cpu_adam(ds_kview p, ds_kview g, ds_kview m, ds_kview v, ds_kview sha
 
 /* ---- Adagrad ---- */
 
-static void adagrad_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
-    float *restrict p = x->p, *restrict sum = x->m;
-    float clr = x->lr, eps = x->eps, wd = x->wd;
-    #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) ds_adagrad_elem(&p[i], &sum[i], g[i - lo], clr, eps, wd);
-}
-
 static int cpu_adagrad(ds_kview p, ds_kview g, ds_kview sum, ds_kview shadow, const ds_adagrad_params *h) {
     ds_kview b[3] = { p, g, sum };
     optim_ctx x = { .p = p.data, .m = sum.data, .g = g.data, .grad_scale = (float)h->grad_scale,
-                    .update = adagrad_update, .lr = (float)h->clr, .eps = (float)h->eps,
+                    .update = loops()->adagrad, .lr = (float)h->clr, .eps = (float)h->eps,
                     .wd = (float)h->weight_decay };
     return run_update("adagrad", &x, b, 3, shadow);
 }
@@ -215,17 +263,10 @@ static int cpu_lamb_apply(ds_kview p, ds_kview m, ds_kview v, const int64_t *seg
 
 /* ---- Lion ---- */
 
-static void lion_update(const optim_ctx *x, const float *restrict g, int64_t lo, int64_t hi) {
-    float *restrict p = x->p, *restrict m = x->m;
-    float lr = x->lr, b1 = x->beta1, b2 = x->beta2, decay = x->a;
-    #pragma omp simd
-    for (int64_t i = lo; i < hi; i++) ds_lion_elem(&p[i], &m[i], g[i - lo], lr, b1, b2, decay);
-}
-
 static int cpu_lion(ds_kview p, ds_kview g, ds_kview m, ds_kview shadow, const ds_lion_params *h) {
     ds_kview b[3] = { p, g, m };
     optim_ctx x = { .p = p.data, .m = m.data, .g = g.data, .grad_scale = (float)h->grad_scale,
-                    .update = lion_update, .lr = (float)h->lr, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
+                    .update = loops()->lion, .lr = (float)h->lr, .beta1 = (float)h->beta1, .beta2 = (float)h->beta2,
                     .a = (float)h->decay };
     return run_update("lion", &x, b, 3, shadow);
 }

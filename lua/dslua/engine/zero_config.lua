@@ -144,7 +144,7 @@ local ZERO_INERT = {
         if is_object(g[name]) and g[name].pin_memory ~= nil then return name .. '.pin_memory' end
       end
     end,
-    'not acted on: dslua keeps offloaded shards in ordinary (pageable) host memory' },
+    'not acted on: dslua page-locks the host memory it offloads to from a GPU whatever it says' },
 }
 
 local function check_zero(ctx, path, v)
