@@ -24,6 +24,7 @@ struct ds_comm_group {
     char name[64];                  /* "world" or "[0,2]" */
     MPI_Comm comm;                  /* MPI payload; MPI_COMM_NULL without MPI */
     MPI_Comm ctl;                   /* shapes and checks, never payload */
+    MPI_Comm staged;                /* the staged backend's payload: its calls start later than they are made */
     void *backend[DS_NDEVICE_TYPES];
     struct ds_comm_group *next;
 };
@@ -58,6 +59,31 @@ typedef struct ds_comm_backend {
 extern const ds_comm_backend ds_comm_mpi_backend;
 #ifdef DSLUA_CUDA
 extern const ds_comm_backend ds_comm_nccl_backend;
+#endif
+
+/* The staged backend (ds_comm_staged.c): a device tensor's bytes copied
+ * to page-locked host memory, moved by the MPI backend there, copied
+ * back. A stager moves the bytes: ds_cuda_stager (core/cuda) for device
+ * memory, and a host one (memcpy) that DSLUA_TEST_STAGE_CPU=1 puts under
+ * CPU tensors, so every step but the copies runs where there is no GPU. */
+typedef struct ds_comm_stager {
+    const char *name;
+    bool (*owns)(const void *ptr);
+    /* ptr's device made current; the stream the copies go on, ordered
+     * after the work queued so far on the device. NULL with the error. */
+    void *(*begin)(const void *ptr, const char *op);
+    void *(*host_alloc)(size_t nb);
+    void (*host_free)(void *p, size_t nb);
+    /* Queues nb bytes src -> dst on stream; *fence passes once they are
+     * there (NULL: already). 0, or -1 with the error. */
+    int (*copy)(void *dst, const void *src, size_t nb, void *stream, void **fence);
+    int (*passed)(void *fence, bool *done);
+    void (*fence_free)(void *fence);
+} ds_comm_stager;
+
+extern const ds_comm_backend ds_comm_staged_backend;
+#ifdef DSLUA_CUDA
+extern const ds_comm_stager ds_cuda_stager;
 #endif
 
 /* The backend for t's device, or NULL with the error naming op. */
