@@ -11,12 +11,6 @@ local H = require 'helpers'
 local CLEAN = 'env -u DSLUA_DEVICE -u DSLUA_TEST_GPU_COUNT -u DSLUA_COMM_BACKEND -u LOCAL_RANK -u LOCAL_SIZE -u RANK '
 local BACKEND = [[ -e "local ds = require 'dslua'; print('backend=' .. ds.comm.backend())"]]
 
-local function count(out, pattern)
-  local k = 0
-  for _ in out:gmatch(pattern) do k = k + 1 end
-  return k
-end
-
 local function mpirun(np, env, script, outdir)
   local vars = { 'DSLUA_TEST_STAGE_CPU', 'DSLUA_COMM_CHUNK', 'DSLUA_NUM_THREADS', 'DSLUA_COMM_TIMEOUT',
                  'DSLUA_TEST_GPU_COUNT' }
@@ -36,19 +30,7 @@ describe('collectives staged through host memory', function()
       local out, status = mpirun(np, 'DSLUA_TEST_STAGE_CPU=1 DSLUA_COMM_CHUNK=' .. chunk, 'spec/comm/primitives.lua',
                                  dir)
       assert.are.equal(0, status, out)
-      local total = 0
-      for q = 0, np - 1 do
-        local f = assert(io.open(dir .. '/1/rank.' .. q .. '/stdout'))
-        local text = f:read('*a')
-        f:close()
-        assert.are.equal(0, count(text, 'FAIL'), text)
-        local passes = count(text, '%[rank ' .. q .. '%] PASS ')
-        assert.is_true(passes >= 149, text)
-        total = total + passes
-      end
-      local f = assert(io.open(dir .. '/1/rank.0/stdout'))
-      H.has(f:read('*a'), 'DONE checks=' .. total .. ' failures=0')
-      f:close()
+      H.primitives_passed(dir, np, 149)
       os.execute('rm -rf ' .. dir)
     end)
   end
@@ -144,12 +126,12 @@ print('backend=' .. ds.comm.backend())
     it('4 ranks on 1 GPU: one line, every rank on MPI; on 2 GPUs: a line per GPU', function()
       local out, status = mpirun(4, 'DSLUA_TEST_GPU_COUNT=1', BACKEND)
       assert.are.equal(0, status, out)
-      assert.are.equal(4, count(out, 'backend=mpi'), out)
-      assert.are.equal(1, count(out, 'share cuda'), out)
+      assert.are.equal(4, H.count(out, 'backend=mpi'), out)
+      assert.are.equal(1, H.count(out, 'share cuda'), out)
       H.has(out, 'dslua: ranks 0-3 share cuda:0: ' .. SHARE)
       out, status = mpirun(4, 'DSLUA_TEST_GPU_COUNT=2', BACKEND)
       assert.are.equal(0, status, out)
-      assert.are.equal(2, count(out, 'share cuda'), out)
+      assert.are.equal(2, H.count(out, 'share cuda'), out)
       H.has(out, 'dslua: ranks 0-1 share cuda:0: ' .. SHARE)
       H.has(out, 'dslua: ranks 2-3 share cuda:1: ' .. SHARE)
     end)
