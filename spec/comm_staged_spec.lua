@@ -35,6 +35,30 @@ describe('collectives staged through host memory', function()
     end)
   end
 
+  it('starts a staged send while its rank waits for another collective', function()
+    -- rank 0's send is queued until its copy arrives; rank 0 then waits in
+    -- the barrier's agreement, which rank 1 reaches only once the send has come
+    local dir = H.tmpdir()
+    local script = H.write(dir .. '/order.lua', [[
+local ds = require 'dslua'
+local c = ds.comm
+local x = ds.ones(4) * (c.rank() + 1)
+if c.rank() == 0 then
+  local w = c.isend(x, 1)
+  c.barrier()
+  w:wait()
+else
+  c.recv(x, 0)
+  c.barrier()
+end
+c.print('got ' .. x:sum():item())
+]])
+    local out, status = mpirun(2, 'DSLUA_TEST_STAGE_CPU=1 DSLUA_COMM_TIMEOUT=10', script)
+    assert.are.equal(0, status, out)
+    H.has(out, '[rank 1] got 4')
+    os.execute('rm -rf ' .. dir)
+  end)
+
   it('refuses a recv larger than its send and names a rank that never arrives, as the direct path does', function()
     local out = mpirun(2, 'DSLUA_TEST_STAGE_CPU=1', 'spec/comm/failures.lua recv_size')
     H.has(out, 'refused: recv: rank 1 sent 4 elements, the receiving tensor holds 10: a recv takes exactly what its '

@@ -468,6 +468,7 @@ static int wait_for(test_fn test, void *ctx, const need *nd, const char *what, d
         if (test(ctx, &done)) { S.broken = true; rc = -1; break; }
         if (done) break;
         poll_exits();
+        ds_comm_staged_pump();      /* a staged call another rank waits for starts meanwhile */
         double waited = now() - t0;
         int r = gone(nd);
         if (r >= 0) {

@@ -131,8 +131,8 @@ static ncclComm_t group_comm(ds_comm_group *g, int dev, const char *op) {
 /* Before a call: the comm stream of ptr's device, after its compute
  * stream's work. Fills *dev and *comm and returns the stream, or NULL. */
 static cudaStream_t begin(const void *ptr, ds_comm_group *g, const char *op, int *dev, ncclComm_t *comm) {
-    if (ds_cuda_device_of(ptr, op, dev) || !(*comm = group_comm(g, *dev, op))) return NULL;
-    return ds_cuda_comm_begin(ptr, op, dev);
+    if (ds_comm_cuda_device_of(ptr, op, dev) || !(*comm = group_comm(g, *dev, op))) return NULL;
+    return ds_comm_cuda_begin(ptr, op, dev);
 }
 
 /* After the NCCL calls (r their result): the request, an event on ms. */

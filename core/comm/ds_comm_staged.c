@@ -13,7 +13,8 @@
  * request of the process (a queue), so ranks whose copies finish at
  * different times still start them in one order; they travel on each
  * group's communicator of their own, apart from the CPU tensors' calls,
- * which start at once. */
+ * which start at once. Every wait of the comm layer starts what is due,
+ * so a staged send starts while its rank waits for something else. */
 #include "ds_comm_impl.h"
 #include "ds_env.h"
 #include "ds_error.h"
@@ -199,7 +200,7 @@ static int fence_passed(staged_req *q, chunk *c, bool *done) {
 }
 
 /* Starts the MPI calls whose copies in have arrived, in queue order. */
-static int pump(void) {
+int ds_comm_staged_pump(void) {
     while (queue) {
         staged_req *q = queue;
         while (q->started < q->nchunks) {
@@ -247,7 +248,7 @@ static int advance(staged_req *q, bool *done) {
 
 static int staged_test(void *req, bool *done) {
     *done = false;
-    if (pump()) return -1;
+    if (ds_comm_staged_pump()) return -1;
     return advance(req, done);
 }
 

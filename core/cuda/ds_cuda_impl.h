@@ -1,5 +1,5 @@
-/* Inside the CUDA runtime (core/ds_cuda*.c and ds_comm_nccl.c only; these
- * files exist in CUDA builds alone): devices, streams, the caching
+/* Inside the CUDA runtime (core/ds_cuda*.c, ds_comm_nccl.c and
+ * ds_comm_cuda.c only; these files exist in CUDA builds alone): devices, streams, the caching
  * allocator and cross-device copies. */
 #ifndef DS_CUDA_IMPL_H
 #define DS_CUDA_IMPL_H
@@ -27,11 +27,6 @@ int ds_cuda_current_device(void);          /* -1 before any */
 cudaStream_t ds_cuda_compute_stream(int index);
 cudaStream_t ds_cuda_comm_stream(int index);
 cudaStream_t ds_cuda_copy_stream(int index);
-/* ptr's device (made current) into *dev: 0, or -1 with the error naming
- * op. comm_begin: the communication stream of ptr's device, ordered after
- * the work queued so far on its compute stream; NULL with the error. */
-int ds_cuda_device_of(const void *ptr, const char *op, int *dev);
-cudaStream_t ds_cuda_comm_begin(const void *ptr, const char *op, int *dev);
 /* Device memory ordered on the current stream (the kernels' scratch). */
 void *ds_cuda_block_alloc(size_t nbytes);
 void ds_cuda_block_free(void *p);

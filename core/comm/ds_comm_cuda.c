@@ -1,8 +1,9 @@
-/* The device half of collectives: the ordering of a collective's stream
- * after the work queued on the device (NCCL's and the staged backend's),
- * and the staged backend's stager (core/comm/ds_comm_staged.c): copies
- * between device memory and page-locked host memory on the device's
- * communication stream, each with an event the backend polls. */
+/* The device half of collectives, in CUDA builds: the ordering of a
+ * collective's stream after the work queued on the device (NCCL's backend
+ * and the staged one), and the staged backend's stager
+ * (ds_comm_staged.c): copies between device memory and page-locked host
+ * memory on the device's communication stream, each with an event the
+ * backend polls. */
 #include "ds_comm_impl.h"
 #include "ds_cuda_impl.h"
 #include "ds_error.h"
@@ -14,7 +15,7 @@ static int check(cudaError_t e, const char *op, const char *call) {
     return ds_fail(DS_ERR_STATE, "%s: %s: %s", op, call, cudaGetErrorString(e)), -1;
 }
 
-int ds_cuda_device_of(const void *ptr, const char *op, int *dev) {
+int ds_comm_cuda_device_of(const void *ptr, const char *op, int *dev) {
     struct cudaPointerAttributes a;
     if (check(cudaPointerGetAttributes(&a, ptr), op, "cudaPointerGetAttributes")) return -1;
     if (a.type != cudaMemoryTypeDevice) return ds_fail(DS_ERR_ARG, "%s: buffer is not device memory", op), -1;
@@ -23,9 +24,9 @@ int ds_cuda_device_of(const void *ptr, const char *op, int *dev) {
     return 0;
 }
 
-cudaStream_t ds_cuda_comm_begin(const void *ptr, const char *op, int *dev) {
+void *ds_comm_cuda_begin(const void *ptr, const char *op, int *dev) {
     cudaEvent_t ready;
-    if (ds_cuda_device_of(ptr, op, dev)) return NULL;
+    if (ds_comm_cuda_device_of(ptr, op, dev)) return NULL;
     cudaStream_t cs = ds_cuda_compute_stream(*dev), ms = ds_cuda_comm_stream(*dev);
     if (check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), op, "cudaEventCreateWithFlags")) return NULL;
     int rc = check(cudaEventRecord(ready, cs), op, "cudaEventRecord");
@@ -46,7 +47,7 @@ static bool stage_owns(const void *ptr) {
 
 static void *stage_begin(const void *ptr, const char *op) {
     int dev;
-    return ds_cuda_comm_begin(ptr, op, &dev);
+    return ds_comm_cuda_begin(ptr, op, &dev);
 }
 
 static void *stage_host_alloc(size_t nb) { return ds_cuda_host_allocator.alloc(&ds_cuda_host_allocator, nb); }
