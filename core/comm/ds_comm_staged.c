@@ -108,17 +108,17 @@ static staged_req *req_new(kind k, const void *dev_ptr, ds_dtype dt, ds_comm_gro
 }
 
 static void *host_buffer(staged_req *q, size_t nb, const char *op) {
-    void *p = q->st->host_alloc(nb ? nb : 1);
+    void *p = q->st->host_alloc(nb);
     if (!p) ds_fail(DS_ERR_NOMEM, "%s: no page-locked host memory for %zu bytes", op, nb);
     return p;
 }
 
-/* The host buffers (send nb, recv nb; recv 0: in place) and the pieces:
+/* The host buffers (send_nb, and recv_nb unless in place) and the pieces:
  * one, or chunks of whole elements over count elements when chunked. */
 static int req_layout(staged_req *q, size_t send_nb, size_t recv_nb, bool in_place, int64_t count, bool chunked,
                       const char *op) {
-    q->hsend_nb = send_nb;
-    q->hrecv_nb = in_place ? send_nb : recv_nb;
+    q->hsend_nb = send_nb ? send_nb : 1;        /* an empty piece still has a buffer */
+    q->hrecv_nb = in_place ? q->hsend_nb : recv_nb ? recv_nb : 1;
     if (!(q->hsend = host_buffer(q, q->hsend_nb, op))) return -1;
     if (in_place) q->hrecv = q->hsend;
     else if (!(q->hrecv = host_buffer(q, q->hrecv_nb, op))) return -1;
@@ -131,7 +131,7 @@ static int req_layout(staged_req *q, size_t send_nb, size_t recv_nb, bool in_pla
         chunk *c = &q->chunks[i];
         if (!chunked) {
             c->in_nb = send_nb;
-            c->out_nb = q->hrecv_nb;
+            c->out_nb = in_place ? send_nb : recv_nb;
             c->count = count;
             continue;
         }
@@ -330,8 +330,6 @@ static int staged_v(kind k, const void *send, void *recv, const int64_t *counts,
     if (!q->counts) { req_free(q); return ds_fail(DS_ERR_NOMEM, "%s: out of memory", name), -1; }
     memcpy(q->counts, counts, (size_t)g->size * sizeof *q->counts);
     if (req_layout(q, in, out, false, 1, false, name)) { req_free(q); return -1; }
-    q->chunks[0].in_nb = in;
-    q->chunks[0].out_nb = out;
     return req_start(q, req);
 }
 

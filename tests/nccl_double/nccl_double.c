@@ -302,14 +302,17 @@ static ncclResult_t launch(work *ops, int n) {
     b->n = n;
     atomic_init(&b->released, 0);
     atomic_init(&b->gates_left, n);
+    /* every ready event before any gate: a gate ahead of a ready event on
+     * one stream would wait for a batch that waits for that event */
     for (int i = 0; i < n; i++) {
         b->reqs[i] = MPI_REQUEST_NULL;
         work *o = &ops[i];
         if (!cuda_ok(cudaEventCreateWithFlags(&o->ready, cudaEventDisableTiming), "cudaEventCreate") ||
-            !cuda_ok(cudaEventRecord(o->ready, o->stream), "cudaEventRecord") ||
-            !cuda_ok(cudaLaunchHostFunc(o->stream, gate, b), "cudaLaunchHostFunc"))
+            !cuda_ok(cudaEventRecord(o->ready, o->stream), "cudaEventRecord"))
             return D.error;         /* b leaks: the job is failing */
     }
+    for (int i = 0; i < n; i++)
+        if (!cuda_ok(cudaLaunchHostFunc(ops[i].stream, gate, b), "cudaLaunchHostFunc")) return D.error;
     *D.tail = b;
     D.tail = &b->next;
     progress();
