@@ -6,7 +6,8 @@
 # rest of the GPU suite (spec/gpu, every example among it), GPT-2's main
 # bench/gpu.sh row against PyTorch, and bench/staged.sh. Each part runs
 # under its own time limit, cut to what is left of 450 s; its log and a
-# line in summary.txt go under $OUT (default: device_check/).
+# line in summary.txt go under $OUT (default: device_check/);
+# DEVICE_CHECK_SECONDS changes the 450.
 #
 # Here: scripts/build.sh (a CUDA build: nvcc), then from the project root
 #   ../shared/device/bundle.sh
@@ -22,7 +23,7 @@ busted=${BUSTED:-/usr/bin/busted}
 summary=$out/summary.txt
 : > "$summary"
 start=$(date +%s)
-budget=450
+budget=${DEVICE_CHECK_SECONDS:-450}
 
 # part NAME SECONDS COMMAND...: runs it with its log in $out/NAME.log and
 # writes its exit status, time and busted's tally (or last line) to the summary
@@ -31,7 +32,7 @@ part() {
     shift 2
     left=$((budget - ($(date +%s) - start)))
     if ((left < 10)); then
-        printf '%-22s skipped: the 450 s budget is spent\n' "$name" | tee -a "$summary"
+        printf '%-22s skipped: the %d s budget is spent\n' "$name" "$budget" | tee -a "$summary"
         return
     fi
     ((limit > left)) && limit=$left
@@ -48,11 +49,13 @@ gpu=(build/dslua "$busted" --tags=gpu --exclude-tags=none)
 other=()
 for f in spec/gpu/*_spec.lua; do [[ $f == */multirank_spec.lua ]] || other+=("$f"); done
 
-part report 20 build/dslua --report
-part staged_primitives 60 "${gpu[@]}" --filter='primitive' spec/gpu/multirank_spec.lua
-part multirank_mpi 130 "${gpu[@]}" --filter='over MPI %(staged%)' spec/gpu/multirank_spec.lua
-part multirank_nccl_double 110 "${gpu[@]}" --filter='over NCCL %(the test double%)' spec/gpu/multirank_spec.lua
-part gpu_suite 80 "${gpu[@]}" "${other[@]}"
+part report 10 build/dslua --report
+part staged_primitives 50 "${gpu[@]}" --filter='primitive' spec/gpu/multirank_spec.lua
+# the two paths side by side: one thread a rank, 2-4 ranks each, one GPU
+part multirank_mpi 240 "${gpu[@]}" --filter='over MPI %(staged%)' spec/gpu/multirank_spec.lua &
+part multirank_nccl_double 240 "${gpu[@]}" --filter='over NCCL %(the test double%)' spec/gpu/multirank_spec.lua &
+wait
+part gpu_suite 60 "${gpu[@]}" "${other[@]}"
 part bench_gpt2_dslua 20 build/dslua bench/gpu.lua train 8 bf16 50304
 part bench_gpt2_torch 20 python3 bench/gpu_torch.py train 8 bf16 50304
 part bench_staged 20 bash bench/staged.sh -q

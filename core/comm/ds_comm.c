@@ -160,6 +160,7 @@ int ds_comm_set_device_backend(const char *name, const char *source) {
     if (c == DEV_UNKNOWN)
         return ds_fail(DS_ERR_ARG, "%s=%s: not a backend for device tensors (expected nccl, mpi, gloo (MPI through "
                        "host memory, as mpi) or auto)", source, name), -1;
+    if (D.used && c == DEV_AUTO) return 0;     /* auto chose already */
     if (D.used && c != D.choice)
         return ds_fail(DS_ERR_STATE, "%s=%s: device tensors already travel over %s (%s); choose the backend before "
                        "the first collective", source, name, dev_names[D.choice], D.source), -1;

@@ -18,7 +18,7 @@ describe('#gpu device choice on a GPU machine', function()
   local script = H.write(dir .. '/train.lua', [[
 local ds = require 'dslua'
 local engine = ds.initialize { model = ds.nn.Linear(2, 1), config = { train_batch_size = 2 * ds.comm.world_size(),
-  train_micro_batch_size_per_gpu = 2, optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+  train_micro_batch_size_per_gpu = 2, steps_per_print = 1, optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
 local x = ds.ones(2, 2):to(engine.device)
 engine:backward(engine(x):sum())
 engine:step()
@@ -69,6 +69,10 @@ print(string.format('rank %d stepped on %s, weight on %s', engine.rank, engine.d
       assert.are.equal(0, status, out)
       for r = 0, n do H.has(out, 'rank ' .. r .. ' stepped on cuda:') end
       H.has(out, ': collectives of device tensors over MPI (NCCL needs a GPU per rank)')
+      -- each rank on the shared GPU logs its own memory at the print boundary
+      -- (n + 1 ranks on n GPUs: ranks 0 and 1 share cuda:0)
+      H.has(out, '[Rank 1] cuda:0 shared by ranks 0-1: this rank MemAllocated=')
+      H.has(out, 'dslua: ranks 0-1 share cuda:0: collectives of device tensors over MPI')
       assert.is_nil(out:find('invalid usage', 1, true), out)
     end)
 
