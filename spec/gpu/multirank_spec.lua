@@ -1,5 +1,5 @@
 -- The multi-rank specs with device tensors: spec/ddp, zero, uneven, pipe,
--- onebit, checkpoint and reload run again in a child busted with their
+-- onebit, checkpoint, reload and tp run again in a child busted with their
 -- ranks on the GPU (DSLUA_SPEC_DEVICE=cuda, read by H.ranks_cmd), 2 to 4
 -- ranks sharing it: once over MPI through page-locked host memory
 -- (DSLUA_COMM_BACKEND=mpi), once through NCCL's backend with the NCCL
@@ -10,7 +10,7 @@
 -- chunks and whole. Skips without a GPU.
 local H = require 'helpers'
 
-local SPECS = { 'ddp', 'zero', 'uneven', 'pipe', 'onebit', 'checkpoint', 'reload' }
+local SPECS = { 'ddp', 'zero', 'uneven', 'pipe', 'onebit', 'checkpoint', 'reload', 'tp' }
 local BUSTED = os.getenv('BUSTED') or '/usr/bin/busted'
 
 local function double_path()
