@@ -133,11 +133,7 @@ local function mpirun(np, script, args, env, outdir)
   return out, status, ds.wall_time() - t0
 end
 
-local function count(out, pattern)
-  local k = 0
-  for _ in out:gmatch(pattern) do k = k + 1 end
-  return k
-end
+local count = H.count
 
 describe('ds.comm under mpirun', function()
   if H.skip_without_mpirun() then return end

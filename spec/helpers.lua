@@ -263,18 +263,52 @@ function H.mpirun(np, vars)
     .. table.concat(x) .. '-np ' .. np
 end
 
--- The command that runs the dslua binary on np CPU ranks (np 1: no
--- mpirun), one thread each, collectives checked for matching calls (the
--- default) and timing out after 60 s; append the script and its
--- arguments. DSLUA_DEVICE=cpu: on a GPU machine too these are CPU ranks
--- (four ranks on one GPU would be an error). vars: more variables to
--- forward to the ranks.
+-- The device the multi-rank specs' ranks use: the CPU, or the value of
+-- DSLUA_SPEC_DEVICE (spec/gpu/multirank_spec.lua runs those specs again
+-- with cuda, the ranks sharing the GPU).
+function H.rank_device()
+  local d = os.getenv('DSLUA_SPEC_DEVICE')
+  return d and d ~= '' and d or 'cpu'
+end
+
+-- The command that runs the dslua binary on np ranks (np 1: no mpirun)
+-- of H.rank_device(), one thread each, collectives checked for matching
+-- calls (the default) and timing out after 60 s; append the script and its
+-- arguments. DSLUA_DEVICE=cpu by default: on a GPU machine too these are
+-- CPU ranks. DSLUA_COMM_BACKEND goes to the ranks when set, and
+-- DSLUA_SPEC_PRELOAD (a library, the NCCL test double) is preloaded into
+-- them. vars: more variables to forward to the ranks.
 function H.ranks_cmd(np, vars)
-  local env = 'DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 '
+  local env = 'DSLUA_DEVICE=' .. H.rank_device() .. ' DSLUA_NUM_THREADS=1 DSLUA_COMM_TIMEOUT=60 '
   if np == 1 then return env .. H.bin() end
+  local preload = os.getenv('DSLUA_SPEC_PRELOAD')
   local all = { 'DSLUA_DEVICE', 'DSLUA_NUM_THREADS', 'DSLUA_COMM_TIMEOUT' }
+  if os.getenv('DSLUA_COMM_BACKEND') then all[#all + 1] = 'DSLUA_COMM_BACKEND' end
+  if preload and preload ~= '' then all[#all + 1] = 'LD_PRELOAD=' .. preload end
   for _, v in ipairs(vars or {}) do all[#all + 1] = v end
   return env .. H.mpirun(np, all) .. ' ' .. H.bin()
+end
+
+-- How many times pattern matches in text.
+function H.count(text, pattern)
+  local k = 0
+  for _ in text:gmatch(pattern) do k = k + 1 end
+  return k
+end
+
+-- spec/comm/primitives.lua's outputs of np ranks under dir (mpirun's
+-- --output-filename): no FAIL, at least min PASS lines per rank, and rank
+-- 0's DONE line counting them all.
+function H.primitives_passed(dir, np, min)
+  local total = 0
+  for q = 0, np - 1 do
+    local text = H.read(dir .. '/1/rank.' .. q .. '/stdout')
+    assert(H.count(text, 'FAIL') == 0, text)
+    local passes = H.count(text, 'PASS ')
+    assert(passes >= min, string.format('%d PASS lines on rank %d, expected at least %d:\n%s', passes, q, min, text))
+    total = total + passes
+  end
+  H.has(H.read(dir .. '/1/rank.0/stdout'), 'DONE checks=' .. total .. ' failures=0')
 end
 
 -- Runs cmd, which must succeed and write JSON to json_path: the decoded

@@ -226,6 +226,21 @@ static int l_set_check(lua_State *L) {
     return 0;
 }
 
+/* backend(): the backend of device tensors, chosen now if not yet;
+ * set_backend(name, source): chooses it (source names the setting) */
+static int l_backend(lua_State *L) {
+    const char *name = ds_comm_device_backend();
+    if (!name) return dsL_error(L);
+    lua_pushstring(L, name);
+    return 1;
+}
+
+static int l_set_backend(lua_State *L) {
+    if (ds_comm_set_device_backend(luaL_checkstring(L, 1), luaL_optstring(L, 2, "ds.comm.set_backend")))
+        return dsL_error(L);
+    return 0;
+}
+
 static int l_check_enabled(lua_State *L) {
     lua_pushboolean(L, ds_comm_check_enabled());
     return 1;
@@ -359,6 +374,7 @@ void dsL_open_comm(lua_State *L) {
         {"local_rank", l_local_rank}, {"local_size", l_local_size}, {"launched", l_launched},
         {"is_initialized", l_is_initialized}, {"set_timeout", l_set_timeout}, {"timeout", l_timeout},
         {"set_check", l_set_check}, {"check_enabled", l_check_enabled}, {"abort", l_abort},
+        {"backend", l_backend}, {"set_backend", l_set_backend},
         {"progress", l_progress}, {"flight_record", l_flight_record}, {"new_group", l_new_group}, {"is_group", l_is_group},
         {"barrier", l_barrier}, {"send", l_send}, {"recv", l_recv}, {"broadcast", l_broadcast},
         {"reduce", l_reduce}, {"all_reduce", l_all_reduce}, {"gather", l_gather},

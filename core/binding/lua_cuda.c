@@ -100,6 +100,21 @@ static int l_memory_info(lua_State *L) {
     return 1;
 }
 
+/* ds.cuda.shared(): {gpu, first, last} when this host has more ranks than
+ * GPUs (this rank's GPU, the world ranks first to last on it), else nil */
+static int l_shared(lua_State *L) {
+    int first, last, gpu;
+    if (!ds_rank_device_shared(&first, &last, &gpu)) return 0;
+    lua_createtable(L, 0, 3);
+    lua_pushinteger(L, gpu);
+    lua_setfield(L, -2, "gpu");
+    lua_pushinteger(L, first);
+    lua_setfield(L, -2, "first");
+    lua_pushinteger(L, last);
+    lua_setfield(L, -2, "last");
+    return 1;
+}
+
 /* ds.cuda.reset_peak([index]): memory_info's peak starts again from now */
 static int l_reset_peak(lua_State *L) {
     int index = lua_isnoneornil(L, 1) ? ds_rank_device_index(ds_cuda_device_count()) : (int)luaL_checkinteger(L, 1);
@@ -132,7 +147,7 @@ static const luaL_Reg cuda_functions[] = {
     {"is_built", l_is_built}, {"is_available", l_is_available}, {"device_count", l_device_count},
     {"unavailable_reason", l_unavailable_reason}, {"synchronize", l_synchronize},
     {"memory_info", l_memory_info}, {"reset_peak", l_reset_peak}, {"empty_cache", l_empty_cache}, {"allow_tf32", l_allow_tf32},
-    {NULL, NULL}
+    {"shared", l_shared}, {NULL, NULL}
 };
 
 void dsL_open_cuda(lua_State *L) {

@@ -21,6 +21,7 @@
 #include "ds_env.h"
 #include "ds_error.h"
 #include "ds_ops.h"
+#include "ds_rank_device.h"
 
 #include <math.h>
 #include <sched.h>
@@ -132,8 +133,80 @@ bool ds_comm_check_enabled(void) {
 void ds_comm_set_check(bool on) { S.check = on; }
 
 
+/* ---- the backend of device tensors ---- */
+
+enum { DEV_AUTO = -2, DEV_UNKNOWN = -1, DEV_NCCL, DEV_MPI };
+static const char *dev_names[] = { "nccl", "mpi" };
+static struct {
+    int choice;                     /* DEV_AUTO until chosen */
+    bool used;                      /* device tensors have moved on it */
+    char source[96];                /* "dist_backend=mpi", "ranks 0-3 share cuda:0" */
+} D = { .choice = DEV_AUTO };
+
+/* nccl, mpi or gloo, auto or empty; PyTorch's "cpu:gloo,cuda:nccl" by its cuda part */
+static int parse_backend(const char *name) {
+    const char *cuda = strstr(name, "cuda:");
+    char word[16];
+    snprintf(word, sizeof word, "%s", cuda ? cuda + 5 : name);
+    word[strcspn(word, ",")] = 0;
+    if (strcmp(word, "nccl") == 0) return DEV_NCCL;
+    if (strcmp(word, "mpi") == 0 || strcmp(word, "gloo") == 0) return DEV_MPI;
+    if (strcmp(word, "auto") == 0 || word[0] == 0) return DEV_AUTO;
+    return DEV_UNKNOWN;
+}
+
+int ds_comm_set_device_backend(const char *name, const char *source) {
+    int c = parse_backend(name);
+    if (c == DEV_UNKNOWN)
+        return ds_fail(DS_ERR_ARG, "%s=%s: not a backend for device tensors (expected nccl, mpi, gloo (MPI through "
+                       "host memory, as mpi) or auto)", source, name), -1;
+    if (D.used && c == DEV_AUTO) return 0;     /* auto chose already */
+    if (D.used && c != D.choice)
+        return ds_fail(DS_ERR_STATE, "%s=%s: device tensors already travel over %s (%s); choose the backend before "
+                       "the first collective", source, name, dev_names[D.choice], D.source), -1;
+    D.choice = c;
+    snprintf(D.source, sizeof D.source, "%s=%s", source, name);
+    return 0;
+}
+
+const char *ds_comm_device_backend(void) {
+    if (D.choice == DEV_AUTO) {
+        const char *env = getenv("DSLUA_COMM_BACKEND");
+        if (env && *env && ds_comm_set_device_backend(env, "DSLUA_COMM_BACKEND")) return NULL;
+    }
+    int first, last, gpu;
+    bool shared = ds_rank_device_shared(&first, &last, &gpu);
+    if (D.choice == DEV_AUTO) {
+        D.choice = shared ? DEV_MPI : DEV_NCCL;
+        if (shared) snprintf(D.source, sizeof D.source, "NCCL needs a GPU per rank");
+        else snprintf(D.source, sizeof D.source, "a GPU per rank");
+    }
+    static bool said;
+    if (shared && !said && first < last && ds_rank_device_world_rank() == first)
+        fprintf(stderr, "dslua: ranks %d-%d share cuda:%d: collectives of device tensors over %s (%s)\n", first, last,
+                gpu, D.choice == DEV_MPI ? "MPI" : "NCCL", D.source);
+    said = true;
+    return dev_names[D.choice];
+}
+
+/* DSLUA_TEST_STAGE_CPU=1, a test hook: CPU tensors through the staged
+ * backend with memcpy for copies, so its pieces and order run without a
+ * GPU. */
+static bool stage_cpu(void) {
+    static int on = -1;
+    if (on < 0) on = ds_env_int("DSLUA_TEST_STAGE_CPU", 0) != 0;
+    return on;
+}
+
 const ds_comm_backend *ds_comm_backend_of(const ds_tensor *t, const char *op) {
     ds_device d = ds_tensor_device(t);
+    if (d.type == DS_DEV_CPU && stage_cpu()) return &ds_comm_staged_backend;
+    if (d.type != DS_DEV_CPU && S.backends[d.type]) {
+        const char *name = ds_comm_device_backend();
+        if (!name) return NULL;
+        D.used = true;
+        return D.choice == DEV_MPI ? &ds_comm_staged_backend : S.backends[d.type];
+    }
     if (S.backends[d.type]) return S.backends[d.type];
     char name[32];
     ds_device_name(d, name, sizeof name);
@@ -396,6 +469,7 @@ static int wait_for(test_fn test, void *ctx, const need *nd, const char *what, d
         if (test(ctx, &done)) { S.broken = true; rc = -1; break; }
         if (done) break;
         poll_exits();
+        ds_comm_staged_pump();      /* a staged call another rank waits for starts meanwhile */
         double waited = now() - t0;
         int r = gone(nd);
         if (r >= 0) {
@@ -526,6 +600,7 @@ int ds_comm_init(void) {
     world.size = S.size;
     if (ds_comm_mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &world.comm), "comm: MPI_Comm_dup") ||
         ds_comm_mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &world.ctl), "comm: MPI_Comm_dup") ||
+        ds_comm_mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &world.staged), "comm: MPI_Comm_dup") ||
         ds_comm_mpi_check(MPI_Comm_dup(MPI_COMM_WORLD, &S.exitc), "comm: MPI_Comm_dup"))
         return -1;
     S.initialized = true;
@@ -613,7 +688,7 @@ ds_comm_group *ds_comm_new_group(const int *ranks, int n) {
     g->rank = -1;
     g->size = n;
     g->index = S.ngroups;
-    g->comm = g->ctl = MPI_COMM_NULL;
+    g->comm = g->ctl = g->staged = MPI_COMM_NULL;
     size_t len = 0;
     for (int i = 0; i < n; i++) {
         if (ranks[i] < 0 || ranks[i] >= size) {
@@ -653,6 +728,7 @@ ds_comm_group *ds_comm_new_group(const int *ranks, int n) {
             rc = ds_comm_mpi_check(MPI_Comm_create_group(MPI_COMM_WORLD, sub, (int)(w->seq & 0x7fff), &g->comm),
                                    "new_group");
             if (!rc) rc = ds_comm_mpi_check(MPI_Comm_dup(g->comm, &g->ctl), "new_group");
+            if (!rc) rc = ds_comm_mpi_check(MPI_Comm_dup(g->comm, &g->staged), "new_group");
             MPI_Group_free(&sub);
             MPI_Group_free(&wg);
         }

@@ -5,8 +5,9 @@
  *
  * MPI starts the ranks and carries the control plane (start-up, groups,
  * shapes, checks, exit notices). The payload goes through a backend picked
- * by the tensor's device: MPI for CPU tensors, a slot for NCCL on CUDA
- * tensors (ds_comm_impl.h). Without mpirun there is one rank, MPI is
+ * by the tensor's device: MPI for CPU tensors; for CUDA tensors NCCL, or
+ * MPI through page-locked host memory where ranks share a GPU or where
+ * the job asks for it (ds_comm_set_device_backend, ds_comm_impl.h). Without mpirun there is one rank, MPI is
  * never started, and every primitive is a local no-op or copy.
  *
  * Nothing waits forever: every wait polls with a deadline (the timeout,
@@ -56,6 +57,18 @@ double ds_comm_timeout(void);
 /* The agreement before every collective: on unless DSLUA_COMM_CHECK=0. */
 void ds_comm_set_check(bool on);
 bool ds_comm_check_enabled(void);
+/* The backend of device tensors: name "nccl", "mpi" (MPI through
+ * page-locked host memory), "gloo" (the same: PyTorch's name for it),
+ * "auto", or PyTorch's "cpu:gloo,cuda:nccl" (its cuda part counts);
+ * source names the setting in errors ("dist_backend"). It wins over
+ * DSLUA_COMM_BACKEND, which wins over auto: MPI where ranks share a GPU,
+ * NCCL elsewhere. 0, or -1 with the error: an unknown name, or another
+ * backend than the one device tensors have already moved on. */
+int ds_comm_set_device_backend(const char *name, const char *source);
+/* "nccl" or "mpi", chosen now if not yet; where ranks share a GPU, the
+ * first of them says so once on stderr. NULL with the error (a bad
+ * DSLUA_COMM_BACKEND). */
+const char *ds_comm_device_backend(void);
 /* Ends the whole job now: MPI_Abort when MPI runs, else exit(code). */
 _Noreturn void ds_comm_abort(int code);
 

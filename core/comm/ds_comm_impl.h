@@ -6,9 +6,11 @@
  * group ranks, ops never AVG (it is a SUM then a division).
  *
  * MPI serves CPU tensors (ds_comm_mpi.c); in a CUDA build NCCL serves CUDA
- * tensors (ds_comm_nccl.c); its per-group communicator
- * lives in ds_comm_group.backend[DS_DEV_CUDA], made on first use from the
- * group's MPI control communicator. */
+ * tensors (ds_comm_nccl.c), or the staged backend does (ds_comm_staged.c,
+ * MPI through host memory) where ranks share a GPU or the job asks for it
+ * (ds_comm_set_device_backend). NCCL's per-group communicator lives in
+ * ds_comm_group.backend[DS_DEV_CUDA], made on first use from the group's
+ * MPI control communicator. */
 #ifndef DS_COMM_IMPL_H
 #define DS_COMM_IMPL_H
 
@@ -24,6 +26,7 @@ struct ds_comm_group {
     char name[64];                  /* "world" or "[0,2]" */
     MPI_Comm comm;                  /* MPI payload; MPI_COMM_NULL without MPI */
     MPI_Comm ctl;                   /* shapes and checks, never payload */
+    MPI_Comm staged;                /* the staged backend's payload: its calls start later than they are made */
     void *backend[DS_NDEVICE_TYPES];
     struct ds_comm_group *next;
 };
@@ -58,6 +61,43 @@ typedef struct ds_comm_backend {
 extern const ds_comm_backend ds_comm_mpi_backend;
 #ifdef DSLUA_CUDA
 extern const ds_comm_backend ds_comm_nccl_backend;
+#endif
+
+/* The staged backend (ds_comm_staged.c): a device tensor's bytes copied
+ * to page-locked host memory, moved by the MPI backend there, copied
+ * back. A stager moves the bytes: ds_cuda_stager (ds_comm_cuda.c) for
+ * device memory, and a host one (memcpy) that DSLUA_TEST_STAGE_CPU=1 puts
+ * under CPU tensors, so every step but the copies runs without a GPU. */
+typedef struct ds_comm_stager {
+    const char *name;
+    bool (*owns)(const void *ptr);
+    /* ptr's device made current; the stream the copies go on, ordered
+     * after the work queued so far on the device. NULL with the error. */
+    void *(*begin)(const void *ptr, const char *op);
+    void *(*host_alloc)(size_t nb);
+    void (*host_free)(void *p, size_t nb);
+    /* Queues nb bytes src -> dst on stream; *fence passes once they are
+     * there (NULL: already). 0, or -1 with the error. */
+    int (*copy)(void *dst, const void *src, size_t nb, void *stream, void **fence);
+    int (*passed)(void *fence, bool *done);
+    void (*fence_free)(void *fence);
+} ds_comm_stager;
+
+#ifdef DSLUA_CUDA
+/* ds_comm_cuda.c: ptr's device (made current) into *dev, 0 or -1 with
+ * the error naming op; and the communication stream (a cudaStream_t) of
+ * ptr's device, ordered after the work queued so far on its compute
+ * stream, NULL with the error. */
+int ds_comm_cuda_device_of(const void *ptr, const char *op, int *dev);
+void *ds_comm_cuda_begin(const void *ptr, const char *op, int *dev);
+#endif
+
+extern const ds_comm_backend ds_comm_staged_backend;
+/* Starts the staged calls whose bytes have reached the host: 0, or -1
+ * with the error (which the request's test reports again). */
+int ds_comm_staged_pump(void);
+#ifdef DSLUA_CUDA
+extern const ds_comm_stager ds_cuda_stager;
 #endif
 
 /* The backend for t's device, or NULL with the error naming op. */

@@ -7,10 +7,12 @@
  * that test() polls, so the comm layer's deadlines apply unchanged.
  * Variable counts (gather, scatter, uneven all_gather / reduce_scatter)
  * become grouped point-to-point calls or per-rank reductions. */
+#define _GNU_SOURCE            /* RTLD_DEFAULT */
 #include "ds_comm_impl.h"
 #include "ds_cuda_impl.h"
 #include "ds_error.h"
 
+#include <dlfcn.h>
 #include <nccl.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,16 +63,6 @@ static ncclRedOp_t nccl_op(ds_comm_op op, ds_dtype t) {
     }
 }
 
-/* The device holding ptr, made current. */
-static int device_of(const void *ptr, const char *op, int *dev) {
-    struct cudaPointerAttributes a;
-    if (cuda_check(cudaPointerGetAttributes(&a, ptr), op, "cudaPointerGetAttributes")) return -1;
-    if (a.type != cudaMemoryTypeDevice) return ds_fail(DS_ERR_ARG, "%s: NCCL buffer is not device memory", op), -1;
-    *dev = a.device;
-    if (ds_cuda_set_device(a.device)) return ds_fail(DS_ERR_STATE, "%s: %s", op, ds_kernel_error()), -1;
-    return 0;
-}
-
 /* Where a rank's GPU is: its host and PCI bus id. */
 typedef struct {
     char host[64];
@@ -81,10 +73,11 @@ typedef struct {
 /* NCCL refuses two ranks of a communicator on one GPU, saying only
  * "invalid usage": the ranks of g first learn where each other's GPU is,
  * and when two share one, every rank fails with the same message naming
- * them (ds.device() has caught the usual case, more ranks than GPUs, in
- * ds.initialize already; this is DSLUA_DEVICE=cuda:0 on every rank, or
+ * them (ranks sharing a GPU by ds.device()'s choice go over MPI unless
+ * NCCL is asked for; this is also DSLUA_DEVICE=cuda:0 on every rank, or
  * tensors moved by hand). 0, or -1 with the error set. */
 static int check_placement(ds_comm_group *g, int dev, const char *op) {
+    if (dlsym(RTLD_DEFAULT, "dslua_nccl_double")) return 0;     /* tests/nccl_double takes shared GPUs */
     placement mine = { .device = dev };
     if (gethostname(mine.host, sizeof mine.host - 1)) snprintf(mine.host, sizeof mine.host, "?");
     if (cudaDeviceGetPCIBusId(mine.bus, (int)sizeof mine.bus, dev) != cudaSuccess) {
@@ -101,8 +94,8 @@ static int check_placement(ds_comm_group *g, int dev, const char *op) {
             if (strcmp(all[i].host, all[j].host) == 0 && strcmp(all[i].bus, all[j].bus) == 0) {
                 ds_fail(DS_ERR_STATE, "%s: ranks %d and %d both use the GPU at PCI %s on %s (cuda:%d and cuda:%d "
                         "there): NCCL needs a GPU of its own for each rank. Give each rank its own GPU "
-                        "(DSLUA_DEVICE=cuda or unset: the one of its LOCAL_RANK), start fewer ranks per host, or run "
-                        "the ranks on the CPU (DSLUA_DEVICE=cpu)", op, g->ranks[i], g->ranks[j], all[i].bus,
+                        "(DSLUA_DEVICE=cuda or unset: the one of its LOCAL_RANK), carry device tensors over MPI "
+                        "(DSLUA_COMM_BACKEND=mpi), or run the ranks on the CPU (DSLUA_DEVICE=cpu)", op, g->ranks[i], g->ranks[j], all[i].bus,
                         all[i].host, all[i].device, all[j].device);
                 rc = -1;
             }
@@ -135,18 +128,11 @@ static ncclComm_t group_comm(ds_comm_group *g, int dev, const char *op) {
     return ng->comm;
 }
 
-/* Before a call: the comm stream of ptr's device waits for its compute
- * stream. Fills *dev and *comm and returns the comm stream, or NULL. */
+/* Before a call: the comm stream of ptr's device, after its compute
+ * stream's work. Fills *dev and *comm and returns the stream, or NULL. */
 static cudaStream_t begin(const void *ptr, ds_comm_group *g, const char *op, int *dev, ncclComm_t *comm) {
-    cudaEvent_t ready;
-    if (device_of(ptr, op, dev) || !(*comm = group_comm(g, *dev, op))) return NULL;
-    cudaStream_t cs = ds_cuda_compute_stream(*dev), ms = ds_cuda_comm_stream(*dev);
-    if (cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), op, "cudaEventCreateWithFlags"))
-        return NULL;
-    int rc = cuda_check(cudaEventRecord(ready, cs), op, "cudaEventRecord");
-    if (!rc) rc = cuda_check(cudaStreamWaitEvent(ms, ready, 0), op, "cudaStreamWaitEvent");
-    cudaEventDestroy(ready);       /* released once the wait has used it */
-    return rc ? NULL : ms;
+    if (ds_comm_cuda_device_of(ptr, op, dev) || !(*comm = group_comm(g, *dev, op))) return NULL;
+    return ds_comm_cuda_begin(ptr, op, dev);
 }
 
 /* After the NCCL calls (r their result): the request, an event on ms. */

@@ -1,5 +1,5 @@
-/* Inside the CUDA runtime (core/ds_cuda*.c and ds_comm_nccl.c only; these
- * files exist in CUDA builds alone): devices, streams, the caching
+/* Inside the CUDA runtime (core/ds_cuda*.c, ds_comm_nccl.c and
+ * ds_comm_cuda.c only; these files exist in CUDA builds alone): devices, streams, the caching
  * allocator and cross-device copies. */
 #ifndef DS_CUDA_IMPL_H
 #define DS_CUDA_IMPL_H

@@ -24,38 +24,53 @@ static const char *gpu_list(int n, char *buf, size_t size) {
 static void say_once(ds_device d, const char *why) {
     static atomic_flag said = ATOMIC_FLAG_INIT;
     if (atomic_flag_test_and_set(&said)) return;
-    int rank = ds_env_int("RANK", 0);
+    int rank = ds_rank_device_world_rank();
     if (d.type == DS_DEV_CPU) {
         fprintf(stderr, "dslua: rank %d uses the CPU (%s)\n", rank, why);
         return;
     }
     char gpu[256];
     if (ds_cuda_device_name(d.index, gpu, sizeof gpu)) snprintf(gpu, sizeof gpu, "name unknown");
-    fprintf(stderr, "dslua: rank %d uses cuda:%d, %s (%s)\n", rank, d.index, gpu, why);
+    int first, last, shared;
+    char with[64] = "";
+    if (ds_rank_device_shared(&first, &last, &shared) && shared == d.index && first < last)
+        snprintf(with, sizeof with, "; ranks %d-%d share it", first, last);
+    fprintf(stderr, "dslua: rank %d uses cuda:%d, %s (%s%s)\n", rank, d.index, gpu, why, with);
 }
 
-/* Every rank of this host on a GPU of its own: 0, or -1 with the error. */
-static int check_ranks(int local_rank, int gpus) {
-    const char *hook = getenv("DSLUA_TEST_GPU_COUNT");
-    gpus = ds_env_int("DSLUA_TEST_GPU_COUNT", gpus);
+/* This host's ranks (LOCAL_SIZE, at least local_rank + 1). */
+static int host_ranks(int local_rank) {
     int ranks = ds_env_local_size();
-    if (ranks < local_rank + 1) ranks = local_rank + 1;
-    if (gpus <= 0 || ranks <= gpus) return 0;
-    char list[320];
-    gpu_list(gpus, list, sizeof list);
-    ds_fail(DS_ERR_STATE,
-            "rank %d (LOCAL_RANK %d): %d ranks on this host (LOCAL_SIZE %d) but %d GPU%s (%s%s): NCCL needs a GPU "
-            "of its own for each rank. Start at most %d rank%s per host (dslua -n %d), make more GPUs visible "
-            "(CUDA_VISIBLE_DEVICES), or run the ranks on the CPU (DSLUA_DEVICE=cpu or --device cpu)",
-            ds_env_int("RANK", 0), local_rank, ranks, ranks, gpus, gpus == 1 ? "" : "s", list,
-            hook && *hook ? "; counted by DSLUA_TEST_GPU_COUNT, a test hook" : "", gpus, gpus == 1 ? "" : "s", gpus);
-    return -1;
+    return ranks < local_rank + 1 ? local_rank + 1 : ranks;
+}
+
+/* Local rank r's GPU of gpus: its own while there are enough, else in
+ * blocks, so that the ranks sharing a GPU are neighbours. */
+static int gpu_of(int r, int ranks, int gpus) {
+    return ranks <= gpus ? r : (int)((int64_t)r * gpus / ranks);
+}
+
+bool ds_rank_device_shared(int *first, int *last, int *gpu) {
+    int lr = ds_env_local_rank(), ranks = host_ranks(lr);
+    int gpus = ds_env_int("DSLUA_TEST_GPU_COUNT", ds_cuda_device_count());
+    if (gpus <= 0 || ranks <= gpus) return false;
+    int g = gpu_of(lr, ranks, gpus);
+    int lo = (int)(((int64_t)g * ranks + gpus - 1) / gpus), hi = (int)(((int64_t)(g + 1) * ranks + gpus - 1) / gpus) - 1;
+    int base = ds_rank_device_world_rank() - lr;
+    *first = base + lo;
+    *last = base + hi;
+    *gpu = g;
+    return true;
+}
+
+int ds_rank_device_world_rank(void) {
+    return ds_env_int("RANK", ds_env_int("OMPI_COMM_WORLD_RANK", ds_env_int("PMIX_RANK", ds_env_local_rank())));
 }
 
 /* DSLUA_DEVICE or --device: the device it names, checked. */
-static int chosen(const char *src, const char *sep, const char *want, int local_rank, ds_device *out) {
+static int chosen(const char *src, const char *sep, const char *want, ds_device *out) {
     bool mine = strcmp(want, "cuda") == 0;
-    ds_device d = { DS_DEV_CUDA, local_rank };
+    ds_device d = { DS_DEV_CUDA, 0 };
     if (!mine && ds_device_parse(want, &d))
         return ds_fail(DS_ERR_ARG, "%s%s%s: not a device (expected cpu, cuda for this rank's GPU, or cuda:N)", src,
                        sep, want), -1;
@@ -65,7 +80,7 @@ static int chosen(const char *src, const char *sep, const char *want, int local_
     if (n == 0)
         return ds_fail(DS_ERR_ARG, "%s%s%s: no CUDA device available (%s); unset it or ask for cpu", src, sep, want,
                        ds_cuda_unavailable_reason()), -1;
-    if (mine && check_ranks(local_rank, n)) return -1;
+    if (mine) d.index = ds_rank_device_index(n);
     if (d.index >= n)
         return ds_fail(DS_ERR_ARG, "%s%s%s: this process sees %d GPU%s (%s)", src, sep, want, n, n == 1 ? "" : "s",
                        gpu_list(n, list, sizeof list)), -1;
@@ -79,16 +94,15 @@ int ds_rank_device(const char *flag, ds_device *out) {
     char why[192];
     if (flag || (env && *env)) {
         const char *src = flag ? "--device" : "DSLUA_DEVICE", *sep = flag ? " " : "=", *want = flag ? flag : env;
-        if (chosen(src, sep, want, local_rank, out)) return -1;
+        if (chosen(src, sep, want, out)) return -1;
         snprintf(why, sizeof why, "%s%s%s", src, sep, want);
     } else {
         int n = ds_cuda_device_count();
-        if (check_ranks(local_rank, n)) return -1;
         if (n == 0) {
             *out = DS_CPU_DEVICE;
             snprintf(why, sizeof why, "no CUDA device: %s", ds_cuda_unavailable_reason());
         } else {
-            *out = (ds_device){ DS_DEV_CUDA, local_rank };
+            *out = (ds_device){ DS_DEV_CUDA, ds_rank_device_index(n) };
             snprintf(why, sizeof why, "LOCAL_RANK %d", local_rank);
         }
     }
@@ -98,5 +112,5 @@ int ds_rank_device(const char *flag, ds_device *out) {
 
 int ds_rank_device_index(int count) {
     int r = ds_env_local_rank();
-    return r >= 0 && count > 0 ? r % count : 0;
+    return r >= 0 && count > 0 ? gpu_of(r, host_ranks(r), count) % count : 0;
 }

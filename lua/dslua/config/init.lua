@@ -314,6 +314,9 @@ local TOP = { lenient = true, fields = {
   prescale_gradients = bool(false),
   -- the dtype gradients travel in; null: the model's (fp16, bf16 or fp32)
   communication_data_type = enum(nil, { 'fp32', 'fp16', 'bf16' }, { nullable = true }),
+  -- the backend of device tensors, as deepspeed.init_distributed's dist_backend:
+  -- nccl, mpi (through host memory; gloo is the same), null: auto (ds.comm.backend)
+  dist_backend = enum(nil, { 'nccl', 'mpi', 'gloo', 'auto' }, { nullable = true }),
   gradient_predivide_factor = num(1.0, nil, { above = 0 }),
   fp16 = block(FP16),
   bf16 = block(BF16),

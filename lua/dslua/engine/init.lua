@@ -145,6 +145,12 @@ end
 -- the optimizer passed in (its first group), the params the scheduler
 -- passed in was built with, the micro batch passed in (batch_size) and the
 -- model's hidden size.
+-- This rank's GPU when other ranks share it ({gpu, first, last}), else nil.
+local function shared_gpu()
+  local s = ds.cuda.shared()
+  return s and s.first < s.last and s or nil
+end
+
 local function config_given(opts, model)
   local o, s, c = opts.optimizer, opts.lr_scheduler, rawget(model, 'config')
   return { optimizer = type(o) == 'table' and type(o.param_groups) == 'table' and o.param_groups[1] or nil,
@@ -237,6 +243,13 @@ function M.initialize(opts)
   -- collective: too many ranks for the GPUs is an error here, not NCCL's
   local ok, device = pcall(ds.device)
   if not ok then error('initialize: ' .. (tostring(device):gsub('^[^\n]-:%d+: ', '')), 2) end
+  -- the backend of device tensors (dist_backend, DSLUA_COMM_BACKEND, else
+  -- MPI where ranks share a GPU), said at start and checked before any collective
+  if cfg.dist_backend then ds.comm.set_backend(cfg.dist_backend, 'dist_backend') end
+  if device ~= 'cpu' then
+    local chosen, err = pcall(ds.comm.backend)
+    if not chosen then error('initialize: ' .. (tostring(err):gsub('^[^\n]-:%d+: ', '')), 2) end
+  end
   local _, moved = model:to(device)
   local params = opts.model_parameters and moved_params(opts.model_parameters, moved) or model:parameters()
   local rank = ds.comm and ds.comm.rank() or 0
@@ -262,6 +275,8 @@ function M.initialize(opts)
     for i, g in ipairs(optimizer.param_groups) do
       firsts[i] = string.format('(the first lr of param group %d) = %s', i, num(g.lr) or tostring(g.lr))
     end
+    -- ranks on two backends would wait on each other for ever
+    if device ~= 'cpu' then firsts[#firsts + 1] = '(the backend of device tensors) = ' .. ds.comm.backend() end
     ds.config.agree(cfg, firsts)
   end
 
@@ -269,6 +284,7 @@ function M.initialize(opts)
     module = model, config = cfg, optimizer = optimizer, lr_scheduler = scheduler, steps = steps, device = device,
     scaler = cfg.fp16.enabled and require('dslua.engine.loss_scaler').from_config(cfg.fp16) or nil,
     rank = rank, world_size = world_size, reduce_size = reduce_size,
+    shared_gpu = device ~= 'cpu' and shared_gpu() or nil,   -- each rank's memory in the log
     micro_steps = 0, global_steps = 0, global_samples = 0, skipped_steps = 0,
     timers = cfg.wall_clock_breakdown and timers() or nil,
     busy_time = 0,

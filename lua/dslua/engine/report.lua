@@ -97,6 +97,17 @@ function Engine:memory_report()
   return out
 end
 
+-- Ranks sharing a GPU: each says its own share of it (the progress line
+-- is rank 0's alone), from its caching allocator.
+local function shared_memory_line(engine)
+  local m, s = ds.cuda.memory_info(), engine.shared_gpu
+  progress.clear()
+  io.stdout:write(string.format('[Rank %d] %s shared by ranks %d-%d: this rank MemAllocated=%.2fGB, '
+                                .. 'MaxMemAllocated=%.2fGB, cached=%.2fGB\n', engine.rank, engine.device, s.first,
+                                s.last, m.allocated / 2^30, m.peak / 2^30, m.cached / 2^30))
+  io.stdout:flush()
+end
+
 -- DeepSpeed's logs at each steps_per_print boundary: the progress line, the
 -- throughput line and, with wall_clock_breakdown, the timers; on a
 -- terminal the epoch's progress bar as well.
@@ -120,6 +131,7 @@ function Engine:_report()
       tostring(self.epoch or 0), self.micro_steps, self.global_steps,
       (self.global_samples - (self.resumed_samples or 0)) / self.busy_time,
       samples / elapsed, ds.memory_stats().current.total / 2^30, ds.memory_stats().peak.total / 2^30)
+  if self.shared_gpu then shared_memory_line(self) end
   if self.timers then
     local tt = self.timers.total
     log(self, 'time (ms) | forward: %.2f | backward: %.2f | step: %.2f  (mean per global step over %d)',

@@ -39,6 +39,17 @@ function M.get_timeout() return K.timeout() end
 -- every rank must set the same
 function M.set_check(on) K.set_check(on) end
 function M.check_enabled() return K.check_enabled() end
+-- The backend of device tensors: 'nccl', or 'mpi' (through page-locked
+-- host memory; where ranks share a GPU by default). set_backend takes
+-- DeepSpeed's dist_backend names: nccl, mpi, gloo (as mpi), auto.
+function M.backend() return K.backend() end
+function M.set_backend(name, source) K.set_backend(name, source) end
+-- deepspeed.init_distributed(dist_backend=...): MPI starts by itself under
+-- mpirun; what is left to choose is the backend of device tensors
+function M.init_distributed(o)
+  local name = type(o) == 'table' and o.dist_backend or o
+  if name ~= nil then K.set_backend(name, 'init_distributed: dist_backend') end
+end
 -- this rank's last collectives, oldest first: {what, group, state, age, seconds}
 function M.flight_record() return K.flight_record() end
 function M.abort(code) K.abort(code or 1) end
