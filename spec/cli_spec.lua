@@ -124,7 +124,7 @@ describe('the REPL', function()
   end)
 
   it('completes globals, table fields and tensor methods', function()
-    assert.are.same({ 'ds.zeros' }, repl.complete('ds.zer'))
+    assert.are.same({ 'ds.zero', 'ds.zeros' }, repl.complete('ds.zer'))
     local t = repl.complete('string.fo')
     assert.are.same({ 'string.format' }, t)
     _G.t_repl_spec = H.ds.zeros(2)

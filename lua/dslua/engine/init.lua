@@ -462,9 +462,10 @@ function Engine:forward(...)
   self.window:batch(batch_samples((...)))
   -- a rank that runs out of data under stage 3 repeats the last forward
   -- with zero weight, so its gathers match the others'
-  if self.weighted and self.steps.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
+  local steps = self.steps                    -- nil after destroy(): the module still runs forward
+  if self.weighted and steps and steps.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
   local out
-  local dtype = self.steps.dtype ~= 'f32' and self.steps.dtype or nil
+  local dtype = steps and steps.dtype ~= 'f32' and steps.dtype or nil
   if dtype or self.device ~= 'cpu' then
     out = self.module:forward(place_inputs(self.device, dtype, ...))
   else
