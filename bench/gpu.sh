@@ -28,12 +28,9 @@ compiled=
 quick=
 while getopts "b:o:cqh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     o) results=$OPTARG ;;
     c) compiled=1 ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 # no GPU: stop before building anything
