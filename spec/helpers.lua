@@ -224,11 +224,23 @@ function H.write(path, text)
   return path
 end
 
--- The message fn(...) raises; fails the spec if it does not raise.
-function H.err(fn, ...)
+local function raised(fn, ...)
   local ok, e = pcall(fn, ...)
   assert(not ok, 'expected an error')
-  return tostring(e)
+  return e
+end
+
+-- The message fn(...) raises; fails the spec if it does not raise.
+function H.err(fn, ...)
+  return tostring(raised(fn, ...))
+end
+
+-- The message fn(...) raises, which must be a string (not an error
+-- object); fails the spec if it does not raise.
+function H.errmsg(fn, ...)
+  local e = raised(fn, ...)
+  assert(type(e) == 'string', 'error message is a ' .. type(e))
+  return e
 end
 
 -- Asserts that text contains piece, verbatim.
@@ -320,6 +332,21 @@ function H.run_json(cmd, json_path)
   local t = ds.json.decode(f:read('*a'))
   f:close()
   return t, out
+end
+
+-- run(np) for a block of multi-rank specs: the first call for each np
+-- runs command(np, json_path), a command that writes JSON to json_path (in
+-- dir), and every call returns the decoded table and the command's output
+-- (see H.run_json).
+function H.runs_by_np(dir, command)
+  local runs, outputs = {}, {}
+  return function(np)
+    if not runs[np] then
+      local json = dir .. '/' .. np .. '.json'
+      runs[np], outputs[np] = H.run_json(command(np, json), json)
+    end
+    return runs[np], outputs[np]
+  end
 end
 
 -- Whether mpirun is on PATH (multi-rank specs skip without it).

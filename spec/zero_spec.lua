@@ -85,15 +85,9 @@ end)
 describe('ZeRO and mixed precision', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
-  local runs, outputs = {}, {}
-
-  local function run(np)
-    if runs[np] then return runs[np], outputs[np] end
-    local json = dir .. '/' .. np .. '.json'
-    runs[np], outputs[np] = H.run_json(H.ranks_cmd(np) .. ' spec/zero/equiv.lua ' .. json .. ' ' .. dir .. '/nvme' .. np,
-                                       json)
-    return runs[np], out
-  end
+  local run = H.runs_by_np(dir, function(np, json)
+    return H.ranks_cmd(np) .. ' spec/zero/equiv.lua ' .. json .. ' ' .. dir .. '/nvme' .. np
+  end)
 
   local function same(case, ref, tol, what)
     assert.are.equal(50, #case.losses)
