@@ -289,10 +289,7 @@ static int l_engine(lua_State *L) {
             lua_pop(L, 1);
         }
     }
-    ds_zero **ud = lua_newuserdata(L, sizeof *ud);
-    *ud = NULL;
-    luaL_getmetatable(L, DSL_ZERO_MT);
-    lua_setmetatable(L, -2);
+    ds_zero **ud = dsL_newhandle(L, DSL_ZERO_MT);
     if (!(*ud = ds_zero_new(&c, ng, counts, params, flat))) return dsL_error(L);
     return 1;
 }
@@ -369,22 +366,17 @@ static int l_refresh(lua_State *L) {
     return 0;
 }
 
-static void set_number(lua_State *L, const char *key, double v) {
-    lua_pushnumber(L, v);
-    lua_setfield(L, -2, key);
-}
-
 static int l_stats(lua_State *L) {
     ds_zero_stats s;
     if (!ds_zero_stats_get(check_engine(L), &s)) return 0;
     lua_createtable(L, 0, 7);
-    set_number(L, "buckets", s.buckets);
-    set_number(L, "bytes", (double)s.bytes);
-    set_number(L, "launched_in_backward", s.launched_in_backward);
-    set_number(L, "leaves_after_first_launch", s.leaves_after_first_launch);
-    set_number(L, "comm_ms", s.comm_ms);
-    set_number(L, "hidden_ms", s.hidden_ms);
-    set_number(L, "wait_ms", s.wait_ms);
+    dsL_setnumber(L, "buckets", s.buckets);
+    dsL_setnumber(L, "bytes", (double)s.bytes);
+    dsL_setnumber(L, "launched_in_backward", s.launched_in_backward);
+    dsL_setnumber(L, "leaves_after_first_launch", s.leaves_after_first_launch);
+    dsL_setnumber(L, "comm_ms", s.comm_ms);
+    dsL_setnumber(L, "hidden_ms", s.hidden_ms);
+    dsL_setnumber(L, "wait_ms", s.wait_ms);
     return 1;
 }
 
@@ -511,12 +503,7 @@ static int l_parts(lua_State *L) {
     return 1;
 }
 
-static int l_close(lua_State *L) {
-    ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
-    ds_zero_free(*z);
-    *z = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_close, ds_zero, DSL_ZERO_MT, ds_zero_free)
 
 static int l_exclude_from_norm(lua_State *L) {
     if (ds_zero_exclude_from_norm(check_engine(L), dsL_checktensor(L, 2))) return dsL_error(L);
