@@ -1,6 +1,7 @@
 -- Shared spec helpers: closeness with a useful message, finite-difference
 -- gradient checks, and PyTorch fixtures.
 local ds = require 'dslua'
+local luassert = require 'luassert'
 
 local H = { ds = ds }
 
@@ -111,15 +112,21 @@ function H.gradcheck(fn, inputs, opts)
   return true
 end
 
--- A module class named name: Linear(6, 8), tanh, Linear(8, 2), its forward
--- the mean squared error of a batch {x = [B, 6], y = [B, 2]}.
-function H.two_layer(name)
+-- A module class `name` for training specs: fc1 (n_in -> hidden), the
+-- activation act (a tensor method's name), fc2 (hidden -> n_out), its
+-- forward the mean squared error of a batch {x, y}; without sizes
+-- Linear(6, 8), tanh, Linear(8, 2).
+function H.two_layer(name, n_in, hidden, n_out, act)
+  n_in, hidden, n_out, act = n_in or 6, hidden or 8, n_out or 2, act or 'tanh'
   local M = ds.nn.Module:extend(name)
   function M:init()
-    self.fc1 = ds.nn.Linear(6, 8)
-    self.fc2 = ds.nn.Linear(8, 2)
+    self.fc1 = ds.nn.Linear(n_in, hidden)
+    self.fc2 = ds.nn.Linear(hidden, n_out)
   end
-  function M:forward(batch) return ds.mse_loss(self.fc2(self.fc1(batch.x):tanh()), batch.y) end
+  function M:forward(batch)
+    local h = self.fc1(batch.x)
+    return ds.mse_loss(self.fc2(h[act](h)), batch.y)
+  end
   return M
 end
 
@@ -208,9 +215,9 @@ function H.tmpdir()
   return d
 end
 
--- The whole of the file at path.
+-- The whole of the file at path, as bytes.
 function H.read(path)
-  local f = assert(io.open(path))
+  local f = assert(io.open(path, 'rb'))
   local text = f:read('*a')
   f:close()
   return text
@@ -241,6 +248,23 @@ function H.errmsg(fn, ...)
   local e = raised(fn, ...)
   assert(type(e) == 'string', 'error message is a ' .. type(e))
   return e
+end
+
+-- Asserts that fn(...) raises an error matching the Lua pattern; returns
+-- the message.
+function H.fails(pattern, fn, ...)
+  local ok, e = pcall(fn, ...)
+  luassert.is_false(ok, 'expected an error matching ' .. pattern)
+  luassert.matches(pattern, tostring(e))
+  return tostring(e)
+end
+
+-- The same with piece found verbatim, not as a pattern.
+function H.fails_plain(piece, fn, ...)
+  local ok, e = pcall(fn, ...)
+  luassert.is_false(ok, 'expected an error matching ' .. piece)
+  luassert.is_truthy(tostring(e):find(piece, 1, true), 'error was: ' .. tostring(e))
+  return tostring(e)
 end
 
 -- Asserts that text contains piece, verbatim.

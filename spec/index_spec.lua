@@ -21,11 +21,7 @@ end
 
 local function f64(...) return ds.randn({ ... }, 'f64'):requires_grad_() end
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, err)
-end
+local fails = H.fails
 
 describe('embedding', function()
   for _, name in ipairs { 'embedding_i64', 'embedding_i32', 'embedding_3d' } do

@@ -19,11 +19,7 @@ end
 
 local function f64(...) return ds.randn({ ... }, 'f64'):requires_grad_() end
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 -- larger bf16 tolerance for sums of 16 products rounded once more
 local bf16 = { rtol = 2e-2, atol = 3e-2 }

@@ -9,11 +9,7 @@ local ds = H.ds
 local GPT = require 'models.gpt2'
 local Llama = require 'models.llama'
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 local function shape(t) return table.concat(t:size(), 'x') end
 

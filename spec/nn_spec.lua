@@ -21,11 +21,7 @@ local function f64(...)
   return ds.randn({ ... }, 'f64'):requires_grad_()
 end
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 local function max_diff(a, b)
   return (a:to('f64') - b:to('f64')):abs():amax():item()
