@@ -6,15 +6,7 @@ local F = H.fixture('elementwise')
 -- Runs a fixture case through fn: output, then input gradients of the
 -- output projected on the fixture's weights, against PyTorch.
 local function against_torch(name, fn, n_inputs)
-  local c = F[name]
-  local xs = {}
-  for i = 1, n_inputs do xs[i] = H.tensor(c['x' .. i]):requires_grad_() end
-  local out = fn(unpack(xs))
-  H.assert_close(out, H.tensor(c.out), nil, name .. ' forward')
-  ;(out * H.tensor(c.w)):sum():backward()
-  for i = 1, n_inputs do
-    H.assert_close(xs[i].grad, H.tensor(c['g' .. i]), nil, name .. ' grad ' .. i)
-  end
+  H.against_torch(F[name], name, function(xs) return fn(unpack(xs)) end, nil, n_inputs)
 end
 
 -- f64 inputs for finite differences; positive ones where the op needs it.

@@ -130,6 +130,23 @@ function H.two_layer(name, n_in, hidden, n_out, act)
   return M
 end
 
+-- Runs PyTorch fixture case c (named name): its inputs x1.. (the first n,
+-- default all) as leaves, out = run(xs), then out and the input gradients
+-- of out projected on c.w against the case's. Returns the inputs.
+function H.against_torch(c, name, run, tol, n)
+  local xs = {}
+  while (n and #xs < n) or (not n and c['x' .. (#xs + 1)]) do
+    xs[#xs + 1] = H.tensor(c['x' .. (#xs + 1)]):requires_grad_()
+  end
+  local out = run(xs)
+  H.assert_close(out, H.tensor(c.out), tol, name .. ' forward')
+  ;(out * H.tensor(c.w)):sum():backward()
+  for k = 1, #xs do
+    H.assert_close(xs[k].grad, H.tensor(c['g' .. k]), tol, name .. ' grad ' .. k)
+  end
+  return xs
+end
+
 -- A tensor from a fixture record {shape=..., dtype=..., data=...}.
 function H.tensor(rec)
   local t = ds.tensor(rec.data, rec.dtype == 'bool' and 'u8' or rec.dtype)
