@@ -162,7 +162,5 @@ void dsL_open_attach(lua_State *L) {
     lua_pop(L, 1);
     dsL_newtype(L, DSL_ATTACH_CONN_MT, conn_methods, l_conn_gc);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, fns);
-    lua_setfield(L, -2, "_attach");
+    dsL_setfuncs(L, "_attach", fns);
 }

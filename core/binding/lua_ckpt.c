@@ -250,7 +250,5 @@ static const luaL_Reg ckpt_fns[] = {
 void dsL_open_ckpt(lua_State *L) {
     dsL_newtype(L, DSL_STFILE_MT, file_methods, l_gc);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, ckpt_fns);
-    lua_setfield(L, -2, "ckpt");
+    dsL_setfuncs(L, "ckpt", ckpt_fns);
 }

@@ -379,14 +379,10 @@ void dsL_open_comm(lua_State *L) {
     lua_pop(L, 1);
 
     luaL_newmetatable(L, DSL_GROUP_MT);
-    lua_newtable(L);
-    luaL_register(L, NULL, group_methods);
-    lua_setfield(L, -2, "__index");
+    dsL_setfuncs(L, "__index", group_methods);
     lua_pushcfunction(L, l_group_tostring);
     lua_setfield(L, -2, "__tostring");
     lua_pop(L, 1);
 
-    lua_newtable(L);
-    luaL_register(L, NULL, fns);
-    lua_setfield(L, -2, "_comm");
+    dsL_setfuncs(L, "_comm", fns);
 }

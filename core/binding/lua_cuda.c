@@ -150,7 +150,5 @@ void dsL_open_cuda(lua_State *L) {
     lua_pop(L, 2);
     lua_pushcfunction(L, l_device);
     lua_setfield(L, -2, "device");
-    lua_newtable(L);
-    luaL_register(L, NULL, cuda_functions);
-    lua_setfield(L, -2, "cuda");
+    dsL_setfuncs(L, "cuda", cuda_functions);
 }

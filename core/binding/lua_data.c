@@ -393,7 +393,5 @@ void dsL_open_data(lua_State *L) {
     lua_pushcfunction(L, loader_gc);
     lua_setfield(L, -2, "__gc");
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, data_functions);
-    lua_setfield(L, -2, "data_core");
+    dsL_setfuncs(L, "data_core", data_functions);
 }

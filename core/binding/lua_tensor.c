@@ -636,6 +636,12 @@ void *dsL_checkhandle(lua_State *L, int idx, const char *mt, const char *closed)
     return *p;
 }
 
+void dsL_setfuncs(lua_State *L, const char *key, const luaL_Reg *fns) {
+    lua_newtable(L);
+    luaL_register(L, NULL, fns);
+    lua_setfield(L, -2, key);
+}
+
 void dsL_setnumber(lua_State *L, const char *key, double v) {
     lua_pushnumber(L, v);
     lua_setfield(L, -2, key);
@@ -645,7 +651,5 @@ void dsL_newtype(lua_State *L, const char *name, const luaL_Reg *methods, lua_CF
     luaL_newmetatable(L, name);
     lua_pushcfunction(L, gc);
     lua_setfield(L, -2, "__gc");
-    lua_newtable(L);
-    luaL_register(L, NULL, methods);
-    lua_setfield(L, -2, "__index");
+    dsL_setfuncs(L, "__index", methods);
 }

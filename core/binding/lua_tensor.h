@@ -83,6 +83,9 @@ void *dsL_checkhandle(lua_State *L, int idx, const char *mt, const char *closed)
         return 0;                                \
     }
 
+/* Sets key of the table at -1 to a new table of fns. */
+void dsL_setfuncs(lua_State *L, const char *key, const luaL_Reg *fns);
+
 /* Sets key of the table at -1 to the number v. */
 void dsL_setnumber(lua_State *L, const char *key, double v);
 

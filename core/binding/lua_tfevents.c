@@ -113,7 +113,5 @@ static const luaL_Reg tfevents_fns[] = {
 void dsL_open_tfevents(lua_State *L) {
     dsL_newtype(L, DSL_TFEVENTS_MT, writer_methods, l_gc);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, tfevents_fns);
-    lua_setfield(L, -2, "tfevents");
+    dsL_setfuncs(L, "tfevents", tfevents_fns);
 }

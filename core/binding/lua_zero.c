@@ -532,7 +532,5 @@ static const luaL_Reg zero_functions[] = {
 void dsL_open_zero(lua_State *L) {
     dsL_newtype(L, DSL_ZERO_MT, engine_methods, l_close);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, zero_functions);
-    lua_setfield(L, -2, "_zero");
+    dsL_setfuncs(L, "_zero", zero_functions);
 }
