@@ -18,11 +18,9 @@ EOF
 me=bench/ckpt.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=1
 dtype=fp32
 out=
-quick=
 while getopts "b:n:d:o:qh" opt; do
     case $opt in
     n) ranks=$OPTARG ;;

@@ -19,10 +19,8 @@ EOF2
 me=bench/comm.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=2
 part=all
-quick=
 while getopts "b:n:p:qh" opt; do
     case $opt in
     n) ranks=$OPTARG ;;

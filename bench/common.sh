@@ -1,10 +1,12 @@
-# shellcheck shell=bash disable=SC2154  # me, threads, rounds, ranks, build, quick: set by the driver
+# shellcheck shell=bash disable=SC2154  # me, threads, rounds, ranks: set by the driver
 # Shared by the bench/*.sh drivers (sourced): the project root, the cores,
 # the shared options and checks, building dslua, a table's title and
 # mpirun. $me names the driver in messages.
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)   # nproc obeys those two
+build=$root/build      # -b and -q (bench_opt) change these two
+quick=
 
 # Checks -t THREADS and -r ROUNDS and hands the thread count to dslua,
 # OpenMP and OpenBLAS.
@@ -45,8 +47,6 @@ bench_build() {
 # Parses -b BUILD_DIR, -q and -h into $build and $quick: the options of a
 # driver that has no others (its usage function prints the help).
 bench_build_quick_options() {
-    build=$root/build
-    quick=
     local opt OPTIND=1
     while getopts "b:qh" opt; do bench_opt "$opt"; done
 }

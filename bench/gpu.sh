@@ -22,10 +22,8 @@ EOF
 me=bench/gpu.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 results=
 compiled=
-quick=
 while getopts "b:o:cqh" opt; do
     case $opt in
     o) results=$OPTARG ;;

@@ -20,12 +20,10 @@ EOF2
 me=bench/onebit.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=2
 steps=600
 freeze=150
 lr=1e-3
-quick=
 while getopts "b:n:s:f:l:qh" opt; do
     case $opt in
     n) ranks=$OPTARG ;;

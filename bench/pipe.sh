@@ -18,10 +18,8 @@ EOF2
 me=bench/pipe.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 stages=2
 micro="1 2 4 8 16"
-quick=
 while getopts "b:s:m:qh" opt; do
     case $opt in
     s) stages=$OPTARG ;;

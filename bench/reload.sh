@@ -17,7 +17,6 @@ EOF2
 me=bench/reload.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 steps=10
 calls=2000
 while getopts "b:s:c:h" opt; do

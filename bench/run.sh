@@ -20,10 +20,8 @@ me=bench/run.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
 threads=$cores
-build=$root/build
 rounds=3
 results=
-quick=
 while getopts "t:r:b:o:qh" opt; do
     case $opt in
     t) threads=$OPTARG ;;

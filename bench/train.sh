@@ -24,12 +24,10 @@ me=bench/train.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
 threads=$cores
-build=$root/build
 rounds=1
 model=all
 results=
 passive=
-quick=
 while getopts "t:r:b:m:o:pqh" opt; do
     case $opt in
     t) threads=$OPTARG ;;

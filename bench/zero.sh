@@ -17,11 +17,9 @@ EOF2
 me=bench/zero.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=2
 steps=12
 dtype=fp32
-quick=
 while getopts "b:n:s:d:qh" opt; do
     case $opt in
     n) ranks=$OPTARG ;;
