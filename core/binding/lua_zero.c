@@ -307,10 +307,14 @@ static int l_attach(lua_State *L) {
     return 0;
 }
 
-static int l_stream(lua_State *L) {
-    if (ds_zero_stream(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+/* A method that runs one engine operation and raises its error */
+#define ENGINE_OP(name, op)                           \
+    static int name(lua_State *L) {                   \
+        if (op(check_engine(L))) return dsL_error(L); \
+        return 0;                                     \
+    }
+
+ENGINE_OP(l_stream, ds_zero_stream)
 
 static int l_backward(lua_State *L) {
     ds_zero *z = check_engine(L);
@@ -346,10 +350,7 @@ static int l_step(lua_State *L) {
     return 2;
 }
 
-static int l_sync_params(lua_State *L) {
-    if (ds_zero_sync_params(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+ENGINE_OP(l_sync_params, ds_zero_sync_params)
 
 static int l_refresh(lua_State *L) {
     ds_zero *z = check_engine(L);
@@ -449,10 +450,7 @@ static int l_post_forward(lua_State *L) {
     return 0;
 }
 
-static int l_gather_all(lua_State *L) {
-    if (ds_zero_gather_all(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+ENGINE_OP(l_gather_all, ds_zero_gather_all)
 
 static int l_release_all(lua_State *L) {
     ds_zero_release_all(check_engine(L));
@@ -482,10 +480,7 @@ static int l_offload_params(lua_State *L) {
     return 0;
 }
 
-static int l_take_local_grads(lua_State *L) {
-    if (ds_zero_take_local_grads(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+ENGINE_OP(l_take_local_grads, ds_zero_take_local_grads)
 
 static int l_reduces(lua_State *L) {
     lua_pushboolean(L, ds_zero_reduces(check_engine(L), lua_toboolean(L, 2)));
