@@ -66,7 +66,7 @@ void dsL_newtype(lua_State *L, const char *name, const luaL_Reg *methods, lua_CF
 
 /* A handle: a new userdata of metatable mt (pushed) holding one object
  * pointer, NULL until the caller stores the object there. Made before
- * the object, so that an error raised after leaves nothing unfreed. */
+ * the object, so that a memory error making it cannot leak the object. */
 void *dsL_newhandle(lua_State *L, const char *mt);
 /* The object of the handle of metatable mt at idx; raises `closed` (the
  * whole message) when it was closed. */
