@@ -9,7 +9,7 @@ local function problem(n)
   return x, y
 end
 
-local Reg = H.two_layer('Reg', 6, 8, 2, 'tanh')
+local Reg = H.two_layer('Reg')
 
 local function model_with(state)
   ds.manual_seed(3)

@@ -281,13 +281,13 @@ static int l_barrier(lua_State *L) {
 }
 
 /* send(t, dst, tag, group, async) / recv(t, src, tag, group, async):
- * peer and tag name the arguments in errors */
+ * peer_what and tag_what name the arguments in errors */
 static int point_to_point(lua_State *L, ds_comm_work *(*op)(ds_tensor *, int, int, ds_comm_group *),
-                          const char *peer, const char *tag) {
+                          const char *peer_what, const char *tag_what) {
     ds_tensor *t = dsL_checktensor(L, 1);
-    int rank = check_rank(L, 2, peer);
-    int n = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, tag);
-    return finish(L, op(t, rank, n, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
+    int peer = check_rank(L, 2, peer_what);
+    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, tag_what);
+    return finish(L, op(t, peer, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
 }
 
 static int l_send(lua_State *L) { return point_to_point(L, ds_comm_send, "send: dst", "send: tag"); }
