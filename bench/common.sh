@@ -98,12 +98,12 @@ bench_title() {
 bench_cpu() { sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1; }
 
 # mpirun on $1 ranks of this machine over shared memory, forwarding the
-# thread counts, DSLUA_COMM_CHECK and DSLUA_DEVICE where set; then the
-# program and its arguments.
+# thread counts, DSLUA_COMM_CHECK, DSLUA_DEVICE and DSLUA_ALLOC_CACHE_MB
+# where set; then the program and its arguments.
 bench_mpirun() {
     local np=$1 v x=()
     shift
-    for v in DSLUA_NUM_THREADS OMP_NUM_THREADS OPENBLAS_NUM_THREADS DSLUA_COMM_CHECK DSLUA_DEVICE; do
+    for v in DSLUA_NUM_THREADS OMP_NUM_THREADS OPENBLAS_NUM_THREADS DSLUA_COMM_CHECK DSLUA_DEVICE DSLUA_ALLOC_CACHE_MB; do
         if [[ -v $v ]]; then x+=(-x "$v"); fi
     done
     mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader "${x[@]}" -np "$np" "$@"
