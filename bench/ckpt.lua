@@ -17,12 +17,7 @@ local cfg_model = quick and { n_layer = 2, n_head = 4, n_embd = 128, vocab_size 
 
 local function barrier() if W > 1 then ds.comm.barrier() end end
 
-local function say(fmt, ...)
-  if rank == 0 then
-    io.stdout:write(string.format(fmt, ...), '\n')
-    io.stdout:flush()
-  end
-end
+local say = require('bench.util').say
 
 ds.manual_seed(1)
 local t0 = ds.wall_time()

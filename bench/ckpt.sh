@@ -18,20 +18,15 @@ EOF
 me=bench/ckpt.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=1
 dtype=fp32
 out=
-quick=
 while getopts "b:n:d:o:qh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     n) ranks=$OPTARG ;;
     d) dtype=$OPTARG ;;
     o) out=$(realpath -m "$OPTARG") ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 if ! [[ $ranks =~ ^[1-9][0-9]*$ ]]; then echo "$me: -n wants a whole number >= 1" >&2; exit 2; fi
@@ -39,16 +34,14 @@ case $dtype in fp32 | bf16) ;; *) echo "$me: -d wants fp32 or bf16" >&2; exit 2 
 out=${out:-$build/ckpt-bench}
 
 bench_build
-threads=$((cores / ranks > 0 ? cores / ranks : 1))
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads DSLUA_COMM_CHECK=0
+bench_rank_threads
+export DSLUA_COMM_CHECK=0
 rm -rf "$out"
 mkdir -p "$out"
 trap 'rm -rf "$out"' EXIT
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua checkpoint bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; $ranks rank(s) of $threads thread(s); folder $out ($(df -hT "$out" | awk 'NR==2 {print $2}'))"
+bench_title "checkpoint bench"
+echo "cpu: $(bench_cpu), $cores cores; $ranks rank(s) of $threads thread(s); folder $out ($(df -hT "$out" | awk 'NR==2 {print $2}'))"
 
 # the disk's rate: dd writing as much as the checkpoint holds (1424 MiB,
 # 32 quick), so neither fits in a cache the other does not, fsync at the end
@@ -61,9 +54,7 @@ echo "dd conv=fsync: $dd_line"
 if ((ranks == 1)); then
     (cd "$root" && "$build/dslua" bench/ckpt.lua "$out" "$dtype" $quick)
 else
-    (cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-        -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK \
-        -np "$ranks" "$build/dslua" bench/ckpt.lua "$out" "$dtype" $quick)
+    (cd "$root" && bench_mpirun "$ranks" "$build/dslua" bench/ckpt.lua "$out" "$dtype" $quick)
 fi | grep -v '^ZeRO stage\|^\[Rank 0\]'
 read -r mb save_s load_s load_nv_s <"$out/result.txt"
 awk -v mb="$mb" -v s="$save_s" -v l="$load_s" -v n="$load_nv_s" -v dd="$dd_mbs" 'BEGIN {

@@ -17,6 +17,7 @@
 --   and the part of it before backward returned.
 -- Rank 0 prints the tables.
 local ds = require 'dslua'
+local util = require 'bench.util'
 local ffi = require 'ffi'
 
 local args = ds.args.rest or {}
@@ -33,12 +34,7 @@ local comm = ds.comm
 local N, rank = comm.world_size(), comm.rank()
 local now = ds.wall_time
 
-local function out(fmt, ...)
-  if rank == 0 then
-    io.stdout:write(string.format(fmt, ...), '\n')
-    io.stdout:flush()
-  end
-end
+local out = util.say
 
 -- the largest of every rank's x
 local function slowest(x)
@@ -47,11 +43,7 @@ local function slowest(x)
   return t:item()
 end
 
-local function median(xs)
-  table.sort(xs)
-  local n = #xs
-  return n % 2 == 1 and xs[(n + 1) / 2] or (xs[n / 2] + xs[n / 2 + 1]) / 2
-end
+local median = util.median
 
 local function size_text(bytes)
   if bytes >= 2 ^ 20 then return string.format('%d MB', bytes / 2 ^ 20) end

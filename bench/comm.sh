@@ -19,25 +19,20 @@ EOF2
 me=bench/comm.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=2
 part=all
-quick=
 while getopts "b:n:p:qh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     n) ranks=$OPTARG ;;
     p) part=$OPTARG ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 if ! [[ $ranks =~ ^[1-9][0-9]*$ ]] || ((ranks < 2)); then
-    echo "bench/comm.sh: -n wants a whole number >= 2 (got '$ranks')" >&2
+    echo "$me: -n wants a whole number >= 2 (got '$ranks')" >&2
     exit 2
 fi
-case $part in bandwidth | overlap | all) ;; *) echo "bench/comm.sh: -p wants bandwidth, overlap or all" >&2; exit 2 ;; esac
+case $part in bandwidth | overlap | all) ;; *) echo "$me: -p wants bandwidth, overlap or all" >&2; exit 2 ;; esac
 
 bench_build
 ref=$build/libbench_allreduce_ref.so
@@ -46,18 +41,13 @@ if [[ ! -f $ref || $root/bench/allreduce_ref.c -nt $ref ]]; then
 fi
 
 # One thread per rank, ranks spread over the cores; shared memory only.
-threads=$((cores / ranks > 0 ? cores / ranks : 1))
+bench_rank_threads
 # The agreement before each collective stays as configured (on unless
 # DSLUA_COMM_CHECK=0); the bandwidth table also times it off.
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
 export DSLUA_COMM_CHECK=${DSLUA_COMM_CHECK:-1}
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-load_before=$(cut -d' ' -f1-3 /proc/loadavg)
-echo "dslua comm bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; $ranks ranks of $threads thread(s), OpenMPI $(mpirun --version | sed -n 's/.*(Open MPI) //p'), btl self,vader"
-(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK \
-    -np "$ranks" "$build/dslua" bench/comm.lua "$ref" "$part" $quick)
-echo "load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
+load_before=$(bench_load)
+bench_title "comm bench"
+echo "cpu: $(bench_cpu), $cores cores; $ranks ranks of $threads thread(s), OpenMPI $(mpirun --version | sed -n 's/.*(Open MPI) //p'), btl self,vader"
+(cd "$root" && bench_mpirun "$ranks" "$build/dslua" bench/comm.lua "$ref" "$part" $quick)
+echo "load average before $load_before, after $(bench_load)"

@@ -22,18 +22,13 @@ EOF
 me=bench/gpu.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 results=
 compiled=
-quick=
 while getopts "b:o:cqh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     o) results=$OPTARG ;;
     c) compiled=1 ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 # no GPU: stop before building anything

@@ -19,20 +19,15 @@ EOF2
 me=bench/offload.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=2
 elements=16777216
 steps=6
-quick=
 while getopts "b:n:e:s:qh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     n) ranks=$OPTARG ;;
     e) elements=$OPTARG ;;
     s) steps=$OPTARG ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 if ! [[ $ranks =~ ^[1-9][0-9]*$ && $elements =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ ]]; then
@@ -42,16 +37,12 @@ fi
 [[ -n $quick ]] && elements=262144
 
 bench_build
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua offload bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores"
+bench_title "offload bench"
+echo "cpu: $(bench_cpu), $cores cores"
 echo
-export DSLUA_NUM_THREADS=$cores OMP_NUM_THREADS=$cores OPENBLAS_NUM_THREADS=$cores
+bench_export_threads "$cores"
 (cd "$root" && "$build/dslua" bench/offload.lua adam "$elements" $quick) | grep -v '^result'
 echo
-threads=$((cores / ranks > 0 ? cores / ranks : 1))
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads DSLUA_COMM_CHECK=0
-(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK \
-    -np "$ranks" "$build/dslua" bench/offload.lua zero "$steps" $quick) | grep -v '^ZeRO\|^result'
+bench_rank_threads
+export DSLUA_COMM_CHECK=0
+(cd "$root" && bench_mpirun "$ranks" "$build/dslua" bench/offload.lua zero "$steps" $quick) | grep -v '^ZeRO\|^result'

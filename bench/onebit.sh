@@ -20,22 +20,17 @@ EOF2
 me=bench/onebit.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=2
 steps=600
 freeze=150
 lr=1e-3
-quick=
 while getopts "b:n:s:f:l:qh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     n) ranks=$OPTARG ;;
     s) steps=$OPTARG ;;
     f) freeze=$OPTARG ;;
     l) lr=$OPTARG ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 number='^[0-9]*\.?[0-9]+([eE]-?[0-9]+)?$'
@@ -47,11 +42,8 @@ if ! [[ $ranks =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ && $freeze =~ ^[0-9]+
 fi
 
 bench_build
-threads=$((cores / ranks > 0 ? cores / ranks : 1))
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads DSLUA_DEVICE=cpu
+bench_rank_threads
+export DSLUA_DEVICE=cpu
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-echo "dslua 1-bit optimizers bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_DEVICE \
-    -np "$ranks" "$build/dslua" bench/onebit.lua "$steps" "$freeze" "$lr" $quick 2>&1) | grep -v '^attach:\|uses the CPU'
+bench_title "1-bit optimizers bench"
+(cd "$root" && bench_mpirun "$ranks" "$build/dslua" bench/onebit.lua "$steps" "$freeze" "$lr" $quick 2>&1) | grep -v '^attach:\|uses the CPU'

@@ -18,18 +18,13 @@ EOF2
 me=bench/pipe.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 stages=2
 micro="1 2 4 8 16"
-quick=
 while getopts "b:s:m:qh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     s) stages=$OPTARG ;;
     m) micro=$OPTARG ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 if ! [[ $stages =~ ^[1-9][0-9]*$ ]] || ((stages < 2)); then
@@ -41,17 +36,14 @@ for m in $micro; do
 done
 
 bench_build
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua pipeline bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
+bench_title "pipeline bench"
+echo "cpu: $(bench_cpu), $cores cores; load $(bench_load)"
 
 # one thread per stage rank, the stages on cores of their own where there are enough
-export DSLUA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 DSLUA_COMM_CHECK=0 DSLUA_DEVICE=cpu
+bench_export_threads 1
+export DSLUA_COMM_CHECK=0 DSLUA_DEVICE=cpu
 # shellcheck disable=SC2086  # the micro batch counts are words
-(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK -x DSLUA_DEVICE \
-    -np "$stages" "$build/dslua" bench/pipe.lua bubble "${quick:-full}" $micro) |
+(cd "$root" && bench_mpirun "$stages" "$build/dslua" bench/pipe.lua bubble "${quick:-full}" $micro) |
     awk '$1 == "result" && $2 == "bubble" {
         if (!head++) {
             printf "\n1F1B bubble, %d stages of 4 Linear+ReLU each (one rank, one thread each)\n", $3
@@ -60,7 +52,7 @@ export DSLUA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 DSLUA_COMM_C
         printf "%6d %10.3f %22.3f %9.2fx %12.1f  %s\n", $4, $5, $6, $5 / $6, 1000 * $7, $8
     }'
 
-export DSLUA_NUM_THREADS=$cores OMP_NUM_THREADS=$cores OPENBLAS_NUM_THREADS=$cores
+bench_export_threads "$cores"
 (cd "$root" && "$build/dslua" bench/pipe.lua ckpt none $quick && "$build/dslua" bench/pipe.lua ckpt every $quick) |
     awk -v cores="$cores" '$1 == "result" && $2 == "ckpt" {
         name = $4; b = $5; t = $6; act[$3] = $7; tot[$3] = $8; sec[$3] = $9

@@ -17,16 +17,13 @@ EOF2
 me=bench/reload.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 steps=10
 calls=2000
 while getopts "b:s:c:h" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     s) steps=$OPTARG ;;
     c) calls=$OPTARG ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 bench_build
@@ -35,7 +32,7 @@ attach_dir=$(mktemp -d)
 trap 'rm -rf "$attach_dir"' EXIT
 export DSLUA_ATTACH_DIR=$attach_dir
 
-echo "load average before: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average before: $(bench_load)"
 printf '%-6s %-8s %-18s %-24s %s\n' ranks watched 'quickstart step' 'boundary, no change' share
 row() {
     local line
@@ -48,4 +45,4 @@ row() {
 }
 row "$build/dslua" bench/reload.lua --steps "$steps" --calls "$calls"
 row env DSLUA_NUM_THREADS=1 "$build/dslua" -n 2 bench/reload.lua --steps "$steps" --calls "$calls"
-echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "load average after: $(bench_load)"

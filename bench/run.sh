@@ -20,19 +20,14 @@ me=bench/run.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
 threads=$cores
-build=$root/build
 rounds=3
 results=
-quick=
 while getopts "t:r:b:o:qh" opt; do
     case $opt in
     t) threads=$OPTARG ;;
     r) rounds=$OPTARG ;;
-    b) build=$(realpath -m "$OPTARG") ;;
     o) results=$OPTARG ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 bench_threads
@@ -46,25 +41,19 @@ if [[ ! -x $gemm || $root/bench/gemm_ref.c -nt $gemm ]]; then
         $(pkg-config --libs openblas) -o "$gemm"
 fi
 
-torch=1
-if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-    echo "bench/run.sh: no PyTorch in /usr/bin/python3; torch rows show n/a" >&2
-    torch=
-fi
+bench_torch "torch rows show n/a"
 
 # One program at a time, so none of them shares the cores with another.
-load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+load_before=$(bench_load)
 for ((round = 1; round <= rounds; round++)); do
-    echo "bench/run.sh: round $round of $rounds" >&2
+    echo "$me: round $round of $rounds" >&2
     "$gemm" "$threads" >>"$raw"
     "$build/dslua" "$root/bench/ops.lua" $quick >>"$raw"
     [[ -n $torch ]] && /usr/bin/python3 "$root/bench/ops_torch.py" "$threads" $quick >>"$raw"
 done
 [[ -n $results ]] && cp "$raw" "$results"
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
+bench_title "bench"
+echo "cpu: $(bench_cpu), $cores cores; load average before $load_before, after $(bench_load)"
 echo "best of $rounds round(s); ratio = reference time / dslua time (> 1: dslua faster)"
 "$build/dslua" "$root/bench/table.lua" "$raw"

@@ -20,22 +20,18 @@ EOF
 me=bench/shards.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 parent=${TMPDIR:-/tmp}
 shards=20
 tokens=100000000
 steps=300
-quick=
 while getopts "b:d:n:t:s:qh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     d) parent=$OPTARG ;;
     n) shards=$OPTARG ;;
     t) tokens=$OPTARG ;;
     s) steps=$OPTARG ;;
     q) quick=quick shards=2 tokens=1000000 steps=20 ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 for v in "$shards" "$tokens" "$steps"; do
@@ -59,15 +55,11 @@ fi
 bench_build
 dir=$(mktemp -d "$parent/dslua-shards.XXXXXX")
 trap 'rm -rf "$dir"' EXIT
-export DSLUA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+bench_export_threads 1
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua shards bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; 2 ranks of 1 thread, each with 2 loader threads"
+bench_title "shards bench"
+echo "cpu: $(bench_cpu), $cores cores; 2 ranks of 1 thread, each with 2 loader threads"
 t0=$(date +%s.%N)
 "$build/dslua" "$root/bench/shards.lua" write "$dir" "$shards" "$tokens"
 printf 'wrote %d shards of %d tokens in %.1f s\n' "$shards" "$tokens" "$(echo "$(date +%s.%N) - $t0" | bc)"
-(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS \
-    -np 2 "$build/dslua" bench/shards.lua train "$dir" "$steps" $quick)
+(cd "$root" && bench_mpirun 2 "$build/dslua" bench/shards.lua train "$dir" "$steps" $quick)

@@ -17,19 +17,10 @@ EOF2
 me=bench/staged.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
-quick=
-while getopts "b:qh" opt; do
-    case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
-    esac
-done
+bench_build_quick_options "$@"
 bench_build
 cd "$root"
-export DSLUA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+bench_export_threads 1
 # shellcheck disable=SC2054  # self,vader is one argument
 mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader
      -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_TEST_STAGE_CPU -x DSLUA_COMM_BACKEND
@@ -41,6 +32,6 @@ DSLUA_TEST_STAGE_CPU=1 DSLUA_COMM_BACKEND='' DSLUA_DEVICE=cpu "${mpi[@]}" staged
 if "$build/dslua" -e "os.exit(require('dslua').cuda.is_available() and 0 or 1)"; then
     DSLUA_TEST_STAGE_CPU=0 DSLUA_COMM_BACKEND=mpi "${mpi[@]}" staged_gpu cuda:0 $quick | tee -a "$raw"
 fi
-echo "cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)"
+echo "cpu: $(bench_cpu)"
 awk -F'\t' '$1 == "result" { printf "%-12s %-9s all_reduce %8.3f GB/s   host copy %8.3f GB/s   %5.1f%%\n",
     $2, $3, $4, $5, 100 * $4 / $5 }' "$raw"

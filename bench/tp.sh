@@ -20,16 +20,13 @@ me=bench/tp.sh
 bench_build_quick_options "$@"
 
 bench_build
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua tensor-parallel bench (CPU)  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
+bench_title "tensor-parallel bench (CPU)"
+echo "cpu: $(bench_cpu), $cores cores; load $(bench_load)"
 
-export DSLUA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 DSLUA_COMM_CHECK=0 DSLUA_DEVICE=cpu
+bench_export_threads 1
+export DSLUA_COMM_CHECK=0 DSLUA_DEVICE=cpu
 for mode in data2 tensor2; do
-    (cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-        -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK -x DSLUA_DEVICE \
-        -np 2 "$build/dslua" bench/tp.lua "$mode" $quick)
+    (cd "$root" && bench_mpirun 2 "$build/dslua" bench/tp.lua "$mode" $quick)
 done | awk '$1 == "result" && $2 == "tp" { tok[$3] = $4; sec[$3] = $5; loss[$3] = $6 }
     END {
         printf "\nGPT-2, 2 CPU ranks of one thread, global batch %d tokens per step, AdamW fp32\n", tok["data2"]

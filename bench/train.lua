@@ -17,11 +17,7 @@ if which ~= 'all' and which ~= 'gpt2' and which ~= 'mlp' then
   os.exit(2)
 end
 
-local function median(xs)
-  table.sort(xs)
-  local n = #xs
-  return n % 2 == 1 and xs[(n + 1) / 2] or (xs[n / 2] + xs[n / 2 + 1]) / 2
-end
+local median = require('bench.util').median
 
 -- Runs `warmup` steps, then `samples` samples of `k` steps each; returns
 -- the median seconds per step.

@@ -24,40 +24,31 @@ me=bench/train.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
 threads=$cores
-build=$root/build
 rounds=1
 model=all
 results=
 passive=
-quick=
 while getopts "t:r:b:m:o:pqh" opt; do
     case $opt in
     t) threads=$OPTARG ;;
     r) rounds=$OPTARG ;;
-    b) build=$(realpath -m "$OPTARG") ;;
     m) model=$OPTARG ;;
     o) results=$OPTARG ;;
     p) passive=1 ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
-case $model in gpt2 | mlp | all) ;; *) echo "bench/train.sh: -m wants gpt2, mlp or all" >&2; exit 2 ;; esac
+case $model in gpt2 | mlp | all) ;; *) echo "$me: -m wants gpt2, mlp or all" >&2; exit 2 ;; esac
 bench_threads
 bench_build
 raw=$(mktemp)
 trap 'rm -f "$raw"' EXIT
-torch=1
-if ! /usr/bin/python3 -c 'import torch' 2>/dev/null; then
-    echo "bench/train.sh: no PyTorch in /usr/bin/python3; the ratio column shows n/a" >&2
-    torch=
-fi
+bench_torch "the ratio column shows n/a"
 
 # One program at a time, so none of them shares the cores with another.
-load_before=$(cut -d' ' -f1-3 /proc/loadavg)
+load_before=$(bench_load)
 for ((round = 1; round <= rounds; round++)); do
-    echo "bench/train.sh: round $round of $rounds" >&2
+    echo "$me: round $round of $rounds" >&2
     (cd "$root" && "$build/dslua" bench/train.lua "$model" $quick) >>"$raw"
     if [[ -n $torch ]]; then
         /usr/bin/python3 "$root/bench/train_torch.py" "$threads" "$model" $quick >>"$raw"
@@ -69,10 +60,8 @@ for ((round = 1; round <= rounds; round++)); do
 done
 if [[ -n $results ]]; then cp "$raw" "$results"; fi
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua training bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; load average before $load_before, after $(cut -d' ' -f1-3 /proc/loadavg)"
+bench_title "training bench"
+echo "cpu: $(bench_cpu), $cores cores; load average before $load_before, after $(bench_load)"
 echo "best of $rounds round(s); ratio = dslua / torch throughput (> 1: dslua faster), aim 1.3"
 awk -F'\t' -v passive="$passive" '
     $1 == "info" { thr[$2] = $4 }

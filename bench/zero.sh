@@ -17,20 +17,15 @@ EOF2
 me=bench/zero.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=2
 steps=12
 dtype=fp32
-quick=
 while getopts "b:n:s:d:qh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     n) ranks=$OPTARG ;;
     s) steps=$OPTARG ;;
     d) dtype=$OPTARG ;;
-    q) quick=quick ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 if ! [[ $ranks =~ ^[1-9][0-9]*$ && $steps =~ ^[1-9][0-9]*$ ]] || ((ranks < 2)); then
@@ -40,13 +35,9 @@ fi
 case $dtype in fp32 | bf16) ;; *) echo "$me: -d wants fp32 or bf16" >&2; exit 2 ;; esac
 
 bench_build
-threads=$((cores / ranks > 0 ? cores / ranks : 1))
-export DSLUA_NUM_THREADS=$threads OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads DSLUA_COMM_CHECK=0
+bench_rank_threads
+export DSLUA_COMM_CHECK=0
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1)
-echo "dslua ZeRO bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit${quick:+  (quick)}"
-echo "cpu: $cpu, $cores cores; $ranks ranks of $threads thread(s)"
-(cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-    -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK \
-    -np "$ranks" "$build/dslua" bench/zero.lua "$steps" "$dtype" $quick) | grep -v '^ZeRO stage'
+bench_title "ZeRO bench"
+echo "cpu: $(bench_cpu), $cores cores; $ranks ranks of $threads thread(s)"
+(cd "$root" && bench_mpirun "$ranks" "$build/dslua" bench/zero.lua "$steps" "$dtype" $quick) | grep -v '^ZeRO stage'

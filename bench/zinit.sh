@@ -19,21 +19,18 @@ EOF2
 me=bench/zinit.sh
 # shellcheck source=bench/common.sh
 . "$(dirname "$0")/common.sh"
-build=$root/build
 ranks=4
 layers=18
 embd=1024
 step=
 while getopts "b:n:l:e:sqh" opt; do
     case $opt in
-    b) build=$(realpath -m "$OPTARG") ;;
     n) ranks=$OPTARG ;;
     l) layers=$OPTARG ;;
     e) embd=$OPTARG ;;
     s) step=step ;;
     q) layers=2 embd=256 ;;
-    h) usage; exit 0 ;;
-    *) usage >&2; exit 2 ;;
+    *) bench_opt "$opt" ;;
     esac
 done
 if ! [[ $ranks =~ ^[1-9][0-9]*$ && $layers =~ ^[1-9][0-9]*$ && $embd =~ ^[1-9][0-9]*$ ]] || ((ranks < 2 || embd % 64)); then
@@ -44,17 +41,15 @@ fi
 bench_build
 # no block cache: freed blocks go back to the system, so the resident set
 # is what the run holds, not what the allocator keeps for reuse
-export DSLUA_NUM_THREADS=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 DSLUA_COMM_CHECK=0 DSLUA_ALLOC_CACHE_MB=0
+bench_export_threads 1
+export DSLUA_COMM_CHECK=0 DSLUA_ALLOC_CACHE_MB=0
 
-commit=$(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)
-echo "dslua partitioned construction bench  $(date -u '+%Y-%m-%d %H:%M UTC')  commit $commit"
+bench_title "partitioned construction bench"
 echo "$ranks CPU ranks, Llama of $layers layers x $embd, fp32, AdamW${step:+, one step of 32 tokens}; peak resident MiB (VmHWM)"
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT
 for way in whole zinit; do
-    (cd "$root" && mpirun --allow-run-as-root --oversubscribe --bind-to none --mca btl self,vader \
-        -x DSLUA_NUM_THREADS -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS -x DSLUA_COMM_CHECK -x DSLUA_ALLOC_CACHE_MB \
-        -np "$ranks" "$build/dslua" bench/zinit.lua "$way" "$layers" "$embd" $step) | grep "^$way rank" >>"$out"
+    (cd "$root" && bench_mpirun "$ranks" "$build/dslua" bench/zinit.lua "$way" "$layers" "$embd" $step) | grep "^$way rank" >>"$out"
 done
 awk -v step="$step" '
     { way = $1; r = $3; params = $5; start[way, r] = $7; built[way, r] = $9; init[way, r] = $11; stepped[way, r] = $13

@@ -72,12 +72,8 @@ describe('ds.checkpoint', function()
   end)
 
   it('names what is wrong', function()
-    local ok, err = pcall(ds.checkpoint, 42)
-    assert.is_false(ok)
-    assert.matches('expected a function to run, got a number', err)
-    ok, err = pcall(ds.checkpoint, function() return 1 end)
-    assert.is_false(ok)
-    assert.matches('fn must return one tensor, it returned a number', err)
+    H.fails('expected a function to run, got a number', ds.checkpoint, 42)
+    H.fails('fn must return one tensor, it returned a number', ds.checkpoint, function() return 1 end)
     -- fn fails only when backward recomputes it
     local calls = 0
     local x = ds.randn(2, 2):requires_grad_(true)
@@ -86,9 +82,8 @@ describe('ds.checkpoint', function()
       if calls > 1 then error('second call fails') end
       return h * 2
     end, x)
-    ok, err = pcall(function() y:sum():backward() end)
-    assert.is_false(ok)
-    assert.matches('backward of checkpoint: ds.checkpoint: recomputing in backward: .*second call fails', err)
+    H.fails('backward of checkpoint: ds.checkpoint: recomputing in backward: .*second call fails',
+            function() y:sum():backward() end)
   end)
 
   it('leaves ds.checkpoint.save and the checkpoint files module as they were', function()
@@ -142,9 +137,8 @@ describe('the checkpoint option of models.gpt2 and models.llama', function()
   end)
 
   it('rejects a checkpoint option that is not false, true or a block count', function()
-    local ok, err = pcall(GPT, { n_layer = 2, n_head = 2, n_embd = 8, checkpoint = 0 })
-    assert.is_false(ok)
-    assert.matches('gpt2: checkpoint must be false, true or a positive number of blocks per segment, got 0', err)
+    H.fails('gpt2: checkpoint must be false, true or a positive number of blocks per segment, got 0',
+            GPT, { n_layer = 2, n_head = 2, n_embd = 8, checkpoint = 0 })
   end)
 end)
 
@@ -167,9 +161,7 @@ describe('the activation_checkpointing config block', function()
   end)
 
   it('names an unknown key', function()
-    local ok, err = pcall(load, { partition_activation = true })
-    assert.is_false(ok)
-    assert.matches('activation_checkpointing.partition_activation', err)
+    H.fails('activation_checkpointing.partition_activation', load, { partition_activation = true })
   end)
 
   it('configures ds.checkpointing through ds.initialize', function()

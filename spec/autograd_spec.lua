@@ -1,12 +1,7 @@
 local H = require 'helpers'
 local ds = H.ds
 
-local function errmsg(fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert(not ok, 'expected an error')
-  assert(type(err) == 'string', 'error message is a ' .. type(err))
-  return err
-end
+local errmsg = H.errmsg
 
 local function param(values, dt)
   return ds.tensor(values, dt or 'f64'):requires_grad_()

@@ -1,10 +1,6 @@
 local H = require 'helpers'
 
-local bin = H.bin()
-
-local tmpdir = H.tmpdir
-
-local write = H.write
+local bin, tmpdir, write = H.bin(), H.tmpdir, H.write
 
 describe('the dslua command', function()
   it('runs a script with arg and varargs set as lua does', function()

@@ -5,15 +5,7 @@ local json = require 'dslua.base.json'
 local config = require 'dslua.config'
 local args = require 'dslua.base.args'
 
-local bin = H.bin()
-
-local tmpdir = H.tmpdir
-
-local write = H.write
-
-local err = H.err
-
-local has = H.has
+local bin, tmpdir, write, err, has = H.bin(), H.tmpdir, H.write, H.err, H.has
 
 -- stdout and exit status of a command, stderr dropped
 local function run_stdout(cmd)

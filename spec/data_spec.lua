@@ -7,12 +7,7 @@ local ds = H.ds
 
 local dir
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-  return tostring(err)
-end
+local fails = H.fails
 
 local function write(name, bytes)
   local path = dir .. '/' .. name
@@ -27,12 +22,7 @@ local function gzip(path)
   return path .. '.gz'
 end
 
-local function bytes_of(path)
-  local f = assert(io.open(path, 'rb'))
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local bytes_of = H.read
 
 local function be32(v)
   return string.char(math.floor(v / 16777216) % 256, math.floor(v / 65536) % 256, math.floor(v / 256) % 256, v % 256)

@@ -117,16 +117,12 @@ describe('data-parallel training', function()
   if H.skip_without_mpirun() then return end
 
   local dir = H.tmpdir()
-  local runs, outputs = {}, {}
 
-  -- equiv.lua on np ranks (1: no mpirun), its JSON results and its output
-  local function run(np)
-    if runs[np] then return runs[np], outputs[np] end
-    local json = dir .. '/' .. np .. '.json'
-    -- the comm agreement (on by default): every rank must launch the same buckets in the same order
-    runs[np], outputs[np] = H.run_json(H.ranks_cmd(np) .. ' spec/ddp/equiv.lua ' .. json .. ' 2>&1', json)
-    return runs[np], out
-  end
+  -- equiv.lua on np ranks (1: no mpirun), its JSON results and its output;
+  -- the comm agreement (on by default): every rank must launch the same buckets in the same order
+  local run = H.runs_by_np(dir, function(np, json)
+    return H.ranks_cmd(np) .. ' spec/ddp/equiv.lua ' .. json .. ' 2>&1'
+  end)
 
   local function same_training(case, np)
     local one, many = run(1)[case], run(np)[case]

@@ -9,15 +9,7 @@ local function problem(n)
   return x, y
 end
 
-local Reg = ds.nn.Module:extend('Reg')
-function Reg:init()
-  self.fc1 = ds.nn.Linear(6, 8)
-  self.fc2 = ds.nn.Linear(8, 2)
-end
-function Reg:forward(batch)
-  local out = self.fc2(self.fc1(batch.x):tanh())
-  return ds.mse_loss(out, batch.y)
-end
+local Reg = H.two_layer('Reg')
 
 local function model_with(state)
   ds.manual_seed(3)

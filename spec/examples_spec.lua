@@ -94,10 +94,12 @@ describe('examples', function()
     assert(acc and acc > 40, 'accuracy after 20 steps in:\n' .. out)
   end)
 
-  it('mnist: says it skips and exits 0 when the data folder is absent', function()
-    local out = run('examples/mnist/train.lua --data /nonexistent/mnist', false)
-    assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
-  end)
+  for _, name in ipairs { 'mnist', 'pipeline' } do
+    it(name .. ': says it skips and exits 0 when the data folder is absent', function()
+      local out = run('examples/' .. name .. '/train.lua --data /nonexistent/mnist', false)
+      assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
+    end)
+  end
 
   it('pipeline: 2 stages x 2 data ranks train 20 steps with train_batch() and report the test accuracy', function()
     local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
@@ -126,11 +128,6 @@ describe('examples', function()
     assert(a and b, out .. one)
     -- within 1e-5 in f32, and the printed six decimals' rounding
     assert(math.abs(a - b) <= 1e-5 * a + 1e-6, string.format('8 ranks %.6f, one rank %.6f', b, a))
-  end)
-
-  it('pipeline: says it skips and exits 0 when the data folder is absent', function()
-    local out = run('examples/pipeline/train.lua --data /nonexistent/mnist', false)
-    assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
   end)
 
   it('shakespeare: trains 6 steps, the val loss falls, and it samples from "ROMEO:"', function()

@@ -1,6 +1,7 @@
 -- Shared spec helpers: closeness with a useful message, finite-difference
 -- gradient checks, and PyTorch fixtures.
 local ds = require 'dslua'
+local luassert = require 'luassert'
 
 local H = { ds = ds }
 
@@ -111,16 +112,39 @@ function H.gradcheck(fn, inputs, opts)
   return true
 end
 
--- A module class named name: Linear(6, 8), tanh, Linear(8, 2), its forward
--- the mean squared error of a batch {x = [B, 6], y = [B, 2]}.
-function H.two_layer(name)
+-- A module class `name` for training specs: fc1 (n_in -> hidden), the
+-- activation act (a tensor method's name), fc2 (hidden -> n_out), its
+-- forward the mean squared error of a batch {x, y}; without sizes
+-- Linear(6, 8), tanh, Linear(8, 2).
+function H.two_layer(name, n_in, hidden, n_out, act)
+  n_in, hidden, n_out, act = n_in or 6, hidden or 8, n_out or 2, act or 'tanh'
   local M = ds.nn.Module:extend(name)
   function M:init()
-    self.fc1 = ds.nn.Linear(6, 8)
-    self.fc2 = ds.nn.Linear(8, 2)
+    self.fc1 = ds.nn.Linear(n_in, hidden)
+    self.fc2 = ds.nn.Linear(hidden, n_out)
   end
-  function M:forward(batch) return ds.mse_loss(self.fc2(self.fc1(batch.x):tanh()), batch.y) end
+  function M:forward(batch)
+    local h = self.fc1(batch.x)
+    return ds.mse_loss(self.fc2(h[act](h)), batch.y)
+  end
   return M
+end
+
+-- Runs PyTorch fixture case c (named name): its inputs x1.. (the first n,
+-- default all) as leaves, out = run(xs), then out and the input gradients
+-- of out projected on c.w against the case's. Returns the inputs.
+function H.against_torch(c, name, run, tol, n)
+  local xs = {}
+  while (n and #xs < n) or (not n and c['x' .. (#xs + 1)]) do
+    xs[#xs + 1] = H.tensor(c['x' .. (#xs + 1)]):requires_grad_()
+  end
+  local out = run(xs)
+  H.assert_close(out, H.tensor(c.out), tol, name .. ' forward')
+  ;(out * H.tensor(c.w)):sum():backward()
+  for k = 1, #xs do
+    H.assert_close(xs[k].grad, H.tensor(c['g' .. k]), tol, name .. ' grad ' .. k)
+  end
+  return xs
 end
 
 -- A tensor from a fixture record {shape=..., dtype=..., data=...}.
@@ -208,9 +232,9 @@ function H.tmpdir()
   return d
 end
 
--- The whole of the file at path.
+-- The whole of the file at path, as bytes.
 function H.read(path)
-  local f = assert(io.open(path))
+  local f = assert(io.open(path, 'rb'))
   local text = f:read('*a')
   f:close()
   return text
@@ -224,10 +248,39 @@ function H.write(path, text)
   return path
 end
 
--- The message fn(...) raises; fails the spec if it does not raise.
-function H.err(fn, ...)
+local function raised(fn, ...)
   local ok, e = pcall(fn, ...)
   assert(not ok, 'expected an error')
+  return e
+end
+
+-- The message fn(...) raises; fails the spec if it does not raise.
+function H.err(fn, ...)
+  return tostring(raised(fn, ...))
+end
+
+-- The message fn(...) raises, which must be a string (not an error
+-- object); fails the spec if it does not raise.
+function H.errmsg(fn, ...)
+  local e = raised(fn, ...)
+  assert(type(e) == 'string', 'error message is a ' .. type(e))
+  return e
+end
+
+-- Asserts that fn(...) raises an error matching the Lua pattern; returns
+-- the message.
+function H.fails(pattern, fn, ...)
+  local ok, e = pcall(fn, ...)
+  luassert.is_false(ok, 'expected an error matching ' .. pattern)
+  luassert.matches(pattern, tostring(e))
+  return tostring(e)
+end
+
+-- The same with piece found verbatim, not as a pattern.
+function H.fails_plain(piece, fn, ...)
+  local ok, e = pcall(fn, ...)
+  luassert.is_false(ok, 'expected an error matching ' .. piece)
+  luassert.is_truthy(tostring(e):find(piece, 1, true), 'error was: ' .. tostring(e))
   return tostring(e)
 end
 
@@ -320,6 +373,21 @@ function H.run_json(cmd, json_path)
   local t = ds.json.decode(f:read('*a'))
   f:close()
   return t, out
+end
+
+-- run(np) for a block of multi-rank specs: the first call for each np
+-- runs command(np, json_path), a command that writes JSON to json_path (in
+-- dir), and every call returns the decoded table and the command's output
+-- (see H.run_json).
+function H.runs_by_np(dir, command)
+  local runs, outputs = {}, {}
+  return function(np)
+    if not runs[np] then
+      local json = dir .. '/' .. np .. '.json'
+      runs[np], outputs[np] = H.run_json(command(np, json), json)
+    end
+    return runs[np], outputs[np]
+  end
 end
 
 -- Whether mpirun is on PATH (multi-rank specs skip without it).

@@ -7,11 +7,7 @@
 local H = require 'helpers'
 local L = require 'dslua.parallel.launcher'
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.truthy(tostring(err):find(pattern, 1, true), tostring(err))
-end
+local fails = H.fails_plain
 
 -- hosts as DeepSpeed's dict: { ['worker-0'] = {0, 1, 2, 3} } in list order
 local function as_map(hosts)

@@ -6,24 +6,12 @@ local F = H.fixture('linalg')
 -- Runs fixture case `name` through fn(c, inputs...): the output, then the
 -- input gradients of the output projected on the fixture's weights.
 local function against_torch(name, fn, tol)
-  local c = F[name]
-  local xs, i = {}, 1
-  while c['x' .. i] do xs[i] = H.tensor(c['x' .. i]):requires_grad_(); i = i + 1 end
-  local out = fn(c, unpack(xs))
-  H.assert_close(out, H.tensor(c.out), tol, name .. ' forward')
-  ;(out * H.tensor(c.w)):sum():backward()
-  for k = 1, #xs do
-    H.assert_close(xs[k].grad, H.tensor(c['g' .. k]), tol, name .. ' grad ' .. k)
-  end
+  H.against_torch(F[name], name, function(xs) return fn(F[name], unpack(xs)) end, tol)
 end
 
 local function f64(...) return ds.randn({ ... }, 'f64'):requires_grad_() end
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 -- larger bf16 tolerance for sums of 16 products rounded once more
 local bf16 = { rtol = 2e-2, atol = 3e-2 }

@@ -15,12 +15,7 @@ local function fp16(over)
   return c
 end
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.is_truthy(tostring(err):find(pattern, 1, true), 'error was: ' .. tostring(err))
-  return tostring(err)
-end
+local fails = H.fails_plain
 
 -- rows: { overflow, scale after, hysteresis after, kind of message }
 -- kind: 'reduce', 'hyst', 'restore' or false

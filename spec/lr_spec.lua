@@ -6,11 +6,7 @@ local ds = H.ds
 
 local TOL = { rtol = 1e-12, atol = 1e-15 }
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 local function adam(...)
   local groups = {}

@@ -6,11 +6,7 @@ local ds = H.ds
 
 local GPT = require 'models.gpt2'
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 local NAMES = { 'x', 'w1', 'b1', 'w2', 'b2' }
 

@@ -9,13 +9,16 @@ local ds = H.ds
 local GPT = require 'models.gpt2'
 local Llama = require 'models.llama'
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 local function shape(t) return table.concat(t:size(), 'x') end
+
+-- "name:shape" of each parameter of m, in order
+local function param_shapes(m)
+  local names = {}
+  for i, p in ipairs(m:named_parameters()) do names[i] = p.name .. ':' .. shape(p.tensor) end
+  return names
+end
 
 -- ---- fixture records: base64 of little-endian int16 (times scale) or float32 ----
 
@@ -425,8 +428,7 @@ end)
 describe('models.mlp', function()
   it('is 784-256-10 by default with torch names', function()
     local m = require('models.mlp')()
-    local names = {}
-    for i, p in ipairs(m:named_parameters()) do names[i] = p.name .. ':' .. shape(p.tensor) end
+    local names = param_shapes(m)
     assert.are.equal('net.0.weight:256x784 net.0.bias:256 net.2.weight:10x256 net.2.bias:10', table.concat(names, ' '))
     local x = ds.randn({ 4, 1, 28, 28 })
     assert.are.equal('4x10', shape(m(x)))
@@ -464,8 +466,7 @@ end)
 describe('models.cnn', function()
   it('takes CIFAR images by default with torch names', function()
     local m = require('models.cnn')()
-    local names = {}
-    for i, p in ipairs(m:named_parameters()) do names[i] = p.name .. ':' .. shape(p.tensor) end
+    local names = param_shapes(m)
     assert.are.equal('features.0.weight:32x3x3x3 features.0.bias:32 features.3.weight:64x32x3x3 features.3.bias:64 '
                      .. 'classifier.0.weight:128x4096 classifier.0.bias:128 classifier.2.weight:10x128 '
                      .. 'classifier.2.bias:10', table.concat(names, ' '))

@@ -36,12 +36,7 @@ local function train(extra, steps)
   return engine, losses, lrs
 end
 
-local function read_lines(path)
-  local f = assert(io.open(path, 'rb'))
-  local text = f:read('*a')
-  f:close()
-  return text
-end
+local read_lines = H.read
 
 local function events_in(dir)
   local p = io.popen('ls ' .. dir .. '/events.out.tfevents.* 2>/dev/null')

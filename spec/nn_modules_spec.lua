@@ -5,11 +5,7 @@ local H = require 'helpers'
 local ds = H.ds
 local nn = ds.nn
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 local function names(list)
   local out = {}

@@ -6,26 +6,14 @@ local F = H.fixture('nn')
 -- Runs fixture case `name` through fn(xs, case): the output, then the
 -- input gradients of the output projected on the fixture's weights.
 local function against_torch(name, n_inputs, fn, tol)
-  local c = F[name]
-  local xs = {}
-  for i = 1, n_inputs do xs[i] = H.tensor(c['x' .. i]):requires_grad_() end
-  local out = fn(xs, c)
-  H.assert_close(out, H.tensor(c.out), tol, name .. ' forward')
-  ;(out * H.tensor(c.w)):sum():backward()
-  for i = 1, n_inputs do
-    H.assert_close(xs[i].grad, H.tensor(c['g' .. i]), tol, name .. ' grad ' .. i)
-  end
+  H.against_torch(F[name], name, function(xs) return fn(xs, F[name]) end, tol, n_inputs)
 end
 
 local function f64(...)
   return ds.randn({ ... }, 'f64'):requires_grad_()
 end
 
-local function fails(pattern, fn, ...)
-  local ok, err = pcall(fn, ...)
-  assert.is_false(ok, 'expected an error matching ' .. pattern)
-  assert.matches(pattern, tostring(err))
-end
+local fails = H.fails
 
 local function max_diff(a, b)
   return (a:to('f64') - b:to('f64')):abs():amax():item()

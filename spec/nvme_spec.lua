@@ -28,12 +28,7 @@ local function file_size(path)
   return n
 end
 
-local function read_bytes(path)
-  local f = assert(io.open(path, 'rb'))
-  local s = f:read('*a')
-  f:close()
-  return s
-end
+local read_bytes = H.read
 
 local assert_same = H.assert_same
 

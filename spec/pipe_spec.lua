@@ -42,15 +42,11 @@ describe('ds.pipe.partition', function()
   end)
 
   it('names what is wrong', function()
-    local ok, err = pcall(pipe.partition, layers, 2, 'type:conv')
-    assert.is_false(ok)
-    assert.matches("partition_method 'type:conv' matches no layer", err)
-    ok, err = pcall(pipe.partition, layers, 2, 'best')
-    assert.is_false(ok)
-    assert.matches("partition_method must be 'parameters', 'uniform' or 'type:<regex>', got best", err)
-    ok, err = pcall(pipe.PipelineModule, { layers = { pipe.LayerSpec(nn.ReLU) }, num_stages = 2 })
-    assert.is_false(ok)
-    assert.matches('2 stages but only 1 layers; every stage needs at least one', err)
+    H.fails("partition_method 'type:conv' matches no layer", pipe.partition, layers, 2, 'type:conv')
+    H.fails("partition_method must be 'parameters', 'uniform' or 'type:<regex>', got best",
+            pipe.partition, layers, 2, 'best')
+    H.fails('2 stages but only 1 layers; every stage needs at least one',
+            pipe.PipelineModule, { layers = { pipe.LayerSpec(nn.ReLU) }, num_stages = 2 })
   end)
 end)
 
@@ -80,10 +76,8 @@ describe('ds.pipe.PipeDataParallelTopology', function()
     assert.are.equal(4, topo:get_rank(1, 1))
     assert.are.equal(3, topo:get_dim('data'))
     local layers = MLP.pipe_layers { input_size = 8, hidden = { 4 }, num_classes = 3 }
-    local ok, err = pcall(pipe.PipelineModule, { layers = layers,
-                                                 topology = pipe.PipeDataParallelTopology { num_pp = 1, num_dp = 3 } })
-    assert.is_false(ok)
-    assert.matches('the topology has 1 pipe x 3 data = 3 ranks, the world 1', err, 1, true)
+    H.fails_plain('the topology has 1 pipe x 3 data = 3 ranks, the world 1', pipe.PipelineModule,
+                  { layers = layers, topology = pipe.PipeDataParallelTopology { num_pp = 1, num_dp = 3 } })
     local m = pipe.PipelineModule { layers = layers, topology = pipe.PipeDataParallelTopology { num_pp = 1, num_dp = 1 } }
     assert.are.equal(1, m.num_stages)
   end)
@@ -109,14 +103,10 @@ describe('ds.pipe.TiedLayerSpec', function()
   end)
 
   it('names a spec without key or class, and a tied_weight_attr that is not a tensor', function()
-    local ok, err = pcall(pipe.TiedLayerSpec, { 'w' })
-    assert.is_false(ok)
-    assert.matches('expected {key, cls, args..., forward_fn = f, tied_weight_attr = name}', err, 1, true)
-    ok, err = pcall(pipe.PipelineModule, { layers = { pipe.TiedLayerSpec { 'w', nn.Linear, 4, 4,
-                                                                           tied_weight_attr = 'weight.t' } },
-                                           num_stages = 1 })
-    assert.is_false(ok)
-    assert.matches("TiedLayerSpec 'w': tied_weight_attr 'weight.t' is not a tensor of the Linear", err, 1, true)
+    H.fails_plain('expected {key, cls, args..., forward_fn = f, tied_weight_attr = name}', pipe.TiedLayerSpec, { 'w' })
+    H.fails_plain("TiedLayerSpec 'w': tied_weight_attr 'weight.t' is not a tensor of the Linear", pipe.PipelineModule,
+                  { layers = { pipe.TiedLayerSpec { 'w', nn.Linear, 4, 4, tied_weight_attr = 'weight.t' } },
+                    num_stages = 1 })
   end)
 end)
 
@@ -134,13 +124,10 @@ describe('ds.pipe with the engine on one rank', function()
   end
 
   it("refuses ZeRO-2 and ZeRO-3, and a pipeline.stages that is not the module's", function()
-    local ok, err = pcall(ds.initialize, { model = model(), config = config { zero_optimization = { stage = 2 } } })
-    assert.is_false(ok)
-    assert.matches('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (zero_optimization.stage is 2)', err,
-                   1, true)
-    ok, err = pcall(ds.initialize, { model = model(), config = config { pipeline = { stages = 2 } } })
-    assert.is_false(ok)
-    assert.matches('pipeline.stages is 2, the PipelineModule has 1 stages', err, 1, true)
+    H.fails_plain('ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism (zero_optimization.stage is 2)',
+                  ds.initialize, { model = model(), config = config { zero_optimization = { stage = 2 } } })
+    H.fails_plain('pipeline.stages is 2, the PipelineModule has 1 stages',
+                  ds.initialize, { model = model(), config = config { pipeline = { stages = 2 } } })
   end)
 
   it("takes the pipeline block's activation_checkpoint_interval when the module sets none", function()
@@ -184,13 +171,9 @@ describe('ds.pipe with the engine on one rank', function()
     assert.are.equal(a:train_batch(function() return { x, y } end), b:train_batch(function() return x, y end))
     local e = H.err(engine.train_batch, engine, function() return x end)
     assert.matches('micro batch 1 has no labels for loss_fn', e, 1, true)
-    local ok, err = pcall(engine.train_batch, engine)
-    assert.is_false(ok)
-    assert.matches('no data iterator given and no training_data given to ds.initialize', err, 1, true)
+    H.fails_plain('no data iterator given and no training_data given to ds.initialize', engine.train_batch, engine)
     engine = ds.initialize { model = MLP { input_size = 8, hidden = { 4 }, num_classes = 3 }, config = config() }
-    ok, err = pcall(engine.eval_batch, engine, function() end)
-    assert.is_false(ok)
-    assert.matches('eval_batch: the model is not a ds.pipe.PipelineModule', err, 1, true)
+    H.fails_plain('eval_batch: the model is not a ds.pipe.PipelineModule', engine.eval_batch, engine, function() end)
   end)
 end)
 

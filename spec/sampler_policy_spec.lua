@@ -10,15 +10,7 @@ local P = require 'samplers.policy'
 local U = require 'samplers.uneven'
 local A = require 'samplers.auto'
 
-local bin = H.bin()
-
-local tmpdir = H.tmpdir
-
-local write = H.write
-
-local err = H.err
-
-local has = H.has
+local bin, tmpdir, write, err, has = H.bin(), H.tmpdir, H.write, H.err, H.has
 
 local function list(v) return ds.is_tensor(v) and v:totable() or v end
 

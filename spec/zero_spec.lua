@@ -85,15 +85,9 @@ end)
 describe('ZeRO and mixed precision', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
-  local runs, outputs = {}, {}
-
-  local function run(np)
-    if runs[np] then return runs[np], outputs[np] end
-    local json = dir .. '/' .. np .. '.json'
-    runs[np], outputs[np] = H.run_json(H.ranks_cmd(np) .. ' spec/zero/equiv.lua ' .. json .. ' ' .. dir .. '/nvme' .. np,
-                                       json)
-    return runs[np], out
-  end
+  local run = H.runs_by_np(dir, function(np, json)
+    return H.ranks_cmd(np) .. ' spec/zero/equiv.lua ' .. json .. ' ' .. dir .. '/nvme' .. np
+  end)
 
   local function same(case, ref, tol, what)
     assert.are.equal(50, #case.losses)
@@ -280,12 +274,7 @@ end)
 -- (the gradients scaled by the clip factor, ds.optim.apply, the cast to
 -- bf16), and the two must agree to the bit.
 describe('the step, against the same step done by hand', function()
-  local Reg = ds.nn.Module:extend('ZeroReg')
-  function Reg:init()
-    self.fc1 = ds.nn.Linear(6, 40)
-    self.fc2 = ds.nn.Linear(40, 3)
-  end
-  function Reg:forward(b) return ds.mse_loss(self.fc2(self.fc1(b.x):tanh()), b.y) end
+  local Reg = H.two_layer('ZeroReg', 6, 40, 3, 'tanh')
 
   local OPTIMIZERS = {
     { type = 'AdamW', params = { lr = 1e-2, weight_decay = 0.1 } },
@@ -408,12 +397,7 @@ end)
 -- Stage 2 and 3 reduce every micro step; a step engine holds each bucket
 -- in flight at most once, however many micro steps a step takes.
 describe('gradient accumulation past two micro steps', function()
-  local Net = ds.nn.Module:extend('ZeroAccum')
-  function Net:init()
-    self.fc1 = ds.nn.Linear(5, 7)
-    self.fc2 = ds.nn.Linear(7, 3)
-  end
-  function Net:forward(b) return ds.mse_loss(self.fc2(self.fc1(b.x):relu()), b.y) end
+  local Net = H.two_layer('ZeroAccum', 5, 7, 3, 'relu')
 
   -- weights after two steps of ga micro steps each, as flat f32 values
   local function train(stage, ga, dtype, bucket)

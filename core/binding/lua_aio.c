@@ -34,10 +34,7 @@ static int l_open(lua_State *L) {
     char what[512];
     snprintf(what, sizeof what, "aio.open: '%s': size", path);
     int64_t n = dsL_checkint(L, 2, 0, INT64_MAX, what);
-    ds_aio_file **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, DSL_AIOFILE_MT);
-    lua_setmetatable(L, -2);
+    ds_aio_file **p = dsL_newhandle(L, DSL_AIOFILE_MT);
     if (!(*p = ds_aio_open(path, n))) return dsL_error(L);
     return 1;
 }
@@ -65,10 +62,7 @@ static int start(lua_State *L, bool write) {
     char what[512];
     snprintf(what, sizeof what, "aio.%s: '%s': byte offset", write ? "write" : "read", ds_aio_path(f));
     int64_t off = lua_isnoneornil(L, 3) ? 0 : dsL_checkint(L, 3, 0, INT64_MAX, what);
-    ds_aio_req **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, DSL_AIOREQ_MT);
-    lua_setmetatable(L, -2);
+    ds_aio_req **p = dsL_newhandle(L, DSL_AIOREQ_MT);
     *p = write ? ds_aio_write(f, t, off) : ds_aio_read(f, t, off);
     if (!*p) return dsL_error(L);
     return 1;
@@ -109,12 +103,7 @@ static int l_done(lua_State *L) {
     return 1;
 }
 
-static int l_req_gc(lua_State *L) {
-    ds_aio_req **p = luaL_checkudata(L, 1, DSL_AIOREQ_MT);
-    ds_aio_req_free(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_req_gc, ds_aio_req, DSL_AIOREQ_MT, ds_aio_req_free)
 
 /* aio.mkdir(path) -> true, or nil and why: path and its missing parents,
  * mode 0700, walked as the guarded open walks (ds_file.h) */

@@ -29,15 +29,11 @@
 #define DSL_ATTACH_CONN_MT "dslua.AttachConn"
 
 static ds_attach_server *checkserver(lua_State *L) {
-    ds_attach_server **p = luaL_checkudata(L, 1, DSL_ATTACH_SERVER_MT);
-    if (!*p) luaL_error(L, "attach: the server is closed");
-    return *p;
+    return dsL_checkhandle(L, 1, DSL_ATTACH_SERVER_MT, "attach: the server is closed");
 }
 
 static ds_attach_conn *checkconn(lua_State *L) {
-    ds_attach_conn **p = luaL_checkudata(L, 1, DSL_ATTACH_CONN_MT);
-    if (!*p) luaL_error(L, "attach: the connection is closed");
-    return *p;
+    return dsL_checkhandle(L, 1, DSL_ATTACH_CONN_MT, "attach: the connection is closed");
 }
 
 static double opt_timeout(lua_State *L, int idx, double def) {
@@ -71,10 +67,7 @@ static int l_listen(lua_State *L) {
         }
         lua_pop(L, 1);
     }
-    ds_attach_server **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, DSL_ATTACH_SERVER_MT);
-    lua_setmetatable(L, -2);
+    ds_attach_server **p = dsL_newhandle(L, DSL_ATTACH_SERVER_MT);
     if (!(*p = ds_attach_listen(path, uid))) return dsL_error(L);
     return 1;
 }
@@ -105,19 +98,11 @@ static int l_reply(lua_State *L) {
     return 1;
 }
 
-static int l_server_gc(lua_State *L) {
-    ds_attach_server **p = luaL_checkudata(L, 1, DSL_ATTACH_SERVER_MT);
-    ds_attach_close(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_server_gc, ds_attach_server, DSL_ATTACH_SERVER_MT, ds_attach_close)
 
 static int l_dial(lua_State *L) {
     const char *path = luaL_checkstring(L, 1);
-    ds_attach_conn **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, DSL_ATTACH_CONN_MT);
-    lua_setmetatable(L, -2);
+    ds_attach_conn **p = dsL_newhandle(L, DSL_ATTACH_CONN_MT);
     if (!(*p = ds_attach_dial(path))) return dsL_error(L);
     return 1;
 }
@@ -143,12 +128,7 @@ static int l_recv(lua_State *L) {
     return 1;
 }
 
-static int l_conn_gc(lua_State *L) {
-    ds_attach_conn **p = luaL_checkudata(L, 1, DSL_ATTACH_CONN_MT);
-    ds_attach_hangup(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_conn_gc, ds_attach_conn, DSL_ATTACH_CONN_MT, ds_attach_hangup)
 
 static int l_uid(lua_State *L) {
     lua_pushnumber(L, (lua_Number)geteuid());
@@ -182,7 +162,5 @@ void dsL_open_attach(lua_State *L) {
     lua_pop(L, 1);
     dsL_newtype(L, DSL_ATTACH_CONN_MT, conn_methods, l_conn_gc);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, fns);
-    lua_setfield(L, -2, "_attach");
+    dsL_setfuncs(L, "_attach", fns);
 }

@@ -100,20 +100,12 @@ static int l_save(lua_State *L) {
 
 static int l_open(lua_State *L) {
     const char *path = luaL_checkstring(L, 1);
-    ds_safetensors_file **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, DSL_STFILE_MT);
-    lua_setmetatable(L, -2);
+    ds_safetensors_file **p = dsL_newhandle(L, DSL_STFILE_MT);
     if (!(*p = ds_safetensors_open(path))) return dsL_error(L);
     return 1;
 }
 
-static int l_gc(lua_State *L) {
-    ds_safetensors_file **p = luaL_checkudata(L, 1, DSL_STFILE_MT);
-    ds_safetensors_close(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_gc, ds_safetensors_file, DSL_STFILE_MT, ds_safetensors_close)
 
 static void push_entry(lua_State *L, const ds_safetensors_entry *e) {
     lua_createtable(L, 0, 4);
@@ -127,8 +119,7 @@ static void push_entry(lua_State *L, const ds_safetensors_entry *e) {
         lua_rawseti(L, -2, d + 1);
     }
     lua_setfield(L, -2, "shape");
-    lua_pushnumber(L, (lua_Number)e->numel);
-    lua_setfield(L, -2, "numel");
+    dsL_setnumber(L, "numel", (lua_Number)e->numel);
 }
 
 static int l_entries(lua_State *L) {
@@ -259,7 +250,5 @@ static const luaL_Reg ckpt_fns[] = {
 void dsL_open_ckpt(lua_State *L) {
     dsL_newtype(L, DSL_STFILE_MT, file_methods, l_gc);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, ckpt_fns);
-    lua_setfield(L, -2, "ckpt");
+    dsL_setfuncs(L, "ckpt", ckpt_fns);
 }

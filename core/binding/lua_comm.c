@@ -174,10 +174,8 @@ static int l_new_group(lua_State *L) {
     ds_comm_group *g = ds_comm_new_group(ranks, n);
     free(ranks);
     if (!g) return comm_error(L);
-    ds_comm_group **p = lua_newuserdata(L, sizeof *p);
+    ds_comm_group **p = dsL_newhandle(L, DSL_GROUP_MT);
     *p = g;
-    luaL_getmetatable(L, DSL_GROUP_MT);
-    lua_setmetatable(L, -2);
     return 1;
 }
 
@@ -270,10 +268,8 @@ static int l_flight_record(lua_State *L) {
         lua_setfield(L, -2, "group");
         lua_pushstring(L, f.state);
         lua_setfield(L, -2, "state");
-        lua_pushnumber(L, f.age);
-        lua_setfield(L, -2, "age");
-        lua_pushnumber(L, f.seconds);
-        lua_setfield(L, -2, "seconds");
+        dsL_setnumber(L, "age", f.age);
+        dsL_setnumber(L, "seconds", f.seconds);
         lua_rawseti(L, -2, i + 1);
     }
     return 1;
@@ -284,20 +280,18 @@ static int l_barrier(lua_State *L) {
     return finish(L, ds_comm_barrier(opt_group(L, 1)), RESULT_NONE, lua_toboolean(L, 2));
 }
 
-/* send(t, dst, tag, group, async) / recv(t, src, tag, group, async) */
-static int l_send(lua_State *L) {
+/* send(t, dst, tag, group, async) / recv(t, src, tag, group, async):
+ * peer_what and tag_what name the arguments in errors */
+static int point_to_point(lua_State *L, ds_comm_work *(*op)(ds_tensor *, int, int, ds_comm_group *),
+                          const char *peer_what, const char *tag_what) {
     ds_tensor *t = dsL_checktensor(L, 1);
-    int dst = check_rank(L, 2, "send: dst");
-    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, "send: tag");
-    return finish(L, ds_comm_send(t, dst, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
+    int peer = check_rank(L, 2, peer_what);
+    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, tag_what);
+    return finish(L, op(t, peer, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
 }
 
-static int l_recv(lua_State *L) {
-    ds_tensor *t = dsL_checktensor(L, 1);
-    int src = check_rank(L, 2, "recv: src");
-    int tag = lua_isnoneornil(L, 3) ? 0 : (int)dsL_checkint(L, 3, 0, INT_MAX, "recv: tag");
-    return finish(L, ds_comm_recv(t, src, tag, opt_group(L, 4)), RESULT_NONE, lua_toboolean(L, 5));
-}
+static int l_send(lua_State *L) { return point_to_point(L, ds_comm_send, "send: dst", "send: tag"); }
+static int l_recv(lua_State *L) { return point_to_point(L, ds_comm_recv, "recv: src", "recv: tag"); }
 
 /* broadcast(t, src, group, async) */
 static int l_broadcast(lua_State *L) {
@@ -385,14 +379,10 @@ void dsL_open_comm(lua_State *L) {
     lua_pop(L, 1);
 
     luaL_newmetatable(L, DSL_GROUP_MT);
-    lua_newtable(L);
-    luaL_register(L, NULL, group_methods);
-    lua_setfield(L, -2, "__index");
+    dsL_setfuncs(L, "__index", group_methods);
     lua_pushcfunction(L, l_group_tostring);
     lua_setfield(L, -2, "__tostring");
     lua_pop(L, 1);
 
-    lua_newtable(L);
-    luaL_register(L, NULL, fns);
-    lua_setfield(L, -2, "_comm");
+    dsL_setfuncs(L, "_comm", fns);
 }

@@ -83,20 +83,13 @@ static int l_memory_info(lua_State *L) {
     ds_cuda_mem_info m;
     if (ds_cuda_memory_info(index, &m)) return dsL_error(L);
     lua_createtable(L, 0, 7);
-    lua_pushnumber(L, (lua_Number)m.allocated);
-    lua_setfield(L, -2, "allocated");
-    lua_pushnumber(L, (lua_Number)m.peak);
-    lua_setfield(L, -2, "peak");
-    lua_pushnumber(L, (lua_Number)m.cached);
-    lua_setfield(L, -2, "cached");
-    lua_pushnumber(L, (lua_Number)m.device_allocs);
-    lua_setfield(L, -2, "device_allocs");
-    lua_pushnumber(L, (lua_Number)m.cache_hits);
-    lua_setfield(L, -2, "cache_hits");
-    lua_pushnumber(L, (lua_Number)m.pinned);
-    lua_setfield(L, -2, "pinned");
-    lua_pushnumber(L, (lua_Number)m.pinned_allocs);
-    lua_setfield(L, -2, "pinned_allocs");
+    dsL_setnumber(L, "allocated", (lua_Number)m.allocated);
+    dsL_setnumber(L, "peak", (lua_Number)m.peak);
+    dsL_setnumber(L, "cached", (lua_Number)m.cached);
+    dsL_setnumber(L, "device_allocs", (lua_Number)m.device_allocs);
+    dsL_setnumber(L, "cache_hits", (lua_Number)m.cache_hits);
+    dsL_setnumber(L, "pinned", (lua_Number)m.pinned);
+    dsL_setnumber(L, "pinned_allocs", (lua_Number)m.pinned_allocs);
     return 1;
 }
 
@@ -153,17 +146,9 @@ static const luaL_Reg cuda_functions[] = {
 void dsL_open_cuda(lua_State *L) {
     luaL_getmetatable(L, DSL_TENSOR_MT);
     lua_getfield(L, -1, "methods");
-    for (const luaL_Reg *f = tensor_methods; f->name; f++) {
-        lua_pushcfunction(L, f->func);
-        lua_setfield(L, -2, f->name);
-    }
+    luaL_register(L, NULL, tensor_methods);
     lua_pop(L, 2);
     lua_pushcfunction(L, l_device);
     lua_setfield(L, -2, "device");
-    lua_newtable(L);
-    for (const luaL_Reg *f = cuda_functions; f->name; f++) {
-        lua_pushcfunction(L, f->func);
-        lua_setfield(L, -2, f->name);
-    }
-    lua_setfield(L, -2, "cuda");
+    dsL_setfuncs(L, "cuda", cuda_functions);
 }

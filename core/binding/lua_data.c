@@ -29,26 +29,14 @@ static ds_loader *check_loader(lua_State *L, int idx) {
 
 static int push_dataset(lua_State *L, ds_dataset *d) {
     if (!d) return dsL_error(L);
-    ds_dataset **p = lua_newuserdata(L, sizeof *p);
+    ds_dataset **p = dsL_newhandle(L, DATASET_MT);
     *p = d;
-    luaL_getmetatable(L, DATASET_MT);
-    lua_setmetatable(L, -2);
     return 1;
 }
 
-static int dataset_gc(lua_State *L) {
-    ds_dataset **p = luaL_checkudata(L, 1, DATASET_MT);
-    ds_dataset_release(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(dataset_gc, ds_dataset, DATASET_MT, ds_dataset_release)
 
-static int loader_gc(lua_State *L) {
-    ds_loader **p = luaL_checkudata(L, 1, LOADER_MT);
-    ds_loader_free(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(loader_gc, ds_loader, LOADER_MT, ds_loader_free)
 
 /* A list of strings at idx, borrowed, in a buffer the Lua GC owns. */
 static const char **check_strings(lua_State *L, int idx, const char *what, int *n) {
@@ -338,10 +326,7 @@ static int l_loader(lua_State *L) {
     int workers = (int)luaL_checkinteger(L, 2), depth = (int)luaL_checkinteger(L, 3);
     ds_device dev = DS_CPU_DEVICE;
     if (!lua_isnoneornil(L, 4) && ds_device_parse(luaL_checkstring(L, 4), &dev)) return dsL_error(L);
-    ds_loader **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, LOADER_MT);
-    lua_setmetatable(L, -2);
+    ds_loader **p = dsL_newhandle(L, LOADER_MT);
     *p = ds_loader_new(d, workers, depth, dev);
     if (!*p) return dsL_error(L);
     return 1;
@@ -408,7 +393,5 @@ void dsL_open_data(lua_State *L) {
     lua_pushcfunction(L, loader_gc);
     lua_setfield(L, -2, "__gc");
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, data_functions);
-    lua_setfield(L, -2, "data_core");
+    dsL_setfuncs(L, "data_core", data_functions);
 }

@@ -43,7 +43,5 @@ static const luaL_Reg file_fns[] = {
 };
 
 void dsL_open_file(lua_State *L) {
-    lua_newtable(L);
-    luaL_register(L, NULL, file_fns);
-    lua_setfield(L, -2, "file");
+    dsL_setfuncs(L, "file", file_fns);
 }

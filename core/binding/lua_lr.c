@@ -202,7 +202,5 @@ void dsL_open_lr(lua_State *L) {
         {"warmup_cosine_lr", l_warmup_cosine_lr},
         {NULL, NULL},
     };
-    lua_newtable(L);
-    luaL_register(L, NULL, fns);
-    lua_setfield(L, -2, "lr_formulas");
+    dsL_setfuncs(L, "lr_formulas", fns);
 }

@@ -172,6 +172,11 @@ static void name_all(lua_State *L) {
     lua_settop(L, module);
 }
 
+static const luaL_Reg core_functions[] = {
+    {"embedded_source", l_embedded_source}, {"wall_time", l_wall_time}, {"isatty", l_isatty},
+    {"num_threads", l_num_threads}, {"cpu_optim_isa", l_cpu_optim_isa}, {NULL, NULL}
+};
+
 int luaopen_dslua_core(lua_State *L) {
     lua_newtable(L);
     dsL_open_tensor(L);
@@ -196,16 +201,7 @@ int luaopen_dslua_core(lua_State *L) {
     dsL_open_tfevents(L);
     dsL_open_plot(L);
     dsL_open_file(L);
-    lua_pushcfunction(L, l_embedded_source);
-    lua_setfield(L, -2, "embedded_source");
-    lua_pushcfunction(L, l_wall_time);
-    lua_setfield(L, -2, "wall_time");
-    lua_pushcfunction(L, l_isatty);
-    lua_setfield(L, -2, "isatty");
-    lua_pushcfunction(L, l_num_threads);
-    lua_setfield(L, -2, "num_threads");
-    lua_pushcfunction(L, l_cpu_optim_isa);
-    lua_setfield(L, -2, "cpu_optim_isa");
+    luaL_register(L, NULL, core_functions);
     lua_pushstring(L, DSLUA_VERSION);
     lua_setfield(L, -2, "version");
     name_all(L);

@@ -103,12 +103,10 @@ static int l_stats(lua_State *L) {
     ds_onebit_stats s;
     ds_onebit_stats_get(check_onebit(L)->b, &s);
     lua_createtable(L, 0, 3);
-    lua_pushnumber(L, (lua_Number)s.steps);
-    lua_setfield(L, -2, "steps");
+    dsL_setnumber(L, "steps", (lua_Number)s.steps);
     lua_pushboolean(L, s.compressed);
     lua_setfield(L, -2, "compressed");
-    lua_pushnumber(L, (lua_Number)s.bytes);
-    lua_setfield(L, -2, "bytes");
+    dsL_setnumber(L, "bytes", (lua_Number)s.bytes);
     return 1;
 }
 

@@ -6,17 +6,30 @@
 #include <math.h>
 #include <string.h>
 
+/* The operands at idx and idx + 1 into t: either may be a number, which
+ * takes the other side's dtype (own: made here, release_operands frees
+ * it). False where neither is a tensor. */
+static bool check_operands(lua_State *L, int idx, ds_tensor *t[2], bool own[2]) {
+    t[0] = dsL_totensor(L, idx);
+    t[1] = dsL_totensor(L, idx + 1);
+    if (!t[0] && !t[1]) return false;
+    t[0] = dsL_checkoperand(L, idx, t[1] ? t[1] : t[0], &own[0]);
+    t[1] = dsL_checkoperand(L, idx + 1, t[0], &own[1]);
+    return true;
+}
+
+static void release_operands(ds_tensor *t[2], const bool own[2]) {
+    if (own[0]) ds_tensor_release(t[0]);
+    if (own[1]) ds_tensor_release(t[1]);
+}
+
 static int push_binary(lua_State *L, ds_binary_op op) {
-    /* either side may be a number; it takes the other side's dtype */
-    ds_tensor *a = dsL_totensor(L, 1), *b = dsL_totensor(L, 2);
-    if (!a && !b) return luaL_error(L, "expected a tensor operand, got %s and %s",
-                                    luaL_typename(L, 1), luaL_typename(L, 2));
-    bool own_a, own_b;
-    a = dsL_checkoperand(L, 1, b ? b : a, &own_a);
-    b = dsL_checkoperand(L, 2, a, &own_b);
-    ds_tensor *out = ds_binary(op, a, b);
-    if (own_a) ds_tensor_release(a);
-    if (own_b) ds_tensor_release(b);
+    ds_tensor *t[2];
+    bool own[2];
+    if (!check_operands(L, 1, t, own))
+        return luaL_error(L, "expected a tensor operand, got %s and %s", luaL_typename(L, 1), luaL_typename(L, 2));
+    ds_tensor *out = ds_binary(op, t[0], t[1]);
+    release_operands(t, own);
     return dsL_pushtensor(L, out);
 }
 
@@ -56,14 +69,11 @@ static int l_gelu(lua_State *L) {
 
 static int l_where(lua_State *L) {
     ds_tensor *cond = dsL_checktensor(L, 1);
-    ds_tensor *a = dsL_totensor(L, 2), *b = dsL_totensor(L, 3);
-    if (!a && !b) return luaL_error(L, "where: expected a tensor for one of the values");
-    bool own_a, own_b;
-    a = dsL_checkoperand(L, 2, b ? b : a, &own_a);
-    b = dsL_checkoperand(L, 3, a, &own_b);
-    ds_tensor *out = ds_where(cond, a, b);
-    if (own_a) ds_tensor_release(a);
-    if (own_b) ds_tensor_release(b);
+    ds_tensor *t[2];
+    bool own[2];
+    if (!check_operands(L, 2, t, own)) return luaL_error(L, "where: expected a tensor for one of the values");
+    ds_tensor *out = ds_where(cond, t[0], t[1]);
+    release_operands(t, own);
     return dsL_pushtensor(L, out);
 }
 

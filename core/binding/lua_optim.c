@@ -178,20 +178,12 @@ static int l_optim_state_names(lua_State *L) {
 /* optim_new(kind) -> handle */
 static int l_optim_new(lua_State *L) {
     ds_optim_kind kind = checkkind(L, 1);
-    ds_optim **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, DSL_OPTIM_MT);
-    lua_setmetatable(L, -2);
+    ds_optim **p = dsL_newhandle(L, DSL_OPTIM_MT);
     if (!(*p = ds_optim_new(kind))) return dsL_error(L);
     return 1;
 }
 
-static int l_gc(lua_State *L) {
-    ds_optim **p = luaL_checkudata(L, 1, DSL_OPTIM_MT);
-    ds_optim_free(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_gc, ds_optim, DSL_OPTIM_MT, ds_optim_free)
 
 /* h:add_group(group): group.params is a list of tensors; the other fields
  * are the hyperparameters. */
@@ -380,15 +372,13 @@ static const luaL_Reg optim_methods[] = {
     {NULL, NULL}
 };
 
+static const luaL_Reg optim_functions[] = {
+    {"optim_new", l_optim_new}, {"optim_apply", l_optim_apply}, {"optim_check_group", l_optim_check_group},
+    {"optim_state_names", l_optim_state_names}, {NULL, NULL}
+};
+
 void dsL_open_optim(lua_State *L) {
     dsL_newtype(L, DSL_OPTIM_MT, optim_methods, l_gc);
     lua_pop(L, 1);
-    lua_pushcfunction(L, l_optim_new);
-    lua_setfield(L, -2, "optim_new");
-    lua_pushcfunction(L, l_optim_apply);
-    lua_setfield(L, -2, "optim_apply");
-    lua_pushcfunction(L, l_optim_check_group);
-    lua_setfield(L, -2, "optim_check_group");
-    lua_pushcfunction(L, l_optim_state_names);
-    lua_setfield(L, -2, "optim_state_names");
+    luaL_register(L, NULL, optim_functions);
 }

@@ -53,7 +53,5 @@ static int l_png(lua_State *L) {
 static const luaL_Reg plot_fns[] = {{"png", l_png}, {NULL, NULL}};
 
 void dsL_open_plot(lua_State *L) {
-    lua_newtable(L);
-    luaL_register(L, NULL, plot_fns);
-    lua_setfield(L, -2, "plot");
+    dsL_setfuncs(L, "plot", plot_fns);
 }

@@ -121,7 +121,5 @@ void dsL_open_reload(lua_State *L) {
         {"stat", l_stat}, {"to_bytes", l_to_bytes}, {"from_bytes", l_from_bytes},
         {"sleep", l_sleep}, {"pcall_budget", l_pcall_budget}, {NULL, NULL}
     };
-    lua_newtable(L);
-    luaL_register(L, NULL, fns);
-    lua_setfield(L, -2, "_reload");
+    dsL_setfuncs(L, "_reload", fns);
 }

@@ -107,10 +107,8 @@ ds_tensor *dsL_checkoperand(lua_State *L, int idx, const ds_tensor *like, bool *
 
 int dsL_pushtensor(lua_State *L, ds_tensor *t) {
     if (!t) return dsL_error(L);
-    ds_tensor **p = lua_newuserdata(L, sizeof *p);
+    ds_tensor **p = dsL_newhandle(L, DSL_TENSOR_MT);
     *p = t;
-    luaL_getmetatable(L, DSL_TENSOR_MT);
-    lua_setmetatable(L, -2);
     gc_pressure(L);
     return 1;
 }
@@ -351,12 +349,7 @@ static int l_set_rng_state(lua_State *L) {
 
 /* ---- fields and conversions ---- */
 
-static int l_gc(lua_State *L) {
-    ds_tensor **p = luaL_checkudata(L, 1, DSL_TENSOR_MT);
-    ds_tensor_release(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_gc, ds_tensor, DSL_TENSOR_MT, ds_tensor_release)
 
 static int l_size(lua_State *L) {
     ds_tensor *t = dsL_checkmeta(L, 1);
@@ -573,8 +566,7 @@ static void push_category_table(lua_State *L, const int64_t *v, int64_t total) {
         lua_pushnumber(L, (lua_Number)v[i]);
         lua_setfield(L, -2, ds_mem_category_name((ds_mem_category)i));
     }
-    lua_pushnumber(L, (lua_Number)total);
-    lua_setfield(L, -2, "total");
+    dsL_setnumber(L, "total", (lua_Number)total);
 }
 
 static int l_memory_stats(lua_State *L) {
@@ -585,8 +577,7 @@ static int l_memory_stats(lua_State *L) {
     lua_setfield(L, -2, "current");
     push_category_table(L, s.peak, s.total_peak);
     lua_setfield(L, -2, "peak");
-    lua_pushnumber(L, (lua_Number)s.cached);
-    lua_setfield(L, -2, "cached");
+    dsL_setnumber(L, "cached", (lua_Number)s.cached);
     return 1;
 }
 
@@ -612,6 +603,10 @@ static const luaL_Reg module_functions[] = {
     {NULL, NULL}
 };
 
+static const luaL_Reg tensor_metamethods[] = {
+    {"__gc", l_gc}, {"__index", l_index}, {"__newindex", l_newindex}, {"__len", l_len}, {NULL, NULL}
+};
+
 void dsL_open_tensor(lua_State *L) {
     main_state = L;
     on_lua_thread = true;
@@ -619,14 +614,7 @@ void dsL_open_tensor(lua_State *L) {
     luaL_newmetatable(L, DSL_TENSOR_MT);
     lua_newtable(L);
     lua_setfield(L, -2, "methods");
-    lua_pushcfunction(L, l_gc);
-    lua_setfield(L, -2, "__gc");
-    lua_pushcfunction(L, l_index);
-    lua_setfield(L, -2, "__index");
-    lua_pushcfunction(L, l_newindex);
-    lua_setfield(L, -2, "__newindex");
-    lua_pushcfunction(L, l_len);
-    lua_setfield(L, -2, "__len");
+    luaL_register(L, NULL, tensor_metamethods);
     lua_pushvalue(L, -1);
     lua_setfield(L, -3, "Tensor");    /* the metatable, for Lua-side methods */
     lua_pop(L, 1);
@@ -634,11 +622,34 @@ void dsL_open_tensor(lua_State *L) {
     dsL_register(L, module_functions, false);
 }
 
+void *dsL_newhandle(lua_State *L, const char *mt) {
+    void *ud = lua_newuserdata(L, sizeof(void *));
+    memset(ud, 0, sizeof(void *));
+    luaL_getmetatable(L, mt);
+    lua_setmetatable(L, -2);
+    return ud;
+}
+
+void *dsL_checkhandle(lua_State *L, int idx, const char *mt, const char *closed) {
+    void **p = luaL_checkudata(L, idx, mt);
+    if (!*p) luaL_error(L, "%s", closed);
+    return *p;
+}
+
+void dsL_setfuncs(lua_State *L, const char *key, const luaL_Reg *fns) {
+    lua_newtable(L);
+    luaL_register(L, NULL, fns);
+    lua_setfield(L, -2, key);
+}
+
+void dsL_setnumber(lua_State *L, const char *key, double v) {
+    lua_pushnumber(L, v);
+    lua_setfield(L, -2, key);
+}
+
 void dsL_newtype(lua_State *L, const char *name, const luaL_Reg *methods, lua_CFunction gc) {
     luaL_newmetatable(L, name);
     lua_pushcfunction(L, gc);
     lua_setfield(L, -2, "__gc");
-    lua_newtable(L);
-    luaL_register(L, NULL, methods);
-    lua_setfield(L, -2, "__index");
+    dsL_setfuncs(L, "__index", methods);
 }

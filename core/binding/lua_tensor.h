@@ -64,6 +64,31 @@ double dsL_checkvalue(lua_State *L, const char *op, double v, ds_dtype t);
  * __index and gc as __gc. */
 void dsL_newtype(lua_State *L, const char *name, const luaL_Reg *methods, lua_CFunction gc);
 
+/* A handle: a new userdata of metatable mt (pushed) holding one object
+ * pointer, NULL until the caller stores the object there. Made before
+ * the object, so that a memory error making it cannot leak the object. */
+void *dsL_newhandle(lua_State *L, const char *mt);
+/* The object of the handle of metatable mt at idx; raises `closed` (the
+ * whole message) when it was closed. */
+void *dsL_checkhandle(lua_State *L, int idx, const char *mt, const char *closed);
+
+/* A handle's __gc (and close, where closing cannot fail): releases the
+ * object, NULL included, and clears the handle, so that a second call is
+ * harmless. */
+#define DSL_HANDLE_GC(name, type, mt, release)   \
+    static int name(lua_State *L) {              \
+        type **p = luaL_checkudata(L, 1, mt);    \
+        release(*p);                             \
+        *p = NULL;                               \
+        return 0;                                \
+    }
+
+/* Sets key of the table at -1 to a new table of fns. */
+void dsL_setfuncs(lua_State *L, const char *key, const luaL_Reg *fns);
+
+/* Sets key of the table at -1 to the number v. */
+void dsL_setnumber(lua_State *L, const char *key, double v);
+
 /* Registers fns into the module table at -1 and, with as_methods, into
  * the tensor method table as well. */
 void dsL_register(lua_State *L, const luaL_Reg *fns, bool as_methods);

@@ -17,17 +17,12 @@
 #define DSL_TFEVENTS_MT "dslua.TfEvents"
 
 static ds_tfevents *checkwriter(lua_State *L) {
-    ds_tfevents **p = luaL_checkudata(L, 1, DSL_TFEVENTS_MT);
-    if (!*p) luaL_error(L, "tfevents: the writer is closed");
-    return *p;
+    return dsL_checkhandle(L, 1, DSL_TFEVENTS_MT, "tfevents: the writer is closed");
 }
 
 static int l_open(lua_State *L) {
     const char *dir = luaL_checkstring(L, 1);
-    ds_tfevents **p = lua_newuserdata(L, sizeof *p);
-    *p = NULL;
-    luaL_getmetatable(L, DSL_TFEVENTS_MT);
-    lua_setmetatable(L, -2);
+    ds_tfevents **p = dsL_newhandle(L, DSL_TFEVENTS_MT);
     *p = ds_tfevents_open(dir);
     if (!*p) return dsL_error(L);
     return 1;
@@ -59,12 +54,7 @@ static int l_path(lua_State *L) {
 }
 
 /* __gc: a write error here has no one to tell (close() reports it) */
-static int l_gc(lua_State *L) {
-    ds_tfevents **p = luaL_checkudata(L, 1, DSL_TFEVENTS_MT);
-    ds_tfevents_close(*p);
-    *p = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_gc, ds_tfevents, DSL_TFEVENTS_MT, ds_tfevents_close)
 
 /* a second close is a no-op */
 static int l_close(lua_State *L) {
@@ -79,18 +69,15 @@ static int l_close(lua_State *L) {
 static int push_event(const ds_tfevent *e, void *ctx) {
     lua_State *L = ctx;
     lua_createtable(L, 0, 4);
-    lua_pushnumber(L, e->wall_time);
-    lua_setfield(L, -2, "wall_time");
-    lua_pushnumber(L, (lua_Number)e->step);
-    lua_setfield(L, -2, "step");
+    dsL_setnumber(L, "wall_time", e->wall_time);
+    dsL_setnumber(L, "step", (lua_Number)e->step);
     if (e->file_version) {
         lua_pushstring(L, e->file_version);
         lua_setfield(L, -2, "file_version");
     } else {
         lua_pushstring(L, e->tag);
         lua_setfield(L, -2, "tag");
-        lua_pushnumber(L, e->value);
-        lua_setfield(L, -2, "value");
+        dsL_setnumber(L, "value", e->value);
     }
     lua_rawseti(L, 2, (int)lua_objlen(L, 2) + 1);
     return 0;
@@ -126,7 +113,5 @@ static const luaL_Reg tfevents_fns[] = {
 void dsL_open_tfevents(lua_State *L) {
     dsL_newtype(L, DSL_TFEVENTS_MT, writer_methods, l_gc);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, tfevents_fns);
-    lua_setfield(L, -2, "tfevents");
+    dsL_setfuncs(L, "tfevents", tfevents_fns);
 }

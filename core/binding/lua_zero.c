@@ -289,10 +289,7 @@ static int l_engine(lua_State *L) {
             lua_pop(L, 1);
         }
     }
-    ds_zero **ud = lua_newuserdata(L, sizeof *ud);
-    *ud = NULL;
-    luaL_getmetatable(L, DSL_ZERO_MT);
-    lua_setmetatable(L, -2);
+    ds_zero **ud = dsL_newhandle(L, DSL_ZERO_MT);
     if (!(*ud = ds_zero_new(&c, ng, counts, params, flat))) return dsL_error(L);
     return 1;
 }
@@ -310,10 +307,14 @@ static int l_attach(lua_State *L) {
     return 0;
 }
 
-static int l_stream(lua_State *L) {
-    if (ds_zero_stream(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+/* A method that runs one engine operation and raises its error */
+#define ENGINE_OP(name, op)                           \
+    static int name(lua_State *L) {                   \
+        if (op(check_engine(L))) return dsL_error(L); \
+        return 0;                                     \
+    }
+
+ENGINE_OP(l_stream, ds_zero_stream)
 
 static int l_backward(lua_State *L) {
     ds_zero *z = check_engine(L);
@@ -349,10 +350,7 @@ static int l_step(lua_State *L) {
     return 2;
 }
 
-static int l_sync_params(lua_State *L) {
-    if (ds_zero_sync_params(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+ENGINE_OP(l_sync_params, ds_zero_sync_params)
 
 static int l_refresh(lua_State *L) {
     ds_zero *z = check_engine(L);
@@ -369,22 +367,17 @@ static int l_refresh(lua_State *L) {
     return 0;
 }
 
-static void set_number(lua_State *L, const char *key, double v) {
-    lua_pushnumber(L, v);
-    lua_setfield(L, -2, key);
-}
-
 static int l_stats(lua_State *L) {
     ds_zero_stats s;
     if (!ds_zero_stats_get(check_engine(L), &s)) return 0;
     lua_createtable(L, 0, 7);
-    set_number(L, "buckets", s.buckets);
-    set_number(L, "bytes", (double)s.bytes);
-    set_number(L, "launched_in_backward", s.launched_in_backward);
-    set_number(L, "leaves_after_first_launch", s.leaves_after_first_launch);
-    set_number(L, "comm_ms", s.comm_ms);
-    set_number(L, "hidden_ms", s.hidden_ms);
-    set_number(L, "wait_ms", s.wait_ms);
+    dsL_setnumber(L, "buckets", s.buckets);
+    dsL_setnumber(L, "bytes", (double)s.bytes);
+    dsL_setnumber(L, "launched_in_backward", s.launched_in_backward);
+    dsL_setnumber(L, "leaves_after_first_launch", s.leaves_after_first_launch);
+    dsL_setnumber(L, "comm_ms", s.comm_ms);
+    dsL_setnumber(L, "hidden_ms", s.hidden_ms);
+    dsL_setnumber(L, "wait_ms", s.wait_ms);
     return 1;
 }
 
@@ -457,10 +450,7 @@ static int l_post_forward(lua_State *L) {
     return 0;
 }
 
-static int l_gather_all(lua_State *L) {
-    if (ds_zero_gather_all(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+ENGINE_OP(l_gather_all, ds_zero_gather_all)
 
 static int l_release_all(lua_State *L) {
     ds_zero_release_all(check_engine(L));
@@ -490,10 +480,7 @@ static int l_offload_params(lua_State *L) {
     return 0;
 }
 
-static int l_take_local_grads(lua_State *L) {
-    if (ds_zero_take_local_grads(check_engine(L))) return dsL_error(L);
-    return 0;
-}
+ENGINE_OP(l_take_local_grads, ds_zero_take_local_grads)
 
 static int l_reduces(lua_State *L) {
     lua_pushboolean(L, ds_zero_reduces(check_engine(L), lua_toboolean(L, 2)));
@@ -511,12 +498,7 @@ static int l_parts(lua_State *L) {
     return 1;
 }
 
-static int l_close(lua_State *L) {
-    ds_zero **z = luaL_checkudata(L, 1, DSL_ZERO_MT);
-    ds_zero_free(*z);
-    *z = NULL;
-    return 0;
-}
+DSL_HANDLE_GC(l_close, ds_zero, DSL_ZERO_MT, ds_zero_free)
 
 static int l_exclude_from_norm(lua_State *L) {
     if (ds_zero_exclude_from_norm(check_engine(L), dsL_checktensor(L, 2))) return dsL_error(L);
@@ -545,7 +527,5 @@ static const luaL_Reg zero_functions[] = {
 void dsL_open_zero(lua_State *L) {
     dsL_newtype(L, DSL_ZERO_MT, engine_methods, l_close);
     lua_pop(L, 1);
-    lua_newtable(L);
-    luaL_register(L, NULL, zero_functions);
-    lua_setfield(L, -2, "_zero");
+    dsL_setfuncs(L, "_zero", zero_functions);
 }

@@ -5,7 +5,7 @@
 #include "cpu_kernels.h"
 #include "cpu_dnnl.h"
 #include "../ds_gemm_layout.h"
-#include "../ds_half.h"
+#include "cpu_half.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -48,33 +48,13 @@ typedef struct {
 static void widen(float *dst, ds_dtype t, const void *src, int rows, int cols, int ld) {
     const uint16_t *h = src;
     #pragma omp parallel for schedule(static) if ((int64_t)rows * cols > BLAS_CONVERT_MIN && !omp_in_parallel())
-    for (int i = 0; i < rows; i++) {
-        float *d = dst + (int64_t)i * cols;
-        const uint16_t *s = h + (int64_t)i * ld;
-        if (t == DS_BF16) {
-            #pragma omp simd
-            for (int j = 0; j < cols; j++) d[j] = ds_bf16_to_f32(s[j]);
-        } else {
-            #pragma omp simd
-            for (int j = 0; j < cols; j++) d[j] = ds_f16_to_f32(s[j]);
-        }
-    }
+    for (int i = 0; i < rows; i++) cpu_half_to_f32(dst + (int64_t)i * cols, h + (int64_t)i * ld, cols, t);
 }
 
 static void narrow(void *dst, ds_dtype t, int ld, const float *src, int rows, int cols) {
     uint16_t *h = dst;
     #pragma omp parallel for schedule(static) if ((int64_t)rows * cols > BLAS_CONVERT_MIN && !omp_in_parallel())
-    for (int i = 0; i < rows; i++) {
-        uint16_t *d = h + (int64_t)i * ld;
-        const float *s = src + (int64_t)i * cols;
-        if (t == DS_BF16) {
-            #pragma omp simd
-            for (int j = 0; j < cols; j++) d[j] = ds_f32_to_bf16(s[j]);
-        } else {
-            #pragma omp simd
-            for (int j = 0; j < cols; j++) d[j] = ds_f32_to_f16(s[j]);
-        }
-    }
+    for (int i = 0; i < rows; i++) cpu_f32_to_half(h + (int64_t)i * ld, src + (int64_t)i * cols, cols, t);
 }
 
 /* rows x cols of C from the matching rows of A and columns of B. */

@@ -1,7 +1,7 @@
 /* Copies, fills and random numbers on the CPU. */
 #include "cpu_kernels.h"
 #include "cpu_iter.h"
-#include "../ds_half.h"
+#include "cpu_half.h"
 #include "../ds_philox.h"
 
 #include <math.h>
@@ -29,25 +29,9 @@ static void copy_tile(const ds_kview *dst, const ds_kview *src, int64_t t) {
     tile_at(cols, t, &r, &c0, &c1);
     int64_t od = cpu_row_offset(dst, r) + c0 * sd, os = cpu_row_offset(src, r) + c0 * ss, w = c1 - c0;
     if (half(dst->dtype) && src->dtype == DS_F32 && sd == 1 && ss == 1) {
-        uint16_t *d = (uint16_t *)dst->data + od;
-        const float *s = (const float *)src->data + os;
-        if (dst->dtype == DS_BF16) {
-            #pragma omp simd
-            for (int64_t c = 0; c < w; c++) d[c] = ds_f32_to_bf16(s[c]);
-        } else {
-            #pragma omp simd
-            for (int64_t c = 0; c < w; c++) d[c] = ds_f32_to_f16(s[c]);
-        }
+        cpu_f32_to_half((uint16_t *)dst->data + od, (const float *)src->data + os, w, dst->dtype);
     } else if (dst->dtype == DS_F32 && half(src->dtype) && sd == 1 && ss == 1) {
-        float *d = (float *)dst->data + od;
-        const uint16_t *s = (const uint16_t *)src->data + os;
-        if (src->dtype == DS_BF16) {
-            #pragma omp simd
-            for (int64_t c = 0; c < w; c++) d[c] = ds_bf16_to_f32(s[c]);
-        } else {
-            #pragma omp simd
-            for (int64_t c = 0; c < w; c++) d[c] = ds_f16_to_f32(s[c]);
-        }
+        cpu_half_to_f32((float *)dst->data + od, (const uint16_t *)src->data + os, w, src->dtype);
     } else if (dst->dtype == src->dtype && half(dst->dtype)) {    /* the bits as they are */
         uint16_t *d = (uint16_t *)dst->data + od;
         const uint16_t *s = (const uint16_t *)src->data + os;

@@ -4,6 +4,7 @@
 #include "cpu_iter.h"
 #include "../ds_elem.h"
 #include "../ds_half.h"
+#include "cpu_half.h"
 #include "../ds_expf.h"
 
 /* Rows are cut into tiles of at most CPU_TILE columns and the tiles shared
@@ -90,26 +91,12 @@ static bool float_tile(ds_binary_op op, const ds_kview *out, const ds_kview *a, 
  * else widened into scratch. */
 static const float *as_f32(const ds_kview *v, int64_t off, int64_t n, float *scratch) {
     if (v->dtype == DS_F32) return (const float *)v->data + off;
-    const uint16_t *h = (const uint16_t *)v->data + off;
-    if (v->dtype == DS_BF16) {
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) scratch[i] = ds_bf16_to_f32(h[i]);
-    } else {
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) scratch[i] = ds_f16_to_f32(h[i]);
-    }
+    cpu_half_to_f32(scratch, (const uint16_t *)v->data + off, n, v->dtype);
     return scratch;
 }
 
 static void store_f32(const ds_kview *v, int64_t off, int64_t n, const float *x) {
-    uint16_t *h = (uint16_t *)v->data + off;
-    if (v->dtype == DS_BF16) {
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) h[i] = ds_f32_to_bf16(x[i]);
-    } else {
-        #pragma omp simd
-        for (int64_t i = 0; i < n; i++) h[i] = ds_f32_to_f16(x[i]);
-    }
+    cpu_f32_to_half((uint16_t *)v->data + off, x, n, v->dtype);
 }
 
 /* Columns [c0, c1) of one row of a float tile, a block at a time; b_one:

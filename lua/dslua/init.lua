@@ -9,23 +9,19 @@ package.loaded.dslua = ds
 
 require('dslua.base.tensor').install(C)
 
--- Runs fn(...) with autograd off and returns its results; the previous
--- mode comes back even when fn raises.
-function ds.no_grad(fn, ...)
-  local prev = C.set_grad_enabled(false)
+local function with_grad(enabled, fn, ...)
+  local prev = C.set_grad_enabled(enabled)
   local res = { pcall(fn, ...) }
   C.set_grad_enabled(prev)
   if not res[1] then error(res[2], 0) end
   return unpack(res, 2, table.maxn(res))
 end
 
-function ds.enable_grad(fn, ...)
-  local prev = C.set_grad_enabled(true)
-  local res = { pcall(fn, ...) }
-  C.set_grad_enabled(prev)
-  if not res[1] then error(res[2], 0) end
-  return unpack(res, 2, table.maxn(res))
-end
+-- Runs fn(...) with autograd off and returns its results; the previous
+-- mode comes back even when fn raises.
+function ds.no_grad(fn, ...) return with_grad(false, fn, ...) end
+
+function ds.enable_grad(fn, ...) return with_grad(true, fn, ...) end
 
 -- ds.crossings(fn, ...) -> n, fn's results: how often the Lua-C boundary
 -- was crossed while fn ran: calls of C functions (the binding's and Lua's

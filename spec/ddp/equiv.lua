@@ -8,6 +8,7 @@
 local ds = require 'dslua'
 package.path = 'spec/?.lua;' .. package.path
 local rank_weights = require 'ranks.weights'
+local write_json = require 'ranks.write_json'
 local train_epochs = require 'ranks.epochs'
 local MLP = require 'models.mlp'
 local GPT = require 'models.gpt2'
@@ -82,9 +83,5 @@ end
 
 local results = { world_size = N }
 for _, case in ipairs(CASES) do results[case.name] = run(case) end
-if ds.comm.rank() == 0 then
-  local f = assert(io.open(out_path, 'w'))
-  f:write(ds.json.encode(results))
-  f:close()
-end
+if ds.comm.rank() == 0 then write_json(out_path, results) end
 ds.comm.print('done')

@@ -3,6 +3,8 @@
 -- fp16 gradients alone. Rank 0 writes, per step and rank, whether the
 -- step was skipped, gathered from every rank. overflow.lua OUT.json
 local ds = require 'dslua'
+package.path = 'spec/?.lua;' .. package.path
+local write_json = require 'ranks.write_json'
 local out = arg[1]
 ds.manual_seed(7)
 local x, y = ds.randn(256, 8), (ds.rand(256) * 3):to('i64')
@@ -24,8 +26,4 @@ for step, b in loader:epoch() do
   rows[step] = { skipped = flags, compressed = engine.onebit_stats.compressed }
   if step == 8 then break end
 end
-if ds.comm.rank() == 0 then
-  local f = assert(io.open(out, 'w'))
-  f:write(ds.json.encode({ steps = rows }))
-  f:close()
-end
+if ds.comm.rank() == 0 then write_json(out, { steps = rows }) end

@@ -7,6 +7,7 @@
 local ds = require 'dslua'
 package.path = 'spec/?.lua;' .. package.path
 local rank_weights = require 'ranks.weights'
+local write_json = require 'ranks.write_json'
 local MLP = require 'models.mlp'
 
 local prefix = assert(arg[1], 'usage: run.lua out_prefix')
@@ -74,7 +75,5 @@ end
 
 local results = { world_size = N, rank = rank }
 for _, case in ipairs(CASES) do results[case.name] = run(case) end
-local f = assert(io.open(prefix .. '.' .. rank .. '.json', 'w'))
-f:write(ds.json.encode(results))
-f:close()
+write_json(prefix .. '.' .. rank .. '.json', results)
 ds.comm.print('done')

@@ -4,6 +4,8 @@
 -- Rank 0 writes per step: the loss scale before and after, skipped_steps,
 -- the learning rate after the step and the scheduler's step count.
 local ds = require 'dslua'
+package.path = 'spec/?.lua;' .. package.path
+local write_json = require 'ranks.write_json'
 local GPT = require 'models.gpt2'
 
 local out_path = assert(arg[1], 'usage: overflow.lua out.json steps stage [hysteresis consecutive min_scale]')
@@ -41,8 +43,4 @@ for _, batch in loader:epoch(1) do
   steps[#steps + 1] = { scale_before = before, scale_after = engine.scaler.cur_scale, skipped = engine.skipped_steps,
                         lr = engine:get_lr()[1], overflow = engine.overflow and true or false }
 end
-if ds.comm.rank() == 0 then
-  local f = assert(io.open(out_path, 'w'))
-  f:write(ds.json.encode({ steps = steps }))
-  f:close()
-end
+if ds.comm.rank() == 0 then write_json(out_path, { steps = steps }) end

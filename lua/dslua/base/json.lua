@@ -21,15 +21,21 @@ local function quote(s)
   end) .. '"'
 end
 
--- The shortest form that reads back as the same double.
-function M.number(x)
-  if x ~= x or x == math.huge or x == -math.huge then return nil end
-  if x == math.floor(x) and math.abs(x) < 2 ^ 53 then return string.format('%d', x) end
+-- The shortest %g text (15 to 17 digits) that reads back as the finite
+-- double x.
+function M.shortest_g(x)
   for digits = 15, 16 do
     local s = string.format('%.' .. digits .. 'g', x)
     if tonumber(s) == x then return s end
   end
   return string.format('%.17g', x)
+end
+
+-- The shortest form that reads back as the same double.
+function M.number(x)
+  if x ~= x or x == math.huge or x == -math.huge then return nil end
+  if x == math.floor(x) and math.abs(x) < 2 ^ 53 then return string.format('%d', x) end
+  return M.shortest_g(x)
 end
 
 -- 'list' for arrays (marked, or keys exactly 1..n with n > 0), 'object'

@@ -17,6 +17,7 @@
 -- initialize and under --check-config alike, not mid-run) and made at
 -- initialize.
 local core = require 'dslua.core'
+local json = require 'dslua.base.json'
 
 local M = {}
 
@@ -29,11 +30,7 @@ local function pyfloat(v)
   if v ~= v then return 'nan' end
   if v == math.huge then return 'inf' elseif v == -math.huge then return '-inf' end
   if v == math.floor(v) and math.abs(v) < 1e16 then return string.format('%.1f', v) end
-  for digits = 15, 16 do
-    local s = string.format('%.' .. digits .. 'g', v)
-    if tonumber(s) == v then return s end
-  end
-  return string.format('%.17g', v)
+  return json.shortest_g(v)
 end
 
 local function join(dir, name)
@@ -159,7 +156,6 @@ local function dump_lines(title, t)
     if type(k) == 'string' and type(v) ~= 'function' and type(v) ~= 'userdata' then keys[#keys + 1] = k end
   end
   table.sort(keys)
-  local json = require 'dslua.base.json'
   io.stdout:write(title, ':\n')
   for _, k in ipairs(keys) do
     local v = t[k]

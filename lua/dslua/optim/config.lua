@@ -98,12 +98,20 @@ local OPTIMIZER_BLOCK = { fields = {
   legacy_fusion = bool(nil),
 }, nofill = true }
 
+-- The optimizer or scheduler block v checked against keys, its params
+-- defaulted to {}, and whether its type is a name to look up (nil and
+-- false for null and for anything not an object).
+local function typed_block(ctx, path, v, keys)
+  if v == json.null then return nil, false end
+  if not is_object(v) then return problem(ctx, path, 'must be an object, got ' .. describe(v)), false end
+  local b = check_block(ctx, path, v, keys)
+  b.params = b.params or {}
+  return b, type(b.type) == 'string'
+end
+
 local function check_optimizer(ctx, path, v)
-  if v == json.null then return nil end
-  if not is_object(v) then return problem(ctx, path, 'must be an object, got ' .. describe(v)) end
-  local o = check_block(ctx, path, v, OPTIMIZER_BLOCK)
-  o.params = o.params or {}
-  if type(o.type) ~= 'string' then return o end
+  local o, typed = typed_block(ctx, path, v, OPTIMIZER_BLOCK)
+  if not typed then return o end
   local spec = OPTIMIZERS[o.type:lower()]
   if not spec then
     problem(ctx, join(path, 'type'), DEEPSPEED_ONLY[o.type:lower()]
@@ -238,11 +246,8 @@ local function scheduler_auto(ctx)
 end
 
 local function check_scheduler(ctx, path, v)
-  if v == json.null then return nil end
-  if not is_object(v) then return problem(ctx, path, 'must be an object, got ' .. describe(v)) end
-  local s = check_block(ctx, path, v, SCHEDULER_BLOCK)
-  s.params = s.params or {}
-  if type(s.type) ~= 'string' then return s end
+  local s, typed = typed_block(ctx, path, v, SCHEDULER_BLOCK)
+  if not typed then return s end
   local schema = SCHEDULERS[s.type]
   if not schema then          -- engine._scheduler_from_config's assertion
     local sug = suggest.did_you_mean(s.type, SCHEDULER_NAMES)
