@@ -462,3 +462,43 @@ describe('gradient accumulation past two micro steps', function()
     second:destroy()
   end)
 end)
+
+-- The optimizer is built over the engine's fp32 masters and adopts them
+-- and their gradients: initialize never holds two of either. One rank, so
+-- each master is its group's parameters whole.
+describe('the optimizer over the masters', function()
+  local Net = H.two_layer('ZeroAttach')
+
+  local dir
+  setup(function() dir = H.tmpdir() end)
+  teardown(function() os.execute('rm -rf ' .. dir) end)
+
+  local CASES = {
+    { name = 'stage 0 bf16', stage = 0, bf16 = true },
+    { name = 'stage 1', stage = 1 },
+    { name = 'stage 2', stage = 2 },
+    { name = 'stage 3', stage = 3 },
+    { name = 'stage 2 offload cpu', stage = 2, offload = 'cpu' },
+    { name = 'stage 2 offload nvme', stage = 2, offload = 'nvme' },
+  }
+  for _, case in ipairs(CASES) do
+    it(case.name .. ': initialize peaks at one copy of the masters and one of their gradients', function()
+      local zc = { stage = case.stage }
+      if case.offload then zc.offload_optimizer = { device = case.offload, nvme_path = dir } end
+      local cfg = { train_batch_size = 2, steps_per_print = 1e9, zero_optimization = zc,
+                    optimizer = { type = 'AdamW', params = { lr = 1e-3 } } }
+      if case.bf16 then cfg.bf16 = { enabled = true } end
+      local model = Net()
+      local bytes = 0
+      for _, p in ipairs(model:parameters()) do bytes = bytes + 4 * p:numel() end
+      collectgarbage()
+      local before = ds.memory_stats().current
+      ds.reset_peak_memory()
+      local e = ds.initialize { model = model, config = cfg }
+      local peak = ds.memory_stats().peak
+      assert.are.equal(bytes, peak.master_weights - before.master_weights)
+      assert.are.equal(bytes, peak.gradients - before.gradients)
+      e:destroy()
+    end)
+  end
+end)

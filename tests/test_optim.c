@@ -1,11 +1,12 @@
-/* The optimizer core without Lua: re-seating tensors into a flat buffer,
- * the errors Lua cannot provoke (a grad of the wrong shape set from C,
- * parameters on two devices, a device without optimizer kernels), using a
- * stand-in "cuda" backend made of the CPU kernels; and Lamb over pieces of
- * parameters, with ZeRO's shards simulated by threads that all-reduce;
- * the CPU loops of every instruction set this CPU runs against a scalar
- * loop of ds_optim_elem.h, bit for bit (this file, like cpu_optim.c, is
- * built without contracted multiply-adds). */
+/* The optimizer core without Lua: re-seating tensors into a flat buffer
+ * (or adopting a lone one that fills its storage), the errors Lua cannot
+ * provoke (a grad of the wrong shape set from C, parameters on two
+ * devices, a device without optimizer kernels), using a stand-in "cuda"
+ * backend made of the CPU kernels; and Lamb over pieces of parameters,
+ * with ZeRO's shards simulated by threads that all-reduce; the CPU loops
+ * of every instruction set this CPU runs against a scalar loop of
+ * ds_optim_elem.h, bit for bit (this file, like cpu_optim.c, is built
+ * without contracted multiply-adds). */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_error.h"
@@ -63,6 +64,34 @@ static void test_reseat(void) {
     ds_tensor_release(tt);
     ds_tensor_release(t);
     ds_storage_release(s);
+}
+
+/* A lone parameter that is the whole of its storage is the group's flat
+ * buffer, its grad the flat gradient: same bytes, no copy. A parameter
+ * that is part of a storage is copied into a new buffer. */
+static void test_adopt(void) {
+    int64_t n = 6, big = 8;
+    ds_tensor *w = param(1, &n, DS_CPU_DEVICE), *g = ds_tensor_full(1, &n, DS_F32, DS_CPU_DEVICE, 0.5);
+    ds_tensor *whole = param(1, &big, DS_CPU_DEVICE);
+    ds_tensor *part = ds_tensor_view_of(whole, 1, &n, (int64_t[]){ 1 }, 2);
+    part->requires_grad = true;
+    w->grad = g;
+    ds_storage *ws = w->storage, *gs = g->storage;
+    ds_optim_hparams h = adam_hparams();
+    ds_optim *o = ds_optim_new(DS_OPTIM_ADAMW);
+    check(ds_optim_add_group(o, 1, &w, &h) == 0 && ds_optim_add_group(o, 1, &part, &h) == 0, "add: %s",
+          ds_error_message());
+    ds_optim_group *a = &o->groups[0], *b = &o->groups[1];
+    check(a->flat_params->storage == ws && w->storage == ws && a->flat_grads->storage == gs &&
+              w->grad->storage == gs && ds_tensor_get(w, 5) == 6 && ds_tensor_get(w->grad, 5) == 0.5,
+          "the lone parameter and its grad are adopted, values kept");
+    check(b->flat_params->storage != whole->storage && part->storage == b->flat_params->storage &&
+              ds_tensor_get(part, 0) == 3 && ds_tensor_get(whole, 2) == 3,
+          "a parameter that is part of a storage is copied out");
+    ds_optim_free(o);
+    ds_tensor_release(w);
+    ds_tensor_release(part);
+    ds_tensor_release(whole);
 }
 
 static void test_adam_step(void) {
@@ -602,6 +631,7 @@ static void test_isa_agree(void) {
 
 int main(void) {
     test_reseat();
+    test_adopt();
     test_adam_step();
     test_wrong_grad();
     test_devices();

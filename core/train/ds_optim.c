@@ -114,6 +114,26 @@ static ds_tensor *flat_buffer(int64_t n, ds_device dev, ds_mem_category cat, dou
     return t;
 }
 
+/* A tensor that is the whole of its storage, f32 on dev, is already a flat
+ * buffer: the group adopts it (no second copy, even for a moment: the step
+ * engine's masters and master gradients). NULL when it is not one. */
+static ds_tensor *adopt(ds_tensor *t, ds_device dev, ds_mem_category cat) {
+    int64_t n = t ? ds_tensor_numel(t) : 0, one = 1;
+    if (!t || t->dtype != DS_F32 || t->offset != 0 || !ds_tensor_is_contiguous(t) ||
+        !ds_device_equal(ds_tensor_device(t), dev) || t->storage->nbytes != (size_t)n * sizeof(float))
+        return NULL;
+    ds_tensor *flat = ds_tensor_view_of(t, 1, &n, &one, 0);
+    if (flat) ds_tensor_set_category(flat, cat);
+    return flat;
+}
+
+/* A lone parameter filling its storage is stepped where it is, its
+ * gradient too when that fills its own; otherwise a new buffer. */
+static ds_tensor *group_buffer(ds_tensor *lone, int64_t n, ds_device dev, ds_mem_category cat) {
+    ds_tensor *t = adopt(lone, dev, cat);
+    return t ? t : flat_buffer(n, dev, cat, 0);
+}
+
 /* The state slots a group starts with; SGD's buffer waits for a momentum. */
 static int alloc_state(ds_optim *o, ds_optim_group *gr, const ds_optim_hparams *h) {
     int64_t n = ds_tensor_numel(gr->flat_params);
@@ -208,8 +228,10 @@ int ds_optim_add_group(ds_optim *o, int n, ds_tensor *const *params, const ds_op
     memcpy(gr->seg, gr->offsets, ((size_t)n + 1) * sizeof *gr->seg);
     gr->n_seg = n;
     int64_t total = gr->offsets[n];
-    if (!(gr->flat_params = flat_buffer(total, dev, DS_MEM_PARAM, 0)) ||
-        !(gr->flat_grads = flat_buffer(total, dev, DS_MEM_GRAD, 0)) || alloc_state(o, gr, h)) {
+    ds_tensor *lone = n == 1 ? params[0] : NULL;
+    if (!(gr->flat_params = group_buffer(lone, total, dev, DS_MEM_PARAM)) ||
+        !(gr->flat_grads = group_buffer(lone ? lone->grad : NULL, total, dev, DS_MEM_GRAD)) ||
+        alloc_state(o, gr, h)) {
         group_free(gr);
         return -1;
     }
@@ -228,8 +250,9 @@ int ds_optim_add_group(ds_optim *o, int n, ds_tensor *const *params, const ds_op
         ds_tensor *p = params[i];
         ds_tensor_retain(p);
         gr->params[i] = p;
-        if (p->grad && ds_copy_(gr->grads[i], p->grad)) return -1;
-        if (ds_tensor_reseat(p, gr->flat_params->storage, gr->offsets[i])) return -1;
+        if (p->grad && p->grad->storage != gr->flat_grads->storage && ds_copy_(gr->grads[i], p->grad)) return -1;
+        if (p->storage != gr->flat_params->storage && ds_tensor_reseat(p, gr->flat_params->storage, gr->offsets[i]))
+            return -1;
         ds_tensor_retain(gr->grads[i]);
         ds_tensor_release(p->grad);
         p->grad = gr->grads[i];

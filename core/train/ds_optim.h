@@ -4,7 +4,10 @@
  * its parameters and each parameter tensor is re-seated as a view into it;
  * a matching gradient buffer is attached as the parameters' .grad views, so
  * autograd accumulates straight into it; the state buffers (moments,
- * momentum, sums) are flat too. A step is one kernel call per group (two
+ * momentum, sums) are flat too. A lone f32 parameter that is the whole of
+ * its storage already is such a buffer and is adopted, not copied, and so
+ * is its .grad when that is the whole of its own (the step engine's
+ * masters: one copy of each, at every moment). A step is one kernel call per group (two
  * for Lamb, whose norms may be summed over ranks in between). The
  * flat buffers stay reachable for what comes later (mixed precision
  * masters, ZeRO partitions) through the group struct. */

@@ -71,6 +71,8 @@ static int build(ds_zero *z, ds_optim *flat) {
             ds_tensor_set_category(z->masters[g], DS_MEM_MASTER);
             z->masters[g]->requires_grad = true;       /* the optimizer takes leaves that need grad */
             ds_tensor_set_category(z->master_grads[g], DS_MEM_GRAD);
+            ds_tensor_retain(z->master_grads[g]);      /* an optimizer over the master adopts both */
+            z->masters[g]->grad = z->master_grads[g];
         }
     }
     bool prev = ds_set_grad_enabled(false);

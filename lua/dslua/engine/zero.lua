@@ -4,10 +4,11 @@
 -- parameters are cut into shards, bucketed, reduced and refreshed).
 --
 -- Lua decides and C moves the bytes: this file converts the model to its
--- compute dtype, builds the optimizer over the engine's fp32 masters (or
--- the nvme-streamed one), installs stage 3's module hooks, and reports
--- what each rank holds. dslua/engine/step.lua drives backward and step,
--- one call into C each, for this and the flat mode alike.
+-- compute dtype, builds the optimizer over the engine's fp32 masters (it
+-- adopts them and their gradients: one copy of each) or the nvme-streamed
+-- one, installs stage 3's module hooks, and reports what each rank holds.
+-- dslua/engine/step.lua drives backward and step, one call into C each,
+-- for this and the flat mode alike.
 local ds = require 'dslua'
 local Z0 = require('dslua.core')._zero
 local zinit = require 'dslua.engine.zinit'

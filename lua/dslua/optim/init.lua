@@ -2,8 +2,11 @@
 -- buffers (core/train/ds_optim.h). Building one gathers each param group's
 -- parameters into one buffer (the tensors become views into it) and attaches
 -- a flat gradient buffer as their .grad, so backward accumulates into it and
--- zero_grad() fills it with zeros. param_groups hold the hyperparameters and
--- are read at every step, so a scheduler changes them by assignment.
+-- zero_grad() fills it with zeros. A lone parameter that is the whole of its
+-- storage is its own buffer, and its .grad too if the whole of its own (the
+-- step engine's masters are adopted, not copied). param_groups hold the
+-- hyperparameters and are read at every step, so a scheduler changes them
+-- by assignment.
 local C = require 'dslua.core'
 
 local M = {}
