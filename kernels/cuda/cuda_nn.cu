@@ -370,13 +370,19 @@ static int cuda_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kvie
  * norm with the mean fixed at 0 and no bias (`centered` off) ---- */
 
 /* y = (x - mean) rstd w + b, rstd = 1/sqrt(mean((x - mean)^2) + eps);
- * mean.data is NULL for RMS norm */
+ * mean.data is NULL for RMS norm. With res.data, x + res goes to sum
+ * first and the row is read back from there, rounded as stored: each
+ * thread reads only the values it wrote. */
 template <typename T>
 static __global__ void norm_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
-                                   int64_t rows, int64_t n, T eps, bool centered) {
+                                   ds_kview res, ds_kview sum, int64_t rows, int64_t n, T eps, bool centered) {
+    ds_kview in = x;
+    if (res.data) x = sum;
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t base = r * n;
         T m = 0, v = 0;
+        for (int64_t j = threadIdx.x; res.data && j < n; j += blockDim.x)
+            ds_store(sum.dtype, sum.data, base + j, pw_load<T>(in, base + j) + pw_load<T>(res, base + j));
         if (centered) {
             for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m += pw_load<T>(x, base + j);
             m = pw_block_sum(m) / (T)n;
@@ -407,11 +413,20 @@ __device__ __forceinline__ void norm_load8(const ds_kview &v, int64_t i, float *
 }
 
 static __global__ void norm_warp_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
-                                        int64_t rows, int64_t n, float eps, bool centered) {
+                                        ds_kview res, ds_kview sum, int64_t rows, int64_t n, float eps,
+                                        bool centered) {
     int lane = threadIdx.x & 31;
+    ds_kview in = x;
+    if (res.data) x = sum;
     ROW_WARP_LOOP(r, rows) {
         int64_t base = r * n;
         float m = 0, v = 0, xv[PW_VEC], wv[PW_VEC], bv[PW_VEC];
+        for (int64_t j = lane * PW_VEC; res.data && j < n; j += 32 * PW_VEC) {
+            pw_load8(in.dtype, in.data, base + j, xv);
+            pw_load8(res.dtype, res.data, base + j, wv);
+            for (int k = 0; k < PW_VEC; k++) xv[k] += wv[k];
+            pw_store8(sum.dtype, sum.data, base + j, xv);
+        }
         if (centered) {
             for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
                 pw_load8(x.dtype, x.data, base + j, xv);
@@ -447,31 +462,31 @@ static bool norm_vec(int64_t n, const ds_kview *const *v, int k) {
     return true;
 }
 
-static int norm_forward(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, int64_t rows,
-                        int64_t n, double eps) {
+static int norm_forward(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, ds_kview res,
+                        ds_kview sum, int64_t rows, int64_t n, double eps) {
     if (rows == 0) return 0;
-    const ds_kview *v[6] = { &y, &mean, &rstd, &x, &w, &b };
+    const ds_kview *v[8] = { &y, &mean, &rstd, &x, &res, &sum, &w, &b };
     int th = pw_row_threads(n);
     bool centered = mean.data != NULL;
-    if (norm_vec(n, v, 6)) {
+    if (norm_vec(n, v, 8)) {
         norm_warp_kernel<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(
-            y, mean, rstd, x, w, b, rows, n, (float)eps, centered);
+            y, mean, rstd, x, w, b, res, sum, rows, n, (float)eps, centered);
         return ds_cuda_launched("norm_warp_kernel");
     }
-    if (pw_any_f64(v, 4))
-        norm_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, rows, n, eps,
-                                                                           centered);
+    if (pw_any_f64(v, 6))
+        norm_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, res, sum, rows, n,
+                                                                           eps, centered);
     else
-        norm_kernel<float><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, rows, n,
+        norm_kernel<float><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, res, sum, rows, n,
                                                                           (float)eps, centered);
     return ds_cuda_launched("norm_kernel");
 }
 
 /* With xh = (x - mean) rstd: dx = rstd (w g - mean(w g) - xh mean(w g xh));
- * RMS norm drops the mean(w g) term. */
+ * RMS norm drops the mean(w g) term. gres.data: dx += gres. */
 template <typename T>
 static __global__ void norm_backward_kernel(ds_kview dx, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
-                                            ds_kview rstd, int64_t rows, int64_t n) {
+                                            ds_kview rstd, ds_kview gres, int64_t rows, int64_t n) {
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int64_t base = r * n;
         T m = mean.data ? pw_load<T>(mean, r) : (T)0, rs = pw_load<T>(rstd, r), a = 0, c = 0;
@@ -485,14 +500,16 @@ static __global__ void norm_backward_kernel(ds_kview dx, ds_kview g, ds_kview x,
         for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
             T xh = (pw_load<T>(x, base + j) - m) * rs;
             T wg = (w.data ? pw_load<T>(w, j) : (T)1) * pw_load<T>(g, base + j);
-            ds_store(dx.dtype, dx.data, base + j, (wg - a - xh * c) * rs);
+            T o = (wg - a - xh * c) * rs;
+            if (gres.data) o += pw_load<T>(gres, base + j);
+            ds_store(dx.dtype, dx.data, base + j, o);
         }
     }
 }
 
 /* The same over a warp per row, as norm_warp_kernel. */
 static __global__ void norm_backward_warp_kernel(ds_kview dx, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
-                                                 ds_kview rstd, int64_t rows, int64_t n) {
+                                                 ds_kview rstd, ds_kview gres, int64_t rows, int64_t n) {
     int lane = threadIdx.x & 31;
     ROW_WARP_LOOP(r, rows) {
         int64_t base = r * n;
@@ -515,6 +532,8 @@ static __global__ void norm_backward_warp_kernel(ds_kview dx, ds_kview g, ds_kvi
             pw_load8(x.dtype, x.data, base + j, xv);
             norm_load8(w, j, wv, 1.0f);
             for (int k = 0; k < PW_VEC; k++) xv[k] = (wv[k] * gv[k] - a - (xv[k] - m) * rs * c) * rs;
+            norm_load8(gres, base + j, gv, 0.0f);
+            for (int k = 0; k < PW_VEC; k++) xv[k] += gv[k];
             pw_store8(dx.dtype, dx.data, base + j, xv);
         }
     }
@@ -653,22 +672,22 @@ static int param_grads(ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kvie
 }
 
 static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
-                         ds_kview rstd, int64_t rows, int64_t n) {
+                         ds_kview rstd, ds_kview gres, int64_t rows, int64_t n) {
     if (n == 0) return 0;
-    const ds_kview *v[6] = { &dx, &g, &x, &mean, &rstd, &w };
-    bool f64 = pw_any_f64(v, 5), vec = norm_vec(n, v, 6);
+    const ds_kview *v[7] = { &dx, &g, &x, &mean, &rstd, &gres, &w };
+    bool f64 = pw_any_f64(v, 6), vec = norm_vec(n, v, 7);
     if (rows > 0 && vec) {
         norm_backward_warp_kernel<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(
-            dx, g, x, w, mean, rstd, rows, n);
+            dx, g, x, w, mean, rstd, gres, rows, n);
         if (ds_cuda_launched("norm_backward_warp_kernel")) return -1;
     } else if (rows > 0) {
         int th = pw_row_threads(n);
         if (f64)
             norm_backward_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(dx, g, x, w, mean, rstd,
-                                                                                        rows, n);
+                                                                                        gres, rows, n);
         else
             norm_backward_kernel<float><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(dx, g, x, w, mean, rstd,
-                                                                                       rows, n);
+                                                                                       gres, rows, n);
         if (ds_cuda_launched("norm_backward_kernel")) return -1;
     }
     if (!dw.data && !db.data) return 0;
@@ -676,25 +695,15 @@ static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_k
                : param_grads<float>(dw, db, g, x, mean, rstd, rows, n, vec);
 }
 
-static int cuda_layer_norm(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, int64_t rows,
-                           int64_t n, double eps) {
-    return norm_forward(y, mean, rstd, x, w, b, rows, n, eps);
-}
-
-static int cuda_layer_norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
-                                    ds_kview mean, ds_kview rstd, int64_t rows, int64_t n) {
-    return norm_backward(dx, dw, db, g, x, w, mean, rstd, rows, n);
-}
-
 static const ds_kview no_view = { NULL, DS_F32, 0, { 0 }, { 0 } };
 
 static int cuda_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps) {
-    return norm_forward(y, no_view, rstd, x, w, no_view, rows, n, eps);
+    return norm_forward(y, no_view, rstd, x, w, no_view, no_view, no_view, rows, n, eps);
 }
 
 static int cuda_rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
                                   int64_t rows, int64_t n) {
-    return norm_backward(dx, dw, no_view, g, x, w, no_view, rstd, rows, n);
+    return norm_backward(dx, dw, no_view, g, x, w, no_view, rstd, no_view, rows, n);
 }
 
 /* ---- dropout: thread b draws Philox block offset + b, the keep bits of
@@ -718,5 +727,5 @@ static int cuda_dropout(ds_kview y, ds_kview x, uint64_t seed, uint64_t offset, 
 
 extern "C" const ds_kernels_nn ds_cuda_nn = {
     cuda_softmax, cuda_softmax_backward, cuda_cross_entropy, cuda_cross_entropy_backward,
-    cuda_layer_norm, cuda_layer_norm_backward, cuda_rms_norm, cuda_rms_norm_backward, cuda_dropout,
+    norm_forward, norm_backward, cuda_rms_norm, cuda_rms_norm_backward, cuda_dropout,
 };

@@ -143,6 +143,13 @@ function LayerNorm:forward(x)
   return ds.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 end
 
+-- ln:residual(x, res) -> ln(x + res), x + res: a residual add and the norm
+-- after it in one kernel each way (ds.add_layer_norm); x and res of one
+-- shape and dtype
+function LayerNorm:residual(x, res)
+  return ds.add_layer_norm(x, res, self.normalized_shape, self.weight, self.bias, self.eps)
+end
+
 function LayerNorm:extra_repr()
   return fmt('{%s}, eps=%g', table.concat(self.normalized_shape, ', '), self.eps)
 end
