@@ -60,6 +60,11 @@ struct __half {
     operator float() const { return ds_f16_to_f32(bits); }
 };
 
+/* The vector types of 16-byte loads and stores. */
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{ x, y, z, w }; }
+
 static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
 
