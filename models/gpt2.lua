@@ -120,7 +120,7 @@ end
 
 function Block:forward(x)
   local h
-  h, x = self.ln_2:residual(x, self.attn(self.ln_1(x)))
+  h, x = self.ln_2(x, self.attn(self.ln_1(x)))      -- ln_2(x + attn) and x + attn, one kernel
   return x + self.mlp(h)
 end
 

@@ -411,10 +411,10 @@ describe('add_layer_norm', function()
     end
   end)
 
-  it('is LayerNorm:residual, the layer users call', function()
+  it('is nn.LayerNorm given the residual, the layer users call', function()
     local ln = ds.nn.LayerNorm(8)
     local x, r = ds.randn(3, 8), ds.randn(3, 8)
-    local y, s = ln:residual(x, r)
+    local y, s = ln(x, r)
     assert.are.same((x + r):totable(), s:totable())
     assert.are.same(ln(x + r):totable(), y:totable())
   end)
