@@ -3,8 +3,10 @@
  * x + res, then the norm of sum) against the plain kernel run on the sum
  * rounded as the elementwise add rounds it, bit for bit; the backward with
  * the residual's gradient added against the plain backward plus that
- * gradient in f32, rounded once; and the plain kernel against the layer
- * norm's definition in f64. */
+ * gradient in f32, rounded once; the plain kernel against the layer
+ * norm's definition in f64; and the backward with the weight and bias
+ * gradients inside (norm_backward_params_kernel): its dx as the plain
+ * backward's, its sums within f32's bound of f64's, the same on every run. */
 #include "warp_emulator.h"
 #include "cuda/cuda_norm.cuh"
 
@@ -59,6 +61,65 @@ void backward(buf &dx, buf &g, buf &x, buf &w, buf &mean, buf &rstd, const ds_kv
     ds_kview dv = dx.view(), gv = g.view(), xv = x.view(), wv = w.view(), mv = mean.view(), rv = rstd.view();
     emu::launch("norm_backward_warp_kernel", blocks(rows), 32 * ROW_WARPS, 0,
                 [&] { norm_backward_warp_kernel(dv, gv, xv, wv, mv, rv, gres, rows, n); });
+}
+
+/* dw and db from the one-kernel backward; dx into its own buffer */
+void backward_params(buf &dx, buf &dw, buf &db, buf &g, buf &x, buf &w, buf &mean, buf &rstd, const ds_kview &gres,
+                     int64_t rows, int64_t n) {
+    unsigned grid = std::min(blocks(rows), (unsigned)NORM_PARAM_BLOCKS);
+    std::vector<float> part((size_t)(2 * grid * n));
+    unsigned done = 0;
+    ds_kview dv = dx.view(), wgv = dw.view(), bgv = db.view(), gv = g.view(), xv = x.view(), wv = w.view();
+    ds_kview mv = mean.view(), rv = rstd.view();
+    int64_t words = (n + 255) / 256;
+    std::function<void()> body[4] = {
+        [&] { norm_backward_params_kernel<1>(dv, wgv, bgv, gv, xv, wv, mv, rv, gres, part.data(), &done, rows, n); },
+        [&] { norm_backward_params_kernel<2>(dv, wgv, bgv, gv, xv, wv, mv, rv, gres, part.data(), &done, rows, n); },
+        [&] { norm_backward_params_kernel<3>(dv, wgv, bgv, gv, xv, wv, mv, rv, gres, part.data(), &done, rows, n); },
+        [&] { norm_backward_params_kernel<4>(dv, wgv, bgv, gv, xv, wv, mv, rv, gres, part.data(), &done, rows, n); },
+    };
+    emu::launch("norm_backward_params_kernel", grid, 32 * ROW_WARPS, norm_params_smem(n), body[words - 1]);
+    check(done == grid, "every block counted itself (%u of %u)", done, grid);
+}
+
+/* The weight and bias gradients: dx as the plain backward, dw = sum g xh
+ * and db = sum g within f32's bound for sums of rows terms, and the same
+ * bits on a second run. */
+void check_params(ds_dtype dt, int64_t rows, int64_t n, std::mt19937 &rng) {
+    const char *name = dt == DS_BF16 ? "bf16" : "f32";
+    int64_t all = rows * n;
+    buf x(dt, all), w(dt, n), b(dt, n), g(dt, all), gres(dt, all), y(dt, all), mean(DS_F32, rows), rstd(DS_F32, rows);
+    fill(x, rng, 2.f, 1.f);
+    fill(w, rng, 1.f, 0.f);
+    fill(b, rng, 1.f, 0.f);
+    fill(g, rng, 1.f, 0.f);
+    fill(gres, rng, 1.f, 0.f);
+    forward(y, mean, rstd, x, w, b, none, none, rows, n);
+    buf dx(dt, all), dw(DS_F32, n), db(DS_F32, n), want_dx(dt, all);
+    backward_params(dx, dw, db, g, x, w, mean, rstd, gres.view(), rows, n);
+    backward(want_dx, g, x, w, mean, rstd, gres.view(), rows, n);
+    check(differ(dx, want_dx) == 0, "%s %lldx%lld: the one-kernel dx differs from the plain one", name,
+          (long long)rows, (long long)n);
+    double worst = 0;
+    for (int64_t j = 0; j < n; j++) {
+        double sw = 0, sb = 0, aw = 0, ab = 0;
+        for (int64_t r = 0; r < rows; r++) {
+            double xh = (x.at(r * n + j) - mean.at(r)) * rstd.at(r), gv = g.at(r * n + j);
+            sw += gv * xh;
+            sb += gv;
+            aw += fabs(gv * xh);
+            ab += fabs(gv);
+        }
+        /* f32 sums of rows terms, each a product rounded a few times */
+        double u = ldexp(1.0, -24), bw = (double)(rows + 4) * u * aw + 1e-30, bb = (double)rows * u * ab + 1e-30;
+        worst = std::max(worst, std::max(fabs(dw.at(j) - sw) / bw, fabs(db.at(j) - sb) / bb));
+    }
+    check(worst <= 1, "%s %lldx%lld: dw or db past f32's bound (%.3g of it)", name, (long long)rows, (long long)n,
+          worst);
+    buf dw2(DS_F32, n), db2(DS_F32, n);
+    backward_params(dx, dw2, db2, g, x, w, mean, rstd, gres.view(), rows, n);
+    check(differ(dw, dw2) == 0 && differ(db, db2) == 0, "%s %lldx%lld: a second run differs", name,
+          (long long)rows, (long long)n);
 }
 
 /* rows of n, more rows than a block's warps and n past a multiple of 256
@@ -117,6 +178,10 @@ int main() {
     for (ds_dtype dt : { DS_F32, DS_BF16 }) {
         run_case(dt, 19, 264, rng);
         run_case(dt, 3, 768, rng);
+        check_params(dt, 19, 264, rng);
+        check_params(dt, 2100, 40, rng);     /* past NORM_PARAM_BLOCKS blocks: warps of several rows */
+        check_params(dt, 300, 768, rng);
+        check_params(dt, 5, 1024, rng);
     }
     return check_summary("test_norm");
 }

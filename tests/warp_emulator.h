@@ -389,6 +389,15 @@ static inline void __syncthreads() {
     while (emu::S.bar_gen == gen) emu::yield();
 }
 
+/* Blocks run one after another: a block's writes are all there for the next. */
+static inline void __threadfence() {}
+template <typename T> static inline T __ldcg(const T *p) { return *p; }
+static inline unsigned atomicAdd(unsigned *p, unsigned v) {
+    unsigned old = *p;
+    *p = old + v;
+    return old;
+}
+
 static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     emu::shfl_arg me = { v, 0.f };
     emu::collective(emu::OP_SHFL, &me, [lane_mask](void **args) {

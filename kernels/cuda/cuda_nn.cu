@@ -5,7 +5,8 @@
  * f64, else in f32 (the CPU takes f64 for bf16/f16 rows: within f32
  * rounding of each other), with CUDA's expf as the f32 exp. Weight and bias
  * gradients sum over rows in two deterministic stages: partial sums per
- * chunk of rows, then the chunks in order. Dropout draws the CPU's Philox
+ * chunk of rows, then the chunks in order; inside the dx kernel on the
+ * warp path for rows up to 1024 (cuda_norm.cuh), else in two kernels after. Dropout draws the CPU's Philox
  * stream, so its masks are identical. */
 #include "cuda_norm.cuh"
 #include "../ds_rows.h"
@@ -524,11 +525,45 @@ static int param_grads(ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kvie
     return rc;
 }
 
+#define NORM_PARAM_WORDS 4
+
+typedef void (*norm_params_fn)(ds_kview, ds_kview, ds_kview, ds_kview, ds_kview, ds_kview, ds_kview, ds_kview,
+                               ds_kview, float *, unsigned *, int64_t, int64_t);
+
+/* dx, dw and db in one kernel on the warp path, for rows of at most
+ * 256 NORM_PARAM_WORDS: 1 when taken (*rc 0 or -1 as it went), else 0. */
+static int norm_backward_fused(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
+                               ds_kview mean, ds_kview rstd, ds_kview gres, int64_t rows, int64_t n, int *rc) {
+    static const norm_params_fn kernels[NORM_PARAM_WORDS] = {
+        norm_backward_params_kernel<1>, norm_backward_params_kernel<2>, norm_backward_params_kernel<3>,
+        norm_backward_params_kernel<4>,
+    };
+    int64_t words = (n + 32 * PW_VEC - 1) / (32 * PW_VEC);
+    if (words > NORM_PARAM_WORDS) return 0;
+    unsigned grid = row_warp_blocks(rows) < NORM_PARAM_BLOCKS ? row_warp_blocks(rows) : NORM_PARAM_BLOCKS;
+    size_t part = (size_t)grid * 2 * (size_t)n * sizeof(float);
+    unsigned char *s = (unsigned char *)ds_cuda_scratch(part + sizeof(unsigned));
+    if (!s) return *rc = -1, 1;
+    unsigned *done = (unsigned *)(s + part);
+    *rc = ds_cuda_ok(cudaMemsetAsync(done, 0, sizeof *done, ds_cuda_stream()), "cudaMemsetAsync");
+    if (*rc == 0) {
+        kernels[words - 1]<<<grid, 32 * ROW_WARPS, norm_params_smem(n), ds_cuda_stream()>>>(
+            dx, dw, db, g, x, w, mean, rstd, gres, (float *)s, done, rows, n);
+        *rc = ds_cuda_launched("norm_backward_params_kernel");
+    }
+    ds_cuda_scratch_free(s);
+    return 1;
+}
+
 static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
                          ds_kview rstd, ds_kview gres, int64_t rows, int64_t n) {
     if (n == 0) return 0;
     const ds_kview *v[7] = { &dx, &g, &x, &mean, &rstd, &gres, &w };
     bool f64 = pw_any_f64(v, 6), vec = norm_vec(n, v, 7);
+    int rc;
+    if (rows > 0 && vec && (dw.data || db.data) && norm_backward_fused(dx, dw, db, g, x, w, mean, rstd, gres, rows, n,
+                                                                       &rc))
+        return rc;
     if (rows > 0 && vec) {
         norm_backward_warp_kernel<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(
             dx, g, x, w, mean, rstd, gres, rows, n);
