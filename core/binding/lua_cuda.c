@@ -129,7 +129,7 @@ static int l_empty_cache(lua_State *L) {
 }
 
 /* ds.cuda.allow_tf32([on [, use]]): sets (with a boolean) and returns the
- * switch of use 'matmul' (f32 GEMMs and attention) or 'cudnn'
+ * switch of use 'matmul' (f32 GEMMs) or 'cudnn'
  * (convolutions); without use, sets both and returns matmul's. */
 static int l_allow_tf32(lua_State *L) {
     static const char *const uses[] = { "matmul", "cudnn", NULL };

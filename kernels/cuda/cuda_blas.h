@@ -7,7 +7,7 @@
 extern "C" {
 #endif
 
-/* f32 GEMMs (cuBLASLt) and attention (DS_TF32_MATMUL), convolutions
+/* f32 GEMMs (cuBLASLt, DS_TF32_MATMUL) and convolutions
  * (cuDNN, DS_TF32_CONV) may round their inputs to TF32 when on: about 10
  * mantissa bits, several times the speed. */
 typedef enum { DS_TF32_MATMUL, DS_TF32_CONV } ds_tf32_use;

@@ -73,7 +73,7 @@ setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.
 ds.pipe = require 'dslua.parallel.pipe'
 
 -- PyTorch's TF32 switches: ds.backends.cuda.matmul.allow_tf32 (f32 GEMMs
--- and attention) and ds.backends.cudnn.allow_tf32 (convolutions), both
+-- through cuBLASLt) and ds.backends.cudnn.allow_tf32 (convolutions), both
 -- off until set; ds.cuda.allow_tf32 underneath
 local function tf32_switch(name, use)
   local function check(k)

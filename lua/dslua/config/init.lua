@@ -62,7 +62,7 @@ M.later_work = {
 ------------------------------------------------------------------------
 -- The blocks, as DeepSpeed's config classes define them
 
--- dslua's own: f32 matmuls (and attention) on TF32 tensor cores, PyTorch's
+-- dslua's own: f32 matmuls on TF32 tensor cores, PyTorch's
 -- torch.backends.cuda.matmul.allow_tf32; unset leaves ds.backends' switch
 local FP32 = { fields = {
   allow_tf32 = bool(nil, { nullable = true }),
