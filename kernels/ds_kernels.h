@@ -134,11 +134,15 @@ typedef struct ds_kernels_nn {
                                   ds_kview target, int64_t rows, int64_t C, int64_t ld, int64_t ignore_index,
                                   double smoothing);
     /* x, y, g, dx [rows, n]; w, b [n] with data NULL when absent; mean and
-     * rstd [rows]. dw, db with data NULL are not computed. */
+     * rstd [rows]. dw, db with data NULL are not computed. With res given
+     * (a residual [rows, n]), sum = x + res in sum's dtype and y is the
+     * norm of sum: a residual add and the next norm in one pass. With gres
+     * given, dx = gres + the norm's gradient (the residual's own gradient
+     * added where a separate sum would take a pass). */
     int (*layer_norm)(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
-                      int64_t rows, int64_t n, double eps);
+                      ds_kview res, ds_kview sum, int64_t rows, int64_t n, double eps);
     int (*layer_norm_backward)(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
-                               ds_kview mean, ds_kview rstd, int64_t rows, int64_t n);
+                               ds_kview mean, ds_kview rstd, ds_kview gres, int64_t rows, int64_t n);
     int (*rms_norm)(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps);
     int (*rms_norm_backward)(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
                              int64_t rows, int64_t n);

@@ -119,8 +119,9 @@ function Block:init(cfg)
 end
 
 function Block:forward(x)
-  x = x + self.attn(self.ln_1(x))
-  return x + self.mlp(self.ln_2(x))
+  local h
+  h, x = self.ln_2(x, self.attn(self.ln_1(x)))      -- ln_2(x + attn) and x + attn, one kernel
+  return x + self.mlp(h)
 end
 
 local GPT = nn.Module:extend('GPT')

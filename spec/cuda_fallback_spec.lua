@@ -53,6 +53,53 @@ describe('CUDA fallback without a GPU', function()
     assert.is_false(ds.cuda.allow_tf32())
   end)
 
+  describe('TF32 switches', function()
+    after_each(function() ds.cuda.allow_tf32(false) end)
+
+    it("keep PyTorch's names and defaults, each on its own, and change no CPU result", function()
+      local m, c = ds.backends.cuda.matmul, ds.backends.cudnn
+      assert.is_false(m.allow_tf32)
+      assert.is_false(c.allow_tf32)
+      local a, b = ds.randn({ 33, 47 }), ds.randn({ 47, 29 })
+      local before = ds.matmul(a, b):totable()
+      m.allow_tf32 = true
+      assert.is_true(m.allow_tf32)
+      assert.is_false(c.allow_tf32)
+      assert.is_true(ds.cuda.allow_tf32(nil, 'matmul'))
+      assert.are.same(before, ds.matmul(a, b):totable())
+      c.allow_tf32 = true
+      m.allow_tf32 = false
+      assert.is_false(m.allow_tf32)
+      assert.is_true(ds.cuda.allow_tf32(nil, 'cudnn'))
+      assert.is_false(ds.cuda.allow_tf32(false))          -- both, as before the split
+      assert.is_false(c.allow_tf32)
+    end)
+
+    it('refuses what is not a switch, by name', function()
+      H.has(H.err(function() ds.backends.cuda.matmul.allow_tf32 = 1 end),
+            'ds.backends.cuda.matmul.allow_tf32: expected a boolean, got number')
+      H.has(H.err(function() ds.backends.cudnn.allow_fp16 = true end),
+            "ds.backends.cudnn has allow_tf32 only, not 'allow_fp16'")
+      H.has(H.err(ds.cuda.allow_tf32, true, 'conv'), "invalid option 'conv'")
+    end)
+
+    it('are set by the config\'s fp32.allow_tf32 at initialize, and left as they are without it', function()
+      local function init(fp32)
+        ds.initialize { model = ds.nn.Linear(2, 2), config = { train_batch_size = 1, fp32 = fp32,
+                                                                optimizer = { type = 'SGD', params = { lr = 0.1 } } } }
+      end
+      init({ allow_tf32 = true })
+      assert.is_true(ds.backends.cuda.matmul.allow_tf32)
+      assert.is_false(ds.backends.cudnn.allow_tf32)
+      init(nil)
+      assert.is_true(ds.backends.cuda.matmul.allow_tf32)
+      init({ allow_tf32 = false })
+      assert.is_false(ds.backends.cuda.matmul.allow_tf32)
+      H.has(H.err(ds.config.load, { train_batch_size = 1, fp32 = { allow_tf32 = 'yes' } }), 'fp32.allow_tf32')
+      H.has(H.err(ds.config.load, { train_batch_size = 1, fp32 = { allow_tf16 = true } }), 'fp32.allow_tf16')
+    end)
+  end)
+
   it('says once per process that the rank uses the CPU, and why', function()
     local out, status = H.run('env -u DSLUA_DEVICE ' .. H.bin()
                               .. [[ -e "local ds = require 'dslua'; print(ds.device(), ds.device())"]])

@@ -217,6 +217,25 @@ describe('models.gpt2', function()
     fails('GPT: expected token ids %[B, T%], got %[4%]', m, ds.zeros({ 4 }, 'i64'))
   end)
 
+  describe('a block', function()
+    local real = ds.add_layer_norm
+    after_each(function() ds.add_layer_norm = real end)
+
+    it('adds its attention residual and runs the second norm as one op, as the unfused block', function()
+      local blk = GPT(tiny).transformer.h[1]
+      local calls = 0
+      ds.add_layer_norm = function(...)
+        calls = calls + 1
+        return real(...)
+      end
+      local x = ds.randn(2, 5, 16)
+      local y = blk(x)
+      assert.are.equal(1, calls)
+      local h = x + blk.attn(blk.ln_1(x))
+      assert.are.same((h + blk.mlp(blk.ln_2(h))):totable(), y:totable())
+    end)
+  end)
+
   it('takes either attention backend with the same loss and gradients', function()
     local x = ds.tensor({ { 1, 2, 3, 4, 5 }, { 6, 7, 8, 9, 10 } }, 'i64')
     local function run(backend)

@@ -360,6 +360,65 @@ describe('layer_norm', function()
   end)
 end)
 
+describe('add_layer_norm', function()
+  -- the unfused pair it replaces: y = layer_norm(x + res), and x + res
+  local function unfused(x, res, w, b, eps)
+    local s = x + res
+    return ds.layer_norm(s, w, b, eps), s
+  end
+
+  it('gradients match finite differences, the sum used after the norm or not at all', function()
+    local function after(x, r, w, b)
+      local y, s = ds.add_layer_norm(x, r, w, b)
+      return s + y:tanh()          -- the sum's gradient is there before the norm's backward runs
+    end
+    H.gradcheck(after, { f64(3, 5), f64(3, 5), f64(5), f64(5) })
+    H.gradcheck(function(x, r) return (ds.add_layer_norm(x, r, nil, nil, 1e-3)) end, { f64(2, 4), f64(2, 4) })
+    H.gradcheck(function(x, r, w, b)
+      local y, s = ds.add_layer_norm(x, r, { 2, 3 }, w, b)
+      return y * s
+    end, { f64(2, 2, 3), f64(2, 2, 3), f64(2, 3), f64(2, 3) })
+  end)
+
+  it('gives the unfused add and layer_norm exactly, forward and backward, in f32 and bf16', function()
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      local function leaf(...) return ds.randn({ ... }):to(dt):requires_grad_() end
+      local x, r, w, b = leaf(6, 7, 40), leaf(6, 7, 40), leaf(40), leaf(40)
+      local g1, g2 = ds.randn(6, 7, 40):to(dt), ds.randn(6, 7, 40):to(dt)
+      local function run(fn)
+        for _, t in ipairs({ x, r, w, b }) do t.grad = nil end
+        local y, s = fn(x, r, w, b, 1e-5)
+        ;(y * g1 + (s * g2):tanh()):sum():backward()
+        return { y, s, x.grad, r.grad, w.grad, b.grad }
+      end
+      local got, want = run(ds.add_layer_norm), run(unfused)
+      for i = 1, #want do
+        assert.are.equal(dt, got[i]:dtype())
+        assert.are.same(want[i]:to('f64'):totable(), got[i]:to('f64'):totable(), dt .. ' result ' .. i)
+      end
+    end
+  end)
+
+  it('is nn.LayerNorm given the residual, the layer users call', function()
+    local ln = ds.nn.LayerNorm(8)
+    local x, r = ds.randn(3, 8), ds.randn(3, 8)
+    local y, s = ln(x, r)
+    assert.are.same((x + r):totable(), s:totable())
+    assert.are.same(ln(x + r):totable(), y:totable())
+  end)
+
+  it('refuses a residual of another shape or dtype, and parameters that do not match', function()
+    fails('add_layer_norm: residual f32 %[3,5%] does not match input f32 %[3,4%] %(same shape and dtype%)',
+          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 5), nil, nil)
+    fails('add_layer_norm: residual f64 %[3,4%] does not match input f32 %[3,4%]',
+          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 4, 'f64'), nil, nil)
+    fails('add_layer_norm: weight of shape %[5%] does not match the last dims of input %[3,4%]',
+          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 4), ds.ones(5), nil)
+    fails('add_layer_norm: normalized_shape %[3%] does not match the last dims of input %[3,4%]',
+          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 4), 3)
+  end)
+end)
+
 describe('rms_norm', function()
   it('with a weight matches the float64 reference', function()
     against_torch('rms_w', 2, function(x) return ds.rms_norm(x[1], x[2], 1e-6) end)

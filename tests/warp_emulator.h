@@ -60,6 +60,11 @@ struct __half {
     operator float() const { return ds_f16_to_f32(bits); }
 };
 
+/* The vector types of 16-byte loads and stores. */
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+static inline float4 make_float4(float x, float y, float z, float w) { return float4{ x, y, z, w }; }
+
 static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -382,6 +387,15 @@ static inline void __syncthreads() {
     unsigned gen = emu::S.bar_gen;
     emu::release_barrier_if_full();
     while (emu::S.bar_gen == gen) emu::yield();
+}
+
+/* Blocks run one after another: a block's writes are all there for the next. */
+static inline void __threadfence() {}
+template <typename T> static inline T __ldcg(const T *p) { return *p; }
+static inline unsigned atomicAdd(unsigned *p, unsigned v) {
+    unsigned old = *p;
+    *p = old + v;
+    return old;
 }
 
 static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {

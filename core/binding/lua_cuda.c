@@ -121,14 +121,19 @@ static int l_empty_cache(lua_State *L) {
     return 0;
 }
 
-/* ds.cuda.allow_tf32([on]): sets (with a boolean) and returns the setting */
+/* ds.cuda.allow_tf32([on [, use]]): sets (with a boolean) and returns the
+ * switch of use 'matmul' (f32 GEMMs) or 'cudnn'
+ * (convolutions); without use, sets both and returns matmul's. */
 static int l_allow_tf32(lua_State *L) {
-    int on = -1;
+    static const char *const uses[] = { "matmul", "cudnn", NULL };
+    bool both = lua_isnoneornil(L, 2);
+    int on = -1, use = both ? 0 : luaL_checkoption(L, 2, NULL, uses);
     if (!lua_isnoneornil(L, 1)) {
         luaL_checktype(L, 1, LUA_TBOOLEAN);
         on = lua_toboolean(L, 1);
     }
-    lua_pushboolean(L, ds_cuda_allow_tf32(on));
+    if (both) ds_cuda_allow_tf32(true, on);
+    lua_pushboolean(L, ds_cuda_allow_tf32(use == 1, on));
     return 1;
 }
 

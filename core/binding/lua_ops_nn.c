@@ -4,6 +4,7 @@
  *   ds.mse_loss(input, target [, reduction='mean'])
  *   ds.layer_norm(x, weight|nil, bias|nil [, eps=1e-5])
  *   ds.layer_norm(x, normalized_shape, weight|nil, bias|nil [, eps])    (torch form)
+ *   ds.add_layer_norm(x, res, [normalized_shape,] weight|nil, bias|nil [, eps]) -> normed x + res, x + res
  *   ds.rms_norm(x, weight|nil [, eps=machine epsilon])
  *   ds.rms_norm(x, normalized_shape, weight|nil [, eps])                (torch form)
  *   ds.dropout(x, p [, training=true])
@@ -80,13 +81,13 @@ static ds_tensor *opt_tensor(lua_State *L, int idx) {
 }
 
 /* The torch.nn.functional form passes normalized_shape (a number or a
- * table) second: returns how many trailing dims of x it names, after
- * checking them, or 0 when argument 2 is not a shape. */
-static int normalized_shape(lua_State *L, const char *op, const ds_tensor *x) {
+ * table) after the inputs, at idx: returns how many trailing dims of x it
+ * names, after checking them, or 0 when argument idx is not a shape. */
+static int normalized_shape(lua_State *L, int idx, const char *op, const ds_tensor *x) {
     int64_t shape[DS_MAX_DIMS];
     int nd;
-    if (lua_type(L, 2) == LUA_TNUMBER) { shape[0] = (int64_t)lua_tointeger(L, 2); nd = 1; }
-    else if (lua_istable(L, 2)) nd = dsL_checkshape(L, 2, shape);
+    if (lua_type(L, idx) == LUA_TNUMBER) { shape[0] = (int64_t)lua_tointeger(L, idx); nd = 1; }
+    else if (lua_istable(L, idx)) nd = dsL_checkshape(L, idx, shape);
     else return 0;
     bool ok = nd >= 1 && nd <= x->ndim;
     for (int i = 0; ok && i < nd; i++) ok = shape[i] == x->shape[x->ndim - nd + i];
@@ -107,17 +108,30 @@ static int normalized_shape(lua_State *L, const char *op, const ds_tensor *x) {
  * [, eps]) as torch.nn.functional. */
 static int l_layer_norm(lua_State *L) {
     ds_tensor *x = dsL_checktensor(L, 1);
-    int nd = normalized_shape(L, "layer_norm", x), a = nd ? 3 : 2;
+    int nd = normalized_shape(L, 2, "layer_norm", x), a = nd ? 3 : 2;
     ds_tensor *w = opt_tensor(L, a), *b = opt_tensor(L, a + 1);
     double eps = luaL_optnumber(L, a + 2, 1e-5);
     if (!nd) nd = w ? w->ndim : b ? b->ndim : 1;
     return dsL_pushtensor(L, ds_layer_norm(x, nd, w, b, eps));
 }
 
+/* add_layer_norm(x, res, weight, bias [, eps]) or add_layer_norm(x, res,
+ * normalized_shape, weight, bias [, eps]) -> layer_norm(x + res), x + res */
+static int l_add_layer_norm(lua_State *L) {
+    ds_tensor *x = dsL_checktensor(L, 1), *res = dsL_checktensor(L, 2), *sum;
+    int nd = normalized_shape(L, 3, "add_layer_norm", x), a = nd ? 4 : 3;
+    ds_tensor *w = opt_tensor(L, a), *b = opt_tensor(L, a + 1);
+    double eps = luaL_optnumber(L, a + 2, 1e-5);
+    if (!nd) nd = w ? w->ndim : b ? b->ndim : 1;
+    ds_tensor *y = ds_add_layer_norm(x, res, nd, w, b, eps, &sum);
+    dsL_pushtensor(L, y);
+    return 1 + dsL_pushtensor(L, sum);
+}
+
 /* rms_norm(x, weight [, eps]) or rms_norm(x, normalized_shape, weight [, eps]) */
 static int l_rms_norm(lua_State *L) {
     ds_tensor *x = dsL_checktensor(L, 1);
-    int nd = normalized_shape(L, "rms_norm", x), a = nd ? 3 : 2;
+    int nd = normalized_shape(L, 2, "rms_norm", x), a = nd ? 3 : 2;
     ds_tensor *w = opt_tensor(L, a);
     double eps = lua_isnoneornil(L, a + 1) ? NAN : luaL_checknumber(L, a + 1);
     if (!nd) nd = w ? w->ndim : 1;
@@ -138,6 +152,7 @@ static const luaL_Reg methods[] = {
 
 static const luaL_Reg functions[] = {
     {"cross_entropy", l_cross_entropy}, {"mse_loss", l_mse_loss}, {"layer_norm", l_layer_norm},
+    {"add_layer_norm", l_add_layer_norm},
     {"rms_norm", l_rms_norm}, {"dropout", l_dropout},
     {NULL, NULL}
 };

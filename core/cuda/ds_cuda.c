@@ -161,9 +161,10 @@ int ds_cuda_reset_peak(int index) {
 
 void ds_cuda_empty_cache(void) { ds_cuda_alloc_trim(-1); }
 
-int ds_cuda_allow_tf32(int on) {
-    if (on >= 0) ds_cuda_set_tf32(on);
-    return ds_cuda_tf32();
+int ds_cuda_allow_tf32(bool conv, int on) {
+    ds_tf32_use use = conv ? DS_TF32_CONV : DS_TF32_MATMUL;
+    if (on >= 0) ds_cuda_set_tf32(use, on);
+    return ds_cuda_tf32(use);
 }
 
 static void print_version(FILE *f, const char *what, int v, int major_div, int minor_div) {

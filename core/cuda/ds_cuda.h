@@ -61,9 +61,10 @@ int ds_cuda_copier_copy(ds_cuda_copier *c, int up, void *dst, const void *src, s
 int ds_cuda_copier_mark(ds_cuda_copier *c, int up, int slot);
 int ds_cuda_copier_wait(ds_cuda_copier *c, int up, int slot);
 
-/* f32 matmuls and convolutions on the GPU may round inputs to TF32 (off
- * by default): on 1 or 0 sets it, -1 only asks. Returns the setting. */
-int ds_cuda_allow_tf32(int on);
+/* f32 matmuls (conv: convolutions) on the GPU may round inputs to TF32
+ * (off by default): on 1 or 0 sets it, -1 only asks. Returns the setting.
+ * Accepted without a GPU, where it changes nothing. */
+int ds_cuda_allow_tf32(bool conv, int on);
 
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL
  * versions and the GPUs, one "name: value" line each. */

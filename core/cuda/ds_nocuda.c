@@ -59,9 +59,11 @@ int ds_cuda_copier_wait(ds_cuda_copier *c, int up, int slot) {
     return c ? 0 : -1;
 }
 
-int ds_cuda_allow_tf32(int on) {
-    (void)on;
-    return 0;
+/* kept and answered, as PyTorch's flags are without a GPU */
+int ds_cuda_allow_tf32(bool conv, int on) {
+    static int tf32[2];
+    if (on >= 0) tf32[conv] = on != 0;
+    return tf32[conv];
 }
 
 void ds_cuda_report(FILE *f) {

@@ -372,7 +372,13 @@ static int run_node(ds_node *n, bool retain_graph, node_list *ready, uint32_t vi
     n->grad = NULL;
     int rc = check_versions(n);
     if (rc == 0) rc = fetch_saved(n);
+    if (n->fold_grad && n->next[0].node) {
+        n->folded = n->next[0].node->grad;
+        n->next[0].node->grad = NULL;
+    }
     if (rc == 0) rc = n->backward(n, g, gin);
+    ds_tensor_release(n->folded);
+    n->folded = NULL;
     if (rc != 0) {
         char msg[1024];
         strncpy(msg, ds_error_message(), sizeof msg - 1);

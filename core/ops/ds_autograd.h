@@ -41,6 +41,12 @@ struct ds_node {
     /* runs once as the node is freed: a node whose backward lives outside
      * C (the binding's Lua functions) drops what i[] refers to */
     void (*on_free)(ds_node *n);
+    /* A backward that adds its first input's other gradients into its own
+     * (one kernel where the sum took two): with fold_grad set, the gradient
+     * that input's node has gathered so far is taken from it into folded
+     * (NULL when none) for the backward, whose gin[0] then includes it. */
+    bool fold_grad;
+    ds_tensor *folded;
     /* during backward */
     ds_tensor *grad;
     int pending;

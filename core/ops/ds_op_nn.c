@@ -292,20 +292,34 @@ static ds_tensor *new_input_grad(const ds_node *n, int k, ds_device dev) {
 
 enum { NORM_X, NORM_W, NORM_MEAN, NORM_RSTD };
 
+/* The gradient folded in from the input's node (ds_node.fold_grad), as
+ * the kernel takes it: contiguous in x's dtype. NULL with none. */
+static ds_tensor *folded_grad(const ds_node *n, const ds_tensor *x, int *rc) {
+    ds_tensor *f = n->folded, *c = f ? ds_contiguous(f) : NULL;
+    ds_tensor *out = c && c->dtype != x->dtype ? ds_to_dtype(c, x->dtype) : c;
+    if (c && out != c) ds_tensor_release(c);
+    if (f && !out) *rc = -1;
+    return out;
+}
+
 static int layer_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor *x = n->saved[NORM_X], *w = n->saved[NORM_W];
-    ds_tensor *gc = ds_contiguous(g);
+    int rc = 0;
+    ds_tensor *gc = ds_contiguous(g), *gres = folded_grad(n, x, &rc);
     ds_tensor *dx = gc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
     ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x)), *db = new_input_grad(n, 2, ds_tensor_device(x));
-    int rc = -1;
-    if (dx && (dw || !ds_node_needs_grad(n, 1)) && (db || !ds_node_needs_grad(n, 2))) {
+    if (rc == 0 && dx && (dw || !ds_node_needs_grad(n, 1)) && (db || !ds_node_needs_grad(n, 2))) {
         rc = ds_tensor_kernels(x)->nn->layer_norm_backward(ds_tensor_kview(dx), param_view(dw), param_view(db),
                                                             ds_tensor_kview(gc), ds_tensor_kview(x), param_view(w),
                                                             ds_tensor_kview(n->saved[NORM_MEAN]),
-                                                            ds_tensor_kview(n->saved[NORM_RSTD]), n->i[0], n->i[1]);
-        if (rc) ds_fail(DS_ERR_ARG, "layer_norm: %s", ds_kernel_error());
+                                                            ds_tensor_kview(n->saved[NORM_RSTD]), param_view(gres),
+                                                            n->i[0], n->i[1]);
+        if (rc) ds_fail(DS_ERR_ARG, "%s: %s", n->name, ds_kernel_error());
+    } else {
+        rc = -1;
     }
     ds_tensor_release(gc);
+    ds_tensor_release(gres);
     if (rc) {
         ds_tensor_release(dx);
         ds_tensor_release(dw);
@@ -318,41 +332,81 @@ static int layer_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     return 0;
 }
 
-ds_tensor *ds_layer_norm(ds_tensor *x, int norm_ndim, ds_tensor *w, ds_tensor *b, double eps) {
+/* x + res's node: both get the sum's gradient as it is. */
+static int residual_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    (void)n;
+    ds_tensor_retain(g);
+    ds_tensor_retain(g);
+    gin[0] = g;
+    gin[1] = g;
+    return 0;
+}
+
+/* layer_norm of x, or of x + res into *sum when res is given; the norm's
+ * node folds the sum's other gradients into its backward. */
+static ds_tensor *layer_norm_of(const char *op, ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *w,
+                                ds_tensor *b, double eps, ds_tensor **sum) {
     int64_t rows, n;
-    if (norm_shape("layer_norm", x, norm_ndim, w, "weight", &rows, &n) ||
-        norm_shape("layer_norm", x, norm_ndim, b, "bias", &rows, &n))
+    if (norm_shape(op, x, norm_ndim, w, "weight", &rows, &n) || norm_shape(op, x, norm_ndim, b, "bias", &rows, &n))
         return NULL;
-    if (!(eps >= 0)) return ds_fail(DS_ERR_ARG, "layer_norm: eps must be >= 0, got %g", eps);
+    if (!(eps >= 0)) return ds_fail(DS_ERR_ARG, "%s: eps must be >= 0, got %g", op, eps);
     ds_device dev = ds_tensor_device(x);
     ds_dtype st = stat_dtype(x->dtype);
     bool prev = ds_set_grad_enabled(false);
-    ds_tensor *xc = ds_contiguous(x), *wc = w ? ds_contiguous(w) : NULL, *bc = b ? ds_contiguous(b) : NULL;
+    ds_tensor *xc = ds_contiguous(x), *resc = res ? ds_contiguous(res) : NULL;
+    ds_tensor *wc = w ? ds_contiguous(w) : NULL, *bc = b ? ds_contiguous(b) : NULL;
     ds_set_grad_enabled(prev);
+    ds_tensor *s = res ? ds_tensor_new(x->ndim, x->shape, x->dtype, dev) : NULL;
     ds_tensor *out = ds_tensor_new(x->ndim, x->shape, x->dtype, dev);
     ds_tensor *mean = ds_tensor_new(1, &rows, st, dev), *rstd = ds_tensor_new(1, &rows, st, dev);
     int rc = -1;
-    if (xc && (wc || !w) && (bc || !b) && out && mean && rstd) {
+    if (xc && (resc || !res) && (s || !res) && (wc || !w) && (bc || !b) && out && mean && rstd) {
         rc = ds_tensor_kernels(x)->nn->layer_norm(ds_tensor_kview(out), ds_tensor_kview(mean), ds_tensor_kview(rstd),
-                                                  ds_tensor_kview(xc), param_view(wc), param_view(bc), rows, n, eps);
-        if (rc) ds_fail(DS_ERR_ARG, "layer_norm: %s", ds_kernel_error());
+                                                  ds_tensor_kview(xc), param_view(wc), param_view(bc),
+                                                  param_view(resc), param_view(s), rows, n, eps);
+        if (rc) ds_fail(DS_ERR_ARG, "%s: %s", op, ds_kernel_error());
     }
-    ds_tensor *in[3] = { x, w, b };
-    ds_node *node = rc == 0 ? ds_autograd_record("layer_norm", layer_norm_backward, 3, in, out) : NULL;
+    ds_tensor *pair[2] = { x, res };
+    if (rc == 0 && res) ds_autograd_record("add", residual_backward, 2, pair, s);
+    ds_tensor *normed = res ? s : xc, *in[3] = { res ? s : x, w, b };
+    ds_node *node = rc == 0 ? ds_autograd_record(op, layer_norm_backward, 3, in, out) : NULL;
     if (node) {
         node->i[0] = rows;
         node->i[1] = n;
-        if (ds_node_save(node, NORM_X, xc) || (wc && ds_node_save(node, NORM_W, wc)) ||
+        node->fold_grad = res != NULL;
+        if (ds_node_save(node, NORM_X, normed) || (wc && ds_node_save(node, NORM_W, wc)) ||
             ds_node_save(node, NORM_MEAN, mean) || ds_node_save(node, NORM_RSTD, rstd))
             rc = -1;
     }
     ds_tensor_release(xc);
+    ds_tensor_release(resc);
     ds_tensor_release(wc);
     ds_tensor_release(bc);
     ds_tensor_release(mean);
     ds_tensor_release(rstd);
-    if (rc) { ds_tensor_release(out); return NULL; }
+    if (rc) {
+        ds_tensor_release(out);
+        ds_tensor_release(s);
+        return NULL;
+    }
+    if (sum) *sum = s;
     return out;
+}
+
+ds_tensor *ds_layer_norm(ds_tensor *x, int norm_ndim, ds_tensor *w, ds_tensor *b, double eps) {
+    return layer_norm_of("layer_norm", x, NULL, norm_ndim, w, b, eps, NULL);
+}
+
+ds_tensor *ds_add_layer_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *w, ds_tensor *b, double eps,
+                             ds_tensor **sum) {
+    char s1[96], s2[96];
+    *sum = NULL;
+    if (ds_check_same_device("add_layer_norm", x, res)) return NULL;
+    if (!ds_tensor_same_shape(x, res) || x->dtype != res->dtype)
+        return ds_fail(DS_ERR_ARG, "add_layer_norm: residual %s %s does not match input %s %s (same shape and dtype)",
+                       ds_dtype_name(res->dtype), ds_shape_str(res, s1, sizeof s1), ds_dtype_name(x->dtype),
+                       ds_shape_str(x, s2, sizeof s2));
+    return layer_norm_of("add_layer_norm", x, res, norm_ndim, w, b, eps, sum);
 }
 
 static int rms_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {

@@ -35,6 +35,13 @@ ds_tensor *ds_mse_loss(ds_tensor *input, ds_tensor *target, ds_nn_reduction redu
 /* Normalises over the last norm_ndim dims of x; weight and bias (NULL when
  * absent) have exactly those dims. */
 ds_tensor *ds_layer_norm(ds_tensor *x, int norm_ndim, ds_tensor *weight, ds_tensor *bias, double eps);
+/* The residual add and the norm after it in one kernel each way: *sum =
+ * x + res (same shape, dtype and device) and the result is
+ * ds_layer_norm(*sum, ...). Backward gives x and res one gradient (the
+ * sum's other gradients added inside the norm's backward kernel). NULL
+ * with *sum NULL on error. */
+ds_tensor *ds_add_layer_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *weight, ds_tensor *bias,
+                             double eps, ds_tensor **sum);
 /* x rsqrt(mean(x^2) + eps) weight; eps NAN means the machine epsilon of
  * the compute type (f32 for f32/bf16/f16 inputs, f64 for f64), as
  * torch.nn.functional.rms_norm with eps=None. */

@@ -208,9 +208,24 @@ static void store_param_grad(const ds_kview *dst, const double *acc, int64_t n, 
     }
 }
 
+/* dst += src over count values: a residual and its gradient, summed in
+ * f32 unless dst is f64, as the elementwise add sums them */
+static void add_into(const ds_kview *dst, const ds_kview *a, const ds_kview *src, int64_t count) {
+    bool f64 = dst->dtype == DS_F64;
+    #pragma omp parallel for schedule(static) if (count > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < count; i++) {
+        double u = ds_load(a->dtype, a->data, i), v = ds_load(src->dtype, src->data, i);
+        ds_store(dst->dtype, dst->data, i, f64 ? u + v : (double)((float)u + (float)v));
+    }
+}
+
 static int cpu_layer_norm(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
-                          int64_t rows, int64_t n, double eps) {
+                          ds_kview res, ds_kview sum, int64_t rows, int64_t n, double eps) {
     if (rows == 0) return 0;
+    if (res.data) {
+        add_into(&sum, &x, &res, rows * n);
+        x = sum;
+    }
     const ds_kview *v[4] = { &y, &mean, &rstd, &x };
     if (all_f32(v, 4)) {
         float *ow, *ob;
@@ -269,8 +284,8 @@ static int layer_norm_backward_f32(ds_kview dx, ds_kview dw, ds_kview db, ds_kvi
     return 0;
 }
 
-static int cpu_layer_norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
-                                   ds_kview mean, ds_kview rstd, int64_t rows, int64_t n) {
+static int layer_norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
+                               ds_kview mean, ds_kview rstd, int64_t rows, int64_t n) {
     const ds_kview *v[5] = { &dx, &g, &x, &mean, &rstd };
     if (all_f32(v, 5)) return layer_norm_backward_f32(dx, dw, db, g, x, w, mean, rstd, rows, n);
     int nt = omp_get_max_threads();
@@ -291,6 +306,13 @@ static int cpu_layer_norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kvi
     free(buf);
     free(wd);
     return 0;
+}
+
+static int cpu_layer_norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
+                                   ds_kview mean, ds_kview rstd, ds_kview gres, int64_t rows, int64_t n) {
+    int rc = layer_norm_backward(dx, dw, db, g, x, w, mean, rstd, rows, n);
+    if (rc == 0 && gres.data) add_into(&dx, &dx, &gres, rows * n);
+    return rc;
 }
 
 static int cpu_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps) {

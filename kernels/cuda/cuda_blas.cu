@@ -22,10 +22,10 @@
 #define BLAS_MAX_DEVICES 64
 #define LT_MAX_WORKSPACE ((uint64_t)32 << 20)   /* what cuBLASLt asks for at most on Hopper */
 
-static int tf32_on;
+static int tf32_on[2];
 
-extern "C" void ds_cuda_set_tf32(int on) { tf32_on = on != 0; }
-extern "C" int ds_cuda_tf32(void) { return tf32_on; }
+extern "C" void ds_cuda_set_tf32(ds_tf32_use use, int on) { tf32_on[use] = on != 0; }
+extern "C" int ds_cuda_tf32(ds_tf32_use use) { return tf32_on[use]; }
 
 /* ---- handles, one per device, made on first use ---- */
 
@@ -254,7 +254,8 @@ static int lt_found(lt_call *L, const gemm_plan *p, const ds_kview *a, const ds_
 
 static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_kview *a, const ds_kview *b) {
     if (lt_handle(&L->h)) return -1;
-    cublasComputeType_t ct = p->dtype == DS_F32 && tf32_on ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+    bool tf32 = p->dtype == DS_F32 && tf32_on[DS_TF32_MATMUL];
+    cublasComputeType_t ct = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
     if (blas_ok(cublasLtMatmulDescCreate(&L->op, ct, CUDA_R_32F), "cublasLtMatmulDescCreate")) return -1;
     cublasOperation_t ta = p->lb.trans ? CUBLAS_OP_T : CUBLAS_OP_N, tb = p->la.trans ? CUBLAS_OP_T : CUBLAS_OP_N;
     if (blas_ok(cublasLtMatmulDescSetAttribute(L->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta),
@@ -300,7 +301,7 @@ static int lt_setup(lt_call *L, const gemm_plan *p, const ds_kview *c, const ds_
     lt_key key;
     memset(&key, 0, sizeof key);
     if (device_index(&key.dev)) return -1;
-    key.tf32 = tf32_on;
+    key.tf32 = tf32_on[DS_TF32_MATMUL];
     key.ta = p->lb.trans;
     key.tb = p->la.trans;
     key.dtype = p->dtype;

@@ -1,16 +1,19 @@
 /* What every .cu file in kernels/cuda shares: CUDA errors turned into
  * ds_kernel_fail, launch sizes and int64 grid-stride loops, and strided
  * addressing on the device. Include it first: it brings in ds_kernels.h
- * with C linkage, the stream (ds_cuda_stream) and scratch memory. */
+ * with C linkage, the stream (ds_cuda_stream) and scratch memory. Under
+ * tests/warp_emulator.h only the device side is there. */
 #ifndef CUDA_COMMON_CUH
 #define CUDA_COMMON_CUH
 
-#include <cuda_runtime.h>
-
-#include "cuda_kernels.h"
 #include "../ds_kview.h"
 #include "../ds_half.h"
 #include "../cpu/cpu_iter.h"     /* cpu_coalesce: host-side dim merging, any device */
+
+#ifndef DS_WARP_EMULATOR
+#include <cuda_runtime.h>
+
+#include "cuda_kernels.h"
 
 /* 0, or -1 after ds_kernel_fail("<what>: <CUDA's message>"). */
 static inline int ds_cuda_ok(cudaError_t e, const char *what) {
@@ -28,6 +31,7 @@ static inline int ds_cuda_launched(const char *kernel) {
     if (e == cudaSuccess) return 0;
     return ds_kernel_fail("%s launch: %s", kernel, cudaGetErrorString(e));
 }
+#endif
 
 #define DS_CUDA_THREADS 256
 /* Grids stop growing here; grid-stride loops cover the rest (and keep

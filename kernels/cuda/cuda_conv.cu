@@ -100,7 +100,7 @@ static int conv_setup(conv_desc *d, const ds_kview *x, const ds_kview *w, const 
         || dnn_ok(cudnnSetConvolutionGroupCount(d->conv, (int)p->groups), "cudnnSetConvolutionGroupCount"))
         return -1;
     /* f32 stays on FMA kernels unless TF32 is on; bf16/f16 want tensor cores */
-    cudnnMathType_t math = x->dtype == DS_F32 ? (ds_cuda_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH)
+    cudnnMathType_t math = x->dtype == DS_F32 ? (ds_cuda_tf32(DS_TF32_CONV) ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH)
                            : f64 ? CUDNN_DEFAULT_MATH : CUDNN_TENSOR_OP_MATH;
     return dnn_ok(cudnnSetConvolutionMathType(d->conv, math), "cudnnSetConvolutionMathType");
 }

@@ -5,9 +5,10 @@
  * f64, else in f32 (the CPU takes f64 for bf16/f16 rows: within f32
  * rounding of each other), with CUDA's expf as the f32 exp. Weight and bias
  * gradients sum over rows in two deterministic stages: partial sums per
- * chunk of rows, then the chunks in order. Dropout draws the CPU's Philox
+ * chunk of rows, then the chunks in order; inside the dx kernel on the
+ * warp path for rows up to 1024 (cuda_norm.cuh), else in two kernels after. Dropout draws the CPU's Philox
  * stream, so its masks are identical. */
-#include "cuda_pointwise.cuh"
+#include "cuda_norm.cuh"
 #include "../ds_rows.h"
 
 static unsigned row_blocks(int64_t rows) { return ds_cuda_blocks(rows, 1); }
@@ -35,13 +36,7 @@ static __global__ void softmax_kernel(ds_kview y, ds_kview x, int64_t rows, int6
  * multiple of 8 (attention's rows of 1024 scores): a warp per row, the
  * row read once into registers, 16 bytes a load, and softmax_kernel<float>'s
  * math over 32 lanes. */
-#define ROW_WARPS 8
 #define ROW_MAX_WORDS 4
-
-/* for (r over [0, rows)), a warp per row, spread over the whole grid */
-#define ROW_WARP_LOOP(r, rows) \
-    for (int64_t r = (int64_t)blockIdx.x * ROW_WARPS + (threadIdx.x >> 5); r < (int64_t)(rows); \
-         r += (int64_t)gridDim.x * ROW_WARPS)
 
 /* Word w of a lane's part of a row: elements j..j+7, present when j < n. */
 __device__ __forceinline__ int64_t row_word(int w, int lane) { return (int64_t)(w * 32 + lane) * PW_VEC; }
@@ -369,75 +364,6 @@ static int cuda_cross_entropy_backward(ds_kview dlogits, ds_kview dloss, ds_kvie
 /* ---- layer norm and RMS norm, one kernel each way: RMS norm is layer
  * norm with the mean fixed at 0 and no bias (`centered` off) ---- */
 
-/* y = (x - mean) rstd w + b, rstd = 1/sqrt(mean((x - mean)^2) + eps);
- * mean.data is NULL for RMS norm */
-template <typename T>
-static __global__ void norm_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
-                                   int64_t rows, int64_t n, T eps, bool centered) {
-    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        int64_t base = r * n;
-        T m = 0, v = 0;
-        if (centered) {
-            for (int64_t j = threadIdx.x; j < n; j += blockDim.x) m += pw_load<T>(x, base + j);
-            m = pw_block_sum(m) / (T)n;
-        }
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-            T d = pw_load<T>(x, base + j) - m;
-            v += d * d;
-        }
-        T rs = (T)1 / sqrt(pw_block_sum(v) / (T)n + eps);
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-            T o = (pw_load<T>(x, base + j) - m) * rs * (w.data ? pw_load<T>(w, j) : (T)1);
-            if (centered) o += b.data ? pw_load<T>(b, j) : (T)0;
-            ds_store(y.dtype, y.data, base + j, o);
-        }
-        if (threadIdx.x == 0) {
-            if (centered) ds_store(mean.dtype, mean.data, r, m);
-            ds_store(rstd.dtype, rstd.data, r, rs);
-        }
-    }
-}
-
-/* The f32 path for rows of a multiple of 8 values: a warp per row, 8
- * values a load, the same math as norm_kernel<float> over 32 lanes. Rows
- * of GPT-2 (768) are 3 loads a lane, with no block-wide barriers. */
-__device__ __forceinline__ void norm_load8(const ds_kview &v, int64_t i, float *x, float absent) {
-    if (v.data) pw_load8(v.dtype, v.data, i, x);
-    else for (int k = 0; k < PW_VEC; k++) x[k] = absent;
-}
-
-static __global__ void norm_warp_kernel(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b,
-                                        int64_t rows, int64_t n, float eps, bool centered) {
-    int lane = threadIdx.x & 31;
-    ROW_WARP_LOOP(r, rows) {
-        int64_t base = r * n;
-        float m = 0, v = 0, xv[PW_VEC], wv[PW_VEC], bv[PW_VEC];
-        if (centered) {
-            for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
-                pw_load8(x.dtype, x.data, base + j, xv);
-                for (int k = 0; k < PW_VEC; k++) m += xv[k];
-            }
-            m = pw_warp_reduce(m, pw_sum()) / (float)n;
-        }
-        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
-            pw_load8(x.dtype, x.data, base + j, xv);
-            for (int k = 0; k < PW_VEC; k++) v += (xv[k] - m) * (xv[k] - m);
-        }
-        float rs = 1.0f / sqrtf(pw_warp_reduce(v, pw_sum()) / (float)n + eps);
-        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
-            pw_load8(x.dtype, x.data, base + j, xv);
-            norm_load8(w, j, wv, 1.0f);
-            norm_load8(b, j, bv, 0.0f);
-            for (int k = 0; k < PW_VEC; k++) xv[k] = (xv[k] - m) * rs * wv[k] + bv[k];
-            pw_store8(y.dtype, y.data, base + j, xv);
-        }
-        if (lane == 0) {
-            if (centered) pw_storef(mean.dtype, mean.data, r, m);
-            pw_storef(rstd.dtype, rstd.data, r, rs);
-        }
-    }
-}
-
 /* Whether rows of n go through the warp kernels: n a multiple of 8 and
  * every view given f32, bf16 or f16 on 16 bytes. */
 static bool norm_vec(int64_t n, const ds_kview *const *v, int k) {
@@ -447,77 +373,24 @@ static bool norm_vec(int64_t n, const ds_kview *const *v, int k) {
     return true;
 }
 
-static int norm_forward(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, int64_t rows,
-                        int64_t n, double eps) {
+static int norm_forward(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, ds_kview res,
+                        ds_kview sum, int64_t rows, int64_t n, double eps) {
     if (rows == 0) return 0;
-    const ds_kview *v[6] = { &y, &mean, &rstd, &x, &w, &b };
+    const ds_kview *v[8] = { &y, &mean, &rstd, &x, &res, &sum, &w, &b };
     int th = pw_row_threads(n);
     bool centered = mean.data != NULL;
-    if (norm_vec(n, v, 6)) {
+    if (norm_vec(n, v, 8)) {
         norm_warp_kernel<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(
-            y, mean, rstd, x, w, b, rows, n, (float)eps, centered);
+            y, mean, rstd, x, w, b, res, sum, rows, n, (float)eps, centered);
         return ds_cuda_launched("norm_warp_kernel");
     }
-    if (pw_any_f64(v, 4))
-        norm_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, rows, n, eps,
-                                                                           centered);
+    if (pw_any_f64(v, 6))
+        norm_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, res, sum, rows, n,
+                                                                           eps, centered);
     else
-        norm_kernel<float><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, rows, n,
+        norm_kernel<float><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(y, mean, rstd, x, w, b, res, sum, rows, n,
                                                                           (float)eps, centered);
     return ds_cuda_launched("norm_kernel");
-}
-
-/* With xh = (x - mean) rstd: dx = rstd (w g - mean(w g) - xh mean(w g xh));
- * RMS norm drops the mean(w g) term. */
-template <typename T>
-static __global__ void norm_backward_kernel(ds_kview dx, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
-                                            ds_kview rstd, int64_t rows, int64_t n) {
-    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        int64_t base = r * n;
-        T m = mean.data ? pw_load<T>(mean, r) : (T)0, rs = pw_load<T>(rstd, r), a = 0, c = 0;
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-            T wg = (w.data ? pw_load<T>(w, j) : (T)1) * pw_load<T>(g, base + j);
-            a += wg;
-            c += wg * (pw_load<T>(x, base + j) - m) * rs;
-        }
-        a = mean.data ? pw_block_sum(a) / (T)n : (T)0;
-        c = pw_block_sum(c) / (T)n;
-        for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-            T xh = (pw_load<T>(x, base + j) - m) * rs;
-            T wg = (w.data ? pw_load<T>(w, j) : (T)1) * pw_load<T>(g, base + j);
-            ds_store(dx.dtype, dx.data, base + j, (wg - a - xh * c) * rs);
-        }
-    }
-}
-
-/* The same over a warp per row, as norm_warp_kernel. */
-static __global__ void norm_backward_warp_kernel(ds_kview dx, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
-                                                 ds_kview rstd, int64_t rows, int64_t n) {
-    int lane = threadIdx.x & 31;
-    ROW_WARP_LOOP(r, rows) {
-        int64_t base = r * n;
-        float m = mean.data ? pw_loadf(mean.dtype, mean.data, r) : 0.0f, rs = pw_loadf(rstd.dtype, rstd.data, r);
-        float a = 0, c = 0, gv[PW_VEC], xv[PW_VEC], wv[PW_VEC];
-        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
-            pw_load8(g.dtype, g.data, base + j, gv);
-            pw_load8(x.dtype, x.data, base + j, xv);
-            norm_load8(w, j, wv, 1.0f);
-            for (int k = 0; k < PW_VEC; k++) {
-                float wg = wv[k] * gv[k];
-                a += wg;
-                c += wg * (xv[k] - m) * rs;
-            }
-        }
-        a = mean.data ? pw_warp_reduce(a, pw_sum()) / (float)n : 0.0f;
-        c = pw_warp_reduce(c, pw_sum()) / (float)n;
-        for (int64_t j = lane * PW_VEC; j < n; j += 32 * PW_VEC) {
-            pw_load8(g.dtype, g.data, base + j, gv);
-            pw_load8(x.dtype, x.data, base + j, xv);
-            norm_load8(w, j, wv, 1.0f);
-            for (int k = 0; k < PW_VEC; k++) xv[k] = (wv[k] * gv[k] - a - (xv[k] - m) * rs * c) * rs;
-            pw_store8(dx.dtype, dx.data, base + j, xv);
-        }
-    }
 }
 
 #define PARAM_COLS 32
@@ -652,23 +525,57 @@ static int param_grads(ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kvie
     return rc;
 }
 
+#define NORM_PARAM_WORDS 4
+
+typedef void (*norm_params_fn)(ds_kview, ds_kview, ds_kview, ds_kview, ds_kview, ds_kview, ds_kview, ds_kview,
+                               ds_kview, float *, unsigned *, int64_t, int64_t);
+
+/* dx, dw and db in one kernel on the warp path, for rows of at most
+ * 256 NORM_PARAM_WORDS: 1 when taken (*rc 0 or -1 as it went), else 0. */
+static int norm_backward_fused(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
+                               ds_kview mean, ds_kview rstd, ds_kview gres, int64_t rows, int64_t n, int *rc) {
+    static const norm_params_fn kernels[NORM_PARAM_WORDS] = {
+        norm_backward_params_kernel<1>, norm_backward_params_kernel<2>, norm_backward_params_kernel<3>,
+        norm_backward_params_kernel<4>,
+    };
+    int64_t words = (n + 32 * PW_VEC - 1) / (32 * PW_VEC);
+    if (words > NORM_PARAM_WORDS) return 0;
+    unsigned grid = row_warp_blocks(rows) < NORM_PARAM_BLOCKS ? row_warp_blocks(rows) : NORM_PARAM_BLOCKS;
+    size_t part = (size_t)grid * 2 * (size_t)n * sizeof(float);
+    unsigned char *s = (unsigned char *)ds_cuda_scratch(part + sizeof(unsigned));
+    if (!s) return *rc = -1, 1;
+    unsigned *done = (unsigned *)(s + part);
+    *rc = ds_cuda_ok(cudaMemsetAsync(done, 0, sizeof *done, ds_cuda_stream()), "cudaMemsetAsync");
+    if (*rc == 0) {
+        kernels[words - 1]<<<grid, 32 * ROW_WARPS, norm_params_smem(n), ds_cuda_stream()>>>(
+            dx, dw, db, g, x, w, mean, rstd, gres, (float *)s, done, rows, n);
+        *rc = ds_cuda_launched("norm_backward_params_kernel");
+    }
+    ds_cuda_scratch_free(s);
+    return 1;
+}
+
 static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w, ds_kview mean,
-                         ds_kview rstd, int64_t rows, int64_t n) {
+                         ds_kview rstd, ds_kview gres, int64_t rows, int64_t n) {
     if (n == 0) return 0;
-    const ds_kview *v[6] = { &dx, &g, &x, &mean, &rstd, &w };
-    bool f64 = pw_any_f64(v, 5), vec = norm_vec(n, v, 6);
+    const ds_kview *v[7] = { &dx, &g, &x, &mean, &rstd, &gres, &w };
+    bool f64 = pw_any_f64(v, 6), vec = norm_vec(n, v, 7);
+    int rc;
+    if (rows > 0 && vec && (dw.data || db.data) && norm_backward_fused(dx, dw, db, g, x, w, mean, rstd, gres, rows, n,
+                                                                       &rc))
+        return rc;
     if (rows > 0 && vec) {
         norm_backward_warp_kernel<<<row_warp_blocks(rows), 32 * ROW_WARPS, 0, ds_cuda_stream()>>>(
-            dx, g, x, w, mean, rstd, rows, n);
+            dx, g, x, w, mean, rstd, gres, rows, n);
         if (ds_cuda_launched("norm_backward_warp_kernel")) return -1;
     } else if (rows > 0) {
         int th = pw_row_threads(n);
         if (f64)
             norm_backward_kernel<double><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(dx, g, x, w, mean, rstd,
-                                                                                        rows, n);
+                                                                                        gres, rows, n);
         else
             norm_backward_kernel<float><<<row_blocks(rows), th, 0, ds_cuda_stream()>>>(dx, g, x, w, mean, rstd,
-                                                                                       rows, n);
+                                                                                       gres, rows, n);
         if (ds_cuda_launched("norm_backward_kernel")) return -1;
     }
     if (!dw.data && !db.data) return 0;
@@ -676,25 +583,15 @@ static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_k
                : param_grads<float>(dw, db, g, x, mean, rstd, rows, n, vec);
 }
 
-static int cuda_layer_norm(ds_kview y, ds_kview mean, ds_kview rstd, ds_kview x, ds_kview w, ds_kview b, int64_t rows,
-                           int64_t n, double eps) {
-    return norm_forward(y, mean, rstd, x, w, b, rows, n, eps);
-}
-
-static int cuda_layer_norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
-                                    ds_kview mean, ds_kview rstd, int64_t rows, int64_t n) {
-    return norm_backward(dx, dw, db, g, x, w, mean, rstd, rows, n);
-}
-
 static const ds_kview no_view = { NULL, DS_F32, 0, { 0 }, { 0 } };
 
 static int cuda_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps) {
-    return norm_forward(y, no_view, rstd, x, w, no_view, rows, n, eps);
+    return norm_forward(y, no_view, rstd, x, w, no_view, no_view, no_view, rows, n, eps);
 }
 
 static int cuda_rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
                                   int64_t rows, int64_t n) {
-    return norm_backward(dx, dw, no_view, g, x, w, no_view, rstd, rows, n);
+    return norm_backward(dx, dw, no_view, g, x, w, no_view, rstd, no_view, rows, n);
 }
 
 /* ---- dropout: thread b draws Philox block offset + b, the keep bits of
@@ -718,5 +615,5 @@ static int cuda_dropout(ds_kview y, ds_kview x, uint64_t seed, uint64_t offset, 
 
 extern "C" const ds_kernels_nn ds_cuda_nn = {
     cuda_softmax, cuda_softmax_backward, cuda_cross_entropy, cuda_cross_entropy_backward,
-    cuda_layer_norm, cuda_layer_norm_backward, cuda_rms_norm, cuda_rms_norm_backward, cuda_dropout,
+    norm_forward, norm_backward, cuda_rms_norm, cuda_rms_norm_backward, cuda_dropout,
 };

@@ -234,6 +234,7 @@ pw_fast_kernel(F f, ds_kview out, pw_inputs<K> in, int64_t n, bool vec) {
     }
 }
 
+#ifndef DS_WARP_EMULATOR      /* launches: CUDA's own */
 template <int K, int DT, int WORDS, typename F>
 static int pw_fast_launch(F f, const ds_kview &out, const pw_inputs<K> &p, int64_t n, bool vec, const char *name) {
     pw_fast_kernel<K, DT, WORDS, F><<<pw_fast_blocks(n, vec, PW_VEC * WORDS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
@@ -264,6 +265,7 @@ static int pw_fast_try(F f, const ds_kview &out, const ds_kview *const *in, int6
     else *rc = pw_fast_launch<K, -1, WORDS16>(f, out, p, n, vec, name);
     return 1;
 }
+#endif
 
 /* Index values are i64 or i32. */
 __device__ __forceinline__ int64_t pw_index(const ds_kview &idx, int64_t off) {

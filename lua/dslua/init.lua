@@ -67,6 +67,25 @@ ds.checkpointing = require 'dslua.nn.checkpointing'
 -- the rest stay the checkpoint files' module
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })
 ds.pipe = require 'dslua.parallel.pipe'
+
+-- PyTorch's TF32 switches: ds.backends.cuda.matmul.allow_tf32 (f32 GEMMs
+-- through cuBLASLt) and ds.backends.cudnn.allow_tf32 (convolutions), both
+-- off until set; ds.cuda.allow_tf32 underneath
+local function tf32_switch(name, use)
+  local function check(k)
+    if k ~= 'allow_tf32' then error(string.format("%s has allow_tf32 only, not '%s'", name, tostring(k)), 3) end
+  end
+  return setmetatable({}, {
+    __index = function(_, k) check(k); return C.cuda.allow_tf32(nil, use) end,
+    __newindex = function(_, k, v)
+      check(k)
+      if type(v) ~= 'boolean' then error(name .. '.allow_tf32: expected a boolean, got ' .. type(v), 2) end
+      C.cuda.allow_tf32(v, use)
+    end,
+  })
+end
+ds.backends = { cuda = { matmul = tf32_switch('ds.backends.cuda.matmul', 'matmul') },
+                cudnn = tf32_switch('ds.backends.cudnn', 'cudnn') }
 ds.topology = require 'dslua.parallel.topology'
 ds.sequence = require 'dslua.parallel.sequence'
 -- ds.zero.Init(config, fn): a model built partitioned for ZeRO stage 3

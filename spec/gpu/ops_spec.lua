@@ -591,6 +591,17 @@ describe('nn row ops on the GPU #gpu', function()
   each(FLOATS, 'layer_norm of a misaligned view, weight only', function(dt)
     return function(x, w) return ds.layer_norm(x:narrow(2, 2, 64), w, nil) end, { randn(dt, 9, 65), randn(dt, 64) }
   end)
+  -- the sum used after the norm: its gradient is folded into the norm's backward kernel
+  local function add_norm(x, r, w, b)
+    local y, s = ds.add_layer_norm(x, r, w, b)
+    return s + y, y, s
+  end
+  each(FLOATS, 'add_layer_norm of GPT-2 rows (a warp a row, 8 at a time)', function(dt)
+    return add_norm, { randn(dt, 2, 37, 768) * 2 + 1, randn(dt, 2, 37, 768), randn(dt, 768), randn(dt, 768) }
+  end)
+  each(FLOATS, 'add_layer_norm of rows not a multiple of 8 (a block a row)', function(dt)
+    return add_norm, { randn(dt, 5, 3, 20), randn(dt, 5, 3, 20), randn(dt, 20), randn(dt, 20) }
+  end)
   each(FLOATS, 'rms_norm of rows of 8 (the warp kernels)', function(dt)
     return function(x, w) return ds.rms_norm(x, w, 1e-6) end, { randn(dt, 50, 8), randn(dt, 8) }
   end)
@@ -741,5 +752,25 @@ describe('optimizer steps on the GPU #gpu', function()
         H.assert_same(to_host(step(true)), to_host(step(false)), k[1] .. ' (setting ' .. i .. ')')
       end
     end
+  end)
+end)
+
+-- TF32 rounds an f32 GEMM's inputs to 10 mantissa bits: 1 + 2^-15 is 1
+-- there, so a row of 512 of them times ones sums to 512 with the switch on
+-- and to 512 (1 + 2^-15) with it off; sums of integers and of one repeated
+-- f32 value are exact either way. Only the GPU can show it.
+describe('TF32 on the GPU #gpu', function()
+  if skip or ON_CPU then pending('skipped: no CUDA device') return end
+  after_each(function() ds.cuda.allow_tf32(false) end)
+
+  it('rounds f32 matmul inputs under ds.backends.cuda.matmul.allow_tf32 only', function()
+    local a = to_dev(ds.full({ 512, 512 }, 1 + 2 ^ -15))
+    local b = to_dev(ds.ones(512, 512))
+    local function corner() return to_host(ds.matmul(a, b)):narrow(1, 1, 1):narrow(2, 1, 1):item() end
+    assert.are.equal(512 * (1 + 2 ^ -15), corner())
+    ds.backends.cudnn.allow_tf32 = true
+    assert.are.equal(512 * (1 + 2 ^ -15), corner())
+    ds.backends.cuda.matmul.allow_tf32 = true
+    assert.are.equal(512, corner())
   end)
 end)

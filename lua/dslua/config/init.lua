@@ -62,6 +62,12 @@ M.later_work = {
 ------------------------------------------------------------------------
 -- The blocks, as DeepSpeed's config classes define them
 
+-- dslua's own: f32 matmuls on TF32 tensor cores, PyTorch's
+-- torch.backends.cuda.matmul.allow_tf32; unset leaves ds.backends' switch
+local FP32 = { fields = {
+  allow_tf32 = bool(nil, { nullable = true }),
+} }
+
 -- precision_config.py DeepSpeedFP16Config
 local FP16 = { auto = true, fields = {
   enabled = bool(false),
@@ -320,6 +326,7 @@ local TOP = { lenient = true, fields = {
   gradient_predivide_factor = num(1.0, nil, { above = 0 }),
   fp16 = block(FP16),
   bf16 = block(BF16),
+  fp32 = block(FP32),
   comms_logger = block(COMMS),
   checkpoint = block(CHECKPOINT),
   activation_checkpointing = block(ACT_CKPT),

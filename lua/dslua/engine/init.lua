@@ -237,6 +237,7 @@ function M.initialize(opts)
   require('dslua.base.guard').budget = cfg.reload.budget     -- before the schedule file runs
 
   if cfg.comms_logger.enabled then ds.comm.configure_logger(cfg.comms_logger) end
+  if cfg.fp32.allow_tf32 ~= nil then ds.backends.cuda.matmul.allow_tf32 = cfg.fp32.allow_tf32 end
 
   -- this rank's device (ds.device(): --device, DSLUA_DEVICE, else the GPU
   -- LOCAL_RANK picks when there is one, else the CPU), before any

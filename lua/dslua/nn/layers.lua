@@ -139,7 +139,11 @@ function LayerNorm:init(normalized_shape, opts)
   end
 end
 
-function LayerNorm:forward(x)
+-- ln(x), or ln(x, res) -> ln(x + res), x + res: a residual add and the
+-- norm after it in one kernel each way (ds.add_layer_norm); x and res of
+-- one shape and dtype
+function LayerNorm:forward(x, res)
+  if res ~= nil then return ds.add_layer_norm(x, res, self.normalized_shape, self.weight, self.bias, self.eps) end
   return ds.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 end
 
