@@ -418,7 +418,9 @@ describe('the attach socket', function()
     local client = server:next(5)
     local mib, sent = string.rep('x', 2^20), 0
     while sent < 64 and server:reply(client, mib) do sent = sent + 1 end
-    assert.is_true(sent >= 16 and sent < 64, 'replies queued: ' .. sent)
+    -- 15 frames of 1 MiB + 4 fill the 16 MiB when the job's thread has sent
+    -- none yet (a loaded machine); what the socket took adds to that
+    assert.is_true(sent >= 15 and sent < 64, 'replies queued: ' .. sent)
     local who, notice = server:next(5)
     assert.are.equal(0, who)
     H.has(notice, string.format('attach: client %d disconnected: ', client))
