@@ -1,5 +1,6 @@
 /* The optimizers' inner loops, included by cpu_optim.c once per
- * instruction set under its #pragma GCC target, CPU_OPTIM_ISA naming the
+ * instruction set (SSE2 as built; AVX2 and AVX-512 under gcc's target
+ * pragma or clang's target attribute), CPU_OPTIM_ISA naming the
  * variant. Every step is one IEEE operation rounded to f32 (the file is
  * built with -ffp-contract=off), so each variant writes the same bits as
  * a scalar loop of ds_optim_elem.h. */
