@@ -123,7 +123,7 @@ __device__ __forceinline__ void pw_store8(ds_dtype t, void *p, int64_t i, const 
         q[1] = make_float4(x[4], x[5], x[6], x[7]);
         return;
     }
-    uint4 w;
+    uint4 w = {0u, 0u, 0u, 0u};   /* every lane is written below; gcc cannot see it through h */
     uint16_t *h = (uint16_t *)&w;
     if (t == DS_BF16)
         for (int k = 0; k < PW_VEC; k++) h[k] = ds_f32_to_bf16(x[k]);
