@@ -166,7 +166,9 @@ function M.check_plan(plan, n, where)
     end
   elseif ds.data.is_order(idx) then
     count = #idx
-    if count > 0 and idx:domain() > n then bad('indices are an order of [0, %d), the dataset has %d', idx:domain(), n) end
+    if count > 0 and idx:domain() > n then
+      bad('indices are an order of [0, %d), the dataset has %d', idx:domain(), n)
+    end
   elseif type(idx) == 'table' then
     count = #idx
     for i = 1, count do

@@ -63,11 +63,14 @@ describe('ds.data.order', function()
   it('names bad runs and positions', function()
     local function fails(piece, fn, ...) H.has(H.err(fn, ...), piece) end
     fails('order: start must be an integer in [0, 2^53), got -1', ds.data.order, 5, { runs = { { -1, 1, 1, 1 } } })
-    fails('order: run 2 is a number, expected {start, stride, block, count}', ds.data.order, 5, { runs = { { 0, 1, 1, 1 }, 3 } })
+    fails('order: run 2 is a number, expected {start, stride, block, count}', ds.data.order, 5,
+          { runs = { { 0, 1, 1, 1 }, 3 } })
     fails('order: 2 positions over an empty dataset', ds.data.order, 0, { runs = { { 0, 1, 1, 2 } } })
     fails('order:at: position 5 is outside [0, 5)', function() return ds.data.order(5):at(5) end)
     fails('dataset: positions [4, 6) are outside the order of 5', require('dslua.core').data_core.gather,
           ds.data.tensors { x = ds.arange(0, 5) }._c, ds.data.order(5), 4, 2)
+    fails('sampler policy mine: plan() indices are an order of [0, 30), the dataset has 23',
+          require('samplers.policy').check_plan, { indices = ds.data.order(30), micro_batch = 1 }, 23, 'mine')
   end)
 
   it('is what DistributedSampler and the uneven policy give the loader, the lists they hand out the same', function()

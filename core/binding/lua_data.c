@@ -323,7 +323,8 @@ static int l_permutation(lua_State *L) {
 
 static lua_Integer check_count(lua_State *L, int idx, const char *what) {
     lua_Number x = luaL_checknumber(L, idx);
-    if (x != floor(x) || x < 0 || x >= 0x1p53) luaL_error(L, "order: %s must be an integer in [0, 2^53), got %s", what, lua_tostring(L, idx));
+    if (x != floor(x) || x < 0 || x >= 0x1p53)
+        luaL_error(L, "order: %s must be an integer in [0, 2^53), got %s", what, lua_tostring(L, idx));
     return (lua_Integer)x;
 }
 
@@ -337,7 +338,8 @@ static int push_order(lua_State *L, int64_t n, bool shuffle, uint64_t seed, int 
     static const char *const fields[] = { "start", "stride", "block", "count" };
     for (int k = 0; k < nruns; k++) {
         lua_rawgeti(L, idx, k + 1);
-        if (!lua_istable(L, -1)) luaL_error(L, "order: run %d is a %s, expected {start, stride, block, count}", k + 1, luaL_typename(L, -1));
+        if (!lua_istable(L, -1))
+            luaL_error(L, "order: run %d is a %s, expected {start, stride, block, count}", k + 1, luaL_typename(L, -1));
         int64_t v[4];
         for (int f = 0; f < 4; f++) {
             lua_rawgeti(L, -1, f + 1);
