@@ -80,20 +80,18 @@ end
 -- Samples per epoch on this rank (PyTorch's len(sampler)).
 function Sampler:len() return self.num_samples end
 
--- indices([epoch]) -> this rank's 0-based dataset indices for the epoch
--- (default: the one set_epoch set), a Lua list. The padded order repeats
--- the order from its start, so position p of it is order[p % n].
-function Sampler:indices(epoch)
+-- order([epoch]) -> this rank's share of the epoch (default: the one
+-- set_epoch set) as a ds.data.order, what the loader reads: position j is
+-- the epoch order's position rank + j * N, mod n (the padding repeats the
+-- order from its start). Nothing per sample is held.
+function Sampler:order(epoch)
   epoch = epoch == nil and self.epoch or integer(epoch, 'epoch', 0)
-  local n, out = self.dataset_len, {}
-  if self.num_samples == 0 then return out end
-  local order = self.shuffle and ds.data.permutation(n, self.seed + epoch):totable() or nil
-  for j = 0, self.num_samples - 1 do
-    local p = (self.rank + j * self.num_replicas) % n
-    out[j + 1] = order and order[p + 1] or p
-  end
-  return out
+  return ds.data.order(self.dataset_len, { seed = self.shuffle and self.seed + epoch or nil,
+                                           runs = { { self.rank, self.num_replicas, 1, self.num_samples } } })
 end
+
+-- indices([epoch]) -> this rank's 0-based dataset indices, a Lua list.
+function Sampler:indices(epoch) return self:order(epoch):totable() end
 
 M.Sampler = Sampler
 return M

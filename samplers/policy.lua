@@ -2,7 +2,8 @@
 --
 -- A policy is a Lua table with plan(ctx), ctx = {rank, world_size, epoch,
 -- seed, dataset_len, params}, returning {indices = this rank's 0-based
--- dataset indices (a Lua list or a 1-D i64/i32 tensor), micro_batch = n
+-- dataset indices (a Lua list, a 1-D i64/i32 tensor or a ds.data.order,
+-- which holds a large epoch's order without a per-sample cost), micro_batch = n
 -- (every step n, the last one the rest) or {n1, n2, ...} (step j takes nj;
 -- they sum to #indices), note = optional text rank 0 prints}. Optional:
 -- state_dict() -> table and load_state_dict(t) (state that must survive a
@@ -46,7 +47,7 @@ function Distributed.plan(ctx)
   local s = require('samplers.distributed').new(ctx.dataset_len, {
     num_replicas = ctx.world_size, rank = ctx.rank, shuffle = p.shuffle, seed = ctx.seed, drop_last = p.drop_last,
   })
-  return { indices = s:indices(ctx.epoch), micro_batch = p.micro_batch_per_rank[ctx.rank + 1] }
+  return { indices = s:order(ctx.epoch), micro_batch = p.micro_batch_per_rank[ctx.rank + 1] }
 end
 
 local function builtin(name)
@@ -162,6 +163,11 @@ function M.check_plan(plan, n, where)
       if lo < 0 or hi >= n then
         bad('indices hold %d, outside the dataset [0, %d)', lo < 0 and lo or hi, n)
       end
+    end
+  elseif ds.data.is_order(idx) then
+    count = #idx
+    if count > 0 and idx:domain() > n then
+      bad('indices are an order of [0, %d), the dataset has %d', idx:domain(), n)
     end
   elseif type(idx) == 'table' then
     count = #idx
@@ -285,21 +291,29 @@ function Sampler:plan_of(e, rest)
   local ok, plan = pcall(method(self.policy, 'plan'), ctx)
   if not ok then fail(self:where(), 'plan() failed: ' .. tostring(plan)) end
   plan = M.check_plan(plan, #rest, self:where())
-  local idx = ds.is_tensor(plan.indices) and plan.indices:totable() or plan.indices
+  local idx = plan.indices
+  if ds.is_tensor(idx) or ds.data.is_order(idx) then idx = idx:totable() end
   local out = {}
   for i, k in ipairs(idx) do out[i] = rest[k + 1] end
   return { epoch = e, indices = out, micro_batch = plan.micro_batch, note = plan.note }
 end
 
--- The loader's interface: set_epoch(e) plans epoch e; indices([e]) its
--- 0-based indices; len() its sample count.
+-- The loader's interface: set_epoch(e) plans epoch e; order([e]) its
+-- 0-based indices as planned (what the loader reads); indices([e]) the
+-- same as a list or a tensor (an order given as its i64 tensor); len() its
+-- sample count.
 function Sampler:set_epoch(e)
   if not integer(e) or e < 0 then error('sampler:set_epoch: epoch must be an integer >= 0, got ' .. tostring(e), 2) end
   self.epoch = e
   return self:plan(e)
 end
 
-function Sampler:indices(e) return self:plan(e).indices end
+function Sampler:order(e) return self:plan(e).indices end
+
+function Sampler:indices(e)
+  local idx = self:plan(e).indices
+  return ds.data.is_order(idx) and idx:tensor() or idx
+end
 function Sampler:len() return self:plan().count end
 
 -- The current epoch's micro_batch (a number or a list), its steps, and the

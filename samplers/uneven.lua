@@ -5,7 +5,8 @@
 --                "data_share": [0.75, 0.25], "shuffle": true, "seed": 0, "drop_last": false }
 --
 -- The epoch's order is ds.data.permutation(n, seed + epoch) (0 .. n-1
--- without shuffle), the order ds.data.loader's own shuffle gives. How it is
+-- without shuffle), the order ds.data.loader's own shuffle gives, each
+-- rank's share held as a ds.data.order (its runs of positions, M.runs). How it is
 -- cut (M.layout), with M = sum of the micro batches and W ranks:
 --
 -- 1. Targets: rank r's share of the n indices, rounded by largest
@@ -189,29 +190,47 @@ function M.global_sizes(L)
   return out
 end
 
--- Rank r's 0-based dataset indices: order is a Lua list of the epoch's
--- order (nil: 0 .. n-1); positions past n wrap around (the padding).
-function M.indices(L, rank, order)
-  local out, pos, n, W = {}, 0, L.n, #L.runs
-  for j = 1, L.steps do
+-- The positions of the order rank r (0-based) takes, as ds.data.order's
+-- runs: one run per stretch of steps in which no rank's batch size
+-- changes (at most 2W + 1), its steps G positions apart, G the stretch's
+-- global batch.
+function M.runs(L, rank)
+  local cuts, W = { [0] = true, [L.steps] = true }, #L.runs
+  for q = 1, W do
+    local run = L.runs[q]
+    cuts[min(run.n1, L.steps)], cuts[min(run.n1 + run.n2, L.steps)] = true, true
+  end
+  local steps = {}
+  for j in pairs(cuts) do steps[#steps + 1] = j end
+  table.sort(steps)
+  local out = {}
+  for k = 2, #steps do
+    local a, b = steps[k - 1], steps[k]
+    local base, G, offset = 0, 0, 0
     for q = 1, W do
-      local s = size_at(L.runs[q], j)
-      if q == rank + 1 then
-        for k = 0, s - 1 do
-          local p = (pos + k) % n
-          out[#out + 1] = order and order[p + 1] or p
-        end
-      end
-      pos = pos + s
+      local run = L.runs[q]
+      base = base + min(a, run.n1) * run.b1 + max(0, min(a - run.n1, run.n2)) * run.b2
+      if q == rank + 1 then offset = G end
+      G = G + size_at(run, a + 1)
     end
+    local s = size_at(L.runs[rank + 1], a + 1)
+    if s > 0 then out[#out + 1] = { base + offset, G, s, b - a } end
   end
   return out
 end
 
--- The epoch's order: ds.data.permutation(n, seed + epoch) with shuffle.
+-- Rank r's 0-based dataset indices: a ds.data.order over its runs of the
+-- epoch's order (M.order's; nil: 0 .. n-1); positions past n wrap around
+-- (the padding).
+function M.indices(L, rank, order)
+  return (order or ds.data.order(L.n)):cut(M.runs(L, rank))
+end
+
+-- The epoch's order: ds.data.permutation(n, seed + epoch) with shuffle, as
+-- a ds.data.order.
 function M.order(n, shuffle, seed, epoch)
   if not shuffle or n == 0 then return nil end
-  return ds.data.permutation(n, seed + epoch):totable()
+  return ds.data.order(n, { seed = seed + epoch })
 end
 
 ---------------------------------------------------------------- the policy

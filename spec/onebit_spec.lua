@@ -145,17 +145,22 @@ describe('1-bit optimizers', function()
       -- on 4); ZeroOneAdam's local steps and compressed syncs make its
       -- last steps depend on every rounding before (on 4 ranks 2.8x to
       -- 4.9x AdamW's by the BLAS kernel alone, 3.6x in float64: DeepSpeed's
-      -- arithmetic, spec/onebit/reference.lua): it is checked against the
-      -- reference below, and here only for converging, far below the
-      -- start (AdamW's is 1/9 of it)
+      -- arithmetic, spec/onebit/reference.lua, and a local step's spike can
+      -- fill a 50-step window): it is checked against the reference below,
+      -- and here only for learning after its variance freezes at step 100
+      -- as AdamW does on the same samples: in log-loss at least half
+      -- AdamW's way from steps 51-100 to steps 201-300 (an optimizer that
+      -- stopped at the freeze would stay near its step 100 loss).
+      -- OneBitAdam's far below its start as well (AdamW's is 1/9 of it).
       local ref = window(adam, STEPS)
       local got = window(onebit, STEPS)
       assert(got < 2 * ref, string.format('OneBitAdam: mean loss %.4g over the last 50 steps, AdamW %.4g', got, ref))
-      for name, t in pairs({ OneBitAdam = onebit, ZeroOneAdam = zero_one }) do
-        got = window(t, STEPS)
-        assert(got < window(t, 50) / 5, string.format('%s: mean loss %.4g, at the start %.4g', name, got,
-                                                       window(t, 50)))
-      end
+      assert(got < window(onebit, 50) / 5, string.format('OneBitAdam: mean loss %.4g, at the start %.4g', got,
+                                                         window(onebit, 50)))
+      local function gain(t) return (window(t, 250) + window(t, 300)) / 2 / window(t, 100) end
+      assert(gain(zero_one) < math.sqrt(gain(adam)), string.format('ZeroOneAdam: mean loss %.3gx lower in steps 201-300 '
+                                                                   .. 'than in 51-100, AdamW %.3gx', 1 / gain(zero_one),
+                                                                   1 / gain(adam)))
     end)
   end
 

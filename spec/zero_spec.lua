@@ -9,13 +9,16 @@ local ds = H.ds
 -- Tolerances. fp32: the stages sum the same gradients in the same order,
 -- so at one world size they agree to the last bit we can see (1e-6 leaves
 -- room); against 1 rank a sum of N partial gradients rounds differently,
--- and 50 AdamW steps amplify that (measured: losses 3.4e-7, weights
--- 3.9e-4 at 4 ranks; with accumulation and clipping 1.8e-4 and 2.9e-2).
+-- a few 2^-24 each step. equiv.lua's learning rate keeps AdamW below its
+-- stability edge, where such differences shrink from step to step instead
+-- of doubling (at 1e-2 they grew from 1e-7 to 1e-2 within 30 steps, eps
+-- 1e-8 or 1e-4 alike), so the losses stay that close through 50 steps,
+-- with accumulation and clipping too (measured at data seeds 0-9: 1.2e-7
+-- at most; 1e-5 is about 170 units of 2^-24).
 -- bf16: every rounding is 2^-8, 50 steps apart the runs are different
--- samples of one training (measured: losses within 2.7e-2 of one rank).
+-- samples of one training (measured: losses within 1.7e-3 of one rank).
 local SAME_RTOL = 1e-6         -- stage k vs stage 0, same world size, same dtype: losses and weights
-local LOSS_RTOL = 1e-5         -- fp32, N ranks vs 1 rank, every step
-local LOSS_RTOL_CLIP = 1e-3    -- fp32 with accumulation + clipping, N ranks vs 1 rank
+local LOSS_RTOL = 1e-5         -- fp32, N ranks vs 1 rank, every step, with accumulation + clipping too
 local LOSS_RTOL_BF16 = 5e-2    -- bf16, N ranks vs 1 rank, every step
 
 local function rel(a, b) return math.abs(a - b) / math.max(math.abs(b), 1e-30) end
@@ -129,7 +132,7 @@ describe('ZeRO and mixed precision', function()
         same(many['z' .. stage .. '_bf16'], one.z0_bf16, LOSS_RTOL_BF16, 'bf16 stage ' .. stage)
       end
       for _, name in ipairs({ 'z1_gas2_clip', 'z3_gas2_clip' }) do
-        same(many[name], one.z0_gas2_clip, LOSS_RTOL_CLIP, name)
+        same(many[name], one.z0_gas2_clip, LOSS_RTOL, name)
       end
       -- bf16 learns as fp32 does: the last 10 steps' mean loss within 2%
       local function tail(c)

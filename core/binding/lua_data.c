@@ -1,12 +1,13 @@
 /* Lua binding of the dataset readers, the batch gatherer and the prefetch
  * loader: the primitives under lua/dslua/io/data.lua, as core.data_core.
  *
- * Sample indices: a Lua table holds 1-based indices, a tensor 0-based ones
- * (index values in tensors are 0-based everywhere). */
+ * Sample indices: a Lua table holds 1-based indices, a tensor or an order
+ * 0-based ones (index values in tensors are 0-based everywhere). */
 #include "lua_tensor.h"
 #include "ds_data.h"
 #include "ds_error.h"
 #include "ds_loader.h"
+#include "ds_order.h"
 
 #include <glob.h>
 #include <math.h>
@@ -16,6 +17,7 @@
 
 #define DATASET_MT "dslua.Dataset"
 #define LOADER_MT "dslua.Loader"
+#define ORDER_MT "dslua.Order"
 
 static ds_dataset *check_dataset(lua_State *L, int idx) {
     return *(ds_dataset **)luaL_checkudata(L, idx, DATASET_MT);
@@ -81,8 +83,19 @@ static int64_t *check_indices(lua_State *L, int idx, const ds_dataset *d, int64_
         for (int64_t b = 0; b < count; b++) v[b] = start + b;
         return v;
     }
+    const ds_order *o = luaL_testudata(L, idx, ORDER_MT);
+    if (o) {
+        if (count < 0) count = o->len - start;
+        if (start < 0 || count < 0 || start + count > o->len)
+            luaL_error(L, "dataset: positions [%f, %f) are outside the order of %f", (lua_Number)start,
+                       (lua_Number)(start + count), (lua_Number)o->len);
+        *n = count;
+        int64_t *v = lua_newuserdata(L, sizeof *v * (size_t)(count ? count : 1));
+        ds_order_fill(o, start, count, v);
+        return v;
+    }
     ds_tensor *t = dsL_totensor(L, idx);
-    if (!t) luaL_typerror(L, idx, "list of indices or tensor of indices");
+    if (!t) luaL_typerror(L, idx, "list of indices, tensor of indices or order");
     char s[96];
     if (t->ndim != 1 || ds_dtype_is_float(t->dtype) || t->dtype == DS_BOOL || ds_tensor_device(t).type != DS_DEV_CPU)
         luaL_error(L, "dataset: indices must be a 1-D integer CPU tensor, got %s %s", ds_dtype_name(t->dtype),
@@ -308,6 +321,113 @@ static int l_permutation(lua_State *L) {
     return dsL_pushtensor(L, ds_dataset_permutation((int64_t)n, (uint64_t)seed));
 }
 
+static lua_Integer check_count(lua_State *L, int idx, const char *what) {
+    lua_Number x = luaL_checknumber(L, idx);
+    if (x != floor(x) || x < 0 || x >= 0x1p53)
+        luaL_error(L, "order: %s must be an integer in [0, 2^53), got %s", what, lua_tostring(L, idx));
+    return (lua_Integer)x;
+}
+
+/* A new order over [0, n), shuffled by seed when shuffle, of the runs in the
+ * list at idx ({{start, stride, block, count}, ...}). */
+static int push_order(lua_State *L, int64_t n, bool shuffle, uint64_t seed, int idx) {
+    luaL_checktype(L, idx, LUA_TTABLE);
+    int nruns = (int)lua_objlen(L, idx);
+    ds_order *o = lua_newuserdata(L, ds_order_size(nruns));
+    ds_order_run *runs = lua_newuserdata(L, sizeof *runs * (size_t)(nruns ? nruns : 1));
+    static const char *const fields[] = { "start", "stride", "block", "count" };
+    for (int k = 0; k < nruns; k++) {
+        lua_rawgeti(L, idx, k + 1);
+        if (!lua_istable(L, -1))
+            luaL_error(L, "order: run %d is a %s, expected {start, stride, block, count}", k + 1, luaL_typename(L, -1));
+        int64_t v[4];
+        for (int f = 0; f < 4; f++) {
+            lua_rawgeti(L, -1, f + 1);
+            v[f] = check_count(L, lua_gettop(L), fields[f]);
+            lua_pop(L, 1);
+        }
+        runs[k] = (ds_order_run){ v[0], v[1], v[2], v[3] };
+        lua_pop(L, 1);
+    }
+    if (ds_order_init(o, n, shuffle, seed, nruns, runs)) return dsL_error(L);
+    lua_pop(L, 1);
+    luaL_getmetatable(L, ORDER_MT);
+    lua_setmetatable(L, -2);
+    return 1;
+}
+
+/* order(n, seed or false, runs) -> an order: the runs' positions (mod n)
+ * through ds_shuffle(n, seed) when a seed is given */
+static int l_order(lua_State *L) {
+    int64_t n = check_count(L, 1, "the dataset length");
+    bool shuffle = lua_toboolean(L, 2);
+    uint64_t seed = shuffle ? (uint64_t)check_count(L, 2, "seed") : 0;
+    return push_order(L, n, shuffle, seed, 3);
+}
+
+static const ds_order *check_order(lua_State *L, int idx) { return luaL_checkudata(L, idx, ORDER_MT); }
+
+static int order_len(lua_State *L) {
+    lua_pushnumber(L, (lua_Number)check_order(L, 1)->len);
+    return 1;
+}
+
+/* a == b: the same description (so the same indices) */
+static int order_eq(lua_State *L) {
+    const ds_order *a = check_order(L, 1), *b = check_order(L, 2);
+    lua_pushboolean(L, a->n == b->n && a->shuffle == b->shuffle && a->seed == b->seed && a->nruns == b->nruns &&
+                           !memcmp(a->runs, b->runs, sizeof *a->runs * (size_t)a->nruns));
+    return 1;
+}
+
+/* order:at(k) -> the index at position k (0-based) */
+static int order_at(lua_State *L) {
+    const ds_order *o = check_order(L, 1);
+    lua_Number k = luaL_checknumber(L, 2);
+    if (k != floor(k) || k < 0 || k >= (lua_Number)o->len)
+        return luaL_error(L, "order:at: position %s is outside [0, %f)", lua_tostring(L, 2), (lua_Number)o->len);
+    int64_t v;
+    ds_order_fill(o, (int64_t)k, 1, &v);
+    lua_pushnumber(L, (lua_Number)v);
+    return 1;
+}
+
+/* order:cut(runs) -> the same permutation of [0, n) over other runs (a
+ * rank's share of the epoch's order) */
+static int order_cut(lua_State *L) {
+    const ds_order *o = check_order(L, 1);
+    return push_order(L, o->n, o->shuffle, o->seed, 2);
+}
+
+/* order:domain() -> n: the indices are in [0, n) */
+static int order_domain(lua_State *L) {
+    lua_pushnumber(L, (lua_Number)check_order(L, 1)->n);
+    return 1;
+}
+
+/* order:totable() -> the indices as a Lua list (0-based values) */
+static int order_totable(lua_State *L) {
+    const ds_order *o = check_order(L, 1);
+    if (o->len > INT32_MAX) return luaL_error(L, "order:totable: %f indices do not fit a Lua list", (lua_Number)o->len);
+    lua_createtable(L, (int)o->len, 0);
+    for (int64_t k = 0; k < o->len; k++) {
+        int64_t v;
+        ds_order_fill(o, k, 1, &v);
+        lua_pushnumber(L, (lua_Number)v);
+        lua_rawseti(L, -2, (int)k + 1);
+    }
+    return 1;
+}
+
+/* order:tensor() -> the indices as an i64 tensor */
+static int order_tensor(lua_State *L) {
+    const ds_order *o = check_order(L, 1);
+    int64_t len = o->len;
+    ds_tensor *t = ds_tensor_new(1, &len, DS_I64, DS_CPU_DEVICE);
+    if (t) ds_order_fill(o, 0, len, ds_tensor_data(t));
+    return dsL_pushtensor(L, t);
+}
+
 /* device(name) -> the device's name ('cuda' is 'cuda:0'), when it is
  * available here; else an error saying why */
 static int l_device(lua_State *L) {
@@ -378,7 +498,7 @@ static const luaL_Reg data_functions[] = {
     {"char_tokens", l_char_tokens}, {"encode", l_encode}, {"decode", l_decode},
     {"glob", l_glob}, {"is_dir", l_is_dir}, {"read_file", l_read_file},
     {"rows", l_rows}, {"windows", l_windows}, {"len", l_len}, {"gather", l_gather}, {"get", l_get},
-    {"permutation", l_permutation}, {"device", l_device},
+    {"permutation", l_permutation}, {"order", l_order}, {"device", l_device},
     {"loader", l_loader}, {"submit", l_submit}, {"next", l_next}, {"queued", l_queued}, {"depth", l_depth},
     {"drain", l_drain}, {"close", l_close},
     {NULL, NULL}
@@ -392,6 +512,17 @@ void dsL_open_data(lua_State *L) {
     luaL_newmetatable(L, LOADER_MT);
     lua_pushcfunction(L, loader_gc);
     lua_setfield(L, -2, "__gc");
+    lua_pop(L, 1);
+    static const luaL_Reg order_methods[] = {
+        {"at", order_at}, {"cut", order_cut}, {"domain", order_domain}, {"totable", order_totable},
+        {"tensor", order_tensor}, {NULL, NULL}
+    };
+    luaL_newmetatable(L, ORDER_MT);
+    lua_pushcfunction(L, order_len);
+    lua_setfield(L, -2, "__len");
+    lua_pushcfunction(L, order_eq);
+    lua_setfield(L, -2, "__eq");
+    dsL_setfuncs(L, "__index", order_methods);
     lua_pop(L, 1);
     dsL_setfuncs(L, "data_core", data_functions);
 }

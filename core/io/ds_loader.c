@@ -2,7 +2,7 @@
 #include "ds_data.h"
 #include "ds_error.h"
 #include "ds_op_shape.h"
-#include "ds_philox.h"
+#include "ds_order.h"
 #include "ds_upload.h"
 
 #include <pthread.h>
@@ -270,18 +270,9 @@ ds_tensor *ds_dataset_permutation(int64_t n, uint64_t seed) {
     ds_tensor *t = ds_tensor_new(1, &n, DS_I64, DS_CPU_DEVICE);
     if (!t) return NULL;
     int64_t *p = ds_tensor_data(t);
-    for (int64_t i = 0; i < n; i++) p[i] = i;
-    ds_philox4 r = {{ 0, 0, 0, 0 }};
-    for (int64_t i = n - 1, k = 0; i > 0; i--, k++) {
-        if (k % 2 == 0) r = ds_philox_block(seed, (uint64_t)k / 2);    /* two 64-bit draws per block */
-        const uint32_t *w = r.v + 2 * (k % 2);
-        uint64_t u = (uint64_t)w[1] << 32 | w[0];
-        /* j uniform in [0, i]: the high word of u * (i + 1) */
-        int64_t j = (int64_t)(((unsigned __int128)u * (uint64_t)(i + 1)) >> 64);
-        int64_t tmp = p[i];
-        p[i] = p[j];
-        p[j] = tmp;
-    }
+    ds_shuffle s;
+    ds_shuffle_init(&s, n, seed);
+    for (int64_t i = 0; i < n; i++) p[i] = ds_shuffle_at(&s, i);
     return t;
 }
 

@@ -53,8 +53,8 @@ int ds_dataset_check_indices(const ds_dataset *d, const int64_t *idx, int64_t n)
  * leading dim n, in the staging memory of dev (ds_tensor_new_staging; plain
  * memory for the CPU). Safe to call from several threads at once. 0 or -1. */
 int ds_dataset_gather(const ds_dataset *d, const int64_t *idx, int64_t n, ds_device dev, ds_tensor **out);
-/* A permutation of [0, n) as i64, a pure function of (n, seed): Fisher-Yates
- * driven by the Philox stream `seed`. */
+/* A permutation of [0, n) as i64, a pure function of (n, seed): element i is
+ * ds_shuffle_at(n, seed)'s image of i, the order a shuffled loader reads lazily. */
 ds_tensor *ds_dataset_permutation(int64_t n, uint64_t seed);
 
 /* num_workers threads (0: batches are gathered by ds_loader_next on the

@@ -50,7 +50,9 @@ local function run(case)
   local gas = case.gas or 1
   local cfg = {
     train_batch_size = GLOBAL, gradient_accumulation_steps = gas, steps_per_print = 1000,
-    optimizer = { type = 'AdamW', params = { lr = 1e-2, weight_decay = 0.01 } },
+    -- lr below AdamW's stability edge on this task (about 5e-3, where N-rank and 1-rank
+    -- rounding starts to grow by step 40): spec/zero_spec.lua's tolerances rest on it
+    optimizer = { type = 'AdamW', params = { lr = 3e-3, weight_decay = 0.01 } },
     zero_optimization = { stage = case.stage, reduce_bucket_size = 3000, stage3_param_persistence_threshold = 0,
                           stage3_prefetch_bucket_size = 2000, stage3_gather_16bit_weights_on_model_save = true,
                           offload_optimizer = case.offload, sub_group_size = case.sub_group_size,

@@ -381,8 +381,27 @@ function M.shards(opts)
 end
 
 -- ds.data.permutation(n, seed) -> i64 tensor: a permutation of [0, n) that
--- depends only on (n, seed) (Philox), as the loader shuffles.
+-- depends only on (n, seed) (a Feistel network of Philox rounds), the
+-- order the loader shuffles by, there read position by position.
 function M.permutation(n, seed) return C.permutation(n, seed) end
+
+local ORDER_MT = getmetatable(C.order(0, false, {}))
+
+-- ds.data.is_order(v) -> whether v is an order (ds.data.order).
+function M.is_order(v) return getmetatable(v) == ORDER_MT end
+
+-- ds.data.order(n [, {seed =, runs =}]) -> an epoch's order held as its
+-- description, 0-based indices of [0, n) computed where read: position k
+-- is the k-th run position p, taken mod n (a sampler's padding), through
+-- ds.data.permutation(n, seed)'s bijection with a seed, else p itself.
+-- runs: {{start, stride, block, count}, ...}, positions start + j * stride
+-- + i for j < count, i < block (default: 0 .. n-1). #order, order:at(k),
+-- order:cut(runs) (the same permutation over other runs), order:domain()
+-- (n), order:totable(), order:tensor() (i64).
+function M.order(n, opts)
+  opts = opts or {}
+  return C.order(n, opts.seed or false, opts.runs or { { 0, 1, 1, n } })
+end
 
 ---------------------------------------------------------------------------
 -- The loader
@@ -431,7 +450,7 @@ local LOADER_OPTS = { 'batch_size', 'shuffle', 'seed', 'drop_last', 'collate_fn'
 
 local function count_of(indices)
   if core.is_tensor(indices) then return indices:numel() end
-  return #indices
+  return #indices          -- a list or an order
 end
 
 -- The samples an epoch visits: the sampler's count, else the dataset's.
@@ -487,9 +506,11 @@ function Loader:close()
 end
 
 -- loader:epoch(e) -> iterator of (step, batch); step counts from 1 in the
--- epoch. Shuffled by ds.data.permutation(#dataset, seed + e). e defaults to
--- the epoch after the last one started (the first is 1). With a sampler,
--- sampler:set_epoch(e) then sampler:indices(e) give the epoch's order.
+-- epoch. Shuffled by ds.data.permutation(#dataset, seed + e), read as
+-- ds.data.order (nothing per sample held). e defaults to the epoch after
+-- the last one started (the first is 1). With a sampler, sampler:set_epoch(e)
+-- then sampler:order(e) where it has one, else sampler:indices(e), give the
+-- epoch's order.
 function Loader:epoch(e)
   e = e or (self.current_epoch or 0) + 1
   if type(e) ~= 'number' or e ~= math.floor(e) or e < 0 then
@@ -501,9 +522,10 @@ function Loader:epoch(e)
   local d = self.dataset
   local n, order
   if self.sampler then
-    self.sampler:set_epoch(e)
-    order = self.sampler:indices(e)
-    if type(order) ~= 'table' and not core.is_tensor(order) then
+    local s = self.sampler
+    s:set_epoch(e)
+    if type(s.order) == 'function' then order = s:order(e) else order = s:indices(e) end
+    if type(order) ~= 'table' and not core.is_tensor(order) and not M.is_order(order) then
       fail('loader:epoch', 'sampler:indices must return a list or a tensor of 0-based indices, got a %s', type(order))
     end
     n = count_of(order)
@@ -514,7 +536,7 @@ function Loader:epoch(e)
     end
   else
     n = dataset_len(d)
-    order = self.shuffle and n > 0 and C.permutation(n, self.seed + e) or nil
+    order = self.shuffle and n > 0 and M.order(n, { seed = self.seed + e }) or nil
   end
   local pos, submitted, step, submit_size = 0, 0, 0, self.batch_size
   -- a checkpoint's position (loader:resume) starts this epoch where it was,
@@ -531,7 +553,7 @@ function Loader:epoch(e)
   end
   local at = { epoch = e, step = step, samples = pos, order = own }
   self.position = at
-  local cd, ring, list
+  local cd, ring, at_pos
 
   if self:gathers_in_c() then
     cd = d._c
@@ -543,8 +565,11 @@ function Loader:epoch(e)
     end
     ring = self._c
     C.drain(ring)            -- batches of an epoch left early
+  elseif M.is_order(order) then
+    at_pos = function(p) return order:at(p - 1) end
   elseif order then
-    list = core.is_tensor(order) and order:totable() or order
+    local list = core.is_tensor(order) and order:totable() or order
+    at_pos = function(p) return list[p] end
   end
 
   -- the size of the batch starting at position p, or nil when none is left
@@ -576,7 +601,7 @@ function Loader:epoch(e)
       batch = C.next(ring, cd)
     else
       local samples = {}
-      for k = 1, b do samples[k] = dataset_get(d, list and list[pos + k] + 1 or pos + k) end
+      for k = 1, b do samples[k] = dataset_get(d, at_pos and at_pos(pos + k) + 1 or pos + k) end
       batch = (self.collate_fn or default_collate)(samples)
       if self.device ~= 'cpu' then batch = to_device(batch, self.device) end
     end
@@ -620,8 +645,10 @@ end
 -- drop_last = false, collate_fn = nil, num_workers = 0, prefetch_factor = 2,
 -- sampler = nil, device = 'cpu'})
 -- sampler: an object with sampler:indices(epoch) -> the epoch's 0-based
--- dataset indices (a list or a 1-D integer tensor), sampler:set_epoch(e),
--- called before every epoch, and optionally sampler:len(); it replaces
+-- dataset indices (a list, a 1-D integer tensor or a ds.data.order),
+-- sampler:set_epoch(e), called before every epoch, and optionally
+-- sampler:len() and sampler:order(epoch) (read instead of indices: a
+-- ds.data.order, what a large epoch is best given as); it replaces
 -- shuffle (as in PyTorch, shuffle = true with a sampler is an error).
 -- num_workers > 0: that many C threads gather C-backed datasets' batches
 -- ahead, up to num_workers * prefetch_factor batches in flight. The

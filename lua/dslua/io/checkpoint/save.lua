@@ -112,7 +112,14 @@ local function rank_state(engine, tensors)
     st.sampler = jsonable(sm:state_dict())
     local plan = sm.plans[sm.epoch]
     if plan and plan.count > 0 then
-      local idx = ds.is_tensor(plan.indices) and plan.indices:to('i64') or ds.tensor(plan.indices, 'i64')
+      local idx = plan.indices
+      if ds.is_tensor(idx) then
+        idx = idx:to('i64')
+      elseif ds.data.is_order(idx) then
+        idx = idx:tensor()
+      else
+        idx = ds.tensor(idx, 'i64')
+      end
       tensors[#tensors + 1] = { 'sampler/indices', idx }
       local mb = plan.micro_batch
       if type(mb) == 'table' then tensors[#tensors + 1] = { 'sampler/micro_batch', ds.tensor(mb, 'i64') } end
