@@ -3,7 +3,7 @@
 -- the config (M.check) and policies check their block alone (ds.config.check_sampler).
 local json = require 'dslua.base.json'
 local suggest = require 'dslua.base.suggest'
-local S = require 'dslua.config.schema'
+local S = require 'dslua.base.schema'
 local describe, join, unknown, problem, note = S.describe, S.join, S.unknown, S.problem, S.note
 local field, bool, int, is_list, is_object = S.field, S.bool, S.int, S.is_list, S.is_object
 local finite, check_value, sorted_keys = S.finite, S.check_value, S.sorted_keys

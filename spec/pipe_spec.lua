@@ -4,7 +4,7 @@ local H = require 'helpers'
 local ds = H.ds
 local nn = ds.nn
 local pipe = ds.pipe
-local schedule = require('dslua.parallel.pipe.engine').schedule
+local schedule = require('dslua.engine.pipe').schedule
 local MLP = require 'models.mlp'
 
 local function order(stage, S, gas)

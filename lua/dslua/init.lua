@@ -88,6 +88,7 @@ ds.backends = { cuda = { matmul = tf32_switch('ds.backends.cuda.matmul', 'matmul
                 cudnn = tf32_switch('ds.backends.cudnn', 'cudnn') }
 ds.topology = require 'dslua.parallel.topology'
 ds.sequence = require 'dslua.parallel.sequence'
+ds.nn.parallel = require 'dslua.parallel.tensor'   -- tensor parallelism; its layers join ds.nn too
 -- ds.zero.Init(config, fn): a model built partitioned for ZeRO stage 3
 -- (lua/dslua/engine/zinit.lua)
 ds.zero = require 'dslua.engine.zinit'

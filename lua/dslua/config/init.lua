@@ -6,7 +6,7 @@
 -- reported at once. dslua's own blocks (M.extension_keys) pass through.
 local json = require 'dslua.base.json'
 local file = require 'dslua.base.file'
-local S = require 'dslua.config.schema'
+local S = require 'dslua.base.schema'
 local describe, describe_value, join, problem, note = S.describe, S.describe_value, S.join, S.problem, S.note
 local field, bool, int, num, enum = S.field, S.bool, S.int, S.num, S.enum
 local str, strlist, any, block, is_object = S.str, S.strlist, S.any, S.block, S.is_object

@@ -262,7 +262,7 @@ function M.initialize(opts)
     io.stderr:write('dslua: fp16 on the CPU: oneDNN 2.x has no f16 matmul, so matmuls widen to f32 and round back, '
                     .. 'slower than fp32 and bf16 (bench/precision.lua); bf16 is the CPU\'s 16-bit type\n')
   end
-  if model.is_pipeline then require('dslua.parallel.pipe.engine').check(model, cfg) end
+  if model.is_pipeline then require('dslua.engine.pipe').check(model, cfg) end
   -- the step's mode, chosen once: every later question is the step's
   local steps = Step.new { model = model, params = params, cfg = cfg, rank = rank, world_size = reduce_size,
                            device = device, optimizer = opts.optimizer,
@@ -398,10 +398,10 @@ function Engine:_watch_loader(loader)
   end
 end
 
--- a PipelineModule's verbs (dslua/parallel/pipe/engine.lua)
-function Engine:train_batch(data_iter) return require('dslua.parallel.pipe.engine').train_batch(self, data_iter) end
+-- a PipelineModule's verbs (dslua.engine.pipe.lua)
+function Engine:train_batch(data_iter) return require('dslua.engine.pipe').train_batch(self, data_iter) end
 function Engine:eval_batch(data_iter, return_logits)
-  return require('dslua.parallel.pipe.engine').eval_batch(self, data_iter, return_logits)
+  return require('dslua.engine.pipe').eval_batch(self, data_iter, return_logits)
 end
 
 function Engine:train_batch_size() return self.config.train_batch_size end

@@ -3,7 +3,7 @@
 -- keys, what dslua does not act on, and the settings it refuses. engine/
 -- zero.lua trusts what this returns and checks none of it again.
 local json = require 'dslua.base.json'
-local S = require 'dslua.config.schema'
+local S = require 'dslua.base.schema'
 local describe, join, problem, note, bool = S.describe, S.join, S.problem, S.note, S.bool
 local int, num, enum, str, any = S.int, S.num, S.enum, S.str, S.any
 local block, is_object, check_block = S.block, S.is_object, S.check_block

@@ -1,7 +1,7 @@
 -- The reload and hooks blocks' checkers (dslua's own blocks; live/reload.lua
 -- runs them): live reload of Lua code and the `dslua attach` socket.
 local json = require 'dslua.base.json'
-local S = require 'dslua.config.schema'
+local S = require 'dslua.base.schema'
 local describe, join, unknown, problem = S.describe, S.join, S.unknown, S.problem
 local bool, int, num, block, is_object = S.bool, S.int, S.num, S.block, S.is_object
 local sorted_keys, lua_file = S.sorted_keys, S.lua_file

@@ -13,7 +13,6 @@ local ds = require 'dslua'
 local base = require 'dslua.nn.module'
 local nn, shape_str, check_int, options = base.nn, base.shape_str, base.check_int, base.options
 require 'dslua.nn.layers'     -- adds the layers to nn
-nn.parallel = require 'dslua.nn.parallel'   -- tensor parallelism (adds its layers to nn too)
 
 -- ---- sampling ----
 

@@ -3,7 +3,7 @@
 -- "auto" values filled as Hugging Face fills them.
 local json = require 'dslua.base.json'
 local suggest = require 'dslua.base.suggest'
-local S = require 'dslua.config.schema'
+local S = require 'dslua.base.schema'
 local describe, describe_value, join, unknown, problem = S.describe, S.describe_value, S.join, S.unknown, S.problem
 local note, field, bool, int, num = S.note, S.field, S.bool, S.int, S.num
 local enum, str, is_object, copy, check_block = S.enum, S.str, S.is_object, S.copy, S.check_block
