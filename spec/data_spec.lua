@@ -849,8 +849,8 @@ end)
 
 describe('ds.data on the real MNIST', function()
   it('reads the t10k files: 8,000 to train on and 2,000 to evaluate', function()
-    local data = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not data then return end
+    local data, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not data then return pending(absent) end
     local train = ds.data.mnist{ path = data .. '/mnist', first = 1, count = 8000 }
     local test = ds.data.mnist{ path = data .. '/mnist', first = 8001, count = 2000 }
     assert.are.equal(8000, #train)

@@ -61,8 +61,8 @@ describe('examples', function()
   end)
 
   it('mnist: trains 25 steps of the MLP and reports the test accuracy', function()
-    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not dir then return end
+    local dir, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return pending(absent) end
     local out = run('examples/mnist/train.lua --config examples/mnist/ds.json --data ' .. dir .. '/mnist --steps 25')
     assert.matches('8000 training images, 2000 test images', out)
     assert.matches('%[Rank 0%] step=25, skipped=0, lr=%[[%d.e-]+%], mom=%[0%.9%]', out)
@@ -74,8 +74,8 @@ describe('examples', function()
   end)
 
   it('mnist: the CNN with --device cpu trains 40 steps and reports the test accuracy', function()
-    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not dir then return end
+    local dir, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return pending(absent) end
     local out = run('examples/mnist/train.lua --model cnn --device cpu --data ' .. dir .. '/mnist --steps 40',
                     'dslua: rank 0 uses the CPU (--device cpu)')
     H.has(out, 'cnn with ')
@@ -84,8 +84,8 @@ describe('examples', function()
   end)
 
   it('uneven: one rank with its comparison config trains 20 steps and reports the test accuracy', function()
-    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not dir then return end
+    local dir, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return pending(absent) end
     local out = run('examples/uneven/train.lua --config examples/uneven/ds_1rank.json --data ' .. dir
                     .. '/mnist --steps 20')
     H.has(out, '1 ranks, train_batch_size 64')
@@ -102,8 +102,8 @@ describe('examples', function()
   end
 
   it('pipeline: 2 stages x 2 data ranks train 20 steps with train_batch() and report the test accuracy', function()
-    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not dir then return end
+    local dir, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return pending(absent) end
     if not H.have_mpirun() then return pending('mpirun is not on PATH') end
     local cmd = H.ranks_cmd(4) .. ' examples/pipeline/train.lua --config examples/pipeline/ds.json --data ' .. dir
                 .. '/mnist --steps 20'
@@ -131,8 +131,8 @@ describe('examples', function()
   end)
 
   it('shakespeare: trains 6 steps, the val loss falls, and it samples from "ROMEO:"', function()
-    local dir = H.shared_data('tinyshakespeare/input.txt')
-    if not dir then return end
+    local dir, absent = H.shared_data('tinyshakespeare/input.txt')
+    if not dir then return pending(absent) end
     local cfg = H.edited_config('examples/shakespeare/ds.json', function(c)
       c.steps_per_print = 3
       c.scheduler.params.warmup_num_steps = 2
@@ -160,8 +160,8 @@ describe('examples', function()
     end)
 
     it('writes byte-level shards of tiny Shakespeare with Python and trains 6 steps on them, the val loss falls', function()
-      local dir = H.shared_data('tinyshakespeare/input.txt')
-      if not dir then return end
+      local dir, absent = H.shared_data('tinyshakespeare/input.txt')
+      if not dir then return pending(absent) end
       local _, status = H.run('python3 -c pass')
       if status ~= 0 then return pending('python3 is not on PATH') end
       out_dir = H.tmpdir()

@@ -233,8 +233,8 @@ describe('uneven data parallelism', function()
   end)
 
   it('examples/uneven: 2 ranks (48 and 16) train 20 steps of 64 samples', function()
-    local data = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not data then return end      -- shared_data marked it pending
+    local data, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not data then return pending(absent) end
     local out, status = H.run('DSLUA_DEVICE=cpu DSLUA_NUM_THREADS=1 ' .. H.bin() .. ' -n 2 examples/uneven/train.lua --config '
                         .. 'examples/uneven/ds.json --data ' .. data .. '/mnist --steps 20')
     assert.are.equal(0, status, out)

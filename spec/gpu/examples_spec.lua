@@ -44,8 +44,8 @@ describe('#gpu examples on the GPU', function()
   end)
 
   it('shakespeare: 20 steps with DSLUA_DEVICE=cuda, the val loss falls, and it samples', function()
-    local dir = H.shared_data('tinyshakespeare/input.txt')
-    if not dir then return end
+    local dir, absent = H.shared_data('tinyshakespeare/input.txt')
+    if not dir then return pending(absent) end
     local cfg = H.edited_config('examples/shakespeare/ds.json', function(c)
       c.steps_per_print = 10
       c.scheduler.params.warmup_num_steps = 5
@@ -68,8 +68,8 @@ describe('#gpu examples on the GPU', function()
 
   for _, model in ipairs({ 'mlp', 'cnn' }) do
     it('mnist: the ' .. model .. ' trains 60 steps and the test accuracy is far above chance', function()
-      local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-      if not dir then return end
+      local dir, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+      if not dir then return pending(absent) end
       local flag = model == 'cnn' and ' --device cuda:0' or ''
       local out = run('examples/mnist/train.lua --model ' .. model .. ' --data ' .. dir .. '/mnist --steps 60' .. flag,
                       nil, model == 'cnn' and '--device cuda:0' or nil)
@@ -81,8 +81,8 @@ describe('#gpu examples on the GPU', function()
   end
 
   it('uneven: one rank with the comparison config trains 40 steps', function()
-    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not dir then return end
+    local dir, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return pending(absent) end
     local out = run('examples/uneven/train.lua --config examples/uneven/ds_1rank.json --data ' .. dir
                     .. '/mnist --steps 40')
     H.has(out, 'rank 0 on cuda:0, ')
@@ -93,8 +93,8 @@ describe('#gpu examples on the GPU', function()
 
   it('uneven: 2 ranks (48 and 16) train 20 steps, on a GPU each or sharing one over MPI', function()
     if not H.have_mpirun() then return pending('mpirun is not on PATH') end
-    local dir = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
-    if not dir then return end
+    local dir, absent = H.shared_data('mnist/t10k-images-idx3-ubyte.gz')
+    if not dir then return pending(absent) end
     local out, status = H.run('env -u DSLUA_DEVICE DSLUA_NUM_THREADS=1 ' .. H.bin() .. ' -n 2 examples/uneven/train.lua '
                               .. '--config examples/uneven/ds.json --data ' .. dir .. '/mnist --steps 20')
     assert.are.equal(0, status, out)
