@@ -422,7 +422,7 @@ end
 -- Two runs of spec/ranks/lm.lua (their JSON) alike: other's losses
 -- (relative; maybe only the last steps') and whole weights (absolute)
 -- within 1e-5 in f32 of one's, and every rank's weights rank 0's. what:
--- the case, for messages.
+-- the case, for messages. Returns how many weights it compared.
 function H.same_training(one, other, what)
   local skip = #one.losses - #other.losses
   for i = 1, #other.losses do
@@ -430,11 +430,14 @@ function H.same_training(one, other, what)
     assert(math.abs(other.losses[i] - l) <= 1e-5 * math.abs(l),
            string.format('%s, step %d: %.9g vs %.9g', what, skip + i, other.losses[i], l))
   end
+  local n = 0
   for name, w in pairs(one.weights) do
     local v = assert(other.weights[name], what .. ': no ' .. name)
     for i = 1, #w do assert(math.abs(v[i] - w[i]) <= 1e-5, string.format('%s: %s[%d]', what, name, i)) end
+    n = n + 1
   end
   assert(other.spread == 0, what .. ": the ranks' weights differ by " .. tostring(other.spread))
+  return n
 end
 
 -- Every tensor of two checkpoints the same, to the bit, whatever degrees

@@ -35,25 +35,11 @@ describe('pipeline x tensor x data', function()
                                     tensor, zero, ckpt or ''), path)
   end
 
-  -- losses (other's maybe the last steps only) and the gradient norm
-  -- (relative), whole weights (absolute) within 1e-5 in f32; copies of a
-  -- weight equal
+  -- H.same_training's losses and weights, and the gradient norm (relative)
+  -- within 1e-5 in f32
   local function same(one, other, what)
-    local skip = #one.losses - #other.losses
-    for i = 1, #other.losses do
-      local l = one.losses[skip + i]
-      assert(math.abs(other.losses[i] - l) <= 1e-5 * math.abs(l),
-             string.format('%s, step %d: %.9g vs %.9g', what, skip + i, other.losses[i], l))
-    end
     assert(math.abs(other.norm - one.norm) <= 1e-5 * one.norm, what .. ': gradient norm')
-    local n = 0
-    for name, w in pairs(one.weights) do
-      local v = assert(other.weights[name], what .. ': no ' .. name)
-      for i = 1, #w do assert(math.abs(v[i] - w[i]) <= 1e-5, string.format('%s: %s[%d]', what, name, i)) end
-      n = n + 1
-    end
-    assert.are.equal(0, other.spread, what .. ': copies of a weight differ')
-    return n
+    return H.same_training(one, other, what)
   end
 
   it('trains pipe 2 x tensor 2 x data 2 (plain and ZeRO-1) and pipe 2 x tensor 2 as one rank, clipped', function()
