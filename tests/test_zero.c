@@ -476,6 +476,22 @@ static void test_offload_pipeline(void) {
           d3.done[0] == d3.queued[0] && d3.done[1] == d3.queued[1], "a failed step: %s", d3.log);
 }
 
+/* A stage-2 engine with masters over p, its master (*master, a new
+ * reference) and AdamW over it (*o, h) attached; a failure is reported,
+ * naming what and e. */
+static ds_zero *offload_engine(ds_tensor **p, const ds_optim_hparams *h, ds_optim **o, ds_tensor **master,
+                               const char *what, int e) {
+    ds_zero_config cfg = config(true);
+    cfg.stage = 2;
+    int counts[1] = { NP };
+    ds_zero *z = ds_zero_new(&cfg, 1, counts, p, NULL);
+    *master = z ? ds_zero_master(z, 0) : NULL;
+    *o = ds_optim_new(DS_OPTIM_ADAMW);
+    check(*master && ds_optim_add_group(*o, 1, master, h) == 0 && ds_zero_attach(z, *o) == 0, "%s %d: %s", what, e,
+          ds_error_message());
+    return z;
+}
+
 /* The engine's offload step through the pipeline (deferred copies, chunks
  * of 5 across the parameters' boundaries) writes the same bits as the
  * plain step, AdamW with a gradient factor, f32 and bf16 parameters. */
@@ -492,14 +508,7 @@ static void test_offload_engine(void) {
                                .bias_correction = true };
         for (int e = 0; e < 2; e++) {
             make_params(p[e], dts[k]);
-            ds_zero_config cfg = config(true);
-            cfg.stage = 2;
-            int counts[1] = { NP };
-            z[e] = ds_zero_new(&cfg, 1, counts, p[e], NULL);
-            master[e] = z[e] ? ds_zero_master(z[e], 0) : NULL;
-            o[e] = ds_optim_new(DS_OPTIM_ADAMW);
-            check(master[e] && ds_optim_add_group(o[e], 1, &master[e], &h) == 0 && ds_zero_attach(z[e], o[e]) == 0,
-                  "offload engine %d: %s", e, ds_error_message());
+            z[e] = offload_engine(p[e], &h, &o[e], &master[e], "offload engine", e);
         }
         check(ds_zero_offload_use(z[1], &c, 5) == 0, "offload use: %s", ds_error_message());
         for (int step = 0; step < 3; step++) {
@@ -554,14 +563,7 @@ static void test_offload_gpu(void) {
                 p[e][i]->requires_grad = true;
                 ds_tensor_release(host[i]);
             }
-            ds_zero_config cfg = config(true);
-            cfg.stage = 2;
-            int counts[1] = { NP };
-            z[e] = ds_zero_new(&cfg, 1, counts, p[e], NULL);
-            master[e] = z[e] ? ds_zero_master(z[e], 0) : NULL;
-            o[e] = ds_optim_new(DS_OPTIM_ADAMW);
-            check(master[e] && ds_optim_add_group(o[e], 1, &master[e], &h) == 0 && ds_zero_attach(z[e], o[e]) == 0,
-                  "gpu offload engine %d: %s", e, ds_error_message());
+            z[e] = offload_engine(p[e], &h, &o[e], &master[e], "gpu offload engine", e);
         }
         ds_cuda_mem_info info;
         check(ds_cuda_memory_info(0, &info) == 0 && info.pinned >= 2 * 23 * 4, "the masters are page-locked (%lld bytes)",
