@@ -283,19 +283,72 @@ end
 
 -- plan_of(e, rest) -> {epoch, indices, micro_batch, note}: epoch e's plan
 -- over the dataset indices `rest` only (what a run on other ranks had not
--- read of it), planned as a dataset of #rest samples in that order (no
--- shuffle) and mapped onto them; restore_plan makes it the epoch's.
+-- read of it: a list, or an order, M.unread's window), planned as a
+-- dataset of #rest samples in that order (no shuffle) and mapped onto
+-- them; restore_plan makes it the epoch's. An order planned over an order
+-- stays one: the plan's runs over the rest's window.
 function Sampler:plan_of(e, rest)
-  local ctx = self:ctx(e)
-  ctx.dataset_len, ctx.params.shuffle = #rest, false
+  local ctx, m = self:ctx(e), #rest
+  ctx.dataset_len, ctx.params.shuffle = m, false
   local ok, plan = pcall(method(self.policy, 'plan'), ctx)
   if not ok then fail(self:where(), 'plan() failed: ' .. tostring(plan)) end
-  plan = M.check_plan(plan, #rest, self:where())
-  local idx = plan.indices
-  if ds.is_tensor(idx) or ds.data.is_order(idx) then idx = idx:totable() end
-  local out = {}
-  for i, k in ipairs(idx) do out[i] = rest[k + 1] end
+  plan = M.check_plan(plan, m, self:where())
+  local idx, lazy = plan.indices, ds.data.is_order(rest)
+  local out
+  if lazy and ds.data.is_order(idx) then
+    local d = idx:describe()
+    if d.seed == nil and d.window[1] == 0 and d.window[2] == m then out = rest:cut(d.runs) end
+  end
+  if not out then
+    if ds.is_tensor(idx) or ds.data.is_order(idx) then idx = idx:totable() end
+    out = {}
+    for i, k in ipairs(idx) do out[i] = lazy and rest:at(k) or rest[k + 1] end
+  end
   return { epoch = e, indices = out, micro_batch = plan.micro_batch, note = plan.note }
+end
+
+-- The end of the first k positions of runs (one past the largest), or
+-- nil when a run's blocks overlap (its positions do not increase).
+local function read_end(runs, k)
+  local e = 0
+  for _, r in ipairs(runs) do
+    local block, count = r[3], r[4]
+    if count > 1 and r[2] < block then return nil end
+    local m = math.min(k, block * count)
+    if m > 0 then e = math.max(e, r[1] + floor((m - 1) / block) * r[2] + (m - 1) % block + 1) end
+    k = k - m
+  end
+  return e
+end
+
+-- M.unread(saved) -> an order of the samples of an epoch that the saved
+-- ranks had not read (each once), or nil when their plans do not allow
+-- one. saved: a rank's {order = its plan's order:describe(), samples =
+-- positions read} for every saved rank. The ranks' orders must share one
+-- permutation and window and together cover the run positions [0, a_all)
+-- of it, the read ones [0, a) (every built-in policy cuts the epoch so, in
+-- steps): the rest is the window's positions [a, min(a_all, span)), those
+-- past span being the padding that repeats the order's start.
+function M.unread(saved)
+  local first = saved[1] and saved[1].order
+  if not first then return nil end
+  local read, all, read_sum, all_sum = 0, 0, 0, 0
+  for _, s in ipairs(saved) do
+    local d = s.order
+    if not d or d.n ~= first.n or d.seed ~= first.seed or d.window[1] ~= first.window[1]
+       or d.window[2] ~= first.window[2] then
+      return nil
+    end
+    local len = 0
+    for _, r in ipairs(d.runs) do len = len + r[3] * r[4] end
+    local re, ae = read_end(d.runs, s.samples), read_end(d.runs, len)
+    if not re or s.samples > len then return nil end
+    read, all, read_sum, all_sum = math.max(read, re), math.max(all, ae), read_sum + s.samples, all_sum + len
+  end
+  if read ~= read_sum or all ~= all_sum then return nil end
+  local lo, span = first.window[1], first.window[2]
+  local hi = math.min(all, span)
+  return ds.data.order(first.n, { seed = first.seed, window = { lo + math.min(read, hi), hi - math.min(read, hi) } })
 end
 
 -- The loader's interface: set_epoch(e) plans epoch e; order([e]) its
@@ -396,6 +449,63 @@ function Sampler:load_state_dict(sd)
     local ok, err = pcall(f, sd.state)
     if not ok then fail(self:where(), 'load_state_dict failed: ' .. tostring(err)) end
   end
+end
+
+-- Runs of equal sizes, {{size, count}, ...}, of a list of batch sizes.
+local function size_runs(list)
+  local out = {}
+  for _, b in ipairs(list) do
+    local last = out[#out]
+    if last and last[1] == b then last[2] = last[2] + 1 else out[#out + 1] = { b, 1 } end
+  end
+  return out
+end
+
+local MAX_SIZE_RUNS = 64      -- more: the list is kept as a tensor
+
+-- saved_plan() -> record, tensors, or nil (no plan, or an empty one): what a
+-- checkpoint keeps of the current epoch's plan. An order (every built-in
+-- policy's) is kept as its description and the micro batches as runs of
+-- equal sizes, a few hundred bytes however long the epoch; indices given
+-- as a list or a tensor (a policy whose plan nothing regenerates) as an
+-- i64 tensor, sampler/indices, and micro batches of many runs as
+-- sampler/micro_batch. tensors: {{name, tensor}, ...}.
+function Sampler:saved_plan()
+  local plan = self.plans[self.epoch]
+  if not plan or plan.count == 0 then return nil end
+  local idx, mb = plan.indices, plan.micro_batch
+  local rec, tensors = { epoch = plan.epoch, note = plan.note }, {}
+  if ds.data.is_order(idx) then
+    rec.order = idx:describe()
+  else
+    tensors[#tensors + 1] = { 'sampler/indices', ds.is_tensor(idx) and idx:to('i64') or ds.tensor(idx, 'i64') }
+  end
+  if type(mb) == 'number' then
+    rec.micro_batch = mb
+  else
+    local runs = size_runs(mb)
+    if #runs <= MAX_SIZE_RUNS then
+      rec.micro_batch_runs = runs
+    else
+      tensors[#tensors + 1] = { 'sampler/micro_batch', ds.tensor(mb, 'i64') }
+    end
+  end
+  return rec, tensors
+end
+
+-- saved_plan_of(rec, read) -> {epoch, indices, micro_batch, note} for
+-- restore_plan from saved_plan's record (or an older checkpoint's, its
+-- indices always a tensor); read(name) -> that tensor of the file.
+function M.saved_plan_of(rec, read)
+  local idx = rec.order and ds.data.order(rec.order.n, rec.order) or read('sampler/indices')
+  local mb = rec.micro_batch
+  if not mb and rec.micro_batch_runs then
+    mb = {}
+    for _, r in ipairs(rec.micro_batch_runs) do
+      for _ = 1, r[2] do mb[#mb + 1] = r[1] end
+    end
+  end
+  return { epoch = rec.epoch, indices = idx, micro_batch = mb or read('sampler/micro_batch'):totable(), note = rec.note }
 end
 
 -- restore_plan(plan): a checkpoint's plan of its epoch ({epoch, indices,

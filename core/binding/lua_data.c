@@ -328,9 +328,10 @@ static lua_Integer check_count(lua_State *L, int idx, const char *what) {
     return (lua_Integer)x;
 }
 
-/* A new order over [0, n), shuffled by seed when shuffle, of the runs in the
- * list at idx ({{start, stride, block, count}, ...}). */
-static int push_order(lua_State *L, int64_t n, bool shuffle, uint64_t seed, int idx) {
+/* A new order over the window [first, first + span) of [0, n), shuffled by
+ * seed when shuffle, of the runs in the list at idx ({{start, stride, block,
+ * count}, ...}). */
+static int push_order(lua_State *L, int64_t n, int64_t first, int64_t span, bool shuffle, uint64_t seed, int idx) {
     luaL_checktype(L, idx, LUA_TTABLE);
     int nruns = (int)lua_objlen(L, idx);
     ds_order *o = lua_newuserdata(L, ds_order_size(nruns));
@@ -349,20 +350,23 @@ static int push_order(lua_State *L, int64_t n, bool shuffle, uint64_t seed, int 
         runs[k] = (ds_order_run){ v[0], v[1], v[2], v[3] };
         lua_pop(L, 1);
     }
-    if (ds_order_init(o, n, shuffle, seed, nruns, runs)) return dsL_error(L);
+    if (ds_order_init(o, n, first, span, shuffle, seed, nruns, runs)) return dsL_error(L);
     lua_pop(L, 1);
     luaL_getmetatable(L, ORDER_MT);
     lua_setmetatable(L, -2);
     return 1;
 }
 
-/* order(n, seed or false, runs) -> an order: the runs' positions (mod n)
- * through ds_shuffle(n, seed) when a seed is given */
+/* order(n, seed or false, runs [, first, span]) -> an order: the runs'
+ * positions (mod span, plus first; the window defaults to [0, n)) through
+ * ds_shuffle(n, seed) when a seed is given */
 static int l_order(lua_State *L) {
     int64_t n = check_count(L, 1, "the dataset length");
     bool shuffle = lua_toboolean(L, 2);
     uint64_t seed = shuffle ? (uint64_t)check_count(L, 2, "seed") : 0;
-    return push_order(L, n, shuffle, seed, 3);
+    int64_t first = lua_isnoneornil(L, 4) ? 0 : check_count(L, 4, "the window's first position");
+    int64_t span = lua_isnoneornil(L, 5) ? n - first : check_count(L, 5, "the window's span");
+    return push_order(L, n, first, span, shuffle, seed, 3);
 }
 
 static const ds_order *check_order(lua_State *L, int idx) { return luaL_checkudata(L, idx, ORDER_MT); }
@@ -375,7 +379,8 @@ static int order_len(lua_State *L) {
 /* a == b: the same description (so the same indices) */
 static int order_eq(lua_State *L) {
     const ds_order *a = check_order(L, 1), *b = check_order(L, 2);
-    lua_pushboolean(L, a->n == b->n && a->shuffle == b->shuffle && a->seed == b->seed && a->nruns == b->nruns &&
+    lua_pushboolean(L, a->n == b->n && a->first == b->first && a->span == b->span && a->shuffle == b->shuffle &&
+                           a->seed == b->seed && a->nruns == b->nruns &&
                            !memcmp(a->runs, b->runs, sizeof *a->runs * (size_t)a->nruns));
     return 1;
 }
@@ -396,7 +401,38 @@ static int order_at(lua_State *L) {
  * rank's share of the epoch's order) */
 static int order_cut(lua_State *L) {
     const ds_order *o = check_order(L, 1);
-    return push_order(L, o->n, o->shuffle, o->seed, 2);
+    return push_order(L, o->n, o->first, o->span, o->shuffle, o->seed, 2);
+}
+
+/* order:describe() -> {n =, seed = (when shuffled), runs =, window = {first,
+ * span}}: what ds.data.order takes to make the same order again */
+static int order_describe(lua_State *L) {
+    const ds_order *o = check_order(L, 1);
+    lua_createtable(L, 0, 4);
+    lua_pushnumber(L, (lua_Number)o->n);
+    lua_setfield(L, -2, "n");
+    if (o->shuffle) {
+        lua_pushnumber(L, (lua_Number)o->seed);
+        lua_setfield(L, -2, "seed");
+    }
+    lua_createtable(L, o->nruns, 0);
+    for (int k = 0; k < o->nruns; k++) {
+        const int64_t v[4] = { o->runs[k].start, o->runs[k].stride, o->runs[k].block, o->runs[k].count };
+        lua_createtable(L, 4, 0);
+        for (int f = 0; f < 4; f++) {
+            lua_pushnumber(L, (lua_Number)v[f]);
+            lua_rawseti(L, -2, f + 1);
+        }
+        lua_rawseti(L, -2, k + 1);
+    }
+    lua_setfield(L, -2, "runs");
+    lua_createtable(L, 2, 0);
+    lua_pushnumber(L, (lua_Number)o->first);
+    lua_rawseti(L, -2, 1);
+    lua_pushnumber(L, (lua_Number)o->span);
+    lua_rawseti(L, -2, 2);
+    lua_setfield(L, -2, "window");
+    return 1;
 }
 
 /* order:domain() -> n: the indices are in [0, n) */
@@ -515,7 +551,7 @@ void dsL_open_data(lua_State *L) {
     lua_pop(L, 1);
     static const luaL_Reg order_methods[] = {
         {"at", order_at}, {"cut", order_cut}, {"domain", order_domain}, {"totable", order_totable},
-        {"tensor", order_tensor}, {NULL, NULL}
+        {"tensor", order_tensor}, {"describe", order_describe}, {NULL, NULL}
     };
     luaL_newmetatable(L, ORDER_MT);
     lua_pushcfunction(L, order_len);

@@ -6,8 +6,16 @@
 
 size_t ds_order_size(int nruns) { return offsetof(ds_order, runs) + sizeof(ds_order_run) * (size_t)nruns; }
 
-int ds_order_init(ds_order *o, int64_t n, bool shuffle, uint64_t seed, int nruns, const ds_order_run *runs) {
+int ds_order_init(ds_order *o, int64_t n, int64_t first, int64_t span, bool shuffle, uint64_t seed, int nruns,
+                  const ds_order_run *runs) {
+    if (first < 0 || span < 0 || first > n - span) {
+        ds_fail(DS_ERR_ARG, "order: the window [%lld, %lld) is not inside [0, %lld)", (long long)first,
+                (long long)first + span, (long long)n);
+        return -1;
+    }
     o->n = n;
+    o->first = first;
+    o->span = span;
     o->shuffle = shuffle;
     o->seed = seed;
     if (shuffle) ds_shuffle_init(&o->perm, n, seed);
@@ -26,8 +34,8 @@ int ds_order_init(ds_order *o, int64_t n, bool shuffle, uint64_t seed, int nruns
         o->len += r->block * r->count;
         o->runs[k] = *r;
     }
-    if (o->len > 0 && n <= 0) {
-        ds_fail(DS_ERR_ARG, "order: %lld positions over an empty dataset", (long long)o->len);
+    if (o->len > 0 && span <= 0) {
+        ds_fail(DS_ERR_ARG, "order: %lld positions over an empty %s", (long long)o->len, n ? "window" : "dataset");
         return -1;
     }
     return 0;
@@ -70,14 +78,14 @@ int64_t ds_shuffle_at(const ds_shuffle *s, int64_t p) {
     return (int64_t)x;
 }
 
-/* Position k's run position, wrapped into [0, n). */
+/* Position k's run position, wrapped into the window. */
 static int64_t position(const ds_order *o, int64_t k) {
     for (int i = 0; i < o->nruns; i++) {
         const ds_order_run *r = &o->runs[i];
         int64_t size = r->block * r->count;
         if (k < size) {
             uint64_t p = (uint64_t)r->start + (uint64_t)(k / r->block) * (uint64_t)r->stride + (uint64_t)(k % r->block);
-            return (int64_t)(p % (uint64_t)o->n);
+            return o->first + (int64_t)(p % (uint64_t)o->span);
         }
         k -= size;
     }

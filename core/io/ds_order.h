@@ -1,7 +1,9 @@
 /* An epoch's order of sample indices without storing it: position k of the
- * order is a run position p (runs of positions over [0, n), taken mod n,
- * the padding of a sampler that repeats the order from its start) mapped
- * through a seeded bijection of [0, n). Any position in O(runs). */
+ * order is a run position p (runs of positions over a window [first, first +
+ * span) of [0, n), p taken mod span, the padding of a sampler that repeats
+ * the order from its start, then offset by first) mapped through a seeded
+ * bijection of [0, n). The window is the whole [0, n) but for the rest of an
+ * epoch resumed on other ranks. Any position in O(runs). */
 #ifndef DS_ORDER_H
 #define DS_ORDER_H
 
@@ -28,6 +30,7 @@ typedef struct {
 
 typedef struct {
     int64_t n, len;          /* the domain [0, n); positions in the order */
+    int64_t first, span;     /* the window of [0, n) the run positions index */
     bool shuffle;
     uint64_t seed;
     ds_shuffle perm;
@@ -37,9 +40,11 @@ typedef struct {
 
 /* The size of an order with nruns runs, for the caller's allocation. */
 size_t ds_order_size(int nruns);
-/* Fills o (ds_order_size(nruns) bytes); -1 (ds_fail) when a run is negative
- * or the order is longer than INT64_MAX, or positions need n = 0. */
-int ds_order_init(ds_order *o, int64_t n, bool shuffle, uint64_t seed, int nruns, const ds_order_run *runs);
+/* Fills o (ds_order_size(nruns) bytes); -1 (ds_fail) when a run is negative,
+ * the order is longer than INT64_MAX, the window is not inside [0, n), or
+ * positions need an empty window. */
+int ds_order_init(ds_order *o, int64_t n, int64_t first, int64_t span, bool shuffle, uint64_t seed, int nruns,
+                  const ds_order_run *runs);
 void ds_shuffle_init(ds_shuffle *s, int64_t n, uint64_t seed);
 /* The image of p (in [0, n)). */
 int64_t ds_shuffle_at(const ds_shuffle *s, int64_t p);

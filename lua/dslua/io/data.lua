@@ -390,17 +390,27 @@ local ORDER_MT = getmetatable(C.order(0, false, {}))
 -- ds.data.is_order(v) -> whether v is an order (ds.data.order).
 function M.is_order(v) return getmetatable(v) == ORDER_MT end
 
--- ds.data.order(n [, {seed =, runs =}]) -> an epoch's order held as its
--- description, 0-based indices of [0, n) computed where read: position k
--- is the k-th run position p, taken mod n (a sampler's padding), through
--- ds.data.permutation(n, seed)'s bijection with a seed, else p itself.
--- runs: {{start, stride, block, count}, ...}, positions start + j * stride
--- + i for j < count, i < block (default: 0 .. n-1). #order, order:at(k),
--- order:cut(runs) (the same permutation over other runs), order:domain()
--- (n), order:totable(), order:tensor() (i64).
+-- ds.data.order(n [, {seed =, runs =, window =}]) -> an epoch's order held
+-- as its description, 0-based indices of [0, n) computed where read:
+-- position k is the k-th run position p, taken mod span (a sampler's
+-- padding) plus first, through ds.data.permutation(n, seed)'s bijection
+-- with a seed, else that position itself. runs: {{start, stride, block,
+-- count}, ...}, positions start + j * stride + i for j < count, i < block
+-- (default: 0 .. span-1). window: {first, span}, the positions [first,
+-- first + span) of [0, n) the runs index (default {0, n}; the rest of an
+-- epoch resumed on other ranks is a window). #order, order:at(k),
+-- order:cut(runs) (the same permutation and window over other runs),
+-- order:domain() (n), order:totable(), order:tensor() (i64),
+-- order:describe() (these options and n: ds.data.order(d.n, d) is the same
+-- order; what a checkpoint keeps of a plan).
 function M.order(n, opts)
   opts = opts or {}
-  return C.order(n, opts.seed or false, opts.runs or { { 0, 1, 1, n } })
+  local w = opts.window
+  if w ~= nil and (type(w) ~= 'table' or #w ~= 2) then
+    fail('ds.data.order', 'window must be {first, span}, got %s', type(w) == 'table' and #w .. ' numbers' or type(w))
+  end
+  local first, span = w and w[1] or 0, w and w[2] or n
+  return C.order(n, opts.seed or false, opts.runs or { { 0, 1, 1, span } }, first, span)
 end
 
 ---------------------------------------------------------------------------

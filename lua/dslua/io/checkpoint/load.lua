@@ -383,15 +383,39 @@ local function decode_rank_state(f)
   return st
 end
 
+-- A rank file's saved plan ({epoch, indices, micro_batch, note}), its
+-- faults named with the file.
+local function saved_plan(f, st)
+  local ok, plan = pcall(require('samplers.policy').saved_plan_of, st.plan, function(name) return f:read(name) end)
+  if not ok then fail("load_checkpoint: '%s': its sampler plan: %s", f:path(), tostring(plan)) end
+  return plan
+end
+
 -- Saved rank r's list of the epoch's dataset indices: its sampler plan, an
 -- order of its own (itself resumed on another world size), else DeepSpeed's
 -- DistributedSampler of the saved world size (on one rank the loader's
 -- own shuffle, the same order).
 local function saved_list(f, st, m, r, n)
-  if st.plan then return f:read('sampler/indices'):totable() end
+  if st.plan then
+    local idx = saved_plan(f, st).indices
+    return idx:totable()
+  end
   if st.loader.order then return f:read('loader/order'):totable() end
   if st.sampler then return {} end
   return require('samplers.distributed').new(n, { num_replicas = m.world_size, rank = r }):indices(st.loader.epoch)
+end
+
+-- The rest of the epoch as an order (samplers.policy's unread: nothing
+-- per sample) when every saved rank's plan of it is an order, else nil.
+local function unread_order(m, get, epoch)
+  local saved = {}
+  for r = 0, m.world_size - 1 do
+    local st = decode_rank_state(get(r))
+    local plan, pos = st.plan, st.loader
+    if not (plan and plan.order and plan.epoch == epoch and pos and pos.epoch == epoch) then return nil end
+    saved[#saved + 1] = { order = plan.order, samples = pos.samples }
+  end
+  return require('samplers.policy').unread(saved)
 end
 
 -- The indices of the epoch no saved rank had read, each once, taken from
@@ -427,7 +451,7 @@ end
 local function resume_unread(engine, m, get, pos)
   local l, sm = engine.training_dataloader, engine.sampler
   local n = sm and sm.dataset_len or ds.data.len(l.dataset)
-  local rest = unread(m, get, pos.epoch, n)
+  local rest = sm and unread_order(m, get, pos.epoch) or unread(m, get, pos.epoch, n)
   local steps
   if sm then
     sm:restore_plan(sm:plan_of(pos.epoch, rest))
@@ -456,10 +480,7 @@ local function restore_rank_state(engine, m, get)
   ds.set_rng_state(st.rng)
   local sm = engine.sampler
   if sm and st.sampler then sm:load_state_dict(st.sampler) end
-  if sm and same and st.plan then
-    local mb = st.plan.micro_batch or f:read('sampler/micro_batch'):totable()
-    sm:restore_plan { epoch = st.plan.epoch, indices = f:read('sampler/indices'), micro_batch = mb, note = st.plan.note }
-  end
+  if sm and same and st.plan then sm:restore_plan(saved_plan(f, st)) end
   local l = engine.training_dataloader
   if not (l and st.loader and st.loader.epoch) then return end
   local pos = st.loader

@@ -92,8 +92,8 @@ local function write_rank_file(engine, L, bufs, path, extra_tensors, rank_state)
   return { bytes = bytes, sha256 = sha, tensors = tensors, saved_states = saved_states }
 end
 
--- This rank's own state, and its sampler's plan of the current epoch as
--- tensors (sampler/indices, sampler/micro_batch when a list).
+-- This rank's own state, and its sampler's plan of the current epoch
+-- (sampler:saved_plan: an order's description, else tensors).
 local function rank_state(engine, tensors)
   local l = engine.training_dataloader
   -- which rank, layout and step the file holds, checked at load against
@@ -110,21 +110,9 @@ local function rank_state(engine, tensors)
   local sm = engine.sampler
   if sm then
     st.sampler = jsonable(sm:state_dict())
-    local plan = sm.plans[sm.epoch]
-    if plan and plan.count > 0 then
-      local idx = plan.indices
-      if ds.is_tensor(idx) then
-        idx = idx:to('i64')
-      elseif ds.data.is_order(idx) then
-        idx = idx:tensor()
-      else
-        idx = ds.tensor(idx, 'i64')
-      end
-      tensors[#tensors + 1] = { 'sampler/indices', idx }
-      local mb = plan.micro_batch
-      if type(mb) == 'table' then tensors[#tensors + 1] = { 'sampler/micro_batch', ds.tensor(mb, 'i64') } end
-      st.plan = { epoch = plan.epoch, note = plan.note, micro_batch = type(mb) == 'number' and mb or nil }
-    end
+    local rec, plan_tensors = sm:saved_plan()
+    st.plan = rec
+    for _, e in ipairs(plan_tensors or {}) do tensors[#tensors + 1] = e end
   end
   return st
 end
