@@ -37,6 +37,20 @@ local function steps_of(r)
   return out
 end
 
+-- 2 ranks save in epoch 1 (96 samples), 1 and 3 ranks resume: the samples
+-- of the runs' epoch 1 are the epoch, each once, and global_samples at
+-- its end is 96 on every world size
+local function one_epoch(...)
+  local runs, all, count = { ... }, {}, {}
+  for _, r in ipairs(runs) do
+    for _, v in ipairs(r.seen) do all[#all + 1] = v end
+  end
+  for _, v in ipairs(all) do count[v] = (count[v] or 0) + 1 end
+  for i = 0, 95 do assert.are.equal(1, count[i], 'sample ' .. i) end
+  assert.are.equal(96, #all)
+  assert.are.equal(96, runs[#runs].epoch1_samples)
+end
+
 describe('safetensors files', function()
   local dir = H.tmpdir()
 
@@ -302,19 +316,6 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
     assert.are.equal(4, #m.files)
   end)
 
-  -- 2 ranks save in epoch 1 (96 samples), 1 and 3 ranks resume: the samples
-  -- of the two runs' epoch 1 are the epoch, each once, and global_samples
-  -- at its end is 96 on every world size
-  local function one_epoch(before, after)
-    local all, count = {}, {}
-    for _, r in ipairs({ before, after }) do
-      for _, v in ipairs(r.seen) do all[#all + 1] = v end
-    end
-    for _, v in ipairs(all) do count[v] = (count[v] or 0) + 1 end
-    for i = 0, 95 do assert.are.equal(1, count[i], 'sample ' .. i) end
-    assert.are.equal(96, #all)
-    assert.are.equal(96, after.epoch1_samples)
-  end
 
   it('goes on with exactly the samples the saved run had not read: DeepSpeed\'s loader', function()
     local dir = H.tmpdir()
@@ -351,6 +352,31 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
     end
   end)
 
+  -- 2 ranks save at step 3 of epoch 1, 3 ranks load that, read 2 steps
+  -- and save, 1 rank loads that and ends the epoch
+  local CHAINS = {
+    { name = 'the distributed policy', blocks = {
+      { policy = 'distributed', micro_batch_per_rank = { 4, 4 }, seed = 3 },
+      { policy = 'distributed', micro_batch_per_rank = { 3, 3, 3 }, seed = 3 },
+      { policy = 'distributed', micro_batch_per_rank = { 8 }, seed = 3 } } },
+    { name = 'the uneven policy over token shards', shards = true, blocks = {
+      { policy = 'uneven', micro_batch_per_rank = { 6, 2 }, data_share = { 0.75, 0.25 }, seed = 3 },
+      { policy = 'uneven', micro_batch_per_rank = { 4, 2, 2 }, data_share = { 0.5, 0.25, 0.25 }, seed = 3 },
+      { policy = 'uneven', micro_batch_per_rank = { 8 }, seed = 3 } } },
+  }
+  for _, chain in ipairs(CHAINS) do
+    it('goes on with exactly the samples not read, 2 -> 3 -> 1 ranks mid-epoch: ' .. chain.name, function()
+      local dir, b = H.tmpdir(), chain.blocks
+      local shards = chain.shards and H.tmpdir() or nil
+      local first = run(2, { dir = dir, steps = 3, save_at = 3, sampler = b[1], shards = shards })
+      local second, out = run(3, { dir = dir, load = 'global_step3', steps = 5, save_at = 5, sampler = b[2],
+                                   shards = shards })
+      H.has(out, 'saved on 2 ranks, loaded on 3: epoch 1 goes on with the ' .. 96 - first.global_samples)
+      local third = run(1, { dir = dir, load = 'global_step5', steps = 40, sampler = b[3], shards = shards })
+      one_epoch(first, second, third)
+    end)
+  end
+
   it('trains on from there: a bf16 stage 3 run resumed in fp32 on 1 rank learns on', function()
     local dir = H.tmpdir()
     local a = run(2, { stage = 3, dtype = 'bf16', dir = dir, steps = 30, save_at = 10 })
@@ -371,6 +397,97 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
     -- the same training, other rounding: the losses of steps 21-30 agree within 3%
     assert.is_true(math.abs(mean(b, 21, 30) - mean(a, 21, 30)) / mean(a, 21, 30) < 0.03)
     assert.is_true(mean(b, 21, 30) < mean(a, 1, 5))
+  end)
+end)
+
+describe('a policy sampler\'s plan in a checkpoint', function()
+  -- a 1-rank engine of run.lua's model over n windows of 2 tokens under
+  -- the uneven policy, saved after a step: its rank file's bytes, state
+  -- and tensors
+  local function saved(n)
+    local x = ds.zeros({ n, 2 }):to('i64')
+    ds.manual_seed(100)
+    local m = require('models.gpt2') { vocab_size = 32, block_size = 2, n_layer = 1, n_head = 2, n_embd = 16 }
+    local e = ds.initialize { model = m, training_data = ds.data.tensors { x = x, y = x }, config = {
+      steps_per_print = 1000, optimizer = { type = 'AdamW', params = { lr = 1e-2 } },
+      sampler = { policy = 'uneven', micro_batch_per_rank = { 4 }, seed = 1 } } }
+    for _, batch in e.training_dataloader:epoch() do
+      e:backward(e(batch))
+      e:step()
+      break
+    end
+    local dir = H.tmpdir()
+    finally(function() os.execute('rm -rf ' .. dir) end)
+    e:save_checkpoint(dir, 'one')
+    local path = dir .. '/one/rank_00000.safetensors'
+    local f = assert(io.open(path, 'rb'))
+    local bytes = f:seek('end')
+    f:close()
+    local tensors, meta = CK.load_file(path)
+    return bytes, ds.json.decode(meta.dslua), tensors
+  end
+
+  it('takes the same bytes at 1e3 and 1e6 windows: the order that regenerates it, not its indices', function()
+    local small, st, tensors = saved(1000)
+    local large, st6, tensors6 = saved(1000000)
+    -- the files differ only in the digits of the numbers that count windows
+    -- (the order's length and window, the loader's steps), where the
+    -- indices were 8 bytes a window
+    assert.is_true(math.abs(large - small) <= 64, string.format('%d bytes at 1e3 windows, %d at 1e6', small, large))
+    for _, t in ipairs({ tensors, tensors6 }) do
+      assert.is_nil(t['sampler/indices'])
+      assert.is_nil(t['sampler/micro_batch'])
+    end
+    assert.are.equal(1000000, st6.plan.order.n)
+    assert.are.same({ 0, 1000 }, st.plan.order.window)
+    assert.are.equal(4, st.plan.micro_batch)
+  end)
+
+  -- spec/fixtures/ckpt_plan/global_step5: run.lua's model on 2 ranks under
+  -- the uneven policy, saved at step 5 by a dslua that kept a plan as its
+  -- indices (sampler/indices, an i64 tensor)
+  describe('saved with the plan as its indices', function()
+    if H.skip_without_mpirun() then return end
+    local FIXTURE = 'spec/fixtures/ckpt_plan'
+    local UNEVEN = { policy = 'uneven', micro_batch_per_rank = { 6, 2 }, data_share = { 0.75, 0.25 }, seed = 3 }
+
+    it('is what this dslua trains to, its plan held as indices', function()
+      local dir = H.tmpdir()
+      run(2, { dir = dir, steps = 5, save_at = 5, sampler = UNEVEN })
+      assert.is_true(same_state(FIXTURE, 'global_step5', dir, 'global_step5') > 0)
+      local tensors, meta = CK.load_file(FIXTURE .. '/global_step5/rank_00001.safetensors')
+      assert.are.equal(24, tensors['sampler/indices']:numel())
+      assert.is_nil(ds.json.decode(meta.dslua).plan.order)
+    end)
+
+    it('resumes on 2 ranks to the bit of the run that never stopped', function()
+      local a_dir, b_dir = H.tmpdir(), H.tmpdir()
+      local full = run(2, { dir = a_dir, steps = 40, final = 'final', sampler = UNEVEN })
+      local resumed = run(2, { dir = b_dir, load_dir = FIXTURE, load = 'global_step5', steps = 40, final = 'final',
+                               sampler = UNEVEN })
+      local steps, want = steps_of(resumed), {}
+      for _, step in ipairs(steps_of(full)) do
+        if step > 5 then want[#want + 1] = step end
+      end
+      assert.are.same(want, steps)
+      for _, step in ipairs(steps) do
+        assert.are.same(full.losses[tostring(step)], resumed.losses[tostring(step)], 'step ' .. step)
+      end
+      assert.is_true(same_state(a_dir, 'final', b_dir, 'final') > 0)
+    end)
+
+    it('goes on with exactly the samples it had not read on 1 and 3 ranks', function()
+      local dir = H.tmpdir()
+      local a = run(2, { dir = dir, steps = 5, save_at = 5, sampler = UNEVEN })
+      local blocks = { [1] = { micro_batch_per_rank = { 8 } }, [3] = { micro_batch_per_rank = { 3, 3, 3 } } }
+      for np, block in pairs(blocks) do
+        block.policy, block.seed = 'uneven', 3
+        local b, out = run(np, { dir = H.tmpdir(), load_dir = FIXTURE, load = 'global_step5', steps = 40,
+                                 sampler = block })
+        H.has(out, string.format('saved on 2 ranks, loaded on %d: epoch 1 goes on with the 56 of its 96 samples', np))
+        one_epoch(a, b)
+      end
+    end)
   end)
 end)
 
