@@ -505,7 +505,8 @@ function M.saved_plan_of(rec, read)
       for _ = 1, r[2] do mb[#mb + 1] = r[1] end
     end
   end
-  return { epoch = rec.epoch, indices = idx, micro_batch = mb or read('sampler/micro_batch'):totable(), note = rec.note }
+  mb = mb or read('sampler/micro_batch'):totable()
+  return { epoch = rec.epoch, indices = idx, micro_batch = mb, note = rec.note }
 end
 
 -- restore_plan(plan): a checkpoint's plan of its epoch ({epoch, indices,

@@ -402,8 +402,8 @@ end)
 
 describe('a policy sampler\'s plan in a checkpoint', function()
   -- a 1-rank engine of run.lua's model over n windows of 2 tokens under
-  -- the uneven policy, saved after a step: its rank file's bytes, state
-  -- and tensors
+  -- the uneven policy, saved after a step: the engine, the folder, its
+  -- rank file's path, bytes, state and tensors
   local function saved(n)
     local x = ds.zeros({ n, 2 }):to('i64')
     ds.manual_seed(100)
@@ -424,23 +424,39 @@ describe('a policy sampler\'s plan in a checkpoint', function()
     local bytes = f:seek('end')
     f:close()
     local tensors, meta = CK.load_file(path)
-    return bytes, ds.json.decode(meta.dslua), tensors
+    return { engine = e, dir = dir, path = path, bytes = bytes, state = ds.json.decode(meta.dslua), tensors = tensors,
+             meta = meta }
   end
 
   it('takes the same bytes at 1e3 and 1e6 windows: the order that regenerates it, not its indices', function()
-    local small, st, tensors = saved(1000)
-    local large, st6, tensors6 = saved(1000000)
+    local small, large = saved(1000), saved(1000000)
     -- the files differ only in the digits of the numbers that count windows
     -- (the order's length and window, the loader's steps), where the
     -- indices were 8 bytes a window
-    assert.is_true(math.abs(large - small) <= 64, string.format('%d bytes at 1e3 windows, %d at 1e6', small, large))
-    for _, t in ipairs({ tensors, tensors6 }) do
-      assert.is_nil(t['sampler/indices'])
-      assert.is_nil(t['sampler/micro_batch'])
+    assert.is_true(math.abs(large.bytes - small.bytes) <= 64,
+                   string.format('%d bytes at 1e3 windows, %d at 1e6', small.bytes, large.bytes))
+    for _, c in ipairs({ small, large }) do
+      assert.is_nil(c.tensors['sampler/indices'])
+      assert.is_nil(c.tensors['sampler/micro_batch'])
     end
-    assert.are.equal(1000000, st6.plan.order.n)
-    assert.are.same({ 0, 1000 }, st.plan.order.window)
-    assert.are.equal(4, st.plan.micro_batch)
+    assert.are.equal(1000000, large.state.plan.order.n)
+    assert.are.same({ 0, 1000 }, small.state.plan.order.window)
+    assert.are.equal(4, small.state.plan.micro_batch)
+  end)
+
+  it('that does not fit the dataset is refused, naming the file', function()
+    local c = saved(1000)
+    c.state.plan.order.window = { 999, 5 }
+    c.meta.dslua = ds.json.encode(c.state)
+    local list = {}
+    for name, t in pairs(c.tensors) do list[#list + 1] = { name, t } end
+    local bytes, sha = C.save(c.path, list, c.meta)
+    local mpath = c.dir .. '/one/manifest.json'
+    local m = ds.json.decode(H.read(mpath))
+    m.files[1].bytes, m.files[1].sha256 = bytes, sha
+    H.write(mpath, ds.json.encode(m))
+    H.has(H.err(c.engine.load_checkpoint, c.engine, c.dir, 'one'), "load_checkpoint: '" .. c.path .. "': its sampler "
+          .. 'plan: order: the window [999, 1004) is not inside [0, 1000)')
   end)
 
   -- spec/fixtures/ckpt_plan/global_step5: run.lua's model on 2 ranks under
@@ -669,6 +685,18 @@ describe('a checkpoint that is corrupt, truncated or does not fit', function()
       H.has(H.err(engine.load_checkpoint, engine, d, 'good'), want)
       H.has(H.err(CK.read_full, d, 'good'), want)
     end
+  end)
+
+  it('refuses a manifest of a newer format, naming its version', function()
+    local d = H.tmpdir()
+    assert(os.execute(string.format('cp -r %s/good %s/', dir, d)) == 0)
+    local file = d .. '/good/manifest.json'
+    local m = ds.json.decode(H.read(file))
+    assert.are.equal(2, m.format_version)
+    m.format_version = 3
+    H.write(file, ds.json.encode(m))
+    H.has(H.err(engine.load_checkpoint, engine, d, 'good'), "load_checkpoint: '" .. file .. "' has format version 3; "
+          .. 'this dslua (' .. require('dslua.core').version .. ') reads up to 2')
   end)
 
   it('refuses a client_state that holds itself, naming the cycle, and saves one that shares a table', function()

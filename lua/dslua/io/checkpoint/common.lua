@@ -9,7 +9,9 @@ local C = core.ckpt
 
 local M = {}
 
-local FORMAT, FORMAT_VERSION = 'dslua-checkpoint', 1
+-- version 2: a sampler's plan may be kept as its order's description (the
+-- rank state's plan.order) in place of the sampler/indices tensor
+local FORMAT, FORMAT_VERSION = 'dslua-checkpoint', 2
 local MANIFEST = 'manifest.json'
 local MAX_LATEST, MAX_MANIFEST = 4096, 2 ^ 30     -- bytes
 local SHOWN = 80           -- bytes of a file's text a message may quote

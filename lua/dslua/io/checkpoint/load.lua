@@ -387,7 +387,9 @@ end
 -- faults named with the file.
 local function saved_plan(f, st)
   local ok, plan = pcall(require('samplers.policy').saved_plan_of, st.plan, function(name) return f:read(name) end)
-  if not ok then fail("load_checkpoint: '%s': its sampler plan: %s", f:path(), tostring(plan)) end
+  if not ok then
+    fail("load_checkpoint: '%s': its sampler plan: %s", f:path(), (tostring(plan):gsub('^[^\n]-:%d+: ', '')))
+  end
   return plan
 end
 
