@@ -285,26 +285,30 @@ end
 -- over the dataset indices `rest` only (what a run on other ranks had not
 -- read of it: a list, or an order, M.unread's window), planned as a
 -- dataset of #rest samples in that order (no shuffle) and mapped onto
--- them; restore_plan makes it the epoch's. An order planned over an order
--- stays one: the plan's runs over the rest's window.
+-- them (M.over); restore_plan makes it the epoch's.
 function Sampler:plan_of(e, rest)
   local ctx, m = self:ctx(e), #rest
   ctx.dataset_len, ctx.params.shuffle = m, false
   local ok, plan = pcall(method(self.policy, 'plan'), ctx)
   if not ok then fail(self:where(), 'plan() failed: ' .. tostring(plan)) end
   plan = M.check_plan(plan, m, self:where())
-  local idx, lazy = plan.indices, ds.data.is_order(rest)
-  local out
+  return { epoch = e, indices = M.over(rest, plan.indices), micro_batch = plan.micro_batch, note = plan.note }
+end
+
+-- M.over(rest, idx) -> the dataset indices at the 0-based positions idx (a
+-- list, a tensor or an order) of rest (a list or an order): an order when
+-- both are and idx is unshuffled over the whole of rest (its runs taken
+-- over rest's window), else a list.
+function M.over(rest, idx)
+  local m, lazy = #rest, ds.data.is_order(rest)
   if lazy and ds.data.is_order(idx) then
     local d = idx:describe()
-    if d.seed == nil and d.window[1] == 0 and d.window[2] == m then out = rest:cut(d.runs) end
+    if d.seed == nil and d.n == m and d.window[1] == 0 then return rest:cut(d.runs) end
   end
-  if not out then
-    if ds.is_tensor(idx) or ds.data.is_order(idx) then idx = idx:totable() end
-    out = {}
-    for i, k in ipairs(idx) do out[i] = lazy and rest:at(k) or rest[k + 1] end
-  end
-  return { epoch = e, indices = out, micro_batch = plan.micro_batch, note = plan.note }
+  if ds.is_tensor(idx) or ds.data.is_order(idx) then idx = idx:totable() end
+  local out = {}
+  for i, k in ipairs(idx) do out[i] = lazy and rest:at(k) or rest[k + 1] end
+  return out
 end
 
 -- The end of the first k positions of runs (one past the largest), or

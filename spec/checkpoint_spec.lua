@@ -353,26 +353,36 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
   end)
 
   -- 2 ranks save at step 3 of epoch 1, 3 ranks load that, read 2 steps
-  -- and save, 1 rank loads that and ends the epoch
+  -- and save, 1 rank loads that and ends the epoch: each hop's options
+  local function uneven(micro, share) return { policy = 'uneven', micro_batch_per_rank = micro, data_share = share,
+                                               seed = 3 } end
+  local function distributed(micro) return { policy = 'distributed', micro_batch_per_rank = micro, seed = 3 } end
   local CHAINS = {
-    { name = 'the distributed policy', blocks = {
-      { policy = 'distributed', micro_batch_per_rank = { 4, 4 }, seed = 3 },
-      { policy = 'distributed', micro_batch_per_rank = { 3, 3, 3 }, seed = 3 },
-      { policy = 'distributed', micro_batch_per_rank = { 8 }, seed = 3 } } },
-    { name = 'the uneven policy over token shards', shards = true, blocks = {
-      { policy = 'uneven', micro_batch_per_rank = { 6, 2 }, data_share = { 0.75, 0.25 }, seed = 3 },
-      { policy = 'uneven', micro_batch_per_rank = { 4, 2, 2 }, data_share = { 0.5, 0.25, 0.25 }, seed = 3 },
-      { policy = 'uneven', micro_batch_per_rank = { 8 }, seed = 3 } } },
+    { name = 'DeepSpeed\'s loader', hops = { { micro = 4 }, { micro = 3 }, { micro = 8 } } },
+    { name = 'the distributed policy', hops = { { sampler = distributed { 4, 4 } },
+                                                { sampler = distributed { 3, 3, 3 } },
+                                                { sampler = distributed { 8 } } } },
+    { name = 'the uneven policy over token shards', shards = true, hops = {
+      { sampler = uneven({ 6, 2 }, { 0.75, 0.25 }) }, { sampler = uneven({ 4, 2, 2 }, { 0.5, 0.25, 0.25 }) },
+      { sampler = uneven { 8 } } } },
   }
   for _, chain in ipairs(CHAINS) do
     it('goes on with exactly the samples not read, 2 -> 3 -> 1 ranks mid-epoch: ' .. chain.name, function()
-      local dir, b = H.tmpdir(), chain.blocks
-      local shards = chain.shards and H.tmpdir() or nil
-      local first = run(2, { dir = dir, steps = 3, save_at = 3, sampler = b[1], shards = shards })
-      local second, out = run(3, { dir = dir, load = 'global_step3', steps = 5, save_at = 5, sampler = b[2],
-                                   shards = shards })
+      local dir, shards = H.tmpdir(), chain.shards and H.tmpdir() or nil
+      local function hop(np, k, o)
+        o.dir, o.shards, o.sampler, o.micro = dir, shards, chain.hops[k].sampler, chain.hops[k].micro
+        return run(np, o)
+      end
+      local first = hop(2, 1, { steps = 3, save_at = 3 })
+      local second, out = hop(3, 2, { load = 'global_step3', steps = 5, save_at = 5 })
       H.has(out, 'saved on 2 ranks, loaded on 3: epoch 1 goes on with the ' .. 96 - first.global_samples)
-      local third = run(1, { dir = dir, load = 'global_step5', steps = 40, sampler = b[3], shards = shards })
+      -- the rest of the epoch is kept as an order, not its indices
+      local tensors, meta = CK.load_file(dir .. '/global_step5/rank_00001.safetensors')
+      local st = ds.json.decode(meta.dslua)
+      assert.is_nil(tensors['loader/order'])
+      assert.is_nil(tensors['sampler/indices'])
+      assert.are.equal(96, (st.plan or st.loader).order.n)
+      local third = hop(1, 3, { load = 'global_step5', steps = 40 })
       one_epoch(first, second, third)
     end)
   end

@@ -286,8 +286,9 @@ describe('an epoch of 20M windows', function()
   it('is resumed mid-epoch on 3 ranks from 2 ranks\' saved plans with memory that does not grow with it', function()
     -- the plans of 2 ranks under the uneven policy halfway through the
     -- epoch as a checkpoint keeps them (JSON), then for each of 3 ranks the
-    -- rest planned and 50 batches of it read; figures: the saved plans'
-    -- bytes, and how far the rest's length is from the samples not read
+    -- rest planned and 50 batches of it read; the same for DeepSpeed's
+    -- loader; figures: the saved plans' bytes, and how far each rest's
+    -- length is from the samples not read
     local f = child [[
       local bytes, read_sum, saved = 0, 0, {}
       for r = 0, 1 do
@@ -308,10 +309,24 @@ describe('an epoch of 20M windows', function()
         l:resume { epoch = 1, step = 0, samples = 0 }
         read(l, u:order(1), 0)
       end
-      figures(bytes, N - read_sum - #rest)
+      -- DeepSpeed's loader: DistributedSampler's shares on 2 ranks after
+      -- 1000 batches of 8, the rest split so on 3
+      local shares = {}
+      for r = 0, 1 do
+        shares[r + 1] = { order = DS(d, { num_replicas = 2, rank = r, seed = 0 }):order(1):describe(), samples = 8000 }
+      end
+      local left = P.unread(shares)
+      for r = 0, 2 do
+        local mine = P.over(left, DS(#left, { num_replicas = 3, rank = r, shuffle = false }):order(0))
+        local l = ds.data.loader(d, { batch_size = 8, shuffle = false, num_workers = 2 })
+        l:resume { epoch = 1, step = 0, samples = 0, order = mine }
+        read(l, mine, 0)
+      end
+      figures(bytes, N - read_sum - #rest, N - 16000 - #left)
     ]]
     -- each rank's plan a few runs, where its indices were 8 bytes each
     assert.is_true(f[1] < 1024, 'the saved plans take ' .. f[1] .. ' bytes')
     assert.are.equal(0, f[2], 'the rest is not the samples left unread')
+    assert.are.equal(0, f[3], 'the rest of DistributedSampler\'s epoch is not the samples left unread')
   end)
 end)

@@ -558,7 +558,7 @@ function Loader:epoch(e)
     pos, submitted, step, own = resume.samples, resume.samples, resume.step, resume.order
     if own then
       order, n = own, #own
-      if n > 0 and self:gathers_in_c() then order = core.tensor(own, 'i64') end
+      if n > 0 and type(own) == 'table' and self:gathers_in_c() then order = core.tensor(own, 'i64') end
     end
   end
   local at = { epoch = e, step = step, samples = pos, order = own }
@@ -626,8 +626,8 @@ end
 -- out so far in the current epoch. loader:resume{epoch, step, samples [,
 -- order]}: the next loader:epoch() (or loader:epoch(epoch)) starts there,
 -- after `step` batches holding `samples` samples, reading that epoch in
--- `order` (0-based indices) when given (a checkpoint's load sets it; an
--- epoch() of another epoch drops it).
+-- `order` (0-based indices, a list or a ds.data.order) when given (a
+-- checkpoint's load sets it; an epoch() of another epoch drops it).
 function Loader:resume(at)
   if type(at) ~= 'table' then fail('loader:resume', 'expected {epoch, step, samples}, got a %s', type(at)) end
   for _, k in ipairs({ 'epoch', 'step', 'samples' }) do
@@ -636,11 +636,15 @@ function Loader:resume(at)
       fail('loader:resume', '%s must be a non-negative integer, got %s', k, tostring(v))
     end
   end
-  if at.order ~= nil then
-    if type(at.order) ~= 'table' then
-      fail('loader:resume', 'order must be a list of 0-based indices, got a %s', type(at.order))
+  local n = dataset_len(self.dataset)
+  if M.is_order(at.order) then
+    if #at.order > 0 and at.order:domain() > n then
+      fail('loader:resume', 'order is an order of [0, %d), the dataset has %d', at.order:domain(), n)
     end
-    local n = dataset_len(self.dataset)
+  elseif at.order ~= nil then
+    if type(at.order) ~= 'table' then
+      fail('loader:resume', 'order must be a list of 0-based indices or an order, got a %s', type(at.order))
+    end
     for i, v in ipairs(at.order) do
       if type(v) ~= 'number' or v ~= math.floor(v) or v < 0 or v >= n then
         fail('loader:resume', 'order[%d] = %s is not an index of the dataset [0, %d)', i, tostring(v), n)

@@ -393,29 +393,48 @@ local function saved_plan(f, st)
   return plan
 end
 
--- Saved rank r's list of the epoch's dataset indices: its sampler plan, an
--- order of its own (itself resumed on another world size), else DeepSpeed's
--- DistributedSampler of the saved world size (on one rank the loader's
--- own shuffle, the same order).
+-- The order a rank file describes (d: ds.data.order's options and n), its
+-- faults named with the file.
+local function order_of(f, d)
+  local ok, o = pcall(ds.data.order, d.n, d)
+  if not ok then fail("load_checkpoint: '%s': its order: %s", f:path(), (tostring(o):gsub('^[^\n]-:%d+: ', ''))) end
+  return o
+end
+
+-- Saved rank r's order of the epoch as ds.data.order takes it, or nil where
+-- it was kept as a list: its sampler plan, an order of its own (itself
+-- resumed on another world size), else DeepSpeed's DistributedSampler of
+-- the saved world size (on one rank the loader's own shuffle, the same
+-- order).
+local function saved_order(st, m, r, n)
+  if st.plan then return st.plan.order end
+  if st.loader.order then return type(st.loader.order) == 'table' and st.loader.order or nil end
+  if st.sampler then return nil end
+  local DS = require('samplers.distributed').new(n, { num_replicas = m.world_size, rank = r })
+  return DS:order(st.loader.epoch):describe()
+end
+
+-- Saved rank r's list of the epoch's dataset indices.
 local function saved_list(f, st, m, r, n)
-  if st.plan then
-    local idx = saved_plan(f, st).indices
-    return idx:totable()
-  end
+  if st.plan then return saved_plan(f, st).indices:totable() end
+  local d = saved_order(st, m, r, n)
+  if d then return order_of(f, d):totable() end
   if st.loader.order then return f:read('loader/order'):totable() end
-  if st.sampler then return {} end
-  return require('samplers.distributed').new(n, { num_replicas = m.world_size, rank = r }):indices(st.loader.epoch)
+  return {}
 end
 
 -- The rest of the epoch as an order (samplers.policy's unread: nothing
--- per sample) when every saved rank's plan of it is an order, else nil.
-local function unread_order(m, get, epoch)
+-- per sample) when every saved rank's order of it is kept as one, else nil.
+local function unread_order(m, get, epoch, n)
   local saved = {}
   for r = 0, m.world_size - 1 do
-    local st = decode_rank_state(get(r))
-    local plan, pos = st.plan, st.loader
-    if not (plan and plan.order and plan.epoch == epoch and pos and pos.epoch == epoch) then return nil end
-    saved[#saved + 1] = { order = plan.order, samples = pos.samples }
+    local f = get(r)
+    local st = decode_rank_state(f)
+    local pos = st.loader
+    if not (pos and pos.epoch == epoch) or (st.plan and st.plan.epoch ~= epoch) then return nil end
+    local d = saved_order(st, m, r, n)
+    if not d then return nil end
+    saved[#saved + 1] = { order = order_of(f, d):describe(), samples = pos.samples }
   end
   return require('samplers.policy').unread(saved)
 end
@@ -453,19 +472,16 @@ end
 local function resume_unread(engine, m, get, pos)
   local l, sm = engine.training_dataloader, engine.sampler
   local n = sm and sm.dataset_len or ds.data.len(l.dataset)
-  local rest = sm and unread_order(m, get, pos.epoch) or unread(m, get, pos.epoch, n)
+  local rest = unread_order(m, get, pos.epoch, n) or unread(m, get, pos.epoch, n)
   local steps
   if sm then
     sm:restore_plan(sm:plan_of(pos.epoch, rest))
     l:resume { epoch = pos.epoch, step = 0, samples = 0 }
     steps = sm:steps()
   else
-    local P, mine = nranks(engine), rest
-    if P > 1 then
-      mine = {}
-      local DS = require('samplers.distributed').new(#rest, { num_replicas = P, rank = engine.rank, shuffle = false })
-      for i, k in ipairs(DS:indices(0)) do mine[i] = rest[k + 1] end
-    end
+    local P = nranks(engine)
+    local DS = require('samplers.distributed').new(#rest, { num_replicas = P, rank = engine.rank, shuffle = false })
+    local mine = require('samplers.policy').over(rest, DS:order(0))
     l:resume { epoch = pos.epoch, step = 0, samples = 0, order = mine }
     steps = math.ceil(#mine / l.batch_size)
   end
@@ -487,7 +503,12 @@ local function restore_rank_state(engine, m, get)
   if not (l and st.loader and st.loader.epoch) then return end
   local pos = st.loader
   if same then
-    local order = pos.order and f:read('loader/order'):totable() or nil
+    local order = pos.order
+    if type(order) == 'table' then
+      order = order_of(f, order)
+    elseif order then
+      order = f:read('loader/order'):totable()
+    end
     return l:resume { epoch = pos.epoch, step = pos.step, samples = pos.samples, order = order }
   end
   if not m.pipeline then return resume_unread(engine, m, get, pos) end

@@ -103,9 +103,15 @@ local function rank_state(engine, tensors)
   if l and l.position then
     local pos = l.position
     st.loader = { epoch = pos.epoch, step = pos.step, samples = pos.samples,
-                  steps = engine.sampler and engine.sampler:steps() or #l, order = pos.order and true or nil }
-    -- an epoch resumed on another world size reads its own order (the rest)
-    if pos.order then tensors[#tensors + 1] = { 'loader/order', ds.tensor(pos.order, 'i64') } end
+                  steps = engine.sampler and engine.sampler:steps() or #l }
+    -- an epoch resumed on another world size reads its own order (the
+    -- rest): an order's description, or a list as a tensor
+    if ds.data.is_order(pos.order) then
+      st.loader.order = pos.order:describe()
+    elseif pos.order then
+      st.loader.order = true
+      tensors[#tensors + 1] = { 'loader/order', ds.tensor(pos.order, 'i64') }
+    end
   end
   local sm = engine.sampler
   if sm then
