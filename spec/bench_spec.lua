@@ -1,6 +1,6 @@
 -- The bench drivers' behaviour that needs no measurement: bench/gpu.sh
--- without a GPU, and bench/shards.sh's quick run (its corpus deleted on
--- exit). Each runs the binary under test from a bare build folder (a link
+-- without a GPU, and bench/shards.sh's and bench/resume.sh's quick runs
+-- (their files deleted on exit). Each runs the binary under test from a bare build folder (a link
 -- to it), which the drivers use as it is.
 local H = require 'helpers'
 local ds = H.ds
@@ -54,6 +54,18 @@ describe('bench drivers', function()
     H.has(out, 'corpus: 2 shards, 0.00 billion tokens')
     assert.matches('20 steps after the first: loss [%d.]+ %-> [%d.]+, %d+ tokens/s', out)
     for r = 0, 1 do assert.matches('rank ' .. r .. ' | peak resident %d+ MB | anonymous %d+ MB', out) end
+    assert.are.equal('', (H.run('ls -A ' .. parent)))
+  end)
+
+  it('bench/resume.sh -q saves on 2 ranks, loads on 3, reports the state and memory and deletes its files', function()
+    if not H.have_mpirun() then return pending('mpirun is not on PATH') end
+    local parent = tmpdir()
+    local out, status = H.run('timeout 300 bash bench/resume.sh -q -b ' .. bare_build() .. ' -d ' .. parent)
+    assert.are.equal(0, status, out)
+    H.has(out, 'corpus: 2 shards, 249998 windows of 8 tokens; the uneven policy; saved after 3 steps on 2 ranks')
+    H.has(out, 'saved on 2 ranks, loaded on 3: epoch 1 goes on with the 249974 of its 249998 samples')
+    for r = 0, 1 do assert.matches('rank ' .. r .. ' | sampler and loader state %d+ bytes', out) end
+    for r = 0, 2 do assert.matches('rank ' .. r .. ' | load_checkpoint: anonymous memory [+-]%d+ KB', out) end
     assert.are.equal('', (H.run('ls -A ' .. parent)))
   end)
 end)
