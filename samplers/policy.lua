@@ -303,7 +303,7 @@ function M.over(rest, idx)
   local m, lazy = #rest, ds.data.is_order(rest)
   if lazy and ds.data.is_order(idx) then
     local d = idx:describe()
-    if d.seed == nil and d.n == m and d.window[1] == 0 then return rest:cut(d.runs) end
+    if d.seed == nil and d.n == m and d.window[1] == 0 and d.window[2] == m then return rest:cut(d.runs) end
   end
   if ds.is_tensor(idx) or ds.data.is_order(idx) then idx = idx:totable() end
   local out = {}
@@ -504,6 +504,18 @@ function M.saved_plan_of(rec, read)
   local idx = rec.order and ds.data.order(rec.order.n, rec.order) or read('sampler/indices')
   local mb = rec.micro_batch
   if not mb and rec.micro_batch_runs then
+    -- checked before they are written out: their sizes must fill the indices
+    local total = 0
+    for k, r in ipairs(rec.micro_batch_runs) do
+      if type(r) ~= 'table' or not integer(r[1]) or r[1] < 1 or not integer(r[2]) or r[2] < 0 then
+        error(string.format('micro_batch_runs[%d] is not {size >= 1, count >= 0}', k), 0)
+      end
+      total = total + r[1] * r[2]
+    end
+    local count = ds.is_tensor(idx) and idx:numel() or #idx
+    if total ~= count then
+      error(string.format('micro_batch_runs hold %d samples, the indices %d', total, count), 0)
+    end
     mb = {}
     for _, r in ipairs(rec.micro_batch_runs) do
       for _ = 1, r[2] do mb[#mb + 1] = r[1] end

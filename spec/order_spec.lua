@@ -206,6 +206,21 @@ describe('an epoch resumed on other ranks from its plans', function()
     assert.are.same({ o:at(2), o:at(3), o:at(4), o:at(5), o:at(6), o:at(7), o:at(8), o:at(9) },
                     P.unread({ { order = d, samples = 1 }, { order = f, samples = 1 } }):totable())
   end)
+
+  it('maps positions of the rest onto it: runs over its window, else a list', function()
+    local rest = ds.data.order(10, { seed = 1, window = { 4, 6 } })
+    assert.are.equal(rest:cut { { 1, 2, 1, 4 } }, P.over(rest, ds.data.order(6, { runs = { { 1, 2, 1, 4 } } })))
+    assert.are.same({ rest:at(1), rest:at(3), rest:at(5), rest:at(1) },
+                    rest:cut({ { 1, 2, 1, 4 } }):totable())                  -- the padding wraps within the rest
+    -- positions over a window of their own (mod 4, not 6) or shuffled are looked up one by one
+    local inner = ds.data.order(6, { window = { 0, 4 }, runs = { { 2, 1, 1, 4 } } })
+    assert.are.same({ rest:at(2), rest:at(3), rest:at(0), rest:at(1) }, P.over(rest, inner))
+    local shuffled = ds.data.order(6, { seed = 3 })
+    local want = {}
+    for i, k in ipairs(shuffled:totable()) do want[i] = rest:at(k) end
+    assert.are.same(want, P.over(rest, shuffled))
+    assert.are.same({ 7, 9 }, P.over({ 5, 7, 9 }, { 1, 2 }))
+  end)
 end)
 
 describe('an epoch of 20M windows', function()

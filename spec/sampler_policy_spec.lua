@@ -401,6 +401,37 @@ return { plan = function(ctx) return { indices = ds.tensor({ 0.5 }), micro_batch
     assert.are_not.equal(sd.hash, b:state_dict().hash)
   end)
 
+  it('is kept for a checkpoint as its order and runs of sizes, a list plan as tensors, and read back', function()
+    local opts = { dataset_len = 40, rank = 0, world_size = 1, micro_batch = 3 }
+    local lazy = { plan = function(ctx)
+      return { indices = ds.data.order(ctx.dataset_len, { seed = ctx.epoch, runs = { { 2, 3, 2, 6 } } }),
+               micro_batch = { 3, 3, 3, 1, 1, 1 } }
+    end }
+    local s = P.new({ policy = lazy }, opts)
+    s:set_epoch(2)
+    local rec, tensors = s:saved_plan()
+    rec = json.decode(json.encode(rec))
+    assert.are.same({}, tensors)
+    assert.are.same({ { 3, 3 }, { 1, 3 } }, rec.micro_batch_runs)
+    local back = P.saved_plan_of(rec, function(name) error('read ' .. name) end)
+    assert.are.equal(s:order(), back.indices)
+    assert.are.same({ 3, 3, 3, 1, 1, 1 }, back.micro_batch)
+    s:restore_plan(back)
+    assert.are.equal(6, s:steps())
+    -- a list plan keeps its indices, 8 bytes each
+    local l = P.new({ policy = { plan = function() return { indices = { 5, 1, 4 }, micro_batch = 2 } end } }, opts)
+    l:set_epoch(0)
+    rec, tensors = l:saved_plan()
+    assert.are.equal('sampler/indices', tensors[1][1])
+    assert.are.same({ 5, 1, 4 }, P.saved_plan_of(rec, function() return tensors[1][2] end).indices:totable())
+    -- runs of sizes that do not fill the indices are refused before they are written out
+    rec = json.decode(json.encode((s:saved_plan())))
+    rec.micro_batch_runs[2][2] = 1e15
+    has(err(P.saved_plan_of, rec), 'micro_batch_runs hold 1000000000000009 samples, the indices 12')
+    rec.micro_batch_runs[2] = { 0, 3 }
+    has(err(P.saved_plan_of, rec), 'micro_batch_runs[2] is not {size >= 1, count >= 0}')
+  end)
+
   it('finds a policy file next to the config file', function()
     local cdir = tmpdir()
     write(cdir .. '/mine.lua', 'return { plan = function(ctx) return { indices = {}, micro_batch = 1 } end }')
