@@ -471,7 +471,9 @@ describe('a policy sampler\'s plan in a checkpoint', function()
 
   -- spec/fixtures/ckpt_plan/global_step5: run.lua's model on 2 ranks under
   -- the uneven policy, saved at step 5 by a dslua that kept a plan as its
-  -- indices (sampler/indices, an i64 tensor)
+  -- indices (sampler/indices, an i64 tensor): commit 7e4899b's
+  -- `mpirun -np 2 dslua spec/ckpt/run.lua out.json '{"dir": D, "steps": 5,
+  -- "save_at": 5, "sampler": UNEVEN}'`, D/global_step5 copied here
   describe('saved with the plan as its indices', function()
     if H.skip_without_mpirun() then return end
     local FIXTURE = 'spec/fixtures/ckpt_plan'
