@@ -384,6 +384,13 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
       assert.are.equal(96, (st.plan or st.loader).order.n)
       local third = hop(1, 3, { load = 'global_step5', steps = 40 })
       one_epoch(first, second, third)
+      -- on 3 ranks again that order resumes to the bit of the run that went on
+      local went_on = hop(3, 2, { load = 'global_step3', steps = 8 })
+      local again = hop(3, 2, { load = 'global_step5', steps = 8 })
+      assert.are.same({ 6, 7, 8 }, steps_of(again))
+      for step = 6, 8 do
+        assert.are.same(went_on.losses[tostring(step)], again.losses[tostring(step)], 'step ' .. step)
+      end
     end)
   end
 
