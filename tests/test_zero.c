@@ -450,7 +450,7 @@ static void test_offload_pipeline(void) {
     for (int i = 0; i < 10; i++) dev_grads[i] = (float)i;
     deferred d = { 0 };
     pipe_case pc = { &d, host_grads, host_params, -1 };
-    ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d };
+    ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d, NULL };
     ds_offload_plan p = { .n = 10, .chunk = 4, .grad_src = (const char *)dev_grads, .grad_dst = (char *)host_grads,
                           .grad_size = 4, .param_src = (const char *)host_params, .param_dst = (char *)dev_params,
                           .param_size = 4, .step = p_step, .ud = &pc };
@@ -476,13 +476,13 @@ static void test_offload_pipeline(void) {
           d3.done[0] == d3.queued[0] && d3.done[1] == d3.queued[1], "a failed step: %s", d3.log);
 }
 
-/* A stage-2 engine with masters over p, its master (*master, a new
+/* An engine with masters at stage over p, its master (*master, a new
  * reference) and AdamW over it (*o, h) attached; a failure is reported,
  * naming what and e. */
-static ds_zero *offload_engine(ds_tensor **p, const ds_optim_hparams *h, ds_optim **o, ds_tensor **master,
+static ds_zero *offload_engine(ds_tensor **p, int stage, const ds_optim_hparams *h, ds_optim **o, ds_tensor **master,
                                const char *what, int e) {
     ds_zero_config cfg = config(true);
-    cfg.stage = 2;
+    cfg.stage = stage;
     int counts[1] = { NP };
     ds_zero *z = ds_zero_new(&cfg, 1, counts, p, NULL);
     *master = z ? ds_zero_master(z, 0) : NULL;
@@ -492,49 +492,76 @@ static ds_zero *offload_engine(ds_tensor **p, const ds_optim_hparams *h, ds_opti
     return z;
 }
 
+/* One optimizer step of engine z over gas micro steps (loss scale 8,
+ * clipping 1), stage 3 gathering for each forward; d: the copier of an
+ * offloaded engine (NULL: none), whose gradient rows must each have
+ * started down in the backward that reduced them, not before the step. */
+static void offload_train_step(ds_zero *z, ds_tensor **p, int stage, int gas, deferred *d, const char *what) {
+    const ds_optim_hparams h = { .lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
+                                 .bias_correction = true };
+    if (d) *d = (deferred){ 0 };
+    int rows = 0;
+    for (int m = 0; m < gas; m++) {
+        bool reduce = ds_zero_reduces(z, m == gas - 1);
+        if (stage == 3) check(ds_zero_gather_all(z) == 0, "%s: gather: %s", what, ds_error_message());
+        ds_tensor *loss = loss_of(p, 8);
+        check(ds_zero_backward(z, loss, reduce) == 0, "%s backward %d: %s", what, m, ds_error_message());
+        ds_tensor_release(loss);
+        rows += reduce ? ds_zero_n_buckets(z) : 0;
+        if (d)
+            check(d->queued[0] == rows && d->done[0] == rows - (reduce ? ds_zero_n_buckets(z) : 0),
+                  "%s micro step %d: %d rows started down in backward, %d done (want %d, %d): %s", what, m,
+                  d->queued[0], d->done[0], rows, rows - ds_zero_n_buckets(z), d->log);
+    }
+    ds_zero_result r;
+    check(ds_zero_step(z, &h, 8, 1.0, false, &r) == 0, "%s step: %s", what, ds_error_message());
+    if (d) check(d->done[0] == rows && d->done[1] == 5, "%s: %d rows came down, 23 elements went up in %d chunks",
+                 what, d->done[0], d->done[1]);
+}
+
 /* The engine's offload step through the pipeline (deferred copies, chunks
  * of 5 across the parameters' boundaries) writes the same bits as the
- * plain step, AdamW with a gradient factor, f32 and bf16 parameters. */
+ * plain step, AdamW with a gradient factor and clipping, f32 and bf16
+ * parameters, stages 1-3 (stage 3 through its shards' refresh), one and
+ * three micro steps; each reduced row starts down in its backward. */
 static void test_offload_engine(void) {
     const ds_dtype dts[2] = { DS_F32, DS_BF16 };
-    for (int k = 0; k < 2; k++) {
-        ds_tensor *p[2][NP];
-        ds_zero *z[2];
-        ds_optim *o[2];
-        ds_tensor *master[2];
-        deferred d = { 0 };
-        ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d };
-        ds_optim_hparams h = { .lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
-                               .bias_correction = true };
-        for (int e = 0; e < 2; e++) {
-            make_params(p[e], dts[k]);
-            z[e] = offload_engine(p[e], &h, &o[e], &master[e], "offload engine", e);
-        }
-        check(ds_zero_offload_use(z[1], &c, 5) == 0, "offload use: %s", ds_error_message());
-        for (int step = 0; step < 3; step++) {
-            for (int e = 0; e < 2; e++) {
-                d.queued[1] = d.done[1] = 0;
-                ds_tensor *loss = loss_of(p[e], 8);
-                ds_zero_result r;
-                check(ds_zero_backward(z[e], loss, true) == 0 && ds_zero_step(z[e], &h, 8, 1.0, false, &r) == 0,
-                      "offload engine %d step %d: %s", e, step, ds_error_message());
-                ds_tensor_release(loss);
+    const ds_optim_hparams h = { .lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
+                                 .bias_correction = true };
+    for (int k = 0; k < 2; k++)
+        for (int stage = 1; stage <= 3; stage++)
+            for (int gas = 1; gas <= 3; gas += 2) {
+                ds_tensor *p[2][NP], *master[2];
+                ds_zero *z[2];
+                ds_optim *o[2];
+                deferred d = { 0 };
+                ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d, NULL };
+                char what[64];
+                snprintf(what, sizeof what, "offload %s stage %d gas %d", ds_dtype_name(dts[k]), stage, gas);
+                for (int e = 0; e < 2; e++) {
+                    make_params(p[e], dts[k]);
+                    z[e] = offload_engine(p[e], stage, &h, &o[e], &master[e], what, e);
+                }
+                check(ds_zero_offload_use(z[1], &c, 5) == 0, "offload use: %s", ds_error_message());
+                for (int step = 0; step < 3; step++) {
+                    offload_train_step(z[0], p[0], stage, gas, NULL, what);
+                    offload_train_step(z[1], p[1], stage, gas, &d, what);
+                }
+                for (int e = 0; e < 2 && stage == 3; e++)
+                    check(ds_zero_gather_all(z[e]) == 0, "%s: gather: %s", what, ds_error_message());
+                size_t es = ds_dtype_size(dts[k]);
+                for (int i = 0; i < NP; i++)
+                    check(memcmp(ds_tensor_data(p[0][i]), ds_tensor_data(p[1][i]), (size_t)SIZES[i] * es) == 0,
+                          "%s parameter %d: the pipeline's bits", what, i);
+                check(memcmp(ds_tensor_data(master[0]), ds_tensor_data(master[1]), 23 * 4) == 0,
+                      "%s masters: the same bits", what);
+                for (int e = 0; e < 2; e++) {
+                    ds_tensor_release(master[e]);
+                    ds_zero_free(z[e]);
+                    ds_optim_free(o[e]);
+                    for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
+                }
             }
-            check(d.done[1] == 5, "%s: 23 elements go up in 5 chunks (%d)", ds_dtype_name(dts[k]), d.done[1]);
-        }
-        size_t es = ds_dtype_size(dts[k]);
-        for (int i = 0; i < NP; i++)
-            check(memcmp(ds_tensor_data(p[0][i]), ds_tensor_data(p[1][i]), (size_t)SIZES[i] * es) == 0,
-                  "%s parameter %d: the pipeline's bits", ds_dtype_name(dts[k]), i);
-        check(memcmp(ds_tensor_data(master[0]), ds_tensor_data(master[1]), 23 * 4) == 0, "%s masters: the same bits",
-              ds_dtype_name(dts[k]));
-        for (int e = 0; e < 2; e++) {
-            ds_tensor_release(master[e]);
-            ds_zero_free(z[e]);
-            ds_optim_free(o[e]);
-            for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
-        }
-    }
 }
 
 /* On a GPU (a CUDA build on a machine with one): the engine's offloaded
@@ -563,7 +590,7 @@ static void test_offload_gpu(void) {
                 p[e][i]->requires_grad = true;
                 ds_tensor_release(host[i]);
             }
-            z[e] = offload_engine(p[e], &h, &o[e], &master[e], "gpu offload engine", e);
+            z[e] = offload_engine(p[e], 2, &h, &o[e], &master[e], "gpu offload engine", e);
         }
         ds_cuda_mem_info info;
         check(ds_cuda_memory_info(0, &info) == 0 && info.pinned >= 2 * 23 * 4, "the masters are page-locked (%lld bytes)",

@@ -26,6 +26,10 @@
  *   z:exclude_from_norm(param)  (a tied weight a pipeline's earlier stage counts,
  *                              a replicated one tensor rank 0 counts)
  *   z:offload_params(file | nil)  stage 3's shards into host memory, or the file
+ *   z:offload_on_host(chunk)   the test hook of CPU ranks: ZeRO-Offload's pipeline with copies
+ *                              made on the host when waited for, chunks of chunk elements
+ *   z:offload_counts() -> chunks, rows | nil   the pipeline's chunks stepped and reduced rows
+ *                              fetched in backward so far (nil: no pipeline)
  *   z:take_local_grads()       masters at stage 0: this rank's unreduced gradients into the masters'
  *   z:reduces(boundary) -> bool   does this micro step's backward reduce?
  *   z:holds() -> 'flat' | 'masters' | 'streamed'   what holds the fp32 weights stepped
@@ -480,6 +484,20 @@ static int l_offload_params(lua_State *L) {
     return 0;
 }
 
+static int l_offload_on_host(lua_State *L) {
+    lua_Integer chunk = luaL_checkinteger(L, 2);
+    if (ds_zero_offload_on_host(check_engine(L), (int64_t)chunk)) return dsL_error(L);
+    return 0;
+}
+
+static int l_offload_counts(lua_State *L) {
+    int64_t chunks, rows;
+    if (!ds_zero_offload_counts(check_engine(L), &chunks, &rows)) return 0;
+    lua_pushinteger(L, (lua_Integer)chunks);
+    lua_pushinteger(L, (lua_Integer)rows);
+    return 2;
+}
+
 ENGINE_OP(l_take_local_grads, ds_zero_take_local_grads)
 
 static int l_reduces(lua_State *L) {
@@ -513,6 +531,7 @@ static const luaL_Reg engine_methods[] = {
     {"post_forward", l_post_forward}, {"gather_all", l_gather_all}, {"release_all", l_release_all},
     {"shard", l_shard}, {"persistent", l_persistent}, {"set_logging", l_set_logging},
     {"comm_records", l_comm_records}, {"offload_params", l_offload_params},
+    {"offload_on_host", l_offload_on_host}, {"offload_counts", l_offload_counts},
     {"take_local_grads", l_take_local_grads}, {"reduces", l_reduces}, {"holds", l_holds}, {"parts", l_parts},
     {"close", l_close},
     {NULL, NULL}

@@ -202,13 +202,20 @@ ds_zero *ds_zero_new(const ds_zero_config *c, int n_groups, const int *counts, d
     return z;
 }
 
+static void drop_flights(ds_zero *z) {
+    for (int k = 0; k < z->n_flights; k++) {
+        ds_comm_work_release(z->flights[k].work);
+        ds_tensor_release(z->flights[k].buf);
+        ds_tensor_release(z->flights[k].down);
+    }
+    z->n_flights = 0;
+}
+
 void ds_zero_free(ds_zero *z) {
     if (!z) return;
     ds_zero_free_stage3(z);
-    for (int f = 0; f < z->n_flights; f++) {
-        ds_comm_work_release(z->flights[f].work);
-        ds_tensor_release(z->flights[f].buf);
-    }
+    ds_zero_offload_settle(z);      /* the rows still coming down write into the flights' buffers */
+    drop_flights(z);
     for (int i = 0; z->p && i < z->n; i++) {
         zparam *q = &z->p[i];
         if (!q->param) continue;
@@ -251,14 +258,22 @@ static int launch_ready(ds_zero *z) {
     return 0;
 }
 
-/* Notes when each bucket in flight completes (for the stats), moving them along. */
+/* A flight seen complete: noted for the stats, its row on its way. */
+static int arrive(ds_zero *z, zflight *f) {
+    if (!f->done) f->done = ds_zero_now();
+    if (f->arrived || !z->layout->arrive) return 0;
+    f->arrived = true;
+    return z->layout->arrive(z, f);
+}
+
+/* Moves the buckets in flight along, each as it completes. */
 static int poll(ds_zero *z) {
     for (int k = 0; k < z->n_flights; k++) {
         zflight *f = &z->flights[k];
         if (f->done) continue;
         bool done = false;
         if (ds_comm_work_test(f->work, &done)) return -1;
-        if (done) f->done = ds_zero_now();
+        if (done && arrive(z, f)) return -1;
     }
     return 0;
 }
@@ -306,6 +321,7 @@ int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce) {
             for (int b = z->next; b < z->nb; b++) z->b[b].pending = 0;
             rc = launch_ready(z);
         }
+        if (rc == 0) rc = poll(z);
         z->armed = false;
     }
     if (z->c.stage == 3 && ds_zero_after_backward(z)) rc = -1;
@@ -326,27 +342,31 @@ int ds_zero_scale_grads(ds_zero *z, double f) {
 
 /* ---------------------------------------------------------------- step */
 
-/* Waits for every bucket in flight, each landing where the step reads it. */
+/* Waits for every bucket in flight, each landing where the step reads it:
+ * the ones not yet seen complete start on their way as they are, then
+ * the copies still running are waited for, once. */
 static int drain(ds_zero *z) {
     double t0 = ds_zero_now();
     int rc = 0;
-    for (int k = 0; k < z->n_flights; k++) {
+    for (int k = 0; k < z->n_flights && rc == 0; k++) {
         zflight *f = &z->flights[k];
-        if (rc == 0) rc = ds_comm_work_wait(f->work);
-        if (rc == 0 && !f->done) f->done = ds_zero_now();
-        if (rc == 0) rc = z->layout->land(z, f);
+        rc = ds_comm_work_wait(f->work);
+        if (rc == 0) rc = arrive(z, f);
+    }
+    if (ds_zero_offload_settle(z)) rc = -1;
+    for (int k = 0; k < z->n_flights && rc == 0; k++) {
+        zflight *f = &z->flights[k];
+        rc = z->layout->land(z, f);
         if (rc == 0) {
             add_stats_flight(z, f);
             ds_zero_log(z, z->layout->collective(z), f->buf, f->launched);
         }
-        ds_comm_work_release(f->work);
-        ds_tensor_release(f->buf);
     }
     if (z->n_flights) {
         z->stats.wait_ms += 1000 * (ds_zero_now() - t0);
         z->have_stats = true;
     }
-    z->n_flights = 0;
+    drop_flights(z);
     return rc;
 }
 

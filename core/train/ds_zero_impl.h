@@ -27,6 +27,7 @@ typedef struct {
     bool (*reduces)(const ds_zero *z, bool boundary);
     int (*arm)(ds_zero *z);                             /* before a reduced backward */
     ds_comm_work *(*launch)(ds_zero *z, zbucket *b, ds_tensor **buf);
+    int (*arrive)(ds_zero *z, zflight *f);              /* a bucket seen reduced: its row may start on its way */
     int (*land)(ds_zero *z, zflight *f);                /* a reduced bucket where the step reads it */
     const char *(*collective)(const ds_zero *z);        /* the comms logger's name for launch's */
     int (*scale)(ds_zero *z, double f);                 /* the gradients outside the parameters' */
@@ -71,6 +72,8 @@ struct zflight {
     ds_comm_work *work;
     ds_tensor *buf;         /* masters: [P, width] rows; flat: the bucket's view */
     double launched, done;  /* seconds; done 0 while in flight */
+    bool arrived;           /* arrive has seen it */
+    ds_tensor *down;        /* offloaded: its reduced row on its way into host memory, or NULL */
 };
 
 typedef struct {
@@ -181,13 +184,21 @@ void ds_zero_free_stage3(ds_zero *z);
 
 /* ZeRO-Offload from a GPU (ds_zero_offload.c). attach: the masters and
  * their gradients into page-locked host memory, and the pipeline's copier
- * where the device copies asynchronously. step: the optimizer's step and
- * the parameters' refresh through the pipeline; 1 where this step cannot
- * take it (the caller steps as without), 0 done, -1 the error.
- * use: the copier and chunk length the pipeline takes (tests: host
- * memcpys, any device). */
+ * where the device copies asynchronously. fetch: a reduced row (its
+ * reduction complete) starts down into new page-locked memory (*host),
+ * or *host NULL without the pipeline; settle: the host waits for the
+ * rows fetched. step: the optimizer's step through the pipeline, which
+ * also refreshes the parameters when nothing is partitioned; 1 where this
+ * step cannot take it (the caller steps as without), 0 done, -1 the
+ * error. sent: after a step it took, partitioned, each group's updated
+ * shards in the model's dtype on the device, laid out as its master, for
+ * the refresh (else NULL). use: the copier and chunk length the pipeline
+ * takes (tests: copies on the host, any device). */
 int ds_zero_offload_attach(ds_zero *z, ds_optim *o);
+int ds_zero_offload_fetch(ds_zero *z, ds_tensor *row, ds_tensor **host);
+int ds_zero_offload_settle(ds_zero *z);
 int ds_zero_offload_step(ds_zero *z, const ds_optim_hparams *h, double f);
+ds_tensor *const *ds_zero_offload_sent(const ds_zero *z);
 int ds_zero_offload_use(ds_zero *z, const ds_offload_copier *c, int64_t chunk);
 void ds_zero_offload_free(ds_zero *z);
 

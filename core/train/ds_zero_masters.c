@@ -242,11 +242,25 @@ static ds_comm_work *launch(ds_zero *z, zbucket *b, ds_tensor **buf) {
     return w;
 }
 
+/* This rank's reduced row of f (new reference). */
+static ds_tensor *reduced_row(ds_zero *z, zflight *f) {
+    return z->parts == 1 ? ds_zero_elements(f->buf, 0, z->b[f->bucket].width) : ds_comm_work_result(f->work, 0);
+}
+
+/* Under ZeRO-Offload's pipeline the row starts down now, in backward. */
+static int arrive(ds_zero *z, zflight *f) {
+    ds_tensor *row = reduced_row(z, f);
+    int rc = row ? ds_zero_offload_fetch(z, row, &f->down) : -1;
+    ds_tensor_release(row);
+    return rc;
+}
+
 /* This rank's reduced row added into the master gradient (under offload
- * it comes to the masters' memory first). */
+ * it comes to the masters' memory first, or has come in backward). */
 static int land(ds_zero *z, zflight *f) {
     zbucket *b = &z->b[f->bucket];
-    ds_tensor *row = z->parts == 1 ? ds_zero_elements(f->buf, 0, b->width) : ds_comm_work_result(f->work, 0);
+    ds_tensor *row = f->down ? f->down : reduced_row(z, f);
+    if (f->down) ds_tensor_retain(row);
     ds_tensor *here = row && !ds_device_equal(ds_tensor_device(row), z->c.master_device)
                       ? ds_zero_copy_out(row, 0, b->width, row->dtype, z->c.master_device) : NULL;
     ds_tensor *seg = ds_zero_elements(z->master_grads[b->group], b->offset, b->width);
@@ -280,11 +294,19 @@ static ds_tensor *written_by_step(const ds_zero *z, int g) {
     return ds_device_equal(ds_tensor_device(t), ds_tensor_device(z->masters[g])) ? t : NULL;
 }
 
+/* Where stage 3's shard q is refreshed from: the offload step's shards
+ * where they are on q's own device, else the masters. */
+static ds_tensor *shard_source(const zparam *q, ds_tensor *const *masters, ds_tensor *const *updated) {
+    ds_tensor *t = updated ? updated[q->group] : NULL;
+    return t && ds_device_equal(ds_tensor_device(t), ds_tensor_device(q->own)) ? t : masters[q->group];
+}
+
 /* Parameters from masters: stage 0 copies (casting), but for the groups
  * the optimizer's pass has written when stepped; otherwise each bucket's
  * updated shards are all-gathered (one rank: a copy) into the parameters
- * kept whole, and stage 3's own shards are refreshed. */
-static int refresh(ds_zero *z, ds_tensor *const *masters, bool stepped) {
+ * kept whole, and stage 3's own shards are refreshed, from updated (the
+ * offload step's shards on the device) where it is given. */
+static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *updated, bool stepped) {
     int rc = 0;
     if (z->parts == 1 && z->c.stage != 3) {
         for (int g = 0; g < z->n_groups && rc == 0; g++) {
@@ -310,11 +332,12 @@ static int refresh(ds_zero *z, ds_tensor *const *masters, bool stepped) {
         bool whole = false;
         for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
             zparam *q = &z->p[i];
-            if (q->own) rc = ds_zero_store_shard(z, q, masters[b->group], q->offset);
+            if (q->own) rc = ds_zero_store_shard(z, q, shard_source(q, masters, updated), q->offset);
             else whole = true;
         }
         if (rc || !whole) continue;
-        ds_tensor *send = ds_zero_copy_out(masters[b->group], b->offset, b->width, z->dtype, ds_zero_param_device(z));
+        ds_tensor *send = updated ? ds_zero_elements(updated[b->group], b->offset, b->width)
+                               : ds_zero_copy_out(masters[b->group], b->offset, b->width, z->dtype, ds_zero_param_device(z));
         works[bi] = send ? ds_comm_all_gather(send, z->c.group) : NULL;
         if (!works[bi]) rc = -1;
         sent[bi] = send;
@@ -362,13 +385,14 @@ static int step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, double
     double f = 1 / (n * combined);
     out->grad_norm = norm / loss_scale;
     if (!z->optim) return ds_zero_scale_all(z->n_groups, z->master_grads, f);
-    /* ZeRO-Offload's pipeline steps and refreshes, or says 1 */
+    /* ZeRO-Offload's pipeline steps (and refreshes what is whole), or says 1 */
     rc = ds_zero_offload_step(z, h, f);
+    if (rc == 0 && ds_zero_offload_sent(z)) rc = refresh(z, z->masters, ds_zero_offload_sent(z), true);
     if (rc == 1) {
         ds_tensor *written[z->n_groups];
         for (int g = 0; g < z->n_groups; g++) written[g] = written_by_step(z, g);
         rc = ds_zero_optimizer_step(z, h, z->n_groups, z->master_grads, f, written);
-        if (rc == 0) rc = refresh(z, z->masters, true);
+        if (rc == 0) rc = refresh(z, z->masters, NULL, true);
     }
     return rc == 0 ? ds_zero_zero_grads(z) : rc;
 }
@@ -397,7 +421,7 @@ int ds_zero_refresh(ds_zero *z, int n, ds_tensor *const *masters) {
                            (long long)z->group_len[g]), -1;
     }
     bool prev = ds_set_grad_enabled(false);
-    int rc = refresh(z, masters, false);
+    int rc = refresh(z, masters, NULL, false);
     if (rc == 0) rc = ds_zero_zero_grads(z);
     ds_set_grad_enabled(prev);
     return rc;
@@ -407,13 +431,13 @@ int ds_zero_sync_params(ds_zero *z) {
     if (ds_zero_need_masters(z, "sync_params")) return -1;
     if (!z->optim) return ds_fail(DS_ERR_STATE, "step engine: sync_params needs an optimizer attached"), -1;
     bool prev = ds_set_grad_enabled(false);
-    int rc = refresh(z, z->masters, false);
+    int rc = refresh(z, z->masters, NULL, false);
     ds_set_grad_enabled(prev);
     return rc;
 }
 
 const zlayout ds_zero_masters_layout = {
     .holds = DS_ZERO_HOLDS_MASTERS, .build = build, .free = free_layout, .reduces = reduces, .arm = arm,
-    .launch = launch, .land = land, .collective = collective, .scale = scale, .param_grad = param_grad,
+    .launch = launch, .arrive = arrive, .land = land, .collective = collective, .scale = scale, .param_grad = param_grad,
     .step = step, .zero_grad = zero_grad,
 };

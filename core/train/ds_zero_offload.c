@@ -1,15 +1,21 @@
-/* ZeRO-Offload's step from a GPU: the pipeline of chunks (ds_offload_run)
- * and the step engine's use of it. The masters and their gradients move
- * into page-locked host memory when the optimizer is attached; a step
- * runs the optimizer over each group a chunk at a time, the 16-bit
- * parameters (or f32 ones) written in its pass into page-locked memory
- * and sent up on the copy stream while the next chunk steps. */
+/* ZeRO-Offload's step from a GPU: the pipeline of chunks (ds_offload_run),
+ * the host's stand-in copier, and the step engine's use of them. The
+ * masters and their gradients move into page-locked host memory when the
+ * optimizer is attached. In backward each bucket's reduced row starts
+ * down to host memory on the copy stream as soon as it is seen complete;
+ * the step waits for those still on their way, then runs the optimizer
+ * over each group a chunk at a time, the 16-bit parameters (or f32 ones)
+ * written in its pass into page-locked memory and sent up on the copy
+ * stream while the next chunk steps: into the parameters themselves
+ * where nothing is partitioned, else into this rank's shards on the
+ * device, which the refresh all-gathers (or stores, at stage 3). */
 #include "ds_zero_offload.h"
 #include "ds_zero_impl.h"
 #include "ds_cuda.h"
 #include "ds_error.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #define OFFLOAD_CHUNK (1 << 20)     /* elements: 4 MiB of f32 masters a step of the pipeline */
 
@@ -52,13 +58,68 @@ int ds_offload_run(const ds_offload_copier *c, const ds_offload_plan *p) {
     return rc || down || up ? -1 : 0;
 }
 
+/* ---------------------------------------------------------------- the host's stand-in */
+
+typedef struct {
+    struct hcopy { void *dst; const void *src; size_t nb; } *q[2];
+    int n[2], cap[2], done[2], marks[2][2];
+} hqueue;
+
+static int h_start(void *ud) { (void)ud; return 0; }
+
+static int h_copy(void *ud, int up, void *dst, const void *src, size_t nb) {
+    hqueue *h = ud;
+    if (h->n[up] == h->cap[up]) {
+        int cap = h->cap[up] ? 2 * h->cap[up] : 16;
+        struct hcopy *q = realloc(h->q[up], sizeof *q * (size_t)cap);
+        if (!q) return ds_fail(DS_ERR_NOMEM, "offload copies: out of memory"), -1;
+        h->q[up] = q;
+        h->cap[up] = cap;
+    }
+    h->q[up][h->n[up]++] = (struct hcopy){ dst, src, nb };
+    return 0;
+}
+
+static int h_mark(void *ud, int up, int slot) {
+    hqueue *h = ud;
+    h->marks[up][slot] = h->n[up];
+    return 0;
+}
+
+/* Every copy before the mark; once none is left the queue starts again. */
+static int h_wait(void *ud, int up, int slot) {
+    hqueue *h = ud;
+    for (; h->done[up] < h->marks[up][slot]; h->done[up]++) {
+        struct hcopy *c = &h->q[up][h->done[up]];
+        memcpy(c->dst, c->src, c->nb);
+    }
+    if (h->done[up] == h->n[up]) h->n[up] = h->done[up] = h->marks[up][0] = h->marks[up][1] = 0;
+    return 0;
+}
+
+static void h_release(void *ud) {
+    hqueue *h = ud;
+    free(h->q[0]);
+    free(h->q[1]);
+    free(h);
+}
+
+int ds_offload_host_copier(ds_offload_copier *c) {
+    hqueue *h = calloc(1, sizeof *h);
+    if (!h) return ds_fail(DS_ERR_NOMEM, "offload copies: out of memory"), -1;
+    *c = (ds_offload_copier){ h_start, h_copy, h_mark, h_wait, h, h_release };
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the step engine's */
 
 struct zoffload {
     ds_offload_copier copier;
-    ds_cuda_copier *cuda;           /* behind copier on a GPU */
     int64_t chunk;
     ds_tensor **shadow;             /* per group: 16-bit parameters, page-locked; NULL for f32 models */
+    ds_tensor **sent;               /* partitioned, per group: this rank's updated shards on the device */
+    int fetching;                   /* gradient rows started down and not yet waited for */
+    int64_t chunks, rows;           /* stepped, and fetched in backward, since the engine began */
 };
 
 static int cuda_start(void *ud) { return ds_cuda_copier_start(ud); }
@@ -67,6 +128,7 @@ static int cuda_copy(void *ud, int up, void *dst, const void *src, size_t nb) {
 }
 static int cuda_mark(void *ud, int up, int slot) { return ds_cuda_copier_mark(ud, up, slot); }
 static int cuda_wait(void *ud, int up, int slot) { return ds_cuda_copier_wait(ud, up, slot); }
+static void cuda_release(void *ud) { ds_cuda_copier_free(ud); }
 
 /* Whether the masters live on the host for parameters on a GPU. */
 static bool from_gpu(const ds_zero *z) {
@@ -74,15 +136,43 @@ static bool from_gpu(const ds_zero *z) {
            ds_zero_param_device(z).type == DS_DEV_CUDA;
 }
 
+static void release_copier(zoffload *o) {
+    if (o->copier.release) o->copier.release(o->copier.ud);
+    o->copier.release = NULL;
+}
+
 int ds_zero_offload_use(ds_zero *z, const ds_offload_copier *c, int64_t chunk) {
     if (chunk < 1) return ds_fail(DS_ERR_ARG, "step engine: offload chunk of %lld elements", (long long)chunk), -1;
     zoffload *o = z->offload;
     if (!o && !(o = z->offload = calloc(1, sizeof *o))) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
-    if (!o->shadow && !(o->shadow = calloc((size_t)z->n_groups + 1, sizeof *o->shadow)))
-        return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    if (!o->shadow) o->shadow = calloc((size_t)z->n_groups + 1, sizeof *o->shadow);
+    if (!o->sent) o->sent = calloc((size_t)z->n_groups + 1, sizeof *o->sent);
+    if (!o->shadow || !o->sent) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    if (o->fetching) return ds_fail(DS_ERR_STATE, "step engine: offload copier changed with gradients on their way"), -1;
+    release_copier(o);
     o->copier = *c;
     o->chunk = chunk;
     return 0;
+}
+
+int ds_zero_offload_on_host(ds_zero *z, int64_t chunk) {
+    if (ds_zero_need_masters(z, "offload_on_host")) return -1;
+    if (z->c.master_device.type != DS_DEV_CPU || ds_zero_param_device(z).type != DS_DEV_CPU)
+        return ds_fail(DS_ERR_STATE, "step engine: offload_on_host is for parameters and masters on the CPU"), -1;
+    ds_offload_copier c;
+    if (ds_offload_host_copier(&c)) return -1;
+    if (ds_zero_offload_use(z, &c, chunk)) {
+        c.release(c.ud);
+        return -1;
+    }
+    return 0;
+}
+
+bool ds_zero_offload_counts(const ds_zero *z, int64_t *chunks, int64_t *rows) {
+    if (!z->offload) return false;
+    *chunks = z->offload->chunks;
+    *rows = z->offload->rows;
+    return true;
 }
 
 int ds_zero_offload_attach(ds_zero *z, ds_optim *o) {
@@ -109,25 +199,58 @@ int ds_zero_offload_attach(ds_zero *z, ds_optim *o) {
     const ds_backend *b = ds_backend_get(ds_zero_param_device(z));
     if (!b || !b->upload) return 0;
     ds_cuda_copier *cuda = ds_cuda_copier_new(ds_zero_param_device(z).index);
-    ds_offload_copier c = { cuda_start, cuda_copy, cuda_mark, cuda_wait, cuda };
+    ds_offload_copier c = { cuda_start, cuda_copy, cuda_mark, cuda_wait, cuda, cuda_release };
     if (!cuda || ds_zero_offload_use(z, &c, OFFLOAD_CHUNK)) {
         ds_cuda_copier_free(cuda);
         return -1;
     }
-    z->offload->cuda = cuda;
     return 0;
 }
 
-/* Whether this step can take the pipeline: masters whole on the host
- * beside each group's parameters back to back, an optimizer that steps in
- * pieces and writes the 16-bit copy in its pass. */
+/* ---------------------------------------------------------------- gradients in backward */
+
+/* The reduction that made row has completed (its work was seen done), so
+ * the copy needs no event after it: it starts now, into page-locked
+ * memory the step adds from. */
+int ds_zero_offload_fetch(ds_zero *z, ds_tensor *row, ds_tensor **host) {
+    zoffload *o = z->offload;
+    *host = NULL;
+    if (!o) return 0;
+    int64_t n = ds_tensor_numel(row);
+    ds_tensor *t = ds_tensor_new_staging(1, &n, row->dtype, ds_tensor_device(row));
+    if (!t) return -1;
+    if (o->copier.copy(o->copier.ud, 0, ds_tensor_data_w(t, "offload gradients"), ds_tensor_data(row),
+                       (size_t)n * ds_dtype_size(row->dtype))) {
+        ds_tensor_release(t);
+        return -1;
+    }
+    o->fetching++;
+    o->rows++;
+    *host = t;
+    return 0;
+}
+
+/* Waits for the rows fetched so far (every one, even after a failure). */
+int ds_zero_offload_settle(ds_zero *z) {
+    zoffload *o = z->offload;
+    if (!o || !o->fetching) return 0;
+    o->fetching = 0;
+    return o->copier.mark(o->copier.ud, 0, 0) || o->copier.wait(o->copier.ud, 0, 0) ? -1 : 0;
+}
+
+/* ---------------------------------------------------------------- the step */
+
+/* Nothing partitioned: the pipeline writes the parameters themselves. */
+static bool whole(const ds_zero *z) { return z->parts == 1 && z->c.stage != 3; }
+
+/* Whether this step can take the pipeline: masters on the host, an
+ * optimizer that steps in pieces and writes the 16-bit copy in its pass,
+ * and with nothing partitioned each group's parameters back to back. */
 static bool fits(const ds_zero *z) {
-    if (!z->offload || !z->optim || !ds_zero_fused_step(z) || z->parts != 1 || z->c.stage == 3 || !z->flat_params ||
-        z->c.master_device.type != DS_DEV_CPU)
-        return false;
+    if (!z->offload || !z->optim || !ds_zero_fused_step(z) || z->c.master_device.type != DS_DEV_CPU) return false;
     if (z->dtype != DS_F32 && z->dtype != DS_BF16 && z->dtype != DS_F16) return false;
-    for (int g = 0; g < z->n_groups; g++)
-        if (!z->flat_params[g]) return false;
+    for (int g = 0; g < z->n_groups && whole(z); g++)
+        if (!z->flat_params || !z->flat_params[g]) return false;
     return true;
 }
 
@@ -144,26 +267,30 @@ static int step_piece(void *ud, int64_t lo, int64_t n) {
     ds_tensor *piece = shadow ? ds_zero_elements(shadow, lo, n) : NULL;
     int rc = shadow && !piece ? -1 : ds_optim_step_piece(s->z->optim, s->g, s->h, lo, n, s->f, piece);
     ds_tensor_release(piece);
+    if (rc == 0) s->z->offload->chunks++;
     return rc;
 }
 
-/* Group g's 16-bit parameters on the host, made at its first step. */
-static ds_tensor *shadow_of(ds_zero *z, int g) {
-    ds_tensor **s = &z->offload->shadow[g];
-    if (*s || z->dtype == DS_F32) return *s;
-    *s = ds_tensor_new_staging(1, &z->group_len[g], z->dtype, ds_tensor_device(z->flat_params[g]));
-    if (*s) ds_tensor_set_category(*s, DS_MEM_PARAM);
-    return *s;
+/* Group g's buffer made at its first step, of its master's length:
+ * on the host in page-locked memory, or on the parameters' device. */
+static ds_tensor *made(ds_zero *z, ds_tensor **slot, int g, bool host) {
+    if (*slot) return *slot;
+    int64_t n = z->group_len[g] > 0 ? z->group_len[g] : 1;
+    *slot = host ? ds_tensor_new_staging(1, &n, z->dtype, ds_zero_param_device(z))
+                 : ds_tensor_new(1, &n, z->dtype, ds_zero_param_device(z));
+    if (*slot) ds_tensor_set_category(*slot, DS_MEM_PARAM);
+    return *slot;
 }
 
 static int step_group(ds_zero *z, int g, const ds_optim_hparams *h, double f) {
     zoffload *o = z->offload;
-    if (z->dtype != DS_F32 && !shadow_of(z, g)) return -1;
-    if (ds_optim_begin_pieces(z->optim, g, h)) return -1;
+    if (z->dtype != DS_F32 && !made(z, &o->shadow[g], g, true)) return -1;
+    ds_tensor *dst = whole(z) ? z->flat_params[g] : made(z, &o->sent[g], g, false);
+    if (!dst || ds_optim_begin_pieces(z->optim, g, h)) return -1;
     ds_tensor *src = o->shadow[g] ? o->shadow[g] : z->masters[g];
     zpiece s = { z, g, h, f };
     ds_offload_plan p = { .n = z->group_len[g], .chunk = o->chunk, .param_src = ds_tensor_data(src),
-                          .param_dst = ds_tensor_data_w(z->flat_params[g], "offload step"), .param_size = ds_dtype_size(z->dtype),
+                          .param_dst = ds_tensor_data_w(dst, "offload step"), .param_size = ds_dtype_size(z->dtype),
                           .step = step_piece, .ud = &s };
     if (ds_offload_run(&o->copier, &p)) return -1;
     ds_optim_end_pieces(z->optim, g, h);
@@ -177,12 +304,18 @@ int ds_zero_offload_step(ds_zero *z, const ds_optim_hparams *h, double f) {
     return 0;
 }
 
+ds_tensor *const *ds_zero_offload_sent(const ds_zero *z) { return z->offload && !whole(z) ? z->offload->sent : NULL; }
+
 void ds_zero_offload_free(ds_zero *z) {
     zoffload *o = z->offload;
     if (!o) return;
-    for (int g = 0; o->shadow && g < z->n_groups; g++) ds_tensor_release(o->shadow[g]);
+    for (int g = 0; g < z->n_groups; g++) {
+        if (o->shadow) ds_tensor_release(o->shadow[g]);
+        if (o->sent) ds_tensor_release(o->sent[g]);
+    }
     free(o->shadow);
-    ds_cuda_copier_free(o->cuda);
+    free(o->sent);
+    release_copier(o);
     free(o);
     z->offload = NULL;
 }

@@ -20,7 +20,15 @@ typedef struct {
     int (*mark)(void *ud, int up, int slot);
     int (*wait)(void *ud, int up, int slot);
     void *ud;
+    void (*release)(void *ud);      /* frees ud with the engine that took it; NULL: ud is the caller's */
 } ds_offload_copier;
+
+/* The host's stand-in for a device's streams: each copy made only when a
+ * wait reaches the mark after it, so whatever reads a buffer before its
+ * copy was waited for reads it stale, as on a GPU. CPU ranks run the
+ * pipeline through it under the test hook (ds_zero_offload_on_host). 0,
+ * or -1 with the error set. */
+int ds_offload_host_copier(ds_offload_copier *c);
 
 /* One pass over n elements, chunk at a time: chunk i's gradients come
  * from grad_src into grad_dst (grad_src NULL: on the host already), then
