@@ -29,7 +29,7 @@
  *   z:offload_on_host(chunk)   the test hook of CPU ranks: ZeRO-Offload's pipeline with copies
  *                              made on the host when waited for, chunks of chunk elements
  *   z:offload_counts() -> chunks, rows | nil   the pipeline's chunks stepped and reduced rows
- *                              fetched in backward so far (nil: no pipeline)
+ *                              fetched so far (nil: no pipeline)
  *   z:take_local_grads()       masters at stage 0: this rank's unreduced gradients into the masters'
  *   z:reduces(boundary) -> bool   does this micro step's backward reduce?
  *   z:holds() -> 'flat' | 'masters' | 'streamed'   what holds the fp32 weights stepped

@@ -203,8 +203,9 @@ int ds_zero_offload_params(ds_zero *z, const char *file);
 /* The test hook of CPU ranks (DSLUA_TEST_OFFLOAD_CPU): ZeRO-Offload's
  * pipeline with the host's stand-in copier (ds_zero_offload.h), chunks
  * of chunk elements, for parameters and masters on the CPU. counts: the
- * chunks it has stepped and the reduced rows it fetched in backward since
- * the engine began; false without the pipeline. */
+ * chunks it has stepped and the reduced rows it has fetched (in backward
+ * as each is seen complete, the rest at the drain) since the engine
+ * began; false without the pipeline. */
 int ds_zero_offload_on_host(ds_zero *z, int64_t chunk);
 bool ds_zero_offload_counts(const ds_zero *z, int64_t *chunks, int64_t *rows);
 /* Does parameter i stay whole (small)? Its shard size in elements. */

@@ -119,7 +119,7 @@ struct zoffload {
     ds_tensor **shadow;             /* per group: 16-bit parameters, page-locked; NULL for f32 models */
     ds_tensor **sent;               /* partitioned, per group: this rank's updated shards on the device */
     int fetching;                   /* gradient rows started down and not yet waited for */
-    int64_t chunks, rows;           /* stepped, and fetched in backward, since the engine began */
+    int64_t chunks, rows;           /* stepped, and fetched, since the engine began */
 };
 
 static int cuda_start(void *ud) { return ds_cuda_copier_start(ud); }

@@ -226,6 +226,12 @@ function Zero:_build_optimizer(opts)
   end
   self.optimizer = o
   self.engine:attach(o)
+  -- the test hook of CPU ranks: offload's pipeline as from a GPU, with
+  -- copies made on the host when waited for, in chunks of the value
+  local chunk = tonumber(os.getenv('DSLUA_TEST_OFFLOAD_CPU') or '')
+  if self.offload == 'cpu' and chunk and chunk >= 1 and tostring(opts.device or 'cpu') == 'cpu' then
+    self.engine:offload_on_host(chunk)
+  end
 end
 
 ---------------------------------------------------------------- stage 3: module hooks
