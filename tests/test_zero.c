@@ -567,7 +567,9 @@ static void test_offload_engine(void) {
 /* On a GPU (a CUDA build on a machine with one): the engine's offloaded
  * AdamW step through ds_cuda_copier's streams, into page-locked host
  * memory, equal to the same engine on the CPU (the optimizer runs on the
- * host in both), f32 and bf16 parameters. Runs before test_offload, which
+ * host in both), f32 and bf16 parameters, stage 2 over three micro steps
+ * (rows fetched in each backward) and stage 3 (the shards refreshed from
+ * the device buffer the pipeline fills). Runs before test_offload, which
  * puts a stand-in in the CUDA backend's place. */
 static void test_offload_gpu(void) {
     if (ds_cuda_device_count() == 0) {
@@ -578,51 +580,54 @@ static void test_offload_gpu(void) {
     ds_device where[2] = { DS_CPU_DEVICE, { DS_DEV_CUDA, 0 } };
     ds_optim_hparams h = { .lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
                            .bias_correction = true };
-    for (int k = 0; k < 2; k++) {
-        ds_tensor *p[2][NP], *master[2];
-        ds_zero *z[2];
-        ds_optim *o[2];
-        for (int e = 0; e < 2; e++) {
-            ds_tensor *host[NP];
-            make_params(host, dts[k]);
-            for (int i = 0; i < NP; i++) {
-                p[e][i] = ds_to_device(host[i], where[e]);
-                p[e][i]->requires_grad = true;
-                ds_tensor_release(host[i]);
-            }
-            z[e] = offload_engine(p[e], 2, &h, &o[e], &master[e], "gpu offload engine", e);
-        }
-        ds_cuda_mem_info info;
-        check(ds_cuda_memory_info(0, &info) == 0 && info.pinned >= 2 * 23 * 4, "the masters are page-locked (%lld bytes)",
-              (long long)info.pinned);
-        for (int step = 0; step < 3; step++)
+    for (int k = 0; k < 2; k++)
+        for (int stage = 2; stage <= 3; stage++) {
+            ds_tensor *p[2][NP], *master[2];
+            ds_zero *z[2];
+            ds_optim *o[2];
+            char what[64];
+            snprintf(what, sizeof what, "gpu offload %s stage %d", ds_dtype_name(dts[k]), stage);
             for (int e = 0; e < 2; e++) {
-                ds_tensor *loss = loss_of(p[e], 8);
-                ds_zero_result r;
-                check(ds_zero_backward(z[e], loss, true) == 0 && ds_zero_step(z[e], &h, 8, 1.0, false, &r) == 0,
-                      "gpu offload engine %d step %d: %s", e, step, ds_error_message());
-                ds_tensor_release(loss);
+                ds_tensor *host[NP];
+                make_params(host, dts[k]);
+                for (int i = 0; i < NP; i++) {
+                    p[e][i] = ds_to_device(host[i], where[e]);
+                    p[e][i]->requires_grad = true;
+                    ds_tensor_release(host[i]);
+                }
+                z[e] = offload_engine(p[e], stage, &h, &o[e], &master[e], what, e);
             }
-        /* f32: the same sums; bf16: the GPU's 16-bit gradients may round
-         * apart by a step of bf16 (2^-8 relative), a step of AdamW moves
-         * each parameter by about lr */
-        double worst = 0, tol = k == 0 ? 1e-6 : 1.0 / 128;
-        for (int i = 0; i < NP; i++) {
-            ds_tensor *back = ds_to_device(p[1][i], DS_CPU_DEVICE);
-            for (int64_t j = 0; back && j < SIZES[i]; j++) {
-                double want = ds_tensor_get(p[0][i], j), d = fabs(ds_tensor_get(back, j) - want);
-                worst = fmax(worst, k == 0 ? d : d / fabs(want));
+            ds_cuda_mem_info info;
+            check(ds_cuda_memory_info(0, &info) == 0 && info.pinned >= 2 * 23 * 4,
+                  "the masters are page-locked (%lld bytes)", (long long)info.pinned);
+            for (int step = 0; step < 3; step++)
+                for (int e = 0; e < 2; e++) offload_train_step(z[e], p[e], stage, stage == 2 ? 3 : 1, NULL, what);
+            int64_t chunks = 0, rows = 0;
+            check(ds_zero_offload_counts(z[1], &chunks, &rows) && chunks == 3 && rows == (stage == 2 ? 18 : 6),
+                  "%s: 3 steps of 1 chunk took the pipeline (%lld), their rows came through it (%lld)", what,
+                  (long long)chunks, (long long)rows);
+            for (int e = 0; e < 2 && stage == 3; e++)
+                check(ds_zero_gather_all(z[e]) == 0, "%s: gather: %s", what, ds_error_message());
+            /* f32: the same sums; bf16: the GPU's 16-bit gradients may round
+             * apart by a step of bf16 (2^-8 relative), a step of AdamW moves
+             * each parameter by about lr */
+            double worst = 0, tol = k == 0 ? 1e-6 : 1.0 / 128;
+            for (int i = 0; i < NP; i++) {
+                ds_tensor *back = ds_to_device(p[1][i], DS_CPU_DEVICE);
+                for (int64_t j = 0; back && j < SIZES[i]; j++) {
+                    double want = ds_tensor_get(p[0][i], j), d = fabs(ds_tensor_get(back, j) - want);
+                    worst = fmax(worst, k == 0 ? d : d / fabs(want));
+                }
+                ds_tensor_release(back);
             }
-            ds_tensor_release(back);
+            check(worst < tol, "%s: the GPU's offloaded step is off the CPU's by %g", what, worst);
+            for (int e = 0; e < 2; e++) {
+                ds_tensor_release(master[e]);
+                ds_zero_free(z[e]);
+                ds_optim_free(o[e]);
+                for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
+            }
         }
-        check(worst < tol, "%s: the GPU's offloaded step is off the CPU's by %g", ds_dtype_name(dts[k]), worst);
-        for (int e = 0; e < 2; e++) {
-            ds_tensor_release(master[e]);
-            ds_zero_free(z[e]);
-            ds_optim_free(o[e]);
-            for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
-        }
-    }
 }
 
 int main(void) {
