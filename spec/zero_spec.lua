@@ -510,24 +510,32 @@ end)
 -- hook DSLUA_TEST_OFFLOAD_CPU runs it as from a GPU, in chunks of 1000
 -- elements, its copies made on the host only when waited for, so a read
 -- before its copy's wait would read stale bytes. Each rank steps its own
--- partition; the same sums in the same order make the same bits.
+-- partition; the same sums in the same order make the same bits. With
+-- offload_param cpu at stage 3 the prefetched shards go up through it.
 describe('ZeRO-Offload\'s pipeline on data-parallel ranks', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
   teardown(function() os.execute('rm -rf ' .. dir) end)
 
-  it('trains stages 1-3, fp32 and bf16, 1 and 3 micro steps, bit for bit as without offload', function()
+  it('trains stages 1-3, fp32 and bf16, 1 and 3 micro steps, offload_param at 3, bit for bit as without', function()
     local json = dir .. '/offload.json'
     local r = H.run_json(H.ranks_cmd(2, { 'DSLUA_TEST_OFFLOAD_CPU=1000' }) .. ' spec/zero/offload.lua ' .. json, json)
-    assert.are.equal(12, #r)
+    assert.are.equal(14, #r)
     for _, c in ipairs(r) do
-      local what = string.format('stage %d %s gas %d', c.stage, c.bf16 and 'bf16' or 'fp32', c.gas)
+      local what = string.format('stage %d %s gas %d%s', c.stage, c.bf16 and 'bf16' or 'fp32', c.gas,
+                                 c.param and ' offload_param' or '')
       assert.are.equal(8, c.steps, what)
       assert.are.equal(0, c.difference, what .. ': losses and weights differ')
       -- every step took the pipeline (at least one chunk per group) and its rows came through it
       assert.is_true(c.chunks >= c.steps and c.rows >= c.steps, string.format('%s: %d chunks, %d rows', what,
                                                                             c.chunks, c.rows))
       assert.are.equal(0, c.none_chunks, what .. ': the run without offload has no pipeline')
+      -- offload_param: each step's forward prefetched shards through the copies (none loaded without it)
+      if c.param then
+        assert.is_true(c.shards >= c.steps, string.format('%s: %d shards loaded', what, c.shards))
+      else
+        assert.are.equal(0, c.shards, what)
+      end
     end
   end)
 end)

@@ -426,6 +426,16 @@ static int d_wait(void *ud, int up, int slot) {
     return 0;
 }
 
+/* The host stands for the device: what it queues after a join comes
+ * after every copy before it. */
+static int d_join(void *ud, int up) {
+    deferred *d = ud;
+    for (; d->done[up] < d->queued[up]; d->done[up]++)
+        memcpy(d->q[up][d->done[up]].dst, d->q[up][d->done[up]].src, d->q[up][d->done[up]].nb);
+    note(d, " j%c", up ? 'U' : 'D', 0);
+    return 0;
+}
+
 typedef struct {
     deferred *d;
     float *grads, *params;
@@ -450,7 +460,7 @@ static void test_offload_pipeline(void) {
     for (int i = 0; i < 10; i++) dev_grads[i] = (float)i;
     deferred d = { 0 };
     pipe_case pc = { &d, host_grads, host_params, -1 };
-    ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d, NULL };
+    ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d, NULL, NULL };
     ds_offload_plan p = { .n = 10, .chunk = 4, .grad_src = (const char *)dev_grads, .grad_dst = (char *)host_grads,
                           .grad_size = 4, .param_src = (const char *)host_params, .param_dst = (char *)dev_params,
                           .param_size = 4, .step = p_step, .ud = &pc };
@@ -490,6 +500,16 @@ static ds_zero *offload_engine(ds_tensor **p, int stage, const ds_optim_hparams 
     check(*master && ds_optim_add_group(*o, 1, master, h) == 0 && ds_zero_attach(z, *o) == 0, "%s %d: %s", what, e,
           ds_error_message());
     return z;
+}
+
+/* The two engines of a comparison, their optimizers, masters and parameters. */
+static void free_engines(ds_zero **z, ds_optim **o, ds_tensor **master, ds_tensor *(*p)[NP]) {
+    for (int e = 0; e < 2; e++) {
+        ds_tensor_release(master[e]);
+        ds_zero_free(z[e]);
+        ds_optim_free(o[e]);
+        for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
+    }
 }
 
 /* One optimizer step of engine z over gas micro steps (loss scale 8,
@@ -535,7 +555,7 @@ static void test_offload_engine(void) {
                 ds_zero *z[2];
                 ds_optim *o[2];
                 deferred d = { 0 };
-                ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d, NULL };
+                ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d, NULL, NULL };
                 char what[64];
                 snprintf(what, sizeof what, "offload %s stage %d gas %d", ds_dtype_name(dts[k]), stage, gas);
                 for (int e = 0; e < 2; e++) {
@@ -555,13 +575,55 @@ static void test_offload_engine(void) {
                           "%s parameter %d: the pipeline's bits", what, i);
                 check(memcmp(ds_tensor_data(master[0]), ds_tensor_data(master[1]), 23 * 4) == 0,
                       "%s masters: the same bits", what);
-                for (int e = 0; e < 2; e++) {
-                    ds_tensor_release(master[e]);
-                    ds_zero_free(z[e]);
-                    ds_optim_free(o[e]);
-                    for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
-                }
+                free_engines(z, o, master, p);
             }
+}
+
+/* Stage 3 with its shards in host memory (offload_param cpu): a
+ * prefetch's shards go up on the copy stream (deferred copies with a
+ * join) and their all-gather waits for the next prefetch or the gather
+ * that needs them, after one join; training is bit for bit as without
+ * the copier. Each parameter its own module; the first forward records
+ * the order, the later ones prefetch along it. */
+static void test_offload_param_loads(void) {
+    const ds_optim_hparams h = { .lr = 0.01, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.1,
+                                 .bias_correction = true };
+    ds_tensor *p[2][NP], *master[2];
+    ds_zero *z[2];
+    ds_optim *o[2];
+    deferred d = { 0 };
+    ds_offload_copier c = { d_start, d_copy, d_mark, d_wait, &d, NULL, d_join };
+    for (int e = 0; e < 2; e++) {
+        make_params(p[e], DS_BF16);
+        z[e] = offload_engine(p[e], 3, &h, &o[e], &master[e], "param loads", e);
+        check(ds_zero_offload_params(z[e], NULL) == 0, "offload_params: %s", ds_error_message());
+        for (int i = 0; i < NP; i++) check(ds_zero_add_module(z[e], 1, &i) == i, "module %d", i);
+    }
+    check(ds_zero_offload_use(z[1], &c, 5) == 0, "offload use: %s", ds_error_message());
+    for (int step = 0; step < 3; step++)
+        for (int e = 0; e < 2; e++) {
+            d = (deferred){ 0 };
+            for (int m = 0; m < NP; m++) {
+                check(ds_zero_pre_forward(z[e], m) == 0, "step %d pre_forward %d: %s", step, m, ds_error_message());
+                /* from the second forward: modules 2-4's shards on their way at module 1, made at module 2 */
+                if (e == 1 && step > 0 && m < 2)
+                    check(d.queued[1] == NP - 1 && d.done[1] == (m == 0 ? 0 : NP - 1),
+                          "step %d module %d: %d shards loading, %d made: %s", step, m, d.queued[1], d.done[1], d.log);
+            }
+            ds_tensor *loss = loss_of(p[e], 8);
+            ds_zero_result r;
+            check(ds_zero_backward(z[e], loss, true) == 0 && ds_zero_step(z[e], &h, 8, 1.0, false, &r) == 0,
+                  "param loads %d step %d: %s", e, step, ds_error_message());
+            ds_tensor_release(loss);
+        }
+    int64_t chunks, rows, shards;
+    check(ds_zero_offload_counts(z[1], &chunks, &rows, &shards) && shards == 2 * (NP - 1),
+          "two forwards loaded 3 shards ahead each (%lld)", (long long)shards);
+    for (int e = 0; e < 2; e++) check(ds_zero_gather_all(z[e]) == 0, "gather: %s", ds_error_message());
+    for (int i = 0; i < NP; i++)
+        check(memcmp(ds_tensor_data(p[0][i]), ds_tensor_data(p[1][i]), (size_t)SIZES[i] * 2) == 0,
+              "param loads: parameter %d's bits", i);
+    free_engines(z, o, master, p);
 }
 
 /* On a GPU (a CUDA build on a machine with one): the engine's offloaded
@@ -602,8 +664,8 @@ static void test_offload_gpu(void) {
                   "the masters are page-locked (%lld bytes)", (long long)info.pinned);
             for (int step = 0; step < 3; step++)
                 for (int e = 0; e < 2; e++) offload_train_step(z[e], p[e], stage, stage == 2 ? 3 : 1, NULL, what);
-            int64_t chunks = 0, rows = 0;
-            check(ds_zero_offload_counts(z[1], &chunks, &rows) && chunks == 3 && rows == (stage == 2 ? 18 : 6),
+            int64_t chunks = 0, rows = 0, shards = 0;
+            check(ds_zero_offload_counts(z[1], &chunks, &rows, &shards) && chunks == 3 && rows == (stage == 2 ? 18 : 6),
                   "%s: 3 steps of 1 chunk took the pipeline (%lld), their rows came through it (%lld)", what,
                   (long long)chunks, (long long)rows);
             for (int e = 0; e < 2 && stage == 3; e++)
@@ -621,12 +683,7 @@ static void test_offload_gpu(void) {
                 ds_tensor_release(back);
             }
             check(worst < tol, "%s: the GPU's offloaded step is off the CPU's by %g", what, worst);
-            for (int e = 0; e < 2; e++) {
-                ds_tensor_release(master[e]);
-                ds_zero_free(z[e]);
-                ds_optim_free(o[e]);
-                for (int i = 0; i < NP; i++) ds_tensor_release(p[e][i]);
-            }
+            free_engines(z, o, master, p);
         }
 }
 
@@ -641,5 +698,6 @@ int main(void) {
     test_offload();
     test_offload_pipeline();
     test_offload_engine();
+    test_offload_param_loads();
     return check_summary("test_zero");
 }

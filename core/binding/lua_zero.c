@@ -28,8 +28,8 @@
  *   z:offload_params(file | nil)  stage 3's shards into host memory, or the file
  *   z:offload_on_host(chunk)   the test hook of CPU ranks: ZeRO-Offload's pipeline with copies
  *                              made on the host when waited for, chunks of chunk elements
- *   z:offload_counts() -> chunks, rows | nil   the pipeline's chunks stepped and reduced rows
- *                              fetched so far (nil: no pipeline)
+ *   z:offload_counts() -> chunks, rows, shards | nil   the pipeline's chunks stepped, reduced
+ *                              rows fetched and stage 3's shards loaded ahead so far (nil: no pipeline)
  *   z:take_local_grads()       masters at stage 0: this rank's unreduced gradients into the masters'
  *   z:reduces(boundary) -> bool   does this micro step's backward reduce?
  *   z:holds() -> 'flat' | 'masters' | 'streamed'   what holds the fp32 weights stepped
@@ -491,11 +491,12 @@ static int l_offload_on_host(lua_State *L) {
 }
 
 static int l_offload_counts(lua_State *L) {
-    int64_t chunks, rows;
-    if (!ds_zero_offload_counts(check_engine(L), &chunks, &rows)) return 0;
+    int64_t chunks, rows, shards;
+    if (!ds_zero_offload_counts(check_engine(L), &chunks, &rows, &shards)) return 0;
     lua_pushinteger(L, (lua_Integer)chunks);
     lua_pushinteger(L, (lua_Integer)rows);
-    return 2;
+    lua_pushinteger(L, (lua_Integer)shards);
+    return 3;
 }
 
 ENGINE_OP(l_take_local_grads, ds_zero_take_local_grads)

@@ -52,7 +52,9 @@ void ds_cuda_empty_cache(void);
  * thread. start: both streams wait for the work queued on cuda:index's
  * compute stream so far. mark: an event after the copies started so far
  * in one direction (up: host to device), in slot 0 or 1; wait: the host
- * waits for it. Each returns 0, or -1 with the error set. */
+ * waits for it; join: the compute stream waits for the copies started so
+ * far in one direction (the host does not). Each returns 0, or -1 with
+ * the error set. */
 typedef struct ds_cuda_copier ds_cuda_copier;
 ds_cuda_copier *ds_cuda_copier_new(int index);
 void ds_cuda_copier_free(ds_cuda_copier *c);
@@ -60,6 +62,7 @@ int ds_cuda_copier_start(ds_cuda_copier *c);
 int ds_cuda_copier_copy(ds_cuda_copier *c, int up, void *dst, const void *src, size_t nb);
 int ds_cuda_copier_mark(ds_cuda_copier *c, int up, int slot);
 int ds_cuda_copier_wait(ds_cuda_copier *c, int up, int slot);
+int ds_cuda_copier_join(ds_cuda_copier *c, int up);
 
 /* f32 matmuls (conv: convolutions) on the GPU may round inputs to TF32
  * (off by default): on 1 or 0 sets it, -1 only asks. Returns the setting.

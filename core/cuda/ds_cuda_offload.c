@@ -1,5 +1,7 @@
 /* ds_cuda_copier: ZeRO-Offload's copies on two streams beside the compute
- * stream, with two events per direction (chunk i's and chunk i+1's). */
+ * stream, with two events per direction (chunk i's and chunk i+1's), and
+ * the joins that order the compute stream after them (stage 3's shards
+ * loaded ahead of their all-gather). */
 #include "ds_cuda_impl.h"
 #include "ds_error.h"
 
@@ -45,15 +47,26 @@ void ds_cuda_copier_free(ds_cuda_copier *c) {
     free(c);
 }
 
-int ds_cuda_copier_start(ds_cuda_copier *c) {
+/* Each of n streams waits for the work queued on from so far. */
+static int order_after(ds_cuda_copier *c, cudaStream_t from, const cudaStream_t *to, int n, const char *what) {
     cudaEvent_t before;
     if (ds_cuda_set_device(c->index)) return ds_fail(DS_ERR_STATE, "cuda:%d: %s", c->index, ds_kernel_error()), -1;
     cudaError_t e = cudaEventCreateWithFlags(&before, cudaEventDisableTiming);
-    if (e != cudaSuccess) return fail(c, "start", e);
-    e = cudaEventRecord(before, ds_cuda_compute_stream(c->index));
-    for (int up = 0; up < 2 && e == cudaSuccess; up++) e = cudaStreamWaitEvent(stream(c, up), before, 0);
+    if (e != cudaSuccess) return fail(c, what, e);
+    e = cudaEventRecord(before, from);
+    for (int k = 0; k < n && e == cudaSuccess; k++) e = cudaStreamWaitEvent(to[k], before, 0);
     cudaEventDestroy(before);              /* released once the waits have used it */
-    return e == cudaSuccess ? 0 : fail(c, "start", e);
+    return e == cudaSuccess ? 0 : fail(c, what, e);
+}
+
+int ds_cuda_copier_start(ds_cuda_copier *c) {
+    cudaStream_t both[2] = { stream(c, 0), stream(c, 1) };
+    return order_after(c, ds_cuda_compute_stream(c->index), both, 2, "start");
+}
+
+int ds_cuda_copier_join(ds_cuda_copier *c, int up) {
+    cudaStream_t compute = ds_cuda_compute_stream(c->index);
+    return order_after(c, stream(c, up), &compute, 1, "join");
 }
 
 int ds_cuda_copier_copy(ds_cuda_copier *c, int up, void *dst, const void *src, size_t nb) {

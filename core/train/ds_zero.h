@@ -196,18 +196,20 @@ int ds_zero_post_forward(ds_zero *z, int module);
 int ds_zero_gather_all(ds_zero *z);
 int ds_zero_release_all(ds_zero *z);
 /* Stage 3's offload_param: each rank's shards leave the device, into host
- * memory (page-locked when the device is a GPU; file NULL) or into file
+ * memory (page-locked when the device is a GPU, where a prefetch's shards
+ * then go up on a copy stream; file NULL) or into file
  * (nvme: written back to back, read for each gather, rewritten at each
  * step's refresh). 0, or -1 with the error naming the file. */
 int ds_zero_offload_params(ds_zero *z, const char *file);
 /* The test hook of CPU ranks (DSLUA_TEST_OFFLOAD_CPU): ZeRO-Offload's
  * pipeline with the host's stand-in copier (ds_zero_offload.h), chunks
  * of chunk elements, for parameters and masters on the CPU. counts: the
- * chunks it has stepped and the reduced rows it has fetched (in backward
- * as each is seen complete, the rest at the drain) since the engine
- * began; false without the pipeline. */
+ * chunks it has stepped, the reduced rows it has fetched (in backward as
+ * each is seen complete, the rest at the drain) and stage 3's shards it
+ * has loaded ahead of their all-gather (offload_param cpu) since the
+ * engine began; false without the pipeline. */
 int ds_zero_offload_on_host(ds_zero *z, int64_t chunk);
-bool ds_zero_offload_counts(const ds_zero *z, int64_t *chunks, int64_t *rows);
+bool ds_zero_offload_counts(const ds_zero *z, int64_t *chunks, int64_t *rows, int64_t *shards);
 /* Does parameter i stay whole (small)? Its shard size in elements. */
 bool ds_zero_persistent(const ds_zero *z, int i);
 int64_t ds_zero_shard(const ds_zero *z, int i);

@@ -1,5 +1,9 @@
 /* Stage 3: partitioned parameters gathered on use, prefetched along the
- * module order of the first forward, released after use. */
+ * module order of the first forward, released after use. With the shards
+ * in host memory (offload_param cpu) and a copier that can join, a
+ * prefetch's shards go up on the copy stream beside the module computing
+ * now, and its all-gather is launched at the next prefetch (or when a
+ * parameter of it is needed), once the device's work waits for them. */
 #include "ds_zero_impl.h"
 #include "ds_autograd.h"
 #include "ds_error.h"
@@ -49,6 +53,8 @@ int ds_zero_offload_params(ds_zero *z, const char *file) {
         bytes += q->shard * (int64_t)ds_dtype_size(z->dtype);
     }
     if (file && !(z->param_file = ds_aio_open(file, bytes > 0 ? bytes : 1))) return -1;
+    if (!file && ds_zero_offload_param_loads(z)) return -1;
+    z->params_on_host = !file;
     bool prev = ds_set_grad_enabled(false);
     int rc = 0;
     for (int i = 0; i < z->n && rc == 0; i++) {
@@ -74,8 +80,15 @@ int ds_zero_offload_params(ds_zero *z, const char *file) {
 
 static bool waiting(const zparam *q) { return q->own && ds_tensor_is_released(q->param) && !q->in_flight; }
 
-/* One all-gather of the listed parameters' shards, back to back. */
-static zgather *start_gather(ds_zero *z, int n, const int *list) {
+static int launch(ds_zero *z, zgather *g) {
+    g->started = ds_zero_now();
+    return (g->work = ds_comm_all_gather(g->send, z->c.group)) ? 0 : -1;
+}
+
+/* One all-gather of the listed parameters' shards, back to back; ahead (a
+ * prefetch) with the shards in host memory and a copier that joins, the
+ * shards only start up, the all-gather waiting for launch_loaded. */
+static zgather *start_gather(ds_zero *z, int n, const int *list, bool ahead) {
     zgather *g = calloc(1, sizeof *g);
     if (g) g->params = malloc(sizeof *g->params * (size_t)n);
     if (!g || !g->params) {
@@ -86,16 +99,18 @@ static zgather *start_gather(ds_zero *z, int n, const int *list) {
     int64_t width = 0;
     for (int k = 0; k < n; k++) width += z->p[list[k]].shard;
     int rc = (g->send = ds_tensor_new(1, &width, z->dtype, ds_tensor_device(z->p[0].param))) ? 0 : -1;
+    memcpy(g->params, list, sizeof *list * (size_t)n);
+    g->loading = ahead && z->params_on_host && ds_zero_offload_joins(z);
+    if (rc == 0 && g->loading) rc = ds_zero_offload_load(z, g->send, n, list);
     int64_t at = 0;
-    for (int k = 0; k < n && rc == 0; k++) {
+    for (int k = 0; k < n && rc == 0 && !g->loading; k++) {
         zparam *q = &z->p[list[k]];
-        g->params[k] = list[k];
         rc = load_shard(z, q, g->send, at);
         at += q->shard;
     }
-    g->started = ds_zero_now();
-    if (rc == 0 && !(g->work = ds_comm_all_gather(g->send, z->c.group))) rc = -1;
+    if (rc == 0 && !g->loading) rc = launch(z, g);
     if (rc) {
+        if (g->loading) ds_zero_offload_settle_up(z);     /* the copies write into send */
         ds_tensor_release(g->send);
         free(g->params);
         free(g);
@@ -113,9 +128,36 @@ static void drop_gather(ds_zero *z, zgather *g) {
     free(g);
 }
 
+/* Waits for what g has started (its shards' copies, or its all-gather)
+ * and drops it. */
+static int let_go(ds_zero *z, zgather *g) {
+    int rc = g->loading ? ds_zero_offload_settle_up(z) : ds_comm_work_wait(g->work);
+    drop_gather(z, g);
+    return rc;
+}
+
+/* The gathers whose shards are loading launch their all-gathers, after
+ * one join: the device's work waits for the shards from here on. */
+static int launch_loaded(ds_zero *z) {
+    bool joined = false;
+    for (int i = 0; i < z->n; i++) {
+        zgather *g = z->p[i].in_flight;
+        if (!g || !g->loading) continue;
+        if (!joined && ds_zero_offload_join(z)) return -1;
+        joined = true;
+        if (launch(z, g)) {
+            let_go(z, g);
+            return -1;
+        }
+        g->loading = false;
+    }
+    return 0;
+}
+
 /* Each still-released parameter of g gets its rows of shards as its own
  * contiguous data, on its device. */
 static int finish_gather(ds_zero *z, zgather *g) {
+    if (g->loading && launch_loaded(z)) return -1;
     int rc = ds_comm_work_wait(g->work);
     if (rc == 0) ds_zero_log(z, "zero3_all_gather", g->send, g->started);
     ds_tensor *rows[z->parts];
@@ -154,7 +196,7 @@ int ds_zero_gather_now(ds_zero *z, int n, const int *params) {
     if (!list) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
     for (int k = 0; k < n; k++)
         if (waiting(&z->p[params[k]])) list[m++] = params[k];
-    zgather *g = m ? start_gather(z, m, list) : NULL;
+    zgather *g = m ? start_gather(z, m, list, false) : NULL;
     free(list);
     return m == 0 ? 0 : g ? finish_gather(z, g) : -1;
 }
@@ -171,6 +213,7 @@ void ds_zero_release(ds_zero *z, int i) {
  * within max_live_parameters. */
 static int prefetch(ds_zero *z, int k, int dir) {
     if (z->recording || !z->trace) return 0;
+    if (launch_loaded(z)) return -1;
     int *list = malloc(sizeof *list * (size_t)z->n);
     if (!list) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
     int m = 0;
@@ -188,7 +231,7 @@ static int prefetch(ds_zero *z, int k, int dir) {
             elements += q->numel;
         }
     }
-    int rc = m > 0 && !start_gather(z, m, list) ? -1 : 0;
+    int rc = m > 0 && !start_gather(z, m, list, true) ? -1 : 0;
     free(list);
     return rc;
 }
@@ -346,12 +389,8 @@ int ds_zero_finish_recording(ds_zero *z) {
  * dropped; every partitioned parameter released. */
 int ds_zero_after_backward(ds_zero *z) {
     int rc = 0;
-    for (int i = 0; i < z->n; i++) {
-        zgather *g = z->p[i].in_flight;
-        if (!g) continue;
-        if (ds_comm_work_wait(g->work)) rc = -1;
-        drop_gather(z, g);
-    }
+    for (int i = 0; i < z->n; i++)
+        if (z->p[i].in_flight && let_go(z, z->p[i].in_flight)) rc = -1;
     ds_zero_release_all(z);
     return rc;
 }
@@ -374,11 +413,7 @@ void ds_zero_free_stage3(ds_zero *z) {
     if (z->c.stage != 3 || !z->p) return;
     ds_autograd_remove_fetch(fetch, z);
     for (int i = 0; i < z->n; i++) {
-        zgather *g = z->p[i].in_flight;
-        if (g) {
-            ds_comm_work_wait(g->work);
-            drop_gather(z, g);
-        }
+        if (z->p[i].in_flight) let_go(z, z->p[i].in_flight);
         ds_tensor_release(z->p[i].own);
         z->p[i].own = NULL;
     }

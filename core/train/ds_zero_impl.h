@@ -87,6 +87,7 @@ struct zgather {
     int n;
     int *params;
     ds_tensor *send;
+    bool loading;           /* its shards on their way into send, its all-gather not launched */
     ds_comm_work *work;
     double started;
 };
@@ -135,6 +136,7 @@ struct ds_zero {
     bool *keep_after_forward;       /* per trace place */
     int64_t live;                   /* gathered elements of partitioned parameters */
     ds_aio_file *param_file;        /* offload_param nvme: every shard, back to back */
+    bool params_on_host;            /* offload_param cpu: every shard in host memory */
     zoffload *offload;              /* ZeRO-Offload's pipeline (ds_zero_offload.c), or NULL */
 };
 
@@ -187,19 +189,30 @@ void ds_zero_free_stage3(ds_zero *z);
  * where the device copies asynchronously. fetch: a reduced row (its
  * reduction complete) starts down into new page-locked memory (*host),
  * or *host NULL without the pipeline; settle: the host waits for the
- * rows fetched. step: the optimizer's step through the pipeline, which
- * also refreshes the parameters when nothing is partitioned; 1 where this
- * step cannot take it (the caller steps as without), 0 done, -1 the
- * error. sent: after a step it took, partitioned, each group's updated
- * shards in the model's dtype on the device, laid out as its master, for
- * the refresh (else NULL). use: the copier and chunk length the pipeline
- * takes (tests: copies on the host, any device). */
+ * rows fetched. takes: whether this step can take the pipeline (else the
+ * caller steps as without). step: the optimizer's step through it, the
+ * updated parameters written into dst[g] on the device, each group's
+ * laid out as its master (dst NULL: into the parameters, nothing being
+ * partitioned). use: the copier and chunk length the pipeline takes
+ * (tests: copies on the host, any device). */
 int ds_zero_offload_attach(ds_zero *z, ds_optim *o);
 int ds_zero_offload_fetch(ds_zero *z, ds_tensor *row, ds_tensor **host);
 int ds_zero_offload_settle(ds_zero *z);
-int ds_zero_offload_step(ds_zero *z, const ds_optim_hparams *h, double f);
-ds_tensor *const *ds_zero_offload_sent(const ds_zero *z);
+bool ds_zero_offload_takes(const ds_zero *z);
+int ds_zero_offload_step(ds_zero *z, const ds_optim_hparams *h, double f, ds_tensor *const *dst);
 int ds_zero_offload_use(ds_zero *z, const ds_offload_copier *c, int64_t chunk);
 void ds_zero_offload_free(ds_zero *z);
+/* Stage 3's shards in host memory (offload_param cpu) loaded ahead of
+ * their all-gather, on the copy stream. param_loads: from a GPU, the
+ * copier made if there is none yet. joins: a copier that can order the
+ * device's work after its copies. load: the listed parameters' shards
+ * into send, back to back, after the device's work so far. join: the
+ * device's work from now on after the shards loaded so far. settle_up:
+ * the host waits for them. */
+int ds_zero_offload_param_loads(ds_zero *z);
+bool ds_zero_offload_joins(const ds_zero *z);
+int ds_zero_offload_load(ds_zero *z, ds_tensor *send, int n, const int *list);
+int ds_zero_offload_join(ds_zero *z);
+int ds_zero_offload_settle_up(ds_zero *z);
 
 #endif

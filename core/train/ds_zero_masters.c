@@ -364,6 +364,24 @@ static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *upda
     return rc;
 }
 
+/* ZeRO-Offload's pipeline: with nothing partitioned it writes the
+ * parameters; else each group's updated shards go into a buffer on the
+ * device for the refresh, which lives only as long as the step. */
+static int offload_step(ds_zero *z, const ds_optim_hparams *h, double f) {
+    if (z->parts == 1 && z->c.stage != 3) return ds_zero_offload_step(z, h, f, NULL);
+    ds_tensor *updated[z->n_groups];
+    int rc = 0;
+    for (int g = 0; g < z->n_groups; g++) {
+        int64_t n = z->group_len[g] > 0 ? z->group_len[g] : 1;
+        updated[g] = rc == 0 ? ds_tensor_new(1, &n, z->dtype, ds_zero_param_device(z)) : NULL;
+        if (!updated[g]) rc = -1;
+    }
+    if (rc == 0) rc = ds_zero_offload_step(z, h, f, updated);
+    if (rc == 0) rc = refresh(z, z->masters, updated, true);
+    for (int g = 0; g < z->n_groups; g++) ds_tensor_release(updated[g]);
+    return rc;
+}
+
 /* Shards differ between ranks: their squares are summed; with P = 1 every
  * rank holds the same reduced gradients. The sums over ranks become
  * means; the norm is of the scaled mean. Streamed (no optimizer attached)
@@ -385,10 +403,9 @@ static int step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, double
     double f = 1 / (n * combined);
     out->grad_norm = norm / loss_scale;
     if (!z->optim) return ds_zero_scale_all(z->n_groups, z->master_grads, f);
-    /* ZeRO-Offload's pipeline steps (and refreshes what is whole), or says 1 */
-    rc = ds_zero_offload_step(z, h, f);
-    if (rc == 0 && ds_zero_offload_sent(z)) rc = refresh(z, z->masters, ds_zero_offload_sent(z), true);
-    if (rc == 1) {
+    if (ds_zero_offload_takes(z)) {
+        rc = offload_step(z, h, f);
+    } else {
         ds_tensor *written[z->n_groups];
         for (int g = 0; g < z->n_groups; g++) written[g] = written_by_step(z, g);
         rc = ds_zero_optimizer_step(z, h, z->n_groups, z->master_grads, f, written);

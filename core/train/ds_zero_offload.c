@@ -7,8 +7,10 @@
  * over each group a chunk at a time, the 16-bit parameters (or f32 ones)
  * written in its pass into page-locked memory and sent up on the copy
  * stream while the next chunk steps: into the parameters themselves
- * where nothing is partitioned, else into this rank's shards on the
- * device, which the refresh all-gathers (or stores, at stage 3). */
+ * where nothing is partitioned, else into a buffer of this rank's shards
+ * on the device, which the refresh all-gathers (or stores, at stage 3).
+ * With stage 3's shards in host memory, a prefetch loads them on the copy
+ * stream too. */
 #include "ds_zero_offload.h"
 #include "ds_zero_impl.h"
 #include "ds_cuda.h"
@@ -97,6 +99,13 @@ static int h_wait(void *ud, int up, int slot) {
     return 0;
 }
 
+/* The host is the device here: the copies before the join are made now. */
+static int h_join(void *ud, int up) {
+    hqueue *h = ud;
+    h->marks[up][0] = h->n[up];
+    return h_wait(ud, up, 0);
+}
+
 static void h_release(void *ud) {
     hqueue *h = ud;
     free(h->q[0]);
@@ -107,7 +116,7 @@ static void h_release(void *ud) {
 int ds_offload_host_copier(ds_offload_copier *c) {
     hqueue *h = calloc(1, sizeof *h);
     if (!h) return ds_fail(DS_ERR_NOMEM, "offload copies: out of memory"), -1;
-    *c = (ds_offload_copier){ h_start, h_copy, h_mark, h_wait, h, h_release };
+    *c = (ds_offload_copier){ h_start, h_copy, h_mark, h_wait, h, h_release, h_join };
     return 0;
 }
 
@@ -117,9 +126,8 @@ struct zoffload {
     ds_offload_copier copier;
     int64_t chunk;
     ds_tensor **shadow;             /* per group: 16-bit parameters, page-locked; NULL for f32 models */
-    ds_tensor **sent;               /* partitioned, per group: this rank's updated shards on the device */
-    int fetching;                   /* gradient rows started down and not yet waited for */
-    int64_t chunks, rows;           /* stepped, and fetched, since the engine began */
+    int fetching, loading;          /* gradient rows started down, shards up, not yet waited for */
+    int64_t chunks, rows, shards;   /* stepped, fetched and loaded since the engine began */
 };
 
 static int cuda_start(void *ud) { return ds_cuda_copier_start(ud); }
@@ -129,6 +137,7 @@ static int cuda_copy(void *ud, int up, void *dst, const void *src, size_t nb) {
 static int cuda_mark(void *ud, int up, int slot) { return ds_cuda_copier_mark(ud, up, slot); }
 static int cuda_wait(void *ud, int up, int slot) { return ds_cuda_copier_wait(ud, up, slot); }
 static void cuda_release(void *ud) { ds_cuda_copier_free(ud); }
+static int cuda_join(void *ud, int up) { return ds_cuda_copier_join(ud, up); }
 
 /* Whether the masters live on the host for parameters on a GPU. */
 static bool from_gpu(const ds_zero *z) {
@@ -145,10 +154,10 @@ int ds_zero_offload_use(ds_zero *z, const ds_offload_copier *c, int64_t chunk) {
     if (chunk < 1) return ds_fail(DS_ERR_ARG, "step engine: offload chunk of %lld elements", (long long)chunk), -1;
     zoffload *o = z->offload;
     if (!o && !(o = z->offload = calloc(1, sizeof *o))) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
-    if (!o->shadow) o->shadow = calloc((size_t)z->n_groups + 1, sizeof *o->shadow);
-    if (!o->sent) o->sent = calloc((size_t)z->n_groups + 1, sizeof *o->sent);
-    if (!o->shadow || !o->sent) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
-    if (o->fetching) return ds_fail(DS_ERR_STATE, "step engine: offload copier changed with gradients on their way"), -1;
+    if (!o->shadow && !(o->shadow = calloc((size_t)z->n_groups + 1, sizeof *o->shadow)))
+        return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+    if (o->fetching || o->loading)
+        return ds_fail(DS_ERR_STATE, "step engine: offload copier changed with copies on their way"), -1;
     release_copier(o);
     o->copier = *c;
     o->chunk = chunk;
@@ -168,11 +177,26 @@ int ds_zero_offload_on_host(ds_zero *z, int64_t chunk) {
     return 0;
 }
 
-bool ds_zero_offload_counts(const ds_zero *z, int64_t *chunks, int64_t *rows) {
+bool ds_zero_offload_counts(const ds_zero *z, int64_t *chunks, int64_t *rows, int64_t *shards) {
     if (!z->offload) return false;
     *chunks = z->offload->chunks;
     *rows = z->offload->rows;
+    *shards = z->offload->shards;
     return true;
+}
+
+/* The GPU's copier, made once, where the device copies asynchronously (a
+ * test's stand-in device does not: it steps the plain way). */
+static int use_cuda(ds_zero *z) {
+    const ds_backend *b = ds_backend_get(ds_zero_param_device(z));
+    if ((z->offload && z->offload->copier.copy) || !b || !b->upload) return 0;
+    ds_cuda_copier *cuda = ds_cuda_copier_new(ds_zero_param_device(z).index);
+    ds_offload_copier c = { cuda_start, cuda_copy, cuda_mark, cuda_wait, cuda, cuda_release, cuda_join };
+    if (!cuda || ds_zero_offload_use(z, &c, OFFLOAD_CHUNK)) {
+        ds_cuda_copier_free(cuda);
+        return -1;
+    }
+    return 0;
 }
 
 int ds_zero_offload_attach(ds_zero *z, ds_optim *o) {
@@ -195,16 +219,11 @@ int ds_zero_offload_attach(ds_zero *z, ds_optim *o) {
             return -1;
         }
     }
-    /* a device without asynchronous copies (a test's stand-in) steps the plain way */
-    const ds_backend *b = ds_backend_get(ds_zero_param_device(z));
-    if (!b || !b->upload) return 0;
-    ds_cuda_copier *cuda = ds_cuda_copier_new(ds_zero_param_device(z).index);
-    ds_offload_copier c = { cuda_start, cuda_copy, cuda_mark, cuda_wait, cuda, cuda_release };
-    if (!cuda || ds_zero_offload_use(z, &c, OFFLOAD_CHUNK)) {
-        ds_cuda_copier_free(cuda);
-        return -1;
-    }
-    return 0;
+    return use_cuda(z);
+}
+
+int ds_zero_offload_param_loads(ds_zero *z) {
+    return ds_zero_param_device(z).type == DS_DEV_CUDA ? use_cuda(z) : 0;
 }
 
 /* ---------------------------------------------------------------- gradients in backward */
@@ -215,7 +234,7 @@ int ds_zero_offload_attach(ds_zero *z, ds_optim *o) {
 int ds_zero_offload_fetch(ds_zero *z, ds_tensor *row, ds_tensor **host) {
     zoffload *o = z->offload;
     *host = NULL;
-    if (!o) return 0;
+    if (!o || z->c.master_device.type != DS_DEV_CPU) return 0;
     int64_t n = ds_tensor_numel(row);
     ds_tensor *t = ds_tensor_new_staging(1, &n, row->dtype, ds_tensor_device(row));
     if (!t) return -1;
@@ -230,26 +249,52 @@ int ds_zero_offload_fetch(ds_zero *z, ds_tensor *row, ds_tensor **host) {
     return 0;
 }
 
-/* Waits for the rows fetched so far (every one, even after a failure). */
-int ds_zero_offload_settle(ds_zero *z) {
-    zoffload *o = z->offload;
-    if (!o || !o->fetching) return 0;
-    o->fetching = 0;
-    return o->copier.mark(o->copier.ud, 0, 0) || o->copier.wait(o->copier.ud, 0, 0) ? -1 : 0;
+/* The host waits for the copies of one direction started so far. */
+static int settle_copies(zoffload *o, int up, int *pending) {
+    if (!*pending) return 0;
+    *pending = 0;
+    return o->copier.mark(o->copier.ud, up, 0) || o->copier.wait(o->copier.ud, up, 0) ? -1 : 0;
 }
+
+int ds_zero_offload_settle(ds_zero *z) { return z->offload ? settle_copies(z->offload, 0, &z->offload->fetching) : 0; }
+
+/* ---------------------------------------------------------------- stage 3's shards ahead */
+
+bool ds_zero_offload_joins(const ds_zero *z) { return z->offload && z->offload->copier.join; }
+
+/* After the compute stream's work so far: send may be memory it still reads. */
+int ds_zero_offload_load(ds_zero *z, ds_tensor *send, int n, const int *list) {
+    zoffload *o = z->offload;
+    if (o->copier.start(o->copier.ud)) return -1;
+    char *dst = ds_tensor_data_w(send, "stage 3 gather");
+    size_t es = ds_dtype_size(z->dtype);
+    for (int k = 0; k < n; k++) {
+        zparam *q = &z->p[list[k]];
+        if (o->copier.copy(o->copier.ud, 1, dst, ds_tensor_data(q->own), (size_t)q->shard * es)) return -1;
+        dst += (size_t)q->shard * es;
+        o->loading++;
+        o->shards++;
+    }
+    return 0;
+}
+
+int ds_zero_offload_join(ds_zero *z) {
+    zoffload *o = z->offload;
+    return o->copier.join(o->copier.ud, 1);
+}
+
+int ds_zero_offload_settle_up(ds_zero *z) { return z->offload ? settle_copies(z->offload, 1, &z->offload->loading) : 0; }
 
 /* ---------------------------------------------------------------- the step */
 
-/* Nothing partitioned: the pipeline writes the parameters themselves. */
-static bool whole(const ds_zero *z) { return z->parts == 1 && z->c.stage != 3; }
-
-/* Whether this step can take the pipeline: masters on the host, an
- * optimizer that steps in pieces and writes the 16-bit copy in its pass,
- * and with nothing partitioned each group's parameters back to back. */
-static bool fits(const ds_zero *z) {
+/* Masters on the host, an optimizer that steps in pieces and writes the
+ * 16-bit copy in its pass, and with nothing partitioned each group's
+ * parameters back to back. */
+bool ds_zero_offload_takes(const ds_zero *z) {
     if (!z->offload || !z->optim || !ds_zero_fused_step(z) || z->c.master_device.type != DS_DEV_CPU) return false;
     if (z->dtype != DS_F32 && z->dtype != DS_BF16 && z->dtype != DS_F16) return false;
-    for (int g = 0; g < z->n_groups && whole(z); g++)
+    bool whole = z->parts == 1 && z->c.stage != 3;
+    for (int g = 0; g < z->n_groups && whole; g++)
         if (!z->flat_params || !z->flat_params[g]) return false;
     return true;
 }
@@ -271,22 +316,20 @@ static int step_piece(void *ud, int64_t lo, int64_t n) {
     return rc;
 }
 
-/* Group g's buffer made at its first step, of its master's length:
- * on the host in page-locked memory, or on the parameters' device. */
-static ds_tensor *made(ds_zero *z, ds_tensor **slot, int g, bool host) {
-    if (*slot) return *slot;
+/* Group g's 16-bit parameters on the host, made at its first step. */
+static ds_tensor *shadow_of(ds_zero *z, int g) {
+    ds_tensor **s = &z->offload->shadow[g];
+    if (*s || z->dtype == DS_F32) return *s;
     int64_t n = z->group_len[g] > 0 ? z->group_len[g] : 1;
-    *slot = host ? ds_tensor_new_staging(1, &n, z->dtype, ds_zero_param_device(z))
-                 : ds_tensor_new(1, &n, z->dtype, ds_zero_param_device(z));
-    if (*slot) ds_tensor_set_category(*slot, DS_MEM_PARAM);
-    return *slot;
+    *s = ds_tensor_new_staging(1, &n, z->dtype, ds_zero_param_device(z));
+    if (*s) ds_tensor_set_category(*s, DS_MEM_PARAM);
+    return *s;
 }
 
-static int step_group(ds_zero *z, int g, const ds_optim_hparams *h, double f) {
+static int step_group(ds_zero *z, int g, const ds_optim_hparams *h, double f, ds_tensor *dst) {
     zoffload *o = z->offload;
-    if (z->dtype != DS_F32 && !made(z, &o->shadow[g], g, true)) return -1;
-    ds_tensor *dst = whole(z) ? z->flat_params[g] : made(z, &o->sent[g], g, false);
-    if (!dst || ds_optim_begin_pieces(z->optim, g, h)) return -1;
+    if (z->dtype != DS_F32 && !shadow_of(z, g)) return -1;
+    if (ds_optim_begin_pieces(z->optim, g, h)) return -1;
     ds_tensor *src = o->shadow[g] ? o->shadow[g] : z->masters[g];
     zpiece s = { z, g, h, f };
     ds_offload_plan p = { .n = z->group_len[g], .chunk = o->chunk, .param_src = ds_tensor_data(src),
@@ -297,24 +340,17 @@ static int step_group(ds_zero *z, int g, const ds_optim_hparams *h, double f) {
     return 0;
 }
 
-int ds_zero_offload_step(ds_zero *z, const ds_optim_hparams *h, double f) {
-    if (!fits(z)) return 1;
+int ds_zero_offload_step(ds_zero *z, const ds_optim_hparams *h, double f, ds_tensor *const *dst) {
     for (int g = 0; g < z->n_groups; g++)
-        if (step_group(z, g, &h[g], f)) return -1;
+        if (step_group(z, g, &h[g], f, dst ? dst[g] : z->flat_params[g])) return -1;
     return 0;
 }
-
-ds_tensor *const *ds_zero_offload_sent(const ds_zero *z) { return z->offload && !whole(z) ? z->offload->sent : NULL; }
 
 void ds_zero_offload_free(ds_zero *z) {
     zoffload *o = z->offload;
     if (!o) return;
-    for (int g = 0; g < z->n_groups; g++) {
-        if (o->shadow) ds_tensor_release(o->shadow[g]);
-        if (o->sent) ds_tensor_release(o->sent[g]);
-    }
+    for (int g = 0; o->shadow && g < z->n_groups; g++) ds_tensor_release(o->shadow[g]);
     free(o->shadow);
-    free(o->sent);
     release_copier(o);
     free(o);
     z->offload = NULL;

@@ -13,7 +13,9 @@
  * in tests): start orders both directions after the device's work queued
  * so far; copy starts one (up: host to device); mark puts an event in slot
  * 0 or 1 of a direction after the copies started so far; wait: the host
- * waits for one. Each 0, or -1 with the error set. */
+ * waits for one; join: the device's work queued from now on waits for
+ * the copies started so far in a direction (NULL: none can). Each 0, or
+ * -1 with the error set. */
 typedef struct {
     int (*start)(void *ud);
     int (*copy)(void *ud, int up, void *dst, const void *src, size_t nb);
@@ -21,6 +23,7 @@ typedef struct {
     int (*wait)(void *ud, int up, int slot);
     void *ud;
     void (*release)(void *ud);      /* frees ud with the engine that took it; NULL: ud is the caller's */
+    int (*join)(void *ud, int up);
 } ds_offload_copier;
 
 /* The host's stand-in for a device's streams: each copy made only when a

@@ -2,9 +2,11 @@
 -- DSLUA_TEST_OFFLOAD_CPU set: a tiny GPT-2 trained through ds.initialize
 -- with offload_optimizer device cpu (ZeRO-Offload's pipeline, its copies
 -- made on the host when waited for) and without, stages 1-3, fp32 and
--- bf16, one and three micro steps. Rank 0 writes per case the largest
--- difference between the two runs' losses and weights, and the chunks
--- and reduced rows the pipeline took (0 without it).
+-- bf16, one and three micro steps, and at stage 3 with offload_param cpu
+-- too (the prefetched shards loaded through the same copies). Rank 0
+-- writes per case the largest difference between the two runs' losses
+-- and weights, and the chunks, reduced rows and shards the pipeline took
+-- (0 without it).
 local ds = require 'dslua'
 package.path = 'spec/?.lua;' .. package.path
 local write_json = require 'ranks.write_json'
@@ -27,7 +29,8 @@ local function run(case, offload)
     optimizer = { type = 'AdamW', params = { lr = 3e-3, weight_decay = 0.01 } },
     zero_optimization = { stage = case.stage, reduce_bucket_size = 3000, stage3_param_persistence_threshold = 0,
                           stage3_prefetch_bucket_size = 2000, stage3_gather_16bit_weights_on_model_save = true,
-                          offload_optimizer = { device = offload } },
+                          offload_optimizer = { device = offload },
+                          offload_param = { device = case.param and offload or 'none' } },
   }
   jit.flush()
   require('dslua.engine').settle_garbage()
@@ -37,10 +40,10 @@ local function run(case, offload)
   local losses = train_epochs(engine, loader, 1)
   local weights = {}
   for name, t in pairs(engine:module_state_dict()) do weights[name] = t:reshape(-1):to('f64'):totable() end
-  local chunks, rows = engine.zero.engine:offload_counts()
+  local chunks, rows, shards = engine.zero.engine:offload_counts()
   engine:finish()
   engine:destroy()
-  return { losses = losses, weights = weights, chunks = chunks or 0, rows = rows or 0 }
+  return { losses = losses, weights = weights, chunks = chunks or 0, rows = rows or 0, shards = shards or 0 }
 end
 
 local function largest_difference(a, b)
@@ -52,17 +55,20 @@ local function largest_difference(a, b)
   return worst
 end
 
-local results = {}
+local cases = {}
 for stage = 1, 3 do
   for _, bf16 in ipairs({ false, true }) do
-    for _, gas in ipairs({ 1, 3 }) do
-      local case = { stage = stage, bf16 = bf16, gas = gas }
-      local none, cpu = run(case, 'none'), run(case, 'cpu')
-      results[#results + 1] = { stage = stage, bf16 = bf16, gas = gas, steps = #cpu.losses,
-                                difference = largest_difference(cpu, none), chunks = cpu.chunks, rows = cpu.rows,
-                                none_chunks = none.chunks }
-    end
+    for _, gas in ipairs({ 1, 3 }) do cases[#cases + 1] = { stage = stage, bf16 = bf16, gas = gas } end
   end
+end
+cases[#cases + 1] = { stage = 3, bf16 = false, gas = 1, param = true }
+cases[#cases + 1] = { stage = 3, bf16 = true, gas = 3, param = true }
+local results = {}
+for _, case in ipairs(cases) do
+  local none, cpu = run(case, 'none'), run(case, 'cpu')
+  results[#results + 1] = { stage = case.stage, bf16 = case.bf16, gas = case.gas, param = case.param or false,
+                            steps = #cpu.losses, difference = largest_difference(cpu, none), chunks = cpu.chunks,
+                            rows = cpu.rows, shards = cpu.shards, none_chunks = none.chunks }
 end
 if ds.comm.rank() == 0 then write_json(out_path, results) end
 ds.comm.print('done')

@@ -174,6 +174,13 @@ function M.new(opts)
     z:_offload_params(zc.offload_param)
     z:_install_hooks()
   end
+  -- the test hook of CPU ranks: cpu offload's pipeline and loads as from a
+  -- GPU, copies made on the host when waited for, chunks of the value
+  local chunk = tonumber(os.getenv('DSLUA_TEST_OFFLOAD_CPU') or '')
+  if chunk and chunk >= 1 and (z.offload == 'cpu' or z.param_offload == 'cpu')
+     and tostring(opts.device or 'cpu') == 'cpu' then
+    z.engine:offload_on_host(chunk)
+  end
   return z
 end
 
@@ -226,12 +233,6 @@ function Zero:_build_optimizer(opts)
   end
   self.optimizer = o
   self.engine:attach(o)
-  -- the test hook of CPU ranks: offload's pipeline as from a GPU, with
-  -- copies made on the host when waited for, in chunks of the value
-  local chunk = tonumber(os.getenv('DSLUA_TEST_OFFLOAD_CPU') or '')
-  if self.offload == 'cpu' and chunk and chunk >= 1 and tostring(opts.device or 'cpu') == 'cpu' then
-    self.engine:offload_on_host(chunk)
-  end
 end
 
 ---------------------------------------------------------------- stage 3: module hooks
