@@ -140,7 +140,7 @@ static int let_go(ds_zero *z, zgather *g) {
  * one join: the device's work waits for the shards from here on. */
 static int launch_loaded(ds_zero *z) {
     bool joined = false;
-    for (int i = 0; i < z->n; i++) {
+    for (int i = 0; i < z->n && z->params_on_host; i++) {
         zgather *g = z->p[i].in_flight;
         if (!g || !g->loading) continue;
         if (!joined && ds_zero_offload_join(z)) return -1;
