@@ -518,6 +518,11 @@ describe('ZeRO-Offload\'s pipeline on data-parallel ranks', function()
   teardown(function() os.execute('rm -rf ' .. dir) end)
 
   it('trains stages 1-3, fp32 and bf16, 1 and 3 micro steps, offload_param at 3, bit for bit as without', function()
+    if H.rank_device() ~= 'cpu' then
+      -- device ranks offload for real, their optimizer on the CPU against one on the device without
+      pending('the hook is for CPU ranks; tests/test_zero.c checks offload on a GPU against the CPU')
+      return
+    end
     local json = dir .. '/offload.json'
     local r = H.run_json(H.ranks_cmd(2, { 'DSLUA_TEST_OFFLOAD_CPU=1000' }) .. ' spec/zero/offload.lua ' .. json, json)
     assert.are.equal(14, #r)
