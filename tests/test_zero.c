@@ -6,7 +6,9 @@
  * made of the CPU kernels, through stages 1 and 3; a parameter left out of
  * the gradient norm; what each layout answers; shards given for parameters
  * built partitioned; ZeRO-Offload's pipeline of chunks with copies that
- * happen only when waited for, alone and in the engine's step. */
+ * happen only when waited for, alone and in the engine's step (stages
+ * 1-3, the gradient rows fetched in backward), and stage 3's shards in
+ * host memory loaded ahead of their all-gather. */
 #include "ds_ops.h"
 #include "ds_optim.h"
 #include "ds_zero.h"
