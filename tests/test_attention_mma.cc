@@ -1,11 +1,12 @@
 /* The tensor-core attention kernels (kernels/cuda/cuda_attention_mma.cuh)
  * on the CPU, through tests/warp_emulator.h: forward (out, lse) and
  * backward (dq, dk, dv) against attention computed in double from the
- * same 16-bit inputs; bf16 and f16, head dims 64 and 128, causal or not,
- * lengths that leave partial tiles, q/k/v as views into one packed qkv
- * buffer as GPT-2's attention passes them. No GPU needed: what runs is
- * the kernels' own code, with ldmatrix, mma and cp.async emulated from
- * the PTX ISA's definitions. */
+ * same inputs; bf16, f16 and f32 (in TF32), head dims 64 and 128, causal
+ * or not, lengths that leave partial tiles, q/k/v as views into one
+ * packed qkv buffer as GPT-2's attention passes them. f32 is held to a
+ * bound derived from TF32's unit roundoff for every element. No GPU
+ * needed: what runs is the kernels' own code, with ldmatrix, mma, cvt and
+ * cp.async emulated from the PTX ISA's definitions. */
 #include "warp_emulator.h"
 #include "cuda/cuda_attention_mma.cuh"
 
@@ -14,6 +15,7 @@ extern "C" {
 }
 
 #include <random>
+#include <type_traits>
 
 namespace {
 
@@ -25,22 +27,49 @@ ds_kview heads_view(void *data, ds_dtype dt, const shape &s, int64_t T, int64_t 
     return emu::view(data, dt, 4, sz, sd);
 }
 
+/* An element of T from an f32 (NaN for the outputs before they are written). */
+template <typename T> T elem(float x) {
+    if constexpr (sizeof(T) == 4) return x;
+    else return T{ std::is_same<T, __nv_bfloat16>::value ? ds_f32_to_bf16(x) : ds_f32_to_f16(x) };
+}
+
 /* [B, T, H, D] memory seen as [B, H, T, D]: the fused op's layout. */
-ds_kview heads_inner(std::vector<uint16_t> &buf, ds_dtype dt, const shape &s, int64_t T) {
-    buf.assign((size_t)(s.B * T * s.H * s.D), 0xffff);
-    return heads_view(buf.data(), dt, s, T, T * s.H * s.D, s.D, s.H * s.D);
+template <typename T> ds_kview heads_inner(std::vector<T> &buf, ds_dtype dt, const shape &s, int64_t T_) {
+    buf.assign((size_t)(s.B * T_ * s.H * s.D), elem<T>(NAN));
+    return heads_view(buf.data(), dt, s, T_, T_ * s.H * s.D, s.D, s.H * s.D);
 }
 
-float at(const ds_kview &v, int64_t b, int64_t h, int64_t t, int64_t d) {
-    uint16_t x = ((const uint16_t *)v.data)[b * v.stride[0] + h * v.stride[1] + t * v.stride[2] + d];
-    return v.dtype == DS_BF16 ? ds_bf16_to_f32(x) : ds_f16_to_f32(x);
+template <typename T> float at(const ds_kview &v, int64_t b, int64_t h, int64_t t, int64_t d) {
+    return (float)((const T *)v.data)[b * v.stride[0] + h * v.stride[1] + t * v.stride[2] + d];
 }
 
-/* max |got - want| over max |want|, for one result. */
-struct error { double worst = 0, scale = 0; void add(double got, double want) {
-    if (!(fabs(got - want) <= worst)) worst = fabs(got - want);   /* NaN sticks */
-    scale = fmax(scale, fabs(want));
-} double rel() const { return worst / fmax(scale, 1e-30); } };
+/* One result's max |got - want| over max |want|, and its largest
+ * |got - want| / bound where a bound is given. */
+struct error {
+    double worst = 0, scale = 0, over = 0;
+    void add(double got, double want, double bound = INFINITY) {
+        double e = fabs(got - want);
+        if (!(e <= worst)) worst = e;                  /* NaN sticks */
+        if (!(e <= over * bound)) over = e / bound;
+        scale = fmax(scale, fabs(want));
+    }
+    double rel() const { return worst / fmax(scale, 1e-30); }
+};
+
+/* ---- the TF32 error bound ----
+ * u = 2^-11, TF32's unit roundoff: an operand x goes into the mma as
+ * x (1 + t), |t| <= u. f32 roundings are e = 2^-24 each, and n of them on
+ * a sum or product grow at most to gamma(n) = n e / (1 - n e). The bound
+ * is first derived for a dot product and then carried through each step
+ * of the kernels, every f32 rounding counted (generously; they are 100
+ * times smaller than u). A value x known up to ex times y known up to
+ * ey, rounded with relative r, is off by at most
+ * prod_err(|x|, ex, |y|, ey, r) = (|x| + ex)(|y| + ey)(1 + r) - |x||y|. */
+const double U = 1.0 / 2048, E = 1.0 / 16777216;
+
+double gamma_n(double n) { return n * E / (1 - n * E); }
+
+double prod_err(double x, double ex, double y, double ey, double r) { return (x + ex) * (y + ey) * (1 + r) - x * y; }
 
 template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt19937 &rng) {
     const int64_t C = s.H * D;
@@ -48,15 +77,15 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     /* q, k and v inside one [B, T, 3, H, D] buffer when the lengths agree, as
      * qkv_attention passes them; separate [B, T, H, D] buffers otherwise */
     int64_t Tmax = s.Tq > s.Tk ? s.Tq : s.Tk;
-    std::vector<uint16_t> qkv((size_t)(s.B * Tmax * 3 * C));
+    std::vector<T> qkv((size_t)(s.B * Tmax * 3 * C));
     std::normal_distribution<float> normal(0.f, 1.f);
-    for (uint16_t &x : qkv) x = dt == DS_BF16 ? ds_f32_to_bf16(normal(rng)) : ds_f32_to_f16(normal(rng));
+    for (T &x : qkv) x = elem<T>(normal(rng));
     ds_kview q = heads_view(qkv.data(), dt, s, s.Tq, Tmax * 3 * C, D, 3 * C);
     ds_kview k = heads_view(qkv.data() + C, dt, s, s.Tk, Tmax * 3 * C, D, 3 * C);
     ds_kview v = heads_view(qkv.data() + 2 * C, dt, s, s.Tk, Tmax * 3 * C, D, 3 * C);
-    std::vector<uint16_t> gbuf, obuf, dqb, dkb, dvb;
+    std::vector<T> gbuf, obuf, dqb, dkb, dvb;
     ds_kview dout = heads_inner(gbuf, dt, s, s.Tq);
-    for (uint16_t &x : gbuf) x = dt == DS_BF16 ? ds_f32_to_bf16(normal(rng)) : ds_f32_to_f16(normal(rng));
+    for (T &x : gbuf) x = elem<T>(normal(rng));
     ds_kview out = heads_inner(obuf, dt, s, s.Tq), dq = heads_inner(dqb, dt, s, s.Tq);
     ds_kview dk = heads_inner(dkb, dt, s, s.Tk), dv = heads_inner(dvb, dt, s, s.Tk);
     std::vector<float> lsebuf((size_t)(s.B * s.H * s.Tq), NAN);
@@ -64,76 +93,152 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     ds_kview lse = emu::view(lsebuf.data(), DS_F32, 3, lsz, lst);
 
     mma_geom g = mma_geom_of(q, k, scale, s.causal);
-    emu::launch("mma_forward_kernel", mma_query_blocks(g), MMA_THREADS, mma_forward_smem(D),
+    emu::launch("mma_forward_kernel", mma_query_blocks(g), MMA_THREADS, mma_forward_smem<T>(D),
                 [&] { mma_forward_kernel<T, D>(out, lse, q, k, v, g); });
     std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
     emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
                 [&] { mma_stats_kernel<T, D>(stats.data(), dout, out, lse, g); });
-    emu::launch("mma_dq_kernel", mma_query_blocks(g), MMA_THREADS, mma_dq_smem(D),
+    emu::launch("mma_dq_kernel", mma_query_blocks(g), MMA_THREADS, mma_dq_smem<T>(D),
                 [&] { mma_dq_kernel<T, D>(dq, dout, q, k, v, stats.data(), g); });
-    emu::launch("mma_dkdv_kernel", mma_dkdv_blocks(g, D), MMA_THREADS, mma_dkdv_smem(D),
+    emu::launch("mma_dkdv_kernel", mma_dkdv_blocks(g, D), MMA_THREADS, mma_dkdv_smem<T>(D),
                 [&] { mma_dkdv_kernel<T, D>(dk, dv, dout, q, k, v, stats.data(), g); });
 
-    /* the reference, in double, per (b, h) */
+    /* the reference, in double, per (b, h), with each element's TF32
+     * bound (used for f32; 16-bit inputs are checked against a tolerance) */
     error e_out, e_lse, e_dq, e_dk, e_dv;
-    std::vector<double> P((size_t)(s.Tq * s.Tk)), dS((size_t)(s.Tq * s.Tk));
+    const size_t n = (size_t)(s.Tq * s.Tk);
+    std::vector<double> P(n), dS(n), perr(n), dserr(n);
+    /* a TF32 dot product of D terms is off by e_dot times the sum of its
+     * terms' magnitudes; exp2 is off by eta relative (ex2.approx's 2^-22),
+     * and flushing results below 2^-126 (tau) to zero costs tau each */
+    const double e_dot = (1 + U) * (1 + U) * (1 + gamma_n(D + 8)) - 1, eta = 4 * E, tau = FLT_MIN;
+    /* a sum of n TF32 products of values known to (1 + r) */
+    auto sum_err = [](double n_terms) { return (1 + U) * (1 + U) * (1 + gamma_n(n_terms + 4)) - 1; };
+    auto A = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) { return (double)at<T>(x, b, h, t, d); };
     for (int64_t b = 0; b < s.B; b++)
         for (int64_t h = 0; h < s.H; h++) {
             for (int64_t i = 0; i < s.Tq; i++) {
-                double mx = -INFINITY;
+                double mx = -INFINITY, amax = 0;
                 for (int64_t j = 0; j < s.Tk; j++) {
-                    double dot = 0;
-                    for (int d = 0; d < D; d++) dot += (double)at(q, b, h, i, d) * at(k, b, h, j, d);
-                    P[i * s.Tk + j] = s.causal && j > i ? -INFINITY : dot * scale;
+                    double dot = 0, mag = 0;
+                    for (int d = 0; d < D; d++) {
+                        dot += A(q, b, h, i, d) * A(k, b, h, j, d);
+                        mag += fabs(A(q, b, h, i, d) * A(k, b, h, j, d));
+                    }
+                    bool hidden = s.causal && j > i;
+                    P[i * s.Tk + j] = hidden ? -INFINITY : dot * scale;
+                    if (!hidden) amax = fmax(amax, mag);
                     mx = fmax(mx, P[i * s.Tk + j]);
                 }
                 double sum = 0;
                 for (int64_t j = 0; j < s.Tk; j++) sum += P[i * s.Tk + j] = exp(P[i * s.Tk + j] - mx);
                 for (int64_t j = 0; j < s.Tk; j++) P[i * s.Tk + j] /= sum;
-                e_lse.add(((float *)lse.data)[(b * s.H + h) * s.Tq + i], mx + log(sum));
-                double di = 0;
+                double lse_i = mx + log(sum);
+                /* every score of the row is off by at most delta (natural
+                 * units): the dot's error, its scaling into base 2 and the
+                 * subtraction of the row's max (within 2 scale amax) */
+                double delta = scale * amax * (e_dot + 8 * E);
+                /* so each probability is within exp(+-(2 delta + 2 eta)) of
+                 * its value, and rounds to TF32 (as does v) on its way into
+                 * P V, summed over Tk keys with the tiles' rescaling */
+                double ratio = exp(2 * delta + 2 * eta) * (1 + U) * (1 + U) * (1 + gamma_n(2 * s.Tk + 8)) - 1;
+                /* lse = max + log(sum): the scores' delta, the sum's
+                 * roundings, and the final f32 log, add and divide */
+                double lam = delta + 2 * eta + gamma_n(2 * s.Tk + 8) + 8 * E * (fabs(lse_i) + log2((double)s.Tk) + 2) +
+                             s.Tk * tau;
+                e_lse.add(lsebuf[(size_t)((b * s.H + h) * s.Tq + i)], lse_i, lam);
+                double di = 0, kappa = 0;    /* delta = dO . O, and how far the kernel's (from its O) is off */
                 for (int d = 0; d < D; d++) {
-                    double o = 0;
-                    for (int64_t j = 0; j < s.Tk; j++) o += P[i * s.Tk + j] * at(v, b, h, j, d);
-                    e_out.add(at(out, b, h, i, d), o);
-                    di += o * at(dout, b, h, i, d);
+                    double o = 0, po = 0, vmax = 0;
+                    for (int64_t j = 0; j < s.Tk; j++) {
+                        o += P[i * s.Tk + j] * A(v, b, h, j, d);
+                        po += P[i * s.Tk + j] * fabs(A(v, b, h, j, d));
+                        vmax = fmax(vmax, fabs(A(v, b, h, j, d)));
+                    }
+                    double bound = ratio * po + 2 * s.Tk * tau * vmax;
+                    e_out.add(A(out, b, h, i, d), o, bound);
+                    di += o * A(dout, b, h, i, d);
+                    kappa += fabs(A(dout, b, h, i, d)) * (bound + gamma_n(D + 2) * (fabs(o) + bound));
                 }
+                /* the backward's P = exp2(s scale - lse): the scores' delta,
+                 * lse's lam, and the f32 subtraction of lse (|s - lse| < 130
+                 * where P is not flushed) */
+                double rho = exp(delta + lam + eta + 8 * E * (fabs(lse_i) + 130)) - 1;
                 for (int64_t j = 0; j < s.Tk; j++) {
-                    double dp = 0;
-                    for (int d = 0; d < D; d++) dp += (double)at(dout, b, h, i, d) * at(v, b, h, j, d);
-                    dS[i * s.Tk + j] = P[i * s.Tk + j] * (dp - di);
+                    double dp = 0, mag = 0;
+                    for (int d = 0; d < D; d++) {
+                        dp += A(dout, b, h, i, d) * A(v, b, h, j, d);
+                        mag += fabs(A(dout, b, h, i, d) * A(v, b, h, j, d));
+                    }
+                    double x = dp - di, xerr = (e_dot * mag + kappa) * (1 + E) + E * fabs(x), p = P[i * s.Tk + j];
+                    dS[i * s.Tk + j] = p * x;
+                    perr[i * s.Tk + j] = rho * p + tau;
+                    dserr[i * s.Tk + j] = prod_err(p, perr[i * s.Tk + j], fabs(x), xerr, E);
                 }
             }
             for (int64_t i = 0; i < s.Tq; i++)
                 for (int d = 0; d < D; d++) {
-                    double a = 0;
-                    for (int64_t j = 0; j < s.Tk; j++) a += dS[i * s.Tk + j] * at(k, b, h, j, d);
-                    e_dq.add(at(dq, b, h, i, d), a * scale);
+                    double a = 0, bound = 0;
+                    for (int64_t j = 0; j < s.Tk; j++) {
+                        a += dS[i * s.Tk + j] * A(k, b, h, j, d);
+                        bound += prod_err(fabs(dS[i * s.Tk + j]), dserr[i * s.Tk + j], fabs(A(k, b, h, j, d)), 0,
+                                          sum_err((double)s.Tk));
+                    }
+                    e_dq.add(A(dq, b, h, i, d), a * scale, bound * scale);
                 }
             for (int64_t j = 0; j < s.Tk; j++)
                 for (int d = 0; d < D; d++) {
-                    double a = 0, c = 0;
+                    double a = 0, c = 0, ba = 0, bc = 0;
                     for (int64_t i = 0; i < s.Tq; i++) {
-                        a += dS[i * s.Tk + j] * at(q, b, h, i, d);
-                        c += P[i * s.Tk + j] * at(dout, b, h, i, d);
+                        double qv = A(q, b, h, i, d), gv = A(dout, b, h, i, d);
+                        a += dS[i * s.Tk + j] * qv;
+                        c += P[i * s.Tk + j] * gv;
+                        ba += prod_err(fabs(dS[i * s.Tk + j]), dserr[i * s.Tk + j], fabs(qv), 0, sum_err((double)s.Tq));
+                        bc += prod_err(P[i * s.Tk + j], perr[i * s.Tk + j], fabs(gv), 0, sum_err((double)s.Tq));
                     }
-                    e_dk.add(at(dk, b, h, j, d), a * scale);
-                    e_dv.add(at(dv, b, h, j, d), c);
+                    e_dk.add(A(dk, b, h, j, d), a * scale, ba * scale);
+                    e_dv.add(A(dv, b, h, j, d), c, bc);
                 }
         }
-    /* 16-bit inputs and outputs: a few units of the last place of the
-     * largest value; a wrong fragment or mask is off by O(1) */
-    double tol = dt == DS_BF16 ? 2e-2 : 4e-3;
-    const char *name = dt == DS_BF16 ? "bf16" : "f16";
+    const char *name = dt == DS_BF16 ? "bf16" : dt == DS_F16 ? "f16" : "f32 (tf32)";
     struct { const char *what; const error &e; } rows[] = {
         { "out", e_out }, { "lse", e_lse }, { "dq", e_dq }, { "dk", e_dk }, { "dv", e_dv },
     };
-    for (const auto &r : rows)
+    for (const auto &r : rows) {
+        if (dt == DS_F32) {
+            check(r.e.over <= 1, "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g times its TF32 bound",
+                  name, D, (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, r.what,
+                  r.e.over);
+            continue;
+        }
+        /* 16-bit inputs and outputs: a few units of the last place of the
+         * largest value; a wrong fragment or mask is off by O(1) */
+        double tol = dt == DS_BF16 ? 2e-2 : 4e-3;
         check(r.e.rel() <= tol, "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its largest %.3g",
               name, D, (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, r.what, r.e.rel(),
               r.e.scale);
-    printf("%s D=%d Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e\n", name, D,
+    }
+    printf("%s D=%d Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e", name, D,
            (long long)s.Tq, (long long)s.Tk, s.causal, e_out.rel(), e_lse.rel(), e_dq.rel(), e_dk.rel(), e_dv.rel());
+    if (dt == DS_F32)
+        printf("; of the bound: out %.2f lse %.2f dq %.2f dk %.2f dv %.2f", e_out.over, e_lse.over, e_dq.over,
+               e_dk.over, e_dv.over);
+    printf("\n");
+}
+
+/* cvt.rna.tf32.f32 as the emulator runs it: to nearest, ties away from
+ * zero (1 + 2^-11 lies halfway between 1 and 1 + 2^-10, and nearest-even
+ * would give 1). */
+void tf32_rounding() {
+    struct { float x, want; } cases[] = {
+        { 1 + 0x1p-11f, 1 + 0x1p-10f }, { -(1 + 0x1p-11f), -(1 + 0x1p-10f) }, { 1 + 0x1p-11f - 0x1p-23f, 1 },
+        { 1 + 3 * 0x1p-11f, 1 + 0x1p-9f }, { 0x1p-130f, 0x1p-130f }, { 0x1p-140f, 0 }, { FLT_MAX, INFINITY },
+    };
+    for (const auto &c : cases) {
+        float got = __uint_as_float(tf32_of(__float_as_uint(c.x)));
+        check(got == c.want, "tf32_of(%a) = %a, want %a", c.x, got, c.want);
+    }
+    check(isnan(__uint_as_float(tf32_of(__float_as_uint(NAN)))), "tf32_of(NaN) is NaN");
 }
 
 } /* namespace */
@@ -151,5 +256,11 @@ int main() {
     run_case<__half, 64>({ 1, 2, 100, 100, 64, true }, DS_F16, rng);
     run_case<__nv_bfloat16, 128>({ 1, 1, 128, 128, 128, true }, DS_BF16, rng);
     run_case<__half, 128>({ 1, 1, 90, 90, 128, false }, DS_F16, rng);
+    tf32_rounding();
+    run_case<float, 64>({ 1, 2, 130, 130, 64, true }, DS_F32, rng);
+    run_case<float, 64>({ 1, 1, 77, 150, 64, false }, DS_F32, rng);
+    run_case<float, 64>({ 1, 1, 150, 61, 64, false }, DS_F32, rng);
+    run_case<float, 128>({ 1, 1, 129, 129, 128, true }, DS_F32, rng);
+    run_case<float, 128>({ 1, 1, 90, 70, 128, false }, DS_F32, rng);
     return check_summary("test_attention_mma");
 }

@@ -9,7 +9,7 @@
  * It checks what the hardware leaves undefined: lanes of a warp at
  * different collectives, a collective with exited lanes, ldmatrix rows
  * that are misaligned or past the launch's shared memory, barriers that
- * never fill (deadlock). Shared memory starts as NaN, and a cp.async
+ * never fill (deadlock), tf32 mma operands not rounded to TF32 by cvt. Shared memory starts as NaN, and a cp.async
  * destination turns NaN when the copy is issued and gets its data only at
  * the wait that covers it, so reading a tile before its wait, or
  * overwriting one another warp still reads, shows up in the results.
@@ -42,6 +42,7 @@
 
 #define __global__
 #define __device__
+#define __host__
 #define __forceinline__ inline
 #define __launch_bounds__(...)
 #define __shared__
@@ -61,9 +62,22 @@ struct __half {
 };
 
 /* The vector types of 16-byte loads and stores. */
+struct float2 { float x, y; };
 struct float4 { float x, y, z, w; };
 struct uint4 { unsigned x, y, z, w; };
+static inline float2 make_float2(float x, float y) { return float2{ x, y }; }
 static inline float4 make_float4(float x, float y, float z, float w) { return float4{ x, y, z, w }; }
+
+static inline uint32_t __float_as_uint(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u;
+}
+static inline float __uint_as_float(uint32_t u) {
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
 
 static inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 static inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -87,7 +101,7 @@ struct lane {
 };
 
 /* The warp collectives, so lanes at different ones are caught. */
-enum collective_op { OP_LDSM = 1, OP_LDSM_TRANS, OP_MMA_BF16, OP_MMA_F16, OP_SHFL };
+enum collective_op { OP_LDSM = 1, OP_LDSM_TRANS, OP_MMA_BF16, OP_MMA_F16, OP_MMA_TF32, OP_SHFL };
 
 struct warp { int arrived, op, live; unsigned gen; void *args[32]; };
 
@@ -293,13 +307,28 @@ static void ldsm(uint32_t r[4], uint32_t addr, bool trans) {
 
 struct mma_arg { const uint32_t *a; uint32_t b0, b1; float *c; };
 
+/* c += A B on each lane's C elements, (g, 2t) (g, 2t+1) (g+8, 2t) (g+8,
+ * 2t+1) with g = l/4, t = l%4: summed in double, rounded to f32 once. */
+template <int K> static void mma_accumulate(void **args, const double A[16][K], const double B[K][8]) {
+    for (int l = 0; l < 32; l++) {
+        mma_arg *m = (mma_arg *)args[l];
+        int g = l / 4, t = l % 4;
+        for (int e = 0; e < 4; e++) {
+            int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+            double s = m->c[e];
+            for (int k = 0; k < K; k++) s += A[row][k] * B[k][col];
+            m->c[e] = (float)s;
+        }
+    }
+}
+
 /* d = a b + c over the warp, m16n8k16: lane l holds, with g = l/4, t = l%4,
  * a: (g, 2t..) (g+8, 2t..) (g, 2t+8..) (g+8, 2t+8..); b: (k 2t.., n g)
  * (k 2t+8.., n g); c: (g, 2t) (g, 2t+1) (g+8, 2t) (g+8, 2t+1). */
 static void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf) {
     mma_arg me = { a, b0, b1, c };
     collective(bf ? OP_MMA_BF16 : OP_MMA_F16, &me, [bf](void **args) {
-        float A[16][16], B[16][8];
+        double A[16][16], B[16][8];
         for (int l = 0; l < 32; l++) {
             mma_arg *m = (mma_arg *)args[l];
             int g = l / 4, t = l % 4;
@@ -312,16 +341,44 @@ static void mma16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, 
                 B[2 * t + 8 + h][g] = f16bits((uint16_t)(m->b1 >> 16 * h), bf);
             }
         }
+        mma_accumulate<16>(args, A, B);
+    });
+}
+
+/* cvt.rna.tf32.f32: 10 mantissa bits, to nearest, ties away from zero
+ * (half of the last kept place added to the magnitude, the rest dropped;
+ * subnormals alike); infinities stay, NaN becomes a quiet NaN, a carry
+ * past the largest finite TF32 gives infinity. */
+static uint32_t tf32_round(uint32_t f) {
+    if ((f & 0x7f800000u) == 0x7f800000u) return (f & 0x7fffffu) ? 0x7fffe000u : f;
+    return (f + 0x1000u) & ~0x1fffu;
+}
+
+/* An mma operand register as TF32: one tf32_of did not make fails, as
+ * the PTX ISA leaves such operands' low bits to the hardware. */
+static float tf32_operand(uint32_t r) {
+    if (r & 0x1fffu) fail("tf32 mma operand with low mantissa bits set (not rounded by cvt.rna.tf32.f32)");
+    return __uint_as_float(r);
+}
+
+/* d = a b + c over the warp, m16n8k8 in TF32: lane l holds, with g = l/4,
+ * t = l%4, a: (g, t) (g+8, t) (g, t+4) (g+8, t+4); b: (k t, n g) (k t+4,
+ * n g); c as m16n8k16's. */
+static void mma1688_tf32(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+    mma_arg me = { a, b0, b1, c };
+    collective(OP_MMA_TF32, &me, [](void **args) {
+        double A[16][8], B[8][8];
         for (int l = 0; l < 32; l++) {
             mma_arg *m = (mma_arg *)args[l];
             int g = l / 4, t = l % 4;
-            for (int e = 0; e < 4; e++) {
-                int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
-                double s = m->c[e];
-                for (int k = 0; k < 16; k++) s += (double)A[row][k] * B[k][col];
-                m->c[e] = (float)s;
-            }
+            A[g][t] = tf32_operand(m->a[0]);
+            A[g + 8][t] = tf32_operand(m->a[1]);
+            A[g][t + 4] = tf32_operand(m->a[2]);
+            A[g + 8][t + 4] = tf32_operand(m->a[3]);
+            B[t][g] = tf32_operand(m->b0);
+            B[t + 4][g] = tf32_operand(m->b1);
         }
+        mma_accumulate<8>(args, A, B);
     });
 }
 
@@ -348,6 +405,12 @@ static inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1
 static inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, __half) {
     emu::mma16816(c, a, b0, b1, false);
 }
+
+static inline void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, float) {
+    emu::mma1688_tf32(c, a, b0, b1);
+}
+
+static inline uint32_t tf32_of(uint32_t f32_bits) { return emu::tf32_round(f32_bits); }
 
 static inline uint32_t pack2(float lo, float hi, __nv_bfloat16) {
     return ds_f32_to_bf16(lo) | (uint32_t)ds_f32_to_bf16(hi) << 16;

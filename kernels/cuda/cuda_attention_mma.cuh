@@ -1,5 +1,7 @@
 /* Attention on tensor cores for bf16 and f16 with head dims 64 and 128:
- * FlashAttention-2's tiling on mma.sync m16n8k16 (f32 accumulation).
+ * FlashAttention-2's tiling on mma.sync m16n8k16 (f32 accumulation); f32
+ * the same on m16n8k8 in TF32 (operands rounded by cvt.rna, sums in f32),
+ * for the callers that allow TF32. The element type T picks the mma.
  * A block of 4 warps owns rows of one side (queries, or keys in the dK/dV
  * kernel), 32 per warp (each fragment of the other side feeds two mma; 16
  * in the dK/dV kernel at D = 128, whose accumulators fill the registers),
@@ -10,8 +12,8 @@
  * runs two kernels, deterministic, without atomics: dK and dV per key block
  * (walking query tiles), dQ per query block (walking key tiles); each
  * rebuilds P from q, k and the lse.
- * Views need unit stride on the head dim, the other strides a multiple of 8
- * elements and 16-byte aligned data (128-bit loads); ds_cuda_attention_mma_fits
+ * Views need unit stride on the head dim, the other strides a multiple of 16
+ * bytes and 16-byte aligned data (128-bit loads); ds_cuda_attention_mma_fits
  * says whether a call qualifies, and cuda_attention.cu runs the rest.
  * The only PTX is cuda_warp.cuh's, so tests/test_attention_mma.cc runs this
  * file on the CPU through tests/warp_emulator.h. */
@@ -29,7 +31,6 @@
 #define MMA_THREADS (MMA_WARPS * 32)
 /* Rows of a block whose warps own `frags` 16-row fragments each. */
 #define MMA_BLOCK_ROWS(frags) (MMA_WARPS * 16 * (frags))
-#define MMA_PAD 8       /* elements padding each shared row: ldmatrix's 8 rows then hit distinct banks */
 
 #define LOG2E 1.4426950408889634f
 
@@ -42,24 +43,72 @@ typedef struct {
 
 /* ---- warp-level building blocks ---- */
 
-/* The A operand (16 rows x 16 columns from column k0) of a row-major
- * shared tile with row stride ld. */
+/* Elements of T in 16 bytes: a cp.async copy, a row of an ldmatrix
+ * matrix, and the padding of each shared row (ldmatrix's 8 rows then hit
+ * distinct banks). */
+template <typename T> __host__ __device__ constexpr int mma_chunk() { return 16 / (int)sizeof(T); }
+
+/* A shared tile's row stride: D elements and the padding. */
+template <typename T, int D> __host__ __device__ constexpr int mma_ld() { return D + mma_chunk<T>(); }
+
+/* The k of one mma: 16 for 16-bit inputs (m16n8k16), 8 for TF32 (m16n8k8). */
+template <typename T> __host__ __device__ constexpr int mma_k() { return 2 * mma_chunk<T>(); }
+
+
+/* The A operand (16 rows x mma_k columns from column k0) of a row-major
+ * shared tile with row stride ld. ldmatrix hands lane l row l/4 and the
+ * 4 bytes at 4 (l%4) of each 16-byte row: a 16-bit pair, or one f32,
+ * either way the mma's A layout. f32 tiles are TF32 already (tf32_landed). */
 template <typename T> __device__ __forceinline__ void load_a(uint32_t a[4], const T *s, int ld, int row0, int k0) {
     int l = threadIdx.x % 32;
-    ldsm_x4(a, s + (row0 + l % 16) * ld + k0 + l / 16 * 8);
+    ldsm_x4(a, s + (row0 + l % 16) * ld + k0 + l / 16 * mma_chunk<T>());
 }
 
-/* B operands of two 8-column tiles (n0.., n0+8..) over k0..k0+15, from a
- * tile stored [n][k] (the keys of S = Q K^T): b[0..1] and b[2..3]. */
+/* B operands of two 8-column tiles (n0.., n0+8..) over k0..k0+mma_k-1,
+ * from a tile stored [n][k] (the keys of S = Q K^T): b[0..1] and b[2..3]. */
 template <typename T> __device__ __forceinline__ void load_b_nk(uint32_t b[4], const T *s, int ld, int n0, int k0) {
     int l = threadIdx.x % 32;
-    ldsm_x4(b, s + (n0 + l % 8 + l / 16 * 8) * ld + k0 + (l / 8 % 2) * 8);
+    ldsm_x4(b, s + (n0 + l % 8 + l / 16 * 8) * ld + k0 + (l / 8 % 2) * mma_chunk<T>());
 }
 
-/* The same from a tile stored [k][n] (V in O = P V): transposed loads. */
+/* The same from a tile stored [k][n] (V in O = P V): transposed loads. A
+ * 32-bit element cannot be transposed by ldmatrix, so TF32 loads its four
+ * values itself: row k0 + 2t as the mma's k index t and row k0 + 2t + 1 as
+ * t + 4 (g = l/4, t = l%4), the order probs_operand gives P's columns in;
+ * with rows 4 banks apart (mma_ld) the 32 lanes hit 32 banks. */
 template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], const T *s, int ld, int k0, int n0) {
     int l = threadIdx.x % 32;
-    ldsm_x4_trans(b, s + (k0 + l % 8 + (l / 8 % 2) * 8) * ld + n0 + l / 16 * 8);
+    if constexpr (sizeof(T) == 4) {
+        const float *p = s + (k0 + 2 * (l % 4)) * ld + n0 + l / 4;
+        b[0] = __float_as_uint(p[0]), b[1] = __float_as_uint(p[ld]);
+        b[2] = __float_as_uint(p[8]), b[3] = __float_as_uint(p[ld + 8]);
+    } else {
+        ldsm_x4_trans(b, s + (k0 + l % 8 + (l / 8 % 2) * 8) * ld + n0 + l / 16 * 8);
+    }
+}
+
+/* Columns k0 = kk mma_k.. of a fragment's probabilities p (the f32 C
+ * tiles of rows_times_tile) as an A operand. 16-bit: the C layout of two
+ * 8-column tiles is the A layout of one k16 step, packed in pairs. TF32:
+ * one C tile, whose lane holds columns 2t and 2t + 1 where A wants t and
+ * t + 4; the sum over k does not care which column is which k index as
+ * long as B agrees, so column 2t goes as t and 2t + 1 as t + 4 (load_b_kn). */
+template <typename T> __device__ __forceinline__ void probs_operand(uint32_t a[4], const float p[][4], int kk) {
+    if constexpr (sizeof(T) == 4) {
+        a[0] = tf32_of(__float_as_uint(p[kk][0])), a[1] = tf32_of(__float_as_uint(p[kk][2]));
+        a[2] = tf32_of(__float_as_uint(p[kk][1])), a[3] = tf32_of(__float_as_uint(p[kk][3]));
+    } else {
+        a[0] = pack2(p[2 * kk][0], p[2 * kk][1], T());
+        a[1] = pack2(p[2 * kk][2], p[2 * kk][3], T());
+        a[2] = pack2(p[2 * kk + 1][0], p[2 * kk + 1][1], T());
+        a[3] = pack2(p[2 * kk + 1][2], p[2 * kk + 1][3], T());
+    }
+}
+
+/* Two f32 into adjacent elements of T at x, one 4- or 8-byte store. */
+template <typename T> __device__ __forceinline__ void store2(T *x, float lo, float hi) {
+    if constexpr (sizeof(T) == 4) *(float2 *)x = make_float2(lo, hi);
+    else *(uint32_t *)x = pack2(lo, hi, T());
 }
 
 /* c[m][n] += a[m] b[0..1] and c[m][n + 1] += a[m] b[2..3] for each of M
@@ -78,46 +127,40 @@ __device__ __forceinline__ void mma_b_pair(float c[][W][4], int n, const uint32_
  * [row][D]); each B fragment is loaded once for all M. */
 template <typename T, int D, int M = 1, int N = 64>
 __device__ __forceinline__ void rows_times_tile(float c[][N / 8][4], const T *as, int row0, const T *bs) {
-    const int ld = D + MMA_PAD;
+    const int ld = mma_ld<T, D>(), ks = mma_k<T>();
 #pragma unroll
     for (int m = 0; m < M; m++)
 #pragma unroll
         for (int n = 0; n < N / 8; n++) c[m][n][0] = c[m][n][1] = c[m][n][2] = c[m][n][3] = 0.f;
 #pragma unroll
-    for (int kk = 0; kk < D / 16; kk++) {
+    for (int kk = 0; kk < D / ks; kk++) {
         uint32_t a[M][4];
 #pragma unroll
-        for (int m = 0; m < M; m++) load_a(a[m], as, ld, row0 + 16 * m, kk * 16);
+        for (int m = 0; m < M; m++) load_a(a[m], as, ld, row0 + 16 * m, kk * ks);
 #pragma unroll
         for (int n2 = 0; n2 < N / 16; n2++) {
             uint32_t b[4];
-            load_b_nk(b, bs, ld, n2 * 16, kk * 16);
+            load_b_nk(b, bs, ld, n2 * 16, kk * ks);
             mma_b_pair<T, M>(c, 2 * n2, a, b);
         }
     }
 }
 
 /* acc[m] (16 x D) += P[m] (16 x K) X for M fragments, P in registers as
- * the f32 result of rows_times_tile (the C layout of two 8-column tiles is
- * the A layout of one 16-column step), X the K rows of `xs`, row-major
- * [row][D]; each X fragment is loaded once for all M. */
+ * the f32 result of rows_times_tile (probs_operand), X the K rows of `xs`,
+ * row-major [row][D]; each X fragment is loaded once for all M. */
 template <typename T, int D, int M = 1, int K = 64>
 __device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const float p[][K / 8][4], const T *xs) {
-    const int ld = D + MMA_PAD;
+    const int ld = mma_ld<T, D>(), ks = mma_k<T>();
 #pragma unroll
-    for (int kk = 0; kk < K / 16; kk++) {
+    for (int kk = 0; kk < K / ks; kk++) {
         uint32_t a[M][4];
 #pragma unroll
-        for (int m = 0; m < M; m++) {
-            a[m][0] = pack2(p[m][2 * kk][0], p[m][2 * kk][1], T());
-            a[m][1] = pack2(p[m][2 * kk][2], p[m][2 * kk][3], T());
-            a[m][2] = pack2(p[m][2 * kk + 1][0], p[m][2 * kk + 1][1], T());
-            a[m][3] = pack2(p[m][2 * kk + 1][2], p[m][2 * kk + 1][3], T());
-        }
+        for (int m = 0; m < M; m++) probs_operand<T>(a[m], p[m], kk);
 #pragma unroll
         for (int n2 = 0; n2 < D / 16; n2++) {
             uint32_t b[4];
-            load_b_kn(b, xs, ld, kk * 16, n2 * 16);
+            load_b_kn(b, xs, ld, kk * ks, n2 * 16);
             mma_b_pair<T, M>(acc, 2 * n2, a, b);
         }
     }
@@ -129,13 +172,31 @@ __device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const fl
  * while the block computes on the current one. */
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, int64_t h, int64_t t0, int64_t end) {
-    const int ld = D + MMA_PAD, chunks = D / 8;
+    const int ld = mma_ld<T, D>(), ch = mma_chunk<T>(), chunks = D / ch;
     const T *base = (const T *)x.data + b * x.stride[0] + h * x.stride[1];
     for (int e = threadIdx.x; e < ROWS * chunks; e += MMA_THREADS) {
         int r = e / chunks, c = e % chunks;
         bool real = t0 + r < end;
-        const T *src = real ? base + (t0 + r) * x.stride[2] + c * 8 : base;
-        cp_async_16(s + r * ld + c * 8, src, real);
+        const T *src = real ? base + (t0 + r) * x.stride[2] + c * ch : base;
+        cp_async_16(s + r * ld + c * ch, src, real);
+    }
+}
+
+/* f32 tiles go into the mma as TF32: each thread rounds in place the
+ * elements load_tile<T, D, ROWS> had it copy into s, once they have
+ * landed (all but its newest `pending` groups); the barrier that
+ * publishes the tile publishes them rounded. So the fragments loaded
+ * from it, up to four times (once per warp), need no cvt each. 16-bit
+ * tiles are left as they are. */
+template <typename T, int D, int ROWS> __device__ __forceinline__ void tf32_landed(T *s, int pending) {
+    if constexpr (sizeof(T) == 4) {
+        const int ld = mma_ld<T, D>(), chunks = D / 4;
+        cp_async_wait(pending);
+        for (int e = threadIdx.x; e < ROWS * chunks; e += MMA_THREADS) {
+            float *x = s + e / chunks * ld + e % chunks * 4;
+#pragma unroll
+            for (int i = 0; i < 4; i++) x[i] = __uint_as_float(tf32_of(__float_as_uint(x[i])));
+        }
     }
 }
 
@@ -145,7 +206,7 @@ __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, in
 template <typename T, int D, int ROWS>
 __device__ __forceinline__ T *kv_tiles(T *kv, const ds_kview &k, const ds_kview &v, int64_t b, int64_t h, int64_t j0,
                                        int64_t it, int64_t kend, int64_t Tk) {
-    const int tile = ROWS * (D + MMA_PAD);
+    const int tile = ROWS * mma_ld<T, D>();
     T *next = kv + (~it & 1) * 2 * tile;
     bool more = j0 + ROWS < kend;
     if (more) {
@@ -153,9 +214,12 @@ __device__ __forceinline__ T *kv_tiles(T *kv, const ds_kview &k, const ds_kview 
         load_tile<T, D, ROWS>(next + tile, v, b, h, j0 + ROWS, Tk);
         cp_async_commit();
     }
+    T *cur = kv + (it & 1) * 2 * tile;
     cp_async_wait(more);
+    tf32_landed<T, D, ROWS>(cur, more);
+    tf32_landed<T, D, ROWS>(cur + tile, more);
     __syncthreads();
-    return kv + (it & 1) * 2 * tile;
+    return cur;
 }
 
 /* Stores a warp's 16 x D accumulator rows (row0 = this block's first row)
@@ -169,8 +233,8 @@ __device__ __forceinline__ void store_rows(const ds_kview &x, int64_t b, int64_t
 #pragma unroll
     for (int n = 0; n < D / 8; n++) {
         int c = n * 8 + 2 * (l % 4);
-        if (r0 < end) *(uint32_t *)(base + r0 * x.stride[2] + c) = pack2(acc[n][0] * mul0, acc[n][1] * mul0, T());
-        if (r1 < end) *(uint32_t *)(base + r1 * x.stride[2] + c) = pack2(acc[n][2] * mul1, acc[n][3] * mul1, T());
+        if (r0 < end) store2(base + r0 * x.stride[2] + c, acc[n][0] * mul0, acc[n][1] * mul0);
+        if (r1 < end) store2(base + r1 * x.stride[2] + c, acc[n][2] * mul1, acc[n][3] * mul1);
     }
 }
 
@@ -279,7 +343,7 @@ __global__ void __launch_bounds__(MMA_THREADS)
 mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
     constexpr int M = MMA_Q_FRAGS, ROWS = MMA_BLOCK_ROWS(M), KT = MMA_FWD_KEYS(D);
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD, tile = KT * ld;
+    const int ld = mma_ld<T, D>(), tile = KT * ld;
     T *qs = (T *)smem, *kv = qs + ROWS * ld;     /* then K and V tiles, twice: [buffer][K, V] */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
@@ -291,9 +355,11 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
     for (int m = 0; m < M; m++) mx[m][0] = mx[m][1] = -INFINITY, sum[m][0] = sum[m][1] = 0.f;
     int64_t kend = g.causal ? min(g.Tk, i0 + ROWS) : g.Tk;
     load_tile<T, D, ROWS>(qs, q, b, h, i0, g.Tq);
+    cp_async_commit();
     load_tile<T, D, KT>(kv, k, b, h, 0, g.Tk);
     load_tile<T, D, KT>(kv + tile, v, b, h, 0, g.Tk);
     cp_async_commit();
+    tf32_landed<T, D, ROWS>(qs, 1);
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
         T *ks = kv_tiles<T, D, KT>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
         /* under a causal mask, a warp whose rows all precede the tile sees none of it */
@@ -367,17 +433,18 @@ __device__ __forceinline__ void dq_scores(float s[KT / 8][4], const float dp[KT 
     }
 }
 
-/* The dQ kernel's key tiles: 32 keys, so a warp's S and dP are 32 x 32. */
-#define MMA_DQ_KEYS 32
+/* The dQ kernel's key tiles: 32 keys, so a warp's S and dP are 32 x 32;
+ * 16 in f32, where 32 spill registers. */
+#define MMA_DQ_KEYS(T) (sizeof(T) == 4 ? 16 : 32)
 
 /* dQ for a block of 4 warps' query rows: over the key tiles it sees,
  * dS = P (dO V^T - delta), dQ += dS K; times scale at the end. */
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats, mma_geom g) {
-    constexpr int M = MMA_Q_FRAGS, ROWS = MMA_BLOCK_ROWS(M), KT = MMA_DQ_KEYS;
+    constexpr int M = MMA_Q_FRAGS, ROWS = MMA_BLOCK_ROWS(M), KT = MMA_DQ_KEYS(T);
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD, qtile = ROWS * ld, ktile = KT * ld;
+    const int ld = mma_ld<T, D>(), qtile = ROWS * ld, ktile = KT * ld;
     T *qs = (T *)smem, *gs = qs + qtile, *kv = gs + qtile;   /* then K and V tiles, twice */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
     int64_t b, h, blk;
@@ -385,9 +452,12 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, co
     int64_t i0 = blk * ROWS, w0 = i0 + warp * 16 * M;     /* the block's and the warp's first rows */
     load_tile<T, D, ROWS>(qs, q, b, h, i0, g.Tq);
     load_tile<T, D, ROWS>(gs, dout, b, h, i0, g.Tq);
+    cp_async_commit();
     load_tile<T, D, KT>(kv, k, b, h, 0, g.Tk);
     load_tile<T, D, KT>(kv + ktile, v, b, h, 0, g.Tk);
     cp_async_commit();
+    tf32_landed<T, D, ROWS>(qs, 1);
+    tf32_landed<T, D, ROWS>(gs, 1);
     const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
     float rows[M][4];            /* per fragment: lse (base 2) of rows +l/4 and +l/4+8, then their delta */
 #pragma unroll
@@ -456,9 +526,10 @@ __device__ __forceinline__ void dkdv_scores(float p[QT / 8][4], float ds[QT / 8]
 /* Keys a warp owns in the dK/dV kernel, in 16-row fragments: two at D = 64
  * (32 keys against query tiles of 32, every Q and dO fragment loaded once
  * for both, P and dS 32 x 32 a warp), one at D = 128 (16 keys against
- * tiles of 64: its dK and dV accumulators fill the registers). */
+ * tiles of 64: its dK and dV accumulators fill the registers; tiles of 32
+ * in f32, whose four loads per B fragment need registers of their own). */
 #define MMA_DKDV_FRAGS(D) ((D) == 64 ? 2 : 1)
-#define MMA_DKDV_QUERIES(D) (64 / MMA_DKDV_FRAGS(D))
+#define MMA_DKDV_QUERIES(T, D) (sizeof(T) == 4 ? 32 : 64 / MMA_DKDV_FRAGS(D))
 
 /* dK and dV for a block of 4 warps' keys: over the query tiles that see
  * them, in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T -
@@ -468,10 +539,10 @@ template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats,
                 mma_geom g) {
-    constexpr int M = MMA_DKDV_FRAGS(D), KEYS = MMA_BLOCK_ROWS(M), QT = MMA_DKDV_QUERIES(D);
+    constexpr int M = MMA_DKDV_FRAGS(D), KEYS = MMA_BLOCK_ROWS(M), QT = MMA_DKDV_QUERIES(T, D);
     static_assert(MMA_THREADS >= 2 * QT, "a thread per row statistic");
     extern __shared__ __align__(16) unsigned char smem[];
-    const int ld = D + MMA_PAD, ktile = KEYS * ld, qtile = QT * ld;
+    const int ld = mma_ld<T, D>(), ktile = KEYS * ld, qtile = QT * ld;
     T *ks = (T *)smem, *vs = ks + ktile, *qg = vs + ktile;   /* then Q and dO tiles, twice */
     float *rows = (float *)(qg + 4 * qtile);                /* then lse and delta of each buffer's rows */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
@@ -499,6 +570,8 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
     load_tile<T, D, KEYS>(vs, v, b, h, j0, g.Tk);
     cp_async_commit();
     if (first < g.Tq) fetch(0, first);
+    tf32_landed<T, D, KEYS>(ks, first < g.Tq);
+    tf32_landed<T, D, KEYS>(vs, first < g.Tq);
     for (int64_t i0 = first, it = 0; i0 < g.Tq; i0 += QT, it++) {
         int buf = (int)(it & 1);
         T *qs = qg + buf * 2 * qtile, *gs = qs + qtile;
@@ -506,6 +579,8 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
         bool more = i0 + QT < g.Tq;
         if (more) fetch(buf ^ 1, i0 + QT);
         cp_async_wait(more);
+        tf32_landed<T, D, QT>(qs, more);
+        tf32_landed<T, D, QT>(gs, more);
         __syncthreads();
         /* under a causal mask, a warp whose keys all follow the tile's queries has nothing in it */
         if (!(g.causal && i0 + QT <= w0)) {
@@ -561,20 +636,23 @@ static inline unsigned mma_stats_blocks(const mma_geom &g) {
 /* mma_stats_kernel's output: lse in base 2 and delta, per query row. */
 static inline size_t mma_stats_bytes(const mma_geom &g) { return (size_t)(2 * g.B * g.H * g.Tq) * sizeof(float); }
 
-/* Dynamic shared memory: rows of 16-bit elements, each padded. */
-static inline size_t mma_rows_bytes(int D, int rows) { return (size_t)rows * (D + MMA_PAD) * 2; }
-
-static inline size_t mma_forward_smem(int D) {   /* the block's Q; K and V tiles twice */
-    return mma_rows_bytes(D, MMA_BLOCK_ROWS(MMA_Q_FRAGS) + 4 * MMA_FWD_KEYS(D));
+/* Dynamic shared memory: rows of D elements of T, each padded. */
+template <typename T> static inline size_t mma_rows_bytes(int D, int rows) {
+    return (size_t)rows * (D + mma_chunk<T>()) * sizeof(T);
 }
 
-static inline size_t mma_dq_smem(int D) {        /* the block's Q and dO; K and V tiles twice */
-    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(MMA_Q_FRAGS) + 4 * MMA_DQ_KEYS);
+template <typename T> static inline size_t mma_forward_smem(int D) {   /* the block's Q; K and V tiles twice */
+    return mma_rows_bytes<T>(D, MMA_BLOCK_ROWS(MMA_Q_FRAGS) + 4 * MMA_FWD_KEYS(D));
 }
 
-static inline size_t mma_dkdv_smem(int D) {      /* the block's K and V; Q and dO tiles, lse and delta twice */
-    int qt = MMA_DKDV_QUERIES(D);
-    return mma_rows_bytes(D, 2 * MMA_BLOCK_ROWS(MMA_DKDV_FRAGS(D)) + 4 * qt) + 4 * qt * sizeof(float);
+template <typename T> static inline size_t mma_dq_smem(int D) {   /* the block's Q and dO; K and V tiles twice */
+    return mma_rows_bytes<T>(D, 2 * MMA_BLOCK_ROWS(MMA_Q_FRAGS) + 4 * MMA_DQ_KEYS(T));
+}
+
+/* the block's K and V; Q and dO tiles, lse and delta twice */
+template <typename T> static inline size_t mma_dkdv_smem(int D) {
+    int qt = MMA_DKDV_QUERIES(T, D);
+    return mma_rows_bytes<T>(D, 2 * MMA_BLOCK_ROWS(MMA_DKDV_FRAGS(D)) + 4 * qt) + 4 * qt * sizeof(float);
 }
 
 #endif

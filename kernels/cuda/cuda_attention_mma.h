@@ -5,9 +5,11 @@
 #include "../ds_kview.h"
 
 /* Whether the tensor-core kernels take a call: views[0..2] are q, k, v,
- * the rest (out; dq, dk, dv, dout) the other tensors it touches; bf16 or
- * f16, head dim 64 or 128 on q, k and v alike, every view 16-byte aligned
- * with a unit last stride and the others multiples of 8. */
+ * the rest (out; dq, dk, dv, dout) the other tensors it touches; bf16,
+ * f16 or f32 (in TF32: the caller decides whether that is allowed), head
+ * dim 64 or 128 on q, k and v alike, tiles that fit the device's shared
+ * memory, every view 16-byte aligned with a unit last stride and the
+ * others multiples of 16 bytes. */
 bool ds_cuda_attention_mma_fits(const ds_kview *views, int n);
 
 /* ds_kernels_attention's forward and backward, for calls that fit. */

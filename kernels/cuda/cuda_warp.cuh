@@ -1,6 +1,7 @@
 /* The warp-level PTX the tensor-core kernels build on: ldmatrix, mma.sync
- * m16n8k16 with f32 accumulation, packing two f32 into one bf16x2/f16x2
- * register, and cp.async with its commit and wait. Nothing else in those
+ * m16n8k16 (bf16, f16) and m16n8k8 (tf32) with f32 accumulation, packing
+ * two f32 into one bf16x2/f16x2 register, rounding f32 to tf32, and
+ * cp.async with its commit and wait. Nothing else in those
  * kernels is PTX, so tests/warp_emulator.h can stand in for this header and
  * run them on the CPU. */
 #ifndef CUDA_WARP_CUH
@@ -38,6 +39,24 @@ __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0
                  "{%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* c += a b for one 16x8 tile in TF32: a 16x8 (row), b 8x8 (col); lane l
+ * (g = l/4, t = l%4) holds a (g, t) (g+8, t) (g, t+4) (g+8, t+4), b (k t,
+ * n g) (k t+4, n g), c as m16n8k16's. Operands come from tf32_of. */
+__device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, float) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* The f32 with these bits rounded to TF32 (10 mantissa bits, to nearest,
+ * ties away from zero), as the tf32 mma takes it. */
+__device__ __forceinline__ uint32_t tf32_of(uint32_t f32_bits) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(__uint_as_float(f32_bits)));
+    return r;
 }
 
 /* lo in the low half, both rounded to nearest even. */
