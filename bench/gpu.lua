@@ -1,5 +1,6 @@
 -- dslua's side of bench/gpu.sh, on the GPU:
---   dslua bench/gpu.lua train B DTYPE V [MODEL] [quick]   MODEL (gpt2_124M by default, T=1024; gpt2_xl,
+--   dslua bench/gpu.lua train B DTYPE V [MODEL] [quick]   DTYPE bf16, f32 or tf32 (f32 under allow_tf32);
+--                                                          MODEL (gpt2_124M by default, T=1024; gpt2_xl,
 --                                                          T=1024; llama_1B, TinyLlama's 1.1B, T=2048) trained
 --                                                          with AdamW, clip 1.0
 --   dslua bench/gpu.lua ops [quick]              the per-op rows
@@ -85,7 +86,7 @@ local function setup(B, dtype, V, name)
   local model = spec.build(cfg)
   local engine = ds.initialize { model = model, config = {
     train_batch_size = B, steps_per_print = 1e9, gradient_clipping = 1.0,
-    bf16 = { enabled = dtype == 'bf16' },
+    bf16 = { enabled = dtype == 'bf16' }, fp32 = { allow_tf32 = dtype == 'tf32' },
     optimizer = { type = 'AdamW', params = { lr = 3e-4, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-8 } },
   } }
   local batches, real = {}, math.min(V, 50257)
@@ -168,18 +169,24 @@ local function bandwidth()
 end
 
 local function ops()
-  -- attention on the default backend: fused for bf16, math (cuBLAS GEMMs) for f32
-  for _, dt in ipairs { 'bf16', 'f32' } do
-    local q, k, v = randn({ 8, 12, 1024, 64 }, dt), randn({ 8, 12, 1024, 64 }, dt), randn({ 8, 12, 1024, 64 }, dt)
+  -- attention on the default backend: fused for bf16, math (cuBLAS GEMMs) for f32, fused on
+  -- TF32 tensor cores for f32 under allow_tf32 (the tf32 rows)
+  for _, dt in ipairs { 'bf16', 'f32', 'tf32' } do
+    local et = dt == 'tf32' and 'f32' or dt
+    ds.backends.cuda.matmul.allow_tf32 = dt == 'tf32'
+    local q, k, v = randn({ 8, 12, 1024, 64 }, et), randn({ 8, 12, 1024, 64 }, et), randn({ 8, 12, 1024, 64 }, et)
     result('attention_fwd', '8x12x1024x64_' .. dt, time_per_call(function()
       ds.scaled_dot_product_attention(q, k, v)
     end), 's')
     q:requires_grad_(); k:requires_grad_(); v:requires_grad_()
-    local g = randn({ 8, 12, 1024, 64 }, dt)
+    local g = randn({ 8, 12, 1024, 64 }, et)
     result('attention_fwd_bwd', '8x12x1024x64_' .. dt, time_per_call(function()
       ds.scaled_dot_product_attention(q, k, v):backward(g)
     end), 's')
-    q, k, v, g = nil, nil, nil, nil
+  end
+  ds.backends.cuda.matmul.allow_tf32 = false
+  collectgarbage(); collectgarbage()
+  for _, dt in ipairs { 'bf16', 'f32' } do
     local x, w, b = randn({ 8192, 768 }, dt), randn({ 768 }, dt), randn({ 768 }, dt)
     result('layer_norm', '8192x768_' .. dt, time_per_call(function() ds.layer_norm(x, w, b) end), 's')
     local h = randn({ 8192, 3072 }, dt)
@@ -222,7 +229,7 @@ elseif mode == 'train' then train(tonumber(arg[2]), arg[3], tonumber(arg[4]), ar
 elseif mode == 'ops' then ops()
 elseif mode == 'steps' then steps(tonumber(arg[2]), arg[3], tonumber(arg[4]), tonumber(arg[5]))
 else
-  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32 V [gpt2_124M|gpt2_xl|llama_1B] [quick] | ops [quick] | '
-                  .. 'steps B bf16|f32 V N | probe\n')
+  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32|tf32 V [gpt2_124M|gpt2_xl|llama_1B] [quick] | ops [quick] | '
+                  .. 'steps B bf16|f32|tf32 V N | probe\n')
   os.exit(2)
 end

@@ -1,6 +1,6 @@
 """PyTorch's side of bench/gpu.sh, on the same GPU and the same rows as
 bench/gpu.lua:
-    python3 bench/gpu_torch.py train B bf16|f32 V [MODEL] [compile] [quick]
+    python3 bench/gpu_torch.py train B bf16|f32|tf32 V [MODEL] [compile] [quick]
     python3 bench/gpu_torch.py ops [quick]
 MODEL: gpt2_124M (the default), gpt2_xl (1.5B), both T=1024, as nanoGPT
 writes GPT-2 (SDPA attention, tied lm_head); llama_1B, TinyLlama's 1.1B
@@ -149,6 +149,7 @@ def train(B, dtype, V, name, compiled):
     build, T = MODELS[name]
     steps = 3 if quick else 10
     torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = dtype == "tf32"      # tf32: f32 with TF32 matmuls
     model = build(V).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     fwd = torch.compile(model) if compiled else model
@@ -207,7 +208,10 @@ def bandwidth():
 
 def ops():
     torch.set_grad_enabled(True)
-    for dt in ("bf16", "f32"):
+    # tf32: f32 under torch.backends.cuda.matmul.allow_tf32 (its f32 SDPA runs the same
+    # memory-efficient kernel either way)
+    for dt in ("bf16", "f32", "tf32"):
+        torch.backends.cuda.matmul.allow_tf32 = dt == "tf32"
         tdt = torch.bfloat16 if dt == "bf16" else torch.float32
         r = lambda *s: torch.randn(*s, device=dev, dtype=tdt)
         q, k, v = r(8, 12, 1024, 64), r(8, 12, 1024, 64), r(8, 12, 1024, 64)
@@ -220,6 +224,10 @@ def ops():
         result("attention_fwd_bwd", f"8x12x1024x64_{dt}",
                time_per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)), "s")
         del q, k, v, g
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for dt in ("bf16", "f32"):
+        tdt = torch.bfloat16 if dt == "bf16" else torch.float32
+        r = lambda *s: torch.randn(*s, device=dev, dtype=tdt)
         x, w, b = r(8192, 768), r(768), r(768)
         h = r(8192, 3072)
         wl, bl = r(2304, 768), r(2304)
@@ -260,5 +268,5 @@ if args and args[0] == "train":
 elif args and args[0] == "ops":
     ops()
 else:
-    sys.exit("usage: python3 bench/gpu_torch.py train B bf16|f32 V [gpt2_124M|gpt2_xl|llama_1B] [compile] [quick] "
+    sys.exit("usage: python3 bench/gpu_torch.py train B bf16|f32|tf32 V [gpt2_124M|gpt2_xl|llama_1B] [compile] [quick] "
              "| ops [quick]")

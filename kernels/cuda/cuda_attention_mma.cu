@@ -25,8 +25,7 @@ static int smem_optin() {
 }
 
 /* Whether all three kernels' tiles of T at head dim D fit the device's
- * shared memory (f32 at D = 128 needs up to 198 KiB: an H100's, not an
- * A100's). */
+ * shared memory (f32 at D = 128 needs 165 KiB: an H100's, not an A100's). */
 template <typename T> static bool smem_fits(int D) {
     size_t need = mma_forward_smem<T>(D);
     if (mma_dq_smem<T>(D) > need) need = mma_dq_smem<T>(D);

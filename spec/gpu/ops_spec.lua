@@ -773,4 +773,30 @@ describe('TF32 on the GPU #gpu', function()
     ds.backends.cuda.matmul.allow_tf32 = true
     assert.are.equal(512, corner())
   end)
+
+  -- Keys of zeros give every score 0 and every probability 1/64 (64 keys),
+  -- all exact, so with v and the output's gradient all 1 + 2^-15 the output
+  -- and dv are 1 + 2^-15 in f32 (to its roundings, far below 2^-18) and
+  -- 1 where TF32 rounds v and the gradient to 1.
+  it('puts f32 attention on TF32 tensor cores under the matmul switch only', function()
+    local q = to_dev(ds.randn({ 1, 2, 64, 64 }, 'f32'))
+    local k = to_dev(ds.zeros({ 1, 2, 64, 64 }, 'f32'))
+    local fine = 1 + 2 ^ -15
+    local function run(backend)
+      local v = to_dev(ds.full({ 1, 2, 64, 64 }, fine)):requires_grad_()
+      local out = ds.scaled_dot_product_attention(q, k, v, { causal = false, backend = backend })
+      out:backward(to_dev(ds.full({ 1, 2, 64, 64 }, fine)))
+      local function off_by(x, want) return to_host((x - want):abs():amax()):item() end
+      return off_by(out, fine), off_by(out, 1), off_by(v.grad, fine), off_by(v.grad, 1), out.grad_fn
+    end
+    local o_f32, _, g_f32, _, auto_off = run(nil)
+    assert.is_true(o_f32 <= 2 ^ -18 and g_f32 <= 2 ^ -18, 'switch off: out and dv in f32')
+    assert.are.equal('permute', auto_off)                        -- auto: cuBLAS GEMMs around a softmax
+    _, _, g_f32 = run('fused')
+    assert.is_true(g_f32 <= 2 ^ -18, 'switch off, fused: the f32 kernel')
+    ds.backends.cuda.matmul.allow_tf32 = true
+    local _, o_tf32, _, g_tf32, auto_on = run(nil)
+    assert.is_true(o_tf32 <= 2 ^ -18 and g_tf32 <= 2 ^ -18, 'switch on: out and dv from TF32 inputs')
+    assert.are.equal('scaled_dot_product_attention', auto_on)    -- auto: the fused kernel, on tensor cores
+  end)
 end)
