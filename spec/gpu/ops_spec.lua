@@ -799,4 +799,48 @@ describe('TF32 on the GPU #gpu', function()
     assert.is_true(o_tf32 <= 2 ^ -18 and g_tf32 <= 2 ^ -18, 'switch on: out and dv from TF32 inputs')
     assert.are.equal('scaled_dot_product_attention', auto_on)    -- auto: the fused kernel, on tensor cores
   end)
+
+  -- The bound TF32's unit roundoff u = 2^-11 guarantees (derived in
+  -- tests/test_attention_mma.cc, whose emulated kernels meet it for every
+  -- output), for out and dv: a score is off by at most delta_i = scale
+  -- max_j |q_i|.|k_j| e_dot (e_dot: TF32 and f32 roundings of a dot
+  -- product), a probability by a factor exp(+-(2 delta_i + 2 eta)) (eta:
+  -- exp2's error), the backward's by (1 + rho_i) with lse's error lam_i,
+  -- and each rounds to TF32 (as do v and dout) into sums rounded in f32.
+  local function tf32_bounds(q, k, v, g, scale)
+    local u, e = 2 ^ -11, 2 ^ -24
+    local function gamma(n) return n * e / (1 - n * e) end
+    local Tq, Tk, D = q:size(3), k:size(3), q:size(4)
+    q, k, v, g = q:to('f64'), k:to('f64'), v:to('f64'), g:to('f64')
+    local s = ds.matmul(q, k:transpose(3, 4)) * scale
+    local mx = s:amax(4, true)
+    local lse = mx + ds.log(ds.exp(s - mx):sum(4, true))
+    local p = ds.exp(s - lse)
+    local e_dot = (1 + u) ^ 2 * (1 + gamma(D + 8)) - 1
+    local delta = ds.matmul(q:abs(), k:abs():transpose(3, 4)):amax(4, true) * (scale * (e_dot + 8 * e))
+    local ratio = ds.exp(delta * 2 + 8 * e) * ((1 + u) ^ 2 * (1 + gamma(2 * Tk + 8))) - 1
+    local lam = delta + (8 * e + gamma(2 * Tk + 8) + 8 * e * (math.log(Tk, 2) + 2)) + lse:abs() * (8 * e)
+    local rho = ds.exp(delta + lam + lse:abs() * (8 * e) + (4 * e + 8 * e * 130)) - 1
+    local c = (rho + 1) * ((1 + u) ^ 2 * (1 + gamma(Tq + 4))) - 1
+    local tiny = 2 * math.max(Tq, Tk) * 2 ^ -126 * 16      -- flushed probabilities, |v| and |dout| < 16
+    return ds.matmul(p, v), ratio * ds.matmul(p, v:abs()) + tiny,
+           ds.matmul(p:transpose(3, 4), g), ds.matmul(p:transpose(3, 4), c * g:abs()) + tiny
+  end
+
+  it('keeps f32 attention within the TF32 bound under the switch, head dims 64 and 128', function()
+    ds.backends.cuda.matmul.allow_tf32 = true
+    for _, D in ipairs { 64, 128 } do
+      local q, k = ds.randn({ 1, 2, 100, D }, 'f32'), ds.randn({ 1, 2, 70, D }, 'f32')
+      local v, g = ds.randn({ 1, 2, 70, D }, 'f32'), ds.randn({ 1, 2, 100, D }, 'f32')
+      local vd = to_dev(v):requires_grad_()
+      local out = ds.scaled_dot_product_attention(to_dev(q), to_dev(k), vd, { causal = false })
+      out:backward(to_dev(g))
+      local out_ref, out_bound, dv_ref, dv_bound = tf32_bounds(q, k, v, g, 1 / math.sqrt(D))
+      local function over(got, want, bound)
+        return ((to_host(got):to('f64') - want):abs() / bound):amax():item()
+      end
+      assert.is_true(over(out, out_ref, out_bound) <= 1, 'out, head dim ' .. D)
+      assert.is_true(over(vd.grad, dv_ref, dv_bound) <= 1, 'dv, head dim ' .. D)
+    end
+  end)
 end)
