@@ -87,6 +87,9 @@ template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], c
     }
 }
 
+/* x rounded to TF32, still an f32. */
+__device__ __forceinline__ float tf32_value(float x) { return __uint_as_float(tf32_of(__float_as_uint(x))); }
+
 /* Columns k0 = kk mma_k.. of a fragment's probabilities p (the f32 C
  * tiles of rows_times_tile) as an A operand. 16-bit: the C layout of two
  * 8-column tiles is the A layout of one k16 step, packed in pairs. TF32:
@@ -193,9 +196,10 @@ template <typename T, int D, int ROWS> __device__ __forceinline__ void tf32_land
         const int ld = mma_ld<T, D>(), chunks = D / 4;
         cp_async_wait(pending);
         for (int e = threadIdx.x; e < ROWS * chunks; e += MMA_THREADS) {
-            float *x = s + e / chunks * ld + e % chunks * 4;
-#pragma unroll
-            for (int i = 0; i < 4; i++) x[i] = __uint_as_float(tf32_of(__float_as_uint(x[i])));
+            float4 *x = (float4 *)(s + e / chunks * ld + e % chunks * 4);
+            float4 y = *x;
+            y.x = tf32_value(y.x), y.y = tf32_value(y.y), y.z = tf32_value(y.z), y.w = tf32_value(y.w);
+            *x = y;
         }
     }
 }
