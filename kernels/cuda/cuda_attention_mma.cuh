@@ -54,7 +54,6 @@ template <typename T, int D> __host__ __device__ constexpr int mma_ld() { return
 /* The k of one mma: 16 for 16-bit inputs (m16n8k16), 8 for TF32 (m16n8k8). */
 template <typename T> __host__ __device__ constexpr int mma_k() { return 2 * mma_chunk<T>(); }
 
-
 /* The A operand (16 rows x mma_k columns from column k0) of a row-major
  * shared tile with row stride ld. ldmatrix hands lane l row l/4 and the
  * 4 bytes at 4 (l%4) of each 16-byte row: a 16-bit pair, or one f32,
@@ -75,7 +74,8 @@ template <typename T> __device__ __forceinline__ void load_b_nk(uint32_t b[4], c
  * 32-bit element cannot be transposed by ldmatrix, so TF32 loads its four
  * values itself: row k0 + 2t as the mma's k index t and row k0 + 2t + 1 as
  * t + 4 (g = l/4, t = l%4), the order probs_operand gives P's columns in;
- * with rows 4 banks apart (mma_ld) the 32 lanes hit 32 banks. */
+ * rows 2t lie 8 banks apart (mma_ld pads a row by 4 words), so the 32
+ * lanes hit 32 banks. */
 template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], const T *s, int ld, int k0, int n0) {
     int l = threadIdx.x % 32;
     if constexpr (sizeof(T) == 4) {
