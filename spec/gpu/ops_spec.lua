@@ -808,17 +808,23 @@ describe('TF32 on the GPU #gpu', function()
   -- exp2's error), the backward's by (1 + rho_i) with lse's error lam_i,
   -- and each rounds to TF32 (as do v and dout) into sums rounded in f32
   -- (tensor cores may truncate: 2^-23 an addition, so gamma counts twice).
-  local function tf32_bounds(q, k, v, g, scale)
+  local function tf32_bounds(q, k, v, g, scale, causal)
     local u, e = 2 ^ -11, 2 ^ -24
     local function gamma(n) return 2 * n * e / (1 - 2 * n * e) end
     local Tq, Tk, D = q:size(3), k:size(3), q:size(4)
     q, k, v, g = q:to('f64'), k:to('f64'), v:to('f64'), g:to('f64')
-    local s = ds.matmul(q, k:transpose(3, 4)) * scale
+    local rows = {}          -- -inf where the causal mask hides key j from query i
+    for i = 1, Tq do
+      rows[i] = {}
+      for j = 1, Tk do rows[i][j] = causal and j > i and -math.huge or 0 end
+    end
+    local mask = ds.tensor(rows, 'f64')
+    local s = ds.matmul(q, k:transpose(3, 4)) * scale + mask
     local mx = s:amax(4, true)
     local lse = mx + ds.log(ds.exp(s - mx):sum(4, true))
     local p = ds.exp(s - lse)
     local e_dot = (1 + u) ^ 2 * (1 + gamma(D + 8)) - 1
-    local delta = ds.matmul(q:abs(), k:abs():transpose(3, 4)):amax(4, true) * (scale * (e_dot + 8 * e))
+    local delta = (ds.matmul(q:abs(), k:abs():transpose(3, 4)) + mask):amax(4, true) * (scale * (e_dot + 8 * e))
     local ratio = ds.exp(delta * 2 + 8 * e) * ((1 + u) ^ 2 * (1 + gamma(2 * Tk + 8))) - 1
     local lam = delta + (8 * e + gamma(2 * Tk + 8) + 8 * e * (math.log(Tk, 2) + 2)) + lse:abs() * (8 * e)
     local rho = ds.exp(delta + lam + lse:abs() * (8 * e) + (4 * e + 8 * e * 130)) - 1
@@ -830,18 +836,21 @@ describe('TF32 on the GPU #gpu', function()
 
   it('keeps f32 attention within the TF32 bound under the switch, head dims 64 and 128', function()
     ds.backends.cuda.matmul.allow_tf32 = true
-    for _, D in ipairs { 64, 128 } do
-      local q, k = ds.randn({ 1, 2, 100, D }, 'f32'), ds.randn({ 1, 2, 70, D }, 'f32')
-      local v, g = ds.randn({ 1, 2, 70, D }, 'f32'), ds.randn({ 1, 2, 100, D }, 'f32')
+    for _, c in ipairs { { 64, 100, 70, false }, { 128, 100, 70, false }, { 64, 130, 130, true },
+                         { 128, 100, 100, true } } do
+      local D, Tq, Tk, causal = unpack(c)
+      local q, k = ds.randn({ 1, 2, Tq, D }, 'f32'), ds.randn({ 1, 2, Tk, D }, 'f32')
+      local v, g = ds.randn({ 1, 2, Tk, D }, 'f32'), ds.randn({ 1, 2, Tq, D }, 'f32')
       local vd = to_dev(v):requires_grad_()
-      local out = ds.scaled_dot_product_attention(to_dev(q), to_dev(k), vd, { causal = false })
+      local out = ds.scaled_dot_product_attention(to_dev(q), to_dev(k), vd, { causal = causal })
       out:backward(to_dev(g))
-      local out_ref, out_bound, dv_ref, dv_bound = tf32_bounds(q, k, v, g, 1 / math.sqrt(D))
+      local out_ref, out_bound, dv_ref, dv_bound = tf32_bounds(q, k, v, g, 1 / math.sqrt(D), causal)
       local function over(got, want, bound)
         return ((to_host(got):to('f64') - want):abs() / bound):amax():item()
       end
-      assert.is_true(over(out, out_ref, out_bound) <= 1, 'out, head dim ' .. D)
-      assert.is_true(over(vd.grad, dv_ref, dv_bound) <= 1, 'dv, head dim ' .. D)
+      local what = string.format('head dim %d, %d x %d, causal %s', D, Tq, Tk, tostring(causal))
+      assert.is_true(over(out, out_ref, out_bound) <= 1, 'out, ' .. what)
+      assert.is_true(over(vd.grad, dv_ref, dv_bound) <= 1, 'dv, ' .. what)
     end
   end)
 end)
