@@ -800,6 +800,25 @@ describe('TF32 on the GPU #gpu', function()
     assert.are.equal('scaled_dot_product_attention', auto_on)    -- auto: the fused kernel, on tensor cores
   end)
 
+  it('gives the f32 kernel\'s bits back once the switch is off again', function()
+    local function r() return to_dev(ds.randn({ 1, 2, 70, 64 }, 'f32')) end
+    local q, k, v, g = r(), r(), r(), r()
+    local function run()
+      local vd = v:clone():requires_grad_()
+      local out = ds.scaled_dot_product_attention(q, k, vd, { causal = true, backend = 'fused' })
+      out:backward(g)
+      return to_host(out), to_host(vd.grad)
+    end
+    local out0, dv0 = run()
+    ds.backends.cuda.matmul.allow_tf32 = true
+    local out1 = run()
+    ds.backends.cuda.matmul.allow_tf32 = false
+    local out2, dv2 = run()
+    H.assert_same(out2, out0, 'out, switched on and off again')
+    H.assert_same(dv2, dv0, 'dv, switched on and off again')
+    assert.is_true((out1 - out0):abs():amax():item() > 0, 'the switch on changes the result')
+  end)
+
   -- The bound TF32's unit roundoff u = 2^-11 guarantees (derived in
   -- tests/test_attention_mma.cc, whose emulated kernels meet it for every
   -- output), for out and dv: a score is off by at most delta_i = scale
