@@ -61,7 +61,7 @@ struct error {
  * x (1 + t), |t| <= u. f32 roundings are e = 2^-24 each, and n of them on
  * a sum or product grow at most to gamma(n) = n e / (1 - n e). The bound
  * is first derived for a dot product and then carried through each step
- * of the kernels, every f32 rounding counted (generously; they are 100
+ * of the kernels, every f32 rounding counted (generously; each is 8192
  * times smaller than u). A value x known up to ex times y known up to
  * ey, rounded with relative r, is off by at most
  * prod_err(|x|, ex, |y|, ey, r) = (|x| + ex)(|y| + ey)(1 + r) - |x||y|. */
@@ -108,12 +108,13 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     error e_out, e_lse, e_dq, e_dk, e_dv;
     const size_t n = (size_t)(s.Tq * s.Tk);
     std::vector<double> P(n), dS(n), perr(n), dserr(n);
-    /* a TF32 dot product of D terms is off by e_dot times the sum of its
-     * terms' magnitudes; exp2 is off by eta relative (ex2.approx's 2^-22),
-     * and flushing results below 2^-126 (tau) to zero costs tau each */
-    const double e_dot = (1 + U) * (1 + U) * (1 + gamma_n(D + 8)) - 1, eta = 4 * E, tau = FLT_MIN;
-    /* a sum of n TF32 products of values known to (1 + r) */
+    /* a sum of n products, both factors rounded to TF32 and the sum (and a
+     * few more operations) in f32, is off by sum_err(n) times the sum of
+     * its terms' magnitudes: a dot product over the head dim by e_dot; exp2
+     * is off by eta relative (ex2.approx's 2^-22), and flushing results
+     * below 2^-126 (tau) to zero costs tau each */
     auto sum_err = [](double n_terms) { return (1 + U) * (1 + U) * (1 + gamma_n(n_terms + 4)) - 1; };
+    const double e_dot = sum_err(D + 4), eta = 4 * E, tau = FLT_MIN;
     auto A = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) { return (double)at<T>(x, b, h, t, d); };
     for (int64_t b = 0; b < s.B; b++)
         for (int64_t h = 0; h < s.H; h++) {
