@@ -267,6 +267,24 @@ typedef struct ds_kernels_optim {
                          const ds_onebit_params *h);
 } ds_kernels_optim;
 
+/* FP8 (ds_fp8.h's formats, fmt a ds_fp8_format). meta is a tensor's three
+ * f32 (scale, scale_inv, amax) at stride meta.stride[0], on the device.
+ * cast: q (u8) = x * scale in fmt, x and q contiguous, x f32/bf16/f16, and
+ * amax = max(amax, max |x|); where current, scale is first made
+ * ds_fp8_scale(max |x|) (1 where that is 0 or not finite) and scale_inv its
+ * inverse. uncast: y (contiguous, float) = q's values * scale_inv.
+ * gemm: c [m, n] = (a [m, k] * a's scale_inv) @ (b [n, k] * b's scale_inv)^T
+ * (+ bias [n]: data NULL for none), a and b u8 row-major, accumulated in
+ * f32; NULL where the backend has none (the CPU) and -1 after
+ * ds_kernel_fail() where a call does not apply: the caller uncasts and runs
+ * gemm then. */
+typedef struct ds_kernels_fp8 {
+    int (*cast)(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin);
+    int (*uncast)(ds_kview y, ds_kview q, ds_kview meta, int fmt);
+    int (*gemm)(ds_kview c, ds_kview a, ds_kview b, ds_kview a_meta, ds_kview b_meta, int a_fmt, int b_fmt,
+                ds_kview bias);
+} ds_kernels_fp8;
+
 /* The instruction set of the CPU optimizer loops: the widest this CPU runs
  * ("avx512", "avx2", "sse2"), picked at first use. Every one writes the same
  * bits. ds_cpu_optim_use picks one by name (tests, benchmarks); -1 where
@@ -285,6 +303,7 @@ typedef struct ds_kernels {
     const ds_kernels_index *index;
     const ds_kernels_nn *nn;
     const ds_kernels_optim *optim;
+    const ds_kernels_fp8 *fp8;
 } ds_kernels;
 
 /* Kernel-side error reporting; core turns it into the op's error. */

@@ -198,6 +198,7 @@ int luaopen_dslua_core(lua_State *L) {
     dsL_open_reload(L);
     dsL_open_attach(L);
     dsL_open_function(L);
+    dsL_open_fp8(L);
     dsL_open_tfevents(L);
     dsL_open_plot(L);
     dsL_open_file(L);

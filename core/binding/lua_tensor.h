@@ -115,6 +115,7 @@ void dsL_open_cuda(lua_State *L);
 void dsL_open_reload(lua_State *L);
 void dsL_open_attach(lua_State *L);
 void dsL_open_function(lua_State *L);
+void dsL_open_fp8(lua_State *L);
 void dsL_open_tfevents(lua_State *L);
 void dsL_open_plot(lua_State *L);
 void dsL_open_file(lua_State *L);

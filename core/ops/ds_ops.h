@@ -14,6 +14,7 @@
 #include "ds_op_nn.h"
 #include "ds_op_index.h"
 #include "ds_op_attention.h"
+#include "ds_op_fp8.h"
 #include "ds_rng.h"
 
 #endif

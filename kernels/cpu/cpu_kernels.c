@@ -11,4 +11,5 @@ const ds_kernels ds_cpu_kernels = {
     .attention = &ds_cpu_attention,
     .index = &ds_cpu_index,
     .optim = &ds_cpu_optim,
+    .fp8 = &ds_cpu_fp8,
 };

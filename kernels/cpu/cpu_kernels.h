@@ -13,6 +13,7 @@ extern const ds_kernels_conv ds_cpu_conv;
 extern const ds_kernels_attention ds_cpu_attention;
 extern const ds_kernels_index ds_cpu_index;
 extern const ds_kernels_optim ds_cpu_optim;
+extern const ds_kernels_fp8 ds_cpu_fp8;
 extern const ds_kernels ds_cpu_kernels;
 
 #endif

@@ -12,6 +12,7 @@
 #include "cuda_common.cuh"
 #include "cuda_blas.h"
 #include "../ds_gemm_layout.h"
+#include "../ds_fp8.h"
 
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -205,6 +206,7 @@ static int lt_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttr
  * memcmp sees no stray padding. */
 typedef struct {
     int dev, tf32, ta, tb;
+    int fp8;                      /* 1 + 2 a's format + b's for fp8 products, 0 for others */
     ds_dtype dtype;
     cublasLtEpilogue_t epilogue;
     int64_t m, n, k, lda, ldb, ldc, count, sa, sb, sc, ldaux;
@@ -497,6 +499,109 @@ static int cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b)
     ds_kview none = {};
     if (epilogue_check(c, a, none, c.shape[c.ndim > 0 ? c.ndim - 1 : 0]) || aux_check(c, aux)) return -1;
     return gemm_impl(c, a, b, 1.0, 0.0, lt_epilogue{ CUBLASLT_EPILOGUE_DGELU, NULL, aux });
+}
+
+/* ---- fp8: c [m, n] = a [m, k] b [n, k]^T, a and b u8 codes row-major
+ * (cuBLASLt's TN layout, the only one its fp8 kernels take), each scaled by
+ * its meta's scale_inv on the device (A/B_SCALE_POINTER), f32 accumulation,
+ * the bias in the epilogue. sm_89+, dims multiples of 16, 16-byte aligned
+ * operands, not both e5m2: anything else is refused for the caller's
+ * fallback. ---- */
+
+static int fp8_applies(const ds_kview *c, const ds_kview *a, const ds_kview *b, int af, int bf) {
+    int dev, major, minor;
+    DS_CUDA_CHECK(cudaGetDevice(&dev));
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    DS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
+    if (major * 10 + minor < 89) return ds_kernel_fail("fp8 GEMMs need sm_89 or later, this GPU is sm_%d%d", major, minor);
+    int64_t m = a->shape[0], k = a->shape[1], n = b->shape[0];
+    if (m % 16 || n % 16 || k % 16)
+        return ds_kernel_fail("fp8 GEMMs take dims that are multiples of 16, got %lldx%lldx%lld", (long long)m,
+                              (long long)n, (long long)k);
+    if (af == DS_FP8_E5M2 && bf == DS_FP8_E5M2) return ds_kernel_fail("no fp8 GEMM takes two e5m2 operands");
+    if (!ds_kview_is_contiguous(a) || !ds_kview_is_contiguous(b) || !ds_kview_is_contiguous(c)
+        || ((uintptr_t)a->data | (uintptr_t)b->data | (uintptr_t)c->data) % 16)
+        return ds_kernel_fail("fp8 GEMMs take contiguous operands on 16 bytes");
+    return 0;
+}
+
+static cudaDataType_t fp8_type(int f) { return f == DS_FP8_E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+static int fp8_attr(cublasLtMatmulDesc_t op, cublasLtMatmulDescAttributes_t attr, const void *v, size_t n,
+                    const char *name) {
+    return blas_ok(cublasLtMatmulDescSetAttribute(op, attr, v, n), name);
+}
+
+static int fp8_setup(lt_call *L, const ds_kview *c, const ds_kview *a, const ds_kview *b, const float *sa,
+                     const float *sb, int af, int bf, const void *bias) {
+    int64_t m = a->shape[0], k = a->shape[1], n = b->shape[0];
+    if (lt_handle(&L->h) || blas_ok(cublasLtMatmulDescCreate(&L->op, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                                    "cublasLtMatmulDescCreate"))
+        return -1;
+    cublasOperation_t ta = CUBLAS_OP_T, tb = CUBLAS_OP_N;
+    cublasLtEpilogue_t ep = bias ? CUBLASLT_EPILOGUE_BIAS : CUBLASLT_EPILOGUE_DEFAULT;
+    int32_t bt = (int32_t)cuda_type(c->dtype);
+    /* Lt's A is our b and its B our a, as for every product here (c^T = b a^T) */
+    if (fp8_attr(L->op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta, "cublasLtMatmulDescSetAttribute(TRANSA)")
+        || fp8_attr(L->op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb, "cublasLtMatmulDescSetAttribute(TRANSB)")
+        || fp8_attr(L->op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sb, sizeof sb,
+                    "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)")
+        || fp8_attr(L->op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sa, sizeof sa,
+                    "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)")
+        || fp8_attr(L->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &ep, sizeof ep, "cublasLtMatmulDescSetAttribute(EPILOGUE)")
+        || (bias && (fp8_attr(L->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias,
+                              "cublasLtMatmulDescSetAttribute(BIAS_POINTER)")
+                     || fp8_attr(L->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof bt,
+                                 "cublasLtMatmulDescSetAttribute(BIAS_DATA_TYPE)"))))
+        return -1;
+    if (blas_ok(cublasLtMatrixLayoutCreate(&L->la, fp8_type(bf), (uint64_t)k, (uint64_t)n, k),
+                "cublasLtMatrixLayoutCreate")
+        || blas_ok(cublasLtMatrixLayoutCreate(&L->lb, fp8_type(af), (uint64_t)k, (uint64_t)m, k),
+                   "cublasLtMatrixLayoutCreate")
+        || blas_ok(cublasLtMatrixLayoutCreate(&L->lc, cuda_type(c->dtype), (uint64_t)n, (uint64_t)m, n),
+                   "cublasLtMatrixLayoutCreate"))
+        return -1;
+    lt_key key;
+    memset(&key, 0, sizeof key);
+    if (device_index(&key.dev)) return -1;
+    key.fp8 = 1 + 2 * af + bf;
+    key.dtype = c->dtype;
+    key.epilogue = ep;
+    key.m = m, key.n = n, key.k = k;
+    if (lt_cache_get(&key, &L->algo)) return L->algo.state == CUBLAS_STATUS_SUCCESS ? lt_workspace(L) : -1;
+    uint64_t ws = LT_MAX_WORKSPACE;
+    int found = 0;
+    if (blas_ok(cublasLtMatmulPreferenceCreate(&L->pref), "cublasLtMatmulPreferenceCreate")
+        || blas_ok(cublasLtMatmulPreferenceSetAttribute(L->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                                        sizeof ws),
+                   "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)")
+        || blas_ok(cublasLtMatmulAlgoGetHeuristic(L->h, L->op, L->la, L->lb, L->lc, L->lc, L->pref, 1, &L->algo,
+                                                  &found),
+                   "cublasLtMatmulAlgoGetHeuristic"))
+        return -1;
+    if (found < 1) L->algo.state = CUBLAS_STATUS_NOT_SUPPORTED;
+    lt_cache_put(&key, &L->algo);
+    if (found < 1)
+        return ds_kernel_fail("cublasLtMatmulAlgoGetHeuristic: no fp8 algorithm for a %lldx%lldx%lld product",
+                              (long long)m, (long long)n, (long long)k);
+    return lt_workspace(L);
+}
+
+extern "C" int ds_cuda_gemm_fp8(ds_kview c, ds_kview a, ds_kview b, ds_kview a_meta, ds_kview b_meta, int af,
+                                int bf, ds_kview bias) {
+    if (fp8_applies(&c, &a, &b, af, bf)) return -1;
+    /* the dequantising factors: each meta's scale_inv, its second float */
+    const float *sa = (const float *)a_meta.data + a_meta.stride[0], *sb = (const float *)b_meta.data + b_meta.stride[0];
+    lt_call L;
+    memset(&L, 0, sizeof L);
+    float one = 1.0f, zero = 0.0f;
+    int rc = fp8_setup(&L, &c, &a, &b, sa, sb, af, bf, bias.data);
+    if (rc == 0)
+        rc = blas_ok(cublasLtMatmul(L.h, L.op, &one, b.data, L.la, a.data, L.lb, &zero, c.data, L.lc, c.data, L.lc,
+                                    &L.algo.algo, L.ws, L.algo.workspaceSize, ds_cuda_stream()),
+                     "cublasLtMatmul");
+    lt_release(&L);
+    return rc;
 }
 
 extern "C" const ds_kernels_blas ds_cuda_blas = { cuda_gemm, cuda_gemm_bias, cuda_gemm_bias_grad, cuda_gemm_bias_gelu,

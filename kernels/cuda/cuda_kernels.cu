@@ -12,6 +12,7 @@ extern "C" const ds_kernels ds_cuda_kernels = {
     &ds_cuda_index,
     &ds_cuda_nn,
     &ds_cuda_optim,
+    &ds_cuda_fp8,
 };
 
 static ds_cuda_runtime_hooks runtime;

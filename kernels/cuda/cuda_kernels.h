@@ -23,7 +23,13 @@ extern const ds_kernels_attention ds_cuda_attention;
 extern const ds_kernels_index ds_cuda_index;
 extern const ds_kernels_nn ds_cuda_nn;
 extern const ds_kernels_optim ds_cuda_optim;
+extern const ds_kernels_fp8 ds_cuda_fp8;
 extern const ds_kernels ds_cuda_kernels;
+
+/* ds_cuda_fp8's GEMM, in cuda_blas.cu beside the cuBLASLt handles and the
+ * heuristic's cache it shares. */
+int ds_cuda_gemm_fp8(ds_kview c, ds_kview a, ds_kview b, ds_kview a_meta, ds_kview b_meta, int af, int bf,
+                     ds_kview bias);
 
 typedef struct {
     cudaStream_t (*stream)(void);

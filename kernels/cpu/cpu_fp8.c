@@ -1,0 +1,45 @@
+/* FP8 casts on the CPU (ds_fp8.h's conversions). No GEMM of its own: the
+ * op uncasts the operands and runs the f32 GEMM, whose products of fp8
+ * values are exact, so only the order of the sums differs from a GPU's. */
+#include "cpu_kernels.h"
+#include "cpu_iter.h"
+#include "../ds_fp8.h"
+
+#include <math.h>
+
+static float meta_at(ds_kview m, int k) { return ((const float *)m.data)[k * m.stride[0]]; }
+static void meta_set(ds_kview m, int k, float v) { ((float *)m.data)[k * m.stride[0]] = v; }
+
+static float abs_max(ds_kview x, int64_t n) {
+    float amax = 0.0f;
+    #pragma omp parallel for reduction(max:amax) schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) amax = fmaxf(amax, fabsf((float)ds_load(x.dtype, x.data, i)));
+    return amax;
+}
+
+static int cpu_fp8_cast(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin) {
+    int64_t n = ds_kview_numel(&x);
+    float amax = abs_max(x, n);
+    if (current) {
+        float s = ds_fp8_scale(amax, fmt, margin, 1.0f);
+        meta_set(meta, 0, s);
+        meta_set(meta, 1, 1.0f / s);
+    }
+    meta_set(meta, 2, fmaxf(meta_at(meta, 2), amax));
+    float scale = meta_at(meta, 0);
+    uint8_t *out = q.data;
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) out[i] = ds_f32_to_fp8((float)ds_load(x.dtype, x.data, i) * scale, fmt);
+    return 0;
+}
+
+static int cpu_fp8_uncast(ds_kview y, ds_kview q, ds_kview meta, int fmt) {
+    int64_t n = ds_kview_numel(&y);
+    float inv = meta_at(meta, 1);
+    const uint8_t *in = q.data;
+    #pragma omp parallel for schedule(static) if (n > CPU_PARALLEL_MIN)
+    for (int64_t i = 0; i < n; i++) ds_store(y.dtype, y.data, i, ds_fp8_to_f32(in[i], fmt) * inv);
+    return 0;
+}
+
+const ds_kernels_fp8 ds_cpu_fp8 = { .cast = cpu_fp8_cast, .uncast = cpu_fp8_uncast };
