@@ -93,11 +93,13 @@ end
 
 -- Plain Linear, GELU, Linear (no forward replaced on an instance, as
 -- ZeRO stage 3 and the flops profiler do) run as one ds.gelu_mlp, whose
--- GELU rides in the GEMMs on the GPU; anything else runs as composed.
+-- GELU rides in the GEMMs on the GPU; anything else runs as composed, and
+-- so does the MLP in ds.fp8's scope, where each Linear runs in fp8.
 local function plain(m, class) return getmetatable(m) == class and rawget(m, 'forward') == nil end
 
 function MLP:forward(x)
-  if plain(self.c_fc, nn.Linear) and plain(self.c_proj, nn.Linear) and plain(self.gelu, nn.GELU) then
+  if plain(self.c_fc, nn.Linear) and plain(self.c_proj, nn.Linear) and plain(self.gelu, nn.GELU)
+     and not ds.fp8.active() then
     local h = ds.gelu_mlp(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight, self.c_proj.bias,
                           { approximate = self.gelu.approximate })
     return self.dropout(h)

@@ -26,6 +26,7 @@ end
 -- cfg.pad_vocab; cfg.dtype, cfg.device.
 function M.head(n_embd, vocab, cfg)
   local head = nn.Linear(n_embd, vocab, { bias = false, dtype = cfg.dtype, device = cfg.device })
+  head.fp8 = false      -- the logits stay in the model's dtype under ds.fp8, as Transformer Engine's users keep them
   local p = cfg.pad_vocab
   if p then
     function head.forward(self, x)

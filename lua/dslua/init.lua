@@ -63,6 +63,7 @@ ds.comm = require 'dslua.parallel.comm'
 ds.reload = require 'dslua.live.reload'
 ds.checkpoint = require 'dslua.io.checkpoint'
 ds.checkpointing = require 'dslua.nn.checkpointing'
+ds.fp8 = require 'dslua.nn.fp8'
 -- ds.checkpoint(fn, ...) is activation checkpointing; ds.checkpoint.save and
 -- the rest stay the checkpoint files' module
 setmetatable(ds.checkpoint, { __call = function(_, ...) return ds.checkpointing.checkpoint(...) end })

@@ -5,12 +5,14 @@
 -- over the halves of the batch), every data index its slice.
 --
 --   lm.lua out.json gpt2|llama [sp=P] [tp=T] [zero=Z] [optim=sgd|adamw] [steps=3] [log=1] [recompute=1]
---          [save=dir] [load=dir] [resave=dir] [export=file]
+--          [gas=1] [fp8=0] [save=dir] [load=dir] [resave=dir] [export=file]
 --
 -- sp: sequence_parallel, tp: the tensor degree (the data degree the rest
 -- of the world), zero: ZeRO's stage; SGD with momentum (blind to no factor
 -- on the gradient) or AdamW (a state to reshard); steps in all;
--- recompute: activation checkpointing on every block. save: a
+-- recompute: activation checkpointing on every block; gas: each rank's
+-- part of the batch in gas micro batches of one step; fp8=1: the fp8 block
+-- on (delayed scaling, hybrid, a history of 4; its state written as fp8). save: a
 -- checkpoint after the first step; load: one loaded, then the steps after
 -- it (losses: those steps'), resave: saved again at once after the load;
 -- export: save_16bit_model after the last; log: the comms logger on, each
@@ -23,10 +25,10 @@ local ds = require 'dslua'
 
 local out_path, kind = arg[1], arg[2]
 assert(out_path and (kind == 'gpt2' or kind == 'llama'), 'usage: lm.lua out.json gpt2|llama [key=value...]')
-local o = { sp = 1, tp = 1, zero = 0, optim = 'sgd', steps = 3, log = 0, recompute = 0 }
+local o = { sp = 1, tp = 1, zero = 0, optim = 'sgd', steps = 3, log = 0, recompute = 0, gas = 1, fp8 = 0 }
 local PATHS = { save = true, load = true, resave = true, export = true }
 for i = 3, #arg do
-  local k, v = arg[i]:match('^(%a+)=(.+)$')    -- the launcher's --local_rank=N is not one
+  local k, v = arg[i]:match('^(%w+)=(.+)$')    -- the launcher's --local_rank=N is not one
   if k then
     assert(o[k] ~= nil or PATHS[k], 'lm.lua: unknown argument ' .. arg[i])
     o[k] = tonumber(v) or v
@@ -35,7 +37,7 @@ end
 local GLOBAL, T, STEPS = 4, 8, o.steps
 local world = ds.comm.world_size()
 local dp = world / (o.sp * o.tp)
-local micro = GLOBAL / dp
+local micro = GLOBAL / dp / o.gas
 
 -- each rank its own init, rank 0's broadcast; a tensor group draws the same
 -- full weights and keeps its pieces
@@ -55,7 +57,8 @@ end
 local OPTIM = { sgd = { type = 'SGD', params = { lr = 0.2, momentum = 0.9 } },
                 adamw = { type = 'AdamW', params = { lr = 1e-3 } } }
 local engine = ds.initialize { model = model, config = {
-  train_micro_batch_size_per_gpu = micro, gradient_accumulation_steps = 1, steps_per_print = 1000,
+  train_micro_batch_size_per_gpu = micro, gradient_accumulation_steps = o.gas, steps_per_print = 1000,
+  fp8 = { enabled = o.fp8 == 1, amax_history_len = 4 },
   optimizer = OPTIM[o.optim], zero_optimization = { stage = o.zero }, sequence_parallel_size = o.sp,
   comms_logger = { enabled = o.log == 1 },
 } }
@@ -95,16 +98,21 @@ if o.load then
   first = engine.global_steps + 1
   if o.resave then engine:save_checkpoint(o.resave) end
 end
-local rows = (model.dp_rank or 0) * micro + 1
 local comm = {}
 for s = first, STEPS do
   local b = batches[s]
   ds.comm.reset_logger()
-  local loss = engine:forward { x = b.x:narrow(1, rows, micro):contiguous(), y = b.y:narrow(1, rows, micro):contiguous() }
-  engine:backward(loss)
-  engine:step()
+  local sum = 0
+  for j = 0, o.gas - 1 do
+    local rows = ((model.dp_rank or 0) * o.gas + j) * micro + 1
+    local loss = engine:forward { x = b.x:narrow(1, rows, micro):contiguous(),
+                                  y = b.y:narrow(1, rows, micro):contiguous() }
+    engine:backward(loss)
+    engine:step()
+    sum = sum + loss:item() / o.gas
+  end
   -- each data index's loss covers its whole sequences, on world / dp ranks
-  local l = ds.tensor({ loss:item() / world }, 'f64')
+  local l = ds.tensor({ sum / world }, 'f64')
   ds.comm.all_reduce(l, 'sum')
   losses[#losses + 1] = l:item()
   if o.log == 1 then
@@ -127,6 +135,7 @@ local d = ds.tensor({ spread }, 'f64')
 ds.comm.all_reduce(d, 'max')
 if ds.comm.rank() == 0 then
   local f = assert(io.open(out_path, 'w'))
-  f:write(ds.json.encode { losses = losses, weights = weights, spread = d:item(), comm = comm })
+  f:write(ds.json.encode { losses = losses, weights = weights, spread = d:item(), comm = comm,
+                           fp8 = engine.fp8 and engine.fp8:state_dict() or nil })
   f:close()
 end

@@ -293,6 +293,8 @@ function M.initialize(opts)
     -- this rank's samples and compute time in the current window
     window = require('samplers.weighting').new(world_size, cfg.sampler ~= nil),
   }, Engine)
+  -- the fp8 block: every Linear but those marked fp8 = false, by name
+  if cfg.fp8.enabled then self.fp8 = ds.fp8.recipe(cfg.fp8):register(model) end
   -- csv_monitor, tensorboard, wandb, comet: their directories checked now
   self.monitor = require('dslua.io.monitor').new(cfg, rank)
   self.flops_profiler = require('dslua.nn.flops').new(self)   -- flops_profiler, at profile_step
@@ -467,10 +469,13 @@ function Engine:forward(...)
   if self.weighted and steps and steps.stage == 3 then self.last_inputs = { n = select('#', ...), ... } end
   local out
   local dtype = steps and steps.dtype ~= 'f32' and steps.dtype or nil
+  local module = self.module
+  local function run(...) return module:forward(...) end
+  if self.fp8 then run = function(...) return ds.fp8.autocast(self.fp8, module.forward, module, ...) end end
   if dtype or self.device ~= 'cpu' then
-    out = self.module:forward(place_inputs(self.device, dtype, ...))
+    out = run(place_inputs(self.device, dtype, ...))
   else
-    out = self.module:forward(...)
+    out = run(...)
   end
   self.window:time(now() - t0)
   self:_stop('forward')
@@ -638,6 +643,7 @@ function Engine:_take_step()
   local check = scaler ~= nil or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
   local steps = self.steps
   local overflow, norm = steps:step(scaler and scaler.cur_scale or 1, clip, check)
+  if self.fp8 then self.fp8:update() end      -- the next step's fp8 scales, skipped step or not
   if self.reduce_size > 1 then self.comm_stats = steps:stats() end
   self.onebit_stats = steps:onebit_stats() or nil
   if ds.comm.logging() then

@@ -7,6 +7,7 @@ local ds = require 'dslua'
 local base = require 'dslua.nn.module'
 local nn, fmt, shape_str, check_int, options = base.nn, base.fmt, base.shape_str, base.check_int, base.options
 local shape_of, empty, is_module, Module = base.shape_of, base.empty, base.is_module, base.Module
+local fp8 = require 'dslua.nn.fp8'
 
 -- ---- layers ----
 
@@ -25,7 +26,12 @@ function Linear:init(in_features, out_features, opts)
   self:register_parameter('bias', opts.bias and nn.init.uniform_(empty({ out_features }, opts), -bound, bound) or nil)
 end
 
-function Linear:forward(x) return ds.linear(x, self.weight, self.bias) end
+-- In fp8 inside ds.fp8.autocast, unless the module says fp8 = false.
+function Linear:forward(x)
+  local r = fp8.active()
+  if r and rawget(self, 'fp8') ~= false then return fp8.linear(r, r:layer(self), x, self.weight, self.bias) end
+  return ds.linear(x, self.weight, self.bias)
+end
 
 function Linear:extra_repr()
   return fmt('in_features=%d, out_features=%d, bias=%s', self.in_features, self.out_features, tostring(self.bias ~= nil))

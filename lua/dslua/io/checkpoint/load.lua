@@ -565,6 +565,7 @@ function M.load(engine, dir, tag, opts)
         engine.lr_scheduler:load_state_dict(m.lr_scheduler)
       end
       if engine.scaler and m.loss_scaler then engine.scaler:load_state_dict(m.loss_scaler) end
+      if engine.fp8 and m.fp8 then engine.fp8:load_state_dict(m.fp8) end
       restore_rank_state(engine, m, get)
       compare_code(engine, m)
     end

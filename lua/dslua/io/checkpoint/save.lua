@@ -174,6 +174,7 @@ local function build_manifest(engine, L, steps, tag, files, reports, client)
     engine = engine:counters(),
     lr_scheduler = engine.lr_scheduler and jsonable(engine.lr_scheduler:state_dict()) or nil,
     loss_scaler = engine.scaler and jsonable(engine.scaler:state_dict()) or nil,
+    fp8 = engine.fp8 and jsonable(engine.fp8:state_dict()) or nil,
     client_state = client, code = code_hashes(engine), config = jsonable(engine.config),
     files = json.array(files),
   }

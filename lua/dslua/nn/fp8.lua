@@ -1,0 +1,241 @@
+-- ds.fp8: linear layers in FP8, as Transformer Engine runs them. Inside
+-- ds.fp8.autocast(recipe, fn) every nn.Linear (but those with `fp8 = false`,
+-- the models' lm_head among them) casts its input and weight to e4m3 and
+-- multiplies them in an fp8 GEMM accumulating in f32; its backward casts
+-- the output gradient to e5m2 ('hybrid') or e4m3 and makes the input and
+-- weight gradients of the same codes. Parameters, gradients and the
+-- optimizer keep their dtypes: fp8 lives only inside the layer.
+--
+--   local r = ds.fp8.recipe { recipe = 'delayed', amax_history_len = 16 }
+--   local loss = ds.fp8.autocast(r, function() return model(x):loss(y) end)
+--   loss:backward(); opt:step(); r:update()
+--
+-- Each tensor cast (input, weight, output gradient of each layer) has its
+-- own scale: 'current' scaling takes it from the tensor's own amax at each
+-- cast; 'delayed' scaling (TE's DelayedScaling) casts with the scale of
+-- the history of amaxes before, and r:update() after each step pushes the
+-- step's amax onto the history (amax_history_len long) and sets the scale
+-- from its max ('max') or its newest ('most_recent'):
+-- fp8_max / amax / 2^margin. The engine's "fp8" block does all this itself.
+local ds = require 'dslua'
+local C = require 'dslua.core'
+
+local M = {}
+
+M.defaults = { enabled = true, format = 'hybrid', recipe = 'delayed', amax_history_len = 1024,
+               amax_compute_algo = 'max', margin = 0 }
+M.choices = { format = { 'hybrid', 'e4m3' }, recipe = { 'delayed', 'current' },
+              amax_compute_algo = { 'max', 'most_recent' } }
+local ROWS = { 'input', 'weight', 'grad_output' }
+
+local Recipe = {}
+Recipe.__index = Recipe
+
+local function bad(key, what, v)
+  error(string.format('ds.fp8.recipe: %s must be %s, got %s', key, what, tostring(v)), 3)
+end
+
+-- ds.fp8.recipe(opts) -> a recipe: the "fp8" block's keys (M.defaults);
+-- a wrong key or value is an error naming it.
+function M.recipe(opts)
+  opts = opts or {}
+  if type(opts) ~= 'table' then bad('opts', 'a table', type(opts)) end
+  local r = setmetatable({ layers = {}, by_module = setmetatable({}, { __mode = 'k' }) }, Recipe)
+  for k in pairs(opts) do
+    if M.defaults[k] == nil then
+      local keys = {}
+      for name in pairs(M.defaults) do keys[#keys + 1] = name end
+      table.sort(keys)
+      error(string.format("ds.fp8.recipe: unknown key '%s' (expected %s)", tostring(k), table.concat(keys, ', ')), 2)
+    end
+  end
+  for k, def in pairs(M.defaults) do
+    local v = opts[k]
+    if v == nil then v = def end
+    local choices = M.choices[k]
+    if choices then
+      local ok = false
+      for _, c in ipairs(choices) do ok = ok or v == c end
+      if not ok then bad(k, "'" .. table.concat(choices, "' or '") .. "'", v) end
+    elseif type(def) == 'number' then
+      local min = k == 'margin' and 0 or 1
+      if type(v) ~= 'number' or v ~= math.floor(v) or v < min or (k == 'margin' and v > 64) then
+        bad(k, k == 'margin' and 'an integer in [0, 64]' or 'an integer >= 1', v)
+      end
+    elseif type(v) ~= 'boolean' then
+      bad(k, 'a boolean', v)
+    end
+    r[k] = v
+  end
+  r.grad_format = r.format == 'hybrid' and 'e5m2' or 'e4m3'
+  return r
+end
+
+-- The state of a layer's three casts: meta [3, 3] on the weight's device,
+-- a row (scale, scale_inv, amax) per cast, and each cast's amax history.
+local function new_layer(name, w)
+  local meta = ds.tensor({ { 1, 1, 0 }, { 1, 1, 0 }, { 1, 1, 0 } }, 'f32')
+  if w:device() ~= 'cpu' then meta = meta:to(w:device()) end
+  local rows = {}
+  for k = 1, 3 do rows[k] = meta:narrow(1, k, 1):view({ 3 }) end
+  return { name = name, meta = meta, rows = rows, history = { {}, {}, {} } }
+end
+
+-- The layer state of module m (a Linear), made on first use; name keys it
+-- in checkpoints (the engine registers every layer by its name up front,
+-- ds.fp8.autocast alone names them by their order of first use).
+function Recipe:layer(m, name)
+  local st = self.by_module[m]
+  if st then return st end
+  st = new_layer(name or ('linear.' .. (#self.layers + 1)), m.weight)
+  self.layers[#self.layers + 1] = st
+  self.by_module[m] = st
+  return st
+end
+
+local active
+
+-- The recipe of the innermost ds.fp8.autocast running, or nil.
+function M.active() return active end
+
+-- ds.fp8.autocast(recipe, fn, ...) -> fn(...)'s results, with the
+-- Linears inside in fp8 under recipe (a recipe or its options); the scope
+-- before comes back even when fn raises.
+function M.autocast(recipe, fn, ...)
+  if getmetatable(recipe) ~= Recipe then recipe = M.recipe(recipe) end
+  if type(fn) ~= 'function' then error('ds.fp8.autocast: expected a function, got ' .. type(fn), 2) end
+  local prev = active
+  active = recipe.enabled ~= false and recipe or nil
+  local res = { pcall(fn, ...) }
+  active = prev
+  if not res[1] then error(res[2], 0) end
+  return unpack(res, 2, table.maxn(res))
+end
+
+-- y = x w^T + b with x, w and the output gradient in fp8 (st: the layer's
+-- state): one autograd node whose backward reads the forward's codes.
+function M.linear(r, st, x, w, b)
+  local N, K = w:size(1), w:size(2)
+  local shape = x:size()
+  if shape[#shape] ~= K then
+    error(string.format('fp8 linear %s: x %s does not end in the weight\'s in_features %d', st.name,
+                        '[' .. table.concat(shape, ',') .. ']', K), 3)
+  end
+  local cur, margin, gf = r.recipe == 'current', r.margin, r.grad_format
+  local mx, mw, mg = st.rows[1], st.rows[2], st.rows[3]
+  local x2 = x:detach():reshape({ -1, K })
+  local qx = C.fp8_cast(x2, mx, 'e4m3', cur, margin)
+  local qw = C.fp8_cast(w:detach(), mw, 'e4m3', cur, margin)
+  local y = C.fp8_gemm(qx, mx, 'e4m3', qw, mw, 'e4m3', b and b:detach(), x:dtype())
+  local out_shape = { unpack(shape) }
+  out_shape[#out_shape] = N
+  y = y:view(out_shape)
+  local needs = x.requires_grad or w.requires_grad or (b and b.requires_grad)
+  if not (C.is_grad_enabled() and needs) then return y end
+  local function backward(g)
+    local g2 = g:reshape({ -1, N })
+    local qg = C.fp8_cast(g2, mg, gf, cur, margin)
+    local dx = C.fp8_gemm(qg, mg, gf, qw:transpose(1, 2):contiguous(), mw, 'e4m3', nil, x:dtype()):view(shape)
+    local dw = C.fp8_gemm(qg:transpose(1, 2):contiguous(), mg, gf, qx:transpose(1, 2):contiguous(), mx, 'e4m3',
+                          nil, w:dtype())
+    if b then return dx, dw, g2:to('f32'):sum(1):to(b:dtype()) end
+    return dx, dw
+  end
+  if b then return C.function_node(y, backward, x, w, b) end
+  return C.function_node(y, backward, x, w)
+end
+
+-- ---- delayed scaling ----
+
+-- After a step: each cast's amax since the last update (the max over the
+-- ranks of group where there are several, so every rank keeps the same
+-- scales) onto its history, its scale from the history, amax back to 0.
+-- Current scaling keeps no history: only the amaxes are cleared.
+function Recipe:update(group)
+  local n = #self.layers
+  if n == 0 then return end
+  local metas = {}
+  for i, st in ipairs(self.layers) do metas[i] = st.meta:view({ 1, 3, 3 }) end
+  local all = n > 1 and ds.cat(metas, 1) or metas[1]:clone()
+  if ds.comm and ds.comm.world_size() > 1 then ds.comm.all_reduce(all, 'max', { group = group }) end
+  local host = all:to('cpu'):totable()
+  for i, st in ipairs(self.layers) do
+    local rows = host[i]
+    for k = 1, 3 do
+      local row = rows[k]
+      local scale = row[1]
+      if self.recipe == 'delayed' then
+        local h = st.history[k]
+        h[#h + 1] = row[3]
+        if #h > self.amax_history_len then table.remove(h, 1) end
+        scale = C.fp8_scale(self:amax(h), k == 3 and self.grad_format or 'e4m3', self.margin, scale)
+      end
+      row[1], row[2], row[3] = scale, 1 / scale, 0
+    end
+  end
+  local fresh = ds.tensor(host, 'f32')
+  if all:device() ~= 'cpu' then fresh = fresh:to(all:device()) end
+  for i, st in ipairs(self.layers) do st.meta:copy_(fresh:narrow(1, i, 1):view({ 3, 3 })) end
+end
+
+-- The amax a history gives the scale: its max, or its newest entry.
+function Recipe:amax(h)
+  if self.amax_compute_algo == 'most_recent' then return h[#h] or 0 end
+  local m = 0
+  for _, v in ipairs(h) do if v > m then m = v end end
+  return m
+end
+
+-- ---- checkpoints ----
+
+-- The recipe's state, JSON-able: per layer name, each cast's history and
+-- scale (amaxes are 0 at a step boundary, where checkpoints are taken).
+function Recipe:state_dict()
+  local layers = {}
+  for _, st in ipairs(self.layers) do
+    local rows = st.meta:to('cpu'):totable()
+    local one = {}
+    for k = 1, 3 do one[ROWS[k]] = { scale = rows[k][1], amax_history = { unpack(st.history[k]) } } end
+    layers[st.name] = one
+  end
+  return { recipe = self.recipe, format = self.format, layers = layers }
+end
+
+-- Restores state_dict()'s output onto the layers registered under the same
+-- names; a layer missing from either side is an error naming it.
+function Recipe:load_state_dict(s)
+  local seen = {}
+  for _, st in ipairs(self.layers) do
+    local saved = s.layers[st.name]
+    if not saved then error('fp8: the checkpoint has no amax history for layer ' .. st.name, 0) end
+    seen[st.name] = true
+    local rows = {}
+    for k = 1, 3 do
+      local one = saved[ROWS[k]]
+      local h = {}
+      for i, v in ipairs(one.amax_history) do h[i] = v end
+      st.history[k] = h
+      rows[k] = { one.scale, 1 / one.scale, 0 }
+    end
+    local t = ds.tensor(rows, 'f32')
+    st.meta:copy_(st.meta:device() ~= 'cpu' and t:to(st.meta:device()) or t)
+  end
+  for name in pairs(s.layers) do
+    if not seen[name] then error('fp8: the checkpoint has an amax history for layer ' .. name
+                                 .. ', which this model does not have in fp8', 0) end
+  end
+end
+
+-- Registers every Linear of model in fp8 (those without `fp8 = false`)
+-- under its name, in module order: the engine's layers, ready for
+-- checkpoints before the first forward.
+function Recipe:register(model)
+  local Linear = ds.nn.Linear
+  for _, e in ipairs(model:named_modules()) do
+    local m = e[2]
+    if getmetatable(m) == Linear and m.fp8 ~= false then self:layer(m, e[1]) end
+  end
+  return self
+end
+
+return M

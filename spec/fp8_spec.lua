@@ -1,0 +1,272 @@
+-- ds.fp8: the e4m3 and e5m2 codes against their definitions, the casts,
+-- the fp8 linear against f64 within the bound the formats guarantee,
+-- delayed scaling, the fp8 block's checks, and a checkpoint's resume.
+local ds = require 'dslua'
+local C = require 'dslua.core'
+local H = require 'spec.helpers'
+
+-- The formats by definition: exponent bits, mantissa bits, bias, the
+-- largest finite value.
+local F = { e4m3 = { e = 4, m = 3, bias = 7, max = 448 }, e5m2 = { e = 5, m = 2, bias = 15, max = 57344 } }
+
+local function decode_ref(c, f)
+  local d = F[f]
+  local s = c >= 128 and -1 or 1
+  local e, m = math.floor(c % 128 / 2 ^ d.m), c % 2 ^ d.m
+  local top = 2 ^ d.e - 1
+  if f == 'e4m3' and e == top and m == 2 ^ d.m - 1 then return 0 / 0 end
+  if f == 'e5m2' and e == top then return m == 0 and s * math.huge or 0 / 0 end
+  if e == 0 then return s * m * 2 ^ (1 - d.bias - d.m) end
+  return s * (1 + m / 2 ^ d.m) * 2 ^ (e - d.bias)
+end
+
+-- Every finite value of f, ascending, with its code.
+local function finite_values(f)
+  local out = {}
+  for c = 0, 255 do
+    local v = decode_ref(c, f)
+    if v == v and math.abs(v) ~= math.huge and not (v == 0 and c >= 128) then out[#out + 1] = { v, c } end
+  end
+  table.sort(out, function(a, b) return a[1] < b[1] end)
+  return out
+end
+
+-- The nearest finite value to x (ties to the even code), saturating.
+local function encode_ref(x, f)
+  if x ~= x then return 0x7f end
+  local vals = finite_values(f)
+  if x >= F[f].max then return vals[#vals][2] end
+  if x <= -F[f].max then return vals[1][2] end
+  local best
+  for _, p in ipairs(vals) do
+    local d = math.abs(p[1] - x)
+    if not best or d < best.d or (d == best.d and p[2] % 2 == 0) then best = { d = d, c = p[2], v = p[1] } end
+  end
+  if best.v == 0 and x < 0 then return 0x80 end     -- the sign of a value rounded to zero stays
+  return best.c
+end
+
+describe('fp8 codes', function()
+  for f in pairs(F) do
+    it(f .. ': each of the 256 codes decodes as defined and encodes back', function()
+      for c = 0, 255 do
+        local v, want = C.fp8_decode(c, f), decode_ref(c, f)
+        if want ~= want then
+          assert(v ~= v, string.format('%s code 0x%02x: %s, expected NaN', f, c, v))
+          assert.equal(0x7f, C.fp8_encode(v, f))
+        else
+          assert.equal(want, v, string.format('%s code 0x%02x', f, c))
+          local back = math.abs(v) == math.huge and (v > 0 and (f == 'e4m3' and 0x7e or 0x7b) or
+                                                      (f == 'e4m3' and 0xfe or 0xfb)) or c
+          assert.equal(back, C.fp8_encode(v, f), string.format('%s code 0x%02x back', f, c))
+        end
+      end
+    end)
+
+    it(f .. ': halfway values round to the even code, beyond max saturates, NaN is 0x7f', function()
+      local vals = finite_values(f)
+      for i = 1, #vals - 1 do
+        local lo, hi = vals[i], vals[i + 1]
+        local mid = (lo[1] + hi[1]) / 2
+        assert.equal(encode_ref(mid, f), C.fp8_encode(mid, f), string.format('%s between %g and %g', f, lo[1], hi[1]))
+        local even = lo[2] % 2 == 0 and lo or hi
+        if lo[1] ~= 0 and hi[1] ~= 0 then assert.equal(even[2], C.fp8_encode(mid, f)) end
+      end
+      local max = F[f].max
+      assert.equal(C.fp8_encode(max, f), C.fp8_encode(max * 1.0625, f))
+      assert.equal(C.fp8_encode(max, f), C.fp8_encode(1e30, f))
+      assert.equal(C.fp8_encode(max, f), C.fp8_encode(math.huge, f))
+      assert.equal(C.fp8_encode(-max, f), C.fp8_encode(-math.huge, f))
+      assert.equal(0x7f, C.fp8_encode(0 / 0, f))
+    end)
+  end
+
+  it('casts with current scaling: the scale from amax, each code the reference of x * scale in f32', function()
+    ds.manual_seed(3)
+    local x = ds.randn({ 64, 48 }) * 3
+    for f in pairs(F) do
+      local meta = ds.tensor({ 1, 1, 0 })
+      local q = C.fp8_cast(x, meta, f, true, 1)
+      local amax = x:abs():amax():item()
+      local m = meta:totable()
+      assert.equal(C.fp8_scale(amax, f, 1), m[1])
+      assert.equal(F[f].max / 2, math.abs(C.fp8_decode(C.fp8_encode(amax * m[1], f), f)))
+      assert.equal(amax, m[3])
+      local xs = ds.tensor(x:reshape({ -1 }):totable(), 'f32')
+      local scaled = (xs * m[1]):totable()
+      local codes = q:reshape({ -1 }):totable()
+      for i = 1, #codes do assert.equal(encode_ref(scaled[i], f), codes[i], f .. ' element ' .. i) end
+      local back = C.fp8_uncast(q, meta, f):reshape({ -1 }):totable()
+      for i = 1, #codes do assert.equal(ds.tensor({ C.fp8_decode(codes[i], f) * m[2] }, 'f32'):item(), back[i]) end
+    end
+  end)
+end)
+
+-- C = A B^T against f64 with A and B cast under current scaling: each
+-- product's factors carry a relative error of at most u (the format's unit
+-- roundoff, after the f32 product x * scale's 2^-24) plus, below the
+-- format's least normal, half its subnormal spacing over the scale; the
+-- f32 sum of K products adds gamma_K = K 2^-24 / (1 - K 2^-24) of the sum
+-- of magnitudes, the scaling of the result and its f32 rounding 2^-23.
+local function bound(A, B, ua, ub, ea, eb)
+  local M, K, N = #A, #A[1], #B
+  local gamma = K * 2 ^ -24 / (1 - K * 2 ^ -24)
+  local out = {}
+  for i = 1, M do
+    out[i] = {}
+    for j = 1, N do
+      local e, mag = 0, 0
+      for k = 1, K do
+        local a, b = math.abs(A[i][k]), math.abs(B[j][k])
+        local qa, qb = a * (1 + ua) + ea, b * (1 + ub) + eb
+        e = e + qa * qb - a * b
+        mag = mag + qa * qb
+      end
+      out[i][j] = e + (gamma + 2 ^ -23) * mag
+    end
+  end
+  return out
+end
+
+local function matmul_t(A, B)
+  local out = {}
+  for i = 1, #A do
+    out[i] = {}
+    for j = 1, #B do
+      local s = 0
+      for k = 1, #A[1] do s = s + A[i][k] * B[j][k] end
+      out[i][j] = s
+    end
+  end
+  return out
+end
+
+local function transpose(A)
+  local out = {}
+  for j = 1, #A[1] do
+    out[j] = {}
+    for i = 1, #A do out[j][i] = A[i][j] end
+  end
+  return out
+end
+
+-- The unit roundoff after the f32 product, and the subnormal half-spacing
+-- over the scale the cast gave t.
+local function errs(f, t)
+  local u = ({ e4m3 = 2 ^ -4, e5m2 = 2 ^ -3 })[f] + 2 ^ -24
+  local spacing = 2 ^ (1 - F[f].bias - F[f].m)
+  return u, spacing / 2 / C.fp8_scale(t:abs():amax():item(), f, 0)
+end
+
+local function within(got, want, b, what)
+  for i = 1, #want do
+    for j = 1, #want[1] do
+      local d = math.abs(got[i][j] - want[i][j])
+      assert(d <= b[i][j], string.format('%s[%d][%d]: %.9g vs %.9g, bound %.3g', what, i, j, got[i][j], want[i][j],
+                                         b[i][j]))
+    end
+  end
+end
+
+describe('fp8 linear', function()
+  for _, format in ipairs({ 'hybrid', 'e4m3' }) do
+    it(format .. ': output and gradients against f64 within the bound the formats guarantee', function()
+      ds.manual_seed(5)
+      local lin = ds.nn.Linear(32, 16, { bias = false })
+      local x = ds.randn({ 6, 32 })
+      x:requires_grad_(true)
+      local r = ds.fp8.recipe { recipe = 'current', format = format }
+      local y = ds.fp8.autocast(r, function() return lin(x) end)
+      local g = ds.randn({ 6, 16 })
+      y:backward(g)
+      local X, W, G = x:detach():totable(), lin.weight:detach():totable(), g:totable()
+      local ux, ex = errs('e4m3', x:detach())
+      local uw, ew = errs('e4m3', lin.weight:detach())
+      local gf = format == 'hybrid' and 'e5m2' or 'e4m3'
+      local ug, eg = errs(gf, g)
+      within(y:detach():totable(), matmul_t(X, W), bound(X, W, ux, uw, ex, ew), 'y')
+      within(x.grad:totable(), matmul_t(G, transpose(W)), bound(G, transpose(W), ug, uw, eg, ew), 'dx')
+      within(lin.weight.grad:totable(), matmul_t(transpose(G), transpose(X)),
+             bound(transpose(G), transpose(X), ug, ux, eg, ex), 'dw')
+    end)
+  end
+
+  it('leaves a Linear marked fp8 = false, and runs in no other scope', function()
+    ds.manual_seed(6)
+    local lin, off = ds.nn.Linear(16, 8), ds.nn.Linear(16, 8)
+    off.fp8 = false
+    local x = ds.randn({ 4, 16 })
+    local r = ds.fp8.recipe {}
+    local a, b = ds.fp8.autocast(r, function() return lin(x), off(x) end)
+    assert.is_true((a - ds.linear(x, lin.weight, lin.bias)):abs():amax():item() > 0)
+    H.assert_same(b, ds.linear(x, off.weight, off.bias))
+    assert.equal(1, #r.layers)
+    assert.is_nil(ds.fp8.active())
+  end)
+end)
+
+describe('fp8 delayed scaling', function()
+  it("pushes each step's amax on the history and sets the scale from its max or its newest", function()
+    for _, algo in ipairs({ 'max', 'most_recent' }) do
+      local lin = ds.nn.Linear(8, 4, { bias = false })
+      local r = ds.fp8.recipe { amax_history_len = 2, amax_compute_algo = algo, margin = 1 }
+      local amaxes = {}
+      for step, mult in ipairs({ 4, 1, 0.5 }) do
+        local x = ds.ones({ 2, 8 }) * mult
+        local st = r:layer(lin)
+        local before = st.meta:totable()[1][1]
+        ds.fp8.autocast(r, function() return lin(x) end)
+        r:update()
+        amaxes[#amaxes + 1] = mult
+        local h = { unpack(amaxes, math.max(1, #amaxes - 1)) }
+        assert.same(h, st.history[1])
+        local want = algo == 'max' and math.max(unpack(h)) or h[#h]
+        local m = st.meta:totable()
+        assert.equal(C.fp8_scale(want, 'e4m3', 1, before), m[1][1], algo .. ' step ' .. step)
+        assert.equal(ds.tensor({ 1 / m[1][1] }, 'f32'):item(), m[1][2])
+        assert.equal(0, m[1][3])
+      end
+    end
+  end)
+end)
+
+describe('fp8 config', function()
+  it('checks the fp8 block, naming the key', function()
+    local base = { train_micro_batch_size_per_gpu = 1 }
+    local function err(block)
+      base.fp8 = block
+      local cfg, problems = ds.config.check(base)
+      assert.is_nil(cfg)
+      return table.concat(problems, '\n')
+    end
+    H.has(err({ enabled = true, format = 'e5m2' }), 'fp8.format')
+    H.has(err({ enabled = true, recipe = 'lazy' }), 'fp8.recipe')
+    H.has(err({ amax_history_len = 0 }), 'fp8.amax_history_len')
+    H.has(err({ amax_compute_algo = 'mean' }), 'fp8.amax_compute_algo')
+    H.has(err({ margin = -1 }), 'fp8.margin')
+    H.has(err({ enabled = true, amax_histroy_len = 4 }), 'amax_history_len')
+    H.fails('unknown key', ds.fp8.recipe, { amax_histroy_len = 4 })
+    H.fails('margin', ds.fp8.recipe, { margin = 0.5 })
+  end)
+end)
+
+describe('fp8 with the engine', function()
+  local dir
+  setup(function() dir = H.tmpdir() end)
+  teardown(function() os.execute('rm -rf ' .. dir) end)
+
+  local function lm(out, args)
+    return H.run_json(H.ranks_cmd(1) .. ' spec/ranks/lm.lua ' .. out .. ' gpt2 fp8=1 ' .. args, out)
+  end
+
+  it('resumes from a checkpoint with the same scales, as an uninterrupted run', function()
+    local whole = lm(dir .. '/whole.json', 'steps=3')
+    lm(dir .. '/first.json', 'steps=3 save=' .. dir .. '/ckpt')
+    local resumed = lm(dir .. '/resumed.json', 'steps=3 load=' .. dir .. '/ckpt')
+    H.same_training(whole, resumed, 'resumed')
+    assert.same(whole.fp8, resumed.fp8)
+    local any = false
+    for _, l in pairs(whole.fp8.layers) do any = any or l.input.scale ~= 1 end
+    assert.is_true(any, 'the scales moved from 1')
+  end)
+end)
