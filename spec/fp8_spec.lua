@@ -255,9 +255,36 @@ describe('fp8 with the engine', function()
   setup(function() dir = H.tmpdir() end)
   teardown(function() os.execute('rm -rf ' .. dir) end)
 
-  local function lm(out, args)
-    return H.run_json(H.ranks_cmd(1) .. ' spec/ranks/lm.lua ' .. out .. ' gpt2 fp8=1 ' .. args, out)
+  local function lm(out, args, np)
+    return H.run_json(H.ranks_cmd(np or 1) .. ' spec/ranks/lm.lua ' .. out .. ' gpt2 fp8=1 ' .. args, out)
   end
+
+  -- The same micro batches on one rank (accumulated) and on two. Data
+  -- parallelism averages after backward, so each rank's output gradients
+  -- are 2x the one rank's. Current scaling: that power of two scales each
+  -- gradient's amax and scale exactly, so every cast gives the same codes
+  -- and the weights differ by the order of f32 sums only. Delayed scaling
+  -- casts the first step with scale 1, where 2x the gradient is not the
+  -- same codes; its inputs and weights are, and each cast's amax is the max
+  -- over the ranks, so their histories and scales are equal.
+  describe('on 2 ranks', function()
+    if H.skip_without_mpirun() then return end
+  it('trains under ZeRO 1 and 2 with accumulation as on one rank', function()
+    for _, c in ipairs({ { gas = 2, other = 'zero=1 gas=1' }, { gas = 4, other = 'zero=2 gas=2' } }) do
+      local one = lm(dir .. '/one.json', 'steps=1 fp8=2 gas=' .. c.gas)
+      H.same_training(one, lm(dir .. '/two.json', 'steps=1 fp8=2 ' .. c.other, 2), 'current scaling, ' .. c.other)
+      one = lm(dir .. '/one.json', 'steps=1 fp8=1 gas=' .. c.gas)
+      local two = lm(dir .. '/two.json', 'steps=1 fp8=1 ' .. c.other, 2)
+      for name, l in pairs(one.fp8.layers) do
+        local o = assert(two.fp8.layers[name], name)
+        for _, k in ipairs({ 'input', 'weight' }) do
+          assert.equal(l[k].scale, o[k].scale, name .. ' ' .. k .. ', ' .. c.other)
+          assert.same(l[k].amax_history, o[k].amax_history, name .. ' ' .. k .. ', ' .. c.other)
+        end
+      end
+    end
+  end)
+  end)
 
   it('resumes from a checkpoint with the same scales, as an uninterrupted run', function()
     local whole = lm(dir .. '/whole.json', 'steps=3')

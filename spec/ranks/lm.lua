@@ -12,7 +12,8 @@
 -- on the gradient) or AdamW (a state to reshard); steps in all;
 -- recompute: activation checkpointing on every block; gas: each rank's
 -- part of the batch in gas micro batches of one step; fp8=1: the fp8 block
--- on (delayed scaling, hybrid, a history of 4; its state written as fp8). save: a
+-- on (delayed scaling, hybrid, a history of 4; its state written as fp8),
+-- fp8=2: the same with current scaling. save: a
 -- checkpoint after the first step; load: one loaded, then the steps after
 -- it (losses: those steps'), resave: saved again at once after the load;
 -- export: save_16bit_model after the last; log: the comms logger on, each
@@ -58,7 +59,7 @@ local OPTIM = { sgd = { type = 'SGD', params = { lr = 0.2, momentum = 0.9 } },
                 adamw = { type = 'AdamW', params = { lr = 1e-3 } } }
 local engine = ds.initialize { model = model, config = {
   train_micro_batch_size_per_gpu = micro, gradient_accumulation_steps = o.gas, steps_per_print = 1000,
-  fp8 = { enabled = o.fp8 == 1, amax_history_len = 4 },
+  fp8 = { enabled = o.fp8 > 0, recipe = o.fp8 == 2 and 'current' or 'delayed', amax_history_len = 4 },
   optimizer = OPTIM[o.optim], zero_optimization = { stage = o.zero }, sequence_parallel_size = o.sp,
   comms_logger = { enabled = o.log == 1 },
 } }
@@ -104,7 +105,7 @@ for s = first, STEPS do
   ds.comm.reset_logger()
   local sum = 0
   for j = 0, o.gas - 1 do
-    local rows = ((model.dp_rank or 0) * o.gas + j) * micro + 1
+    local rows = ((model.dp_rank or ds.comm.rank()) * o.gas + j) * micro + 1
     local loss = engine:forward { x = b.x:narrow(1, rows, micro):contiguous(),
                                   y = b.y:narrow(1, rows, micro):contiguous() }
     engine:backward(loss)
