@@ -1,5 +1,6 @@
 -- dslua's side of bench/gpu.sh, on the GPU:
---   dslua bench/gpu.lua train B DTYPE V [MODEL] [quick]   DTYPE bf16, f32 or tf32 (f32 under allow_tf32);
+--   dslua bench/gpu.lua train B DTYPE V [MODEL] [quick]   DTYPE bf16, f32, tf32 (f32 under allow_tf32) or
+--                                                          fp8 (bf16 with the fp8 block: its Linears in fp8);
 --                                                          MODEL (gpt2_124M by default, T=1024; gpt2_xl,
 --                                                          T=1024; llama_1B, TinyLlama's 1.1B, T=2048) trained
 --                                                          with AdamW, clip 1.0
@@ -86,7 +87,8 @@ local function setup(B, dtype, V, name)
   local model = spec.build(cfg)
   local engine = ds.initialize { model = model, config = {
     train_batch_size = B, steps_per_print = 1e9, gradient_clipping = 1.0,
-    bf16 = { enabled = dtype == 'bf16' }, fp32 = { allow_tf32 = dtype == 'tf32' },
+    bf16 = { enabled = dtype == 'bf16' or dtype == 'fp8' }, fp32 = { allow_tf32 = dtype == 'tf32' },
+    fp8 = { enabled = dtype == 'fp8' },
     optimizer = { type = 'AdamW', params = { lr = 3e-4, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-8 } },
   } }
   local batches, real = {}, math.min(V, 50257)
@@ -229,7 +231,7 @@ elseif mode == 'train' then train(tonumber(arg[2]), arg[3], tonumber(arg[4]), ar
 elseif mode == 'ops' then ops()
 elseif mode == 'steps' then steps(tonumber(arg[2]), arg[3], tonumber(arg[4]), tonumber(arg[5]))
 else
-  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32|tf32 V [gpt2_124M|gpt2_xl|llama_1B] [quick] | ops [quick] | '
-                  .. 'steps B bf16|f32|tf32 V N | probe\n')
+  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32|tf32|fp8 V [gpt2_124M|gpt2_xl|llama_1B] [quick] | '
+                  .. 'ops [quick] | steps B bf16|f32|tf32 V N | probe\n')
   os.exit(2)
 end

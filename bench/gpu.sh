@@ -2,7 +2,8 @@
 # dslua against PyTorch on the same GPU in one run: GPT-2 124M training
 # tokens/s (T=1024, AdamW, clip 1.0) at B=8 and B=16 in bf16 and fp32 (vocab
 # padded to 50304, and bf16 B=8 also at 50257), fp32 at B=8 also with both
-# sides' allow_tf32 on ("tf32"), GPT-2 XL (1.5B, T=1024) and TinyLlama's
+# sides' allow_tf32 on ("tf32"), bf16 at B=16 also in fp8 (the fp8 block,
+# dslua's alone), GPT-2 XL (1.5B, T=1024) and TinyLlama's
 # 1.1B shape (T=2048) in bf16, peak memory, MFU against the bf16 GEMM rate
 # measured here, where a step's time goes, and the per-op table.
 # Needs a CUDA build of dslua and python3 with torch on a GPU machine
@@ -62,11 +63,13 @@ run() {
 run "$build/dslua" bench/gpu.lua ops $quick
 [[ -n $py ]] && run $py bench/gpu_torch.py ops $quick
 # GPT-2's vocab padded to 50304 (nanoGPT, llm.c) on both sides; bf16 at B=8
-# also with the 50257 of the checkpoints. GPT-2 XL and Llama 1.1B in bf16.
-for row in "8 bf16 50304" "8 bf16 50257" "16 bf16 50304" "8 f32 50304" "16 f32 50304" "8 tf32 50304" \
+# also with the 50257 of the checkpoints; B=16 in fp8 beside bf16 (PyTorch
+# has no fp8 training of its own: no torch column). GPT-2 XL and Llama 1.1B
+# in bf16.
+for row in "8 bf16 50304" "8 bf16 50257" "16 bf16 50304" "16 fp8 50304" "8 f32 50304" "16 f32 50304" "8 tf32 50304" \
     "4 bf16 50304 gpt2_xl" "4 bf16 32000 llama_1B"; do
     run "$build/dslua" bench/gpu.lua train $row $quick
-    [[ -n $py ]] && run $py bench/gpu_torch.py train $row $quick
+    [[ -n $py && $row != *fp8* ]] && run $py bench/gpu_torch.py train $row $quick
 done
 if [[ -n $py && -n $compiled ]]; then
     for row in "16 bf16 50304" "4 bf16 50304 gpt2_xl" "4 bf16 32000 llama_1B"; do

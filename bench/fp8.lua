@@ -1,18 +1,19 @@
--- Run by spec/fp8_spec.lua and bench/fp8.sh: a small character-level GPT-2
--- trained through ds.initialize in bf16, then again from the same
--- weights and batches with the fp8 block on (delayed scaling, hybrid), on
--- the text the binary carries or on a file. Writes both runs' per-step
--- losses as JSON.
+-- bench/fp8.sh's run (and, shorter, spec/fp8_spec.lua's): a small
+-- character-level GPT-2 trained through ds.initialize in bf16, then again
+-- from the same weights and batches with the fp8 block on (delayed
+-- scaling, hybrid), on the text the binary carries or on a file, on this
+-- rank's device. Writes both runs' per-step losses and seconds as JSON and
+-- prints the mean loss of each run's first 10 and last 50 steps.
 --
---   curve.lua out.json [steps=300] [text=path] [n_layer=2] [n_embd=64] [block=32] [batch=16]
+--   dslua bench/fp8.lua out.json [steps=300] [text=path] [n_layer=2] [n_embd=64] [block=32] [batch=16]
 local ds = require 'dslua'
 
-local out_path = assert(arg[1], 'usage: curve.lua out.json [key=value...]')
+local out_path = assert(arg[1], 'usage: fp8.lua out.json [key=value...]')
 local o = { steps = 300, n_layer = 2, n_embd = 64, block = 32, batch = 16 }
 for i = 2, #arg do
   local k, v = arg[i]:match('^(%w+)=(.+)$')
   if k then
-    assert(o[k] ~= nil or k == 'text', 'curve.lua: unknown argument ' .. arg[i])
+    assert(o[k] ~= nil or k == 'text', 'fp8.lua: unknown argument ' .. arg[i])
     o[k] = tonumber(v) or v
   end
 end
@@ -54,3 +55,16 @@ local fp8, t_fp8 = run(true)
 local f = assert(io.open(out_path, 'w'))
 f:write(ds.json.encode { bf16 = bf16, fp8 = fp8, seconds = { bf16 = t_bf16, fp8 = t_fp8 } })
 f:close()
+
+local function mean(t, a, b)
+  local sum = 0
+  for i = a, b do sum = sum + t[i] end
+  return sum / (b - a + 1)
+end
+local n = #bf16
+print(string.format('%-6s %14s %14s %10s', 'run', 'first 10 loss', 'last 50 loss', 'seconds'))
+for _, r in ipairs({ { 'bf16', bf16, t_bf16 }, { 'fp8', fp8, t_fp8 } }) do
+  print(string.format('%-6s %14.4f %14.4f %10.1f', r[1], mean(r[2], 1, 10), mean(r[2], n - 49, n), r[3]))
+end
+local b, f8 = mean(bf16, n - 49, n), mean(fp8, n - 49, n)
+print(string.format('fp8 last 50 against bf16: %+.2f%%', 100 * (f8 - b) / b))
