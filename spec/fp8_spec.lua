@@ -205,6 +205,27 @@ describe('fp8 linear', function()
   end)
 end)
 
+describe('fp8 with activation checkpointing', function()
+  it('recomputes a checkpointed block in the fp8 scope of its forward: the gradients of the plain model', function()
+    local function grads(checkpoint)
+      ds.manual_seed(8)
+      local model = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 2, n_head = 2, n_embd = 16,
+                                             checkpoint = checkpoint }
+      local ids = (ds.rand(2, 9) * 31.99):to('i64')
+      local r = ds.fp8.recipe { recipe = 'current' }
+      local loss = ds.fp8.autocast(r, function()
+        return model { x = ids:narrow(2, 1, 8):contiguous(), y = ids:narrow(2, 2, 8):contiguous() }
+      end)
+      loss:backward()
+      local out = {}
+      for _, e in ipairs(model:named_parameters()) do out[e[1]] = e[2].grad end
+      return out
+    end
+    local plain, recomputed = grads(false), grads(true)
+    for name, g in pairs(plain) do H.assert_same(recomputed[name], g, name) end
+  end)
+end)
+
 describe('fp8 delayed scaling', function()
   it("pushes each step's amax on the history and sets the scale from its max or its newest", function()
     for _, algo in ipairs({ 'max', 'most_recent' }) do

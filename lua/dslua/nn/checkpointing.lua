@@ -12,6 +12,7 @@
 -- fn returns one tensor; other arguments (numbers, tables, tensors that need
 -- no grad) are passed through as they are, both times.
 local C = require 'dslua.core'
+local fp8 = require 'dslua.nn.fp8'
 
 local M = {}
 
@@ -98,6 +99,7 @@ function M.checkpoint(fn, ...)
     end
   end
   local rng, states = C.get_rng_state(), tracker:get_states()
+  local recipe = fp8.active()     -- recomputed in the same fp8 scope, so the same casts and codes
   local prev = C.set_grad_enabled(false)
   local ok, out = pcall(fn, ...)
   C.set_grad_enabled(prev)
@@ -127,7 +129,12 @@ function M.checkpoint(fn, ...)
     local now, now_states = C.get_rng_state(), tracker:get_states()
     C.set_rng_state(rng)
     tracker:set_states(states)
-    local ok2, y = pcall(run_with_grad, fn, call, n)
+    local ok2, y
+    if recipe then
+      ok2, y = pcall(fp8.autocast, recipe, run_with_grad, fn, call, n)
+    else
+      ok2, y = pcall(run_with_grad, fn, call, n)
+    end
     C.set_rng_state(now)
     tracker:set_states(now_states)
     if not ok2 then error('ds.checkpoint: recomputing in backward: ' .. tostring(y), 0) end
