@@ -2,8 +2,8 @@
 -- character-level GPT-2 trained through ds.initialize in bf16, then again
 -- from the same weights and batches with the fp8 block on (delayed
 -- scaling, hybrid), on the text the binary carries or on a file, on this
--- rank's device. Writes both runs' per-step losses and seconds as JSON and
--- prints the mean loss of each run's first 10 and last 50 steps.
+-- rank's device. Writes both runs' per-step losses, seconds and mean
+-- losses of their first 10 and last 50 steps as JSON, and prints the means.
 --
 --   dslua bench/fp8.lua out.json [steps=300] [text=path] [n_layer=2] [n_embd=64] [block=32] [batch=16]
 local ds = require 'dslua'
@@ -52,9 +52,6 @@ end
 
 local bf16, t_bf16 = run(false)
 local fp8, t_fp8 = run(true)
-local f = assert(io.open(out_path, 'w'))
-f:write(ds.json.encode { bf16 = bf16, fp8 = fp8, seconds = { bf16 = t_bf16, fp8 = t_fp8 } })
-f:close()
 
 local function mean(t, a, b)
   local sum = 0
@@ -62,9 +59,14 @@ local function mean(t, a, b)
   return sum / (b - a + 1)
 end
 local n = #bf16
+local first10 = { bf16 = mean(bf16, 1, 10), fp8 = mean(fp8, 1, 10) }
+local last50 = { bf16 = mean(bf16, n - 49, n), fp8 = mean(fp8, n - 49, n) }
+local f = assert(io.open(out_path, 'w'))
+f:write(ds.json.encode { bf16 = bf16, fp8 = fp8, seconds = { bf16 = t_bf16, fp8 = t_fp8 }, first10 = first10,
+                         last50 = last50 })
+f:close()
 print(string.format('%-6s %14s %14s %10s', 'run', 'first 10 loss', 'last 50 loss', 'seconds'))
-for _, r in ipairs({ { 'bf16', bf16, t_bf16 }, { 'fp8', fp8, t_fp8 } }) do
-  print(string.format('%-6s %14.4f %14.4f %10.1f', r[1], mean(r[2], 1, 10), mean(r[2], n - 49, n), r[3]))
+for _, r in ipairs({ { 'bf16', t_bf16 }, { 'fp8', t_fp8 } }) do
+  print(string.format('%-6s %14.4f %14.4f %10.1f', r[1], first10[r[1]], last50[r[1]], r[2]))
 end
-local b, f8 = mean(bf16, n - 49, n), mean(fp8, n - 49, n)
-print(string.format('fp8 last 50 against bf16: %+.2f%%', 100 * (f8 - b) / b))
+print(string.format('fp8 last 50 against bf16: %+.2f%%', 100 * (last50.fp8 - last50.bf16) / last50.bf16))

@@ -348,6 +348,7 @@ function M.pipe_layers(cfg)
   function Head:init()
     local l = whole(function() return nn.Linear(cfg.n_embd, cfg.vocab_size, { bias = false, dtype = cfg.dtype,
                                                                               device = cfg.device }) end)
+    l.fp8 = false     -- as VocabHead's: the logits stay out of ds.fp8
     self.lm_head = g and P.ColumnParallelLinear(l, { group = g }) or l
   end
   function Head:forward(x) return self.lm_head(x) end

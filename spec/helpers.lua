@@ -440,6 +440,20 @@ function H.same_training(one, other, what)
   return n
 end
 
+-- bench/fp8.lua run by cmd (the dslua binary, with its environment) for
+-- steps: bf16 learnt (its last 50 steps' loss 1 below its first 10's) and
+-- fp8's last 50 steps within 1% of bf16's.
+function H.fp8_follows_bf16(cmd, steps)
+  local dir = H.tmpdir()
+  local ok, c = pcall(H.run_json, cmd .. ' bench/fp8.lua ' .. dir .. '/curve.json steps=' .. steps,
+                      dir .. '/curve.json')
+  os.execute('rm -rf ' .. dir)
+  if not ok then error(c, 2) end
+  local b, f = c.last50.bf16, c.last50.fp8
+  assert(b < c.first10.bf16 - 1, string.format('bf16 did not learn: %.4f from %.4f', b, c.first10.bf16))
+  assert(math.abs(f - b) <= 0.01 * b, string.format('fp8 %.4f against bf16 %.4f', f, b))
+end
+
 -- Every tensor of two checkpoints the same, to the bit, whatever degrees
 -- saved them: fp32 weights, optimizer buffers, module buffers, and the
 -- optimizer's steps. Returns how many tensors it compared.
