@@ -182,7 +182,7 @@ describe('ds.pipe across ranks', function()
   local dir = H.tmpdir()
 
   -- equiv.lua's JSON for a model on np ranks in `stages` stages with ZeRO
-  -- stage zero, gradient_clipping clip and precision (fp16, bf16 or fp32)
+  -- stage zero, gradient_clipping clip and precision (fp16, bf16, fp8 or fp32)
   -- and activation checkpointing every `interval` layers
   local function run(model, np, stages, zero, clip, precision, interval)
     local path = string.format('%s/%s-%d-%d-%d-%g-%s-%d.json', dir, model, np, stages, zero or 0, clip or 0,
@@ -244,6 +244,25 @@ describe('ds.pipe across ranks', function()
     -- 16-bit sums in another order round otherwise: a looser match
     for _, precision in ipairs({ 'fp16', 'bf16' }) do
       same(run('gpt', 1, 1, 0, 0.05, precision), run('gpt', 4, 2, 1, 0.05, precision), precision, 2e-2)
+    end
+  end)
+
+  -- fp8 in each stage (the engine's scope around each stage's forward, the
+  -- amaxes agreed over the stage's data group): the losses track one
+  -- rank's as bf16's do. Not each weight: a code that the other order of
+  -- a sum moves across a rounding boundary changes a gradient by a
+  -- format's step, and AdamW's first steps move a weight by lr whatever its
+  -- gradient's size.
+  it("runs fp8 in each stage, its losses tracking one rank's", function()
+    local one = run('gpt', 1, 1, 0, 0.05, 'fp8')
+    for _, c in ipairs({ { 2, 2, 0 }, { 4, 2, 1 } }) do
+      local other = run('gpt', c[1], c[2], c[3], 0.05, 'fp8')
+      for i, l in ipairs(one.losses) do
+        assert(math.abs(other.losses[i] - l) <= 2e-2 * l, string.format('%d ranks, step %d: %.9g vs %.9g', c[1], i,
+                                                                        other.losses[i], l))
+      end
+      assert.are.equal(0, other.spread, 'copies of a weight differ')
+      assert(other.losses[1] ~= run('gpt', c[1], c[2], c[3], 0.05, 'bf16').losses[1], 'the stages ran in bf16')
     end
   end)
 

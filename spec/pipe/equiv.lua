@@ -2,7 +2,8 @@
 -- (mlp: the MNIST-shaped MLP; gpt: a tiny GPT-2 with its embedding tied to
 -- the lm_head) as a PipelineModule of `stages` stages (the other ranks
 -- data parallel, with ZeRO stage `zero`, gradient_clipping `clip`, fp16
--- or bf16 when `precision` says, and the pipeline block's
+-- or bf16 when `precision` says (fp8: bf16 with the fp8 block, current
+-- scaling), and the pipeline block's
 -- activation_checkpoint_interval `interval`) with
 -- engine:train_batch on the same batches: each step's 4 micro batches
 -- split over the data-parallel ranks. Rank 0 writes every step's loss, the
@@ -21,7 +22,7 @@ local out_path, kind, stages = arg[1], arg[2], tonumber(arg[3])
 local zero, clip, precision, interval = tonumber(arg[4] or 0), tonumber(arg[5] or 0), arg[6], tonumber(arg[7] or 0)
 local ckpt, ckpt_dir = (arg[8] or ''):match('^(%a+):(.+)$')
 assert(out_path and (kind == 'mlp' or kind == 'gpt') and stages,
-       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16|fp32 [interval [save:dir|load:dir]]]]]')
+       'usage: equiv.lua out.json mlp|gpt stages [zero [clip [fp16|bf16|fp8|fp32 [interval [save:dir|load:dir]]]]]')
 local world = ds.comm.world_size()
 local MICRO, STEPS = 4, 3
 local dp = world / stages
@@ -57,7 +58,8 @@ local engine = ds.initialize { model = model, config = {
   train_micro_batch_size_per_gpu = kind == 'mlp' and 4 or 2, gradient_accumulation_steps = gas,
   steps_per_print = 1000, optimizer = { type = 'AdamW', params = { lr = 1e-2 } },
   zero_optimization = { stage = zero }, gradient_clipping = clip,
-  fp16 = { enabled = precision == 'fp16' }, bf16 = { enabled = precision == 'bf16' },
+  fp16 = { enabled = precision == 'fp16' }, bf16 = { enabled = precision == 'bf16' or precision == 'fp8' },
+  fp8 = { enabled = precision == 'fp8', recipe = 'current' },
   pipeline = { activation_checkpoint_interval = interval },
 } }
 local it = batches()

@@ -643,7 +643,9 @@ function Engine:_take_step()
   local check = scaler ~= nil or (self.config.bf16.enabled and self.config.bf16.check_grad_overflow)
   local steps = self.steps
   local overflow, norm = steps:step(scaler and scaler.cur_scale or 1, clip, check)
-  if self.fp8 then self.fp8:update() end      -- the next step's fp8 scales, skipped step or not
+  -- the next step's fp8 scales, skipped step or not; amaxes agree over the
+  -- ranks that hold the same layers and see other data
+  if self.fp8 then self.fp8:update(self.module.dp_group) end
   if self.reduce_size > 1 then self.comm_stats = steps:stats() end
   self.onebit_stats = steps:onebit_stats() or nil
   if ds.comm.logging() then

@@ -115,9 +115,15 @@ local function split(engine, batch)
   return place(engine.device, dtype, x), place(engine.device, dtype, y)
 end
 
--- one micro batch forward on this stage: the output, and the loss on the last
-local function forward(m, x, mb, labels)
-  local ok, out = pcall(m.forward, m, x)
+-- one micro batch forward on this stage (in the engine's fp8 scope where
+-- its fp8 block is on): the output, and the loss on the last
+local function forward(m, x, mb, labels, fp8)
+  local ok, out
+  if fp8 then
+    ok, out = pcall(ds.fp8.autocast, fp8, m.forward, m, x)
+  else
+    ok, out = pcall(m.forward, m, x)
+  end
   if not ok then
     if m.stage_id == 0 then error(out, 0) end
     local first = m:stage_layers(m.stage_id)
@@ -212,7 +218,7 @@ function M.train_batch(engine, data_iter)
         x = recv_activation(peer(m, m.stage_id - 1))
         if x:dtype():match('^b?f') then x:requires_grad_(true) end
       end
-      local out, loss = forward(m, x, mb, labels)
+      local out, loss = forward(m, x, mb, labels, engine.fp8)
       inputs[mb] = x
       if last then
         losses[mb] = loss
@@ -266,7 +272,7 @@ function M.eval_batch(engine, data_iter, return_logits)
       local x, labels
       if first or last then x, labels = split(engine, next_batch(data_iter, 'eval_batch')) end
       if not first then x = recv_activation(peer(m, m.stage_id - 1)) end
-      local out, loss = forward(m, x, mb, labels)
+      local out, loss = forward(m, x, mb, labels, engine.fp8)
       if last then
         total = total + loss:item()
         outputs[mb] = out
