@@ -10,7 +10,7 @@
 
 #include "ds_half.h"
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+#ifdef __CUDACC__
 #include <cuda_fp8.h>
 #endif
 

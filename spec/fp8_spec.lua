@@ -259,10 +259,34 @@ describe('fp8 delayed scaling', function()
         local want = algo == 'max' and math.max(unpack(h)) or h[#h]
         local m = st.meta:totable()
         assert.equal(C.fp8_scale(want, 'e4m3', 1, before), m[1][1], algo .. ' step ' .. step)
-        assert.equal(ds.tensor({ 1 / m[1][1] }, 'f32'):item(), m[1][2])
+        assert.equal((ds.ones({ 1 }) / ds.tensor({ m[1][1] })):item(), m[1][2])    -- f32's 1 / scale
         assert.equal(0, m[1][3])
       end
     end
+  end)
+end)
+
+describe('fp8 state', function()
+  it('round-trips through state_dict, an overflowing amax as JSON holds it', function()
+    local lin = ds.nn.Linear(8, 4)
+    local r = ds.fp8.recipe { amax_history_len = 3 }
+    ds.fp8.autocast(r, function() return lin(ds.ones({ 2, 8 }) * 3) end)
+    r:update()
+    local s = ds.json.decode(ds.json.encode(r:state_dict()))
+    s.layers['linear.1'].input.amax_history[2] = 'inf'      -- what a checkpoint writes of math.huge
+    local other = ds.fp8.recipe { amax_history_len = 3 }
+    other:layer(ds.nn.Linear(8, 4))
+    other:load_state_dict(s)
+    local st = other.layers[1]
+    assert.same({ 3, math.huge }, st.history[1])
+    H.assert_same(st.meta, r.layers[1].meta, 'meta')
+    assert.equal(math.huge, other:amax(st.history[1]))
+    H.fails('no amax history for layer linear.2', function()
+      local third = ds.fp8.recipe {}
+      third:layer(ds.nn.Linear(8, 4))
+      third:layer(ds.nn.Linear(8, 4))
+      third:load_state_dict(s)
+    end)
   end)
 end)
 

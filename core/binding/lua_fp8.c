@@ -56,12 +56,15 @@ static int l_fp8_decode(lua_State *L) {
     return 1;
 }
 
-/* fp8_scale(amax, format [, margin [, prev = 1]]) -> the scale as f32 holds it */
+/* fp8_scale(amax, format [, margin [, prev = 1]]) -> the scale and its
+ * inverse as f32 holds them (what a current cast writes into its meta) */
 static int l_fp8_scale(lua_State *L) {
     float amax = (float)luaL_checknumber(L, 1);
     ds_fp8_format f = check_format(L, 2);
-    lua_pushnumber(L, ds_fp8_scale(amax, f, check_margin(L, 3), (float)luaL_optnumber(L, 4, 1)));
-    return 1;
+    float s = ds_fp8_scale(amax, f, check_margin(L, 3), (float)luaL_optnumber(L, 4, 1));
+    lua_pushnumber(L, s);
+    lua_pushnumber(L, 1.0f / s);
+    return 2;
 }
 
 static const luaL_Reg fns[] = {

@@ -515,8 +515,8 @@ static int fp8_applies(const ds_kview *c, const ds_kview *a, const ds_kview *b, 
     DS_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev));
     if (major * 10 + minor < 89) return ds_kernel_fail("fp8 GEMMs need sm_89 or later, this GPU is sm_%d%d", major, minor);
     int64_t m = a->shape[0], k = a->shape[1], n = b->shape[0];
-    if (m % 16 || n % 16 || k % 16)
-        return ds_kernel_fail("fp8 GEMMs take dims that are multiples of 16, got %lldx%lldx%lld", (long long)m,
+    if (m == 0 || n == 0 || k == 0 || m % 16 || n % 16 || k % 16)
+        return ds_kernel_fail("fp8 GEMMs take nonzero dims that are multiples of 16, got %lldx%lldx%lld", (long long)m,
                               (long long)n, (long long)k);
     if (af == DS_FP8_E5M2 && bf == DS_FP8_E5M2) return ds_kernel_fail("no fp8 GEMM takes two e5m2 operands");
     if (!ds_kview_is_contiguous(a) || !ds_kview_is_contiguous(b) || !ds_kview_is_contiguous(c)

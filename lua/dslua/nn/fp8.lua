@@ -99,10 +99,13 @@ local active
 function M.active() return active end
 
 -- ds.fp8.autocast(recipe, fn, ...) -> fn(...)'s results, with the
--- Linears inside in fp8 under recipe (a recipe or its options); the scope
--- before comes back even when fn raises.
+-- Linears inside in fp8 under recipe (its state, the amax histories, lives
+-- from step to step: made once); the scope before comes back even when fn
+-- raises.
 function M.autocast(recipe, fn, ...)
-  if getmetatable(recipe) ~= Recipe then recipe = M.recipe(recipe) end
+  if getmetatable(recipe) ~= Recipe then
+    error('ds.fp8.autocast: expected a recipe (ds.fp8.recipe{...}), got ' .. type(recipe), 2)
+  end
   if type(fn) ~= 'function' then error('ds.fp8.autocast: expected a function, got ' .. type(fn), 2) end
   local prev = active
   active = recipe.enabled ~= false and recipe or nil
@@ -163,14 +166,13 @@ function Recipe:update(group)
     local rows = host[i]
     for k = 1, 3 do
       local row = rows[k]
-      local scale = row[1]
       if self.recipe == 'delayed' then
         local h = st.history[k]
         h[#h + 1] = row[3]
         if #h > self.amax_history_len then table.remove(h, 1) end
-        scale = C.fp8_scale(self:amax(h), k == 3 and self.grad_format or 'e4m3', self.margin, scale)
+        row[1], row[2] = C.fp8_scale(self:amax(h), k == 3 and self.grad_format or 'e4m3', self.margin, row[1])
       end
-      row[1], row[2], row[3] = scale, 1 / scale, 0
+      row[3] = 0
     end
   end
   local fresh = ds.tensor(host, 'f32')
@@ -188,17 +190,28 @@ end
 
 -- ---- checkpoints ----
 
--- The recipe's state, JSON-able: per layer name, each cast's history and
--- scale (amaxes are 0 at a step boundary, where checkpoints are taken).
+-- The recipe's state, JSON-able: per layer name, each cast's history,
+-- scale and its inverse (amaxes are 0 at a step boundary, where
+-- checkpoints are taken).
 function Recipe:state_dict()
   local layers = {}
   for _, st in ipairs(self.layers) do
     local rows = st.meta:to('cpu'):totable()
     local one = {}
-    for k = 1, 3 do one[ROWS[k]] = { scale = rows[k][1], amax_history = { unpack(st.history[k]) } } end
+    for k = 1, 3 do
+      one[ROWS[k]] = { scale = rows[k][1], scale_inv = rows[k][2], amax_history = { unpack(st.history[k]) } }
+    end
     layers[st.name] = one
   end
   return { recipe = self.recipe, format = self.format, layers = layers }
+end
+
+-- A history entry as a checkpoint's JSON holds it: a number, or an
+-- infinity or NaN (an overflowing step's amax) as the string it became.
+local NONFINITE = { inf = math.huge, ['-inf'] = -math.huge }
+local function entry(v)
+  if type(v) == 'number' then return v end
+  return NONFINITE[v] or 0 / 0
 end
 
 -- Restores state_dict()'s output onto the layers registered under the same
@@ -213,9 +226,9 @@ function Recipe:load_state_dict(s)
     for k = 1, 3 do
       local one = saved[ROWS[k]]
       local h = {}
-      for i, v in ipairs(one.amax_history) do h[i] = v end
+      for i, v in ipairs(one.amax_history) do h[i] = entry(v) end
       st.history[k] = h
-      rows[k] = { one.scale, 1 / one.scale, 0 }
+      rows[k] = { one.scale, one.scale_inv, 0 }
     end
     local t = ds.tensor(rows, 'f32')
     st.meta:copy_(st.meta:device() ~= 'cpu' and t:to(st.meta:device()) or t)
