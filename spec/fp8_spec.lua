@@ -329,8 +329,9 @@ describe('fp8 with the engine', function()
   -- over the ranks, so their histories and scales are equal.
   describe('on 2 ranks', function()
     if H.skip_without_mpirun() then return end
-  it('trains under ZeRO 1 and 2 with accumulation as on one rank', function()
-    for _, c in ipairs({ { gas = 2, other = 'zero=1 gas=1' }, { gas = 4, other = 'zero=2 gas=2' } }) do
+  it('trains under ZeRO 1, 2 and 3 with accumulation as on one rank', function()
+    for _, c in ipairs({ { gas = 2, other = 'zero=1 gas=1' }, { gas = 4, other = 'zero=2 gas=2' },
+                         { gas = 2, other = 'zero=3 gas=1' } }) do
       local one = lm(dir .. '/one.json', 'steps=1 fp8=2 gas=' .. c.gas)
       H.same_training(one, lm(dir .. '/two.json', 'steps=1 fp8=2 ' .. c.other, 2), 'current scaling, ' .. c.other)
       one = lm(dir .. '/one.json', 'steps=1 fp8=1 gas=' .. c.gas)
