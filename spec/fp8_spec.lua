@@ -202,6 +202,9 @@ describe('fp8 linear', function()
     H.assert_same(b, ds.linear(x, off.weight, off.bias))
     assert.equal(1, #r.layers)
     assert.is_nil(ds.fp8.active())
+    H.fails_plain("fp8 linear linear.1: x [4,15] does not end in the weight's in_features 16", ds.fp8.autocast, r,
+                  function() return lin(ds.randn({ 4, 15 })) end)
+    H.fails_plain('ds.fp8.autocast: expected a recipe', ds.fp8.autocast, {}, function() end)
   end)
 
   it("registers every Linear of GPT-2 and Llama but the lm_head, by name", function()

@@ -122,7 +122,7 @@ function M.linear(r, st, x, w, b)
   local shape = x:size()
   if shape[#shape] ~= K then
     error(string.format('fp8 linear %s: x %s does not end in the weight\'s in_features %d', st.name,
-                        '[' .. table.concat(shape, ',') .. ']', K), 3)
+                        '[' .. table.concat(shape, ',') .. ']', K), 0)
   end
   local cur, margin, gf = r.recipe == 'current', r.margin, r.grad_format
   local mx, mw, mg = st.rows[1], st.rows[2], st.rows[3]
