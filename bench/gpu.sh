@@ -104,6 +104,13 @@ END {
             ratio = sprintf("%.2fx", (u == "s" || u == "GiB") ? t / d : d / t)
         printf "%-24s %-22s %12s %12s %14s %8s  %s\n", k[1], k[2], d == "" ? "-" : d, t == "" ? "-" : t,
                c == "" ? "" : c, ratio, u
+        # an fp8 row against the dslua bf16 row of its shape
+        if (k[2] ~ /_fp8_/) {
+            shape16 = k[2]; sub(/_fp8_/, "_bf16_", shape16)
+            b16 = val["dslua", k[1] "\t" shape16]
+            if (d != "" && b16 != "" && b16 > 0)
+                printf "%-24s %-22s against dslua bf16: %.2fx\n", "", "", (u == "s" || u == "GiB") ? b16 / d : d / b16
+        }
         if (u == "TB/s" && k[1] != "copy" && copy > 0) {
             of = ""
             if (d != "") of = of sprintf(" dslua %.0f%%", 100 * d / copy)

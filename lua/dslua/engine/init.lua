@@ -299,6 +299,10 @@ function M.initialize(opts)
   self.monitor = require('dslua.io.monitor').new(cfg, rank)
   self.flops_profiler = require('dslua.nn.flops').new(self)   -- flops_profiler, at profile_step
 
+  if self.fp8 and rank == 0 then
+    io.stdout:write(self.fp8:describe(), '\n')
+    io.stdout:flush()
+  end
   local zero = steps.zero
   if zero and rank == 0 then
     for _, line in ipairs(zero:describe()) do io.stdout:write(line, '\n') end

@@ -251,4 +251,13 @@ function Recipe:register(model)
   return self
 end
 
+-- One line for the engine's start-up log: what runs in fp8 and how.
+function Recipe:describe()
+  local how = self.recipe == 'delayed'
+    and string.format('delayed scaling (amax history %d, %s, margin %d)', self.amax_history_len,
+                      self.amax_compute_algo, self.margin)
+    or string.format('current scaling (margin %d)', self.margin)
+  return string.format('fp8 | %d Linear layers: e4m3 forward, %s gradients; %s', #self.layers, self.grad_format, how)
+end
+
 return M
