@@ -16,6 +16,7 @@ local zero_config = require 'dslua.engine.zero_config'
 local optim_config = require 'dslua.optim.config'
 local sampler_config = require 'samplers.config'
 local live_config = require 'dslua.live.config'
+local fp8_config = require 'dslua.nn.fp8_config'
 
 local M = {}
 
@@ -304,18 +305,6 @@ local FLOPS_PROFILER = { lenient = true, fields = {
   output_file = str({ nullable = true }),
 } }
 
--- dslua's fp8 block (DeepSpeed routes FP8 through Transformer Engine;
--- these are its DelayedScaling's names): linear layers in fp8 under
--- lua/dslua/nn/fp8.lua, which the engine runs.
-local FP8 = { fields = {
-  enabled = bool(false),
-  format = enum('hybrid', { 'hybrid', 'e4m3' }),
-  recipe = enum('delayed', { 'delayed', 'current' }),
-  amax_history_len = int(1024, 1),
-  amax_compute_algo = enum('max', { 'max', 'most_recent' }),
-  margin = int(0, 0, { max = 64 }),
-} }
-
 -- Top level: runtime/config.py get_* helpers and constants.py defaults.
 -- The batch triple has no default: DeepSpeed fills it (resolve_batch).
 -- Batch sizes count samples and steps: past 2^31 - 1 they are a mistake
@@ -348,7 +337,7 @@ local TOP = { lenient = true, fields = {
   wandb = block(WANDB),
   comet = block(COMET),
   flops_profiler = block(FLOPS_PROFILER),
-  fp8 = block(FP8),
+  fp8 = block(fp8_config.SCHEMA),     -- dslua's own: linear layers in FP8 (nn/fp8.lua)
   zero_optimization = field('custom', nil, { check = zero_config.check, fill = true }),
   optimizer = field('custom', nil, { check = optim_config.check_optimizer }),
   scheduler = field('custom', nil, { check = optim_config.check_scheduler }),

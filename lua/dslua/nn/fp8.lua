@@ -19,56 +19,33 @@
 -- fp8_max / amax / 2^margin. The engine's "fp8" block does all this itself.
 local ds = require 'dslua'
 local C = require 'dslua.core'
+local S = require 'dslua.base.schema'
+local fp8_config = require 'dslua.nn.fp8_config'
 
 local M = {}
 
-M.defaults = { enabled = true, format = 'hybrid', recipe = 'delayed', amax_history_len = 1024,
-               amax_compute_algo = 'max', margin = 0 }
-M.choices = { format = { 'hybrid', 'e4m3' }, recipe = { 'delayed', 'current' },
-              amax_compute_algo = { 'max', 'most_recent' } }
 local ROWS = { 'input', 'weight', 'grad_output' }
 
 local Recipe = {}
 Recipe.__index = Recipe
 
-local function bad(key, what, v)
-  error(string.format('ds.fp8.recipe: %s must be %s, got %s', key, what, tostring(v)), 3)
-end
-
--- ds.fp8.recipe(opts) -> a recipe: the "fp8" block's keys (M.defaults);
--- a wrong key or value is an error naming it.
+-- ds.fp8.recipe(opts) -> a recipe: the "fp8" block's keys (enabled true
+-- unless given), a wrong key or value an error naming it.
 function M.recipe(opts)
-  opts = opts or {}
-  if type(opts) ~= 'table' then bad('opts', 'a table', type(opts)) end
-  local r = setmetatable({ layers = {}, by_module = setmetatable({}, { __mode = 'k' }) }, Recipe)
-  for k in pairs(opts) do
-    if M.defaults[k] == nil then
-      local keys = {}
-      for name in pairs(M.defaults) do keys[#keys + 1] = name end
-      table.sort(keys)
-      error(string.format("ds.fp8.recipe: unknown key '%s' (expected %s)", tostring(k), table.concat(keys, ', ')), 2)
-    end
+  if opts ~= nil and type(opts) ~= 'table' then error('ds.fp8.recipe: expected a table, got ' .. type(opts), 2) end
+  local given = {}
+  for k, v in pairs(opts or {}) do given[k] = v end
+  if given.enabled == nil then given.enabled = true end
+  local ctx = { problems = {}, notes = {}, bad = {}, autos = {} }
+  local r = S.check_block(ctx, '', given, fp8_config.SCHEMA)
+  if #ctx.problems > 0 then
+    local lines = {}
+    for i, p in ipairs(ctx.problems) do lines[i] = p.path .. ': ' .. p.msg end
+    error('ds.fp8.recipe: ' .. table.concat(lines, '; '), 2)
   end
-  for k, def in pairs(M.defaults) do
-    local v = opts[k]
-    if v == nil then v = def end
-    local choices = M.choices[k]
-    if choices then
-      local ok = false
-      for _, c in ipairs(choices) do ok = ok or v == c end
-      if not ok then bad(k, "'" .. table.concat(choices, "' or '") .. "'", v) end
-    elseif type(def) == 'number' then
-      local min = k == 'margin' and 0 or 1
-      if type(v) ~= 'number' or v ~= math.floor(v) or v < min or (k == 'margin' and v > 64) then
-        bad(k, k == 'margin' and 'an integer in [0, 64]' or 'an integer >= 1', v)
-      end
-    elseif type(v) ~= 'boolean' then
-      bad(k, 'a boolean', v)
-    end
-    r[k] = v
-  end
+  r.layers, r.by_module = {}, setmetatable({}, { __mode = 'k' })
   r.grad_format = r.format == 'hybrid' and 'e5m2' or 'e4m3'
-  return r
+  return setmetatable(r, Recipe)
 end
 
 -- The state of a layer's three casts: meta [3, 3] on the weight's device,
