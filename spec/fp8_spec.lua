@@ -102,15 +102,19 @@ describe('fp8 codes', function()
   end)
 end)
 
--- C = A B^T against f64 with A and B cast under current scaling: each
--- product's factors carry a relative error of at most u (the format's unit
--- roundoff, after the f32 product x * scale's 2^-24) plus, below the
--- format's least normal, half its subnormal spacing over the scale; the
--- f32 sum of K products adds gamma_K = K 2^-24 / (1 - K 2^-24) of the sum
--- of magnitudes, the scaling of the result and its f32 rounding 2^-23.
+-- C = A B^T against f64 with A and B cast under current scaling. A
+-- factor x comes back as Q(fl(x s)) / s: the f32 product x s rounds by at
+-- most 2^-24, the cast by the format's unit roundoff u (or, below its
+-- least normal, by half its subnormal spacing, over s), so |x'| <= |x|
+-- (1 + ua) + ea with ua = (1 + u)(1 + 2^-24) - 1 (errs below). The
+-- products of codes are exact in f32; their f32 sum over K adds at most
+-- gamma_K = K 2^-24 / (1 - K 2^-24) of the sum of their magnitudes; after
+-- it at most six f32 roundings (each scale_inv, their product, the
+-- scaling, the bias, the result) rho = (1 + 2^-24)^6 - 1 of the rest.
 local function bound(A, B, ua, ub, ea, eb)
   local M, K, N = #A, #A[1], #B
   local gamma = K * 2 ^ -24 / (1 - K * 2 ^ -24)
+  local rho = (1 + 2 ^ -24) ^ 6 - 1
   local out = {}
   for i = 1, M do
     out[i] = {}
@@ -122,7 +126,7 @@ local function bound(A, B, ua, ub, ea, eb)
         e = e + qa * qb - a * b
         mag = mag + qa * qb
       end
-      out[i][j] = e + (gamma + 2 ^ -23) * mag
+      out[i][j] = e + (gamma + rho * (1 + gamma)) * mag
     end
   end
   return out
@@ -150,10 +154,10 @@ local function transpose(A)
   return out
 end
 
--- The unit roundoff after the f32 product, and the subnormal half-spacing
--- over the scale the cast gave t.
+-- ua for format f, and ea for tensor t: the subnormal half-spacing over
+-- the scale the cast gave t.
 local function errs(f, t)
-  local u = ({ e4m3 = 2 ^ -4, e5m2 = 2 ^ -3 })[f] + 2 ^ -24
+  local u = (1 + ({ e4m3 = 2 ^ -4, e5m2 = 2 ^ -3 })[f]) * (1 + 2 ^ -24) - 1
   local spacing = 2 ^ (1 - F[f].bias - F[f].m)
   return u, spacing / 2 / C.fp8_scale(t:abs():amax():item(), f, 0)
 end
