@@ -176,7 +176,7 @@ describe('fp8 linear', function()
   for _, format in ipairs({ 'hybrid', 'e4m3' }) do
     it(format .. ': output and gradients against f64 within the bound the formats guarantee', function()
       ds.manual_seed(5)
-      local lin = ds.nn.Linear(32, 16, { bias = false })
+      local lin = ds.nn.Linear(32, 16)
       local x = ds.randn({ 6, 32 })
       x:requires_grad_(true)
       local r = ds.fp8.recipe { recipe = 'current', format = format }
@@ -184,11 +184,25 @@ describe('fp8 linear', function()
       local g = ds.randn({ 6, 16 })
       y:backward(g)
       local X, W, G = x:detach():totable(), lin.weight:detach():totable(), g:totable()
+      local bias = lin.bias:detach():totable()
       local ux, ex = errs('e4m3', x:detach())
       local uw, ew = errs('e4m3', lin.weight:detach())
       local gf = format == 'hybrid' and 'e5m2' or 'e4m3'
       local ug, eg = errs(gf, g)
-      within(y:detach():totable(), matmul_t(X, W), bound(X, W, ux, uw, ex, ew), 'y')
+      -- the bias joins after the sum: its f32 addition rounds within rho of |b| too
+      local want, b = matmul_t(X, W), bound(X, W, ux, uw, ex, ew)
+      local rho = (1 + 2 ^ -24) ^ 6 - 1
+      for i = 1, #want do
+        for j = 1, #bias do want[i][j], b[i][j] = want[i][j] + bias[j], b[i][j] + rho * math.abs(bias[j]) end
+      end
+      within(y:detach():totable(), want, b, 'y')
+      -- the bias gradient: g's columns summed in f32, gamma_6 of their magnitudes
+      local db, gamma6 = lin.bias.grad:totable(), 6 * 2 ^ -24 / (1 - 6 * 2 ^ -24)
+      for j = 1, #bias do
+        local sum, mag = 0, 0
+        for i = 1, #G do sum, mag = sum + G[i][j], mag + math.abs(G[i][j]) end
+        assert(math.abs(db[j] - sum) <= gamma6 * mag, string.format('db[%d]: %.9g vs %.9g', j, db[j], sum))
+      end
       within(x.grad:totable(), matmul_t(G, transpose(W)), bound(G, transpose(W), ug, uw, eg, ew), 'dx')
       within(lin.weight.grad:totable(), matmul_t(transpose(G), transpose(X)),
              bound(transpose(G), transpose(X), ug, ux, eg, ex), 'dw')
