@@ -209,6 +209,26 @@ describe('fp8 linear', function()
     end)
   end
 
+  it('dequantises each use of a layer with the scales of its own casts (current scaling)', function()
+    ds.manual_seed(9)
+    local shared, one, two = ds.nn.Linear(16, 8), ds.nn.Linear(16, 8), ds.nn.Linear(16, 8)
+    ds.no_grad(function()
+      for _, m in ipairs({ one, two }) do
+        m.weight:copy_(shared.weight)
+        m.bias:copy_(shared.bias)
+      end
+    end)
+    local x1, x2 = ds.randn({ 4, 16 }), ds.randn({ 4, 16 }) * 64     -- two inputs 64x apart: other scales
+    local function run(a, b)
+      local r = ds.fp8.recipe { recipe = 'current' }
+      local y = ds.fp8.autocast(r, function() return a(x1) * 3 + b(x2) end)
+      y:sum():backward()
+    end
+    run(shared, shared)
+    run(one, two)
+    H.assert_same(shared.weight.grad, one.weight.grad + two.weight.grad, 'weight gradient')
+  end)
+
   it('leaves a Linear marked fp8 = false, and runs in no other scope', function()
     ds.manual_seed(6)
     local lin, off = ds.nn.Linear(16, 8), ds.nn.Linear(16, 8)

@@ -106,6 +106,10 @@ function M.linear(r, st, x, w, b)
   local x2 = x:detach():reshape({ -1, K })
   local qx = C.fp8_cast(x2, mx, 'e4m3', cur, margin)
   local qw = C.fp8_cast(w:detach(), mw, 'e4m3', cur, margin)
+  -- current scales as these casts set them: the layer's next forward (a
+  -- second use, a pipeline's next micro batch) sets its own before this
+  -- backward reads them (delayed scales hold until the step's update)
+  if cur then mx, mw = mx:clone(), mw:clone() end
   local y = C.fp8_gemm(qx, mx, 'e4m3', qw, mw, 'e4m3', b and b:detach(), x:dtype())
   local out_shape = { unpack(shape) }
   out_shape[#out_shape] = N
