@@ -69,6 +69,22 @@ static int check_gemm(const ds_tensor *a, const ds_tensor *a_meta, const ds_tens
     return 0;
 }
 
+/* bias where its data starts on 16 bytes and is contiguous (what the GEMM
+ * epilogue reads), else a copy that does: a parameter may be a view into a
+ * flat buffer at any element. */
+static ds_tensor *aligned(ds_tensor *bias) {
+    if (ds_tensor_is_contiguous(bias) && (uintptr_t)ds_tensor_kview(bias).data % 16 == 0) {
+        ds_tensor_retain(bias);
+        return bias;
+    }
+    ds_tensor *c = ds_tensor_new(1, bias->shape, bias->dtype, ds_tensor_device(bias));
+    if (c && ds_copy_(c, bias)) {
+        ds_tensor_release(c);
+        return NULL;
+    }
+    return c;
+}
+
 /* The backend's fp8 GEMM, or NULL without an error where it has none or
  * refuses the call (said once: the fallback is slower, not wrong). */
 static ds_tensor *device_gemm(ds_tensor *a, ds_tensor *a_meta, ds_fp8_format af, ds_tensor *b, ds_tensor *b_meta,
@@ -77,12 +93,16 @@ static ds_tensor *device_gemm(ds_tensor *a, ds_tensor *a_meta, ds_fp8_format af,
     const ds_kernels_fp8 *k = ds_tensor_kernels(a)->fp8;
     if (!k->gemm) return NULL;
     int64_t shape[2] = { a->shape[0], b->shape[0] };
-    ds_tensor *c = ds_tensor_new(2, shape, dtype, ds_tensor_device(a));
-    if (!c) return NULL;
+    ds_tensor *c = ds_tensor_new(2, shape, dtype, ds_tensor_device(a)), *bc = bias ? aligned(bias) : NULL;
+    if (!c || (bias && !bc)) {
+        ds_tensor_release(c);
+        return NULL;
+    }
     ds_kview none = { .data = NULL };
-    if (k->gemm(ds_tensor_kview_w(c, "fp8_gemm"), ds_tensor_kview(a), ds_tensor_kview(b), ds_tensor_kview(a_meta),
-                ds_tensor_kview(b_meta), af, bf, bias ? ds_tensor_kview(bias) : none) == 0)
-        return c;
+    int rc = k->gemm(ds_tensor_kview_w(c, "fp8_gemm"), ds_tensor_kview(a), ds_tensor_kview(b),
+                     ds_tensor_kview(a_meta), ds_tensor_kview(b_meta), af, bf, bc ? ds_tensor_kview(bc) : none);
+    ds_tensor_release(bc);
+    if (rc == 0) return c;
     if (!told++) fprintf(stderr, "dslua: fp8_gemm: %s; fp8 GEMMs run on the uncast operands\n", ds_kernel_error());
     ds_tensor_release(c);
     return NULL;

@@ -504,11 +504,17 @@ static int cuda_gemm_gelu_grad(ds_kview c, ds_kview aux, ds_kview a, ds_kview b)
 /* ---- fp8: c [m, n] = a [m, k] b [n, k]^T, a and b u8 codes row-major
  * (cuBLASLt's TN layout, the only one its fp8 kernels take), each scaled by
  * its meta's scale_inv on the device (A/B_SCALE_POINTER), f32 accumulation,
- * the bias in the epilogue. sm_89+, dims multiples of 16, 16-byte aligned
- * operands, not both e5m2: anything else is refused for the caller's
- * fallback. ---- */
+ * the bias in the epilogue. sm_89+, dims multiples of 16, operands and bias
+ * on 16 bytes (their alignment told to the heuristic), not both e5m2:
+ * anything else is refused for the caller's fallback. ---- */
 
-static int fp8_applies(const ds_kview *c, const ds_kview *a, const ds_kview *b, int af, int bf) {
+/* The alignment every pointer of the product shares, for the heuristic. */
+static uint32_t fp8_align(const ds_kview *c, const ds_kview *a, const ds_kview *b, const void *bias) {
+    return bits_align((uint64_t)(uintptr_t)a->data | (uint64_t)(uintptr_t)b->data | (uint64_t)(uintptr_t)c->data
+                      | (uint64_t)(uintptr_t)bias);
+}
+
+static int fp8_applies(const ds_kview *c, const ds_kview *a, const ds_kview *b, const void *bias, int af, int bf) {
     int dev, major, minor;
     DS_CUDA_CHECK(cudaGetDevice(&dev));
     DS_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
@@ -520,8 +526,8 @@ static int fp8_applies(const ds_kview *c, const ds_kview *a, const ds_kview *b, 
                               (long long)n, (long long)k);
     if (af == DS_FP8_E5M2 && bf == DS_FP8_E5M2) return ds_kernel_fail("no fp8 GEMM takes two e5m2 operands");
     if (!ds_kview_is_contiguous(a) || !ds_kview_is_contiguous(b) || !ds_kview_is_contiguous(c)
-        || ((uintptr_t)a->data | (uintptr_t)b->data | (uintptr_t)c->data) % 16)
-        return ds_kernel_fail("fp8 GEMMs take contiguous operands on 16 bytes");
+        || fp8_align(c, a, b, bias) < 16)
+        return ds_kernel_fail("fp8 GEMMs take contiguous operands and a bias on 16 bytes");
     return 0;
 }
 
@@ -568,13 +574,27 @@ static int fp8_setup(lt_call *L, const ds_kview *c, const ds_kview *a, const ds_
     key.dtype = c->dtype;
     key.epilogue = ep;
     key.m = m, key.n = n, key.k = k;
-    if (lt_cache_get(&key, &L->algo)) return L->algo.state == CUBLAS_STATUS_SUCCESS ? lt_workspace(L) : -1;
+    uint32_t align = fp8_align(c, a, b, bias);
+    key.aa = key.ab = key.ac = key.abias = align;
+    if (lt_cache_get(&key, &L->algo)) {
+        if (L->algo.state == CUBLAS_STATUS_SUCCESS) return lt_workspace(L);
+        return ds_kernel_fail("cublasLtMatmulAlgoGetHeuristic: no fp8 algorithm for a %lldx%lldx%lld product",
+                              (long long)m, (long long)n, (long long)k);
+    }
     uint64_t ws = LT_MAX_WORKSPACE;
     int found = 0;
     if (blas_ok(cublasLtMatmulPreferenceCreate(&L->pref), "cublasLtMatmulPreferenceCreate")
         || blas_ok(cublasLtMatmulPreferenceSetAttribute(L->pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                                         sizeof ws),
                    "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)")
+        || lt_pref(L->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align,
+                   "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT_A_BYTES)")
+        || lt_pref(L->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align,
+                   "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT_B_BYTES)")
+        || lt_pref(L->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align,
+                   "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT_C_BYTES)")
+        || lt_pref(L->pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align,
+                   "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT_D_BYTES)")
         || blas_ok(cublasLtMatmulAlgoGetHeuristic(L->h, L->op, L->la, L->lb, L->lc, L->lc, L->pref, 1, &L->algo,
                                                   &found),
                    "cublasLtMatmulAlgoGetHeuristic"))
@@ -589,7 +609,7 @@ static int fp8_setup(lt_call *L, const ds_kview *c, const ds_kview *a, const ds_
 
 extern "C" int ds_cuda_gemm_fp8(ds_kview c, ds_kview a, ds_kview b, ds_kview a_meta, ds_kview b_meta, int af,
                                 int bf, ds_kview bias) {
-    if (fp8_applies(&c, &a, &b, af, bf)) return -1;
+    if (fp8_applies(&c, &a, &b, bias.data, af, bf)) return -1;
     /* the dequantising factors: each meta's scale_inv, its second float */
     const float *sa = (const float *)a_meta.data + a_meta.stride[0], *sb = (const float *)b_meta.data + b_meta.stride[0];
     lt_call L;
