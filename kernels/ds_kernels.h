@@ -271,15 +271,18 @@ typedef struct ds_kernels_optim {
  * f32 (scale, scale_inv, amax) at stride meta.stride[0], on the device.
  * cast: q (u8) = x * scale in fmt, x and q contiguous, x f32/bf16/f16, and
  * amax = max(amax, max |x|); where current, scale is first made
- * ds_fp8_scale(max |x|) (1 where that is 0 or not finite) and scale_inv its
- * inverse. uncast: y (contiguous, float) = q's values * scale_inv.
+ * ds_fp8_scale(m) (1 where that is 0 or not finite) and scale_inv its
+ * inverse, m max |x| or, where given (data not NULL), the f32 *given (the
+ * max over the ranks holding pieces of one tensor). amax: out (f32 [1]) =
+ * max |x|, NaNs left out as cast leaves them. uncast: y (contiguous, float) = q's values * scale_inv.
  * gemm: c [m, n] = (a [m, k] * a's scale_inv) @ (b [n, k] * b's scale_inv)^T
  * (+ bias [n]: data NULL for none), a and b u8 row-major, accumulated in
  * f32; NULL where the backend has none (the CPU) and -1 after
  * ds_kernel_fail() where a call does not apply: the caller uncasts and runs
  * gemm then. */
 typedef struct ds_kernels_fp8 {
-    int (*cast)(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin);
+    int (*cast)(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin, ds_kview given);
+    int (*amax)(ds_kview out, ds_kview x);
     int (*uncast)(ds_kview y, ds_kview q, ds_kview meta, int fmt);
     int (*gemm)(ds_kview c, ds_kview a, ds_kview b, ds_kview a_meta, ds_kview b_meta, int a_fmt, int b_fmt,
                 ds_kview bias);

@@ -114,7 +114,7 @@ static void test_cast(void) {
     ds_tensor *x = filled(40, 33, wave), *meta = meta_new();
     for (int f = 0; f < DS_NFP8; f++) {
         ds_tensor_set(meta, 2, 0);
-        ds_tensor *q = ds_fp8_cast(x, meta, f, 1, 2);
+        ds_tensor *q = ds_fp8_cast(x, meta, f, 1, 2, NULL);
         float amax = 0;
         for (int64_t i = 0; i < 40 * 33; i++) amax = fmaxf(amax, fabsf((float)ds_tensor_get(x, i)));
         float s = (float)ds_tensor_get(meta, 0);
@@ -140,7 +140,7 @@ static double small_b(int64_t j, int64_t k) { return (double)((3 * j + k) % 5) -
  * fallback's result is the exact product, times both scale_invs. */
 static void test_gemm(void) {
     ds_tensor *a = filled(5, 24, small_a), *b = filled(6, 24, small_b), *ma = meta_new(), *mb = meta_new();
-    ds_tensor *qa = ds_fp8_cast(a, ma, DS_FP8_E4M3, 0, 0), *qb = ds_fp8_cast(b, mb, DS_FP8_E5M2, 0, 0);
+    ds_tensor *qa = ds_fp8_cast(a, ma, DS_FP8_E4M3, 0, 0, NULL), *qb = ds_fp8_cast(b, mb, DS_FP8_E5M2, 0, 0, NULL);
     ds_tensor_set(ma, 1, 0.5), ds_tensor_set(mb, 1, 4);
     int64_t n = 6;
     ds_tensor *bias = ds_tensor_new(1, &n, DS_F32, DS_CPU_DEVICE);
@@ -155,14 +155,14 @@ static void test_gemm(void) {
                   ds_tensor_get(c, i * 6 + j), want);
         }
     ds_tensor_release(c);
-    ds_tensor *wide = filled(6, 23, small_b), *qw = ds_fp8_cast(wide, mb, DS_FP8_E4M3, 0, 0);
+    ds_tensor *wide = filled(6, 23, small_b), *qw = ds_fp8_cast(wide, mb, DS_FP8_E4M3, 0, 0, NULL);
     c = ds_fp8_gemm(qa, ma, DS_FP8_E4M3, qw, mb, DS_FP8_E4M3, NULL, DS_F32);
     check(c == NULL && strstr(ds_error_message(), "a [m, k] and b [n, k] expected, got a [5,24] and b [6,23]"),
           "gemm: k mismatch named, got \"%s\"", c ? "(none)" : ds_error_message());
     c = ds_fp8_gemm(a, ma, DS_FP8_E4M3, qb, mb, DS_FP8_E4M3, NULL, DS_F32);
     check(c == NULL && strstr(ds_error_message(), "a must hold fp8 codes (u8), got f32"),
           "gemm: f32 a refused, got \"%s\"", c ? "(none)" : ds_error_message());
-    c = ds_fp8_cast(a, bias, DS_FP8_E4M3, 0, 0);
+    c = ds_fp8_cast(a, bias, DS_FP8_E4M3, 0, 0, NULL);
     check(c == NULL && strstr(ds_error_message(), "meta must be f32 [3]"), "cast: a [6] meta refused, got \"%s\"",
           c ? "(none)" : ds_error_message());
     ds_tensor *tensors[] = { a, b, ma, mb, qa, qb, bias, wide, qw };

@@ -19,12 +19,17 @@ static int check_margin(lua_State *L, int idx) {
     return (int)m;
 }
 
-/* fp8_cast(x, meta, format [, current [, margin]]) -> u8 codes */
+/* fp8_cast(x, meta, format [, current [, margin [, amax]]]) -> u8 codes */
 static int l_fp8_cast(lua_State *L) {
     ds_tensor *x = dsL_checktensor(L, 1), *meta = dsL_checktensor(L, 2);
     ds_fp8_format f = check_format(L, 3);
-    return dsL_pushtensor(L, ds_fp8_cast(x, meta, f, lua_toboolean(L, 4), check_margin(L, 5)));
+    int margin = check_margin(L, 5);
+    ds_tensor *amax = lua_isnoneornil(L, 6) ? NULL : dsL_checktensor(L, 6);
+    return dsL_pushtensor(L, ds_fp8_cast(x, meta, f, lua_toboolean(L, 4), margin, amax));
 }
+
+/* fp8_amax(x) -> max |x|, f32 [1] */
+static int l_fp8_amax(lua_State *L) { return dsL_pushtensor(L, ds_fp8_amax(dsL_checktensor(L, 1))); }
 
 /* fp8_uncast(q, meta, format [, dtype = 'f32']) */
 static int l_fp8_uncast(lua_State *L) {
@@ -68,7 +73,7 @@ static int l_fp8_scale(lua_State *L) {
 }
 
 static const luaL_Reg fns[] = {
-    {"fp8_cast", l_fp8_cast}, {"fp8_uncast", l_fp8_uncast}, {"fp8_gemm", l_fp8_gemm},
+    {"fp8_cast", l_fp8_cast}, {"fp8_amax", l_fp8_amax}, {"fp8_uncast", l_fp8_uncast}, {"fp8_gemm", l_fp8_gemm},
     {"fp8_encode", l_fp8_encode}, {"fp8_decode", l_fp8_decode}, {"fp8_scale", l_fp8_scale},
     {NULL, NULL}
 };

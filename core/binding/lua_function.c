@@ -8,7 +8,10 @@
  * (aliases without history, as any op saves its inputs) and frees them
  * after backward like any node. Backward calls backward(grad_y, x1, ..., xn)
  * on the Lua state running backward; it returns one gradient (or nil) per
- * x. The function is held through a registry reference that the node drops
+ * x. function_node_bare(out, backward, x1, ..., xn) saves none of the x's
+ * (backward(grad_y) alone): a backward that reads only what it keeps
+ * itself (the fp8 linear's codes) lets the inputs go after forward. The
+ * function is held through a registry reference that the node drops
  * when it is freed; since a node may be freed where no Lua call is safe (a
  * tensor's __gc), dropped references are queued and released by the next
  * function_node call. */
@@ -46,6 +49,10 @@ static int function_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_tensor_retain(g);
     dsL_pushtensor(L, g);
     for (int k = 0; k < n->n_inputs; k++) {
+        if (!n->saved[k]) {
+            lua_pushnil(L);
+            continue;
+        }
         ds_tensor_retain(n->saved[k]);
         dsL_pushtensor(L, n->saved[k]);
     }
@@ -73,7 +80,7 @@ static int function_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     return 0;
 }
 
-static int l_function_node(lua_State *L) {
+static int function_node(lua_State *L, bool save) {
     release_dead(L);
     ds_tensor *out = dsL_checktensor(L, 1);
     luaL_checktype(L, 2, LUA_TFUNCTION);
@@ -91,7 +98,7 @@ static int l_function_node(lua_State *L) {
     if (out->storage->category == DS_MEM_OTHER) ds_tensor_set_category(out, DS_MEM_ACT);
     ds_node *node = ds_autograd_record("checkpoint", function_backward, n, in, y);
     if (node) {
-        for (int k = 0; k < n; k++)
+        for (int k = 0; k < n && save; k++)
             if (ds_node_save(node, k, in[k])) {
                 ds_tensor_release(y);
                 return dsL_error(L);
@@ -103,8 +110,11 @@ static int l_function_node(lua_State *L) {
     return dsL_pushtensor(L, y);
 }
 
+static int l_function_node(lua_State *L) { return function_node(L, true); }
+static int l_function_node_bare(lua_State *L) { return function_node(L, false); }
+
 static const luaL_Reg fns[] = {
-    {"function_node", l_function_node},
+    {"function_node", l_function_node}, {"function_node_bare", l_function_node_bare},
     {NULL, NULL}
 };
 

@@ -3,6 +3,7 @@
 #include "ds_error.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -376,6 +377,15 @@ static int l_stride(lua_State *L) {
     return 1;
 }
 
+/* t:version() -> its bytes' storage id and count of in-place writes
+ * (PyTorch's _version, shared by every view): equal pairs, equal bytes. */
+static int l_version(lua_State *L) {
+    ds_tensor *t = dsL_checkmeta(L, 1);
+    lua_pushnumber(L, (lua_Number)t->storage->id);
+    lua_pushnumber(L, (lua_Number)atomic_load_explicit(&t->storage->version, memory_order_relaxed));
+    return 2;
+}
+
 static int l_dim(lua_State *L) { lua_pushinteger(L, dsL_checkmeta(L, 1)->ndim); return 1; }
 static int l_numel(lua_State *L) { lua_pushnumber(L, (lua_Number)ds_tensor_numel(dsL_checkmeta(L, 1))); return 1; }
 static int l_len(lua_State *L) {
@@ -589,7 +599,7 @@ static const luaL_Reg tensor_methods[] = {
     {"size", l_size}, {"stride", l_stride}, {"dim", l_dim}, {"numel", l_numel},
     {"dtype", l_dtype}, {"device", l_device}, {"is_contiguous", l_is_contiguous},
     {"item", l_item}, {"totable", l_totable}, {"backward", l_backward},
-    {"requires_grad_", l_requires_grad_}, {"set_category", l_set_category},
+    {"requires_grad_", l_requires_grad_}, {"set_category", l_set_category}, {"version", l_version},
     {NULL, NULL}
 };
 

@@ -23,18 +23,43 @@ static ds_tensor *kernel_failed(const char *op, ds_tensor *drop) {
     return NULL;
 }
 
-ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin) {
+/* given: NULL, or f32 [1] on x's device */
+static int check_given(const ds_tensor *given, const ds_tensor *x) {
+    char s[64];
+    if (!given) return 0;
+    if (given->dtype != DS_F32 || given->ndim != 1 || given->shape[0] != 1)
+        return ds_fail(DS_ERR_ARG, "fp8_cast: amax must be f32 [1], got %s %s", ds_dtype_name(given->dtype),
+                       ds_shape_str(given, s, sizeof s)), -1;
+    return ds_check_same_device("fp8_cast", x, given);
+}
+
+ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin, ds_tensor *amax) {
     if (!ds_dtype_is_float(x->dtype))
         return ds_fail(DS_ERR_ARG, "fp8_cast: x must be floating point, got %s", ds_dtype_name(x->dtype)), NULL;
-    if (check_meta("fp8_cast", meta, x)) return NULL;
+    if (check_meta("fp8_cast", meta, x) || check_given(amax, x)) return NULL;
     ds_tensor *xc = ds_contiguous(x);
     if (!xc) return NULL;
+    ds_kview none = { .data = NULL };
     ds_tensor *q = ds_tensor_new(x->ndim, x->shape, DS_U8, ds_tensor_device(x));
     if (q && ds_tensor_kernels(x)->fp8->cast(ds_tensor_kview_w(q, "fp8_cast"), ds_tensor_kview(xc),
-                                              ds_tensor_kview_w(meta, "fp8_cast"), fmt, current, margin))
+                                              ds_tensor_kview_w(meta, "fp8_cast"), fmt, current, margin,
+                                              amax ? ds_tensor_kview(amax) : none))
         q = kernel_failed("fp8_cast", q);
     ds_tensor_release(xc);
     return q;
+}
+
+ds_tensor *ds_fp8_amax(ds_tensor *x) {
+    if (!ds_dtype_is_float(x->dtype))
+        return ds_fail(DS_ERR_ARG, "fp8_amax: x must be floating point, got %s", ds_dtype_name(x->dtype)), NULL;
+    ds_tensor *xc = ds_contiguous(x);
+    if (!xc) return NULL;
+    int64_t one = 1;
+    ds_tensor *out = ds_tensor_new(1, &one, DS_F32, ds_tensor_device(x));
+    if (out && ds_tensor_kernels(x)->fp8->amax(ds_tensor_kview_w(out, "fp8_amax"), ds_tensor_kview(xc)))
+        out = kernel_failed("fp8_amax", out);
+    ds_tensor_release(xc);
+    return out;
 }
 
 ds_tensor *ds_fp8_uncast(ds_tensor *q, ds_tensor *meta, ds_fp8_format fmt, ds_dtype dtype) {

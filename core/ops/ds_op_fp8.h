@@ -10,10 +10,13 @@
 #include "ds_fp8.h"
 
 /* The codes (u8, x's shape) of x * meta's scale in fmt; meta's amax becomes
- * max(amax, max |x|). current: meta's scale is first set from max |x|
- * (ds_fp8_scale with the given margin; 1 where that is 0) and scale_inv to
- * its inverse. x float. */
-ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin);
+ * max(amax, max |x|). current: meta's scale is first set from max |x|, or
+ * from amax (f32 [1], NULL for none: the max over the ranks holding pieces
+ * of one tensor, which then share one scale), by ds_fp8_scale with the
+ * given margin (1 where that is 0), and scale_inv to its inverse. x float. */
+ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin, ds_tensor *amax);
+/* max |x| as f32 [1] on x's device (NaNs left out, as the cast's amax). */
+ds_tensor *ds_fp8_amax(ds_tensor *x);
 /* q's values times meta's scale_inv, in dtype (a float). */
 ds_tensor *ds_fp8_uncast(ds_tensor *q, ds_tensor *meta, ds_fp8_format fmt, ds_dtype dtype);
 /* c [m, n] = a [m, k] @ b [n, k]^T in values (each operand's codes times

@@ -17,10 +17,11 @@ static float abs_max(ds_kview x, int64_t n) {
     return amax;
 }
 
-static int cpu_fp8_cast(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin) {
+static int cpu_fp8_cast(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin, ds_kview given) {
     int64_t n = ds_kview_numel(&x);
     float amax = abs_max(x, n);
     if (current) {
+        if (given.data) amax = *(const float *)given.data;
         float s = ds_fp8_scale(amax, fmt, margin, 1.0f);
         meta_set(meta, 0, s);
         meta_set(meta, 1, 1.0f / s);
@@ -33,6 +34,11 @@ static int cpu_fp8_cast(ds_kview q, ds_kview x, ds_kview meta, int fmt, int curr
     return 0;
 }
 
+static int cpu_fp8_amax(ds_kview out, ds_kview x) {
+    *(float *)out.data = abs_max(x, ds_kview_numel(&x));
+    return 0;
+}
+
 static int cpu_fp8_uncast(ds_kview y, ds_kview q, ds_kview meta, int fmt) {
     int64_t n = ds_kview_numel(&y);
     float inv = meta_at(meta, 1);
@@ -42,4 +48,4 @@ static int cpu_fp8_uncast(ds_kview y, ds_kview q, ds_kview meta, int fmt) {
     return 0;
 }
 
-const ds_kernels_fp8 ds_cpu_fp8 = { .cast = cpu_fp8_cast, .uncast = cpu_fp8_uncast };
+const ds_kernels_fp8 ds_cpu_fp8 = { .cast = cpu_fp8_cast, .amax = cpu_fp8_amax, .uncast = cpu_fp8_uncast };

@@ -63,25 +63,36 @@ __global__ void fp8_uncast_kernel(void *y, ds_dtype t, const uint8_t *q, int64_t
     DS_CUDA_LOOP(i, n) store_float(y, t, i, ds_fp8_to_f32(q[i], (ds_fp8_format)fmt) * f);
 }
 
-static int cuda_fp8_cast(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin) {
+/* max |x| into out (f32 on the device), which is zeroed first */
+static int amax_into(float *out, ds_kview x) {
+    int64_t n = ds_kview_numel(&x);
+    if (ds_cuda_ok(cudaMemsetAsync(out, 0, sizeof(float), ds_cuda_stream()), "cudaMemsetAsync")) return -1;
+    if (n == 0) return 0;
+    fp8_amax_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(x.data, x.dtype, n,
+                                                                                                    out);
+    return ds_cuda_launched("fp8_amax_kernel");
+}
+
+static int cuda_fp8_amax(ds_kview out, ds_kview x) { return amax_into((float *)out.data, x); }
+
+/* current: the scale from given (the group's amax) or from x's own, made
+ * into scratch first */
+static int cuda_fp8_cast(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin, ds_kview given) {
     int64_t n = ds_kview_numel(&x);
     unsigned blocks = ds_cuda_blocks(n, DS_CUDA_THREADS);
-    float *cur = NULL;
-    if (current) {
-        if (!(cur = (float *)ds_cuda_scratch(sizeof(float)))) return -1;
-        int rc = ds_cuda_ok(cudaMemsetAsync(cur, 0, sizeof(float), ds_cuda_stream()), "cudaMemsetAsync");
-        if (rc == 0) {
-            fp8_amax_kernel<<<blocks, DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(x.data, x.dtype, n, cur);
-            rc = ds_cuda_launched("fp8_amax_kernel");
-        }
-        if (rc) {
-            ds_cuda_scratch_free(cur);
+    float *cur = NULL, *scratch = NULL;
+    if (current && given.data) cur = (float *)given.data;
+    else if (current) {
+        if (!(scratch = (float *)ds_cuda_scratch(sizeof(float)))) return -1;
+        if (amax_into(scratch, x)) {
+            ds_cuda_scratch_free(scratch);
             return -1;
         }
+        cur = scratch;
     }
     fp8_cast_kernel<<<blocks, DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
         (uint8_t *)q.data, x.data, x.dtype, n, (float *)meta.data, meta.stride[0], fmt, cur, margin);
-    if (cur) ds_cuda_scratch_free(cur);
+    if (scratch) ds_cuda_scratch_free(scratch);
     return ds_cuda_launched("fp8_cast_kernel");
 }
 
@@ -93,4 +104,4 @@ static int cuda_fp8_uncast(ds_kview y, ds_kview q, ds_kview meta, int fmt) {
     return ds_cuda_launched("fp8_uncast_kernel");
 }
 
-extern "C" const ds_kernels_fp8 ds_cuda_fp8 = { cuda_fp8_cast, cuda_fp8_uncast, ds_cuda_gemm_fp8 };
+extern "C" const ds_kernels_fp8 ds_cuda_fp8 = { cuda_fp8_cast, cuda_fp8_amax, cuda_fp8_uncast, ds_cuda_gemm_fp8 };
