@@ -282,6 +282,64 @@ describe('fp8 with activation checkpointing', function()
   end)
 end)
 
+describe('fp8 weights under gradient accumulation', function()
+  -- Two steps of three micro batches of a small GPT-2 trained by SGD: the
+  -- casts of its weights counted, and the parameters after. recast: every
+  -- weight written in place (by 1) before each micro batch, which recasts
+  -- it: the codes of each micro batch as if never kept.
+  local function train(recipe, recast)
+    ds.manual_seed(12)
+    local model = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 2, n_head = 2, n_embd = 16 }
+    local opt = ds.optim.SGD(model:parameters(), { lr = 0.1, momentum = 0.9 })
+    local r = ds.fp8.recipe { recipe = recipe, amax_history_len = 4 }
+    local casts, losses = {}, {}
+    for step = 1, 2 do
+      local before = r.weight_casts
+      for _ = 1, 3 do
+        if recast then
+          ds.no_grad(function() for _, p in ipairs(model:parameters()) do p:mul_(1) end end)
+        end
+        local ids = (ds.rand(2, 9) * 31.99):to('i64')
+        local loss = ds.fp8.autocast(r, function()
+          return model { x = ids:narrow(2, 1, 8):contiguous(), y = ids:narrow(2, 2, 8):contiguous() }
+        end)
+        losses[#losses + 1] = loss:item()
+        loss:backward()
+      end
+      opt:step()
+      opt:zero_grad()
+      r:update()
+      casts[step] = r.weight_casts - before
+    end
+    return model, casts, losses, #r.layers
+  end
+
+  for _, recipe in ipairs({ 'current', 'delayed' }) do
+    it(recipe .. ' scaling: casts each weight once per step, the training of a recast per micro batch bit for bit',
+       function()
+      local once, casts, losses, layers = train(recipe, false)
+      local again, recasts, relosses = train(recipe, true)
+      assert.same({ layers, layers }, casts)
+      assert.same({ 3 * layers, 3 * layers }, recasts)
+      assert.same(relosses, losses)
+      local theirs = again:named_parameters()
+      for i, e in ipairs(once:named_parameters()) do H.assert_same(theirs[i][2], e[2], e[1]) end
+    end)
+  end
+
+  it('casts a weight anew when it changes between micro batches', function()
+    ds.manual_seed(13)
+    local lin = ds.nn.Linear(16, 8, { bias = false })
+    local r = ds.fp8.recipe { recipe = 'current' }
+    local x = ds.randn({ 4, 16 })
+    local a = ds.fp8.autocast(r, function() return lin(x) end)
+    ds.no_grad(function() lin.weight:mul_(2) end)
+    local b = ds.fp8.autocast(r, function() return lin(x) end)
+    assert.equal(2, r.weight_casts)
+    H.assert_same(b, a * 2)     -- a power of two: the same codes, half the scale
+  end)
+end)
+
 describe('fp8 delayed scaling', function()
   it("pushes each step's amax on the history and sets the scale from its max or its newest", function()
     for _, algo in ipairs({ 'max', 'most_recent' }) do
@@ -356,8 +414,9 @@ describe('fp8 with the engine', function()
   setup(function() dir = H.tmpdir() end)
   teardown(function() os.execute('rm -rf ' .. dir) end)
 
-  local function lm(out, args, np)
-    return H.run_json(H.ranks_cmd(np or 1) .. ' spec/ranks/lm.lua ' .. out .. ' gpt2 fp8=1 ' .. args, out)
+  local function lm(out, args, np, kind)
+    return H.run_json(H.ranks_cmd(np or 1) .. ' spec/ranks/lm.lua ' .. out .. ' ' .. (kind or 'gpt2') .. ' fp8=1 '
+                      .. args, out)
   end
 
   -- The same micro batches on one rank (accumulated) and on two. Data
@@ -386,6 +445,66 @@ describe('fp8 with the engine', function()
       end
     end
   end)
+  end)
+
+  -- Tensor degree 2 against one rank on the same global batch (and 2 x
+  -- data 2 under ZeRO 1 against one rank accumulating the data ranks'
+  -- halves). Each split cast (a weight, a row-parallel input, a
+  -- column-parallel output gradient) has one scale over the tensor group,
+  -- so its codes are the whole tensor's: current scaling trains as one
+  -- rank up to the order of the row-parallel sums. Delayed scaling agrees
+  -- each step's amaxes over data x tensor: tensor 2 alone trains as one
+  -- rank with every history and scale within the same order of sums;
+  -- under data 2, whose first step's output gradients (2x, at scale 1) are
+  -- not one rank's codes, one step's input and weight histories agree.
+  describe('with tensor or sequence parallelism', function()
+    if H.skip_without_mpirun() then return end
+    local function close(a, b, what)
+      local x, y = tonumber(a) or a, tonumber(b) or b
+      assert(math.abs(x - y) <= 1e-5 * math.abs(x), string.format('%s: %.9g vs %.9g', what, x, y))
+    end
+    local function same_scales(one, other, rows, what)
+      local n = 0
+      for name, l in pairs(one.fp8.layers) do
+        local o = assert(other.fp8.layers[name], what .. ': no fp8 state for ' .. name)
+        for _, k in ipairs(rows) do
+          local at = string.format('%s, %s %s', what, name, k)
+          close(l[k].scale, o[k].scale, at .. ' scale')
+          assert.equal(#l[k].amax_history, #o[k].amax_history, at)
+          for i, v in ipairs(l[k].amax_history) do close(v, o[k].amax_history[i], at .. ' history ' .. i) end
+        end
+        n = n + 1
+      end
+      return n
+    end
+
+    it('trains GPT-2 and Llama at tensor degree 2, and 2 x data 2 with ZeRO 1, as one rank does', function()
+      for _, c in ipairs({ { kind = 'gpt2', layers = 8 }, { kind = 'llama', layers = 14 } }) do
+        local k = c.kind
+        local function run(args, np) return lm(dir .. '/' .. np .. '.json', args, np, k) end
+        H.same_training(run('fp8=2', 1), run('fp8=2 tp=2', 2), k .. ' tensor 2, current scaling')
+        H.same_training(run('fp8=2 gas=2', 1), run('fp8=2 tp=2 zero=1', 4), k .. ' tensor 2 x data 2, current')
+        local one, two = run('fp8=1', 1), run('fp8=1 tp=2', 2)
+        H.same_training(one, two, k .. ' tensor 2, delayed scaling')
+        assert.equal(c.layers, same_scales(one, two, { 'input', 'weight', 'grad_output' }, k .. ' tensor 2'))
+        one, two = run('steps=1 fp8=1 gas=2', 1), run('steps=1 fp8=1 tp=2 zero=1', 4)
+        assert.equal(c.layers, same_scales(one, two, { 'input', 'weight' }, k .. ' tensor 2 x data 2'))
+      end
+    end)
+
+    -- Sequence degree 2: each rank's Linears see its half of every
+    -- sequence, whose input and output gradient agree their amaxes over the
+    -- sequence group (current scaling); the output gradients are 2x one
+    -- rank's (the loss counts once over the group), the same codes.
+    it('trains GPT-2 and Llama at sequence degree 2 as one rank does', function()
+      for _, c in ipairs({ { kind = 'gpt2', layers = 8 }, { kind = 'llama', layers = 14 } }) do
+        local k = c.kind
+        local function run(args, np) return lm(dir .. '/' .. np .. '.json', args, np, k) end
+        H.same_training(run('fp8=2', 1), run('fp8=2 sp=2', 2), k .. ' sequence 2, current scaling')
+        local one, two = run('steps=1 fp8=1', 1), run('steps=1 fp8=1 sp=2', 2)
+        assert.equal(c.layers, same_scales(one, two, { 'input', 'weight' }, k .. ' sequence 2'))
+      end
+    end)
   end)
 
   it('resumes from a checkpoint with the same scales, as an uninterrupted run', function()

@@ -43,7 +43,7 @@ function M.recipe(opts)
     for i, p in ipairs(ctx.problems) do lines[i] = p.path .. ': ' .. p.msg end
     error('ds.fp8.recipe: ' .. table.concat(lines, '; '), 2)
   end
-  r.layers, r.by_module = {}, setmetatable({}, { __mode = 'k' })
+  r.layers, r.by_module, r.weight_casts = {}, setmetatable({}, { __mode = 'k' }), 0
   r.grad_format = r.format == 'hybrid' and 'e5m2' or 'e4m3'
   return setmetatable(r, Recipe)
 end
@@ -92,56 +92,108 @@ function M.autocast(recipe, fn, ...)
   return unpack(res, 2, table.maxn(res))
 end
 
+-- The name the comms logger gives the amaxes agreed within a step.
+M.LOG = 'fp8_amax_all_reduce'
+
+-- The codes of t in format f under row (a cast's meta) and r's scaling.
+-- group: where t is one tensor split over a tensor group, each rank a
+-- piece; under current scaling the pieces then share one scale, from the
+-- max of their amaxes, so the codes are those of the whole tensor.
+-- Delayed scaling casts with the row's scale, which the step's update
+-- agrees over the group.
+local function cast(r, t, row, f, group)
+  local cur = r.recipe == 'current'
+  if not (cur and group) then return C.fp8_cast(t, row, f, cur, r.margin) end
+  local amax = C.fp8_amax(t)
+  ds.comm.all_reduce(amax, 'max', { group = group, log_name = M.LOG })
+  return C.fp8_cast(t, row, f, true, r.margin, amax)
+end
+
+-- The weight's codes and the scales they were cast with, cast once while
+-- its bytes stay as they are (their version: no in-place write since), so
+-- the micro batches of a step share them, as Transformer Engine's
+-- is_first_microbatch does; the transposed codes for backward made once
+-- too. update() drops them.
+local function weight_codes(r, st, w, group)
+  local id, version = w:version()
+  local c = st.weight
+  if c and c.w == w and c.id == id and c.version == version then return c end
+  local q = cast(r, w:detach(), st.rows[2], 'e4m3', group)
+  -- current scales as this cast set them: a later cast sets the row anew
+  c = { w = w, id = id, version = version, q = q, meta = r.recipe == 'current' and st.rows[2]:clone() or st.rows[2] }
+  st.weight = c
+  r.weight_casts = r.weight_casts + 1
+  return c
+end
+
+local function transposed(q) return q:transpose(1, 2):contiguous() end
+
 -- y = x w^T + b with x, w and the output gradient in fp8 (st: the layer's
--- state): one autograd node whose backward reads the forward's codes.
-function M.linear(r, st, x, w, b)
+-- state): one autograd node whose backward reads the forward's codes and
+-- nothing else, so x itself goes once the forward is done. For a
+-- tensor-parallel layer: its group and split, which of input, weight and
+-- grad_output are split over the group.
+function M.linear(r, st, x, w, b, group, split)
   local N, K = w:size(1), w:size(2)
   local shape = x:size()
   if shape[#shape] ~= K then
     error(string.format('fp8 linear %s: x %s does not end in the weight\'s in_features %d', st.name,
                         '[' .. table.concat(shape, ',') .. ']', K), 0)
   end
-  local cur, margin, gf = r.recipe == 'current', r.margin, r.grad_format
-  local mx, mw, mg = st.rows[1], st.rows[2], st.rows[3]
-  local x2 = x:detach():reshape({ -1, K })
-  local qx = C.fp8_cast(x2, mx, 'e4m3', cur, margin)
-  local qw = C.fp8_cast(w:detach(), mw, 'e4m3', cur, margin)
-  -- current scales as these casts set them: the layer's next forward (a
+  split = group and split or {}
+  local gx, gw, gg = split.input and group, split.weight and group, split.grad_output and group
+  local gf = r.grad_format
+  local mx, mg = st.rows[1], st.rows[3]
+  local qx = cast(r, x:detach():reshape({ -1, K }), mx, 'e4m3', gx)
+  local wc = weight_codes(r, st, w, gw)
+  local qw, mw = wc.q, wc.meta
+  -- current scales as this cast set them: the layer's next forward (a
   -- second use, a pipeline's next micro batch) sets its own before this
   -- backward reads them (delayed scales hold until the step's update)
-  if cur then mx, mw = mx:clone(), mw:clone() end
-  local y = C.fp8_gemm(qx, mx, 'e4m3', qw, mw, 'e4m3', b and b:detach(), x:dtype())
+  if r.recipe == 'current' then mx = mx:clone() end
+  local xdt, wdt, bdt = x:dtype(), w:dtype(), b and b:dtype()
+  local y = C.fp8_gemm(qx, mx, 'e4m3', qw, mw, 'e4m3', b and b:detach(), xdt)
   local out_shape = { unpack(shape) }
   out_shape[#out_shape] = N
   y = y:view(out_shape)
   local needs = x.requires_grad or w.requires_grad or (b and b.requires_grad)
   if not (C.is_grad_enabled() and needs) then return y end
-  local function backward(g)
-    local g2 = g:reshape({ -1, N })
-    local qg = C.fp8_cast(g2, mg, gf, cur, margin)
-    local dx = C.fp8_gemm(qg, mg, gf, qw:transpose(1, 2):contiguous(), mw, 'e4m3', nil, x:dtype()):view(shape)
-    local dw = C.fp8_gemm(qg:transpose(1, 2):contiguous(), mg, gf, qx:transpose(1, 2):contiguous(), mx, 'e4m3',
-                          nil, w:dtype())
-    if b then return dx, dw, g2:sum(1):to(b:dtype()) end    -- summed wider than its dtype, as every sum
+  local function backward(grad)
+    local g2 = grad:reshape({ -1, N })
+    local qg = cast(r, g2, mg, gf, gg)
+    wc.qt = wc.qt or transposed(qw)
+    local dx = C.fp8_gemm(qg, mg, gf, wc.qt, mw, 'e4m3', nil, xdt):view(shape)
+    local dw = C.fp8_gemm(transposed(qg), mg, gf, transposed(qx), mx, 'e4m3', nil, wdt)
+    if b then return dx, dw, g2:sum(1):to(bdt) end    -- summed wider than its dtype, as every sum
     return dx, dw
   end
-  if b then return C.function_node(y, backward, x, w, b) end
-  return C.function_node(y, backward, x, w)
+  if b then return C.function_node_bare(y, backward, x, w, b) end
+  return C.function_node_bare(y, backward, x, w)
 end
 
 -- ---- delayed scaling ----
 
 -- After a step: each cast's amax since the last update (the max over the
--- ranks of group where there are several, so every rank keeps the same
--- scales) onto its history, its scale from the history, amax back to 0.
--- Current scaling keeps no history: only the amaxes are cleared.
+-- ranks of group where there are several, and over the layers' tensor
+-- group: Transformer Engine's amax reduction group, data x tensor, so every
+-- rank keeps the same scales and a split tensor's pieces one scale) onto
+-- its history, its scale from the history, amax back to 0. Current scaling
+-- keeps no history: only the amaxes are cleared. The weights' codes go:
+-- the optimizer is about to change them.
 function Recipe:update(group)
   local n = #self.layers
   if n == 0 then return end
   local metas = {}
-  for i, st in ipairs(self.layers) do metas[i] = st.meta:view({ 1, 3, 3 }) end
+  for i, st in ipairs(self.layers) do
+    metas[i] = st.meta:view({ 1, 3, 3 })
+    st.weight = nil
+  end
   local all = n > 1 and ds.cat(metas, 1) or metas[1]:clone()
-  if ds.comm and ds.comm.world_size() > 1 then ds.comm.all_reduce(all, 'max', { group = group }) end
+  if ds.comm and ds.comm.world_size() > 1 then
+    ds.comm.all_reduce(all, 'max', { group = group })
+    local tg = self.tensor_group
+    if tg and tg:size() > 1 then ds.comm.all_reduce(all, 'max', { group = tg, log_name = M.LOG }) end
+  end
   local host = all:to('cpu'):totable()
   for i, st in ipairs(self.layers) do
     local rows = host[i]
@@ -220,14 +272,36 @@ function Recipe:load_state_dict(s)
   end
 end
 
--- Registers every Linear of model in fp8 (those without `fp8 = false`)
--- under its name, in module order: the engine's layers, ready for
--- checkpoints before the first forward.
+-- Whether module m runs in fp8 in the scope: an nn.Linear or a tensor-
+-- parallel linear not marked fp8 = false.
+function M.runs(m)
+  local cls, nn = getmetatable(m), ds.nn
+  return (cls == nn.Linear or cls == nn.ColumnParallelLinear or cls == nn.RowParallelLinear)
+         and rawget(m, 'fp8') ~= false
+end
+
+-- The layer state of m, a tensor-parallel linear over group g: its amaxes
+-- agree over g at each update too.
+function Recipe:parallel_layer(m, g, name)
+  if g and g:size() > 1 then self.tensor_group = g end
+  return self:layer(m, name)
+end
+
+-- What of a Linear's casts hold this rank's tokens under sequence
+-- parallelism (ds.sequence): its input and output gradient. Each agrees
+-- its amax over the sequence group under current scaling, so the codes are
+-- those of the whole sequences (a replicated tensor's max is its own).
+M.TOKENS = { input = true, grad_output = true }
+
+-- Registers every linear of model in fp8 (M.runs) under its name, in
+-- module order: the engine's layers, ready for checkpoints before the
+-- first forward; a model's sequence group (sequence_parallel) noted.
 function Recipe:register(model)
-  local Linear = ds.nn.Linear
+  local seq = rawget(model, 'seq')
+  if seq and seq.size > 1 then self.sequence_group = seq.group end
   for _, e in ipairs(model:named_modules()) do
     local m = e[2]
-    if getmetatable(m) == Linear and m.fp8 ~= false then self:layer(m, e[1]) end
+    if M.runs(m) then self:parallel_layer(m, rawget(m, 'group'), e[1]) end
   end
   return self
 end

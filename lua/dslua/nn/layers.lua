@@ -29,7 +29,9 @@ end
 -- In fp8 inside ds.fp8.autocast, unless the module says fp8 = false.
 function Linear:forward(x)
   local r = fp8.active()
-  if r and rawget(self, 'fp8') ~= false then return fp8.linear(r, r:layer(self), x, self.weight, self.bias) end
+  if r and rawget(self, 'fp8') ~= false then
+    return fp8.linear(r, r:layer(self), x, self.weight, self.bias, r.sequence_group, fp8.TOKENS)
+  end
   return ds.linear(x, self.weight, self.bias)
 end
 

@@ -25,6 +25,7 @@
 local ds = require 'dslua'
 local C = require 'dslua.core'
 local base = require 'dslua.nn.module'
+local fp8 = require 'dslua.nn.fp8'
 local nn, fmt, options, Module = base.nn, base.fmt, base.options, base.Module
 
 local M = {}
@@ -135,6 +136,28 @@ end
 
 ---------------------------------------------------------------- layers
 
+-- What of a parallel linear's fp8 casts is split over its tensor group
+-- (the rest every rank holds whole): a column-parallel layer's weight and
+-- output gradient (its columns), a row-parallel layer's weight and input
+-- (its rows of the sum); the column's input (copied into the region) and
+-- the row's output gradient (of the all-reduced output) are replicated.
+local COLUMN_SPLIT = { weight = true, grad_output = true }
+local ROW_SPLIT = { weight = true, input = true }
+
+-- x w^T (+ b): in fp8 inside ds.fp8.autocast unless the layer says fp8 =
+-- false, each split cast with one scale over the group
+local function product(self, x, b, split)
+  local r = fp8.active()
+  if not (r and fp8.runs(self)) then return ds.linear(x, self.weight, b) end
+  local g = self.group
+  return fp8.linear(r, r:parallel_layer(self, g), x, self.weight, b, size_of(g) > 1 and g or nil, split)
+end
+
+-- a Linear marked fp8 = false (an lm_head) stays so once split
+local function keep_fp8_mark(self, full)
+  if rawget(full, 'fp8') == false then self.fp8 = false end
+end
+
 local ColumnParallelLinear = Module:extend('ColumnParallelLinear')
 nn.ColumnParallelLinear = ColumnParallelLinear
 M.ColumnParallelLinear = ColumnParallelLinear
@@ -169,6 +192,7 @@ function ColumnParallelLinear:init(a, b, c)
   divides(full.out_features, g, 'ColumnParallelLinear', 'out_features')
   self.group, self.gather_output, self.stride, self.copy_input = g, opts.gather_output, opts.stride, opts.copy_input
   self.in_features, self.out_features = full.in_features, full.out_features
+  keep_fp8_mark(self, full)
   self.weight = shard(full.weight, 1, g, self.stride)
   self.tp_split = { weight = { axis = 1, stride = self.stride } }
   if full.bias then
@@ -179,7 +203,7 @@ end
 
 function ColumnParallelLinear:forward(x)
   if self.copy_input then x = M.copy_to_region(x, self.group) end
-  local y = ds.linear(x, self.weight, self.bias)
+  local y = product(self, x, self.bias, COLUMN_SPLIT)
   return self.gather_output and M.gather_from_region(y, self.group) or y
 end
 
@@ -204,6 +228,7 @@ function RowParallelLinear:init(a, b, c)
   divides(full.in_features, g, 'RowParallelLinear', 'in_features')
   self.group, self.input_is_parallel = g, opts.input_is_parallel
   self.in_features, self.out_features = full.in_features, full.out_features
+  keep_fp8_mark(self, full)
   self.weight = shard(full.weight, 2, g)
   self.tp_split = { weight = { axis = 2, stride = 1 } }
   if full.bias then self.bias = ds.no_grad(function() return full.bias:detach():clone():requires_grad_(true) end) end
@@ -211,7 +236,7 @@ end
 
 function RowParallelLinear:forward(x)
   if not self.input_is_parallel then x = M.scatter_to_region(x, self.group) end
-  local y = M.reduce_from_region(ds.linear(x, self.weight), self.group)
+  local y = M.reduce_from_region(product(self, x, nil, ROW_SPLIT), self.group)
   if self.bias then y = y + self.bias end
   return y
 end
