@@ -229,6 +229,26 @@ describe('fp8 linear', function()
     H.assert_same(shared.weight.grad, one.weight.grad + two.weight.grad, 'weight gradient')
   end)
 
+  it('keeps its input for backward only as codes and scales: the 16-bit tensor goes after forward', function()
+    local settle = require('dslua.engine.report').settle_garbage
+    ds.manual_seed(10)
+    local lin = ds.nn.Linear(1024, 8, { bias = false })
+    local base = ds.randn({ 256, 1024 }):requires_grad_(true)
+    local x = base * 2                  -- an activation of 1 MiB; its codes are a quarter of it
+    settle()
+    local before = ds.memory_stats().current.total
+    local y = ds.fp8.autocast(ds.fp8.recipe { recipe = 'current' }, function() return lin(x) end)
+    x = nil
+    settle()
+    local after = ds.memory_stats().current.total
+    assert(after < before, string.format('the graph holds %d bytes more, x among them', after - before))
+    y:sum():backward()                  -- from the codes: each row 2 (1 ... 1) w, the same for every row
+    local g = base.grad
+    assert.same({ 256, 1024 }, g:size())
+    H.assert_same(g, g:narrow(1, 1, 1) * ds.ones({ 256, 1 }))
+    assert.is_true(g:abs():amax():item() > 0)
+  end)
+
   it('leaves a Linear marked fp8 = false, and runs in no other scope', function()
     ds.manual_seed(6)
     local lin, off = ds.nn.Linear(16, 8), ds.nn.Linear(16, 8)
