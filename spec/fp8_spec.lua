@@ -102,6 +102,24 @@ describe('fp8 codes', function()
   end)
 end)
 
+describe('fp8 amaxes over a group', function()
+  it("takes max |x| (NaN left out, as the cast's), and casts with the scale of a given amax", function()
+    local x = ds.tensor({ { 1, -6, 0 / 0 }, { 2.5, 0, -1 } })
+    assert.same({ 6 }, C.fp8_amax(x):totable())
+    assert.same({ 6 }, C.fp8_amax(x:to('bf16')):totable())
+    ds.manual_seed(4)
+    local y = ds.randn({ 16, 8 })
+    local given = ds.tensor({ y:abs():amax():item() * 3 })     -- another rank's piece is larger
+    local meta = ds.tensor({ 1, 1, 0 })
+    local q = C.fp8_cast(y, meta, 'e4m3', true, 1, given)
+    local s = C.fp8_scale(given:item(), 'e4m3', 1)
+    assert.equal(s, meta:totable()[1])
+    local scaled, codes = (y * s):reshape({ -1 }):totable(), q:reshape({ -1 }):totable()
+    for i = 1, #codes do assert.equal(encode_ref(scaled[i], 'e4m3'), codes[i], 'element ' .. i) end
+    H.fails_plain('fp8_cast: amax must be f32 [1], got f32 [2]', C.fp8_cast, y, meta, 'e4m3', true, 0, ds.ones({ 2 }))
+  end)
+end)
+
 -- C = A B^T against f64 with A and B cast under current scaling. A
 -- factor x comes back as Q(fl(x s)) / s: the f32 product x s rounds by at
 -- most 2^-24, the cast by the format's unit roundoff u (or, below its

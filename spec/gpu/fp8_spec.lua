@@ -33,6 +33,22 @@ describe('#gpu fp8 on the GPU', function()
     end
   end)
 
+  it("takes max |x| as the CPU does, and a cast's scale from a given amax", function()
+    ds.manual_seed(23)
+    for _, dtype in ipairs({ 'f32', 'bf16' }) do
+      local x = (ds.randn({ 129, 70 }) * 3):to(dtype)
+      local ac, ag = C.fp8_amax(x), C.fp8_amax(x:to('cuda'))
+      H.assert_same(ag:to('cpu'), ac, dtype .. ' amax')
+      local given = ac * 4                              -- a group's larger max
+      local mc, mg = meta('cpu'), meta('cuda')
+      local qc, qg = C.fp8_cast(x, mc, 'e4m3', true, 0, given), C.fp8_cast(x:to('cuda'), mg, 'e4m3', true, 0,
+                                                                           given:to('cuda'))
+      H.assert_same(qg:to('cpu'), qc, dtype .. ' codes')
+      H.assert_same(mg:to('cpu'), mc, dtype .. ' meta')
+      assert.equal(C.fp8_scale(given:item(), 'e4m3', 0), mc:totable()[1])
+    end
+  end)
+
   -- The products of codes are exact in f32 on both sides; the sums are
   -- not alike: the CPU's is f32's (within gamma_k = k u / (1 - k u), u =
   -- 2^-24, of the sum of the products' magnitudes), Hopper's fp8 tensor
