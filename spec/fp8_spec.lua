@@ -427,6 +427,24 @@ describe('fp8 state', function()
   end)
 end)
 
+describe('fp8 loaded scales', function()
+  it("casts a layer's weight anew after a load: the codes of the loaded scale", function()
+    ds.manual_seed(14)
+    local lin = ds.nn.Linear(8, 4, { bias = false })
+    local x = ds.randn({ 2, 8 })
+    local r = ds.fp8.recipe { amax_history_len = 3 }
+    ds.fp8.autocast(r, function() return lin(x) end)         -- the weight's codes at scale 1
+    local s = r:state_dict()
+    s.layers['linear.1'].weight.scale, s.layers['linear.1'].weight.scale_inv = 64, 1 / 64
+    r:load_state_dict(s)
+    local fresh = ds.fp8.recipe { amax_history_len = 3 }
+    fresh:layer(lin)
+    fresh:load_state_dict(s)
+    H.assert_same(ds.fp8.autocast(r, function() return lin(x) end),
+                  ds.fp8.autocast(fresh, function() return lin(x) end))
+  end)
+end)
+
 describe('fp8 config', function()
   it('checks the fp8 block, naming the key', function()
     local base = { train_micro_batch_size_per_gpu = 1 }

@@ -30,7 +30,8 @@ local Recipe = {}
 Recipe.__index = Recipe
 
 -- ds.fp8.recipe(opts) -> a recipe: the "fp8" block's keys (enabled true
--- unless given), a wrong key or value an error naming it.
+-- unless given), a wrong key or value an error naming it. weight_casts
+-- counts the casts of weights it made.
 function M.recipe(opts)
   if opts ~= nil and type(opts) ~= 'table' then error('ds.fp8.recipe: expected a table, got ' .. type(opts), 2) end
   local given = {}
@@ -49,7 +50,8 @@ function M.recipe(opts)
 end
 
 -- The state of a layer's three casts: meta [3, 3] on the weight's device,
--- a row (scale, scale_inv, amax) per cast, and each cast's amax history.
+-- a row (scale, scale_inv, amax) per cast, each cast's amax history, and
+-- (weight) the step's codes of the weight.
 local function new_layer(name, w)
   local meta = ds.tensor({ { 1, 1, 0 }, { 1, 1, 0 }, { 1, 1, 0 } }, 'f32')
   if w:device() ~= 'cpu' then meta = meta:to(w:device()) end
@@ -265,6 +267,7 @@ function Recipe:load_state_dict(s)
     end
     local t = ds.tensor(rows, 'f32')
     st.meta:copy_(st.meta:device() ~= 'cpu' and t:to(st.meta:device()) or t)
+    st.weight = nil         -- cast with the scale before
   end
   for name in pairs(s.layers) do
     if not seen[name] then error('fp8: the checkpoint has an amax history for layer ' .. name
