@@ -365,6 +365,24 @@ describe('fp8 weights under gradient accumulation', function()
     end)
   end
 
+  it('the engine casts each weight once per step at ZeRO stages 0-3 in bf16 with accumulation', function()
+    for zero = 0, 3 do
+      ds.manual_seed(1)
+      local model = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 2, n_head = 2, n_embd = 16 }
+      local engine = ds.initialize { model = model, config = {
+        train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = 3, steps_per_print = 1e9,
+        bf16 = { enabled = true }, fp8 = { enabled = true }, zero_optimization = { stage = zero },
+        optimizer = { type = 'AdamW', params = { lr = 1e-3 } } } }
+      for _ = 1, 2 * 3 do
+        local ids = (ds.rand(2, 9) * 31.99):to('i64')
+        engine:backward(engine { x = ids:narrow(2, 1, 8):contiguous(), y = ids:narrow(2, 2, 8):contiguous() })
+        engine:step()
+      end
+      assert.equal(2 * #engine.fp8.layers, engine.fp8.weight_casts, 'ZeRO ' .. zero)
+      engine:destroy()
+    end
+  end)
+
   it('casts a weight anew when it changes between micro batches', function()
     ds.manual_seed(13)
     local lin = ds.nn.Linear(16, 8, { bias = false })
@@ -534,12 +552,17 @@ describe('fp8 with the engine', function()
       return n
     end
 
-    it('trains GPT-2 and Llama at tensor degree 2, and 2 x data 2 with ZeRO 1, as one rank does', function()
+    it('trains GPT-2 and Llama at tensor degree 2, and 2 x data 2 with ZeRO 1 and 3, as one rank does', function()
       for _, c in ipairs({ { kind = 'gpt2', layers = 8 }, { kind = 'llama', layers = 14 } }) do
         local k = c.kind
         local function run(args, np) return lm(dir .. '/' .. np .. '.json', args, np, k) end
-        H.same_training(run('fp8=2', 1), run('fp8=2 tp=2', 2), k .. ' tensor 2, current scaling')
-        H.same_training(run('fp8=2 gas=2', 1), run('fp8=2 tp=2 zero=1', 4), k .. ' tensor 2 x data 2, current')
+        local whole = run('fp8=2', 1)
+        H.same_training(whole, run('fp8=2 tp=2', 2), k .. ' tensor 2, current scaling')
+        local two_halves = run('fp8=2 gas=2', 1)
+        H.same_training(two_halves, run('fp8=2 tp=2 zero=1', 4), k .. ' tensor 2 x data 2, current')
+        H.same_training(two_halves, run('fp8=2 tp=2 zero=3', 4), k .. ' tensor 2 x data 2, ZeRO 3, current')
+        -- the recomputing backward casts (and agrees amaxes) as the forward did
+        H.same_training(whole, run('fp8=2 tp=2 recompute=1', 2), k .. ' tensor 2 recomputed, current')
         local one, two = run('fp8=1', 1), run('fp8=1 tp=2', 2)
         H.same_training(one, two, k .. ' tensor 2, delayed scaling')
         assert.equal(c.layers, same_scales(one, two, { 'input', 'weight', 'grad_output' }, k .. ' tensor 2'))
