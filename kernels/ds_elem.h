@@ -105,6 +105,12 @@ DS_HOSTDEV float ds_gelu_tanh_grad_f(float x) {
     return ds_gelu_tanh_grad_from_s(x, 1.0f / (1.0f + ds_expf(-2.0f * u)));
 }
 
+/* Whether ds_unary_derivative reads y: the others need only x, so their
+ * nodes need not keep the output alive for backward. */
+DS_HOSTDEV bool ds_unary_reads_out(ds_unary_op op) {
+    return op == DS_UN_EXP || op == DS_UN_SQRT || op == DS_UN_RSQRT || op == DS_UN_TANH || op == DS_UN_SIGMOID;
+}
+
 /* d op(x)/dx, given x and y = op(x) */
 DS_HOSTDEV double ds_unary_derivative(ds_unary_op op, double x, double y, double p) {
     switch (op) {

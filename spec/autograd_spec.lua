@@ -279,6 +279,25 @@ describe('autograd memory', function()
     assert.are.equal('mul', y.grad_fn)
   end)
 
+  -- GELU's derivative reads its input alone: its node keeps x, and its
+  -- output goes with its last user; exp's reads the output, which stays.
+  it('keeps a unary op\'s output for backward only where its derivative reads it', function()
+    local x = ds.randn(256, 1024):requires_grad_()
+    local out = 256 * 1024 * 4
+    for _, c in ipairs({ { 'gelu', false }, { 'silu', false }, { 'exp', true }, { 'tanh', true } }) do
+      local base = mem()
+      local loss = ds[c[1]](x):sum()                      -- sum's backward keeps nothing of its input
+      local held = mem().total - base.total
+      if c[2] then
+        assert.is_true(held >= out, c[1] .. ' keeps its output: ' .. held)
+      else
+        assert.is_true(held < out, c[1] .. ' holds ' .. held .. ' bytes, its output among them')
+      end
+      loss:backward()
+      x.grad = nil
+    end
+  end)
+
   it('frees activations during backward while parameters stay', function()
     local base = mem()
     local w1 = ds.randn(64, 256, 'f32'):set_category('parameters'):requires_grad_()

@@ -1,5 +1,6 @@
 #include "ds_ops.h"
 #include "ds_error.h"
+#include "ds_elem.h"
 
 #include <string.h>
 
@@ -226,7 +227,8 @@ ds_tensor *ds_unary(ds_unary_op op, ds_tensor *x, double param) {
     if (n) {
         n->i[0] = op;
         n->f[0] = param;
-        if (ds_node_save(n, 0, x) || ds_node_save(n, 1, out)) {
+        /* x again where the derivative reads x alone: the output goes when its users are done */
+        if (ds_node_save(n, 0, x) || ds_node_save(n, 1, ds_unary_reads_out(op) ? out : x)) {
             ds_tensor_release(out);
             return NULL;
         }
