@@ -1,63 +1,198 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, under 8 minutes, on a GPU machine: the report,
-# the staged path's primitives with device tensors (ranks sharing the
-# GPU), the multi-rank specs with device tensors over MPI and over NCCL's
-# backend with the NCCL test double (spec/gpu/multirank_spec.lua), the
-# rest of the GPU suite (spec/gpu, every example among it), GPT-2's main
-# bench/gpu.sh row against PyTorch, and bench/staged.sh. Each part runs
-# under its own time limit, cut to what is left of 450 s; its log and a
-# line in summary.txt go under $OUT (default: device_check/);
-# DEVICE_CHECK_SECONDS changes the 450.
+# The GPU checks in one run of 420 s on a GPU machine, the most important
+# evidence first:
+#   1. the report;
+#   2. side by side, three lanes sharing the GPU: the C tests with a GPU
+#      case (build/test_zero: ZeRO-Offload's pipeline on the copy stream),
+#      then the GPU suite (fp8, ZeRO and GPT-2 first, then every op
+#      against the CPU with TF32 attention, then the rest, every example
+#      among it); the staged path's primitives with device tensors, then
+#      the multi-rank specs over MPI; the multi-rank specs over NCCL's
+#      backend with the NCCL test double (spec/gpu/multirank_spec.lua);
+#   3. one after another, alone on the GPU: GPT-2 124M in bf16 at B=16
+#      (dslua and PyTorch eager), fp32 under TF32 at B=8 (both), fp8 at
+#      B=16, the real vocab 50257 at B=16 (against 50304), GPT-2 XL with
+#      ZeRO-Offload against without (bench/gpu.lua), bench/staged.sh.
+# Each part runs under its own time limit, cut to what is left of the
+# budget (DEVICE_CHECK_SECONDS, default 420); a part cut, timed out or
+# left out for want of time says so. Its log and a line in summary.txt go
+# under $OUT (default: device_check/), then the bench rows' table.
 #
-# Here: scripts/build.sh (a CUDA build: nvcc), then from the project root
+#   bash scripts/device_check.sh --plan   the parts and their limits, and a
+#       check (exit status 1) that every file they run exists, that every
+#       C test asking for a GPU is run and that the limits fit the budget
+#   DEVICE_CHECK_PARTS='bench_xl bench_xl_offload'   only these parts (a second try)
+#
+# Here: scripts/build.sh (a CUDA build: nvcc), echo /.device/ >>
+# .git/info/exclude once, then from the project root
 #   ../shared/device/bundle.sh
-# There (carry .device and build/libnccl_double.so):
-#   bash scripts/device_check.sh
+# There, in one call (carry: .device and build/libnccl_double.so):
+#   run(command="bash scripts/device_check.sh",
+#       carry=[".device", "build/libnccl_double.so"], timeout_s=480)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-out=${OUT:-device_check}
-mkdir -p "$out"
-# shellcheck disable=SC1091  # made by ../shared/device/bundle.sh
-if [[ -f .device/env.sh ]]; then . .device/env.sh; fi
-busted=${BUSTED:-/usr/bin/busted}
-summary=$out/summary.txt
-: > "$summary"
+mode=run
+case ${1:-} in
+--plan) mode=plan ;;
+'') ;;
+*)
+    echo "usage: bash scripts/device_check.sh [--plan]" >&2
+    exit 2
+    ;;
+esac
 start=$(date +%s)
-budget=${DEVICE_CHECK_SECONDS:-450}
+budget=${DEVICE_CHECK_SECONDS:-420}
+parts=${DEVICE_CHECK_PARTS:-}
+only=" ${parts//,/ } "
+out=${OUT:-device_check}
+summary=$out/summary.txt
+if [[ $mode == run ]]; then
+    mkdir -p "$out"
+    : > "$summary"
+    # shellcheck disable=SC1091  # made by ../shared/device/bundle.sh
+    if [[ -f .device/env.sh ]]; then . .device/env.sh; fi
+fi
+busted=${BUSTED:-/usr/bin/busted}
 
-# part NAME SECONDS COMMAND...: runs it with its log in $out/NAME.log and
-# writes its exit status, time and busted's tally (or last line) to the summary
+planned=0     # seconds of the plan: parts one after another, the longest lane of each side-by-side group
+lane=-        # the lane a part runs in (- outside side-by-side groups)
+lane_s=0
+ran=          # every command of the plan, for the checks
+problems=()
+
+# Files under the project's folders that a part runs must exist.
+need_files() {
+    local name=$1 a
+    shift
+    for a; do
+        a=${a#--*=}
+        if [[ $a =~ ^(spec|bench|tests|scripts|examples)/ && ! -e $a ]]; then
+            problems+=("part $name runs $a, which does not exist")
+        fi
+    done
+}
+
+# A line of the summary (and of the output).
+say() { printf '%s\n' "$*" | tee -a "$summary"; }
+
+# part NAME SECONDS COMMAND...: in the plan a line; else, where asked, the
+# command under its limit (cut to what is left of the budget), its log in
+# $out/NAME.log and a line in the summary: ok, FAIL, CUT (timed out or
+# left out) or NOGPU (passed without seeing the GPU), its exit status,
+# time, and busted's tally (or the log's last line).
 part() {
-    local name=$1 limit=$2 left t0 rc tally
+    local name=$1 limit=$2 want left t0 rc tally state cut=
     shift 2
-    left=$((budget - ($(date +%s) - start)))
-    if ((left < 10)); then
-        printf '%-22s skipped: the %d s budget is spent\n' "$name" "$budget" | tee -a "$summary"
+    need_files "$name" "$@"
+    ran+=" $* "
+    if [[ $mode == plan ]]; then
+        printf '%-6s %-22s %4d s  %s\n' "$lane" "$name" "$limit" "$*"
+        if [[ $lane == - ]]; then ((planned += limit)); else ((lane_s += limit)); fi
         return
     fi
-    ((limit > left)) && limit=$left
+    [[ $only == "  " || $only == *" $name "* ]] || return 0
+    left=$((budget - ($(date +%s) - start)))
+    if ((left < 10)); then
+        say "$(printf 'CUT   %-22s left out: %d s of the %d s budget left' "$name" "$left" "$budget")"
+        return
+    fi
+    want=$limit
+    if ((limit > left)); then limit=$left cut=" (cut from $want s)"; fi
     t0=$(date +%s)
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
     rc=$?
-    tally=$(grep -E '^[0-9]+ successes? / ' "$out/$name.log" | tail -1)
+    tally=$(grep -E '^[0-9]+ success(es)? / ' "$out/$name.log" | tail -1)
     [[ -z $tally ]] && tally=$(tail -1 "$out/$name.log")
-    ((rc == 124)) && tally="timed out after $limit s; $tally"
-    printf '%-22s rc=%-3s %4d s  %s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$tally" | tee -a "$summary"
+    state=ok
+    ((rc != 0)) && state=FAIL
+    if ((rc == 124 || rc == 137)); then
+        state=CUT tally="timed out after $limit s$cut${tally:+; $tally}"
+    elif ((rc == 0)) && grep -qE 'skipped: no CUDA device|on a GPU skipped' "$out/$name.log"; then
+        state=NOGPU
+    fi
+    say "$(printf '%-5s %-22s rc=%-3s %4d s  %s' "$state" "$name" "$rc" "$(($(date +%s) - t0))" "$tally")"
+}
+
+# lanes FUNCTION...: each function's parts one after another, the
+# functions side by side (in the plan the longest counts)
+lanes() {
+    local f longest=0
+    for f; do
+        lane=$f lane_s=0
+        if [[ $mode == plan ]]; then
+            "$f"
+            ((lane_s > longest)) && longest=$lane_s
+        else
+            "$f" &
+        fi
+    done
+    lane=-
+    if [[ $mode == plan ]]; then ((planned += longest)); else wait; fi
 }
 
 gpu=(build/dslua "$busted" --tags=gpu --exclude-tags=none)
-other=()
-for f in spec/gpu/*_spec.lua; do [[ $f == */multirank_spec.lua ]] || other+=("$f"); done
+first=(spec/gpu/fp8_spec.lua spec/gpu/zero_spec.lua spec/gpu/gpt2_spec.lua)
+rest=()
+for f in spec/gpu/*_spec.lua; do
+    case " ${first[*]} spec/gpu/ops_spec.lua spec/gpu/multirank_spec.lua " in
+    *" $f "*) ;;
+    *) rest+=("$f") ;;
+    esac
+done
 
+suite() {
+    part c_test_zero 20 build/test_zero
+    part gpu_first 40 "${gpu[@]}" "${first[@]}"
+    part gpu_ops 60 "${gpu[@]}" spec/gpu/ops_spec.lua
+    part gpu_rest 75 "${gpu[@]}" "${rest[@]}"
+}
+# one thread a rank, 2-4 ranks each, one GPU
+mpi() {
+    part primitives 40 "${gpu[@]}" --filter='primitive' spec/gpu/multirank_spec.lua
+    part multirank_mpi 155 "${gpu[@]}" --filter='over MPI %(staged%)' spec/gpu/multirank_spec.lua
+}
+nccl() {
+    part multirank_nccl 195 "${gpu[@]}" --filter='over NCCL %(the test double%)' spec/gpu/multirank_spec.lua
+}
+
+if [[ $mode == run ]]; then
+    say "device check $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git describe --always --dirty 2>/dev/null || echo unknown)," \
+        "budget $budget s${parts:+, parts: $parts}"
+    say "GPU: $(nvidia-smi -L 2>/dev/null | head -1)"
+    # the plan's complaints (a file missing, the budget exceeded) head the summary; the parts still run
+    bash scripts/device_check.sh --plan 2>&1 >/dev/null | tee -a "$summary"
+fi
 part report 10 build/dslua --report
-part staged_primitives 50 "${gpu[@]}" --filter='primitive' spec/gpu/multirank_spec.lua
-# the two paths side by side: one thread a rank, 2-4 ranks each, one GPU
-part multirank_mpi 240 "${gpu[@]}" --filter='over MPI %(staged%)' spec/gpu/multirank_spec.lua &
-part multirank_nccl_double 240 "${gpu[@]}" --filter='over NCCL %(the test double%)' spec/gpu/multirank_spec.lua &
-wait
-part gpu_suite 60 "${gpu[@]}" "${other[@]}"
-part bench_gpt2_dslua 20 build/dslua bench/gpu.lua train 8 bf16 50304
-part bench_gpt2_torch 20 python3 bench/gpu_torch.py train 8 bf16 50304
-part bench_staged 20 bash bench/staged.sh -q
-grep -h '^result' "$out"/bench_*.log >> "$summary" 2>/dev/null
-echo "total $(($(date +%s) - start)) s" | tee -a "$summary"
+lanes suite mpi nccl
+part bench_bf16 20 build/dslua bench/gpu.lua train 16 bf16 50304
+part bench_bf16_torch 25 python3 bench/gpu_torch.py train 16 bf16 50304
+part bench_tf32 20 build/dslua bench/gpu.lua train 8 tf32 50304
+part bench_tf32_torch 25 python3 bench/gpu_torch.py train 8 tf32 50304
+part bench_fp8 20 build/dslua bench/gpu.lua train 16 fp8 50304
+part bench_vocab50257 20 build/dslua bench/gpu.lua train 16 bf16 50257
+part bench_xl 25 build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl quick
+part bench_xl_offload 45 build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl offload quick
+part staged 15 bash bench/staged.sh -q
+
+if [[ $mode == plan ]]; then
+    # the C tests that look for a GPU of their own
+    for f in tests/test_*.c tests/test_*.cc; do
+        t=${f##*/}
+        t=build/${t%.*}
+        if grep -q 'ds_cuda_device_count' "$f" && [[ $ran != *" $t "* ]]; then
+            problems+=("$f has a GPU case but no part runs $t")
+        fi
+    done
+    ((planned > budget)) && problems+=("the parts need $planned s, over the $budget s budget")
+    echo "planned $planned s of the $budget s budget (side by side lanes: the longest counts)"
+    if ((${#problems[@]})); then
+        printf 'device_check: %s\n' "${problems[@]}" >&2
+        exit 1
+    fi
+    exit 0
+fi
+if compgen -G "$out/bench_*.log" > /dev/null; then
+    cat "$out"/bench_*.log | awk -F'\t' -f bench/gpu_table.awk | tee -a "$summary"
+fi
+[[ -f $out/staged.log ]] && sed -n '/^cpu: /,$p' "$out/staged.log" | tee -a "$summary"
+say "total $(($(date +%s) - start)) s"
