@@ -54,9 +54,10 @@ if [[ $mode == run ]]; then
 fi
 busted=${BUSTED:-/usr/bin/busted}
 
-planned=0     # seconds of the plan: parts one after another, the longest lane of each side-by-side group
-lane=-        # the lane a part runs in (- outside side-by-side groups)
-lane_s=0
+planned=0     # the plan's clock: seconds from the start by which the parts so far are due to end
+lane=-        # the lane a part runs in (- outside lanes)
+lane_end=0    # in a lane: when its parts so far are due to end
+counting=     # set while lanes measures a lane
 ran=          # every command of the plan, for the checks
 problems=()
 
@@ -76,29 +77,33 @@ need_files() {
 say() { printf '%s\n' "$*" | tee -a "$summary"; }
 
 # part NAME SECONDS COMMAND...: in the plan a line; else, where asked, the
-# command under its limit (cut to what is left of the budget), its log in
-# $out/NAME.log and a line in the summary: ok, FAIL, CUT (timed out or
-# left out) or NOGPU (passed without seeing the GPU), its exit status,
-# time, and busted's tally (or the log's last line).
+# command under its limit, its log in $out/NAME.log and a line in the
+# summary: ok, FAIL, CUT (timed out or left out) or NOGPU (passed without
+# seeing the GPU), its exit status, time, and busted's tally (or the log's
+# last line). A part may also take what the parts before it in its lane
+# left unused; the budget cuts it.
 part() {
-    local name=$1 limit=$2 want left t0 rc tally state cut=
+    local name=$1 limit=$2 due now left t0 rc tally state cut=
     shift 2
+    if [[ $lane == - ]]; then ((due = planned += limit)); else ((due = lane_end += limit)); fi
+    [[ -n $counting ]] && return
     need_files "$name" "$@"
     ran+=" $* "
     if [[ $mode == plan ]]; then
         printf '%-6s %-22s %4d s  %s\n' "$lane" "$name" "$limit" "$*"
-        if [[ $lane == - ]]; then ((planned += limit)); else ((lane_s += limit)); fi
         return
     fi
     [[ $only == "  " || $only == *" $name "* ]] || return 0
-    left=$((budget - ($(date +%s) - start)))
-    if ((left < 10)); then
-        say "$(printf 'CUT   %-22s left out: %d s of the %d s budget left' "$name" "$left" "$budget")"
-        return
+    now=$(($(date +%s) - start))
+    left=$((due < budget ? due - now : budget - now))
+    if ((left < limit)); then
+        if ((left < 10)); then
+            say "$(printf 'CUT   %-22s left out: %d s left of its %d s' "$name" "$left" "$limit")"
+            return
+        fi
+        cut=" (cut from $limit s)"
     fi
-    want=$limit
-    if ((limit > left)); then limit=$left cut=" (cut from $want s)"; fi
-    t0=$(date +%s)
+    limit=$left t0=$(date +%s)
     timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
     rc=$?
     tally=$(grep -E '^[0-9]+ success(es)? / ' "$out/$name.log" | tail -1)
@@ -114,46 +119,57 @@ part() {
 }
 
 # lanes FUNCTION...: each function's parts one after another, the
-# functions side by side (in the plan the longest counts)
+# functions side by side; the plan's clock goes on from the longest
 lanes() {
-    local f longest=0
+    local f end=$planned
     for f; do
-        lane=$f lane_s=0
-        if [[ $mode == plan ]]; then
-            "$f"
-            ((lane_s > longest)) && longest=$lane_s
-        else
-            "$f" &
-        fi
+        lane=$f lane_end=$planned counting=1
+        "$f"
+        counting=
+        ((lane_end > end)) && end=$lane_end
+        lane_end=$planned
+        if [[ $mode == plan ]]; then "$f"; else "$f" & fi
     done
-    lane=-
-    if [[ $mode == plan ]]; then ((planned += longest)); else wait; fi
+    wait
+    lane=- planned=$end
 }
 
 gpu=(build/dslua "$busted" --tags=gpu --exclude-tags=none)
 first=(spec/gpu/fp8_spec.lua spec/gpu/zero_spec.lua spec/gpu/gpt2_spec.lua)
 rest=()
 for f in spec/gpu/*_spec.lua; do
-    case " ${first[*]} spec/gpu/ops_spec.lua spec/gpu/multirank_spec.lua " in
+    case " ${first[*]} spec/gpu/ops_spec.lua spec/gpu/examples_spec.lua spec/gpu/multirank_spec.lua " in
     *" $f "*) ;;
     *) rest+=("$f") ;;
     esac
 done
+# the specs spec/gpu/multirank_spec.lua runs on device ranks (its SPECS),
+# each over one path in its own part: seconds each (20 where not named)
+mapfile -t multirank < <(sed -n 's/^local SPECS = {\(.*\)}/\1/p' spec/gpu/multirank_spec.lua 2>/dev/null |
+    grep -o '[a-z0-9_]\+')
+((${#multirank[@]})) || problems+=("no SPECS list in spec/gpu/multirank_spec.lua")
+declare -A multirank_s=([ddp]=10 [zero]=25 [uneven]=10 [pipe]=25 [onebit]=30 [checkpoint]=45 [reload]=15 [tp]=10)
 
+# multirank PATH FILTER: each of those specs over one path
+multirank() {
+    local s
+    for s in "${multirank[@]}"; do
+        part "${1}_$s" "${multirank_s[$s]:-20}" "${gpu[@]}" --filter=" ${s}_spec over $2" spec/gpu/multirank_spec.lua
+    done
+}
 suite() {
-    part c_test_zero 20 build/test_zero
-    part gpu_first 40 "${gpu[@]}" "${first[@]}"
-    part gpu_ops 60 "${gpu[@]}" spec/gpu/ops_spec.lua
-    part gpu_rest 75 "${gpu[@]}" "${rest[@]}"
+    part c_test_zero 15 build/test_zero
+    part gpu_first 35 "${gpu[@]}" "${first[@]}"
+    part gpu_ops 45 "${gpu[@]}" spec/gpu/ops_spec.lua
+    part gpu_rest 45 "${gpu[@]}" "${rest[@]}"
+    part gpu_examples 60 "${gpu[@]}" spec/gpu/examples_spec.lua
 }
 # one thread a rank, 2-4 ranks each, one GPU
 mpi() {
-    part primitives 40 "${gpu[@]}" --filter='primitive' spec/gpu/multirank_spec.lua
-    part multirank_mpi 155 "${gpu[@]}" --filter='over MPI %(staged%)' spec/gpu/multirank_spec.lua
+    part primitives 30 "${gpu[@]}" --filter='primitive' spec/gpu/multirank_spec.lua
+    multirank mpi 'MPI %(staged%)'
 }
-nccl() {
-    part multirank_nccl 195 "${gpu[@]}" --filter='over NCCL %(the test double%)' spec/gpu/multirank_spec.lua
-}
+nccl() { multirank nccl 'NCCL %(the test double%)'; }
 
 if [[ $mode == run ]]; then
     say "device check $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git describe --always --dirty 2>/dev/null || echo unknown)," \
@@ -171,7 +187,7 @@ part bench_tf32_torch 25 python3 bench/gpu_torch.py train 8 tf32 50304
 part bench_fp8 20 build/dslua bench/gpu.lua train 16 fp8 50304
 part bench_vocab50257 20 build/dslua bench/gpu.lua train 16 bf16 50257
 part bench_xl 25 build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl quick
-part bench_xl_offload 45 build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl offload quick
+part bench_xl_offload 40 build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl offload quick
 part staged 15 bash bench/staged.sh -q
 
 if [[ $mode == plan ]]; then

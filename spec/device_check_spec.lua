@@ -12,9 +12,8 @@ local NEEDED = {
   { 'c_test_zero', 'build/test_zero' },
   { 'gpu_first', 'spec/gpu/fp8_spec.lua' },
   { 'gpu_ops', 'spec/gpu/ops_spec.lua' },
-  { 'primitives', "--filter=primitive spec/gpu/multirank_spec.lua" },
-  { 'multirank_mpi', '--filter=over MPI %(staged%)' },
-  { 'multirank_nccl', '--filter=over NCCL %(the test double%)' },
+  { 'gpu_examples', 'spec/gpu/examples_spec.lua' },
+  { 'primitives', '--filter=primitive spec/gpu/multirank_spec.lua' },
   { 'bench_bf16', 'build/dslua bench/gpu.lua train 16 bf16 50304' },
   { 'bench_bf16_torch', 'python3 bench/gpu_torch.py train 16 bf16 50304' },
   { 'bench_tf32', 'build/dslua bench/gpu.lua train 8 tf32 50304' },
@@ -25,6 +24,11 @@ local NEEDED = {
   { 'bench_xl_offload', 'build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl offload' },
   { 'staged', 'bash bench/staged.sh' },
 }
+-- the multi-rank specs on device ranks, over MPI and over the NCCL double
+for _, s in ipairs({ 'ddp', 'zero', 'uneven', 'pipe', 'onebit', 'checkpoint', 'reload', 'tp' }) do
+  NEEDED[#NEEDED + 1] = { 'mpi_' .. s, '--filter= ' .. s .. '_spec over MPI %(staged%) spec/gpu/multirank_spec.lua' }
+  NEEDED[#NEEDED + 1] = { 'nccl_' .. s, '--filter= ' .. s .. '_spec over NCCL %(the test double%) spec/gpu/multirank_spec.lua' }
+end
 
 -- The plan's parts in order: lane, name, seconds, command.
 local function parse_plan(out)
@@ -120,8 +124,9 @@ describe('scripts/device_check.sh', function()
     H.has(out, string.format('planned %d s of the 420 s budget', total))
     -- the lanes: the GPU suite, the MPI path, the NCCL double, side by side
     assert.are.equal(by_name.gpu_first.lane, by_name.c_test_zero.lane)
-    assert.are_not.equal(by_name.c_test_zero.lane, by_name.multirank_mpi.lane)
-    assert.are_not.equal(by_name.multirank_mpi.lane, by_name.multirank_nccl.lane)
+    assert.are_not.equal(by_name.c_test_zero.lane, by_name.mpi_zero.lane)
+    assert.are_not.equal(by_name.mpi_zero.lane, by_name.nccl_zero.lane)
+    assert.are.equal('-', by_name.bench_xl_offload.lane)
     -- every GPU spec runs in some part
     local all = {}
     for _, p in ipairs(parts) do all[#all + 1] = p.cmd end
@@ -168,7 +173,7 @@ describe('scripts/device_check.sh', function()
     -- the first part of each lane starts before any of them ends
     local starts, ends = {}, {}
     for t, what, cmd in H.read(root .. '/calls'):gmatch('([%d.]+) (%a+) ([^\n]*)') do
-      if cmd:find('test_zero', 1, true) or cmd:find('filter=primitive', 1, true) or cmd:find('over NCCL', 1, true) then
+      if cmd:find('test_zero', 1, true) or cmd:find('filter=primitive', 1, true) or cmd:find('ddp_spec over NCCL', 1, true) then
         table.insert(what == 'start' and starts or ends, tonumber(t))
       end
     end
@@ -177,11 +182,11 @@ describe('scripts/device_check.sh', function()
   end)
 
   it('says in its summary which part the budget cut and which it left out', function()
-    local summary, out = fake_run("DEVICE_CHECK_SECONDS=12 FAKE_SLEEP=30 FAKE_SLOW='over NCCL'")
-    assert.matches('\nCUT +multirank_nccl +rc=124 +%d+ s  timed out after %d+ s %(cut from 195 s%)', summary)
-    assert.matches('\nok +gpu_rest +rc=0 ', summary)
-    for _, name in ipairs({ 'bench_bf16', 'bench_xl_offload', 'staged' }) do
-      assert.matches('\nCUT +' .. name .. ' +left out: %-?%d+ s of the 12 s budget left', summary)
+    local summary, out = fake_run("DEVICE_CHECK_SECONDS=12 FAKE_SLEEP=30 FAKE_SLOW='ops_spec'")
+    assert.matches('\nCUT +gpu_ops +rc=124 +%d+ s  timed out after %d+ s %(cut from 45 s%)', summary)
+    assert.matches('\nok +nccl_tp +rc=0 ', summary)     -- the other lanes ran on meanwhile
+    for _, name in ipairs({ 'gpu_rest', 'bench_bf16', 'bench_xl_offload', 'staged' }) do
+      assert.matches('\nCUT +' .. name .. ' +left out: %-?%d+ s left of its %d+ s', summary)
     end
     H.has(out, 'device_check: the parts need 420 s, over the 12 s budget')
   end)
