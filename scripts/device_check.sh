@@ -46,7 +46,6 @@ case ${1:-} in
     exit 2
     ;;
 esac
-start=$(date +%s)
 budget=${DEVICE_CHECK_SECONDS:-420}
 parts=${DEVICE_CHECK_PARTS:-}
 only=" ${parts//,/ } "
@@ -58,6 +57,7 @@ if [[ $mode == run ]]; then
     # shellcheck disable=SC1091  # made by ../shared/device/bundle.sh
     if [[ -f .device/env.sh ]]; then . .device/env.sh; fi
 fi
+start=$(date +%s)     # after the bundle's unpacking: timeout_s=480 leaves a minute for it
 busted=${BUSTED:-/usr/bin/busted}
 
 planned=0     # the plan's clock: seconds from the start by which the parts so far are due to end
