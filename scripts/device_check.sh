@@ -218,6 +218,7 @@ if [[ $mode == plan ]]; then
 fi
 if compgen -G "$out/bench_*.log" > /dev/null; then
     cat "$out"/bench_*.log | awk -F'\t' -f bench/gpu_table.awk | tee -a "$summary"
+    grep -h '^bench/gpu.lua: ' "$out"/bench_*.log | tee -a "$summary"    # ms a step and the last loss
 fi
 [[ -f $out/staged.log ]] && sed -n '/^cpu: /,$p' "$out/staged.log" | tee -a "$summary"
 say "total $(($(date +%s) - start)) s"
