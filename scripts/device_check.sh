@@ -163,7 +163,10 @@ multirank() {
         part "${1}_$s" "${multirank_s[$s]:-20}" "${gpu[@]}" --filter=" ${s}_spec over $2" spec/gpu/multirank_spec.lua
     done
 }
+# 4 threads for the CPU's side: the MPI lanes' ranks (a thread each) poll
+# busily, and OpenMP's threads on cores taken wait the longer
 suite() {
+    local -x DSLUA_NUM_THREADS=4 OMP_NUM_THREADS=4 OPENBLAS_NUM_THREADS=4
     part c_test_zero 15 build/test_zero
     part gpu_first 35 "${gpu[@]}" "${first[@]}"
     part gpu_ops 45 "${gpu[@]}" spec/gpu/ops_spec.lua

@@ -66,9 +66,10 @@ teardown(function()
 end)
 
 -- A copy of the project made of links to its folders' files, with
--- stand-ins for the binaries the parts run: each logs its start and end
--- to $root/calls, sleeps $FAKE_SLEEP where its command matches $FAKE_SLOW
--- (a grep pattern), then prints a busted tally and a bench result line.
+-- stand-ins for the binaries the parts run: each logs its start (with
+-- DSLUA_NUM_THREADS) and end to $root/calls, sleeps $FAKE_SLEEP where its
+-- command matches $FAKE_SLOW (a grep pattern), then prints a busted tally
+-- and a bench result line.
 local function fake_project()
   local root = H.tmpdir()
   dirs[#dirs + 1] = root
@@ -80,7 +81,7 @@ local function fake_project()
   local fake = root .. '/fake'
   local f = assert(io.open(fake, 'w'))
   f:write('#!/bin/sh\n',
-          'echo "$(date +%s.%N) start $0 $*" >> "$FAKE_ROOT/calls"\n',
+          'echo "$(date +%s.%N) start $0 $* threads=${DSLUA_NUM_THREADS:-}" >> "$FAKE_ROOT/calls"\n',
           'if echo "$0 $*" | grep -q "${FAKE_SLOW:-^$}"; then sleep "$FAKE_SLEEP"; fi\n',
           'echo "$(date +%s.%N) end $0 $*" >> "$FAKE_ROOT/calls"\n',
           'echo "1 success / 0 failures / 0 errors / 0 pending : 0.0 seconds"\n',
@@ -96,7 +97,8 @@ end
 
 -- Runs the script of the copy at root with env; its output and status.
 local function device_check(root, env, args)
-  return H.run(string.format('cd %s && FAKE_ROOT=%s PATH=%s/bin:$PATH OUT=%s/out %s bash scripts/device_check.sh %s',
+  return H.run(string.format('cd %s && unset DSLUA_NUM_THREADS && FAKE_ROOT=%s PATH=%s/bin:$PATH OUT=%s/out %s '
+                             .. 'bash scripts/device_check.sh %s',
                              root, root, root, root, env or '', args or ''))
 end
 
@@ -179,6 +181,11 @@ describe('scripts/device_check.sh', function()
     end
     assert.are.equal(3, #starts)
     assert.is_true(math.max(unpack(starts)) < math.min(unpack(ends)), H.read(root .. '/calls'))
+    -- the suite's lane on 4 threads beside the ranks, the benches on what they choose
+    local calls = H.read(root .. '/calls')
+    assert.truthy(calls:find('start build/dslua [^\n]*ops_spec.lua threads=4\n'), calls)
+    assert.truthy(calls:find('start build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl offload quick threads=\n', 1, true),
+                  calls)
   end)
 
   it('says in its summary which part the budget cut and which it left out', function()
