@@ -14,7 +14,8 @@
 #      B=16, the real vocab 50257 at B=16 (against 50304), GPT-2 XL with
 #      ZeRO-Offload against without (bench/gpu.lua), bench/staged.sh.
 # Each part runs under its own time limit (plus what the parts before it
-# in its lane left unused), cut to what is left of the budget
+# in its lane left unused, and in a lane shorter than the longest the
+# difference), cut to what is left of the budget
 # (DEVICE_CHECK_SECONDS, default 420). Its log goes to $OUT/NAME.log
 # (default: device_check/) and a line to $OUT/summary.txt: ok, FAIL, CUT
 # (timed out, or left out for want of time) or NOGPU (passed without
@@ -125,15 +126,20 @@ part() {
 }
 
 # lanes FUNCTION...: each function's parts one after another, the
-# functions side by side; the plan's clock goes on from the longest
+# functions side by side; the plan's clock goes on from the longest. A
+# shorter lane's clock starts late: its parts may take the difference.
 lanes() {
     local f end=$planned
+    local -A length
     for f; do
         lane=$f lane_end=$planned counting=1
         "$f"
         counting=
+        length[$f]=$((lane_end - planned))
         ((lane_end > end)) && end=$lane_end
-        lane_end=$planned
+    done
+    for f; do
+        lane=$f lane_end=$((end - length[$f]))
         if [[ $mode == plan ]]; then "$f"; else "$f" & fi
     done
     wait
