@@ -190,8 +190,9 @@ if [[ $mode == run ]]; then
     say "device check $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git describe --always --dirty 2>/dev/null || echo unknown)," \
         "budget $budget s${parts:+, parts: $parts}"
     say "GPU: $(nvidia-smi -L 2>/dev/null | head -1)"
-    # the plan's complaints (a file missing, the budget exceeded) head the summary; the parts still run
-    bash scripts/device_check.sh --plan 2>&1 >/dev/null | tee -a "$summary"
+    # the plan in $out/plan.txt; its complaints (a file missing, the budget
+    # exceeded) head the summary, and the parts still run
+    bash scripts/device_check.sh --plan 2>&1 >"$out/plan.txt" | tee -a "$summary"
 fi
 part report 10 build/dslua --report
 lanes suite mpi nccl

@@ -172,6 +172,7 @@ describe('scripts/device_check.sh', function()
       assert.matches('\nok +' .. need[1] .. ' +rc=0 +%d+ s  1 success / ', summary)
     end
     H.has(summary, 'bench/gpu.lua_train_4_bf16_50304_gpt2_xl_offload_quick')
+    H.has(H.read(root .. '/out/plan.txt'), 'planned 420 s of the 420 s budget')
     -- the first part of each lane starts before any of them ends
     local starts, ends = {}, {}
     for t, what, cmd in H.read(root .. '/calls'):gmatch('([%d.]+) (%a+) ([^\n]*)') do
