@@ -19,7 +19,8 @@
 # (DEVICE_CHECK_SECONDS, default 420). Its log goes to $OUT/NAME.log
 # (default: device_check/) and a line to $OUT/summary.txt: ok, FAIL, CUT
 # (timed out, or left out for want of time) or NOGPU (passed without
-# seeing the GPU); then the bench rows' table.
+# seeing the GPU); then the bench rows' table. Exit status 1 where a part
+# was not ok.
 #
 #   bash scripts/device_check.sh --plan   the parts and their limits; exit
 #       status 1 where a file a part runs is missing, a C test with a GPU
@@ -232,3 +233,5 @@ if compgen -G "$out/bench_*.log" > /dev/null; then
 fi
 [[ -f $out/staged.log ]] && sed -n '/^cpu: /,$p' "$out/staged.log" | tee -a "$summary"
 say "total $(($(date +%s) - start)) s"
+# exit status 1 where a part was not ok
+! grep -qE '^(FAIL|CUT|NOGPU) ' "$summary"

@@ -190,7 +190,8 @@ describe('scripts/device_check.sh', function()
   end)
 
   it('says in its summary which part the budget cut and which it left out', function()
-    local summary, out = fake_run("DEVICE_CHECK_SECONDS=24 FAKE_SLEEP=30 FAKE_SLOW='ops_spec\\|ddp_spec over NCCL'")
+    local summary, out, status = fake_run("DEVICE_CHECK_SECONDS=24 FAKE_SLEEP=30 FAKE_SLOW='ops_spec\\|ddp_spec over NCCL'")
+    assert.are.equal(1, status, out)
     assert.matches('\nCUT +gpu_ops +rc=124 +%d+ s  timed out after %d+ s %(cut from 45 s%)', summary)
     -- the NCCL lane, 30 s shorter than the suite's, lets its first part take them: more than its lane's
     -- clock would give it from the start (10 s after the report's 10)
