@@ -18,8 +18,8 @@
 # difference), cut to what is left of the budget
 # (DEVICE_CHECK_SECONDS, default 420). Its log goes to $OUT/NAME.log
 # (default: device_check/) and a line to $OUT/summary.txt: ok, FAIL, CUT
-# (timed out, or left out for want of time) or NOGPU (passed without
-# seeing the GPU); then the bench rows' table. Exit status 1 where a part
+# (timed out, or left out for want of time), NOGPU (passed without
+# seeing the GPU) or EMPTY (no test ran); then the bench rows' table. Exit status 1 where a part
 # was not ok.
 #
 #   bash scripts/device_check.sh --plan   the parts and their limits; exit
@@ -86,9 +86,9 @@ say() { printf '%s\n' "$*" | tee -a "$summary"; }
 
 # part NAME SECONDS COMMAND...: in the plan a line; else, where asked, the
 # command under its limit, its log in $out/NAME.log and a line in the
-# summary: ok, FAIL, CUT (timed out or left out) or NOGPU (passed without
-# seeing the GPU), its exit status, time, and busted's tally (or the log's
-# last line). A part may also take what the parts before it in its lane
+# summary: ok, FAIL, CUT (timed out or left out), NOGPU (passed without
+# seeing the GPU) or EMPTY (no test ran), its exit status, time, and
+# busted's tally (or the log's last line). A part may also take what the parts before it in its lane
 # left unused; the budget cuts it.
 part() {
     local name=$1 limit=$2 due now left t0 rc tally state cut=
@@ -122,6 +122,8 @@ part() {
         state=CUT tally="timed out after $limit s$cut${tally:+; $tally}"
     elif ((rc == 0)) && grep -qE 'skipped: no CUDA device|on a GPU skipped' "$out/$name.log"; then
         state=NOGPU
+    elif [[ $tally == "0 successes / "* ]]; then
+        state=EMPTY     # a filter whose tests are gone, or a describe's pending filtered out with them
     fi
     say "$(printf '%-5s %-22s rc=%-3s %4d s  %s' "$state" "$name" "$rc" "$(($(date +%s) - t0))" "$tally")"
 }
@@ -234,4 +236,4 @@ fi
 [[ -f $out/staged.log ]] && sed -n '/^cpu: /,$p' "$out/staged.log" | tee -a "$summary"
 say "total $(($(date +%s) - start)) s"
 # exit status 1 where a part was not ok
-! grep -qE '^(FAIL|CUT|NOGPU) ' "$summary"
+! grep -qE '^(FAIL|CUT|NOGPU|EMPTY) ' "$summary"

@@ -69,7 +69,7 @@ end)
 -- stand-ins for the binaries the parts run: each logs its start (with
 -- DSLUA_NUM_THREADS) and end to $root/calls, sleeps $FAKE_SLEEP where its
 -- command matches $FAKE_SLOW (a grep pattern), then prints a busted tally
--- and a bench result line.
+-- ($FAKE_TALLY successes, 1 by default) and a bench result line.
 local function fake_project()
   local root = H.tmpdir()
   dirs[#dirs + 1] = root
@@ -84,7 +84,7 @@ local function fake_project()
           'echo "$(date +%s.%N) start $0 $* threads=${DSLUA_NUM_THREADS:-}" >> "$FAKE_ROOT/calls"\n',
           'if echo "$0 $*" | grep -q "${FAKE_SLOW:-^$}"; then sleep "$FAKE_SLEEP"; fi\n',
           'echo "$(date +%s.%N) end $0 $*" >> "$FAKE_ROOT/calls"\n',
-          'echo "1 success / 0 failures / 0 errors / 0 pending : 0.0 seconds"\n',
+          'echo "${FAKE_TALLY:-1 success} / 0 failures / 0 errors / 0 pending : 0.0 seconds"\n',
           'printf "result\\tdslua\\tfake\\t%s\\t1\\ttokens/s\\n" "$(echo "$*" | tr " " _)"\n')
   f:close()
   for _, to in ipairs({ 'build/dslua', 'build/test_zero', 'bin/python3' }) do
@@ -210,6 +210,13 @@ describe('scripts/device_check.sh', function()
     assert.matches('\nok +bench_fp8 ', summary)
     assert.matches('\nok +staged ', summary)
     assert.is_nil(summary:find('report', 1, true), summary)
-    assert.is_nil(summary:find('multirank', 1, true), summary)
+    assert.is_nil(summary:find('mpi_', 1, true), summary)
+  end)
+
+  it('says a part in which no test ran, and exits with status 1', function()
+    -- a filter that matches nothing takes a describe's pending (no GPU) with it
+    local summary, out, status = fake_run("DEVICE_CHECK_PARTS=mpi_tp FAKE_TALLY='0 successes'")
+    assert.are.equal(1, status, out)
+    assert.matches('\nEMPTY +mpi_tp +rc=0 +%d+ s  0 successes / ', summary)
   end)
 end)
