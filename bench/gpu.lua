@@ -1,9 +1,11 @@
 -- dslua's side of bench/gpu.sh, on the GPU:
---   dslua bench/gpu.lua train B DTYPE V [MODEL] [quick]   DTYPE bf16, f32, tf32 (f32 under allow_tf32) or
---                                                          fp8 (bf16 with the fp8 block: its Linears in fp8);
---                                                          MODEL (gpt2_124M by default, T=1024; gpt2_xl,
---                                                          T=1024; llama_1B, TinyLlama's 1.1B, T=2048) trained
---                                                          with AdamW, clip 1.0
+--   dslua bench/gpu.lua train B DTYPE V [MODEL [offload]] [quick]
+--                                                DTYPE bf16, f32, tf32 (f32 under allow_tf32) or
+--                                                fp8 (bf16 with the fp8 block: its Linears in fp8);
+--                                                MODEL (gpt2_124M by default, T=1024; gpt2_xl,
+--                                                T=1024; llama_1B, TinyLlama's 1.1B, T=2048) built on
+--                                                the GPU and trained with AdamW, clip 1.0; offload:
+--                                                ZeRO-Offload (stage 2, offload_optimizer cpu)
 --   dslua bench/gpu.lua ops [quick]              the per-op rows
 --   dslua bench/gpu.lua steps B DTYPE V N         N plain steps of GPT-2 124M, for a profiler
 --   dslua bench/gpu.lua probe                     exits 2 naming the reason when there is no GPU
@@ -73,11 +75,13 @@ end
 -- The engine over a model and four random batches of B x T tokens. GPT-2
 -- at V 50304 pads the vocab as nanoGPT and llm.c train it (the loss still
 -- over the 50257 real classes); at 50257 the model pads its lm_head GEMMs
--- itself.
-local function setup(B, dtype, V, name)
+-- itself. offload: ZeRO-Offload, the masters and AdamW's state in host
+-- memory and the step on the CPU. The model is built on the GPU (on the
+-- host GPT-2 XL's initialisation alone takes tens of seconds).
+local function setup(B, dtype, V, name, offload)
   local spec = assert(MODELS[name or 'gpt2_124M'], 'bench/gpu.lua: no model ' .. tostring(name))
   ds.manual_seed(0)
-  local cfg = { block_size = spec.T }
+  local cfg = { block_size = spec.T, device = dev }
   for k, v in pairs(spec.cfg) do cfg[k] = v end
   if spec.build == GPT then
     cfg.vocab_size, cfg.padded_vocab_size = 50257, V > 50257 and V or nil
@@ -89,6 +93,7 @@ local function setup(B, dtype, V, name)
     train_batch_size = B, steps_per_print = 1e9, gradient_clipping = 1.0,
     bf16 = { enabled = dtype == 'bf16' or dtype == 'fp8' }, fp32 = { allow_tf32 = dtype == 'tf32' },
     fp8 = { enabled = dtype == 'fp8' },
+    zero_optimization = offload and { stage = 2, offload_optimizer = { device = 'cpu' } } or nil,
     optimizer = { type = 'AdamW', params = { lr = 3e-4, weight_decay = 0.1, betas = { 0.9, 0.95 }, eps = 1e-8 } },
   } }
   local batches, real = {}, math.min(V, 50257)
@@ -99,10 +104,10 @@ local function setup(B, dtype, V, name)
   return engine, batches, model, spec
 end
 
-local function train(B, dtype, V, name)
+local function train(B, dtype, V, name, offload)
   name = name or 'gpt2_124M'
   local n_steps = quick and 3 or 10
-  local engine, batches, model, spec = setup(B, dtype, V, name)
+  local engine, batches, model, spec = setup(B, dtype, V, name, offload)
   local function step(i)
     engine:backward(engine(batches[(i - 1) % #batches + 1]))
     engine:step()
@@ -114,7 +119,7 @@ local function train(B, dtype, V, name)
   for i = 1, n_steps do step(i) end
   sync()
   local sec = (ds.wall_time() - t0) / n_steps
-  local shape = string.format('B%dxT%d_%s_V%d', B, spec.T, dtype, V)
+  local shape = string.format('B%dxT%d_%s_V%d%s', B, spec.T, dtype, V, offload and '_offload' or '')
   print(string.format('flops\t%s\t%.0f', name, flops_per_token(spec, model)))
   result(name, shape, B * spec.T / sec, 'tokens/s')
   result(name .. '_peak', shape, ds.cuda.memory_info().peak / 2^30, 'GiB')
@@ -227,11 +232,13 @@ end
 
 print(string.format('info\tdslua\tdevice\t%s', ds.device()))
 if mode == 'probe' then os.exit(0)
-elseif mode == 'train' then train(tonumber(arg[2]), arg[3], tonumber(arg[4]), arg[5])
+elseif mode == 'train' and (arg[6] == nil or arg[6] == 'offload') then
+  train(tonumber(arg[2]), arg[3], tonumber(arg[4]), arg[5], arg[6] == 'offload')
 elseif mode == 'ops' then ops()
 elseif mode == 'steps' then steps(tonumber(arg[2]), arg[3], tonumber(arg[4]), tonumber(arg[5]))
 else
-  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32|tf32|fp8 V [gpt2_124M|gpt2_xl|llama_1B] [quick] | '
+  io.stderr:write('usage: dslua bench/gpu.lua train B bf16|f32|tf32|fp8 V [gpt2_124M|gpt2_xl|llama_1B [offload]] '
+                  .. '[quick] | '
                   .. 'ops [quick] | steps B bf16|f32|tf32 V N | probe\n')
   os.exit(2)
 end
