@@ -457,6 +457,24 @@ describe('fp8 weights under gradient accumulation', function()
     end
   end)
 
+  it('casts a weight again, into both layouts, where a forward without gradients cast it first in the step',
+     function()
+    ds.manual_seed(8)
+    local lin = ds.nn.Linear(20, 12, { bias = false })
+    local x = ds.randn({ 4, 20 })
+    local r = ds.fp8.recipe { recipe = 'current' }
+    local function forward() return ds.fp8.autocast(r, function() return lin(x) end) end
+    ds.no_grad(forward)                       -- its codes in one layout
+    assert.equal(1, r.weight_casts)
+    forward():sum():backward()
+    assert.equal(2, r.weight_casts)
+    local g = lin.weight.grad:clone()
+    lin:zero_grad()
+    forward():sum():backward()                -- both layouts kept
+    assert.equal(2, r.weight_casts)
+    H.assert_same(lin.weight.grad, g, 'the gradient of the kept codes')
+  end)
+
   it('casts a weight anew when it changes between micro batches', function()
     ds.manual_seed(13)
     local lin = ds.nn.Linear(16, 8, { bias = false })
