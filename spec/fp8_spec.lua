@@ -168,6 +168,8 @@ describe('fp8 casts into both layouts', function()
                   ds.ones({ 2, 2 }):to('i64'), meta, 'e4m3')
     H.fails_plain('fp8_cast_transpose: meta must be f32 [3]', C.fp8_cast_transpose, ds.ones({ 2, 2 }),
                   ds.ones({ 2 }), 'e4m3')
+    H.fails_plain('fp8_cast_transpose: amax must be f32 [1], got f32 [2]', C.fp8_cast_transpose, ds.ones({ 2, 2 }),
+                  meta, 'e4m3', true, 0, ds.ones({ 2 }))
   end)
 
   -- The layer casts its input, weight and output gradient into both

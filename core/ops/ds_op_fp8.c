@@ -24,19 +24,19 @@ static ds_tensor *kernel_failed(const char *op, ds_tensor *drop) {
 }
 
 /* given: NULL, or f32 [1] on x's device */
-static int check_given(const ds_tensor *given, const ds_tensor *x) {
+static int check_given(const char *op, const ds_tensor *given, const ds_tensor *x) {
     char s[64];
     if (!given) return 0;
     if (given->dtype != DS_F32 || given->ndim != 1 || given->shape[0] != 1)
-        return ds_fail(DS_ERR_ARG, "fp8_cast: amax must be f32 [1], got %s %s", ds_dtype_name(given->dtype),
+        return ds_fail(DS_ERR_ARG, "%s: amax must be f32 [1], got %s %s", op, ds_dtype_name(given->dtype),
                        ds_shape_str(given, s, sizeof s)), -1;
-    return ds_check_same_device("fp8_cast", x, given);
+    return ds_check_same_device(op, x, given);
 }
 
 static int check_cast(const char *op, ds_tensor *x, ds_tensor *meta, ds_tensor *amax) {
     if (!ds_dtype_is_float(x->dtype))
         return ds_fail(DS_ERR_ARG, "%s: x must be floating point, got %s", op, ds_dtype_name(x->dtype)), -1;
-    return check_meta(op, meta, x) || check_given(amax, x) ? -1 : 0;
+    return check_meta(op, meta, x) || check_given(op, amax, x) ? -1 : 0;
 }
 
 ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin, ds_tensor *amax) {
