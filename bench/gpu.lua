@@ -170,6 +170,12 @@ local function bandwidth()
     local x, w, b = a:narrow(1, 1, rows * 768):view(rows, 768), randn({ 768 }, dt), randn({ 768 }, dt)
     rate('bw_layer_norm', rows .. 'x768', 2 * rows * 768 / n, function() ds.layer_norm(x, w, b) end)
     rate('bw_softmax', (n / 1024) .. 'x1024', 2, function() ds.softmax(a:view(n / 1024, 1024), -1) end)
+    -- an fp8 linear's cast (delayed scaling: one read) into its codes and
+    -- their transpose, one byte each
+    local meta = ds.tensor({ 1, 1, 0 }):to(dev)
+    rate('bw_fp8_cast_transpose', rows .. 'x768', rows * 768 * (es + 2) / es / n, function()
+      ds.fp8_cast_transpose(x, meta, 'e4m3')
+    end)
     a, x = nil, nil
     collectgarbage(); collectgarbage()
   end

@@ -202,6 +202,9 @@ def bandwidth():
             w, b = torch.randn(768, device=dev, dtype=tdt), torch.randn(768, device=dev, dtype=tdt)
             rate("bw_layer_norm", f"{rows}x768", 2 * rows * 768 / n, lambda: F.layer_norm(x, (768,), w, b))
             rate("bw_softmax", f"{n // 1024}x1024", 2, lambda: torch.softmax(a.view(n // 1024, 1024), -1))
+            # eager's fp8 cast and transposed copy (bench/gpu.lua's one pass)
+            rate("bw_fp8_cast_transpose", f"{rows}x768", rows * 768 * (es + 2) / es / n,
+                 lambda: (x * 1.0).to(torch.float8_e4m3fn).t().contiguous())
             del a, x
             torch.cuda.empty_cache()
 

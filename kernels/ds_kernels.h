@@ -273,8 +273,11 @@ typedef struct ds_kernels_optim {
  * amax = max(amax, max |x|); where current, scale is first made
  * ds_fp8_scale(m) (1 where that is 0 or not finite) and scale_inv its
  * inverse, m max |x| or, where given (data not NULL), the f32 *given (the
- * max over the ranks holding pieces of one tensor). amax: out (f32 [1]) =
- * max |x|, NaNs left out as cast leaves them. uncast: y (contiguous, float) = q's values * scale_inv.
+ * max over the ranks holding pieces of one tensor). cast_transpose: cast
+ * of x [m, k] that writes q [m, k] and its transpose qt [k, m] in one pass
+ * (the layouts of an fp8 GEMM's forward and backward operands). amax: out
+ * (f32 [1]) = max |x|, NaNs left out as cast leaves them. uncast: y
+ * (contiguous, float) = q's values * scale_inv.
  * gemm: c [m, n] = (a [m, k] * a's scale_inv) @ (b [n, k] * b's scale_inv)^T
  * (+ bias [n]: data NULL for none), a and b u8 row-major, accumulated in
  * f32; NULL where the backend has none (the CPU) and -1 after
@@ -282,6 +285,8 @@ typedef struct ds_kernels_optim {
  * gemm then. */
 typedef struct ds_kernels_fp8 {
     int (*cast)(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin, ds_kview given);
+    int (*cast_transpose)(ds_kview q, ds_kview qt, ds_kview x, ds_kview meta, int fmt, int current, int margin,
+                          ds_kview given);
     int (*amax)(ds_kview out, ds_kview x);
     int (*uncast)(ds_kview y, ds_kview q, ds_kview meta, int fmt);
     int (*gemm)(ds_kview c, ds_kview a, ds_kview b, ds_kview a_meta, ds_kview b_meta, int a_fmt, int b_fmt,

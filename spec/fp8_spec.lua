@@ -1,6 +1,7 @@
--- ds.fp8: the e4m3 and e5m2 codes against their definitions, the casts,
--- the fp8 linear against f64 within the bound the formats guarantee,
--- delayed scaling, the fp8 block's checks, and a checkpoint's resume.
+-- ds.fp8: the e4m3 and e5m2 codes against their definitions, the casts
+-- (into both layouts too), the fp8 linear against f64 within the bound
+-- the formats guarantee, delayed scaling, the fp8 block's checks, and a
+-- checkpoint's resume.
 local ds = require 'dslua'
 local C = require 'dslua.core'
 local H = require 'spec.helpers'
@@ -118,6 +119,81 @@ describe('fp8 amaxes over a group', function()
     for i = 1, #codes do assert.equal(encode_ref(scaled[i], 'e4m3'), codes[i], 'element ' .. i) end
     H.fails_plain('fp8_cast: amax must be f32 [1], got f32 [2]', C.fp8_cast, y, meta, 'e4m3', true, 0, ds.ones({ 2 }))
   end)
+end)
+
+describe('fp8 casts into both layouts', function()
+  -- x's codes and their transpose in one pass: each bit for bit what the
+  -- cast gives and its copy transposed, the meta the cast leaves (delayed:
+  -- the scale kept, the amax folded in; current: the scale from x's amax or
+  -- a given one), across the CPU's 64 x 64 tiles and within one
+  it('writes the cast and its transposed copy, bit for bit, for any shape, dtype, format and scaling', function()
+    ds.manual_seed(6)
+    local shapes = { { 1, 1 }, { 3, 70 }, { 130, 65 }, { 97, 7 }, { 300, 130 } }   -- the last over threads
+    local scalings = { { 'delayed' }, { 'current', true }, { 'current, a given amax', true, ds.tensor({ 90 }) } }
+    for _, shape in ipairs(shapes) do
+      local v = (ds.randn(shape) * 40):view(-1):totable()
+      v[1] = 0 / 0
+      if #v > 2 then v[2] = 1e6 end           -- past both formats' max at scale 1
+      local x = ds.tensor(v):view(shape)
+      for _, dt in ipairs({ 'f32', 'bf16' }) do
+        for f in pairs(F) do
+          for _, sc in ipairs(scalings) do
+            local what = string.format('[%d, %d] %s %s %s', shape[1], shape[2], dt, f, sc[1])
+            local meta, ref_meta = ds.tensor({ 1, 1, 3 }), ds.tensor({ 1, 1, 3 })
+            local xd = x:to(dt)
+            local q, qt = C.fp8_cast_transpose(xd, meta, f, sc[2], 1, sc[3])
+            local want = C.fp8_cast(xd, ref_meta, f, sc[2], 1, sc[3])
+            assert.same(shape, q:size(), what)
+            assert.same({ shape[2], shape[1] }, qt:size(), what)
+            H.assert_same(q, want, what .. ': codes')
+            H.assert_same(qt, want:transpose(1, 2):contiguous(), what .. ': transposed codes')
+            H.assert_same(meta, ref_meta, what .. ': meta')
+          end
+        end
+      end
+    end
+    local x = ds.randn({ 9, 70 })
+    local q, qt = C.fp8_cast_transpose(x:t(), ds.tensor({ 1, 1, 0 }), 'e4m3')        -- a strided view
+    H.assert_same(qt, C.fp8_cast(x, ds.tensor({ 1, 1, 0 }), 'e4m3'), 'the transposed view\'s transposed codes')
+    H.assert_same(q, qt:t():contiguous(), 'the transposed view\'s codes')
+  end)
+
+  it('refuses x that is not a float matrix, naming its shape or dtype', function()
+    local meta = ds.tensor({ 1, 1, 0 })
+    H.fails_plain('fp8_cast_transpose: x must be 2-D [m, k], got [2,3,4]', C.fp8_cast_transpose,
+                  ds.ones({ 2, 3, 4 }), meta, 'e4m3')
+    H.fails_plain('fp8_cast_transpose: x must be 2-D [m, k], got [5]', C.fp8_cast_transpose, ds.ones({ 5 }), meta,
+                  'e4m3')
+    H.fails_plain('fp8_cast_transpose: x must be floating point, got i64', C.fp8_cast_transpose,
+                  ds.ones({ 2, 2 }):to('i64'), meta, 'e4m3')
+    H.fails_plain('fp8_cast_transpose: meta must be f32 [3]', C.fp8_cast_transpose, ds.ones({ 2, 2 }),
+                  ds.ones({ 2 }), 'e4m3')
+    H.fails_plain('fp8_cast_transpose: amax must be f32 [1], got f32 [2]', C.fp8_cast_transpose, ds.ones({ 2, 2 }),
+                  meta, 'e4m3', true, 0, ds.ones({ 2 }))
+  end)
+
+  -- The layer casts its input, weight and output gradient into both
+  -- layouts; its gradients are those of the plain casts' codes copied
+  -- transposed for the backward's GEMMs.
+  for _, recipe in ipairs({ 'delayed', 'current' }) do
+    it(recipe .. " scaling: a linear's gradients are those of casts and transposed copies, bit for bit", function()
+      ds.manual_seed(7)
+      local lin = ds.nn.Linear(70, 33)
+      local x = ds.randn({ 2, 5, 70 }):requires_grad_(true)
+      local g = ds.randn({ 2, 5, 33 }) * 1e-3
+      ds.fp8.autocast(ds.fp8.recipe { recipe = recipe }, function() return lin(x) end):backward(g)
+      local function codes(t, f)
+        local meta = ds.tensor({ 1, 1, 0 })
+        return C.fp8_cast(t, meta, f, recipe == 'current', 0), meta
+      end
+      local function t(q) return q:transpose(1, 2):contiguous() end
+      local qx, mx = codes(x:detach():reshape({ -1, 70 }), 'e4m3')
+      local qw, mw = codes(lin.weight:detach(), 'e4m3')
+      local qg, mg = codes(g:reshape({ -1, 33 }), 'e5m2')
+      H.assert_same(x.grad, C.fp8_gemm(qg, mg, 'e5m2', t(qw), mw, 'e4m3'):view({ 2, 5, 70 }), 'dx')
+      H.assert_same(lin.weight.grad, C.fp8_gemm(t(qg), mg, 'e5m2', t(qx), mx, 'e4m3'), 'dw')
+    end)
+  end
 end)
 
 -- C = A B^T against f64 with A and B cast under current scaling. A
@@ -381,6 +457,24 @@ describe('fp8 weights under gradient accumulation', function()
       assert.equal(2 * #engine.fp8.layers, engine.fp8.weight_casts, 'ZeRO ' .. zero)
       engine:destroy()
     end
+  end)
+
+  it('casts a weight again, into both layouts, where a forward without gradients cast it first in the step',
+     function()
+    ds.manual_seed(8)
+    local lin = ds.nn.Linear(20, 12, { bias = false })
+    local x = ds.randn({ 4, 20 })
+    local r = ds.fp8.recipe { recipe = 'current' }
+    local function forward() return ds.fp8.autocast(r, function() return lin(x) end) end
+    ds.no_grad(forward)                       -- its codes in one layout
+    assert.equal(1, r.weight_casts)
+    forward():sum():backward()
+    assert.equal(2, r.weight_casts)
+    local g = lin.weight.grad:clone()
+    lin:zero_grad()
+    forward():sum():backward()                -- both layouts kept
+    assert.equal(2, r.weight_casts)
+    H.assert_same(lin.weight.grad, g, 'the gradient of the kept codes')
   end)
 
   it('casts a weight anew when it changes between micro batches', function()

@@ -28,11 +28,12 @@ describe('pipeline x tensor x data', function()
   teardown(function() os.execute('rm -rf ' .. dir) end)
 
   local kind = 'mlp'
-  local function run(np, pipe, tensor, zero, ckpt)
-    local path = string.format('%s/%s-%d-%d-%d-%d-%s.json', dir, kind, np, pipe, tensor, zero,
-                               ckpt and ckpt:sub(1, 4) or '')
-    return H.run_json(string.format('%s spec/tp3d/train.lua %s %s %d %d %d %s', H.ranks_cmd(np), path, kind, pipe,
-                                    tensor, zero, ckpt or ''), path)
+  -- fp8: the fp8 block's recipe, nil for none
+  local function run(np, pipe, tensor, zero, ckpt, fp8)
+    local path = string.format('%s/%s-%d-%d-%d-%d-%s-%s.json', dir, kind, np, pipe, tensor, zero,
+                               ckpt and ckpt:sub(1, 4) or '', fp8 or '')
+    return H.run_json(string.format('%s spec/tp3d/train.lua %s %s %d %d %d %s %s', H.ranks_cmd(np), path, kind, pipe,
+                                    tensor, zero, ckpt or '', fp8 and 'fp8:' .. fp8 or ''), path)
   end
 
   -- H.same_training's losses and weights, and the gradient norm (relative)
@@ -69,6 +70,17 @@ describe('pipeline x tensor x data', function()
     end
     assert.are.equal(n, #require('models.gpt2')({ n_layer = 2, n_head = 4, n_embd = 16, vocab_size = 32,
                                                  block_size = 8 }):named_parameters())
+    kind = 'mlp'
+  end)
+
+  -- Current scaling: each split cast's amax agrees over the tensor group,
+  -- and the data ranks' output gradients are a power of two times one
+  -- rank's, which scales their amaxes and scales exactly: the same codes.
+  it('trains a tiny GPT-2 in fp8 (current scaling) as pipe 2 x tensor 2 x data 2 (ZeRO-1) as one rank', function()
+    kind = 'gpt'
+    local one = run(1, 1, 1, 0, nil, 'current')
+    assert.are.equal(2 * 4, one.fp8_layers)         -- each block's attention and MLP linears
+    same(one, run(8, 2, 2, 1, nil, 'current'), 'GPT-2 in fp8, pipe 2 x tensor 2 x data 2, ZeRO-1')
     kind = 'mlp'
   end)
 

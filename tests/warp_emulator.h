@@ -73,6 +73,7 @@ static inline uint32_t __float_as_uint(float x) {
     memcpy(&u, &x, 4);
     return u;
 }
+static inline int __float_as_int(float x) { return (int)__float_as_uint(x); }
 static inline float __uint_as_float(uint32_t u) {
     float x;
     memcpy(&x, &u, 4);
@@ -264,7 +265,7 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
 }
 
 /* A view of ndim dims over data, for a test to hand a kernel. */
-static ds_kview view(void *data, ds_dtype dt, int ndim, const int64_t *shape, const int64_t *stride) {
+static inline ds_kview view(void *data, ds_dtype dt, int ndim, const int64_t *shape, const int64_t *stride) {
     ds_kview v = {};
     v.data = data;
     v.dtype = dt;
@@ -458,6 +459,11 @@ template <typename T> static inline T __ldcg(const T *p) { return *p; }
 static inline unsigned atomicAdd(unsigned *p, unsigned v) {
     unsigned old = *p;
     *p = old + v;
+    return old;
+}
+static inline int atomicMax(int *p, int v) {
+    int old = *p;
+    *p = std::max(old, v);
     return old;
 }
 

@@ -28,6 +28,19 @@ static int l_fp8_cast(lua_State *L) {
     return dsL_pushtensor(L, ds_fp8_cast(x, meta, f, lua_toboolean(L, 4), margin, amax));
 }
 
+/* fp8_cast_transpose(x [m, k], meta, format [, current [, margin [, amax]]])
+ * -> u8 codes [m, k] and the same codes transposed [k, m], in one pass */
+static int l_fp8_cast_transpose(lua_State *L) {
+    ds_tensor *x = dsL_checktensor(L, 1), *meta = dsL_checktensor(L, 2), *q, *qt;
+    ds_fp8_format f = check_format(L, 3);
+    int margin = check_margin(L, 5);
+    ds_tensor *amax = lua_isnoneornil(L, 6) ? NULL : dsL_checktensor(L, 6);
+    if (ds_fp8_cast_transpose(x, meta, f, lua_toboolean(L, 4), margin, amax, &q, &qt)) return dsL_error(L);
+    dsL_pushtensor(L, q);
+    dsL_pushtensor(L, qt);
+    return 2;
+}
+
 /* fp8_amax(x) -> max |x|, f32 [1] */
 static int l_fp8_amax(lua_State *L) { return dsL_pushtensor(L, ds_fp8_amax(dsL_checktensor(L, 1))); }
 
@@ -73,7 +86,8 @@ static int l_fp8_scale(lua_State *L) {
 }
 
 static const luaL_Reg fns[] = {
-    {"fp8_cast", l_fp8_cast}, {"fp8_amax", l_fp8_amax}, {"fp8_uncast", l_fp8_uncast}, {"fp8_gemm", l_fp8_gemm},
+    {"fp8_cast", l_fp8_cast}, {"fp8_cast_transpose", l_fp8_cast_transpose}, {"fp8_amax", l_fp8_amax},
+    {"fp8_uncast", l_fp8_uncast}, {"fp8_gemm", l_fp8_gemm},
     {"fp8_encode", l_fp8_encode}, {"fp8_decode", l_fp8_decode}, {"fp8_scale", l_fp8_scale},
     {NULL, NULL}
 };

@@ -24,19 +24,23 @@ static ds_tensor *kernel_failed(const char *op, ds_tensor *drop) {
 }
 
 /* given: NULL, or f32 [1] on x's device */
-static int check_given(const ds_tensor *given, const ds_tensor *x) {
+static int check_given(const char *op, const ds_tensor *given, const ds_tensor *x) {
     char s[64];
     if (!given) return 0;
     if (given->dtype != DS_F32 || given->ndim != 1 || given->shape[0] != 1)
-        return ds_fail(DS_ERR_ARG, "fp8_cast: amax must be f32 [1], got %s %s", ds_dtype_name(given->dtype),
+        return ds_fail(DS_ERR_ARG, "%s: amax must be f32 [1], got %s %s", op, ds_dtype_name(given->dtype),
                        ds_shape_str(given, s, sizeof s)), -1;
-    return ds_check_same_device("fp8_cast", x, given);
+    return ds_check_same_device(op, x, given);
+}
+
+static int check_cast(const char *op, ds_tensor *x, ds_tensor *meta, ds_tensor *amax) {
+    if (!ds_dtype_is_float(x->dtype))
+        return ds_fail(DS_ERR_ARG, "%s: x must be floating point, got %s", op, ds_dtype_name(x->dtype)), -1;
+    return check_meta(op, meta, x) || check_given(op, amax, x) ? -1 : 0;
 }
 
 ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin, ds_tensor *amax) {
-    if (!ds_dtype_is_float(x->dtype))
-        return ds_fail(DS_ERR_ARG, "fp8_cast: x must be floating point, got %s", ds_dtype_name(x->dtype)), NULL;
-    if (check_meta("fp8_cast", meta, x) || check_given(amax, x)) return NULL;
+    if (check_cast("fp8_cast", x, meta, amax)) return NULL;
     ds_tensor *xc = ds_contiguous(x);
     if (!xc) return NULL;
     ds_kview none = { .data = NULL };
@@ -47,6 +51,34 @@ ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int cur
         q = kernel_failed("fp8_cast", q);
     ds_tensor_release(xc);
     return q;
+}
+
+int ds_fp8_cast_transpose(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin, ds_tensor *amax,
+                          ds_tensor **q, ds_tensor **qt) {
+    char s[64];
+    *q = *qt = NULL;
+    if (check_cast("fp8_cast_transpose", x, meta, amax)) return -1;
+    if (x->ndim != 2)
+        return ds_fail(DS_ERR_ARG, "fp8_cast_transpose: x must be 2-D [m, k], got %s", ds_shape_str(x, s, sizeof s)),
+               -1;
+    ds_tensor *xc = ds_contiguous(x);
+    if (!xc) return -1;
+    int64_t tshape[2] = { x->shape[1], x->shape[0] };
+    ds_kview none = { .data = NULL };
+    ds_tensor *a = ds_tensor_new(2, x->shape, DS_U8, ds_tensor_device(x));
+    ds_tensor *b = a ? ds_tensor_new(2, tshape, DS_U8, ds_tensor_device(x)) : NULL;
+    int rc = !b ? -1 : ds_tensor_kernels(x)->fp8->cast_transpose(
+        ds_tensor_kview_w(a, "fp8_cast_transpose"), ds_tensor_kview_w(b, "fp8_cast_transpose"), ds_tensor_kview(xc),
+        ds_tensor_kview_w(meta, "fp8_cast_transpose"), fmt, current, margin, amax ? ds_tensor_kview(amax) : none);
+    ds_tensor_release(xc);
+    if (rc) {
+        if (b) kernel_failed("fp8_cast_transpose", b);
+        ds_tensor_release(a);
+        return -1;
+    }
+    *q = a;
+    *qt = b;
+    return 0;
 }
 
 ds_tensor *ds_fp8_amax(ds_tensor *x) {

@@ -15,6 +15,11 @@
  * of one tensor, which then share one scale), by ds_fp8_scale with the
  * given margin (1 where that is 0), and scale_inv to its inverse. x float. */
 ds_tensor *ds_fp8_cast(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin, ds_tensor *amax);
+/* ds_fp8_cast of x [m, k] into *q [m, k] and its transpose *qt [k, m] in
+ * one pass: the same codes in both layouts (an fp8 GEMM's forward operand
+ * and its backward's). 0, or -1 with both NULL after ds_fail. */
+int ds_fp8_cast_transpose(ds_tensor *x, ds_tensor *meta, ds_fp8_format fmt, int current, int margin, ds_tensor *amax,
+                          ds_tensor **q, ds_tensor **qt);
 /* max |x| as f32 [1] on x's device (NaNs left out, as the cast's amax). */
 ds_tensor *ds_fp8_amax(ds_tensor *x);
 /* q's values times meta's scale_inv, in dtype (a float). */

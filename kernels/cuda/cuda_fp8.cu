@@ -2,16 +2,9 @@
  * block's max folded into one float with atomicMax on its bits, which order
  * as the values do for non-negative floats. Current scaling takes two
  * launches: the amax into scratch, then the cast, whose every block derives
- * the same scale from it. The GEMM is ds_cuda_gemm_fp8 (cuda_blas.cu). */
-#include "cuda_common.cuh"
-#include "../ds_fp8.h"
-
-__device__ __forceinline__ float load_float(const void *p, ds_dtype t, int64_t i) {
-    if (t == DS_BF16) return ds_bf16_to_f32(((const uint16_t *)p)[i]);
-    if (t == DS_F16) return ds_f16_to_f32(((const uint16_t *)p)[i]);
-    if (t == DS_F64) return (float)((const double *)p)[i];
-    return ((const float *)p)[i];
-}
+ * the same scale from it. The cast into both layouts is cuda_fp8.cuh's;
+ * the GEMM is ds_cuda_gemm_fp8 (cuda_blas.cu). */
+#include "cuda_fp8.cuh"
 
 __device__ __forceinline__ void store_float(void *p, ds_dtype t, int64_t i, float v) {
     if (t == DS_BF16) ((uint16_t *)p)[i] = ds_f32_to_bf16(v);
@@ -34,7 +27,7 @@ __device__ void block_max_into(float v, float *out) {
 
 __global__ void fp8_amax_kernel(const void *x, ds_dtype t, int64_t n, float *out) {
     float m = 0.0f;
-    DS_CUDA_LOOP(i, n) m = fmaxf(m, fabsf(load_float(x, t, i)));
+    DS_CUDA_LOOP(i, n) m = fmaxf(m, fabsf(fp8_load(x, t, i)));
     block_max_into(m, out);
 }
 
@@ -43,15 +36,9 @@ __global__ void fp8_amax_kernel(const void *x, ds_dtype t, int64_t n, float *out
  * tensor's amax folded into meta's. */
 __global__ void fp8_cast_kernel(uint8_t *q, const void *x, ds_dtype t, int64_t n, float *meta, int64_t ms,
                                 int fmt, const float *cur, int margin) {
-    float s = cur ? ds_fp8_scale(*cur, (ds_fp8_format)fmt, margin, 1.0f) : meta[0];
-    if (cur && blockIdx.x == 0 && threadIdx.x == 0) {
-        meta[0] = s;
-        meta[ms] = 1.0f / s;
-        meta[2 * ms] = fmaxf(meta[2 * ms], *cur);
-    }
-    float m = 0.0f;
+    float s = fp8_scale_of(meta, ms, fmt, cur, margin), m = 0.0f;
     DS_CUDA_LOOP(i, n) {
-        float v = load_float(x, t, i);
+        float v = fp8_load(x, t, i);
         m = fmaxf(m, fabsf(v));
         q[i] = ds_f32_to_fp8(v * s, (ds_fp8_format)fmt);
     }
@@ -75,25 +62,49 @@ static int amax_into(float *out, ds_kview x) {
 
 static int cuda_fp8_amax(ds_kview out, ds_kview x) { return amax_into((float *)out.data, x); }
 
-/* current: the scale from given (the group's amax) or from x's own, made
- * into scratch first */
+/* The amax current scaling takes the scale from: given (the group's), or
+ * x's own made into *scratch, which the caller frees; NULL without current
+ * scaling. -1 where the scratch could not be made. */
+static int current_amax(ds_kview x, int current, ds_kview given, float **cur, float **scratch) {
+    *cur = *scratch = NULL;
+    if (!current) return 0;
+    if (given.data) {
+        *cur = (float *)given.data;
+        return 0;
+    }
+    if (!(*scratch = (float *)ds_cuda_scratch(sizeof(float)))) return -1;
+    *cur = *scratch;
+    return amax_into(*scratch, x);
+}
+
 static int cuda_fp8_cast(ds_kview q, ds_kview x, ds_kview meta, int fmt, int current, int margin, ds_kview given) {
     int64_t n = ds_kview_numel(&x);
-    unsigned blocks = ds_cuda_blocks(n, DS_CUDA_THREADS);
-    float *cur = NULL, *scratch = NULL;
-    if (current && given.data) cur = (float *)given.data;
-    else if (current) {
-        if (!(scratch = (float *)ds_cuda_scratch(sizeof(float)))) return -1;
-        if (amax_into(scratch, x)) {
-            ds_cuda_scratch_free(scratch);
-            return -1;
-        }
-        cur = scratch;
+    float *cur, *scratch;
+    int rc = current_amax(x, current, given, &cur, &scratch);
+    if (rc == 0) {
+        fp8_cast_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+            (uint8_t *)q.data, x.data, x.dtype, n, (float *)meta.data, meta.stride[0], fmt, cur, margin);
+        rc = ds_cuda_launched("fp8_cast_kernel");
     }
-    fp8_cast_kernel<<<blocks, DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
-        (uint8_t *)q.data, x.data, x.dtype, n, (float *)meta.data, meta.stride[0], fmt, cur, margin);
     if (scratch) ds_cuda_scratch_free(scratch);
-    return ds_cuda_launched("fp8_cast_kernel");
+    return rc;
+}
+
+/* A block per tile of 32 x 32 (at least one, which sets a current scale). */
+static int cuda_fp8_cast_transpose(ds_kview q, ds_kview qt, ds_kview x, ds_kview meta, int fmt, int current,
+                                   int margin, ds_kview given) {
+    int64_t m = x.shape[0], k = x.shape[1];
+    int64_t tiles = (m + CT_TILE - 1) / CT_TILE * ((k + CT_TILE - 1) / CT_TILE);
+    float *cur, *scratch;
+    int rc = current_amax(x, current, given, &cur, &scratch);
+    if (rc == 0) {
+        fp8_cast_transpose_kernel<<<ds_cuda_blocks(tiles, 1), CT_THREADS, CT_SMEM, ds_cuda_stream()>>>(
+            (uint8_t *)q.data, (uint8_t *)qt.data, x.data, x.dtype, m, k, (float *)meta.data, meta.stride[0], fmt,
+            cur, margin);
+        rc = ds_cuda_launched("fp8_cast_transpose_kernel");
+    }
+    if (scratch) ds_cuda_scratch_free(scratch);
+    return rc;
 }
 
 static int cuda_fp8_uncast(ds_kview y, ds_kview q, ds_kview meta, int fmt) {
@@ -104,4 +115,5 @@ static int cuda_fp8_uncast(ds_kview y, ds_kview q, ds_kview meta, int fmt) {
     return ds_cuda_launched("fp8_uncast_kernel");
 }
 
-extern "C" const ds_kernels_fp8 ds_cuda_fp8 = { cuda_fp8_cast, cuda_fp8_amax, cuda_fp8_uncast, ds_cuda_gemm_fp8 };
+extern "C" const ds_kernels_fp8 ds_cuda_fp8 = { cuda_fp8_cast, cuda_fp8_cast_transpose, cuda_fp8_amax, cuda_fp8_uncast,
+                                                ds_cuda_gemm_fp8 };

@@ -1,6 +1,7 @@
--- ds.fp8 on the GPU against the CPU on the same inputs: the casts give the
--- same codes, scales and amaxes (ds_fp8.h's conversion on both; cvt on
--- sm_89+, which tests/test_fp8_nv.cc holds to the same bits); the fp8 GEMM
+-- ds.fp8 on the GPU against the CPU on the same inputs: the casts (into
+-- both layouts too) give the same codes, scales and amaxes (ds_fp8.h's
+-- conversion on both; cvt on sm_89+, which tests/test_fp8_nv.cc holds to
+-- the same bits); the fp8 GEMM
 -- (cuBLASLt's on sm_89+ where dims are multiples of 16, else the fallback)
 -- within what its other order of f32 sums allows; the loss curve of a
 -- small GPT-2 in fp8 within 1% of bf16's. Skips without a GPU.
@@ -28,6 +29,27 @@ describe('#gpu fp8 on the GPU', function()
           H.assert_same(qg:to('cpu'), qc, string.format('%s %s codes (current %s)', dtype, f, tostring(current)))
           H.assert_same(mg:to('cpu'), mc, string.format('%s %s meta (current %s)', dtype, f, tostring(current)))
           H.assert_same(C.fp8_uncast(qg, mg, f, dtype):to('cpu'), C.fp8_uncast(qc, mc, f, dtype), 'uncast')
+        end
+      end
+    end
+  end)
+
+  it('casts into both layouts as the CPU does: codes, transposed codes and meta, f32 and bf16, both recipes', function()
+    ds.manual_seed(24)
+    for _, shape in ipairs({ { 257, 96 }, { 1030, 770 } }) do      -- last tiles part full
+      for _, dtype in ipairs({ 'f32', 'bf16' }) do
+        local x = (ds.randn(shape) * 5):to(dtype)
+        for _, f in ipairs({ 'e4m3', 'e5m2' }) do
+          for _, current in ipairs({ true, false }) do
+            local start = ds.tensor({ 3.5, 1 / 3.5, 0.25 })
+            local mc, mg = start:clone(), start:to('cuda')
+            local qc, qtc = C.fp8_cast_transpose(x, mc, f, current, 1)
+            local qg, qtg = C.fp8_cast_transpose(x:to('cuda'), mg, f, current, 1)
+            local what = string.format('[%d, %d] %s %s (current %s)', shape[1], shape[2], dtype, f, tostring(current))
+            H.assert_same(qg:to('cpu'), qc, what .. ' codes')
+            H.assert_same(qtg:to('cpu'), qtc, what .. ' transposed codes')
+            H.assert_same(mg:to('cpu'), mc, what .. ' meta')
+          end
         end
       end
     end

@@ -4,14 +4,16 @@
 -- (examples/3d/blocks.lua); kind gpt, a tiny GPT-2's pipeline layers
 -- (models.gpt2.pipe_layers, its embedding tied to the lm_head on the last
 -- stage); kind llama, a tiny Llama's with grouped-query heads. 3 steps of 4 micro batches of the same global batch, each data
--- rank its share, SGD with momentum, gradient clipping; with save:<dir> a
+-- rank its share, SGD with momentum, gradient clipping; with fp8:<recipe>
+-- the fp8 block on (delayed or current scaling); with save:<dir> a
 -- checkpoint after the first step, with load:<dir> the steps after the
 -- loaded one (losses: those steps'), with export:<dir> save_16bit_model
 -- after the last. Rank 0 writes every step's loss, the
 -- last gradient norm, every weight whole (gathered over the tensor group,
 -- keyed by the layer's index) and the largest difference between copies of
 -- one weight (data replicas, tensor ranks' replicated weights, tied
--- copies) as JSON to the output path.
+-- copies) and how many of its linears run in fp8 as JSON to the output
+-- path.
 local ds = require 'dslua'
 package.path = 'spec/?.lua;examples/3d/?.lua;' .. package.path
 local shares = require 'ranks.shares'
@@ -19,9 +21,13 @@ local P = ds.nn.parallel
 
 local out_path, kind, pipe, tensor = arg[1], arg[2], tonumber(arg[3]), tonumber(arg[4])
 local zero = tonumber(arg[5] or 0)
-local ckpt, ckpt_dir = (arg[6] or ''):match('^(%a+):(.+)$')
+local ckpt, ckpt_dir, fp8
+for i = 6, #arg do
+  local k, v = arg[i]:match('^(%w+):(.+)$')
+  if k == 'fp8' then fp8 = v elseif k then ckpt, ckpt_dir = k, v end
+end
 assert(out_path and (kind == 'mlp' or kind == 'gpt' or kind == 'llama') and pipe and tensor,
-       'usage: train.lua out.json mlp|gpt|llama pipe tensor [zero [save:dir|load:dir|export:dir]]')
+       'usage: train.lua out.json mlp|gpt|llama pipe tensor [zero [save:dir|load:dir|export:dir] [fp8:recipe]]')
 local W, LAYERS, MICRO, B, STEPS = 16, 4, 4, 2, 3
 local topo = ds.topology { pipe = pipe, tensor = tensor }
 
@@ -52,7 +58,7 @@ local gas = MICRO / dp
 local engine = ds.initialize { model = model, config = {
   train_micro_batch_size_per_gpu = B, gradient_accumulation_steps = gas, steps_per_print = 1000,
   optimizer = { type = 'SGD', params = { lr = 0.1, momentum = 0.9 } }, gradient_clipping = 0.5,
-  zero_optimization = { stage = zero },
+  zero_optimization = { stage = zero }, fp8 = { enabled = fp8 ~= nil, recipe = fp8 },
 } }
 
 ds.manual_seed(11)
@@ -96,6 +102,6 @@ end
 if ds.comm.rank() == 0 then
   local f = assert(io.open(out_path, 'w'))
   f:write(ds.json.encode { losses = losses, norm = engine.grad_norm, weights = weights, spread = spread,
-                           stages = { model:stage_layers(0) } })
+                           stages = { model:stage_layers(0) }, fp8_layers = engine.fp8 and #engine.fp8.layers or 0 })
   f:close()
 end

@@ -102,33 +102,34 @@ M.LOG = 'fp8_amax_all_reduce'
 -- piece; under current scaling the pieces then share one scale, from the
 -- max of their amaxes, so the codes are those of the whole tensor.
 -- Delayed scaling casts with the row's scale, which the step's update
--- agrees over the group.
-local function cast(r, t, row, f, group)
+-- agrees over the group. transpose (t 2-D): the codes transposed too, from
+-- the same pass: the layout the backward's GEMMs read (TN only on the GPU).
+local function cast(r, t, row, f, group, transpose)
   local cur = r.recipe == 'current'
-  if not (cur and group) then return C.fp8_cast(t, row, f, cur, r.margin) end
+  local op = transpose and C.fp8_cast_transpose or C.fp8_cast
+  if not (cur and group) then return op(t, row, f, cur, r.margin) end
   local amax = C.fp8_amax(t)
   ds.comm.all_reduce(amax, 'max', { group = group, log_name = M.LOG })
-  return C.fp8_cast(t, row, f, true, r.margin, amax)
+  return op(t, row, f, true, r.margin, amax)
 end
 
 -- The weight's codes and the scales they were cast with, cast once while
 -- its bytes stay as they are (their version: no in-place write since), so
 -- the micro batches of a step share them, as Transformer Engine's
--- is_first_microbatch does; the transposed codes for backward made once
--- too. update() drops them.
-local function weight_codes(r, st, w, group)
+-- is_first_microbatch does; with transpose (a backward to come) the
+-- transposed codes too, from the same cast. update() drops them.
+local function weight_codes(r, st, w, group, transpose)
   local id, version = w:version()
   local c = st.weight
-  if c and c.w == w and c.id == id and c.version == version then return c end
-  local q = cast(r, w:detach(), st.rows[2], 'e4m3', group)
+  if c and c.w == w and c.id == id and c.version == version and (c.qt or not transpose) then return c end
+  local q, qt = cast(r, w:detach(), st.rows[2], 'e4m3', group, transpose)
   -- current scales as this cast set them: a later cast sets the row anew
-  c = { w = w, id = id, version = version, q = q, meta = r.recipe == 'current' and st.rows[2]:clone() or st.rows[2] }
+  c = { w = w, id = id, version = version, q = q, qt = qt,
+        meta = r.recipe == 'current' and st.rows[2]:clone() or st.rows[2] }
   st.weight = c
   r.weight_casts = r.weight_casts + 1
   return c
 end
-
-local function transposed(q) return q:transpose(1, 2):contiguous() end
 
 -- y = x w^T + b with x, w and the output gradient in fp8 (st: the layer's
 -- state): one autograd node whose backward reads the forward's codes and
@@ -146,8 +147,10 @@ function M.linear(r, st, x, w, b, group, split)
   local gx, gw, gg = split.input and group, split.weight and group, split.grad_output and group
   local gf = r.grad_format
   local mx, mg = st.rows[1], st.rows[3]
-  local qx = cast(r, x:detach():reshape({ -1, K }), mx, 'e4m3', gx)
-  local wc = weight_codes(r, st, w, gw)
+  local needs = C.is_grad_enabled() and (x.requires_grad or w.requires_grad or (b and b.requires_grad))
+  -- a backward reads x's and w's codes transposed, cast with them
+  local qx, qxt = cast(r, x:detach():reshape({ -1, K }), mx, 'e4m3', gx, needs)
+  local wc = weight_codes(r, st, w, gw, needs)
   local qw, mw = wc.q, wc.meta
   -- current scales as this cast set them: the layer's next forward (a
   -- second use, a pipeline's next micro batch) sets its own before this
@@ -158,14 +161,12 @@ function M.linear(r, st, x, w, b, group, split)
   local out_shape = { unpack(shape) }
   out_shape[#out_shape] = N
   y = y:view(out_shape)
-  local needs = x.requires_grad or w.requires_grad or (b and b.requires_grad)
-  if not (C.is_grad_enabled() and needs) then return y end
+  if not needs then return y end
   local function backward(grad)
     local g2 = grad:reshape({ -1, N })
-    local qg = cast(r, g2, mg, gf, gg)
-    wc.qt = wc.qt or transposed(qw)
+    local qg, qgt = cast(r, g2, mg, gf, gg, true)
     local dx = C.fp8_gemm(qg, mg, gf, wc.qt, mw, 'e4m3', nil, xdt):view(shape)
-    local dw = C.fp8_gemm(transposed(qg), mg, gf, transposed(qx), mx, 'e4m3', nil, wdt)
+    local dw = C.fp8_gemm(qgt, mg, gf, qxt, mx, 'e4m3', nil, wdt)
     if b then return dx, dw, g2:sum(1):to(bdt) end    -- summed wider than its dtype, as every sum
     return dx, dw
   end
