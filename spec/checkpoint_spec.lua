@@ -417,6 +417,34 @@ describe('resuming on another world size, ZeRO stage or dtype', function()
   end)
 end)
 
+describe('a stage 3 load', function()
+  it('reaches a parameter read (gathered) before it: the next forward computes with the loaded weights', function()
+    local dir = H.tmpdir()
+    finally(function() os.execute('rm -rf ' .. dir) end)
+    local cfg = { train_micro_batch_size_per_gpu = 2, steps_per_print = 1e9,
+                  optimizer = { type = 'AdamW', params = { lr = 0.1 } },
+                  zero_optimization = { stage = 3, stage3_param_persistence_threshold = 0 } }
+    local function engine()
+      ds.manual_seed(7)
+      local m = ds.nn.Sequential(ds.nn.Linear(4, 8), ds.nn.Linear(8, 2))
+      return ds.initialize { model = m, config = cfg }, m
+    end
+    local x = ds.randn(2, 4)
+    local a = engine()
+    a:backward(a(x):pow(2):mean())
+    a:step()
+    a:save_checkpoint(dir)
+    local want = a(x):detach():clone()
+    a:destroy()
+    local b, m = engine()
+    m[1].weight:sum()          -- outside a forward: gathered, and kept
+    b:load_checkpoint(dir)
+    H.assert_same(want, b(x):detach())
+    H.assert_same(CK.read_full(dir).fp32['0.weight'], m[1].weight:detach())
+    b:destroy()
+  end)
+end)
+
 describe('a policy sampler\'s plan in a checkpoint', function()
   -- a 1-rank engine of run.lua's model over n windows of 2 tokens under
   -- the uneven policy, saved after a step: the engine, the folder, its

@@ -305,9 +305,12 @@ function Zero:master(g) return self.engine:master(g) end
 
 -- The masters were loaded: the parameters take them. masters (the fp32
 -- shards by group) is for the nvme offload, whose masters live in its
--- files; otherwise the engine's own master buffers were written.
+-- files; otherwise the engine's own master buffers were written. Stage 3
+-- writes the shards: a parameter gathered before (read outside a forward)
+-- is released, or it would keep the old values through the next forward.
 function Zero:masters_loaded(masters)
   if masters then self.engine:refresh(masters) else self.engine:sync_params() end
+  if self.stage == 3 then self.engine:release_all() end
 end
 
 -- Calls fn with every parameter whole (stage 3 gathers them; every rank
