@@ -57,21 +57,33 @@ local function check_policy(ctx, path, v)
 end
 
 -- A list of one value per rank; check(x, p) -> x or nil after a problem.
+-- Its length is checked by check_counts, against the data-parallel ranks.
 local function per_rank(ctx, path, v, what, check)
   local ws = ctx.world_size or 1
   if not is_list(v) or #v == 0 then
     return problem(ctx, path, string.format('must be a list of %d %s (one per rank), got %s', ws, what, describe(v)))
   end
   local out, ok = json.array({}), true
-  if #v ~= ws then
-    problem(ctx, path, string.format('has %d entr%s, the world size is %d (one per rank)', #v, #v == 1 and 'y' or 'ies', ws))
-    ok = false
-  end
   for i, x in ipairs(v) do
     out[i] = check(x, join(path, i - 1))
     if out[i] == nil then ok = false end
   end
   return ok and out or nil
+end
+
+-- Problems for the per-rank lists of s whose length is not ctx.world_size
+-- (the ranks that read batches) -> whether there were any.
+local function wrong_counts(ctx, s)
+  local ws, bad = ctx.world_size or 1, false
+  for _, key in ipairs({ 'micro_batch_per_rank', 'data_share', 'max_micro_batch_per_rank' }) do
+    local v = s[key]
+    if is_list(v) and #v ~= ws then
+      problem(ctx, 'sampler.' .. key, string.format('has %d entr%s, the world size is %d (one per rank)', #v,
+                                                    #v == 1 and 'y' or 'ies', ws))
+      bad = true
+    end
+  end
+  return bad
 end
 
 local function positive_int(ctx)
@@ -164,11 +176,7 @@ local function check_sampler(ctx, path, v)
     local cp = join(path, 'max_micro_batch_per_rank')
     local cap = v.max_micro_batch_per_rank
     if finite(cap) then
-      local x = positive_int(ctx)(cap, cp)
-      if x then
-        out.max_micro_batch_per_rank = json.array({})
-        for r = 1, ctx.world_size or 1 do out.max_micro_batch_per_rank[r] = x end
-      end
+      out.max_micro_batch_per_rank = positive_int(ctx)(cap, cp)     -- a list once the ranks are known
     elseif cap ~= nil then
       out.max_micro_batch_per_rank = per_rank(ctx, cp, cap, 'positive integers', positive_int(ctx))
     end
@@ -187,6 +195,7 @@ local function check_sampler(ctx, path, v)
       end
     end
   end
+  if not ok then wrong_counts(ctx, v) end      -- with the block's other problems
   return ok and out or nil
 end
 
@@ -229,8 +238,23 @@ end
 -- most one rank holds); given, it must be that.
 -- Returns false when the sampler block does not set the micro batches
 -- (true when it tried and failed: its problem is recorded already).
-local function resolve_sampler_batch(ctx, cfg)
+-- The sampler block's per-rank lists against the data-parallel ranks,
+-- which the config resolves after checking the block (the world over the
+-- tensor and sequence degrees); a cap given as one number made a list.
+-- A list of another length drops the block, as any problem in it does.
+local function check_counts(ctx, cfg)
   local s = cfg.sampler
+  if type(s.max_micro_batch_per_rank) == 'number' then
+    local cap = s.max_micro_batch_per_rank
+    s.max_micro_batch_per_rank = json.array({})
+    for r = 1, ctx.world_size or 1 do s.max_micro_batch_per_rank[r] = cap end
+  end
+  if wrong_counts(ctx, s) then cfg.sampler = nil end
+  return cfg.sampler
+end
+
+local function resolve_sampler_batch(ctx, cfg)
+  local s = type(cfg.sampler) == 'table' and check_counts(ctx, cfg)
   if type(s) ~= 'table' or not s.micro_batch_per_rank then return ctx.sampler_sets_batch == true end
   local micro = s.micro_batch_per_rank
   local sum, largest = 0, 0
@@ -279,8 +303,8 @@ end
 -- rank train_micro_batch_size_per_gpu), the shares (in proportion to the
 -- micro batches), and the auto policy's caps against its micro batches.
 local function finish_sampler(ctx, cfg)
-  local s = cfg.sampler
-  if type(s) ~= 'table' then return end
+  local s = type(cfg.sampler) == 'table' and check_counts(ctx, cfg)
+  if not s then return end
   local ws = ctx.world_size or 1
   local mp = 'sampler.micro_batch_per_rank'
   if not s.micro_batch_per_rank then

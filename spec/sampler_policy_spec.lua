@@ -497,6 +497,11 @@ describe('the sampler block of the config', function()
     assert.is_table(config.load({ sampler = { micro_batch_per_rank = { 8, 8, 8 },
                                               data_share = { 1 / 3, 1 / 3, 0.3333334 } } }, { world_size = 3 }))
     has(problems({ sampler = { micro_batch_per_rank = { 48 } } }), 'sampler.micro_batch_per_rank: has 1 entry, the world size is 2')
+    -- one per data-parallel rank: with tensor parallelism, the world over its degree
+    local tp = { tensor_parallel = { autotp_size = 2 }, sampler = { micro_batch_per_rank = { 3, 1 } } }
+    assert.are.equal(4, config.load(tp, { world_size = 4 }).train_batch_size)
+    tp.sampler.micro_batch_per_rank = { 3, 1, 2, 2 }
+    has(problems(tp, 4), 'sampler.micro_batch_per_rank: has 4 entries, the world size is 2 (one per rank)')
     has(problems({ sampler = { micro_batch_per_rank = 48 } }),
         'sampler.micro_batch_per_rank: must be a list of 2 positive integers (one per rank), got 48')
     has(problems({ sampler = { policy = 'unevn', micro_batch_per_rank = { 1, 1 } } }),
