@@ -333,6 +333,19 @@ describe('ds.pipe across ranks', function()
     assert.are.same(fp32['layer_00.weight']:totable(), model.lm_head.weight:totable())
   end)
 
+  it("resumes fp8 in 2 stages exactly and on one rank: every stage's fp8 layers, named by layer", function()
+    local went_on, ckpt = saved('gpt', 2, 2, 0, 'fp8')
+    local m = ds.json.decode(assert(io.open(ckpt .. '/global_step1/manifest.json')):read('*a'))
+    local names = {}
+    for name in pairs(m.fp8.layers) do names[#names + 1] = name end
+    table.sort(names)
+    assert.are.same({ 'layer_02.attn.c_attn', 'layer_02.attn.c_proj', 'layer_02.mlp.c_fc', 'layer_02.mlp.c_proj',
+                      'layer_03.attn.c_attn', 'layer_03.attn.c_proj', 'layer_03.mlp.c_fc', 'layer_03.mlp.c_proj' },
+                    names)     -- the two blocks, one a stage
+    same_end(went_on, resumed(ckpt, 'gpt', 2, 2, 0, 'fp8'), 'GPT-2 fp8, 2 stages', 1e-6)
+    same_end(went_on, resumed(ckpt, 'gpt', 1, 1, 0, 'fp8'), 'GPT-2 fp8, 2 stages loaded on one rank', 2e-2)
+  end)
+
   it('resumes fp16 in 2x2 with ZeRO-1 and clipping exactly: fp32 masters, the loss scaler', function()
     local went_on, ckpt = saved('gpt', 4, 2, 1, 'fp16')
     same_end(went_on, resumed(ckpt, 'gpt', 4, 2, 1, 'fp16'), 'GPT-2 fp16, 2x2 ZeRO-1', 1e-6)

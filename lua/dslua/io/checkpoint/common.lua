@@ -56,6 +56,19 @@ local function named(engine, list)
 end
 
 local function named_parameters(engine) return named(engine, engine.module:named_parameters()) end
+
+-- fp8 recipe layer names (a Linear's module name) as a checkpoint keeps
+-- them: a pipeline's by layer as its weight's (layer_02.fc), the same on
+-- any split; {checkpoint name = this rank's name}.
+local function fp8_names(engine)
+  local out, m = {}, engine.module
+  for _, st in ipairs(engine.fp8.layers) do
+    local name = st.name
+    if m.is_pipeline then name = m:checkpoint_name(name .. '.weight'):gsub('%.weight$', '') end
+    out[name] = st.name
+  end
+  return out
+end
 local function state_entries(engine) return named(engine, engine.module:state_entries()) end
 
 -- A layout in words, for messages: a manifest's pipeline block (nil: not a
@@ -343,6 +356,7 @@ M.everywhere = everywhere
 M.excerpt = excerpt
 M.fail = fail
 M.file_name = file_name
+M.fp8_names = fp8_names
 M.gather_strings = gather_strings
 M.hyperparams = hyperparams
 M.jsonable = jsonable

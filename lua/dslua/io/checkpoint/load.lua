@@ -355,6 +355,16 @@ local function join_client(v, get)
   return out
 end
 
+-- The manifest's fp8 state as this rank's recipe names its layers: a
+-- pipeline stage's own layers (the others are other stages'), every layer
+-- otherwise.
+local function fp8_state(engine, saved)
+  if not engine.module.is_pipeline then return saved end
+  local layers = {}
+  for name, mine in pairs(common.fp8_names(engine)) do layers[mine] = saved.layers[name] end
+  return { recipe = saved.recipe, format = saved.format, layers = layers }
+end
+
 local function note(engine, fmt, ...)
   if engine.rank ~= 0 then return end
   require('dslua.io.progress').clear()
@@ -565,7 +575,7 @@ function M.load(engine, dir, tag, opts)
         engine.lr_scheduler:load_state_dict(m.lr_scheduler)
       end
       if engine.scaler and m.loss_scaler then engine.scaler:load_state_dict(m.loss_scaler) end
-      if engine.fp8 and m.fp8 then engine.fp8:load_state_dict(m.fp8) end
+      if engine.fp8 and m.fp8 then engine.fp8:load_state_dict(fp8_state(engine, m.fp8)) end
       restore_rank_state(engine, m, get)
       compare_code(engine, m)
     end

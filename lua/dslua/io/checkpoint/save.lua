@@ -140,8 +140,22 @@ local function saved_params(L)
   return json.array(out)
 end
 
+-- The fp8 recipe's state over every rank's layers (under common.fp8_names),
+-- from the reports: a pipeline stage registers only its own layers (a
+-- replica's are the same, the first rank's kept).
+local function fp8_state(reports)
+  local out
+  for _, rep in ipairs(reports) do
+    if rep.fp8 then
+      out = out or { recipe = rep.fp8.recipe, format = rep.fp8.format, layers = {} }
+      for name, s in pairs(rep.fp8.layers) do out.layers[name] = out.layers[name] or s end
+    end
+  end
+  return out
+end
+
 -- The manifest rank 0 writes (see the top of this file), from every rank's
--- report: its parameters and module tensors.
+-- report: its parameters, module tensors and fp8 layers.
 local function build_manifest(engine, L, steps, tag, files, reports, client)
   local z = engine.steps.zero
   local params, module = {}, {}
@@ -174,7 +188,7 @@ local function build_manifest(engine, L, steps, tag, files, reports, client)
     engine = engine:counters(),
     lr_scheduler = engine.lr_scheduler and jsonable(engine.lr_scheduler:state_dict()) or nil,
     loss_scaler = engine.scaler and jsonable(engine.scaler:state_dict()) or nil,
-    fp8 = engine.fp8 and jsonable(engine.fp8:state_dict()) or nil,
+    fp8 = fp8_state(reports),
     client_state = client, code = code_hashes(engine), config = jsonable(engine.config),
     files = json.array(files),
   }
@@ -227,6 +241,12 @@ function M.save(engine, dir, tag, client_state, save_latest)
     local state = rank_state(engine, extra)
     local rep = write_rank_file(engine, L, bufs, partial .. '/' .. file_name(r), extra, state)
     rep.params, rep.module = saved_params(L), json.array(module)
+    if engine.fp8 then
+      local st = jsonable(engine.fp8:state_dict())
+      local layers = {}
+      for name, mine in pairs(common.fp8_names(engine)) do layers[name] = st.layers[mine] end
+      st.layers, rep.fp8 = layers, st
+    end
     maybe_kill(r, 'written')
     return rep
   end)
