@@ -245,6 +245,14 @@ local function engine_layout(engine)
   return L
 end
 
+-- Where this rank sits in the model's split, "stage:tensor rank" ("0:0"
+-- unsplit): state of the split's pieces that every data-parallel rank
+-- holds alike (OneBitLamb's) is saved and loaded by it.
+local function split_position(engine, L)
+  local m = engine.module
+  return string.format('%d:%d', m.is_pipeline and m.stage_id or 0, L.tensor_rank)
+end
+
 -- Does the engine step OneBitLamb, whose own state the checkpoint keeps?
 local function onebit_lamb(engine, L)
   return engine.steps.onebit ~= nil and L.optimizer.onebit ~= nil and L.optimizer.onebit.kind == 'OneBitLamb'
@@ -371,6 +379,7 @@ M.read_buffers = read_buffers
 M.read_text = read_text
 M.shape_str = shape_str
 M.shard_range = shard_range
+M.split_position = split_position
 M.split_client = split_client
 M.state_entries = state_entries
 

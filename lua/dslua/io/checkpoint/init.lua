@@ -9,16 +9,18 @@
 --       <state>/<name>   its shard of each optimizer buffer (exp_avg, ...)
 --       module/<name>    (rank 0) buffers and frozen parameters, whole
 --       client/<key>     (rank 0) the tensors of client_state
---       onebit/<g>/fresh_v, onebit/<g>/pieces   (rank 0) OneBitLamb's own
---                        state of group g (the same on every rank)
+--       onebit/<g>/fresh_v, onebit/<g>/pieces   OneBitLamb's own state
+--                        of group g (the same on every data-parallel rank):
+--                        each pipeline stage's and tensor rank's first data
+--                        rank (manifest.onebit: "stage:tensor rank" -> rank)
 --     and in its metadata ("dslua") the rank's own state: RNG, the data
 --     loader's position, the sampler's epoch and policy state.
 --   manifest.json   rank 0's: format, dslua version, config, ZeRO stage,
 --     world size W, dtype, device, the shard layout (rank r holds elements
 --     [r*s, min(n, (r+1)*s)) of a parameter of n elements, s = ceil(n / W),
 --     whatever the stage), the optimizer's param groups and steps, the
---     engine's counters, LR scheduler, loss scaler, client_state, the
---     SHA-256 of the Lua schedule and sampler files, and the SHA-256 of
+--     engine's counters, LR scheduler, loss scaler, fp8 recipe, client_state,
+--     the SHA-256 of the Lua schedule and sampler files, and the SHA-256 of
 --     every file (with each tensor's CRC-32, which names the tensor a
 --     damaged file changed).
 -- and <dir>/latest names the newest complete tag.

@@ -302,11 +302,17 @@ local function load_tensors(engine, L, path, m, saved, get, with_state)
 end
 
 -- OneBitLamb's averaged trust ratios and fresh variance, which its
--- compressed steps need beside the Lamb's state: rank 0's file. Without
--- them (a checkpoint of a Lamb run) the first step past step 0 fails.
+-- compressed steps need beside the Lamb's state: the file of the rank that
+-- saved this rank's place in the split (manifest.onebit; rank 0 before
+-- that was kept), on the same pipeline stages. Without them (a checkpoint
+-- of a Lamb run, another split) the first step past step 0 fails.
 local function load_onebit(engine, L, m, get)
   if not onebit_lamb(engine, L) then return end
-  local f = get(0)
+  local p, q = m.pipeline, L.pipeline
+  if p and (p.stages ~= q.stages or table.concat(p.firsts, ',') ~= table.concat(q.firsts, ',')) then return end
+  local r = (m.onebit or { ['0:0'] = 0 })[common.split_position(engine, L)]
+  if not r then return end
+  local f = get(r)
   for g = 1, #L.groups do
     local k = 'onebit/' .. g .. '/'
     if f:entry(k .. 'fresh_v') and f:entry(k .. 'pieces') then

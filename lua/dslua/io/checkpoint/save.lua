@@ -163,6 +163,13 @@ local function build_manifest(engine, L, steps, tag, files, reports, client)
     for _, p in ipairs(rep.params) do params[#params + 1] = p end
     for _, e in ipairs(rep.module) do module[#module + 1] = e end
   end
+  local onebit
+  for k, rep in ipairs(reports) do
+    if rep.onebit then
+      onebit = onebit or {}
+      onebit[rep.onebit] = k - 1
+    end
+  end
   local groups = {}
   for g, group in ipairs(L.groups) do
     local names, seen = {}, {}
@@ -182,7 +189,7 @@ local function build_manifest(engine, L, steps, tag, files, reports, client)
   return {
     format = FORMAT, format_version = FORMAT_VERSION, dslua_version = core.version, tag = tag,
     world_size = nranks(engine), zero_stage = z and z.stage or 0, dtype = z and z.dtype or 'f32',
-    device = engine.device, parameters = params, module = json.array(module), aliases = aliases,
+    device = engine.device, parameters = params, module = json.array(module), aliases = aliases, onebit = onebit,
     pipeline = L.pipeline,
     optimizer = { type = L.optimizer.name, param_groups = groups },
     engine = engine:counters(),
@@ -229,7 +236,9 @@ function M.save(engine, dir, tag, client_state, save_latest)
       end
     end
   end
-  if r == 0 and onebit_lamb(engine, L) then
+  -- OneBitLamb's own state: the first data-parallel rank of each stage and tensor rank
+  local onebit = L.part == 0 and onebit_lamb(engine, L) and common.split_position(engine, L) or nil
+  if onebit then
     for g = 1, #L.groups do
       local fresh_v, pieces = engine.steps.onebit:lamb_state(g)
       extra[#extra + 1] = { 'onebit/' .. g .. '/fresh_v', fresh_v }
@@ -240,7 +249,7 @@ function M.save(engine, dir, tag, client_state, save_latest)
   local report = everywhere(W, 'save_checkpoint', function()
     local state = rank_state(engine, extra)
     local rep = write_rank_file(engine, L, bufs, partial .. '/' .. file_name(r), extra, state)
-    rep.params, rep.module = saved_params(L), json.array(module)
+    rep.params, rep.module, rep.onebit = saved_params(L), json.array(module), onebit
     if engine.fp8 then
       local st = jsonable(engine.fp8:state_dict())
       local layers = {}
