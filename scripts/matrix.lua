@@ -3,8 +3,9 @@
 -- errors, and the counts. From the repository root:
 --   build/dslua scripts/matrix.lua [--pairwise] [--list] [--failures] [--chunk N] [factor=v1,v2 ...]
 -- factor=values keeps the cells whose factor is one of them (factors:
--- stage ga dtype ranks bucket clip offload sampler onebit pipe, values as
--- in spec/matrix/settings.lua), e.g. stage=2,3 ga=33 ranks=2. --pairwise:
+-- stage ga dtype ranks bucket clip offload sampler onebit pipe tp fp8 ckpt,
+-- values as in spec/matrix/settings.lua), e.g. stage=2,3 ga=33 ranks=2 or
+-- tp=2 ckpt=resume. --pairwise:
 -- the covering subset the suite runs; --list: count the cells and stop;
 -- --failures: the table lists failed cells only; --chunk: cells per
 -- mpirun launch (20). Progress and an estimate of the time left go to

@@ -324,6 +324,14 @@ function H.rank_device()
   return d and d ~= '' and d or 'cpu'
 end
 
+-- A shallow copy of table t with the keys of extra set over it.
+function H.with(t, extra)
+  local out = {}
+  for k, v in pairs(t) do out[k] = v end
+  for k, v in pairs(extra) do out[k] = v end
+  return out
+end
+
 -- The command that runs the dslua binary on np ranks (np 1: no mpirun)
 -- of H.rank_device(), one thread each, collectives checked for matching
 -- calls (the default) and timing out after 60 s; append the script and its

@@ -1,11 +1,14 @@
 -- The configuration matrix (spec/matrix/): ZeRO stage x gradient
--- accumulation x dtype x ranks x buckets x clipping x offload x the uneven
--- sampler x 1-bit optimizers x pipeline stages over a model of awkward
--- shapes, each cell against one fp32 rank over the same global batch
--- (spec/matrix/judge.lua says how close, and why). Here the pairwise
--- subset (spec/matrix/pairwise.lua): every pair of settings in some cell,
--- a pair only refused cells hold in one that must raise DeepSpeed's (or
--- dslua's) error. scripts/matrix.lua runs the full product or a slice.
+-- accumulation x dtype x ranks x buckets x clipping x offload (cpu through
+-- its chunked pipeline) x the uneven sampler x 1-bit optimizers x pipeline
+-- stages x tensor parallelism x fp8 x a checkpoint resumed on other ranks,
+-- over a model of awkward shapes, each cell against one fp32 rank (in fp8
+-- too for an fp8 cell) over the same global batch (spec/matrix/judge.lua
+-- says how close, and why). Here the pairwise subset
+-- (spec/matrix/pairwise.lua): every pair of settings in some cell, a pair
+-- only refused cells hold in one that must raise DeepSpeed's (or dslua's)
+-- error, and the cells that once found a bug. scripts/matrix.lua runs the
+-- full product or a slice.
 local H = require 'helpers'
 local P = require 'matrix.pairwise'
 local R = require 'matrix.runner'

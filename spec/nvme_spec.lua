@@ -42,12 +42,7 @@ local CASES = {
     g2 = { lr = 0.02, weight_decay = 0.01, eps = 1e-8 } },
 }
 
-local function with(t, extra)
-  local c = {}
-  for k, v in pairs(t) do c[k] = v end
-  for k, v in pairs(extra) do c[k] = v end
-  return c
-end
+local with = H.with
 
 -- The in-memory optimizer and the streamed one over the same initial
 -- masters, and a gradient sequence.

@@ -9,6 +9,8 @@ M.MICRO = 2                 -- samples per micro step (plain and pipeline cells)
 M.UNEVEN = { 2, 1, 3 }      -- the uneven sampler's micro batch of rank 0, 1, 2
 M.CLIP = 0.05               -- below every step's gradient norm here: clipping always acts
 M.LR = 1e-2
+M.SAVE = 1                  -- a resumed cell saves after this step and loads on resume_ranks(c) ranks
+M.OFFLOAD_CHUNK = 16        -- elements a chunk of cpu offload's pipeline moves (DSLUA_TEST_OFFLOAD_CPU)
 
 -- Factors in a fixed order: name, values (the first is the plain setting).
 M.FACTORS = {
@@ -22,9 +24,12 @@ M.FACTORS = {
   { 'sampler', { 'plain', 'uneven' } },
   { 'onebit', { 'none', 'OneBitAdam', 'ZeroOneAdam', 'OneBitLamb' } },
   { 'pipe', { 'none', 2, 3 } },            -- pipeline stages
+  { 'tp', { 1, 2 } },                       -- tensor-parallel degree (tensor_parallel.autotp_size)
+  { 'fp8', { 'none', 'current' } },         -- the fp8 block: every Linear in fp8, current scaling
+  { 'ckpt', { 'none', 'resume' } },         -- resume: saved after step SAVE, loaded on resume_ranks(c) ranks
 }
 
--- A cell's short name: "z2 ga33 bf16 r3 one clip nvme uneven OneBitAdam pipe2",
+-- A cell's short name: "z2 ga33 bf16 r3 bucket1 clip off-nvme uneven OneBitAdam pipe2 tp2 fp8-current resume",
 -- plain settings left out.
 function M.name(c)
   local parts = { 'z' .. c.stage, 'ga' .. c.ga, c.dtype, 'r' .. c.ranks }
@@ -34,6 +39,9 @@ function M.name(c)
   if c.sampler ~= 'plain' then parts[#parts + 1] = c.sampler end
   if c.onebit ~= 'none' then parts[#parts + 1] = c.onebit end
   if c.pipe ~= 'none' then parts[#parts + 1] = 'pipe' .. c.pipe end
+  if c.tp ~= 1 then parts[#parts + 1] = 'tp' .. c.tp end
+  if c.fp8 ~= 'none' then parts[#parts + 1] = 'fp8-' .. c.fp8 end
+  if c.ckpt ~= 'none' then parts[#parts + 1] = c.ckpt end
   return table.concat(parts, ' ')
 end
 
@@ -42,6 +50,8 @@ end
 -- when built, then the config, then initialize's pipeline checks.
 M.REFUSALS = {
   { function(c) return c.pipe ~= 'none' and c.ranks % c.pipe ~= 0 end, 'do not split into' },
+  { function(c) return c.tp ~= 1 and (c.pipe ~= 'none' and c.ranks / c.pipe or c.ranks) % c.tp ~= 0 end,
+    'tensor_parallel: tensor parallelism over 2 ranks does not divide the world of' },
   { function(c) return c.onebit ~= 'none' and c.stage > 0 end, 'runs at ZeRO stage 0' },
   { function(c) return c.offload ~= 'none' and c.stage == 0 end,
     'zero_optimization.offload_optimizer: ZeRO-Offload needs zero_optimization.stage' },
@@ -85,12 +95,33 @@ function M.reference_optimizer(c)
   return { type = c.onebit == 'OneBitLamb' and 'Lamb' or 'AdamW', params = p }
 end
 
--- The micro batch of each data-parallel rank (a list, rank 0 first).
+-- The micro batch of each data-parallel rank (a list, rank 0 first);
+-- c.micro where the cell gives it (a resumed cell's second run).
 function M.micro_batches(c)
-  local dp = c.pipe ~= 'none' and math.floor(c.ranks / c.pipe) or c.ranks
+  if c.micro then return c.micro end
+  local dp = math.floor(c.ranks / (c.pipe ~= 'none' and c.pipe or 1) / c.tp)
   local out = {}
   for r = 1, dp do out[r] = c.sampler == 'uneven' and M.UNEVEN[r] or M.MICRO end
   return out
+end
+
+-- Where a resumed cell loads: ranks and micro batches over the same
+-- global batch, on another rank count (3 -> 2, 2 -> 1, 1 -> 2; split
+-- evenly, under the uneven sampler the rest on the last rank) where its
+-- data-parallel ranks can share a micro step's samples so; a pipeline's
+-- or a tensor group's cell on its own count (at three ranks at most here
+-- theirs is fixed).
+function M.resume_ranks(c)
+  local per = 0
+  for _, b in ipairs(M.micro_batches(c)) do per = per + b end
+  local m = c.ranks == 1 and 2 or c.ranks - 1
+  if c.pipe ~= 'none' or c.tp ~= 1 or (c.sampler ~= 'uneven' and per % m ~= 0) then
+    return c.ranks, M.micro_batches(c)
+  end
+  local micro, each = {}, math.floor(per / m)
+  for r = 1, m do micro[r] = each end
+  micro[m] = per - each * (m - 1)
+  return m, micro
 end
 
 -- Samples in one optimizer step.
@@ -121,18 +152,24 @@ function M.config(c, nvme)
     -- first steps, which the reference takes)
     fp16 = { enabled = c.dtype == 'fp16', initial_scale_power = 8 },
   }
+  if c.tp ~= 1 then cfg.tensor_parallel = { autotp_size = c.tp } end
+  if c.fp8 ~= 'none' then cfg.fp8 = M.fp8(c) end
   if c.sampler == 'uneven' then
     cfg.sampler = { policy = 'uneven', micro_batch_per_rank = M.micro_batches(c) }
   else
-    cfg.train_micro_batch_size_per_gpu = M.MICRO
+    cfg.train_micro_batch_size_per_gpu = M.micro_batches(c)[1]
   end
   return cfg
 end
 
--- The reference's config: one fp32 rank, stage 0, the global batch at once.
+-- The fp8 block of a cell (and of its reference: one rank in fp8 too).
+function M.fp8(c) return { enabled = true, recipe = c.fp8 } end
+
+-- The reference's config: one fp32 rank, stage 0, the global batch at
+-- once, the cell's fp8 block (its model at the cell's width: model.lua).
 function M.reference_config(c)
   return { train_batch_size = M.global_batch(c), steps_per_print = 1e9, optimizer = M.reference_optimizer(c),
-           gradient_clipping = c.clip == 'on' and M.CLIP or 0 }
+           gradient_clipping = c.clip == 'on' and M.CLIP or 0, fp8 = c.fp8 ~= 'none' and M.fp8(c) or nil }
 end
 
 return M
