@@ -320,10 +320,14 @@ assert(math.abs(a - b) <= 1e-5 * math.abs(a), 'losses differ')
     assert.is_true(res.forked_spread > 0)
   end)
 
-  it('gives the ranks of a tensor group the same batches from the engine\'s loader, in one rank\'s order', function()
+  it('gives the ranks of a tensor group the same batches from the engine\'s loader and the sampler block\'s, '
+     .. 'in one rank\'s order', function()
     local json = dir .. '/rng.json'
     local res = H.run_json(string.format('%s spec/tp/rng.lua %s 2 2>&1', H.ranks_cmd(2), json), json)
     assert.are.equal(0, res.batch_spread)
+    -- the sampler block's too: the tensor ranks are one data-parallel rank
+    assert.are.equal(6, res.sampler_batches)
+    assert.are.equal(0, res.sampler_spread)
     -- one rank's loader, its own shuffle
     local data = ds.data.tensors { x = ds.arange(24, 'f32'):reshape({ 24, 1 }) }
     local model = require('models.gpt2') { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 8 }

@@ -4,7 +4,8 @@
 -- replicated activations, with their dropout masks, must agree), whether
 -- a mask drawn forked (the model-parallel state) differs between tensor
 -- ranks and whether one drawn from the default generator agrees; and
--- whether the engine's own loader gives the tensor ranks the same batches.
+-- whether the engine's own loader, and the sampler block's, give the
+-- tensor ranks the same batches.
 local ds = require 'dslua'
 local GPT = require 'models.gpt2'
 
@@ -47,8 +48,18 @@ for _, b in loader:epoch(1) do
   batch_spread = math.max(batch_spread, spread(b.x))
   first = first or b.x:reshape(-1):totable()
 end
+-- and the sampler block's policy: one micro batch a data-parallel rank
+local _, _, policy_loader = ds.initialize {
+  model = GPT { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 8, tp = tp },
+  config = { sampler = { policy = 'uneven', micro_batch_per_rank = { 4 } }, steps_per_print = 1e9,
+             optimizer = { type = 'SGD', params = { lr = 0.1 } } }, training_data = data }
+local sampler_spread, sampler_batches = 0, 0
+for _, b in policy_loader:epoch(1) do
+  sampler_spread, sampler_batches = math.max(sampler_spread, spread(b.x)), sampler_batches + 1
+end
 local result = { loss_spread = loss_spread, forked_spread = spread(forked), default_spread = spread(plain),
-                 loss = engine.last_loss, batch_spread = batch_spread, first_batch = first }
+                 loss = engine.last_loss, batch_spread = batch_spread, first_batch = first,
+                 sampler_spread = sampler_spread, sampler_batches = sampler_batches }
 if ds.comm.rank() == 0 then
   local f = assert(io.open(out_path, 'w'))
   f:write(ds.json.encode(result))

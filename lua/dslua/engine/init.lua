@@ -324,7 +324,8 @@ function M.initialize(opts)
     -- the sampler block's policy: this rank's indices and micro batches,
     -- a line per rank and epoch
     local P = require 'samplers.policy'
-    self.sampler = P.new(cfg.sampler, { dataset = opts.training_data, rank = self.rank, world_size = world_size,
+    self.sampler = P.new(cfg.sampler, { dataset = opts.training_data, rank = model.dp_rank or self.rank,
+                                        world_size = world_size,
                                         source = type(source) == 'string' and source or nil })
     loader = P.loader(opts.training_data, self.sampler, on)
     self:_watch_loader(loader)
