@@ -60,6 +60,22 @@ M.REFUSALS = {
     'the sampler block does not run with a pipeline' },
 }
 
+-- Cells dslua trains otherwise than one rank for a cause not fixed yet
+-- (not run; the suite lists them as pending, with the cause).
+M.PENDING = {
+  { function(c) return c.onebit == 'OneBitLamb' and c.tp ~= 1 end,
+    "OneBitLamb under tensor parallelism: its trust ratios |w| / |u| take each tensor rank's piece of a split " ..
+    'weight for the whole (the norms are not summed over the tensor group), so its steps differ from one ' ..
+    "rank's Lamb (f32: weights 9e-4 apart, 72 x the tolerance; Lamb itself at tensor degree 2: 2e-4, 6e-8 at 1)" },
+}
+
+function M.pending(c)
+  for _, p in ipairs(M.PENDING) do
+    if p[1](c) then return p[2] end
+  end
+  return nil
+end
+
 -- The message fragment a refused cell must raise, or nil for a cell that trains.
 function M.refusal(c)
   for _, r in ipairs(M.REFUSALS) do
