@@ -69,20 +69,19 @@ M.PENDING = {
     "rank's Lamb (f32: weights 9e-4 apart, 72 x the tolerance; Lamb itself at tensor degree 2: 2e-4, 6e-8 at 1)" },
 }
 
-function M.pending(c)
-  for _, p in ipairs(M.PENDING) do
-    if p[1](c) then return p[2] end
-  end
-  return nil
-end
-
--- The message fragment a refused cell must raise, or nil for a cell that trains.
-function M.refusal(c)
-  for _, r in ipairs(M.REFUSALS) do
+-- The text of the first {applies(c), text} of rules that applies to c, or nil.
+local function first(rules, c)
+  for _, r in ipairs(rules) do
     if r[1](c) then return r[2] end
   end
   return nil
 end
+
+-- The cause a pending cell waits on, or nil.
+function M.pending(c) return first(M.PENDING, c) end
+
+-- The message fragment a refused cell must raise, or nil for a cell that trains.
+function M.refusal(c) return first(M.REFUSALS, c) end
 
 -- The optimizer block: AdamW, or a 1-bit one whose full-precision phase
 -- (freeze_step past the last step; ZeroOneAdam's variance updated every
