@@ -37,15 +37,11 @@ describe('the configuration matrix, pairwise', function()
 
   for i, c in ipairs(cells) do
     local what = S.refusal(c) and 'refuses' or 'trains as one fp32 rank'
-    if S.pending(c) and not S.refusal(c) then
-      pending(string.format('%s: %s', S.name(c), S.pending(c)))
-    else
-      it(string.format('%s: %s', S.name(c), what), function()
-        rows = rows or R.run(cells, { dir = dir, timeout = 60 })
-        local row = rows[i]
-        assert(row.verdict ~= 'FAIL', row.why)
-        assert.are.equal(S.refusal(c) and 'refused' or 'pass', row.verdict)
-      end)
-    end
+    it(string.format('%s: %s', S.name(c), what), function()
+      rows = rows or R.run(cells, { dir = dir, timeout = 60 })
+      local row = rows[i]
+      assert(row.verdict ~= 'FAIL', row.why)
+      assert.are.equal(S.refusal(c) and 'refused' or 'pass', row.verdict)
+    end)
   end
 end)

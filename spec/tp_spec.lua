@@ -255,6 +255,21 @@ ds.initialize { model = ds.nn.Sequential(ds.nn.Linear(4, 4)),
     H.has(out, 'initialize: tensor_parallel.autotp_size 2: the model (Sequential) has no tensor-parallel form')
   end)
 
+  it("refuses Lamb's trust ratios over split weights, naming the optimizer and the degree", function()
+    local script = dir .. '/lamb.lua'
+    H.write(script, [[
+local ds = require 'dslua'
+local GPT2 = require 'models.gpt2'
+ds.initialize { model = GPT2 { vocab_size = 32, block_size = 8, n_layer = 1, n_head = 2, n_embd = 8 },
+                config = { train_batch_size = 2, tensor_parallel = { autotp_size = 2 },
+                           optimizer = { type = 'Lamb', params = { lr = 1e-3 } } } }
+]])
+    local out, status = H.run(H.ranks_cmd(2) .. ' ' .. script .. ' 2>&1')
+    assert.are_not.equal(0, status)
+    H.has(out, "initialize: Lamb under tensor parallelism (the model is split over 2 ranks): its trust ratios need "
+          .. "whole weights' norms")
+  end)
+
   it('loads Hugging Face weights into a split model: the same loss as the whole one', function()
     local script = dir .. '/hf.lua'
     H.write(script, string.format([[

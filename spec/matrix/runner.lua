@@ -133,7 +133,7 @@ local function joined(first, second)
 end
 
 -- Runs cells (settings.lua tables): a row per cell, in order (see
--- judge.lua's row; a pending cell's, not run: verdict 'pending', why). opts: dir (a scratch folder), timeout (seconds a
+-- judge.lua's row). opts: dir (a scratch folder), timeout (seconds a
 -- launch may take beyond PER_CELL a cell; 60), chunk (cells per launch;
 -- all), on_row(row, done, total) after each cell.
 function M.run(cells, opts)
@@ -146,34 +146,26 @@ function M.run(cells, opts)
     done = done + 1
     if opts.on_row then opts.on_row(rows[i], done, #cells) end
   end
-  local firsts, resumed, at = {}, {}, {}
+  local firsts, resumed = {}, {}
   for i, c in ipairs(cells) do
-    if S.pending(c) and not S.refusal(c) then
-      rows[i] = { cell = c, name = S.name(c), verdict = 'pending', why = S.pending(c) }
-      done = done + 1
-      if opts.on_row then opts.on_row(rows[i], done, #cells) end
-    else
-      firsts[#firsts + 1] = c.ckpt == 'resume' and with(c, { save = string.format('%s/ckpt%d', opts.dir, i) }) or c
-      at[#firsts] = i
-    end
+    firsts[i] = c.ckpt == 'resume' and with(c, { save = string.format('%s/ckpt%d', opts.dir, i) }) or c
   end
   local got = run_all(firsts, opts, function(ids, first)
-    for _, k in ipairs(ids) do
-      local i = at[k]
-      if firsts[k].save and not S.refusal(cells[i]) and trained(first[k]) then
-        resumed[#resumed + 1] = k
+    for _, i in ipairs(ids) do
+      if firsts[i].save and not S.refusal(cells[i]) and trained(first[i]) then
+        resumed[#resumed + 1] = i
       else
-        judge(i, first[k])
+        judge(i, first[i])
       end
     end
   end)
   local seconds = {}
-  for j, k in ipairs(resumed) do
-    local m, micro = S.resume_ranks(cells[at[k]])
-    seconds[j] = with(cells[at[k]], { ranks = m, micro = micro, load = firsts[k].save })
+  for j, i in ipairs(resumed) do
+    local m, micro = S.resume_ranks(cells[i])
+    seconds[j] = with(cells[i], { ranks = m, micro = micro, load = firsts[i].save })
   end
   run_all(seconds, opts, function(ids, again)
-    for _, j in ipairs(ids) do judge(at[resumed[j]], joined(got[resumed[j]], again[j])) end
+    for _, j in ipairs(ids) do judge(resumed[j], joined(got[resumed[j]], again[j])) end
   end)
   return rows
 end

@@ -47,7 +47,8 @@ end
 
 -- The combinations dslua refuses, in the order it checks them (the first
 -- that applies is the message the cell must raise): the pipeline module
--- when built, then the config, then initialize's pipeline checks.
+-- when built, then the config, then initialize's pipeline checks, then
+-- its optimizer's.
 M.REFUSALS = {
   { function(c) return c.pipe ~= 'none' and c.ranks % c.pipe ~= 0 end, 'do not split into' },
   { function(c) return c.tp ~= 1 and (c.pipe ~= 'none' and c.ranks / c.pipe or c.ranks) % c.tp ~= 0 end,
@@ -58,30 +59,16 @@ M.REFUSALS = {
   { function(c) return c.pipe ~= 'none' and c.stage >= 2 end, 'incompatible with pipeline parallelism' },
   { function(c) return c.pipe ~= 'none' and c.sampler ~= 'plain' end,
     'the sampler block does not run with a pipeline' },
+  { function(c) return c.onebit == 'OneBitLamb' and c.tp ~= 1 end, "OneBitLamb under tensor parallelism" },
 }
 
--- Cells dslua trains otherwise than one rank for a cause not fixed yet
--- (not run; the suite lists them as pending, with the cause).
-M.PENDING = {
-  { function(c) return c.onebit == 'OneBitLamb' and c.tp ~= 1 end,
-    "OneBitLamb under tensor parallelism: its trust ratios |w| / |u| take each tensor rank's piece of a split " ..
-    'weight for the whole (the norms are not summed over the tensor group), so its steps differ from one ' ..
-    "rank's Lamb (f32: weights 9e-4 apart, 72 x the tolerance; Lamb itself at tensor degree 2: 2e-4, 6e-8 at 1)" },
-}
-
--- The text of the first {applies(c), text} of rules that applies to c, or nil.
-local function first(rules, c)
-  for _, r in ipairs(rules) do
+-- The message fragment a refused cell must raise, or nil for a cell that trains.
+function M.refusal(c)
+  for _, r in ipairs(M.REFUSALS) do
     if r[1](c) then return r[2] end
   end
   return nil
 end
-
--- The cause a pending cell waits on, or nil.
-function M.pending(c) return first(M.PENDING, c) end
-
--- The message fragment a refused cell must raise, or nil for a cell that trains.
-function M.refusal(c) return first(M.REFUSALS, c) end
 
 -- The optimizer block: AdamW, or a 1-bit one whose full-precision phase
 -- (freeze_step past the last step; ZeroOneAdam's variance updated every

@@ -193,6 +193,18 @@ local function check_sequence_parallel(cfg, model)
   end
 end
 
+-- Lamb's trust ratio |w| / |u| is a whole parameter's: a tensor rank holds
+-- a piece of each split weight and the pieces' norms are not summed over
+-- the tensor group, so its steps would not be one rank's.
+local function check_lamb_split(model, optimizer)
+  local t = model.tensor_group and model.tensor_group:size() or 1
+  if t > 1 and optimizer.name == 'Lamb' then
+    error(string.format('initialize: %s under tensor parallelism (the model is split over %d ranks): its trust '
+                        .. "ratios need whole weights' norms, and each tensor rank holds a piece of a split weight; "
+                        .. 'use AdamW or Adam', optimizer.onebit and 'OneBitLamb' or 'Lamb', t), 3)
+  end
+end
+
 local KNOWN_OPTS = {
   model = true, config = true, config_params = true, training_data = true, model_parameters = true,
   optimizer = true, lr_scheduler = true, collate_fn = true, args = true, batch_size = true,
@@ -268,6 +280,7 @@ function M.initialize(opts)
                            device = device, optimizer = opts.optimizer,
                            build_optimizer = function(ps) return build_optimizer(opts, cfg, ps) end }
   local optimizer = steps.optimizer
+  check_lamb_split(model, optimizer)
   local scheduler = build_scheduler(opts, cfg, optimizer, rank)
   -- one resolved config and one first lr on every rank (a difference in
   -- lr or gradient_clipping would train on, the ranks drifting apart)
