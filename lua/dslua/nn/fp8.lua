@@ -181,16 +181,19 @@ end
 -- group: Transformer Engine's amax reduction group, data x tensor, so every
 -- rank keeps the same scales and a split tensor's pieces one scale) onto
 -- its history, its scale from the history, amax back to 0. Current scaling
--- keeps no history: only the amaxes are cleared. The weights' codes go:
--- the optimizer is about to change them.
+-- keeps no history and casts with each tensor's own amax: its amaxes are
+-- cleared where they are, with no collective and no read to the host. The
+-- weights' codes go: the optimizer is about to change them.
 function Recipe:update(group)
   local n = #self.layers
   if n == 0 then return end
-  local metas = {}
-  for i, st in ipairs(self.layers) do
-    metas[i] = st.meta:view({ 1, 3, 3 })
-    st.weight = nil
+  for _, st in ipairs(self.layers) do st.weight = nil end
+  if self.recipe ~= 'delayed' then
+    for _, st in ipairs(self.layers) do st.meta:narrow(2, 3, 1):zero_() end
+    return
   end
+  local metas = {}
+  for i, st in ipairs(self.layers) do metas[i] = st.meta:view({ 1, 3, 3 }) end
   local all = n > 1 and ds.cat(metas, 1) or metas[1]:clone()
   if ds.comm and ds.comm.world_size() > 1 then
     ds.comm.all_reduce(all, 'max', { group = group })
@@ -202,12 +205,10 @@ function Recipe:update(group)
     local rows = host[i]
     for k = 1, 3 do
       local row = rows[k]
-      if self.recipe == 'delayed' then
-        local h = st.history[k]
-        h[#h + 1] = row[3]
-        if #h > self.amax_history_len then table.remove(h, 1) end
-        row[1], row[2] = C.fp8_scale(self:amax(h), k == 3 and self.grad_format or 'e4m3', self.margin, row[1])
-      end
+      local h = st.history[k]
+      h[#h + 1] = row[3]
+      if #h > self.amax_history_len then table.remove(h, 1) end
+      row[1], row[2] = C.fp8_scale(self:amax(h), k == 3 and self.grad_format or 'e4m3', self.margin, row[1])
       row[3] = 0
     end
   end
