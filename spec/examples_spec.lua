@@ -95,7 +95,7 @@ describe('examples', function()
   end)
 
   for _, name in ipairs { 'mnist', 'pipeline' } do
-    it(name .. ': says it skips and exits 0 when the data folder is absent', function()
+    it(name .. ': without the data folder, names the missing files and exits 0', function()
       local out = run('examples/' .. name .. '/train.lua --data /nonexistent/mnist', false)
       assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
     end)
@@ -178,7 +178,7 @@ describe('examples', function()
     end)
   end)
 
-  it('shakespeare: says it skips and exits 0 when the text is absent', function()
+  it('shakespeare: without the text, names the missing file and exits 0', function()
     local out = run('examples/shakespeare/train.lua --data /nonexistent/input.txt', false)
     assert.matches('skipping: /nonexistent/input.txt is absent', out)
   end)

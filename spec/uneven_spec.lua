@@ -226,7 +226,7 @@ describe('uneven data parallelism', function()
     end)
   end
 
-  it('examples/uneven: says it skips and exits 0 without the data', function()
+  it('examples/uneven: without the data, names the missing files and exits 0', function()
     local out, status = H.run(H.bin() .. ' examples/uneven/train.lua --data /nonexistent/mnist')
     assert.are.equal(0, status, out)
     assert.matches('skipping: no MNIST t10k files in /nonexistent/mnist', out)
