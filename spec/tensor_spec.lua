@@ -268,3 +268,17 @@ describe('threads', function()
     ds.num_threads(nt)
   end)
 end)
+
+describe('ds.kernel_calls', function()
+  it('counts the kernels an op runs and nothing for a view', function()
+    local a, b = ds.randn({ 4, 8 }), ds.randn({ 4, 8 })
+    local before = ds.kernel_calls()
+    local _ = a:view(8, 4)
+    assert.are.equal(before, ds.kernel_calls(), 'a view runs no kernel')
+    local c = a + b
+    local after_add = ds.kernel_calls()
+    assert.is_true(after_add > before, 'an add runs a kernel')
+    local _ = c + b
+    assert.are.equal(after_add - before, ds.kernel_calls() - after_add, 'the same op runs as many kernels again')
+  end)
+end)

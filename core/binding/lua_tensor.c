@@ -595,6 +595,11 @@ static int l_reset_peak_memory(lua_State *L) { (void)L; ds_mem_reset_peak(); ret
 
 static int l_empty_cache(lua_State *L) { (void)L; ds_mem_empty_cache(); return 0; }
 
+static int l_kernel_calls(lua_State *L) {
+    lua_pushnumber(L, (lua_Number)ds_kernel_calls());
+    return 1;
+}
+
 static const luaL_Reg tensor_methods[] = {
     {"size", l_size}, {"stride", l_stride}, {"dim", l_dim}, {"numel", l_numel},
     {"dtype", l_dtype}, {"device", l_device}, {"is_contiguous", l_is_contiguous},
@@ -609,7 +614,7 @@ static const luaL_Reg module_functions[] = {
     {"manual_seed", l_manual_seed}, {"get_rng_state", l_get_rng_state}, {"set_rng_state", l_set_rng_state}, {"is_tensor", l_is_tensor},
     {"set_grad_enabled", l_set_grad_enabled}, {"is_grad_enabled", l_is_grad_enabled},
     {"memory_stats", l_memory_stats}, {"reset_peak_memory", l_reset_peak_memory},
-    {"empty_cache", l_empty_cache},
+    {"empty_cache", l_empty_cache}, {"kernel_calls", l_kernel_calls},
     {NULL, NULL}
 };
 

@@ -242,9 +242,16 @@ void *ds_tensor_data_w(ds_tensor *t, const char *op) {
     return ds_tensor_data(t);
 }
 
+/* Every kernel call passes here, so counting here counts a step's kernels
+ * on any device (a GPU's launches, give or take a kernel that launches two). */
+static uint64_t kernel_calls;
+
 const ds_kernels *ds_tensor_kernels(const ds_tensor *t) {
+    __atomic_fetch_add(&kernel_calls, 1, __ATOMIC_RELAXED);
     return ds_backend_get(t->storage->device)->kernels;
 }
+
+uint64_t ds_kernel_calls(void) { return __atomic_load_n(&kernel_calls, __ATOMIC_RELAXED); }
 
 const char *ds_dims_str(int ndim, const int64_t *dims, char *buf, size_t n) {
     size_t used = 0;

@@ -69,6 +69,8 @@ ds_kview ds_tensor_kview(const ds_tensor *t);
 ds_kview ds_tensor_kview_w(ds_tensor *t, const char *op);
 void *ds_tensor_data_w(ds_tensor *t, const char *op);
 const ds_kernels *ds_tensor_kernels(const ds_tensor *t);
+/* Kernel calls made so far by this process (every ds_tensor_kernels). */
+uint64_t ds_kernel_calls(void);
 void *ds_tensor_data(const ds_tensor *t);    /* element 0, CPU address */
 /* "[3,4]" into buf, for error messages */
 const char *ds_shape_str(const ds_tensor *t, char *buf, size_t n);
