@@ -25,9 +25,24 @@ typedef enum {
     DS_NUNARY
 } ds_unary_op;
 
+/* A piece of a multi-tensor copy: n contiguous elements from src (of
+ * dtype src_dtype; NULL: zeros) to dst. */
+typedef struct {
+    void *dst;
+    const void *src;
+    int64_t n;
+    ds_dtype src_dtype;
+} ds_copy_piece;
+
 typedef struct ds_kernels_core {
     /* dst = src converted to dst's dtype, any strides on both sides */
     int (*copy)(ds_kview dst, ds_kview src);
+    /* Every piece (host memory) as copy moves it into dst_dtype, or added
+     * into f32 (f32 += the source's value, as a binary add rounds) when
+     * accumulate, a zero piece then adding nothing: one launch for many
+     * tensors (a bucket's gradients into their rows or their master
+     * gradient). Pieces do not overlap. src and dst are bf16, f16 or f32. */
+    int (*copy_pieces)(ds_dtype dst_dtype, const ds_copy_piece *pieces, int n, int accumulate);
     int (*fill)(ds_kview dst, double value);
     int (*arange)(ds_kview dst, double start, double step);
     /* Counter-based random numbers: element i uses Philox counter

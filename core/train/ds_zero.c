@@ -72,6 +72,47 @@ int ds_zero_copy_elements(ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at
     return rc;
 }
 
+static bool piece_dtype(ds_dtype t) { return t == DS_F32 || t == DS_BF16 || t == DS_F16; }
+
+int ds_zero_piece(zpieces *c, ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at, int64_t n) {
+    if (n <= 0) return 0;
+    ds_tensor *on = c->on ? c->on : dst;
+    bool fits = lo >= 0 && lo + n <= ds_tensor_numel(dst) && (!src || (at >= 0 && at + n <= ds_tensor_numel(src)));
+    if (!fits || !ds_tensor_is_contiguous(dst) || (src && !ds_tensor_is_contiguous(src)) || dst->dtype != on->dtype ||
+        !piece_dtype(dst->dtype) || (src && !piece_dtype(src->dtype)) ||
+        !ds_device_equal(ds_tensor_device(dst), ds_tensor_device(on)) ||
+        (src && !ds_device_equal(ds_tensor_device(src), ds_tensor_device(on))))
+        return ds_fail(DS_ERR_ARG, "step engine: a multi-tensor copy's piece of %lld %s elements from %s does not fit",
+                       (long long)n, ds_dtype_name(dst->dtype), src ? ds_dtype_name(src->dtype) : "zeros"), -1;
+    if (c->n == c->cap) {
+        int cap = c->cap ? 2 * c->cap : 16;
+        ds_copy_piece *p = realloc(c->p, sizeof *p * (size_t)cap);
+        if (!p) return ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1;
+        c->p = p;
+        c->cap = cap;
+    }
+    c->on = on;
+    c->p[c->n++] = (ds_copy_piece){
+        .dst = (char *)ds_tensor_data_w(dst, "copy_") + lo * (int64_t)ds_dtype_size(dst->dtype),
+        .src = src ? (const char *)ds_tensor_data(src) + at * (int64_t)ds_dtype_size(src->dtype) : NULL,
+        .n = n, .src_dtype = src ? src->dtype : dst->dtype };
+    return 0;
+}
+
+int ds_zero_pieces_run(zpieces *c, bool accumulate) {
+    int rc = 0;
+    if (c->n > 0 && ds_tensor_kernels(c->on)->core->copy_pieces(c->on->dtype, c->p, c->n, accumulate))
+        rc = (ds_fail(DS_ERR_STATE, "step engine: multi-tensor copy: %s", ds_kernel_error()), -1);
+    c->n = 0;
+    c->on = NULL;
+    return rc;
+}
+
+void ds_zero_pieces_free(zpieces *c) {
+    free(c->p);
+    *c = (zpieces){ 0 };
+}
+
 ds_device ds_zero_param_device(const ds_zero *z) { return ds_tensor_device(z->p[0].param); }
 
 /* One copy, which may cast and cross devices. From a device to the host
@@ -240,6 +281,11 @@ static void add_stats_flight(ds_zero *z, const zflight *f) {
 
 static int launch(ds_zero *z, int bi) {
     zbucket *b = &z->b[bi];
+    if (z->layout->local && z->layout->local(z)) {
+        z->stats.buckets++;
+        z->have_stats = true;
+        return z->layout->fold(z, b);
+    }
     if (z->n_flights == z->nb)
         return ds_fail(DS_ERR_STATE, "step engine: bucket %d launched with all %d buckets in flight", bi + 1, z->nb), -1;
     zflight *f = &z->flights[z->n_flights];

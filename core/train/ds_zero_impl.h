@@ -26,6 +26,10 @@ typedef struct {
     /* does a backward reduce, at an accumulation boundary or not? */
     bool (*reduces)(const ds_zero *z, bool boundary);
     int (*arm)(ds_zero *z);                             /* before a reduced backward */
+    /* nothing to communicate (NULL: never); then fold puts a bucket
+     * straight where the step reads it, in place of launch and land */
+    bool (*local)(const ds_zero *z);
+    int (*fold)(ds_zero *z, zbucket *b);
     ds_comm_work *(*launch)(ds_zero *z, zbucket *b, ds_tensor **buf);
     int (*arrive)(ds_zero *z, zflight *f);              /* a bucket seen reduced: its row may start on its way */
     int (*land)(ds_zero *z, zflight *f);                /* a reduced bucket where the step reads it */
@@ -150,6 +154,20 @@ int64_t ds_zero_shard_len(const zparam *q, int r);
 /* dst's n elements from lo = src's n from at: a copy that may change dtype
  * and device. */
 int ds_zero_copy_elements(ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at, int64_t n);
+/* A multi-tensor copy (the kernels' copy_pieces): pieces added, then run
+ * as one kernel. */
+typedef struct {
+    ds_copy_piece *p;
+    int n, cap;
+    ds_tensor *on;          /* the first destination: every piece's device and dtype */
+} zpieces;
+/* dst's n elements from lo get src's from at (src NULL: zeros); both
+ * contiguous, on one device, bf16, f16 or f32. src must live until the
+ * run. */
+int ds_zero_piece(zpieces *c, ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at, int64_t n);
+/* Every piece as one kernel (accumulate: added into f32), then none. */
+int ds_zero_pieces_run(zpieces *c, bool accumulate);
+void ds_zero_pieces_free(zpieces *c);
 int ds_zero_param_index(const ds_zero *z, const ds_tensor *t);
 int ds_zero_scale(ds_tensor *t, double f);
 int ds_zero_scale_all(int n, ds_tensor *const *t, double f);

@@ -168,40 +168,74 @@ static bool reduces(const ds_zero *z, bool boundary) { return boundary || z->c.s
 
 static int arm(ds_zero *z) { (void)z; return 0; }
 
-/* Gradient g of parameter q into its columns of rows [P, width]: row r
- * gets shard r. Two copies: the full rows, then the short one. */
-static int copy_to_rows(ds_tensor *rows, int64_t col, const zparam *q, ds_tensor *g) {
-    if (q->numel == 0) return 0;     /* no columns, and a shard of 0 to divide by */
-    int64_t s = q->shard, width = rows->shape[1];
-    int64_t full = q->numel / s, rem = q->numel % s;
+/* Bucket b's gradients (contiguous, held) into rows [P, width] as one
+ * kernel: row r gets each parameter's shard r at its column, and zeros
+ * where a short or empty last shard, or a parameter without gradient,
+ * leaves padding (it must reduce as zeros). */
+static int fill_rows(ds_zero *z, const zbucket *b, ds_tensor *rows, ds_tensor *const *held) {
+    zpieces c = { 0 };
     int rc = 0;
-    if (full > 0) {
-        ds_tensor *src = ds_tensor_view_of(g, 2, (int64_t[]){ full, s }, (int64_t[]){ s, 1 }, g->offset);
-        ds_tensor *dst = ds_tensor_view_of(rows, 2, (int64_t[]){ full, s }, (int64_t[]){ width, 1 }, rows->offset + col);
-        rc = src && dst ? ds_copy_(dst, src) : -1;
-        ds_tensor_release(src);
-        ds_tensor_release(dst);
+    for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
+        const zparam *q = &z->p[i];
+        ds_tensor *g = held[i - b->first];
+        for (int r = 0; r < z->parts && rc == 0; r++) {
+            int64_t at = r * b->width + q->offset - b->offset, len = g ? ds_zero_shard_len(q, r) : 0;
+            rc = ds_zero_piece(&c, rows, at, g, (int64_t)r * q->shard, len);
+            if (rc == 0) rc = ds_zero_piece(&c, rows, at + len, NULL, 0, q->shard - len);
+        }
     }
-    if (rc == 0 && rem > 0) {
-        ds_tensor *src = ds_zero_elements(g, full * s, rem);
-        ds_tensor *dst = ds_zero_elements(rows, full * width + col, rem);
-        rc = src && dst ? ds_copy_(dst, src) : -1;
-        ds_tensor_release(src);
-        ds_tensor_release(dst);
+    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
+    ds_zero_pieces_free(&c);
+    return rc;
+}
+
+/* Bucket b's gradients taken from the parameters, contiguous, into held
+ * (NULL where none); as the rows' dtype where the add from it would not
+ * be the add from them (a gradient narrowed on its way). */
+static int take_grads(ds_zero *z, const zbucket *b, ds_tensor **held, bool as_rows) {
+    int rc = 0;
+    for (int i = b->first; i < b->first + b->count; i++) {
+        zparam *q = &z->p[i];
+        ds_tensor *g = q->param->grad, *c = NULL;
+        if (g && rc == 0) {
+            bool narrowed = as_rows && g->dtype != z->c.comm_dtype && z->c.comm_dtype != DS_F32;
+            c = narrowed ? ds_to_dtype(g, z->c.comm_dtype) : ds_contiguous(g);
+            if (!c) rc = -1;
+        }
+        held[i - b->first] = c;
+        if (!g || rc) continue;
+        q->param->grad = NULL;
+        ds_tensor_release(g);
     }
     return rc;
 }
 
-/* Whether the copies of bucket b's gradients fill every element of its
- * rows: each parameter has a gradient, and its P shards are of equal
- * length (a short or empty last shard leaves padding, which must reduce
- * as zeros). */
-static bool rows_covered(const ds_zero *z, const zbucket *b) {
-    for (int i = b->first; i < b->first + b->count; i++) {
+static void release_all(int n, ds_tensor **t) {
+    for (int k = 0; k < n; k++) ds_tensor_release(t[k]);
+}
+
+/* Nothing to communicate: one rank, its gradients on the masters' device,
+ * no offload pipeline. */
+static bool local(const ds_zero *z) {
+    return z->world == 1 && !z->offload && ds_device_equal(ds_zero_param_device(z), z->c.master_device);
+}
+
+/* Bucket b's gradients added straight into their master gradients, one
+ * kernel: per element the add a landed row makes (f32 += the row's value,
+ * which holds the gradient exactly, or is given its rounding first). */
+static int fold(ds_zero *z, zbucket *b) {
+    ds_tensor *held[b->count];
+    int rc = take_grads(z, b, held, true);
+    zpieces c = { 0 };
+    for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
         const zparam *q = &z->p[i];
-        if (!q->param->grad || q->numel != (int64_t)z->parts * q->shard) return false;
+        rc = ds_zero_piece(&c, z->master_grads[b->group], q->offset, held[i - b->first], 0,
+                           held[i - b->first] ? q->numel : 0);
     }
-    return true;
+    if (rc == 0) rc = ds_zero_pieces_run(&c, true);
+    ds_zero_pieces_free(&c);
+    release_all(b->count, held);
+    return rc;
 }
 
 /* Bucket b's gradients as rows, dropped from the parameters, reduced
@@ -209,21 +243,12 @@ static bool rows_covered(const ds_zero *z, const zbucket *b) {
 static ds_comm_work *launch(ds_zero *z, zbucket *b, ds_tensor **buf) {
     int P = z->parts;
     int64_t shape[2] = { P, b->width };
-    ds_device dev = ds_zero_param_device(z);
-    ds_tensor *rows = rows_covered(z, b) ? ds_tensor_new(2, shape, z->c.comm_dtype, dev)
-                                         : ds_tensor_full(2, shape, z->c.comm_dtype, dev, 0.0);
-    if (!rows) return NULL;
-    for (int i = b->first; i < b->first + b->count; i++) {
-        zparam *q = &z->p[i];
-        ds_tensor *g = q->param->grad;
-        if (!g) continue;
-        ds_tensor *c = ds_contiguous(g);
-        int rc = c ? copy_to_rows(rows, q->offset - b->offset, q, c) : -1;
-        ds_tensor_release(c);
-        if (rc) { ds_tensor_release(rows); return NULL; }
-        q->param->grad = NULL;
-        ds_tensor_release(g);
-    }
+    ds_tensor *held[b->count];
+    ds_tensor *rows = ds_tensor_new(2, shape, z->c.comm_dtype, ds_zero_param_device(z));
+    int rc = take_grads(z, b, held, false);
+    if (rows && rc == 0) rc = fill_rows(z, b, rows, held);
+    release_all(b->count, held);
+    if (!rows || rc) { ds_tensor_release(rows); return NULL; }
     ds_comm_work *w;
     if (P == 1) {
         ds_tensor *v = ds_zero_elements(rows, 0, b->width);
@@ -301,11 +326,54 @@ static ds_tensor *shard_source(const zparam *q, ds_tensor *const *masters, ds_te
     return t && ds_device_equal(ds_tensor_device(t), ds_tensor_device(q->own)) ? t : masters[q->group];
 }
 
+/* Stage 3's own shards of bucket b from the masters (or updated), one
+ * kernel for those on their source's device and held in memory, the
+ * others one by one. */
+static int store_shards(ds_zero *z, const zbucket *b, ds_tensor *const *masters, ds_tensor *const *updated) {
+    zpieces c = { 0 };
+    int rc = 0;
+    for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
+        zparam *q = &z->p[i];
+        if (!q->own) continue;
+        ds_tensor *src = shard_source(q, masters, updated);
+        if (!z->param_file && ds_device_equal(ds_tensor_device(src), ds_tensor_device(q->own)))
+            rc = ds_zero_piece(&c, q->own, 0, src, q->offset, q->shard);
+        else
+            rc = ds_zero_store_shard(z, q, src, q->offset);
+    }
+    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
+    ds_zero_pieces_free(&c);
+    return rc;
+}
+
+/* Bucket b's all-gathered shards (work w's P results) into the parameters
+ * kept whole, one kernel. */
+static int take_gathered(ds_zero *z, const zbucket *b, ds_comm_work *w) {
+    ds_tensor *got[z->parts];
+    zpieces c = { 0 };
+    int made = 0, rc = 0;
+    for (; made < z->parts; made++)
+        if (!(got[made] = ds_comm_work_result(w, made))) break;
+    if (made < z->parts) rc = -1;
+    for (int r = 0; r < made && rc == 0; r++) {
+        for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
+            zparam *q = &z->p[i];
+            if (!q->own) rc = ds_zero_piece(&c, q->param, (int64_t)r * q->shard, got[r], q->offset - b->offset,
+                                            ds_zero_shard_len(q, r));
+        }
+    }
+    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
+    ds_zero_pieces_free(&c);
+    release_all(made, got);
+    return rc;
+}
+
 /* Parameters from masters: stage 0 copies (casting), but for the groups
- * the optimizer's pass has written when stepped; otherwise each bucket's
- * updated shards are all-gathered (one rank: a copy) into the parameters
- * kept whole, and stage 3's own shards are refreshed, from updated (the
- * offload step's shards on the device) where it is given. */
+ * the optimizer's pass has written when stepped, the parameters of groups
+ * not moved into flat_params in one kernel; otherwise each
+ * bucket's updated shards are all-gathered (one rank: a copy) into the
+ * parameters kept whole, and stage 3's own shards are refreshed, from
+ * updated (the offload step's shards on the device) where it is given. */
 static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *updated, bool stepped) {
     int rc = 0;
     if (z->parts == 1 && z->c.stage != 3) {
@@ -313,10 +381,17 @@ static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *upda
             if (z->flat_params[g] && !(stepped && written_by_step(z, g)))
                 rc = ds_zero_copy_elements(z->flat_params[g], 0, masters[g], 0, z->group_len[g]);
         }
+        zpieces c = { 0 };
         for (int i = 0; i < z->n && rc == 0; i++) {
             zparam *q = &z->p[i];
-            if (!z->flat_params[q->group]) rc = ds_zero_copy_elements(q->param, 0, masters[q->group], q->offset, q->numel);
+            ds_tensor *m = masters[q->group];
+            if (z->flat_params[q->group]) continue;
+            rc = ds_device_equal(ds_tensor_device(m), ds_tensor_device(q->param))
+                 ? ds_zero_piece(&c, q->param, 0, m, q->offset, q->numel)
+                 : ds_zero_copy_elements(q->param, 0, m, q->offset, q->numel);
         }
+        if (rc == 0) rc = ds_zero_pieces_run(&c, false);
+        ds_zero_pieces_free(&c);
         return rc;
     }
     ds_comm_work **works = calloc((size_t)z->nb, sizeof *works);
@@ -330,11 +405,8 @@ static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *upda
     for (int bi = 0; bi < z->nb && rc == 0; bi++) {
         zbucket *b = &z->b[bi];
         bool whole = false;
-        for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
-            zparam *q = &z->p[i];
-            if (q->own) rc = ds_zero_store_shard(z, q, shard_source(q, masters, updated), q->offset);
-            else whole = true;
-        }
+        for (int i = b->first; i < b->first + b->count; i++) whole = whole || !z->p[i].own;
+        rc = store_shards(z, b, masters, updated);
         if (rc || !whole) continue;
         ds_tensor *send = updated ? ds_zero_elements(updated[b->group], b->offset, b->width)
                                : ds_zero_copy_out(masters[b->group], b->offset, b->width, z->dtype, ds_zero_param_device(z));
@@ -344,18 +416,9 @@ static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *upda
     }
     for (int bi = 0; bi < z->nb; bi++) {
         if (!works[bi]) continue;
-        zbucket *b = &z->b[bi];
         if (rc == 0) rc = ds_comm_work_wait(works[bi]);
         if (rc == 0) ds_zero_log(z, "zero_all_gather", sent[bi], t0);
-        for (int r = 0; r < z->parts && rc == 0; r++) {
-            ds_tensor *got = ds_comm_work_result(works[bi], r);
-            if (!got) { rc = -1; break; }
-            for (int i = b->first; i < b->first + b->count && rc == 0; i++) {
-                zparam *q = &z->p[i];
-                if (!q->own) rc = ds_zero_copy_elements(q->param, (int64_t)r * q->shard, got, q->offset - b->offset, ds_zero_shard_len(q, r));
-            }
-            ds_tensor_release(got);
-        }
+        if (rc == 0) rc = take_gathered(z, &z->b[bi], works[bi]);
         ds_comm_work_release(works[bi]);
     }
     for (int bi = 0; bi < z->nb; bi++) ds_tensor_release(sent[bi]);
@@ -455,6 +518,6 @@ int ds_zero_sync_params(ds_zero *z) {
 
 const zlayout ds_zero_masters_layout = {
     .holds = DS_ZERO_HOLDS_MASTERS, .build = build, .free = free_layout, .reduces = reduces, .arm = arm,
-    .launch = launch, .arrive = arrive, .land = land, .collective = collective, .scale = scale, .param_grad = param_grad,
+    .local = local, .fold = fold, .launch = launch, .arrive = arrive, .land = land, .collective = collective, .scale = scale, .param_grad = param_grad,
     .step = step, .zero_grad = zero_grad,
 };

@@ -11,6 +11,8 @@
  * among threads, so a contiguous tensor (one long row once coalesced: a
  * zeroed 150 MB embedding gradient, say) still uses every thread. */
 #define CORE_TILE 16384
+/* Elements a half source is widened by at a time, on the stack. */
+#define CORE_BLOCK 1024
 
 static int64_t tile_count(int64_t rows, int64_t cols) { return rows * ((cols + CORE_TILE - 1) / CORE_TILE); }
 
@@ -103,6 +105,42 @@ static int cpu_fill(ds_kview dst, double value) {
     return 0;
 }
 
+/* Piece k's elements [lo, hi) added into f32, widened a block at a time. */
+static void add_piece(const ds_copy_piece *pc, int64_t lo, int64_t hi) {
+    float *d = (float *)pc->dst, ws[CORE_BLOCK];
+    for (; lo < hi; lo += CORE_BLOCK) {
+        int64_t n = hi - lo < CORE_BLOCK ? hi - lo : CORE_BLOCK;
+        const float *s = ws;
+        if (pc->src_dtype == DS_F32) s = (const float *)pc->src + lo;
+        else cpu_half_to_f32(ws, (const uint16_t *)pc->src + lo, n, pc->src_dtype);
+        #pragma omp simd
+        for (int64_t i = 0; i < n; i++) d[lo + i] += s[i];
+    }
+}
+
+static ds_kview flat_view(void *data, ds_dtype t, int64_t n) {
+    return (ds_kview){ .data = data, .dtype = t, .ndim = 1, .shape = { n }, .stride = { 1 } };
+}
+
+/* A loop over the pieces: copy's and fill's own paths, or the add. */
+static int cpu_copy_pieces(ds_dtype dt, const ds_copy_piece *pc, int n, int accumulate) {
+    if (accumulate && dt != DS_F32) return ds_kernel_fail("copy_pieces: accumulates into f32 only");
+    for (int k = 0; k < n; k++) {
+        ds_kview d = flat_view(pc[k].dst, dt, pc[k].n);
+        if (!pc[k].src) {
+            if (!accumulate) cpu_fill(d, 0);
+        } else if (accumulate) {
+            int64_t len = pc[k].n, tiles = (len + CORE_TILE - 1) / CORE_TILE;
+            #pragma omp parallel for schedule(static) if (len > CPU_PARALLEL_MIN)
+            for (int64_t t = 0; t < tiles; t++)
+                add_piece(&pc[k], t * CORE_TILE, len - t * CORE_TILE < CORE_TILE ? len : (t + 1) * CORE_TILE);
+        } else {
+            cpu_copy(d, flat_view((void *)pc[k].src, pc[k].src_dtype, pc[k].n));
+        }
+    }
+    return 0;
+}
+
 /* dst must be contiguous: element i is start + i * step. */
 static int cpu_arange(ds_kview dst, double start, double step) {
     int64_t n = ds_kview_numel(&dst);
@@ -143,5 +181,5 @@ static int cpu_normal(ds_kview dst, uint64_t seed, uint64_t offset, double mean,
 }
 
 const ds_kernels_core ds_cpu_core = {
-    cpu_copy, cpu_fill, cpu_arange, cpu_uniform, cpu_normal,
+    cpu_copy, cpu_copy_pieces, cpu_fill, cpu_arange, cpu_uniform, cpu_normal,
 };

@@ -50,6 +50,19 @@ static inline unsigned ds_cuda_blocks(int64_t n, int threads) {
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < (int64_t)(n); \
          i += (int64_t)blockDim.x * gridDim.x)
 
+/* The piece chunk c belongs to, pieces cut into chunks with piece k's
+ * first chunk at first[k]: the last k < n with first[k] <= c (an empty
+ * piece shares its first with the next one and owns nothing). */
+__device__ __forceinline__ int ds_cuda_piece_of(const int64_t *first, int n, int64_t c) {
+    int lo = 0, hi = n - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first[mid] <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 /* Element offset of the i-th (row-major) element of a view passed by value
  * to a kernel. Coalesce views on the host first (cpu_coalesce) so the
  * divisions run over as few dims as the strides allow. */

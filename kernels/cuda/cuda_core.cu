@@ -104,6 +104,72 @@ static int cuda_copy(ds_kview dst, ds_kview src) {
     return ds_cuda_launched("copy_cast");
 }
 
+/* ---- copy_pieces ---- */
+
+/* A launch's table, passed by value (under the 4 KB of kernel
+ * parameters): each piece cut into chunks of PIECE_CHUNK elements, a block
+ * a chunk, first[k] piece k's first chunk. More pieces take more launches
+ * of one call. */
+#define PIECES_MAX 80
+#define PIECE_CHUNK 4096
+
+struct pieces_args {
+    void *dst[PIECES_MAX];
+    const void *src[PIECES_MAX];
+    int64_t n[PIECES_MAX];
+    int64_t first[PIECES_MAX + 1];
+    unsigned char src_dtype[PIECES_MAX];
+    int count, dst_dtype, accumulate;
+};
+
+/* Through f32, as copy converts and a binary add rounds; one dtype as
+ * raw words. */
+static __global__ void copy_pieces_kernel(pieces_args a) {
+    for (int64_t c = blockIdx.x; c < a.first[a.count]; c += gridDim.x) {
+        int k = ds_cuda_piece_of(a.first, a.count, c);
+        ds_dtype st = (ds_dtype)a.src_dtype[k], dt = (ds_dtype)a.dst_dtype;
+        int64_t lo = (c - a.first[k]) * PIECE_CHUNK, hi = lo + PIECE_CHUNK < a.n[k] ? lo + PIECE_CHUNK : a.n[k];
+        const void *s = a.src[k];
+        void *d = a.dst[k];
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            if (!s) {
+                if (!a.accumulate) ds_store(dt, d, i, 0.0);
+            } else if (a.accumulate) {
+                ((float *)d)[i] += (float)ds_load(st, s, i);
+            } else if (st == dt && dt == DS_F32) {
+                ((uint32_t *)d)[i] = ((const uint32_t *)s)[i];
+            } else if (st == dt) {
+                ((uint16_t *)d)[i] = ((const uint16_t *)s)[i];
+            } else {
+                ds_store(dt, d, i, ds_load(st, s, i));
+            }
+        }
+    }
+}
+
+static int cuda_copy_pieces(ds_dtype dt, const ds_copy_piece *pc, int n, int accumulate) {
+    if (accumulate && dt != DS_F32) return ds_kernel_fail("copy_pieces: accumulates into f32 only");
+    for (int at = 0; at < n; at += PIECES_MAX) {
+        pieces_args a;
+        a.count = n - at < PIECES_MAX ? n - at : PIECES_MAX;
+        a.dst_dtype = dt;
+        a.accumulate = accumulate;
+        a.first[0] = 0;
+        for (int k = 0; k < a.count; k++) {
+            const ds_copy_piece *p = &pc[at + k];
+            a.dst[k] = p->dst;
+            a.src[k] = p->src;
+            a.n[k] = p->n;
+            a.src_dtype[k] = (unsigned char)p->src_dtype;
+            a.first[k + 1] = a.first[k] + (p->n + PIECE_CHUNK - 1) / PIECE_CHUNK;
+        }
+        if (a.first[a.count] == 0) continue;
+        copy_pieces_kernel<<<ds_cuda_blocks(a.first[a.count], 1), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(a);
+        if (ds_cuda_launched("copy_pieces")) return -1;
+    }
+    return 0;
+}
+
 /* ---- fill and arange ---- */
 
 static __global__ void fill_kernel(ds_kview dst, int64_t n, double value, int flat) {
@@ -183,5 +249,5 @@ static int cuda_normal(ds_kview dst, uint64_t seed, uint64_t offset, double mean
 }
 
 extern "C" const ds_kernels_core ds_cuda_core = {
-    cuda_copy, cuda_fill, cuda_arange, cuda_uniform, cuda_normal,
+    cuda_copy, cuda_copy_pieces, cuda_fill, cuda_arange, cuda_uniform, cuda_normal,
 };

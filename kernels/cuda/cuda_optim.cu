@@ -120,17 +120,7 @@ struct lamb_args {
     int inside;
 };
 
-/* The piece chunk c belongs to: the last k with cstart[k] <= c (an empty
- * piece shares its start with the next one and owns nothing). */
-static __device__ int lamb_segment(const lamb_args &a, int64_t c) {
-    int lo = 0, hi = a.nseg - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (a.cstart[mid] <= c) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
+static __device__ int lamb_segment(const lamb_args &a, int64_t c) { return ds_cuda_piece_of(a.cstart, a.nseg, c); }
 
 /* Moments, then |p|^2 and |u|^2 of each chunk into part[2c], part[2c+1]. */
 static __global__ void lamb_norms_kernel(lamb_args a, int64_t chunks, double *part) {

@@ -1,0 +1,51 @@
+-- Kernels of a training step (ds.kernel_calls): a 12-layer GPT-2 of
+-- n_embd 64 through ds.initialize, the same batches on every rank; the
+-- kernels of the last micro step's engine:backward and of engine:step on
+-- the third step, on rank 0. With OUT, every rank's weights after the
+-- three steps go there as hex floats (OUT.rank), to compare two builds.
+--   dslua [-n 2] bench/step_kernels.lua DTYPE STAGE [GAS [CLIP [OUT]]]
+-- DTYPE f32, bf16 or f16 (under a dynamic loss scale).
+local ds = require 'dslua'
+local GPT = require 'models.gpt2'
+
+local dtype, stage = arg[1] or 'bf16', tonumber(arg[2] or 0)
+local gas, clip, out = tonumber(arg[3] or 1), tonumber(arg[4] or 0), arg[5]
+
+ds.manual_seed(1)
+local model = GPT { vocab_size = 256, block_size = 32, n_layer = 12, n_head = 4, n_embd = 64, bias = true }
+local config = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = gas, steps_per_print = 1e9,
+                 gradient_clipping = clip, zero_optimization = { stage = stage },
+                 optimizer = { type = 'AdamW', params = { lr = 1e-3, weight_decay = 0.1 } } }
+if dtype == 'bf16' then config.bf16 = { enabled = true } end
+if dtype == 'f16' then config.fp16 = { enabled = true, initial_scale_power = 12 } end
+local engine = ds.initialize { model = model, config = config }
+local dev = ds.device()
+local backward, step
+for _ = 1, 3 do
+  for _ = 1, gas do
+    local x = (ds.rand(2, 32) * 256):to('i64'):to(dev)
+    local y = (ds.rand(2, 32) * 256):to('i64'):to(dev)
+    local loss = engine { x = x, y = y }
+    local k0 = ds.kernel_calls()
+    engine:backward(loss)
+    backward = ds.kernel_calls() - k0
+    k0 = ds.kernel_calls()
+    engine:step()
+    step = ds.kernel_calls() - k0
+  end
+end
+local rank, world = ds.comm.rank(), ds.comm.world_size()
+if rank == 0 then
+  print(string.format('result kernels %s stage %d gas %d ranks %d parameters %d backward %d step %d', dtype, stage,
+                      gas, world, #model:parameters(), backward, step))
+end
+if out then
+  local f = assert(io.open(out .. '.' .. rank, 'w'))
+  for _, p in ipairs(model:parameters()) do
+    ds.no_grad(function()
+      for _, v in ipairs(p:to('f32'):view(-1):totable()) do f:write(string.format('%a\n', v)) end
+    end)
+  end
+  f:close()
+end
+engine:destroy()
