@@ -348,12 +348,15 @@ int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce) {
         /* the last micro step's reductions (stage >= 2 reduces every one)
          * land before this one launches the same buckets again */
         if (drain(z)) return -1;
-        if (z->layout->arm(z)) return -1;
         for (int i = 0; i < z->n; i++) z->p[i].done = false;
         for (int b = 0; b < z->nb; b++) z->b[b].pending = z->b[b].count;
         z->next = 0;
         z->leaves_after = 0;
         z->armed = true;
+    }
+    if (z->layout->arm && z->layout->arm(z, reduce)) {
+        z->armed = false;
+        return -1;
     }
     z->in_backward = true;
     if (loss) rc = ds_backward(loss, NULL, false);
@@ -370,6 +373,7 @@ int ds_zero_backward(ds_zero *z, ds_tensor *loss, bool reduce) {
         if (rc == 0) rc = poll(z);
         z->armed = false;
     }
+    if (rc == 0 && z->layout->after) rc = z->layout->after(z);
     if (z->c.stage == 3 && ds_zero_after_backward(z)) rc = -1;
     return rc;
 }

@@ -42,13 +42,22 @@ static void free_layout(ds_zero *z) {
 /* One rank has nothing to reduce with. */
 static bool reduces(const ds_zero *z, bool boundary) { return boundary && z->world > 1; }
 
-/* A gradient dropped (zeros) or replaced by another tensor (copied in)
- * goes back to its view, where the bucket reads it. */
-static int arm(ds_zero *z) {
+/* Before a backward. In a fresh window each gradient that is its view is
+ * dropped (the view keeps its zeros): autograd takes the first gradient
+ * as it comes, not as an add per parameter, and add_grads adds it to the
+ * zeros, the same sums. Later in a window autograd adds into the views,
+ * in the order it always has. Before a reduced backward a gradient
+ * dropped (zeros) or replaced by another tensor (copied in) goes back to
+ * its view, where the bucket reads it. */
+static int arm(ds_zero *z, bool reduce) {
     for (int i = 0; i < z->n; i++) {
         zparam *q = &z->p[i];
         ds_tensor *g = q->param->grad;
-        if (g == q->view) continue;
+        if (g == q->view && z->fresh) {
+            q->param->grad = NULL;
+            ds_tensor_release(g);
+        }
+        if (g == q->view || !reduce) continue;
         if (g ? ds_copy_(q->view, g) : ds_fill_(q->view, 0)) return -1;
         ds_tensor_retain(q->view);
         ds_tensor_release(q->param->grad);
@@ -57,9 +66,42 @@ static int arm(ds_zero *z) {
     return 0;
 }
 
+/* Parameters first .. first + count - 1: each gradient not in its view
+ * added into it, one kernel, and the view its gradient again. */
+static int add_grads(ds_zero *z, int first, int count) {
+    ds_tensor *held[count];
+    zpieces c = { 0 };
+    int rc = 0;
+    for (int i = first; i < first + count; i++) {
+        zparam *q = &z->p[i];
+        ds_tensor *g = q->param->grad;
+        held[i - first] = g && g != q->view && rc == 0 ? ds_contiguous(g) : NULL;
+        if (held[i - first]) rc = ds_zero_piece(&c, q->view, 0, held[i - first], 0, q->numel);
+        else if (g && g != q->view) rc = -1;
+    }
+    if (rc == 0) rc = ds_zero_pieces_run(&c, true);
+    ds_zero_pieces_free(&c);
+    for (int i = first; i < first + count; i++) {
+        zparam *q = &z->p[i];
+        ds_tensor_release(held[i - first]);
+        if (rc || q->param->grad == q->view) continue;
+        ds_tensor_release(q->param->grad);
+        ds_tensor_retain(q->view);
+        q->param->grad = q->view;
+    }
+    return rc;
+}
+
+/* After a backward: the gradients no bucket took. */
+static int after(ds_zero *z) {
+    z->fresh = false;
+    return add_grads(z, 0, z->n);
+}
+
 /* The bucket's view of the flat gradients, all-reduced in place after
  * DeepSpeed's pre-scaling. */
 static ds_comm_work *launch(ds_zero *z, zbucket *b, ds_tensor **buf) {
+    if (add_grads(z, b->first, b->count)) return NULL;
     ds_tensor *v = ds_zero_elements(z->optim->groups[b->group].flat_grads, b->offset, b->width);
     if (!v) return NULL;
     double f = z->c.prescale ? 1.0 / z->world : z->c.predivide != 1 ? 1.0 / z->c.predivide : 1;
@@ -104,10 +146,13 @@ static int step(ds_zero *z, const ds_optim_hparams *h, double loss_scale, double
     return rc == 0 ? ds_zero_zero_grads(z) : rc;
 }
 
-static int zero_grad(ds_zero *z) { return ds_optim_zero_grad(z->optim); }
+static int zero_grad(ds_zero *z) {
+    z->fresh = true;
+    return ds_optim_zero_grad(z->optim);
+}
 
 const zlayout ds_zero_flat_layout = {
     .holds = DS_ZERO_HOLDS_PARAMS, .build = build, .free = free_layout, .reduces = reduces, .arm = arm,
-    .launch = launch, .land = land, .collective = collective, .scale = scale, .param_grad = param_grad,
+    .after = after, .launch = launch, .land = land, .collective = collective, .scale = scale, .param_grad = param_grad,
     .step = step, .zero_grad = zero_grad,
 };

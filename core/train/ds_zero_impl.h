@@ -25,7 +25,9 @@ typedef struct {
     void (*free)(ds_zero *z);
     /* does a backward reduce, at an accumulation boundary or not? */
     bool (*reduces)(const ds_zero *z, bool boundary);
-    int (*arm)(ds_zero *z);                             /* before a reduced backward */
+    /* before and after every backward (NULL: nothing to do) */
+    int (*arm)(ds_zero *z, bool reduce);
+    int (*after)(ds_zero *z);
     /* nothing to communicate (NULL: never); then fold puts a bucket
      * straight where the step reads it, in place of launch and land */
     bool (*local)(const ds_zero *z);
@@ -124,6 +126,7 @@ struct ds_zero {
     int next;                       /* next bucket to launch */
     int leaves_after;
     bool in_window;                 /* a reduced backward since the gradients were zeroed */
+    bool fresh;                     /* flat: the gradients zeroed, no backward since */
     zflight *flights;               /* launched, not yet drained: nb at most */
     int n_flights;
     double backward_end;

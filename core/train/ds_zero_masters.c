@@ -166,8 +166,6 @@ int ds_zero_attach(ds_zero *z, ds_optim *o) {
 /* From stage 2 the gradients are partitioned: every micro step reduces. */
 static bool reduces(const ds_zero *z, bool boundary) { return boundary || z->c.stage >= 2; }
 
-static int arm(ds_zero *z) { (void)z; return 0; }
-
 /* Bucket b's gradients (contiguous, held) into rows [P, width] as one
  * kernel: row r gets each parameter's shard r at its column, and zeros
  * where a short or empty last shard, or a parameter without gradient,
@@ -517,7 +515,7 @@ int ds_zero_sync_params(ds_zero *z) {
 }
 
 const zlayout ds_zero_masters_layout = {
-    .holds = DS_ZERO_HOLDS_MASTERS, .build = build, .free = free_layout, .reduces = reduces, .arm = arm,
-    .local = local, .fold = fold, .launch = launch, .arrive = arrive, .land = land, .collective = collective, .scale = scale, .param_grad = param_grad,
-    .step = step, .zero_grad = zero_grad,
+    .holds = DS_ZERO_HOLDS_MASTERS, .build = build, .free = free_layout, .reduces = reduces, .local = local,
+    .fold = fold, .launch = launch, .arrive = arrive, .land = land, .collective = collective, .scale = scale,
+    .param_grad = param_grad, .step = step, .zero_grad = zero_grad,
 };
