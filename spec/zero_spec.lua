@@ -1,8 +1,10 @@
 -- Mixed precision and ZeRO (lua/dslua/engine/zero.lua): spec/zero/equiv.lua trains
 -- a tiny GPT-2 for 50 steps with stages 0-3 in fp32 and bf16, with nvme
 -- offload and with accumulation + clipping, on 1 rank and under mpirun on
--- 2 and 4; spec/zero/overflow.lua forces fp16 overflows. Partitioned
--- parameters are also checked in this process.
+-- 2 and 4; spec/zero/overflow.lua forces fp16 overflows; spec/zero/fold.lua
+-- trains one rank, whose gradients go straight into the master gradients,
+-- against two ranks of the same batches. Partitioned parameters are also
+-- checked in this process.
 local H = require 'helpers'
 local ds = H.ds
 
@@ -512,6 +514,35 @@ end)
 -- before its copy's wait would read stale bytes. Each rank steps its own
 -- partition; the same sums in the same order make the same bits. With
 -- offload_param cpu at stage 3 the prefetched shards go up through it.
+describe('gradients where nothing is communicated', function()
+  if H.skip_without_mpirun() then return end
+  local dir = H.tmpdir()
+  teardown(function() os.execute('rm -rf ' .. dir) end)
+
+  -- One rank adds each bucket's gradients straight into the master (or
+  -- flat) gradients; two ranks with the same batches send them as rows
+  -- and sum them: 2g, exact, the mean's 1/2 exact again, so the two runs
+  -- are one training if the fold adds as a landed row does.
+  it('train bit for bit as two ranks of the same batches that reduce them: stages 0-3, fp32, bf16 and fp16, '
+     .. 'clipping, 1 and 3 micro steps', function()
+    local function run(np)
+      local json = dir .. '/fold' .. np .. '.json'
+      return (H.run_json(H.ranks_cmd(np) .. ' spec/zero/fold.lua ' .. json, json))
+    end
+    local one, two = run(1), run(2)
+    local n = 0
+    for name, a in pairs(one) do
+      local b = assert(two[name], name)
+      assert.are.equal(3, a.steps, name)
+      assert.are.equal(a.losses, b.losses, name .. ': losses')
+      assert.are.equal(#a.weights, #b.weights, name)
+      for i, w in ipairs(a.weights) do assert.are.equal(w, b.weights[i], name .. ': parameter ' .. i) end
+      n = n + 1
+    end
+    assert.are.equal(16, n)
+  end)
+end)
+
 describe('ZeRO-Offload\'s pipeline on data-parallel ranks', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
