@@ -14,7 +14,8 @@ local gas, clip, out = tonumber(arg[3] or 1), tonumber(arg[4] or 0), arg[5]
 ds.manual_seed(1)
 local model = GPT { vocab_size = 256, block_size = 32, n_layer = 12, n_head = 4, n_embd = 64, bias = true }
 local config = { train_micro_batch_size_per_gpu = 2, gradient_accumulation_steps = gas, steps_per_print = 1e9,
-                 gradient_clipping = clip, zero_optimization = { stage = stage },
+                 gradient_clipping = clip,
+                 zero_optimization = { stage = stage, stage3_param_persistence_threshold = 0 },
                  optimizer = { type = 'AdamW', params = { lr = 1e-3, weight_decay = 0.1 } } }
 if dtype == 'bf16' then config.bf16 = { enabled = true } end
 if dtype == 'f16' then config.fp16 = { enabled = true, initial_scale_power = 12 } end

@@ -383,9 +383,10 @@ int ds_zero_scale_grads(ds_zero *z, double f) {
     /* reductions still in flight belong to what is scaled */
     if (drain(z)) return -1;
     if (z->layout->scale(z, f)) return -1;
+    /* a flat view was scaled with its buffer */
     for (int i = 0; i < z->n; i++) {
         ds_tensor *g = z->p[i].param->grad;
-        if (g && ds_zero_scale(g, f)) return -1;
+        if (g && g != z->p[i].view && ds_zero_scale(g, f)) return -1;
     }
     return 0;
 }

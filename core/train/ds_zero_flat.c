@@ -119,8 +119,8 @@ static int land(ds_zero *z, zflight *f) {
 
 static const char *collective(const ds_zero *z) { (void)z; return "all_reduce"; }
 
-/* The parameters' gradients are the flat ones. */
-static int scale(ds_zero *z, double f) { (void)z; (void)f; return 0; }
+/* The flat gradients, every view in them at once. */
+static int scale(ds_zero *z, double f) { return ds_zero_scale_all(z->n_grads, z->grads, f); }
 
 static ds_tensor *param_grad(ds_zero *z, int i) {
     ds_tensor_retain(z->p[i].view);

@@ -34,6 +34,25 @@ static int load_shard(ds_zero *z, zparam *q, ds_tensor *dst, int64_t at) {
     return rc;
 }
 
+/* The listed parameters' shards into send, back to back: those in memory
+ * on send's device as one kernel, the others one by one. */
+static int load_shards(ds_zero *z, ds_tensor *send, int n, const int *list) {
+    zpieces c = { 0 };
+    int64_t at = 0;
+    int rc = 0;
+    for (int k = 0; k < n && rc == 0; k++) {
+        zparam *q = &z->p[list[k]];
+        if (!z->param_file && ds_device_equal(ds_tensor_device(q->own), ds_tensor_device(send)))
+            rc = ds_zero_piece(&c, send, at, q->own, 0, q->shard);
+        else
+            rc = load_shard(z, q, send, at);
+        at += q->shard;
+    }
+    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
+    ds_zero_pieces_free(&c);
+    return rc;
+}
+
 int ds_zero_store_shard(ds_zero *z, zparam *q, ds_tensor *src, int64_t at) {
     if (!z->param_file) return ds_zero_copy_elements(q->own, 0, src, at, q->shard);
     ds_tensor *host = host_shard(z, q);
@@ -102,12 +121,7 @@ static zgather *start_gather(ds_zero *z, int n, const int *list, bool ahead) {
     memcpy(g->params, list, sizeof *list * (size_t)n);
     g->loading = ahead && z->params_on_host && ds_zero_offload_joins(z);
     if (rc == 0 && g->loading) rc = ds_zero_offload_load(z, g->send, n, list);
-    int64_t at = 0;
-    for (int k = 0; k < n && rc == 0 && !g->loading; k++) {
-        zparam *q = &z->p[list[k]];
-        rc = load_shard(z, q, g->send, at);
-        at += q->shard;
-    }
+    if (rc == 0 && !g->loading) rc = load_shards(z, g->send, n, list);
     if (rc == 0 && !g->loading) rc = launch(z, g);
     if (rc) {
         if (g->loading) ds_zero_offload_settle_up(z);     /* the copies write into send */
@@ -164,23 +178,32 @@ static int finish_gather(ds_zero *z, zgather *g) {
     int got = 0;
     for (; rc == 0 && got < z->parts; got++)
         if (!(rows[got] = ds_comm_work_result(g->work, got))) rc = -1;
+    ds_tensor **data = calloc((size_t)g->n, sizeof *data);
+    if (!data && rc == 0) rc = (ds_fail(DS_ERR_NOMEM, "step engine: out of memory"), -1);
+    zpieces c = { 0 };
     int64_t at = 0;
     for (int k = 0; k < g->n && rc == 0; k++) {
         zparam *q = &z->p[g->params[k]];
         if (ds_tensor_is_released(q->param)) {
-            ds_tensor *data = ds_tensor_new(q->param->ndim, q->param->shape, z->dtype, ds_tensor_device(q->param));
-            rc = data ? 0 : -1;
+            data[k] = ds_tensor_new(q->param->ndim, q->param->shape, z->dtype, ds_tensor_device(q->param));
+            rc = data[k] ? 0 : -1;
             for (int r = 0; r < z->parts && rc == 0; r++)
-                rc = ds_zero_copy_elements(data, (int64_t)r * q->shard, rows[r], at, ds_zero_shard_len(q, r));
-            if (rc == 0) rc = ds_tensor_set_data(q->param, data);
-            if (rc == 0) {
-                ds_tensor_set_category(q->param, DS_MEM_PARAM);
-                z->live += q->numel;
-            }
-            ds_tensor_release(data);
+                rc = ds_zero_piece(&c, data[k], (int64_t)r * q->shard, rows[r], at, ds_zero_shard_len(q, r));
         }
         at += q->shard;
     }
+    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
+    ds_zero_pieces_free(&c);
+    for (int k = 0; k < g->n && data; k++) {
+        zparam *q = &z->p[g->params[k]];
+        if (rc == 0 && data[k]) rc = ds_tensor_set_data(q->param, data[k]);
+        if (rc == 0 && data[k]) {
+            ds_tensor_set_category(q->param, DS_MEM_PARAM);
+            z->live += q->numel;
+        }
+        ds_tensor_release(data[k]);
+    }
+    free(data);
     for (int r = 0; r < got; r++) ds_tensor_release(rows[r]);
     drop_gather(z, g);
     return rc;

@@ -36,7 +36,7 @@ typedef struct {
     int (*arrive)(ds_zero *z, zflight *f);              /* a bucket seen reduced: its row may start on its way */
     int (*land)(ds_zero *z, zflight *f);                /* a reduced bucket where the step reads it */
     const char *(*collective)(const ds_zero *z);        /* the comms logger's name for launch's */
-    int (*scale)(ds_zero *z, double f);                 /* the gradients outside the parameters' */
+    int (*scale)(ds_zero *z, double f);                 /* the buffers the step reads (a flat view with them) */
     ds_tensor *(*param_grad)(ds_zero *z, int i);        /* where the step reads parameter i's (new reference) */
     /* after the drain, gradients off: overflow, norm, optimizer, refresh */
     int (*step)(ds_zero *z, const ds_optim_hparams *h, double loss_scale, double clip, bool check_overflow,
