@@ -3,8 +3,9 @@
 -- offload and with accumulation + clipping, on 1 rank and under mpirun on
 -- 2 and 4; spec/zero/overflow.lua forces fp16 overflows; spec/zero/fold.lua
 -- trains one rank, whose gradients go straight into the master gradients,
--- against two ranks of the same batches. Partitioned parameters are also
--- checked in this process.
+-- against two ranks of the same batches; spec/zero/kernels.lua counts the
+-- step engine's kernels. Partitioned parameters are also checked in this
+-- process.
 local H = require 'helpers'
 local ds = H.ds
 
@@ -514,6 +515,42 @@ end)
 -- before its copy's wait would read stale bytes. Each rank steps its own
 -- partition; the same sums in the same order make the same bits. With
 -- offload_param cpu at stage 3 the prefetched shards go up through it.
+describe('the step engine\'s kernels', function()
+  if H.skip_without_mpirun() then return end
+  local dir = H.tmpdir()
+  teardown(function() os.execute('rm -rf ' .. dir) end)
+  local function run(np)
+    local json = dir .. '/kernels' .. np .. '.json'
+    return (H.run_json(H.ranks_cmd(np) .. ' spec/zero/kernels.lua ' .. json, json))
+  end
+
+  -- backward + step over n parameters in k buckets: a + b k, as many at
+  -- 8 parameters as at 64 (none per parameter)
+  local function per_bucket(counts, what)
+    local function total(n, k) local c = counts[n .. ' ' .. k]; return c[1] + c[2] end
+    for _, k in ipairs({ 1, 2, 4 }) do
+      assert.are.equal(total(8, k), total(64, k), string.format('%s, %d buckets: 8 parameters vs 64', what, k))
+    end
+    local b = total(8, 2) - total(8, 1)
+    assert.are.equal(total(8, 1) + 3 * b, total(8, 4), what .. ': linear in the buckets')
+    return b
+  end
+
+  it('go by bucket, not by parameter, on 1 and 2 ranks', function()
+    local one, two = run(1), run(2)
+    for name, counts in pairs(one) do
+      -- one rank: each bucket's gradients added into the master gradients
+      -- in one kernel (backward); flat takes them all in one
+      for key, c in pairs(counts) do
+        local k = tonumber(key:match(' (%d+)'))
+        assert.are.equal(name == 'f32 flat' and 1 or k, c[1], name .. ' ' .. key .. ': backward')
+      end
+      per_bucket(counts, name .. ' on 1 rank')
+      per_bucket(two[name], name .. ' on 2 ranks')
+    end
+  end)
+end)
+
 describe('gradients where nothing is communicated', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
