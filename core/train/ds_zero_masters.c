@@ -241,12 +241,13 @@ static int fold(ds_zero *z, zbucket *b) {
 static ds_comm_work *launch(ds_zero *z, zbucket *b, ds_tensor **buf) {
     int P = z->parts;
     int64_t shape[2] = { P, b->width };
-    ds_tensor *held[b->count];
     ds_tensor *rows = ds_tensor_new(2, shape, z->c.comm_dtype, ds_zero_param_device(z));
+    if (!rows) return NULL;
+    ds_tensor *held[b->count];
     int rc = take_grads(z, b, held, false);
-    if (rows && rc == 0) rc = fill_rows(z, b, rows, held);
+    if (rc == 0) rc = fill_rows(z, b, rows, held);
     release_all(b->count, held);
-    if (!rows || rc) { ds_tensor_release(rows); return NULL; }
+    if (rc) { ds_tensor_release(rows); return NULL; }
     ds_comm_work *w;
     if (P == 1) {
         ds_tensor *v = ds_zero_elements(rows, 0, b->width);
@@ -368,10 +369,10 @@ static int take_gathered(ds_zero *z, const zbucket *b, ds_comm_work *w) {
 
 /* Parameters from masters: stage 0 copies (casting), but for the groups
  * the optimizer's pass has written when stepped, the parameters of groups
- * not moved into flat_params in one kernel; otherwise each
- * bucket's updated shards are all-gathered (one rank: a copy) into the
- * parameters kept whole, and stage 3's own shards are refreshed, from
- * updated (the offload step's shards on the device) where it is given. */
+ * not moved into flat_params in one kernel; otherwise each bucket's
+ * updated shards are all-gathered (one rank: a copy) into the parameters
+ * kept whole, and stage 3's own shards are refreshed, from updated (the
+ * offload step's shards on the device) where it is given. */
 static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *updated, bool stepped) {
     int rc = 0;
     if (z->parts == 1 && z->c.stage != 3) {
