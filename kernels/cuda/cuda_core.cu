@@ -122,8 +122,26 @@ struct pieces_args {
     int count, dst_dtype, accumulate;
 };
 
-/* Through f32, as copy converts and a binary add rounds; one dtype as
- * raw words. */
+/* One piece's elements [lo, hi), the block's threads side by side: raw
+ * words of one dtype, */
+template <typename W>
+static __device__ void piece_words(W *d, const W *s, int64_t lo, int64_t hi) {
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) d[i] = s[i];
+}
+
+/* or added into f32, the source's dtype chosen once (an f32 or bf16
+ * gradient, the common cases, without the switch in the loop). */
+static __device__ void piece_add(float *d, const void *s, ds_dtype st, int64_t lo, int64_t hi) {
+    if (st == DS_F32)
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) d[i] += ((const float *)s)[i];
+    else if (st == DS_BF16)
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) d[i] += ds_bf16_to_f32(((const uint16_t *)s)[i]);
+    else
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) d[i] += (float)ds_load(st, s, i);
+}
+
+/* A block a chunk: through f32, as copy converts and a binary add rounds;
+ * one dtype as raw words. */
 static __global__ void copy_pieces_kernel(pieces_args a) {
     for (int64_t c = blockIdx.x; c < a.first[a.count]; c += gridDim.x) {
         int k = ds_cuda_piece_of(a.first, a.count, c);
@@ -131,18 +149,15 @@ static __global__ void copy_pieces_kernel(pieces_args a) {
         int64_t lo = (c - a.first[k]) * PIECE_CHUNK, hi = lo + PIECE_CHUNK < a.n[k] ? lo + PIECE_CHUNK : a.n[k];
         const void *s = a.src[k];
         void *d = a.dst[k];
-        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
-            if (!s) {
-                if (!a.accumulate) ds_store(dt, d, i, 0.0);
-            } else if (a.accumulate) {
-                ((float *)d)[i] += (float)ds_load(st, s, i);
-            } else if (st == dt && dt == DS_F32) {
-                ((uint32_t *)d)[i] = ((const uint32_t *)s)[i];
-            } else if (st == dt) {
-                ((uint16_t *)d)[i] = ((const uint16_t *)s)[i];
-            } else {
-                ds_store(dt, d, i, ds_load(st, s, i));
-            }
+        if (!s) {
+            for (int64_t i = lo + threadIdx.x; i < hi && !a.accumulate; i += blockDim.x) ds_store(dt, d, i, 0.0);
+        } else if (a.accumulate) {
+            piece_add((float *)d, s, st, lo, hi);
+        } else if (st == dt) {
+            if (dt == DS_F32) piece_words((uint32_t *)d, (const uint32_t *)s, lo, hi);
+            else piece_words((uint16_t *)d, (const uint16_t *)s, lo, hi);
+        } else {
+            for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) ds_store(dt, d, i, ds_load(st, s, i));
         }
     }
 }
