@@ -8,8 +8,10 @@
 local ds = require 'dslua'
 local GPT = require 'models.gpt2'
 
-local dtype, stage = arg[1] or 'bf16', tonumber(arg[2] or 0)
-local gas, clip, out = tonumber(arg[3] or 1), tonumber(arg[4] or 0), arg[5]
+local a = {}     -- the launcher's --local_rank left out
+for _, v in ipairs(arg) do if not v:match('^%-%-') then a[#a + 1] = v end end
+local dtype, stage = a[1] or 'bf16', tonumber(a[2] or 0)
+local gas, clip, out = tonumber(a[3] or 1), tonumber(a[4] or 0), a[5]
 
 ds.manual_seed(1)
 local model = GPT { vocab_size = 256, block_size = 32, n_layer = 12, n_head = 4, n_embd = 64, bias = true }
