@@ -1,12 +1,13 @@
 /* The tensor-core attention kernels (kernels/cuda/cuda_attention_mma.cuh)
  * on the CPU, through tests/warp_emulator.h: forward (out, lse) and
  * backward (dq, dk, dv) against attention computed in double from the
- * same inputs; bf16, f16 and f32 (in TF32), head dims 64 and 128, causal
- * or not, lengths that leave partial tiles, q/k/v as views into one
- * packed qkv buffer as GPT-2's attention passes them. f32 is held to a
- * bound derived from TF32's unit roundoff for every element. No GPU
- * needed: what runs is the kernels' own code, with ldmatrix, mma, cvt and
- * cp.async emulated from the PTX ISA's definitions. */
+ * same inputs; bf16, f16 and f32 (in TF32 and in 3xTF32), head dims 64
+ * and 128, causal or not, lengths that leave partial tiles, q/k/v as views
+ * into one packed qkv buffer as GPT-2's attention passes them. f32 is
+ * held to a bound derived for every element from TF32's unit roundoff, or
+ * from what 3xTF32's split leaves, far tighter (plain TF32 exceeds it).
+ * No GPU needed: what runs is the kernels' own code, with ldmatrix, mma,
+ * cvt and cp.async emulated from the PTX ISA's definitions. */
 #include "warp_emulator.h"
 #include "cuda/cuda_attention_mma.cuh"
 
@@ -29,7 +30,7 @@ ds_kview heads_view(void *data, ds_dtype dt, const shape &s, int64_t T, int64_t 
 
 /* An element of T from an f32 (NaN for the outputs before they are written). */
 template <typename T> T elem(float x) {
-    if constexpr (sizeof(T) == 4) return x;
+    if constexpr (sizeof(T) == 4) return T{ x };
     else return T{ std::is_same<T, __nv_bfloat16>::value ? ds_f32_to_bf16(x) : ds_f32_to_f16(x) };
 }
 
@@ -56,20 +57,47 @@ struct error {
     double rel() const { return worst / fmax(scale, 1e-30); }
 };
 
-/* ---- the TF32 error bound ----
- * u = 2^-11, TF32's unit roundoff: an operand x goes into the mma as
- * x (1 + t), |t| <= u. f32 roundings are e = 2^-24 each, and n of them on
- * a sum or product grow at most to gamma(n) = n e / (1 - n e). The bound
- * is first derived for a dot product and then carried through each step
- * of the kernels, every f32 rounding counted (generously; each is 8192
- * times smaller than u). A value x known up to ex times y known up to
- * ey, rounded with relative r, is off by at most
+/* ---- the f32 error bounds ----
+ * f32 roundings are e = 2^-24 each, and n of them on a sum or product
+ * grow at most to gamma(n) = n e / (1 - n e). A product goes into the mma
+ * one of two ways:
+ * - TF32: u = 2^-11, TF32's unit roundoff: each factor x goes in as
+ *   x (1 + t), |t| <= u, so a product is off by (1 + u)^2 - 1 relative.
+ * - 3xTF32: x = X + xs + ex, X = rna(x) (|x - X| <= 2^-11 |x|), x - X
+ *   exact in f32 (X is within a factor 2 of x), xs = rna(x - X), so
+ *   |xs| <= 2^-11 (1 + 2^-11) |x| and |ex| <= 2^-11 |x - X| <= 2^-22 |x|
+ *   (while x - X is a normal f32; below that the split is off by up to
+ *   2^-137, within 2^-22 |x| for |x| >= 2^-115: the inputs are checked,
+ *   and the probabilities' and dS's floors carry it). The kernel sums
+ *   X Y + X ys + xs Y, which is x y - xs ys - (x - ex) ey - ex y: off by
+ *   at most 2^-22 ((1 + 2^-11)^2 + 1 + 2^-22 + 1) |x y| <= pi |x y| with
+ *   pi = (3 + 2^-9) 2^-22, relative. Plain TF32 is off by up to 2^-10.
+ * The emulated mma sums its 8 products and c in double (exactly: TF32
+ * products are 22 bits; the sum's double rounding is 2^-50 of the terms,
+ * inside the slack below) and rounds to f32 once, so a dot product over n
+ * terms costs one f32 rounding per mma: ceil(n / 8) in TF32, three times
+ * that in 3xTF32. The bound is first derived for a dot product and then
+ * carried through each step of the kernels, every other f32 rounding
+ * counted (generously). A value x known up to ex times y known up to ey,
+ * rounded with relative r, is off by at most
  * prod_err(|x|, ex, |y|, ey, r) = (|x| + ex)(|y| + ey)(1 + r) - |x||y|. */
-const double U = 1.0 / 2048, E = 1.0 / 16777216;
+const double U = 1.0 / 2048, E = 1.0 / 16777216, PI3 = (3 + 0x1p-9) * 0x1p-22;
 
 double gamma_n(double n) { return n * E / (1 - n * E); }
 
 double prod_err(double x, double ex, double y, double ey, double r) { return (x + ex) * (y + ey) * (1 + r) - x * y; }
+
+/* How f32 products go into the mma: each one's relative error and the
+ * mma (so f32 roundings) per 8 terms of a sum. */
+struct f32_model {
+    double prod, mmas;
+    double roundings(double n) const { return mmas * ceil(n / 8); }
+};
+
+template <typename T> f32_model model_of() {
+    if (std::is_same<T, tf32x3>::value) return { PI3, 3 };
+    return { (1 + U) * (1 + U) - 1, 1 };
+}
 
 template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt19937 &rng) {
     const int64_t C = s.H * D;
@@ -86,6 +114,12 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     std::vector<T> gbuf, obuf, dqb, dkb, dvb;
     ds_kview dout = heads_inner(gbuf, dt, s, s.Tq);
     for (T &x : gbuf) x = elem<T>(normal(rng));
+    if (dt == DS_F32) {    /* the bound below takes every f32 input at least 2^-115 in magnitude */
+        bool above = true;
+        for (const std::vector<T> *buf : { &qkv, &gbuf })
+            for (const T &x : *buf) above = above && fabsf((float)x) >= 0x1p-115f;
+        check(above, "an f32 input below 2^-115, which the bound does not cover");
+    }
     ds_kview out = heads_inner(obuf, dt, s, s.Tq), dq = heads_inner(dqb, dt, s, s.Tq);
     ds_kview dk = heads_inner(dkb, dt, s, s.Tk), dv = heads_inner(dvb, dt, s, s.Tk);
     std::vector<float> lsebuf((size_t)(s.B * s.H * s.Tq), NAN);
@@ -98,7 +132,7 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
     emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
                 [&] { mma_stats_kernel<T, D>(stats.data(), dout, out, lse, g); });
-    emu::launch("mma_dq_kernel", mma_query_blocks(g), MMA_THREADS, mma_dq_smem<T>(D),
+    emu::launch("mma_dq_kernel", mma_dq_blocks<T>(g, D), MMA_THREADS, mma_dq_smem<T>(D),
                 [&] { mma_dq_kernel<T, D>(dq, dout, q, k, v, stats.data(), g); });
     emu::launch("mma_dkdv_kernel", mma_dkdv_blocks(g, D), MMA_THREADS, mma_dkdv_smem<T>(D),
                 [&] { mma_dkdv_kernel<T, D>(dk, dv, dout, q, k, v, stats.data(), g); });
@@ -108,13 +142,15 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     error e_out, e_lse, e_dq, e_dk, e_dv;
     const size_t n = (size_t)(s.Tq * s.Tk);
     std::vector<double> P(n), dS(n), perr(n), dserr(n);
-    /* a sum of n products, both factors rounded to TF32 and the sum (and a
-     * few more operations) in f32, is off by sum_err(n) times the sum of
-     * its terms' magnitudes: a dot product over the head dim by e_dot; exp2
-     * is off by eta relative (ex2.approx's 2^-22), and flushing results
-     * below 2^-126 (tau) to zero costs tau each */
-    auto sum_err = [](double n_terms) { return (1 + U) * (1 + U) * (1 + gamma_n(n_terms + 4)) - 1; };
-    const double e_dot = sum_err(D + 4), eta = 4 * E, tau = FLT_MIN;
+    /* a sum of n products through the mma (and a few more operations in
+     * f32) is off by sum_err(n) times the sum of its terms' magnitudes: a
+     * dot product over the head dim by e_dot; exp2 is off by eta relative
+     * (ex2.approx's 2^-22), and flushing results below 2^-126 (tau) to zero
+     * costs tau each; a dS below f32's normal range goes in off by up to
+     * 2^-137 (sub) */
+    const f32_model fm = model_of<T>();
+    auto sum_err = [&fm](double n_terms) { return (1 + fm.prod) * (1 + gamma_n(fm.roundings(n_terms) + 4)) - 1; };
+    const double e_dot = sum_err(D + 4), eta = 4 * E, tau = FLT_MIN, sub = 0x1p-137;
     auto A = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) { return (double)at<T>(x, b, h, t, d); };
     for (int64_t b = 0; b < s.B; b++)
         for (int64_t h = 0; h < s.H; h++) {
@@ -140,9 +176,11 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                  * subtraction of the row's max (within 2 scale amax) */
                 double delta = scale * amax * (e_dot + 8 * E);
                 /* so each probability is within exp(+-(2 delta + 2 eta)) of
-                 * its value, and rounds to TF32 (as does v) on its way into
-                 * P V, summed over Tk keys with the tiles' rescaling */
-                double ratio = exp(2 * delta + 2 * eta) * (1 + U) * (1 + U) * (1 + gamma_n(2 * s.Tk + 8)) - 1;
+                 * its value, and goes into P V (as does v) as the model
+                 * says, summed over Tk keys with the tiles' rescaling (at
+                 * most one per 8 keys) */
+                double ratio = exp(2 * delta + 2 * eta) * (1 + fm.prod) *
+                               (1 + gamma_n(fm.roundings((double)s.Tk) + ceil(s.Tk / 8.0) + 8)) - 1;
                 /* lse = max + log(sum): the scores' delta, the sum's
                  * roundings, and the final f32 log, add and divide */
                 double lam = delta + 2 * eta + gamma_n(2 * s.Tk + 8) + 8 * E * (fabs(lse_i) + log2((double)s.Tk) + 2) +
@@ -174,7 +212,7 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                     double x = dp - di, xerr = (e_dot * mag + kappa) * (1 + E) + E * fabs(x), p = P[i * s.Tk + j];
                     dS[i * s.Tk + j] = p * x;
                     perr[i * s.Tk + j] = rho * p + tau;
-                    dserr[i * s.Tk + j] = prod_err(p, perr[i * s.Tk + j], fabs(x), xerr, E);
+                    dserr[i * s.Tk + j] = prod_err(p, perr[i * s.Tk + j], fabs(x), xerr, E) + sub;
                 }
             }
             for (int64_t i = 0; i < s.Tq; i++)
@@ -201,13 +239,13 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                     e_dv.add(A(dv, b, h, j, d), c, bc);
                 }
         }
-    const char *name = dt == DS_BF16 ? "bf16" : dt == DS_F16 ? "f16" : "f32 (tf32)";
+    const char *name = dt == DS_BF16 ? "bf16" : dt == DS_F16 ? "f16" : mma_parts<T>() == 2 ? "f32 (3xtf32)" : "f32 (tf32)";
     struct { const char *what; const error &e; } rows[] = {
         { "out", e_out }, { "lse", e_lse }, { "dq", e_dq }, { "dk", e_dk }, { "dv", e_dv },
     };
     for (const auto &r : rows) {
         if (dt == DS_F32) {
-            check(r.e.over <= 1, "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g times its TF32 bound",
+            check(r.e.over <= 1, "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g times its bound",
                   name, D, (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, r.what,
                   r.e.over);
             continue;
@@ -263,5 +301,11 @@ int main() {
     run_case<float, 64>({ 1, 1, 150, 61, 64, false }, DS_F32, rng);
     run_case<float, 128>({ 1, 1, 129, 129, 128, true }, DS_F32, rng);
     run_case<float, 128>({ 1, 1, 90, 70, 128, false }, DS_F32, rng);
+    run_case<tf32x3, 64>({ 1, 2, 130, 130, 64, true }, DS_F32, rng);
+    run_case<tf32x3, 64>({ 1, 1, 77, 150, 64, false }, DS_F32, rng);
+    run_case<tf32x3, 64>({ 1, 1, 150, 61, 64, true }, DS_F32, rng);
+    run_case<tf32x3, 128>({ 1, 1, 129, 129, 128, true }, DS_F32, rng);
+    run_case<tf32x3, 128>({ 1, 1, 90, 70, 128, false }, DS_F32, rng);
+    run_case<tf32x3, 128>({ 1, 1, 61, 133, 128, false }, DS_F32, rng);
     return check_summary("test_attention_mma");
 }

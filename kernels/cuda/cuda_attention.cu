@@ -4,9 +4,10 @@
  * block; element loads go through ds_load, so any dtype and any strides
  * work. f32, bf16 and f16 compute in f32 (the CPU's ds_expf), f64 in
  * double. Calls the tensor-core kernels take (cuda_attention_mma.h) go
- * there instead: bf16 and f16 always, f32 in TF32 only under
- * allow_tf32's matmul switch (PyTorch's meaning: f32 may be rounded to
- * TF32 on the way into tensor cores); with it off f32 stays here.
+ * there instead: bf16 and f16, and f32 in TF32 under allow_tf32's matmul
+ * switch (PyTorch's meaning: f32 may be rounded to TF32 on the way into
+ * tensor cores), in 3xTF32 (about f32's accuracy) with it off. f32 whose
+ * tiles do not fit the device's shared memory stays here.
  * Forward: a block owns bq query rows; per tile each warp scores its rows
  * (lane j: q . k_j), updates the row's running max and sum (online
  * softmax) and rescales the row's output accumulator; it writes the output
@@ -386,12 +387,8 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     return rc;
 }
 
-/* Whether the tensor-core kernels run these views (q, k, v first): f32
- * only where TF32 is allowed. */
-static bool on_tensor_cores(const ds_kview *views, int n) {
-    if (views[0].dtype == DS_F32 && !ds_cuda_tf32(DS_TF32_MATMUL)) return false;
-    return ds_cuda_attention_mma_fits(views, n);
-}
+/* f32 on tensor cores in TF32 only where the matmul switch allows it. */
+static bool tf32_allowed(void) { return ds_cuda_tf32(DS_TF32_MATMUL) != 0; }
 
 static int cuda_attention_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal) {
@@ -399,7 +396,8 @@ static int cuda_attention_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
     if (k.shape[2] == 0 && q.shape[2] > 0) return ds_kernel_fail("no keys to attend to");
     if (q.shape[0] * q.shape[1] * q.shape[2] == 0) return 0;
     ds_kview views[4] = { q, k, v, out };
-    if (on_tensor_cores(views, 4)) return ds_cuda_attention_mma_forward(out, lse, q, k, v, scale, causal);
+    if (ds_cuda_attention_mma_fits(views, 4))
+        return ds_cuda_attention_mma_forward(out, lse, q, k, v, scale, causal, tf32_allowed());
     return q.dtype == DS_F64 ? forward_run<double>(out, lse, q, k, v, scale, causal)
                              : forward_run<float>(out, lse, q, k, v, scale, causal);
 }
@@ -408,15 +406,15 @@ static int cuda_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvi
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal) {
     if (check_views(lse, q, k, v)) return -1;
     ds_kview views[8] = { q, k, v, out, dq, dk, dv, dout };
-    if (q.shape[0] * q.shape[1] * q.shape[2] > 0 && on_tensor_cores(views, 8))
-        return ds_cuda_attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
+    if (q.shape[0] * q.shape[1] * q.shape[2] > 0 && ds_cuda_attention_mma_fits(views, 8))
+        return ds_cuda_attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, tf32_allowed());
     return q.dtype == DS_F64 ? backward_run<double>(dq, dk, dv, dout, q, k, v, out, lse, scale, causal)
                              : backward_run<float>(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
 }
 
 static bool cuda_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) {
     ds_kview views[3] = { q, k, v };
-    return on_tensor_cores(views, 3);
+    return ds_cuda_attention_mma_fits(views, 3);
 }
 
 extern "C" const ds_kernels_attention ds_cuda_attention = { cuda_attention_full_rate, cuda_attention_forward,

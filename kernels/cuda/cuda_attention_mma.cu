@@ -25,7 +25,8 @@ static int smem_optin() {
 }
 
 /* Whether all three kernels' tiles of T at head dim D fit the device's
- * shared memory (f32 at D = 128 needs 165 KiB: an H100's, not an A100's). */
+ * shared memory (f32 at D = 128 needs 165 KiB: an H100's, not an A100's;
+ * 3xTF32 needs no more than TF32). */
 template <typename T> static bool smem_fits(int D) {
     size_t need = mma_forward_smem<T>(D);
     if (mma_dq_smem<T>(D) > need) need = mma_dq_smem<T>(D);
@@ -80,7 +81,7 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     size_t sq = mma_dq_smem<T>(D), skv = mma_dkdv_smem<T>(D);
     if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq, &asked_dq);
     if (rc == 0) {
-        mma_dq_kernel<T, D><<<mma_query_blocks(g), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
+        mma_dq_kernel<T, D><<<mma_dq_blocks<T>(g, D), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dq_kernel");
     }
     if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv, &asked_dkdv);
@@ -93,29 +94,31 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
 }
 
 template <int D>
-static int forward_of(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
+static int forward_of(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g, bool tf32) {
     if (q.dtype == DS_BF16) return forward_run<__nv_bfloat16, D>(out, lse, q, k, v, g);
     if (q.dtype == DS_F16) return forward_run<__half, D>(out, lse, q, k, v, g);
-    return forward_run<float, D>(out, lse, q, k, v, g);
+    return tf32 ? forward_run<float, D>(out, lse, q, k, v, g) : forward_run<tf32x3, D>(out, lse, q, k, v, g);
 }
 
 template <int D>
 static int backward_of(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v,
-                       ds_kview out, ds_kview lse, const mma_geom &g) {
+                       ds_kview out, ds_kview lse, const mma_geom &g, bool tf32) {
     if (q.dtype == DS_BF16) return backward_run<__nv_bfloat16, D>(dq, dk, dv, dout, q, k, v, out, lse, g);
     if (q.dtype == DS_F16) return backward_run<__half, D>(dq, dk, dv, dout, q, k, v, out, lse, g);
-    return backward_run<float, D>(dq, dk, dv, dout, q, k, v, out, lse, g);
+    return tf32 ? backward_run<float, D>(dq, dk, dv, dout, q, k, v, out, lse, g)
+                : backward_run<tf32x3, D>(dq, dk, dv, dout, q, k, v, out, lse, g);
 }
 
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
-                                  int causal) {
+                                  int causal, bool tf32) {
     mma_geom g = mma_geom_of(q, k, scale, causal);
-    return q.shape[3] == 64 ? forward_of<64>(out, lse, q, k, v, g) : forward_of<128>(out, lse, q, k, v, g);
+    return q.shape[3] == 64 ? forward_of<64>(out, lse, q, k, v, g, tf32)
+                            : forward_of<128>(out, lse, q, k, v, g, tf32);
 }
 
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
-                                   ds_kview v, ds_kview out, ds_kview lse, double scale, int causal) {
+                                   ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, bool tf32) {
     mma_geom g = mma_geom_of(q, k, scale, causal);
-    return q.shape[3] == 64 ? backward_of<64>(dq, dk, dv, dout, q, k, v, out, lse, g)
-                            : backward_of<128>(dq, dk, dv, dout, q, k, v, out, lse, g);
+    return q.shape[3] == 64 ? backward_of<64>(dq, dk, dv, dout, q, k, v, out, lse, g, tf32)
+                            : backward_of<128>(dq, dk, dv, dout, q, k, v, out, lse, g, tf32);
 }

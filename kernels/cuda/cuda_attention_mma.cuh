@@ -1,7 +1,9 @@
 /* Attention on tensor cores for bf16 and f16 with head dims 64 and 128:
  * FlashAttention-2's tiling on mma.sync m16n8k16 (f32 accumulation); f32
- * the same on m16n8k8 in TF32 (operands rounded by cvt.rna, sums in f32),
- * for the callers that allow TF32. The element type T picks the mma.
+ * the same on m16n8k8, either in TF32 (operands rounded by cvt.rna, sums
+ * in f32) for the callers that allow TF32, or in 3xTF32 (T = tf32x3: each
+ * operand split into two TF32 parts, three mma per product) for those
+ * that keep f32's accuracy. The element type T picks the mma.
  * A block of 4 warps owns rows of one side (queries, or keys in the dK/dV
  * kernel), 32 per warp (each fragment of the other side feeds two mma; 16
  * in the dK/dV kernel at D = 128, whose accumulators fill the registers),
@@ -34,6 +36,17 @@
 
 #define LOG2E 1.4426950408889634f
 
+/* f32 data taken in 3xTF32: a float in memory and in shared tiles, whose
+ * mma operands are split as they load (tf32_split). */
+struct tf32x3 {
+    float f;
+    __host__ __device__ operator float() const { return f; }
+};
+
+/* Registers an mma operand value takes: two TF32 parts in 3xTF32, else one. */
+template <typename T> __host__ __device__ constexpr int mma_parts() { return 1; }
+template <> __host__ __device__ constexpr int mma_parts<tf32x3>() { return 2; }
+
 typedef struct {
     int64_t B, H, Tq, Tk;
     int causal;
@@ -54,20 +67,39 @@ template <typename T, int D> __host__ __device__ constexpr int mma_ld() { return
 /* The k of one mma: 16 for 16-bit inputs (m16n8k16), 8 for TF32 (m16n8k8). */
 template <typename T> __host__ __device__ constexpr int mma_k() { return 2 * mma_chunk<T>(); }
 
+/* 3xTF32's operands from four f32 r[0..3]: r[i] becomes x's TF32 rounding
+ * (big) and r[i + 4] the TF32 rounding of x - big (small, the subtraction
+ * exact in f32), so x - big - small is within 2^-22 |x| (and 2^-137 where
+ * the small part is subnormal). In registers: the tiles stay f32. */
+__device__ __forceinline__ void tf32_split(uint32_t r[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        float x = __uint_as_float(r[i]);
+        r[i] = tf32_of(r[i]);
+        r[i + 4] = tf32_of(__float_as_uint(x - __uint_as_float(r[i])));
+    }
+}
+
 /* The A operand (16 rows x mma_k columns from column k0) of a row-major
  * shared tile with row stride ld. ldmatrix hands lane l row l/4 and the
  * 4 bytes at 4 (l%4) of each 16-byte row: a 16-bit pair, or one f32,
- * either way the mma's A layout. f32 tiles are TF32 already (tf32_landed). */
-template <typename T> __device__ __forceinline__ void load_a(uint32_t a[4], const T *s, int ld, int row0, int k0) {
+ * either way the mma's A layout. TF32 tiles are rounded already
+ * (tf32_landed); 3xTF32 splits here, into a[4..7]. */
+template <typename T>
+__device__ __forceinline__ void load_a(uint32_t a[4 * mma_parts<T>()], const T *s, int ld, int row0, int k0) {
     int l = threadIdx.x % 32;
     ldsm_x4(a, s + (row0 + l % 16) * ld + k0 + l / 16 * mma_chunk<T>());
+    if constexpr (mma_parts<T>() == 2) tf32_split(a);
 }
 
 /* B operands of two 8-column tiles (n0.., n0+8..) over k0..k0+mma_k-1,
- * from a tile stored [n][k] (the keys of S = Q K^T): b[0..1] and b[2..3]. */
-template <typename T> __device__ __forceinline__ void load_b_nk(uint32_t b[4], const T *s, int ld, int n0, int k0) {
+ * from a tile stored [n][k] (the keys of S = Q K^T): b[0..1] and b[2..3]
+ * (3xTF32: their small parts in b[4..7]). */
+template <typename T>
+__device__ __forceinline__ void load_b_nk(uint32_t b[4 * mma_parts<T>()], const T *s, int ld, int n0, int k0) {
     int l = threadIdx.x % 32;
     ldsm_x4(b, s + (n0 + l % 8 + l / 16 * 8) * ld + k0 + (l / 8 % 2) * mma_chunk<T>());
+    if constexpr (mma_parts<T>() == 2) tf32_split(b);
 }
 
 /* The same from a tile stored [k][n] (V in O = P V): transposed loads. A
@@ -76,12 +108,14 @@ template <typename T> __device__ __forceinline__ void load_b_nk(uint32_t b[4], c
  * t + 4 (g = l/4, t = l%4), the order probs_operand gives P's columns in;
  * rows 2t lie 8 banks apart (mma_ld pads a row by 4 words), so the 32
  * lanes hit 32 banks. */
-template <typename T> __device__ __forceinline__ void load_b_kn(uint32_t b[4], const T *s, int ld, int k0, int n0) {
+template <typename T>
+__device__ __forceinline__ void load_b_kn(uint32_t b[4 * mma_parts<T>()], const T *s, int ld, int k0, int n0) {
     int l = threadIdx.x % 32;
     if constexpr (sizeof(T) == 4) {
-        const float *p = s + (k0 + 2 * (l % 4)) * ld + n0 + l / 4;
+        const float *p = (const float *)s + (k0 + 2 * (l % 4)) * ld + n0 + l / 4;
         b[0] = __float_as_uint(p[0]), b[1] = __float_as_uint(p[ld]);
         b[2] = __float_as_uint(p[8]), b[3] = __float_as_uint(p[ld + 8]);
+        if constexpr (mma_parts<T>() == 2) tf32_split(b);
     } else {
         ldsm_x4_trans(b, s + (k0 + l % 8 + (l / 8 % 2) * 8) * ld + n0 + l / 16 * 8);
     }
@@ -95,9 +129,15 @@ __device__ __forceinline__ float tf32_value(float x) { return __uint_as_float(tf
  * 8-column tiles is the A layout of one k16 step, packed in pairs. TF32:
  * one C tile, whose lane holds columns 2t and 2t + 1 where A wants t and
  * t + 4; the sum over k does not care which column is which k index as
- * long as B agrees, so column 2t goes as t and 2t + 1 as t + 4 (load_b_kn). */
-template <typename T> __device__ __forceinline__ void probs_operand(uint32_t a[4], const float p[][4], int kk) {
-    if constexpr (sizeof(T) == 4) {
+ * long as B agrees, so column 2t goes as t and 2t + 1 as t + 4 (load_b_kn).
+ * 3xTF32: the same columns, split. */
+template <typename T>
+__device__ __forceinline__ void probs_operand(uint32_t a[4 * mma_parts<T>()], const float p[][4], int kk) {
+    if constexpr (mma_parts<T>() == 2) {
+        a[0] = __float_as_uint(p[kk][0]), a[1] = __float_as_uint(p[kk][2]);
+        a[2] = __float_as_uint(p[kk][1]), a[3] = __float_as_uint(p[kk][3]);
+        tf32_split(a);
+    } else if constexpr (sizeof(T) == 4) {
         a[0] = tf32_of(__float_as_uint(p[kk][0])), a[1] = tf32_of(__float_as_uint(p[kk][2]));
         a[2] = tf32_of(__float_as_uint(p[kk][1])), a[3] = tf32_of(__float_as_uint(p[kk][3]));
     } else {
@@ -115,13 +155,26 @@ template <typename T> __device__ __forceinline__ void store2(T *x, float lo, flo
 }
 
 /* c[m][n] += a[m] b[0..1] and c[m][n + 1] += a[m] b[2..3] for each of M
- * fragments: the two 8-column tiles one ldmatrix.x4 of B feeds. */
+ * fragments: the two 8-column tiles one ldmatrix.x4 of B feeds. 3xTF32
+ * adds a's small part times b's big, a's big times b's small, then big
+ * times big (CUTLASS's order); small times small, within 2^-22 of the
+ * product, is left out. */
 template <typename T, int M, int W>
-__device__ __forceinline__ void mma_b_pair(float c[][W][4], int n, const uint32_t a[][4], const uint32_t b[4]) {
+__device__ __forceinline__ void mma_b_pair(float c[][W][4], int n, const uint32_t a[][4 * mma_parts<T>()],
+                                           const uint32_t b[4 * mma_parts<T>()]) {
 #pragma unroll
     for (int m = 0; m < M; m++) {
-        mma(c[m][n], a[m], b[0], b[1], T());
-        mma(c[m][n + 1], a[m], b[2], b[3], T());
+        if constexpr (mma_parts<T>() == 2) {
+            mma(c[m][n], a[m] + 4, b[0], b[1], float());
+            mma(c[m][n + 1], a[m] + 4, b[2], b[3], float());
+            mma(c[m][n], a[m], b[4], b[5], float());
+            mma(c[m][n + 1], a[m], b[6], b[7], float());
+            mma(c[m][n], a[m], b[0], b[1], float());
+            mma(c[m][n + 1], a[m], b[2], b[3], float());
+        } else {
+            mma(c[m][n], a[m], b[0], b[1], T());
+            mma(c[m][n + 1], a[m], b[2], b[3], T());
+        }
     }
 }
 
@@ -137,12 +190,12 @@ __device__ __forceinline__ void rows_times_tile(float c[][N / 8][4], const T *as
         for (int n = 0; n < N / 8; n++) c[m][n][0] = c[m][n][1] = c[m][n][2] = c[m][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / ks; kk++) {
-        uint32_t a[M][4];
+        uint32_t a[M][4 * mma_parts<T>()];
 #pragma unroll
         for (int m = 0; m < M; m++) load_a(a[m], as, ld, row0 + 16 * m, kk * ks);
 #pragma unroll
         for (int n2 = 0; n2 < N / 16; n2++) {
-            uint32_t b[4];
+            uint32_t b[4 * mma_parts<T>()];
             load_b_nk(b, bs, ld, n2 * 16, kk * ks);
             mma_b_pair<T, M>(c, 2 * n2, a, b);
         }
@@ -157,12 +210,12 @@ __device__ __forceinline__ void probs_times_tile(float acc[][D / 8][4], const fl
     const int ld = mma_ld<T, D>(), ks = mma_k<T>();
 #pragma unroll
     for (int kk = 0; kk < K / ks; kk++) {
-        uint32_t a[M][4];
+        uint32_t a[M][4 * mma_parts<T>()];
 #pragma unroll
         for (int m = 0; m < M; m++) probs_operand<T>(a[m], p[m], kk);
 #pragma unroll
         for (int n2 = 0; n2 < D / 16; n2++) {
-            uint32_t b[4];
+            uint32_t b[4 * mma_parts<T>()];
             load_b_kn(b, xs, ld, kk * ks, n2 * 16);
             mma_b_pair<T, M>(acc, 2 * n2, a, b);
         }
@@ -190,9 +243,10 @@ __device__ __forceinline__ void load_tile(T *s, const ds_kview &x, int64_t b, in
  * landed (all but its newest `pending` groups); the barrier that
  * publishes the tile publishes them rounded. So the fragments loaded
  * from it, up to four times (once per warp), need no cvt each. 16-bit
- * tiles are left as they are. */
+ * tiles are left as they are, and so are 3xTF32's, whose fragments are
+ * split from f32 as they load. */
 template <typename T, int D, int ROWS> __device__ __forceinline__ void tf32_landed(T *s, int pending) {
-    if constexpr (sizeof(T) == 4) {
+    if constexpr (sizeof(T) == 4 && mma_parts<T>() == 1) {
         const int ld = mma_ld<T, D>(), chunks = D / 4;
         cp_async_wait(pending);
         for (int e = threadIdx.x; e < ROWS * chunks; e += MMA_THREADS) {
@@ -441,12 +495,17 @@ __device__ __forceinline__ void dq_scores(float s[KT / 8][4], const float dp[KT 
  * 16 in f32, where 32 spill registers. */
 #define MMA_DQ_KEYS(T) (sizeof(T) == 4 ? 16 : 32)
 
+/* Query rows a warp owns in the dQ kernel: MMA_Q_FRAGS fragments, but one
+ * in 3xTF32 at D = 128, where two fragments' accumulators and the split
+ * operands spill registers. */
+#define MMA_DQ_FRAGS(T, D) (mma_parts<T>() == 2 && (D) == 128 ? 1 : MMA_Q_FRAGS)
+
 /* dQ for a block of 4 warps' query rows: over the key tiles it sees,
  * dS = P (dO V^T - delta), dQ += dS K; times scale at the end. */
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats, mma_geom g) {
-    constexpr int M = MMA_Q_FRAGS, ROWS = MMA_BLOCK_ROWS(M), KT = MMA_DQ_KEYS(T);
+    constexpr int M = MMA_DQ_FRAGS(T, D), ROWS = MMA_BLOCK_ROWS(M), KT = MMA_DQ_KEYS(T);
     extern __shared__ __align__(16) unsigned char smem[];
     const int ld = mma_ld<T, D>(), qtile = ROWS * ld, ktile = KT * ld;
     T *qs = (T *)smem, *gs = qs + qtile, *kv = gs + qtile;   /* then K and V tiles, twice */
@@ -531,9 +590,11 @@ __device__ __forceinline__ void dkdv_scores(float p[QT / 8][4], float ds[QT / 8]
  * (32 keys against query tiles of 32, every Q and dO fragment loaded once
  * for both, P and dS 32 x 32 a warp), one at D = 128 (16 keys against
  * tiles of 64: its dK and dV accumulators fill the registers; tiles of 32
- * in f32, whose four loads per B fragment need registers of their own). */
+ * in f32, whose four loads per B fragment need registers of their own;
+ * 16 in 3xTF32 at D = 64, whose split operands do too). */
 #define MMA_DKDV_FRAGS(D) ((D) == 64 ? 2 : 1)
-#define MMA_DKDV_QUERIES(T, D) (sizeof(T) == 4 ? 32 : 64 / MMA_DKDV_FRAGS(D))
+#define MMA_DKDV_QUERIES(T, D) \
+    (mma_parts<T>() == 2 && (D) == 64 ? 16 : sizeof(T) == 4 ? 32 : 64 / MMA_DKDV_FRAGS(D))
 
 /* dK and dV for a block of 4 warps' keys: over the query tiles that see
  * them, in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T -
@@ -622,9 +683,13 @@ static inline unsigned mma_blocks(const mma_geom &g, int64_t rows, int block_row
     return (unsigned)(g.B * g.H * ((rows + block_rows - 1) / block_rows));
 }
 
-/* The forward's and the dQ kernel's blocks. */
+/* The forward's blocks, and the dQ kernel's. */
 static inline unsigned mma_query_blocks(const mma_geom &g) {
     return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_Q_FRAGS));
+}
+
+template <typename T> static inline unsigned mma_dq_blocks(const mma_geom &g, int D) {
+    return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_DQ_FRAGS(T, D)));
 }
 
 static inline unsigned mma_dkdv_blocks(const mma_geom &g, int D) {
@@ -650,7 +715,7 @@ template <typename T> static inline size_t mma_forward_smem(int D) {   /* the bl
 }
 
 template <typename T> static inline size_t mma_dq_smem(int D) {   /* the block's Q and dO; K and V tiles twice */
-    return mma_rows_bytes<T>(D, 2 * MMA_BLOCK_ROWS(MMA_Q_FRAGS) + 4 * MMA_DQ_KEYS(T));
+    return mma_rows_bytes<T>(D, 2 * MMA_BLOCK_ROWS(MMA_DQ_FRAGS(T, D)) + 4 * MMA_DQ_KEYS(T));
 }
 
 /* the block's K and V; Q and dO tiles, lse and delta twice */

@@ -6,16 +6,17 @@
 
 /* Whether the tensor-core kernels take a call: views[0..2] are q, k, v,
  * the rest (out; dq, dk, dv, dout) the other tensors it touches; bf16,
- * f16 or f32 (in TF32: the caller decides whether that is allowed), head
- * dim 64 or 128 on q, k and v alike, tiles that fit the device's shared
- * memory, every view 16-byte aligned with a unit last stride and the
- * others multiples of 16 bytes. */
+ * f16 or f32, head dim 64 or 128 on q, k and v alike, tiles that fit the
+ * device's shared memory, every view 16-byte aligned with a unit last
+ * stride and the others multiples of 16 bytes. */
 bool ds_cuda_attention_mma_fits(const ds_kview *views, int n);
 
-/* ds_kernels_attention's forward and backward, for calls that fit. */
+/* ds_kernels_attention's forward and backward, for calls that fit; f32 in
+ * TF32 where tf32 (the caller decides whether that is allowed), else in
+ * 3xTF32. */
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
-                                  int causal);
+                                  int causal, bool tf32);
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
-                                   ds_kview v, ds_kview out, ds_kview lse, double scale, int causal);
+                                   ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, bool tf32);
 
 #endif
