@@ -182,8 +182,8 @@ local function bandwidth()
 end
 
 local function ops()
-  -- attention on the default backend: fused for bf16, math (cuBLAS GEMMs) for f32, fused on
-  -- TF32 tensor cores for f32 under allow_tf32 (the tf32 rows)
+  -- attention on the default backend, fused on tensor cores: bf16; f32 in 3xTF32 (the f32
+  -- rows, the switch off); f32 in TF32 under allow_tf32 (the tf32 rows)
   for _, dt in ipairs { 'bf16', 'f32', 'tf32' } do
     local et = dt == 'tf32' and 'f32' or dt
     ds.backends.cuda.matmul.allow_tf32 = dt == 'tf32'

@@ -11,8 +11,8 @@
 #define MATH_SCORES_MAX ((int64_t)2 << 30)
 
 /* The backend auto picks: math on a device whose fused kernel would not
- * run these inputs at full rate (a GPU in f32/f64, or bf16/f16 with a head
- * dim its tensor-core kernel lacks), where cuBLAS's GEMMs around a softmax
+ * run these inputs at full rate (a GPU in f64, or with a head dim its
+ * tensor-core kernel lacks), where cuBLAS's GEMMs around a softmax
  * beat it, while the B*H*Tq*Tk scores fit; fused everywhere else. */
 static ds_attention_backend pick_backend(ds_attention_backend backend, ds_tensor *q, ds_tensor *k, ds_tensor *v) {
     if (backend != DS_ATTN_AUTO) return backend;

@@ -659,7 +659,7 @@ describe('attention on the GPU #gpu', function()
     end)
   end
 
-  -- Where the fused kernel has no tensor-core path (f32, f64; bf16 and f16
+  -- Where the fused kernel has no tensor-core path (f64; f32, bf16 and f16
   -- with head dims other than 64 and 128) auto takes the math backend on
   -- the GPU (cuBLAS GEMMs, B*H*Tq*Tk scores in memory) and the fused one on
   -- the CPU, so the cases above compare the two; forced, the fused kernel
@@ -675,18 +675,19 @@ describe('attention on the GPU #gpu', function()
 
   if not ON_CPU then
     it('auto takes math where the fused kernel has no tensor-core path', function()
-      -- head dim 16: math in every dtype; head dim 64: fused (tensor cores) in bf16 and f16
-      for _, c in ipairs { { 16, 'permute', 'permute' }, { 64, 'permute', 'scaled_dot_product_attention' } } do
+      -- head dim 16: math in every dtype; head dim 64: fused (tensor cores) in f32, bf16 and f16
+      for _, c in ipairs { { 16, 'permute' }, { 64, 'scaled_dot_product_attention' } } do
         local x = randn('f32', 1, 2, 8, c[1]):cuda():requires_grad_()
-        for dt, op in pairs { f32 = c[2], f64 = c[2], bf16 = c[3], f16 = c[3] } do
+        for dt, op in pairs { f32 = c[2], f64 = 'permute', bf16 = c[2], f16 = c[2] } do
           local y = x:to(dt)
           assert.are.equal(op, ds.scaled_dot_product_attention(y, y, y).grad_fn, dt .. ' head dim ' .. c[1])
         end
       end
       local qkv = randn('f32', 1, 8, 3 * 2 * 64):cuda():requires_grad_()
-      assert.are.equal('view', ds.qkv_attention(qkv, 2).grad_fn)
-      assert.are.equal('qkv_attention', ds.qkv_attention(qkv:to('bf16'), 2).grad_fn)
-      assert.are.equal('view', ds.qkv_attention(qkv:to('bf16'), 8).grad_fn)      -- head dim 16
+      for _, dt in ipairs { 'f32', 'bf16' } do
+        assert.are.equal('qkv_attention', ds.qkv_attention(qkv:to(dt), 2).grad_fn, dt)
+        assert.are.equal('view', ds.qkv_attention(qkv:to(dt), 8).grad_fn, dt)      -- head dim 16
+      end
       -- past 2 GiB of scores (1 x 3 x 16384^2 f32: 3 GiB) auto keeps to the fused kernel
       local long = randn('f32', 1, 3, 16384, 16):cuda():requires_grad_()
       assert.are.equal('scaled_dot_product_attention', ds.scaled_dot_product_attention(long, long, long).grad_fn)
@@ -776,9 +777,10 @@ describe('TF32 on the GPU #gpu', function()
 
   -- Keys of zeros give every score 0 and every probability 1/64 (64 keys),
   -- all exact, so with v and the output's gradient all 1 + 2^-15 the output
-  -- and dv are 1 + 2^-15 in f32 (to its roundings, far below 2^-18) and
-  -- 1 where TF32 rounds v and the gradient to 1.
-  it('puts f32 attention on TF32 tensor cores under the matmul switch only', function()
+  -- and dv are 1 + 2^-15 in f32 and in 3xTF32 (1 and 2^-15 are its two
+  -- parts; to its roundings, far below 2^-18) and 1 where TF32 rounds v
+  -- and the gradient to 1.
+  it('puts f32 attention on tensor cores in TF32 under the matmul switch only, in 3xTF32 without it', function()
     local q = to_dev(ds.randn({ 1, 2, 64, 64 }, 'f32'))
     local k = to_dev(ds.zeros({ 1, 2, 64, 64 }, 'f32'))
     local fine = 1 + 2 ^ -15
@@ -790,10 +792,10 @@ describe('TF32 on the GPU #gpu', function()
       return off_by(out, fine), off_by(out, 1), off_by(v.grad, fine), off_by(v.grad, 1), out.grad_fn
     end
     local o_f32, _, g_f32, _, auto_off = run(nil)
-    assert.is_true(o_f32 <= 2 ^ -18 and g_f32 <= 2 ^ -18, 'switch off: out and dv in f32')
-    assert.are.equal('permute', auto_off)                        -- auto: cuBLAS GEMMs around a softmax
-    _, _, g_f32 = run('fused')
-    assert.is_true(g_f32 <= 2 ^ -18, 'switch off, fused: the f32 kernel')
+    assert.is_true(o_f32 <= 2 ^ -18 and g_f32 <= 2 ^ -18, 'switch off: out and dv in 3xTF32')
+    assert.are.equal('scaled_dot_product_attention', auto_off)   -- auto: the fused kernel, on tensor cores
+    _, _, g_f32 = run('math')
+    assert.is_true(g_f32 <= 2 ^ -18, 'switch off, math: cuBLAS in f32')
     ds.backends.cuda.matmul.allow_tf32 = true
     local _, o_tf32, _, g_tf32, auto_on = run(nil)
     assert.is_true(o_tf32 <= 2 ^ -18 and g_tf32 <= 2 ^ -18, 'switch on: out and dv from TF32 inputs')
@@ -819,16 +821,21 @@ describe('TF32 on the GPU #gpu', function()
     assert.is_true((out1 - out0):abs():amax():item() > 0, 'the switch on changes the result')
   end)
 
-  -- The bound TF32's unit roundoff u = 2^-11 guarantees (derived in
+  -- The bound the tensor cores' f32 arithmetic guarantees (derived in
   -- tests/test_attention_mma.cc, whose emulated kernels meet it for every
-  -- output), for out and dv: a score is off by at most delta_i = scale
-  -- max_j |q_i|.|k_j| e_dot (e_dot: TF32 and f32 roundings of a dot
-  -- product), a probability by a factor exp(+-(2 delta_i + 2 eta)) (eta:
-  -- exp2's error), the backward's by (1 + rho_i) with lse's error lam_i,
-  -- and each rounds to TF32 (as do v and dout) into sums rounded in f32
-  -- (tensor cores may truncate: 2^-23 an addition, so gamma counts twice).
-  local function tf32_bounds(q, k, v, g, scale, causal)
-    local u, e = 2 ^ -11, 2 ^ -24
+  -- output), for out and dv: each product is off by prod relative (TF32:
+  -- (1 + u)^2 - 1, u = 2^-11, its unit roundoff; 3xTF32: (3 + 2^-9) 2^-22,
+  -- what the split leaves) and costs `per` additions (TF32 one, 3xTF32
+  -- three), each rounded in f32 (tensor cores may truncate: 2^-23 an
+  -- addition, so gamma counts twice). A score is off by at most delta_i =
+  -- scale max_j |q_i|.|k_j| e_dot (e_dot: a dot product's error), a
+  -- probability by a factor exp(+-(2 delta_i + 2 eta)) (eta: exp2's
+  -- error), the backward's by (1 + rho_i) with lse's error lam_i, and each
+  -- goes into the mma as v and dout do.
+  local TF32 = { prod = (1 + 2 ^ -11) ^ 2 - 1, per = 1 }
+  local TF32X3 = { prod = (3 + 2 ^ -9) * 2 ^ -22, per = 3 }
+  local function f32_bounds(q, k, v, g, scale, causal, model)
+    local e, prod, per = 2 ^ -24, model.prod, model.per
     local function gamma(n) return 2 * n * e / (1 - 2 * n * e) end
     local Tq, Tk, D = q:size(3), k:size(3), q:size(4)
     q, k, v, g = q:to('f64'), k:to('f64'), v:to('f64'), g:to('f64')
@@ -842,19 +849,20 @@ describe('TF32 on the GPU #gpu', function()
     local mx = s:amax(4, true)
     local lse = mx + ds.log(ds.exp(s - mx):sum(4, true))
     local p = ds.exp(s - lse)
-    local e_dot = (1 + u) ^ 2 * (1 + gamma(D + 8)) - 1
+    local e_dot = (1 + prod) * (1 + gamma(per * D + 8)) - 1
     local delta = (ds.matmul(q:abs(), k:abs():transpose(3, 4)) + mask):amax(4, true) * (scale * (e_dot + 8 * e))
-    local ratio = ds.exp(delta * 2 + 8 * e) * ((1 + u) ^ 2 * (1 + gamma(2 * Tk + 8))) - 1
+    local ratio = ds.exp(delta * 2 + 8 * e) * ((1 + prod) * (1 + gamma((per + 1) * Tk + 8))) - 1
     local lam = delta + (8 * e + gamma(2 * Tk + 8) + 8 * e * (math.log(Tk, 2) + 2)) + lse:abs() * (8 * e)
     local rho = ds.exp(delta + lam + lse:abs() * (8 * e) + (4 * e + 8 * e * 130)) - 1
-    local c = (rho + 1) * ((1 + u) ^ 2 * (1 + gamma(Tq + 4))) - 1
+    local c = (rho + 1) * ((1 + prod) * (1 + gamma(per * Tq + 4))) - 1
     local tiny = 2 * math.max(Tq, Tk) * 2 ^ -126 * 16      -- flushed probabilities, |v| and |dout| < 16
     return ds.matmul(p, v), ratio * ds.matmul(p, v:abs()) + tiny,
            ds.matmul(p:transpose(3, 4), g), ds.matmul(p:transpose(3, 4), c * g:abs()) + tiny
   end
 
-  it('keeps f32 attention within the TF32 bound under the switch, head dims 64 and 128', function()
-    ds.backends.cuda.matmul.allow_tf32 = true
+  -- out and dv of random inputs within the model's bound, head dims 64 and
+  -- 128, causal or not, lengths that leave partial tiles
+  local function within_bound(model)
     for _, c in ipairs { { 64, 100, 70, false }, { 128, 100, 70, false }, { 64, 130, 130, true },
                          { 128, 100, 100, true } } do
       local D, Tq, Tk, causal = unpack(c)
@@ -863,7 +871,7 @@ describe('TF32 on the GPU #gpu', function()
       local vd = to_dev(v):requires_grad_()
       local out = ds.scaled_dot_product_attention(to_dev(q), to_dev(k), vd, { causal = causal })
       out:backward(to_dev(g))
-      local out_ref, out_bound, dv_ref, dv_bound = tf32_bounds(q, k, v, g, 1 / math.sqrt(D), causal)
+      local out_ref, out_bound, dv_ref, dv_bound = f32_bounds(q, k, v, g, 1 / math.sqrt(D), causal, model)
       local function over(got, want, bound)
         return ((to_host(got):to('f64') - want):abs() / bound):amax():item()
       end
@@ -871,5 +879,14 @@ describe('TF32 on the GPU #gpu', function()
       assert.is_true(over(out, out_ref, out_bound) <= 1, 'out, ' .. what)
       assert.is_true(over(vd.grad, dv_ref, dv_bound) <= 1, 'dv, ' .. what)
     end
+  end
+
+  it('keeps f32 attention within the TF32 bound under the switch, head dims 64 and 128', function()
+    ds.backends.cuda.matmul.allow_tf32 = true
+    within_bound(TF32)
+  end)
+
+  it('keeps f32 attention within the 3xTF32 bound with the switch off, head dims 64 and 128', function()
+    within_bound(TF32X3)
   end)
 end)
