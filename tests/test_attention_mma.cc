@@ -141,7 +141,7 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
      * bound (used for f32; 16-bit inputs are checked against a tolerance) */
     error e_out, e_lse, e_dq, e_dk, e_dv;
     const size_t n = (size_t)(s.Tq * s.Tk);
-    std::vector<double> P(n), dS(n), perr(n), dserr(n);
+    std::vector<double> S(n), P(n), dS(n), perr(n), dserr(n);
     /* a sum of n products through the mma (and a few more operations in
      * f32) is off by sum_err(n) times the sum of its terms' magnitudes: a
      * dot product over the head dim by e_dot; exp2 is off by eta relative
@@ -163,12 +163,12 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                         mag += fabs(A(q, b, h, i, d) * A(k, b, h, j, d));
                     }
                     bool hidden = s.causal && j > i;
-                    P[i * s.Tk + j] = hidden ? -INFINITY : dot * scale;
+                    S[i * s.Tk + j] = hidden ? -INFINITY : dot * scale;
                     if (!hidden) amax = fmax(amax, mag);
-                    mx = fmax(mx, P[i * s.Tk + j]);
+                    mx = fmax(mx, S[i * s.Tk + j]);
                 }
                 double sum = 0;
-                for (int64_t j = 0; j < s.Tk; j++) sum += P[i * s.Tk + j] = exp(P[i * s.Tk + j] - mx);
+                for (int64_t j = 0; j < s.Tk; j++) sum += P[i * s.Tk + j] = exp(S[i * s.Tk + j] - mx);
                 for (int64_t j = 0; j < s.Tk; j++) P[i * s.Tk + j] /= sum;
                 double lse_i = mx + log(sum);
                 /* every score of the row is off by at most delta (natural
@@ -185,8 +185,9 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                  * roundings, and the final f32 log, add and divide */
                 double lam = delta + 2 * eta + gamma_n(2 * s.Tk + 8) + 8 * E * (fabs(lse_i) + log2((double)s.Tk) + 2) +
                              s.Tk * tau;
-                e_lse.add(lsebuf[(size_t)((b * s.H + h) * s.Tq + i)], lse_i, lam);
-                double di = 0, kappa = 0;    /* delta = dO . O, and how far the kernel's (from its O) is off */
+                double lse_k = lsebuf[(size_t)((b * s.H + h) * s.Tq + i)];
+                e_lse.add(lse_k, lse_i, lam);
+                double di = 0, kappa = 0;    /* delta = dO . O of the kernel's O, and its f32 dot's error */
                 for (int d = 0; d < D; d++) {
                     double o = 0, po = 0, vmax = 0;
                     for (int64_t j = 0; j < s.Tk; j++) {
@@ -194,22 +195,29 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                         po += P[i * s.Tk + j] * fabs(A(v, b, h, j, d));
                         vmax = fmax(vmax, fabs(A(v, b, h, j, d)));
                     }
-                    double bound = ratio * po + 2 * s.Tk * tau * vmax;
-                    e_out.add(A(out, b, h, i, d), o, bound);
-                    di += o * A(dout, b, h, i, d);
-                    kappa += fabs(A(dout, b, h, i, d)) * (bound + gamma_n(D + 2) * (fabs(o) + bound));
+                    e_out.add(A(out, b, h, i, d), o, ratio * po + 2 * s.Tk * tau * vmax);
+                    di += A(out, b, h, i, d) * A(dout, b, h, i, d);
+                    kappa += gamma_n(D + 2) * fabs(A(out, b, h, i, d) * A(dout, b, h, i, d));
                 }
-                /* the backward's P = exp2(s scale - lse): the scores' delta,
-                 * lse's lam, and the f32 subtraction of lse (|s - lse| < 130
-                 * where P is not flushed) */
-                double rho = exp(delta + lam + eta + 8 * E * (fabs(lse_i) + 130)) - 1;
+                /* The backward is held to its own inputs, the forward's out
+                 * and lse as the kernel wrote them (checked above), so P is
+                 * exp(s scale - lse_k) here, and each kernel answers for its
+                 * own arithmetic. The kernel's P = exp2(s scale_log2 - lse_k
+                 * log2 e) is off by the scores' delta (whose 8 e scale amax
+                 * covers scale_log2's three roundings and the product's),
+                 * exp2's eta, and lse_k's two roundings into base 2 and the
+                 * subtraction's: within 4 e (|lse_k| + |ln P| + 1), natural
+                 * units. */
+                for (int64_t j = 0; j < s.Tk; j++) P[i * s.Tk + j] = exp(S[i * s.Tk + j] - lse_k);
                 for (int64_t j = 0; j < s.Tk; j++) {
                     double dp = 0, mag = 0;
                     for (int d = 0; d < D; d++) {
                         dp += A(dout, b, h, i, d) * A(v, b, h, j, d);
                         mag += fabs(A(dout, b, h, i, d) * A(v, b, h, j, d));
                     }
-                    double x = dp - di, xerr = (e_dot * mag + kappa) * (1 + E) + E * fabs(x), p = P[i * s.Tk + j];
+                    double p = P[i * s.Tk + j], lnp = p > 0 ? fabs(log(p)) : 0;
+                    double rho = exp(delta + eta + 4 * E * (fabs(lse_k) + lnp + 1)) - 1;
+                    double x = dp - di, xerr = (e_dot * mag + kappa) * (1 + E) + E * fabs(x);
                     dS[i * s.Tk + j] = p * x;
                     perr[i * s.Tk + j] = rho * p + tau;
                     dserr[i * s.Tk + j] = prod_err(p, perr[i * s.Tk + j], fabs(x), xerr, E) + sub;
