@@ -6,9 +6,10 @@
  * that keep f32's accuracy. The element type T picks the mma.
  * A block of 4 warps owns rows of one side (queries, or keys in the dK/dV
  * kernel), 32 per warp (each fragment of the other side feeds two mma; 16
- * in the dK/dV kernel at D = 128, whose accumulators fill the registers),
- * and walks tiles of the other side staged in shared memory; every product
- * is a warp's rows times a tile, so no warp waits on another's partial sums.
+ * in the dK/dV kernel at D = 128, and in 3xTF32's dQ kernel there, whose
+ * accumulators fill the registers), and walks tiles of the other side
+ * staged in shared memory; every product is a warp's rows times a tile, so
+ * no warp waits on another's partial sums.
  * Scores live in registers, scaled by log2(e) so the exponentials are exp2.
  * Backward gathers each query row's lse (base 2) and delta = dO . O, then
  * runs two kernels, deterministic, without atomics: dK and dV per key block
@@ -67,10 +68,10 @@ template <typename T, int D> __host__ __device__ constexpr int mma_ld() { return
 /* The k of one mma: 16 for 16-bit inputs (m16n8k16), 8 for TF32 (m16n8k8). */
 template <typename T> __host__ __device__ constexpr int mma_k() { return 2 * mma_chunk<T>(); }
 
-/* 3xTF32's operands from four f32 r[0..3]: r[i] becomes x's TF32 rounding
- * (big) and r[i + 4] the TF32 rounding of x - big (small, the subtraction
- * exact in f32), so x - big - small is within 2^-22 |x| (and 2^-137 where
- * the small part is subnormal). In registers: the tiles stay f32. */
+/* Splits the f32 x in each of r[0..3] for 3xTF32: r[i] becomes big = x
+ * rounded to TF32, r[i + 4] small = x - big (exact in f32) rounded to
+ * TF32, so x - big - small is within 2^-22 |x| (2^-137 where x - big is
+ * below f32's normal range). In registers, so the tiles stay f32. */
 __device__ __forceinline__ void tf32_split(uint32_t r[8]) {
 #pragma unroll
     for (int i = 0; i < 4; i++) {

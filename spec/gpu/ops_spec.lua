@@ -802,7 +802,7 @@ describe('TF32 on the GPU #gpu', function()
     assert.are.equal('scaled_dot_product_attention', auto_on)    -- auto: the fused kernel, on tensor cores
   end)
 
-  it('gives the f32 kernel\'s bits back once the switch is off again', function()
+  it('gives 3xTF32\'s bits back once the switch is off again', function()
     local function r() return to_dev(ds.randn({ 1, 2, 70, 64 }, 'f32')) end
     local q, k, v, g = r(), r(), r(), r()
     local function run()
