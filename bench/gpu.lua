@@ -196,6 +196,13 @@ local function ops()
     result('attention_fwd_bwd', '8x12x1024x64_' .. dt, time_per_call(function()
       ds.scaled_dot_product_attention(q, k, v):backward(g)
     end), 's')
+    -- f32 on the math backend too (cuBLAS's f32 GEMMs around a softmax),
+    -- against auto's fused 3xTF32: whether auto takes the faster
+    if dt == 'f32' then
+      result('attention_fwd_bwd', '8x12x1024x64_f32_math', time_per_call(function()
+        ds.scaled_dot_product_attention(q, k, v, { backend = 'math' }):backward(g)
+      end), 's')
+    end
   end
   ds.backends.cuda.matmul.allow_tf32 = false
   collectgarbage(); collectgarbage()

@@ -7,7 +7,8 @@
 
 # A variant of a dslua row against dslua's base row of the same shape with
 # `from` replaced by `to`: fp8 against bf16, the real vocab against the
-# padded one, offload against none.
+# padded one, offload against none, f32 attention's math backend against
+# its fused kernel.
 function against(row, shape, d, u, from, to, label,    base, b) {
     if (index(shape, from) == 0) return
     base = shape; sub(from, to, base)
@@ -41,6 +42,7 @@ END {
         against(k[1], k[2], d, u, "_fp8_", "_bf16_", "dslua bf16")
         against(k[1], k[2], d, u, "_V50257", "_V50304", "dslua at the padded vocab 50304")
         against(k[1], k[2], d, u, "_offload", "", "dslua without offload")
+        against(k[1], k[2], d, u, "_f32_math", "_f32", "dslua fused (3xTF32)")
         if (u == "TB/s" && k[1] != "copy" && copy > 0) {
             of = ""
             if (d != "") of = of sprintf(" dslua %.0f%%", 100 * d / copy)
