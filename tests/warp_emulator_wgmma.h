@@ -256,6 +256,8 @@ static inline void wgmma_fence() { emu::wg_fence(); }
 static inline void wgmma_commit() { emu::wg_commit(); }
 template <int PENDING> static inline void wgmma_wait() { emu::wg_wait(PENDING); }
 static inline void fence_proxy_async() { emu::proxy_fence(); }
+static inline void wgmma_pin(float *, int) {}        /* registers are memory here */
+static inline void wgmma_pin(uint32_t *, int) {}
 
 template <int N> static inline void wgmma_ss(float d[][4], uint64_t a, uint64_t b, int scale_d, __nv_bfloat16) {
     emu::wgmma(N, false, false, true, { &d[0][0], nullptr, a, b, scale_d });

@@ -6,9 +6,10 @@
  * (S's accumulators are P's A fragments once packed) and V in shared
  * memory read MN-major through the descriptor (no transpose anywhere).
  * Within a warpgroup the softmax of tile j runs while P(j-1) V(j-1) is in
- * flight: tile j issues S(j), rescales O by tile j-1's max, issues
- * P(j-1) V(j-1), waits for S(j) only, computes its softmax, then waits for
- * the rest; O's rescale by tile j's max waits for tile j + 1.
+ * flight: tile j issues S(j) and P(j-1) V(j-1), waits for S(j) only,
+ * computes its softmax, then waits for the rest and rescales O to tile j's
+ * max (no register of a pending wgmma is touched, so ptxas keeps them
+ * asynchronous).
  * Tiles live in shared memory as 128-byte-swizzled panels of 64 columns
  * (row r's 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte row: the
  * layout the SW128 descriptors read, free of bank conflicts), staged by
@@ -24,6 +25,12 @@
 #include "cuda_attention_mma.cuh"
 #ifndef DS_WARP_EMULATOR
 #include "cuda_wgmma.cuh"
+#endif
+
+/* Where the wgmma code is compiled: sm_90a, and the CPU's emulation; in
+ * other passes the kernel is empty and never launched. */
+#if defined(DS_WGMMA_ARCH) || defined(DS_WARP_EMULATOR)
+#define WG_CODE 1
 #endif
 
 #define WG_GROUPS 2                        /* consumer warpgroups per block */
@@ -54,6 +61,7 @@ __device__ __forceinline__ void wg_load_tile(unsigned char *s, const ds_kview &x
     }
 }
 
+#ifdef WG_CODE
 /* The SW128 descriptor of a tile's 16-byte-aligned piece at p: rows 8 x
  * 128 bytes apart (SBO 1024), lbo the next panel (MN-major) or unused (16). */
 __device__ __forceinline__ uint64_t wg_desc(const unsigned char *p, uint32_t lbo) {
@@ -84,10 +92,19 @@ __device__ __forceinline__ void wg_probs_v(float o[D / 8][4], const uint32_t p[W
     wgmma_commit();
 }
 
+/* After a wait: no access to s, o or p moves above it. */
+template <int D>
+__device__ __forceinline__ void wg_pin_all(float s[WG_KEYS / 8][4], float o[D / 8][4], uint32_t p[WG_KEYS / 16][4]) {
+    wgmma_pin(&s[0][0], WG_KEYS / 2);
+    wgmma_pin(&o[0][0], D / 2);
+    wgmma_pin(&p[0][0], WG_KEYS / 4);
+}
+#endif
+
 template <typename T, int D>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
-#if defined(DS_WGMMA_ARCH) || defined(DS_WARP_EMULATOR)
+#ifdef WG_CODE
     constexpr int QB = wg_tile_bytes(WG_ROWS, D), KB = wg_tile_bytes(WG_KEYS, D);
     extern __shared__ __align__(1024) unsigned char smem[];
     unsigned char *qs = smem, *kv = smem + QB;      /* buffer i: K at kv + 2 i KB, V after it */
@@ -111,26 +128,28 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
         cp_async_commit();
         wg_scores<T, D>(s, qs + wg * 64 * 128, kv + j % 2 * 2 * KB);
         if (j > 0) {
-            rescale_rows<D>(o, scale);
             wg_probs_v<T, D>(o, p, kv + (j + 1) % 2 * 2 * KB + KB);
             wgmma_wait<1>();              /* S(j) */
         } else {
             wgmma_wait<0>();
         }
+        wg_pin_all<D>(s, o, p);
         int64_t r0 = w0 + l / 4;
         if (tile_unmasked(g0, 64, j0, WG_KEYS, g)) scale_scores<false, WG_KEYS>(s, r0, r0 + 8, j0, g);
         else scale_scores<true, WG_KEYS>(s, r0, r0 + 8, j0, g);
         softmax_tile<WG_KEYS>(s, mx, sum, scale);
         wgmma_wait<0>();                  /* P(j-1) V(j-1): p and o are free */
+        wg_pin_all<D>(s, o, p);
+        rescale_rows<D>(o, scale);
 #pragma unroll
         for (int kk = 0; kk < WG_KEYS / 16; kk++) probs_operand<T>(p[kk], s, kk);
     }
     cp_async_wait(0);                     /* V of the last tile */
     fence_proxy_async();
     __syncthreads();
-    rescale_rows<D>(o, scale);
     wg_probs_v<T, D>(o, p, kv + (tiles - 1) % 2 * 2 * KB + KB);
     wgmma_wait<0>();
+    wg_pin_all<D>(s, o, p);
     float l0 = quad_sum(sum[0]), l1 = quad_sum(sum[1]);
     store_rows<T, D>(out, b, h, w0, g.Tq, o, 1.f / l0, 1.f / l1);
     float *L = (float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
