@@ -150,13 +150,17 @@ static int l_allow_wgmma(lua_State *L) {
 }
 
 /* ds.cuda.attention_kernel(dtype, head_dim): 'wgmma' or 'mma.sync', the
- * kernel such an attention forward runs on this rank's GPU. */
+ * kernel such an attention forward runs on this rank's GPU, and for
+ * mma.sync why not wgmma. */
 static int l_attention_kernel(lua_State *L) {
     ds_dtype dt = dsL_checkdtype(L, 1, DS_BF16);
-    const char *k = ds_cuda_attention_kernel(dt, (int)luaL_checkinteger(L, 2));
+    const char *why = "";
+    const char *k = ds_cuda_attention_kernel(dt, (int)luaL_checkinteger(L, 2), &why);
     if (!k) return dsL_error(L);
     lua_pushstring(L, k);
-    return 1;
+    if (!*why) return 1;
+    lua_pushstring(L, why);
+    return 2;
 }
 
 static const luaL_Reg tensor_methods[] = {

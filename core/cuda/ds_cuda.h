@@ -77,9 +77,10 @@ int ds_cuda_allow_wgmma(int on);
 
 /* The kernel a `dt` attention forward at head dim D runs on tensor cores
  * on this rank's GPU: "wgmma" or "mma.sync" (running the check if it has
- * not run); NULL with the error set for a dtype other than bf16 and f16, a
- * head dim other than 64 and 128, no GPU or a failing one. */
-const char *ds_cuda_attention_kernel(ds_dtype dt, int D);
+ * not run), with *why saying why not wgmma ("" when it is); NULL with the
+ * error set for a dtype other than bf16 and f16, a head dim other than 64
+ * and 128, no GPU or a failing one. */
+const char *ds_cuda_attention_kernel(ds_dtype dt, int D, const char **why);
 
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL
  * versions and the GPUs, one "name: value" line each. */

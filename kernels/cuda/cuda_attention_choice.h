@@ -17,9 +17,11 @@ extern "C" {
 int ds_cuda_attention_set_wgmma(int on);
 
 /* The kernel a bf16 or f16 forward at head dim D runs on the current
- * device: "wgmma" or "mma.sync" (running the check if it has not run);
+ * device: "wgmma" or "mma.sync" (running the check if it has not run),
+ * and *why, for mma.sync, why not wgmma ("switched off", "not compute
+ * capability 9.0", "off from mma.sync on its check", ...; "" for wgmma);
  * NULL after ds_kernel_fail when CUDA fails. */
-const char *ds_cuda_attention_forward_kernel(ds_dtype dt, int D);
+const char *ds_cuda_attention_forward_kernel(ds_dtype dt, int D, const char **why);
 
 #ifdef __cplusplus
 }

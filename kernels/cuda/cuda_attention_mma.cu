@@ -246,38 +246,56 @@ static int wgmma_agrees(ds_dtype dt, int D) {
     return 1;
 }
 
+/* Why a variant runs where it runs, per wgmma_takes's answer. */
+static const char *const why_not[] = { "", "switched off", "not compute capability 9.0",
+                                       "too little shared memory", "off from mma.sync on its check" };
+
 /* Whether the current device runs variant (dt, D) on the Hopper forward:
- * known per device (up to 64; past that, never) and variant. */
-static int wgmma_takes(ds_dtype dt, int D) {
-    static signed char known[64][4];      /* 0 not yet, 1 yes, -1 no */
+ * known per device (up to 64; past that, never) and variant; *why (an
+ * index of why_not) says why not. -1 when CUDA fails. */
+static int wgmma_takes(ds_dtype dt, int D, int *why) {
+    static signed char known[64][4];      /* 0 not yet, else 1 + why_not's index */
     int dev, major = 0, minor = 0;
+    *why = 1;
     if (!wgmma_on || (dt != DS_BF16 && dt != DS_F16)) return 0;
     if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
+    *why = 2;
     if (dev >= 64) return 0;
     signed char &k = known[dev][(dt == DS_F16) * 2 + (D == 128)];
     if (k == 0) {
         if (ds_cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "attention") ||
             ds_cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attention"))
             return -1;
-        int yes = major == 9 && minor == 0 && ds_cuda_attention_wgmma_smem(D) <= (size_t)smem_optin();
-        if (yes) yes = wgmma_agrees(dt, D);
-        if (yes < 0) return -1;
-        k = yes ? 1 : -1;
+        int w = major == 9 && minor == 0 ? 0 : 2;
+        if (!w && ds_cuda_attention_wgmma_smem(D) > (size_t)smem_optin()) w = 3;
+        if (!w) {
+            int agrees = wgmma_agrees(dt, D);
+            if (agrees < 0) return -1;
+            if (!agrees) w = 4;
+        }
+        k = (signed char)(1 + w);
     }
-    return k > 0;
+    *why = k - 1;
+    return k == 1;
 }
 #else
-static int wgmma_takes(ds_dtype, int) { return 0; }
+static const char *const why_not[] = { "", "switched off", "built without an sm_90a target" };
+
+static int wgmma_takes(ds_dtype, int, int *why) {
+    *why = wgmma_on ? 2 : 1;
+    return 0;
+}
 #endif
 
-const char *ds_cuda_attention_forward_kernel(ds_dtype dt, int D) {
-    int w = wgmma_takes(dt, D);
-    return w < 0 ? NULL : w ? "wgmma" : "mma.sync";
+const char *ds_cuda_attention_forward_kernel(ds_dtype dt, int D, const char **why) {
+    int w, r = wgmma_takes(dt, D, &w);
+    *why = why_not[w];
+    return r < 0 ? NULL : r ? "wgmma" : "mma.sync";
 }
 
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal) {
-    int w = wgmma_takes(q.dtype, (int)q.shape[3]);
+    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], &why);
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal);
