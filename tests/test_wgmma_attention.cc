@@ -4,8 +4,13 @@
  * bound for 16-bit inputs with f32 sums (a few units of the last place of
  * the largest value; a wrong fragment, swizzle or mask is off by O(1));
  * head dims 64 and 128, causal or not, lengths that leave partial tiles,
- * cross attention both ways, q/k/v as views into one packed qkv buffer. */
+ * cross attention both ways, q/k/v as views into one packed qkv buffer.
+ * And the check the dispatch runs before trusting the kernel on a GPU
+ * (cuda_attention_check.h) on the emulated kernels: the Hopper forward
+ * and the mma.sync one agree within its bound in every variant, and a
+ * wrong mask is past it. */
 #include "warp_emulator.h"
+#include "cuda/cuda_attention_check.h"
 #include "cuda/cuda_attention_wgmma.cuh"
 
 extern "C" {
@@ -83,6 +88,51 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
            s.causal, worst_o / max_o, worst_l / max_l);
 }
 
+/* One forward of the check problem, emulated: out and lse as floats. */
+template <typename T, int D>
+void check_forward(bool wgmma, const std::vector<float> &x, int causal, std::vector<float> &out,
+                   std::vector<float> &lse) {
+    const ds_dtype dt = std::is_same<T, __nv_bfloat16>::value ? DS_BF16 : DS_F16;
+    const size_t n = (size_t)CHECK_H * CHECK_T * D;
+    std::vector<T> qkv(3 * n), o(n, elem<T>(NAN));
+    for (size_t i = 0; i < 3 * n; i++) qkv[i] = elem<T>(x[i]);
+    lse.assign((size_t)CHECK_H * CHECK_T, NAN);
+    int64_t sz[4] = { 1, CHECK_H, CHECK_T, D }, st[4] = { CHECK_H * CHECK_T * D, CHECK_T * D, D, 1 };
+    int64_t lsz[3] = { 1, CHECK_H, CHECK_T }, lst[3] = { CHECK_H * CHECK_T, CHECK_T, 1 };
+    ds_kview q = emu::view(qkv.data(), dt, 4, sz, st), k = emu::view(qkv.data() + n, dt, 4, sz, st);
+    ds_kview v = emu::view(qkv.data() + 2 * n, dt, 4, sz, st), ov = emu::view(o.data(), dt, 4, sz, st);
+    ds_kview lv = emu::view(lse.data(), DS_F32, 3, lsz, lst);
+    mma_geom g = mma_geom_of(q, k, 1.0 / sqrt((double)D), causal);
+    if (wgmma)
+        emu::launch("wgmma_forward_kernel", wgmma_query_blocks(g), WG_THREADS, wg_forward_smem<D>(),
+                    [&] { wgmma_forward_kernel<T, D>(ov, lv, q, k, v, g); });
+    else
+        emu::launch("mma_forward_kernel", mma_query_blocks(g), MMA_THREADS, mma_forward_smem<T>(D),
+                    [&] { mma_forward_kernel<T, D>(ov, lv, q, k, v, g); });
+    out.resize(n);
+    for (size_t i = 0; i < n; i++) out[i] = (float)o[i];
+}
+
+template <typename T, int D> void first_call_check() {
+    const bool bf = std::is_same<T, __nv_bfloat16>::value;
+    const double u = bf ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
+    std::vector<float> x = attn_check_inputs(bf ? DS_BF16 : DS_F16, D), o[2][2], l[2][2];
+    for (int causal = 0; causal < 2; causal++)
+        for (int w = 0; w < 2; w++) check_forward<T, D>(w == 1, x, causal, o[causal][w], l[causal][w]);
+    for (int causal = 0; causal < 2; causal++) {
+        long at = 0;
+        double e = attn_check_compare(x, D, causal, scale, u, o[causal][0], o[causal][1], l[causal][0], l[causal][1],
+                                      &at);
+        check(e <= 1, "%s D=%d causal=%d: the first-call check fails the emulated kernels (%.3g of its bound at %ld)",
+              bf ? "bf16" : "f16", D, causal, e, at);
+        printf("first-call check %s D=%d causal=%d: %.2f of its bound\n", bf ? "bf16" : "f16", D, causal, e);
+    }
+    long at = 0;
+    double wrong = attn_check_compare(x, D, 1, scale, u, o[1][0], o[0][1], l[1][0], l[0][1], &at);
+    check(wrong > 1, "%s D=%d: the first-call check passes a forward without the causal mask (%.3g of its bound)",
+          bf ? "bf16" : "f16", D, wrong);
+}
+
 } /* namespace */
 
 int main() {
@@ -97,5 +147,9 @@ int main() {
     run_case<__half, 64>({ 1, 2, 257, 257, true }, rng);
     run_case<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, rng);
     run_case<__half, 128>({ 1, 1, 90, 200, false }, rng);
+    first_call_check<__nv_bfloat16, 64>();
+    first_call_check<__half, 64>();
+    first_call_check<__nv_bfloat16, 128>();
+    first_call_check<__half, 128>();
     return check_summary("test_wgmma_attention");
 }

@@ -1,6 +1,7 @@
 /* The host side of attention on tensor cores (cuda_attention_mma.cuh):
  * which calls qualify, launch sizes, and the launches. */
 #include "cuda_common.cuh"
+#include "cuda_attention_check.h"
 #include "cuda_attention_choice.h"
 #include "cuda_attention_mma.h"
 #include "cuda_attention_mma.cuh"
@@ -122,59 +123,6 @@ int ds_cuda_attention_set_wgmma(int on) {
 }
 
 #ifdef DS_CUDA_WGMMA
-#define CHECK_H 2
-#define CHECK_T 200
-
-/* Where the two kernels' outputs may differ, element by element: each is
- * off from attention in exact arithmetic by at most rho sum_j P_j |v_jd|
- * plus its rounding to T (u |o|), rho from the scores' f32 sums (delta,
- * natural units), ex2.approx (eta) and the f32 sums of P and P V; lse by
- * delta, eta, the sum's roundings and the f32 log. Returns the largest
- * |a - b| over its bound and where (*at: element, *lse_at for lse). */
-static double check_compare(const std::vector<float> &x, int D, int causal, double scale, double u,
-                            const std::vector<float> &oa, const std::vector<float> &ob, const std::vector<float> &la,
-                            const std::vector<float> &lb, long *at) {
-    const double E = 1.0 / 16777216, eta = 4 * E;
-    auto gamma = [E](double n) { return n * E / (1 - n * E); };
-    const size_t n = (size_t)CHECK_H * CHECK_T * D;
-    const float *q = x.data(), *k = q + n, *v = k + n;
-    double worst = 0;
-    std::vector<double> P(CHECK_T);
-    for (int h = 0; h < CHECK_H; h++)
-        for (int i = 0; i < CHECK_T; i++) {
-            const float *qi = q + ((size_t)h * CHECK_T + i) * D;
-            double mx = -INFINITY, amax = 0, sum = 0;
-            for (int j = 0; j < CHECK_T; j++) {
-                const float *kj = k + ((size_t)h * CHECK_T + j) * D;
-                double dot = 0, mag = 0;
-                for (int d = 0; d < D; d++) dot += (double)qi[d] * kj[d], mag += fabs((double)qi[d] * kj[d]);
-                bool hidden = causal && j > i;
-                P[j] = hidden ? -INFINITY : dot * scale;
-                if (!hidden) amax = fmax(amax, mag * scale);
-                mx = fmax(mx, P[j]);
-            }
-            for (int j = 0; j < CHECK_T; j++) sum += P[j] = exp(P[j] - mx);
-            double delta = amax * (gamma(D + 4) + 8 * E), g2 = gamma(2 * CHECK_T + 8);
-            double rho = exp(4 * delta + 4 * eta) * (1 + u) * (1 + g2) * (1 + g2) - 1;
-            size_t row = (size_t)h * CHECK_T + i;
-            double lse = mx + log(sum), lam = delta + 2 * eta + g2 + 8 * E * (fabs(lse) + log2((double)CHECK_T) + 2);
-            double e = fabs((double)la[row] - lb[row]) / (2 * lam);
-            if (!(e <= worst)) worst = e, *at = -1 - (long)row;
-            for (int d = 0; d < D; d++) {
-                double o = 0, w = 0;
-                for (int j = 0; j < CHECK_T; j++) {
-                    double vj = v[((size_t)h * CHECK_T + j) * D + d];
-                    o += P[j] / sum * vj, w += P[j] / sum * fabs(vj);
-                }
-                size_t el = row * D + d;
-                double bound = 2 * (rho * w * (1 + u) + u * fabs(o)) + 2 * CHECK_T * FLT_MIN * w;
-                e = fabs((double)oa[el] - ob[el]) / bound;
-                if (!(e <= worst)) worst = e, *at = (long)el;
-            }
-        }
-    return worst;
-}
-
 static ds_kview check_view(void *data, ds_dtype dt, int ndim, const int64_t *shape, const int64_t *stride) {
     ds_kview x = {};
     x.data = data, x.dtype = dt, x.ndim = ndim;
@@ -223,18 +171,12 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
  * (and the line on stderr) when not, -1 when CUDA fails. */
 static int wgmma_agrees(ds_dtype dt, int D) {
     const double u = dt == DS_BF16 ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
-    std::vector<float> x((size_t)3 * CHECK_H * CHECK_T * D);
-    uint32_t r = 12345;
-    for (float &e : x) {      /* xorshift values in [-2.5, 2.5], exact in T */
-        r ^= r << 13, r ^= r >> 17, r ^= r << 5;
-        float f = (float)(r % 2001) / 400.f - 2.5f;
-        e = dt == DS_BF16 ? ds_bf16_to_f32(ds_f32_to_bf16(f)) : ds_f16_to_f32(ds_f32_to_f16(f));
-    }
+    std::vector<float> x = attn_check_inputs(dt, D);
     for (int causal = 0; causal < 2; causal++) {
         std::vector<float> out[2], lse[2];
         if (check_run(dt, D, causal, scale, x, out, lse)) return -1;
         long at = 0;
-        double worst = check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
+        double worst = attn_check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
         if (!(worst <= 1)) {
             fprintf(stderr,
                     "dslua: attention: the sm_90a wgmma forward (%s, head dim %d, causal %d) is off from the mma.sync "
