@@ -138,25 +138,29 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
     const size_t n = (size_t)CHECK_H * CHECK_T * D, rows = (size_t)CHECK_H * CHECK_T;
     std::vector<uint16_t> h(3 * n);
     for (size_t i = 0; i < 3 * n; i++) h[i] = dt == DS_BF16 ? ds_f32_to_bf16(x[i]) : ds_f32_to_f16(x[i]);
+    cudaStream_t st = ds_cuda_stream();
     unsigned char *buf;
     DS_CUDA_CHECK(cudaMalloc((void **)&buf, 5 * n * 2 + 2 * rows * 4));
-    int rc = ds_cuda_ok(cudaMemcpy(buf, h.data(), 3 * n * 2, cudaMemcpyHostToDevice), "attention check: cudaMemcpy");
-    int64_t shape[4] = { 1, CHECK_H, CHECK_T, D }, st[4] = { CHECK_H * CHECK_T * D, CHECK_T * D, D, 1 };
+    int rc = ds_cuda_ok(cudaMemcpyAsync(buf, h.data(), 3 * n * 2, cudaMemcpyHostToDevice, st),
+                        "attention check: cudaMemcpyAsync");
+    int64_t shape[4] = { 1, CHECK_H, CHECK_T, D }, strides[4] = { CHECK_H * CHECK_T * D, CHECK_T * D, D, 1 };
     int64_t lshape[3] = { 1, CHECK_H, CHECK_T }, lst[3] = { CHECK_H * CHECK_T, CHECK_T, 1 };
     ds_kview views[3];
-    for (int i = 0; i < 3; i++) views[i] = check_view(buf + i * n * 2, dt, 4, shape, st);
+    for (int i = 0; i < 3; i++) views[i] = check_view(buf + i * n * 2, dt, 4, shape, strides);
     for (int w = 0; w < 2 && rc == 0; w++) {
-        ds_kview o = check_view(buf + (3 + w) * n * 2, dt, 4, shape, st);
+        ds_kview o = check_view(buf + (3 + w) * n * 2, dt, 4, shape, strides);
         ds_kview l = check_view(buf + 5 * n * 2 + w * rows * 4, DS_F32, 3, lshape, lst);
         rc = w == 0 ? mma_forward(o, l, views[0], views[1], views[2], scale, causal)
                     : ds_cuda_attention_wgmma_forward(o, l, views[0], views[1], views[2], scale, causal);
     }
     std::vector<uint16_t> ob(2 * n);
     std::vector<float> lb(2 * rows);
-    if (rc == 0) rc = ds_cuda_ok(cudaMemcpy(ob.data(), buf + 3 * n * 2, 2 * n * 2, cudaMemcpyDeviceToHost),
-                                 "attention check: cudaMemcpy");
-    if (rc == 0) rc = ds_cuda_ok(cudaMemcpy(lb.data(), buf + 5 * n * 2, 2 * rows * 4, cudaMemcpyDeviceToHost),
-                                 "attention check: cudaMemcpy");
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(ob.data(), buf + 3 * n * 2, 2 * n * 2, cudaMemcpyDeviceToHost, st),
+                                 "attention check: cudaMemcpyAsync");
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(lb.data(), buf + 5 * n * 2, 2 * rows * 4, cudaMemcpyDeviceToHost, st),
+                                 "attention check: cudaMemcpyAsync");
+    int synced = ds_cuda_ok(cudaStreamSynchronize(st), "attention check: cudaStreamSynchronize");
+    if (rc == 0) rc = synced;
     cudaFree(buf);
     for (int w = 0; w < 2 && rc == 0; w++) {
         out[w].resize(n);
@@ -190,7 +194,8 @@ static int wgmma_agrees(ds_dtype dt, int D) {
 
 /* Why a variant runs where it runs, per wgmma_takes's answer. */
 static const char *const why_not[] = { "", "switched off", "not compute capability 9.0",
-                                       "too little shared memory", "off from mma.sync on its check" };
+                                       "too little shared memory", "off from mma.sync on its check",
+                                       "not checked yet: the stream is capturing a graph" };
 
 /* Whether the current device runs variant (dt, D) on the Hopper forward:
  * known per device (up to 64; past that, never) and variant; *why (an
@@ -210,6 +215,12 @@ static int wgmma_takes(ds_dtype dt, int D, int *why) {
             return -1;
         int w = major == 9 && minor == 0 ? 0 : 2;
         if (!w && ds_cuda_attention_wgmma_smem(D) > (size_t)smem_optin()) w = 3;
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        if (!w && ds_cuda_ok(cudaStreamIsCapturing(ds_cuda_stream(), &capturing), "attention")) return -1;
+        if (!w && capturing != cudaStreamCaptureStatusNone) {
+            *why = 5;     /* the check copies and waits: not inside a capture, and not known until it runs */
+            return 0;
+        }
         if (!w) {
             int agrees = wgmma_agrees(dt, D);
             if (agrees < 0) return -1;

@@ -41,9 +41,12 @@
 /* Bytes of a [rows][D] tile of 2-byte elements: D / 64 panels of rows x 128 bytes. */
 __host__ __device__ constexpr int wg_tile_bytes(int rows, int D) { return rows * D * 2; }
 
-/* Shared memory: Q, then K and V tiles twice: [buffer][K, V]. */
+/* Shared memory: Q, then K and V tiles twice: [buffer][K, V], from the
+ * first 1024-byte boundary (the 128B swizzle's pattern is 8 rows of 128
+ * bytes, xor-ed by address bits, so tiles must start on one; the 1 KiB
+ * more leaves room to find it whatever the dynamic base). */
 template <int D> __host__ __device__ constexpr size_t wg_forward_smem() {
-    return (size_t)wg_tile_bytes(WG_ROWS, D) + 4 * (size_t)wg_tile_bytes(WG_KEYS, D);
+    return (size_t)wg_tile_bytes(WG_ROWS, D) + 4 * (size_t)wg_tile_bytes(WG_KEYS, D) + 1024;
 }
 
 /* Starts copying rows t0.. (ROWS of them) of x[b, h] into the swizzled
@@ -107,7 +110,7 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
 #ifdef WG_CODE
     constexpr int QB = wg_tile_bytes(WG_ROWS, D), KB = wg_tile_bytes(WG_KEYS, D);
     extern __shared__ __align__(1024) unsigned char smem[];
-    unsigned char *qs = smem, *kv = smem + QB;      /* buffer i: K at kv + 2 i KB, V after it */
+    unsigned char *qs = smem + (-smem_addr(smem) & 1023), *kv = qs + QB;   /* buffer i: K at kv + 2 i KB, V after it */
     int wg = threadIdx.x / 128, l = threadIdx.x % 32;
     int64_t b, h, blk;
     block_task(g, (g.Tq + WG_ROWS - 1) / WG_ROWS, g.causal, &b, &h, &blk);
