@@ -139,8 +139,8 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
     std::vector<uint16_t> h(3 * n);
     for (size_t i = 0; i < 3 * n; i++) h[i] = dt == DS_BF16 ? ds_f32_to_bf16(x[i]) : ds_f32_to_f16(x[i]);
     cudaStream_t st = ds_cuda_stream();
-    unsigned char *buf;
-    DS_CUDA_CHECK(cudaMalloc((void **)&buf, 5 * n * 2 + 2 * rows * 4));
+    unsigned char *buf = (unsigned char *)ds_cuda_scratch(5 * n * 2 + 2 * rows * 4);
+    if (!buf) return -1;
     int rc = ds_cuda_ok(cudaMemcpyAsync(buf, h.data(), 3 * n * 2, cudaMemcpyHostToDevice, st),
                         "attention check: cudaMemcpyAsync");
     int64_t shape[4] = { 1, CHECK_H, CHECK_T, D }, strides[4] = { CHECK_H * CHECK_T * D, CHECK_T * D, D, 1 };
@@ -161,7 +161,7 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
                                  "attention check: cudaMemcpyAsync");
     int synced = ds_cuda_ok(cudaStreamSynchronize(st), "attention check: cudaStreamSynchronize");
     if (rc == 0) rc = synced;
-    cudaFree(buf);
+    ds_cuda_scratch_free(buf);
     for (int w = 0; w < 2 && rc == 0; w++) {
         out[w].resize(n);
         for (size_t i = 0; i < n; i++)
