@@ -115,7 +115,8 @@ template <typename T, int N> void product(int mode, bool a_regs, std::mt19937 &r
         int t = threadIdx.x, w = t / 32, g = t % 32 / 4, c = t % 4;
         float d[N / 8][4];
         for (int i = 0; i < N / 8; i++)
-            for (int e = 0; e < 4; e++) d[i][e] = C[(size_t)(16 * w + g + (e >= 2 ? 8 : 0)) * N + 8 * i + 2 * c + (e & 1)];
+            for (int e = 0; e < 4; e++)
+                d[i][e] = C[(size_t)(16 * w + g + (e >= 2 ? 8 : 0)) * N + 8 * i + 2 * c + (e & 1)];
         uint32_t a[KTOT / 16][4];
         for (int s = 0; s < KTOT / 16; s++)
             for (int i = 0; i < 4; i++) {

@@ -80,7 +80,8 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
             }
     double tol = bf ? 2e-2 : 4e-3;
     const char *name = bf ? "bf16" : "f16";
-    check(worst_o <= tol * max_o, "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: out off by %.3g of its largest %.3g",
+    check(worst_o <= tol * max_o,
+          "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: out off by %.3g of its largest %.3g",
           name, D, (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, worst_o / max_o, max_o);
     check(worst_l <= tol * max_l, "%s D=%d Tq=%lld Tk=%lld causal=%d: lse off by %.3g of its largest %.3g", name, D,
           (long long)s.Tq, (long long)s.Tk, s.causal, worst_l / max_l, max_l);

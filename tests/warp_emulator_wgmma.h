@@ -120,7 +120,8 @@ static uint32_t desc_elem(uint64_t desc, bool mn_major, int r, int k) {
     if (desc >> 49 & 7) fail("wgmma descriptor with a base offset (not modelled)");
     if (start >> 7 & (W - 1)) fail("swizzled wgmma operand not at its swizzle pattern's first row");
     uint32_t off, e = mn_major ? r % 8 : k % 8;
-    if (!mn_major) off = W == 1 ? (r % 8) * 16 + (r / 8) * sbo + (k / 8) * lbo : (r % 8) * W * 16 + (r / 8) * sbo + k / 8 * 16;
+    if (!mn_major && W == 1) off = (r % 8) * 16 + (r / 8) * sbo + (k / 8) * lbo;
+    else if (!mn_major) off = (r % 8) * W * 16 + (r / 8) * sbo + k / 8 * 16;
     else if (W == 1) off = (r / 8) * sbo + (k % 8) * 16 + (k / 8) * lbo;
     else off = (r / 8 % W) * 16 + (r / 8 / W) * lbo + (k % 8) * W * 16 + (k / 8) * sbo;
     uint32_t a = start + off + 2 * e;

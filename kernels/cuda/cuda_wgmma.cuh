@@ -78,10 +78,14 @@ __device__ __forceinline__ void wgmma_ss(float d[][4], uint64_t a, uint64_t b, i
     static_assert(N == 64 || N == 128, "wgmma: N is 64 or 128");
     constexpr bool bf = std::is_same<T, __nv_bfloat16>::value;
     float *c = &d[0][0];
-    if constexpr (N == 64 && bf) WG_MMA(64, "bf16", WG_D32, "%32", "33", "34", ", 0, 0", WG_ACC32(c) : "l"(a), "l"(b), "r"(scale_d));
-    else if constexpr (N == 64) WG_MMA(64, "f16", WG_D32, "%32", "33", "34", ", 0, 0", WG_ACC32(c) : "l"(a), "l"(b), "r"(scale_d));
-    else if constexpr (bf) WG_MMA(128, "bf16", WG_D64, "%64", "65", "66", ", 0, 0", WG_ACC64(c) : "l"(a), "l"(b), "r"(scale_d));
-    else WG_MMA(128, "f16", WG_D64, "%64", "65", "66", ", 0, 0", WG_ACC64(c) : "l"(a), "l"(b), "r"(scale_d));
+    if constexpr (N == 64 && bf)
+        WG_MMA(64, "bf16", WG_D32, "%32", "33", "34", ", 0, 0", WG_ACC32(c) : "l"(a), "l"(b), "r"(scale_d));
+    else if constexpr (N == 64)
+        WG_MMA(64, "f16", WG_D32, "%32", "33", "34", ", 0, 0", WG_ACC32(c) : "l"(a), "l"(b), "r"(scale_d));
+    else if constexpr (bf)
+        WG_MMA(128, "bf16", WG_D64, "%64", "65", "66", ", 0, 0", WG_ACC64(c) : "l"(a), "l"(b), "r"(scale_d));
+    else
+        WG_MMA(128, "f16", WG_D64, "%64", "65", "66", ", 0, 0", WG_ACC64(c) : "l"(a), "l"(b), "r"(scale_d));
 }
 
 /* The same with A from registers (a[4]) and B MN-major (its N
