@@ -8,7 +8,7 @@
  * so a K-major start address moves within a swizzled row. Also: the
  * accumulators are NaN until the wait that covers them and wait_group 1
  * leaves the newest group pending; and each misuse the emulator must catch
- * aborts (in a child process). */
+ * aborts (in a child process), named barriers' among them. */
 #include "warp_emulator.h"
 
 extern "C" {
@@ -260,6 +260,10 @@ void misuse() {
         wgmma_commit();
         smem[threadIdx.x] = 1;
         wgmma_wait<0>();
+    });
+    must_abort("named barriers with different thread counts", [&] {
+        if (threadIdx.x < 32) named_barrier_sync(1, 64);
+        else if (threadIdx.x < 64) named_barrier_arrive(1, 128);
     });
     must_abort("a warpgroup at different wgmma instructions", [&] {
         staged();

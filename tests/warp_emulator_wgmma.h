@@ -1,6 +1,7 @@
 /* The warpgroup half of tests/warp_emulator.h: kernels/cuda/cuda_wgmma.cuh's
  * interface (wgmma.mma_async m64nNk16 with bf16/f16 inputs and f32
- * accumulators, wgmma.fence, commit_group, wait_group, fence.proxy.async)
+ * accumulators, wgmma.fence, commit_group, wait_group, fence.proxy.async,
+ * named barriers)
  * on the CPU. Included by warp_emulator.h; the rest of the emulator is
  * there.
  *
@@ -21,7 +22,8 @@
  * (base offset 0), a base offset; shared memory an mma reads that changes,
  * or A registers that change, before the wait that covers the mma; an mma
  * reading cp.async data the copying thread has not passed a
- * fence.proxy.async for since it landed. */
+ * fence.proxy.async for since it landed. Named barriers (bar.sync and
+ * bar.arrive with an id and a thread count) are here too. */
 #ifndef WARP_EMULATOR_WGMMA_H
 #define WARP_EMULATOR_WGMMA_H
 
@@ -56,7 +58,13 @@ static std::vector<wgroup> WG;
 static std::vector<uint16_t> unfenced;
 static std::vector<std::vector<uint32_t>> unfenced_by;   /* per thread, its pieces */
 
+/* Named barriers 1..15 (bar.sync / bar.arrive with a thread count; 0 is
+ * __syncthreads'): arrivals so far, the count they were given, releases. */
+struct named_bar { unsigned arrived, count, gen; };
+static named_bar NB[16];
+
 static void wg_block_start() {
+    for (named_bar &b : NB) b = named_bar{ 0, 0, 0 };
     if (blockDim.x % 128 == 0) {
         WG.assign(blockDim.x / 128, wgroup{});
         for (wgroup &w : WG) w.arrived = 0, w.gen = 0, w.fenced = false, w.seq = 0;
@@ -146,6 +154,24 @@ static void desc_read(double x[][16], int rows, uint64_t desc, bool mn_major, bo
         memcpy(rd.bytes, smem + p * 16, 16);
         rec.smem.push_back(rd);
     }
+}
+
+/* bar.arrive (wait false) or bar.sync on barrier id for `count` threads:
+ * released when that many have arrived; all must name the same count. */
+static void named_barrier(int id, unsigned count, bool wait) {
+    if (id < 1 || id > 15 || count % 32 || count == 0 || count > blockDim.x)
+        fail("named barrier with a bad id or thread count");
+    named_bar &b = NB[id];
+    if (b.arrived == 0) b.count = count;
+    else if (b.count != count) fail("threads at one named barrier with different thread counts");
+    unsigned gen = b.gen;
+    S.progress++;
+    if (++b.arrived == count) {
+        b.arrived = 0;
+        b.gen++;
+        return;
+    }
+    while (wait && b.gen == gen) yield();
 }
 
 struct wg_mma_arg { float *d; const uint32_t *a; uint64_t adesc, bdesc; int scale_d; };
@@ -257,6 +283,8 @@ static inline void wgmma_fence() { emu::wg_fence(); }
 static inline void wgmma_commit() { emu::wg_commit(); }
 template <int PENDING> static inline void wgmma_wait() { emu::wg_wait(PENDING); }
 static inline void fence_proxy_async() { emu::proxy_fence(); }
+static inline void named_barrier_sync(int id, int threads) { emu::named_barrier(id, (unsigned)threads, true); }
+static inline void named_barrier_arrive(int id, int threads) { emu::named_barrier(id, (unsigned)threads, false); }
 static inline void wgmma_pin(float *, int) {}        /* registers are memory here */
 static inline void wgmma_pin(uint32_t *, int) {}
 

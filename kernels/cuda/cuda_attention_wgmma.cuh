@@ -9,7 +9,10 @@
  * flight: tile j issues S(j) and P(j-1) V(j-1), waits for S(j) only,
  * computes its softmax, then waits for the rest and rescales O to tile j's
  * max (no register of a pending wgmma is touched, so ptxas keeps them
- * asynchronous).
+ * asynchronous). The two warpgroups take turns to issue their GEMMs (two
+ * named barriers, FA3's ping-pong): warpgroup 1's wait behind warpgroup
+ * 0's on the tensor cores, so one's softmax runs while the other's GEMMs
+ * do.
  * Tiles live in shared memory as 128-byte-swizzled panels of 64 columns
  * (row r's 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte row: the
  * layout the SW128 descriptors read, free of bank conflicts), staged by
@@ -37,6 +40,7 @@
 #define WG_THREADS (WG_GROUPS * 128)
 #define WG_ROWS (WG_GROUPS * 64)           /* query rows per block */
 #define WG_KEYS 128                        /* keys per tile */
+#define WG_TURN 1                          /* named barriers WG_TURN + w: warpgroup w's turn to issue */
 
 /* Bytes of a [rows][D] tile of 2-byte elements: D / 64 panels of rows x 128 bytes. */
 __host__ __device__ constexpr int wg_tile_bytes(int rows, int D) { return rows * D * 2; }
@@ -95,6 +99,15 @@ __device__ __forceinline__ void wg_probs_v(float o[D / 8][4], const uint32_t p[W
     wgmma_commit();
 }
 
+/* Waits for warpgroup w's turn (sync), or hands it the turn (arrive):
+ * named barrier WG_TURN + w, the 128 threads that wait and the 128 that
+ * hand over (warpgroup 1's last hand-over is left unanswered when the
+ * block ends). */
+__device__ __forceinline__ void wg_turn(int w, bool sync) {
+    if (w == 0) sync ? named_barrier_sync(WG_TURN, WG_THREADS) : named_barrier_arrive(WG_TURN, WG_THREADS);
+    else sync ? named_barrier_sync(WG_TURN + 1, WG_THREADS) : named_barrier_arrive(WG_TURN + 1, WG_THREADS);
+}
+
 /* After a wait: no access to s, o or p moves above it. */
 template <int D>
 __device__ __forceinline__ void wg_pin_all(float s[WG_KEYS / 8][4], float o[D / 8][4], uint32_t p[WG_KEYS / 16][4]) {
@@ -121,6 +134,7 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
     wg_load_tile<T, D, WG_ROWS>(qs, q, b, h, i0, g.Tq);
     wg_load_tile<T, D, WG_KEYS>(kv, k, b, h, 0, g.Tk);
     cp_async_commit();
+    if (wg == 1) wg_turn(0, false);      /* warpgroup 0 issues first */
     for (int64_t j = 0; j < tiles; j++) {
         int64_t j0 = j * WG_KEYS;
         cp_async_wait(0);                 /* K(j) and V(j-1) */
@@ -129,11 +143,14 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
         if (j + 1 < tiles) wg_load_tile<T, D, WG_KEYS>(kv + (j + 1) % 2 * 2 * KB, k, b, h, j0 + WG_KEYS, g.Tk);
         wg_load_tile<T, D, WG_KEYS>(kv + j % 2 * 2 * KB + KB, v, b, h, j0, g.Tk);
         cp_async_commit();
+        wg_turn(wg, true);                /* this warpgroup's turn to issue */
         wg_scores<T, D>(s, qs + wg * 64 * 128, kv + j % 2 * 2 * KB);
         if (j > 0) {
             wg_probs_v<T, D>(o, p, kv + (j + 1) % 2 * 2 * KB + KB);
+            wg_turn(wg ^ 1, false);       /* the other's */
             wgmma_wait<1>();              /* S(j) */
         } else {
+            wg_turn(wg ^ 1, false);
             wgmma_wait<0>();
         }
         wg_pin_all<D>(s, o, p);

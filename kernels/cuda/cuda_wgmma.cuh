@@ -1,8 +1,8 @@
 /* The warpgroup-level PTX of the Hopper attention kernel
  * (cuda_attention_wgmma.cuh): wgmma.mma_async m64nNk16 with f32
- * accumulators and bf16/f16 inputs, its fence, commit and wait, and
- * fence.proxy.async. Only sm_90a has these (DS_WGMMA_ARCH); elsewhere this
- * header declares nothing. tests/warp_emulator_wgmma.h stands in for it on
+ * accumulators and bf16/f16 inputs, its fence, commit and wait,
+ * fence.proxy.async, and named barriers. Only sm_90a has these
+ * (DS_WGMMA_ARCH); elsewhere this header declares nothing. tests/warp_emulator_wgmma.h stands in for it on
  * the CPU, as warp_emulator.h does for cuda_warp.cuh.
  *
  * Accumulators d[N/8][4]: thread l of warp w of the warpgroup (g = l/4,
@@ -31,6 +31,16 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
  * undefined until then. */
 template <int PENDING> __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(PENDING) : "memory");
+}
+
+/* Named barrier id (1..15; 0 is __syncthreads') for `threads` threads:
+ * sync waits until that many have arrived, arrive counts this warp and
+ * goes on. Two warpgroups take turns with them. */
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 /* Pins n registers in place around wgmma's issue and wait: the compiler
