@@ -6,7 +6,6 @@
 #include "cuda_attention_mma.h"
 #include "cuda_attention_mma.cuh"
 
-#include <float.h>
 #include <stdio.h>
 
 #include <vector>
