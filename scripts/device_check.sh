@@ -5,7 +5,8 @@
 #   2. three lanes side by side on the GPU: the C test with a GPU case
 #      (build/test_zero: ZeRO-Offload's pipeline on the copy stream), then
 #      the GPU suite (fp8, ZeRO and GPT-2; every op against the CPU, TF32
-#      attention among them; the rest; every example); the staged path's
+#      attention among them, and on compute capability 9.0 the wgmma
+#      attention against mma.sync; the rest; every example); the staged path's
 #      primitives with device tensors, then each multi-rank spec with
 #      device ranks over MPI; each over NCCL's backend with the NCCL test
 #      double (spec/gpu/multirank_spec.lua);

@@ -14,6 +14,9 @@
  * the wait that covers it, so reading a tile before its wait, or
  * overwriting one another warp still reads, shows up in the results.
  *
+ * The warpgroup MMA (wgmma) of kernels/cuda/cuda_wgmma.cuh is in
+ * warp_emulator_wgmma.h, included from here.
+ *
  * Include it first, in one translation unit, then the kernels' header. */
 #ifndef WARP_EMULATOR_H
 #define WARP_EMULATOR_H
@@ -207,6 +210,8 @@ static void resume(unsigned t) {
 #endif
 }
 
+static void wg_block_start();   /* warp_emulator_wgmma.h */
+
 /* Runs body as a grid of `blocks` blocks of `threads` threads with
  * smem_bytes of dynamic shared memory; aborts on what the checks find. */
 static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t smem_bytes,
@@ -230,6 +235,7 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
         ASAN_POISON_MEMORY_REGION(smem + smem_bytes, EMU_SMEM_MAX - smem_bytes);
 #endif
         memset(smem, 0xff, smem_bytes);
+        wg_block_start();
         S.live = threads;
         S.bar_arrived = 0;
         for (warp &w : S.warps) w = warp{ 0, 0, 32, 0, {} };
@@ -394,6 +400,8 @@ static void copy_issue(void *dst, const void *src, int bytes, bool real) {
 
 } /* namespace emu */
 
+#include "warp_emulator_wgmma.h"
+
 /* ---- cuda_warp.cuh's interface ---- */
 
 static inline uint32_t smem_addr(const void *p) { return (uint32_t)((const unsigned char *)p - smem); }
@@ -440,6 +448,7 @@ static inline void cp_async_wait(int pending) {
         for (const emu::copy &c : me.groups.front()) {
             if (c.real) memcpy(c.dst, c.src, c.bytes);
             else memset(c.dst, 0, c.bytes);
+            emu::generic_landed(c.dst, c.bytes);
         }
         me.groups.erase(me.groups.begin());
     }

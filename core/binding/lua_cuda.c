@@ -1,6 +1,6 @@
 /* Devices from Lua: t:cuda(), t:cpu(), t:is_cuda(), ds.device() (this
  * rank's device) and ds.cuda.* (availability, synchronisation, the caching
- * allocator, TF32). The same in a CPU-only build, where there are no GPUs. */
+ * allocator, TF32, the attention kernel). The same in a CPU-only build, where there are no GPUs. */
 #include "lua_tensor.h"
 #include "ds_cuda.h"
 #include "ds_rank_device.h"
@@ -137,6 +137,32 @@ static int l_allow_tf32(lua_State *L) {
     return 1;
 }
 
+/* ds.cuda.allow_wgmma([on]): sets (with a boolean) and returns whether bf16
+ * and f16 attention forwards may run on Hopper's wgmma kernel. */
+static int l_allow_wgmma(lua_State *L) {
+    int on = -1;
+    if (!lua_isnoneornil(L, 1)) {
+        luaL_checktype(L, 1, LUA_TBOOLEAN);
+        on = lua_toboolean(L, 1);
+    }
+    lua_pushboolean(L, ds_cuda_allow_wgmma(on));
+    return 1;
+}
+
+/* ds.cuda.attention_kernel(dtype, head_dim): 'wgmma' or 'mma.sync', the
+ * kernel such an attention forward runs on this rank's GPU, and for
+ * mma.sync why not wgmma. */
+static int l_attention_kernel(lua_State *L) {
+    ds_dtype dt = dsL_checkdtype(L, 1, DS_BF16);
+    const char *why = "";
+    const char *k = ds_cuda_attention_kernel(dt, (int)luaL_checkinteger(L, 2), &why);
+    if (!k) return dsL_error(L);
+    lua_pushstring(L, k);
+    if (!*why) return 1;
+    lua_pushstring(L, why);
+    return 2;
+}
+
 static const luaL_Reg tensor_methods[] = {
     {"cuda", l_cuda}, {"cpu", l_cpu}, {"is_cuda", l_is_cuda}, {NULL, NULL}
 };
@@ -145,7 +171,7 @@ static const luaL_Reg cuda_functions[] = {
     {"is_built", l_is_built}, {"is_available", l_is_available}, {"device_count", l_device_count},
     {"unavailable_reason", l_unavailable_reason}, {"synchronize", l_synchronize},
     {"memory_info", l_memory_info}, {"reset_peak", l_reset_peak}, {"empty_cache", l_empty_cache}, {"allow_tf32", l_allow_tf32},
-    {"shared", l_shared}, {NULL, NULL}
+    {"shared", l_shared}, {"allow_wgmma", l_allow_wgmma}, {"attention_kernel", l_attention_kernel}, {NULL, NULL}
 };
 
 void dsL_open_cuda(lua_State *L) {

@@ -3,6 +3,8 @@
 #include "ds_cuda_impl.h"
 #include "ds_error.h"
 #include "ds_fault.h"
+#include "ds_tensor.h"
+#include "cuda/cuda_attention_choice.h"
 #include "cuda/cuda_blas.h"
 
 #include <cublasLt.h>
@@ -165,6 +167,18 @@ int ds_cuda_allow_tf32(bool conv, int on) {
     ds_tf32_use use = conv ? DS_TF32_CONV : DS_TF32_MATMUL;
     if (on >= 0) ds_cuda_set_tf32(use, on);
     return ds_cuda_tf32(use);
+}
+
+int ds_cuda_allow_wgmma(int on) { return ds_cuda_attention_set_wgmma(on); }
+
+const char *ds_cuda_attention_kernel(ds_dtype dt, int D, const char **why) {
+    if ((dt != DS_BF16 && dt != DS_F16) || (D != 64 && D != 128))
+        return ds_fail(DS_ERR_ARG, "attention_kernel: bf16 and f16 at head dim 64 or 128 run on tensor cores, not %s "
+                       "at head dim %d", ds_dtype_name(dt), D), NULL;
+    if (ds_cuda_check_device("attention_kernel", 0)) return NULL;
+    const char *k = ds_cuda_attention_forward_kernel(dt, D, why);
+    if (!k) ds_fail(DS_ERR_STATE, "attention_kernel: %s", ds_kernel_error());
+    return k;
 }
 
 static void print_version(FILE *f, const char *what, int v, int major_div, int minor_div) {

@@ -71,6 +71,18 @@ int ds_cuda_allow_tf32(bool conv, int on) {
     return tf32[conv];
 }
 
+int ds_cuda_allow_wgmma(int on) {
+    static int wgmma = 1;
+    if (on >= 0) wgmma = on != 0;
+    return wgmma;
+}
+
+const char *ds_cuda_attention_kernel(ds_dtype dt, int D, const char **why) {
+    (void)dt, (void)D, (void)why;
+    ds_cuda_check_device("attention_kernel", 0);
+    return NULL;
+}
+
 void ds_cuda_report(FILE *f) {
     fprintf(f, "CUDA: not built (configure with -DDSLUA_CUDA=ON where nvcc is installed)\n");
 }

@@ -1,8 +1,14 @@
 /* The host side of attention on tensor cores (cuda_attention_mma.cuh):
  * which calls qualify, launch sizes, and the launches. */
 #include "cuda_common.cuh"
+#include "cuda_attention_check.h"
+#include "cuda_attention_choice.h"
 #include "cuda_attention_mma.h"
 #include "cuda_attention_mma.cuh"
+
+#include <stdio.h>
+
+#include <vector>
 
 static bool view_fits(const ds_kview &x) {
     int64_t es = (int64_t)ds_dtype_size(x.dtype);
@@ -44,26 +50,11 @@ bool ds_cuda_attention_mma_fits(const ds_kview *views, int n) {
     return fits;
 }
 
-/* Dynamic shared memory past 48 KB needs the kernel's consent, asked once
- * per device (the bits of *asked), not at every launch. */
-template <typename K> static int allow_smem(K kernel, size_t bytes, uint64_t *asked) {
-    if (bytes <= 48 * 1024) return 0;
-    int dev;
-    if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
-    uint64_t bit = dev < 64 ? 1ull << dev : 0;      /* past 64 devices: asked at every launch */
-    if (*asked & bit) return 0;
-    if (ds_cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
-                   "attention: cudaFuncSetAttribute"))
-        return -1;
-    *asked |= bit;
-    return 0;
-}
-
 template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
     static uint64_t asked;
     size_t sm = mma_forward_smem<T>(D);
-    if (allow_smem(mma_forward_kernel<T, D>, sm, &asked)) return -1;
+    if (ds_cuda_allow_smem(mma_forward_kernel<T, D>, sm, &asked)) return -1;
     mma_forward_kernel<T, D><<<mma_query_blocks(g), MMA_THREADS, sm, ds_cuda_stream()>>>(out, lse, q, k, v, g);
     return ds_cuda_launched("attention mma_forward_kernel");
 }
@@ -79,12 +70,12 @@ static int backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds
     rc = ds_cuda_launched("attention mma_stats_kernel");
     static uint64_t asked_dq, asked_dkdv;
     size_t sq = mma_dq_smem<T>(D), skv = mma_dkdv_smem<T>(D);
-    if (rc == 0) rc = allow_smem(mma_dq_kernel<T, D>, sq, &asked_dq);
+    if (rc == 0) rc = ds_cuda_allow_smem(mma_dq_kernel<T, D>, sq, &asked_dq);
     if (rc == 0) {
         mma_dq_kernel<T, D><<<mma_dq_blocks<T>(g, D), MMA_THREADS, sq, st>>>(dq, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dq_kernel");
     }
-    if (rc == 0) rc = allow_smem(mma_dkdv_kernel<T, D>, skv, &asked_dkdv);
+    if (rc == 0) rc = ds_cuda_allow_smem(mma_dkdv_kernel<T, D>, skv, &asked_dkdv);
     if (rc == 0) {
         mma_dkdv_kernel<T, D><<<mma_dkdv_blocks(g, D), MMA_THREADS, skv, st>>>(dk, dv, dout, q, k, v, stats, g);
         rc = ds_cuda_launched("attention mma_dkdv_kernel");
@@ -109,11 +100,163 @@ static int backward_of(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_
                 : backward_run<tf32x3, D>(dq, dk, dv, dout, q, k, v, out, lse, g);
 }
 
-int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
-                                  int causal, bool tf32) {
+/* The mma.sync forward; f32 in TF32 where tf32, else in 3xTF32. */
+static int mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale, int causal,
+                       bool tf32) {
     mma_geom g = mma_geom_of(q, k, scale, causal);
     return q.shape[3] == 64 ? forward_of<64>(out, lse, q, k, v, g, tf32)
                             : forward_of<128>(out, lse, q, k, v, g, tf32);
+}
+
+/* ---- the Hopper forward, trusted once it agrees ----
+ * Its PTX is checked on the CPU by an emulator whose reading of the ISA
+ * could be wrong in ways only hardware shows. So the first call per device
+ * and variant (bf16 or f16, head dim 64 or 128) runs it beside the
+ * mma.sync kernel on a small problem (2 heads of 200 queries and keys:
+ * two key tiles, one partial; causal and not) and compares every output
+ * and lse with the bound the two kernels' roundings and orders of
+ * summation allow; past it, one line on stderr names the variant and the
+ * element, and the variant stays on mma.sync for the process. */
+
+static int wgmma_on = 1;
+
+int ds_cuda_attention_set_wgmma(int on) {
+    if (on >= 0) wgmma_on = on != 0;
+    return wgmma_on;
+}
+
+#ifdef DS_CUDA_WGMMA
+static ds_kview check_view(void *data, ds_dtype dt, int ndim, const int64_t *shape, const int64_t *stride) {
+    ds_kview x = {};
+    x.data = data, x.dtype = dt, x.ndim = ndim;
+    for (int d = 0; d < ndim; d++) x.shape[d] = shape[d], x.stride[d] = stride[d];
+    return x;
+}
+
+/* Both forwards on the check problem in dtype dt (its values in x, as
+ * floats: q, k, v of [1, CHECK_H, CHECK_T, D]), their outputs and lse
+ * back on the host. */
+static int check_run(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x,
+                     std::vector<float> out[2], std::vector<float> lse[2]) {
+    const size_t n = (size_t)CHECK_H * CHECK_T * D, rows = (size_t)CHECK_H * CHECK_T;
+    std::vector<uint16_t> h(3 * n);
+    for (size_t i = 0; i < 3 * n; i++) h[i] = dt == DS_BF16 ? ds_f32_to_bf16(x[i]) : ds_f32_to_f16(x[i]);
+    cudaStream_t st = ds_cuda_stream();
+    unsigned char *buf = (unsigned char *)ds_cuda_scratch(5 * n * 2 + 2 * rows * 4);
+    if (!buf) return -1;
+    int rc = ds_cuda_ok(cudaMemcpyAsync(buf, h.data(), 3 * n * 2, cudaMemcpyHostToDevice, st),
+                        "attention check: cudaMemcpyAsync");
+    int64_t shape[4] = { 1, CHECK_H, CHECK_T, D }, strides[4] = { CHECK_H * CHECK_T * D, CHECK_T * D, D, 1 };
+    int64_t lshape[3] = { 1, CHECK_H, CHECK_T }, lst[3] = { CHECK_H * CHECK_T, CHECK_T, 1 };
+    ds_kview views[3];
+    for (int i = 0; i < 3; i++) views[i] = check_view(buf + i * n * 2, dt, 4, shape, strides);
+    for (int w = 0; w < 2 && rc == 0; w++) {
+        ds_kview o = check_view(buf + (3 + w) * n * 2, dt, 4, shape, strides);
+        ds_kview l = check_view(buf + 5 * n * 2 + w * rows * 4, DS_F32, 3, lshape, lst);
+        rc = w == 0 ? mma_forward(o, l, views[0], views[1], views[2], scale, causal, false)
+                    : ds_cuda_attention_wgmma_forward(o, l, views[0], views[1], views[2], scale, causal);
+    }
+    std::vector<uint16_t> ob(2 * n);
+    std::vector<float> lb(2 * rows);
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(ob.data(), buf + 3 * n * 2, 2 * n * 2, cudaMemcpyDeviceToHost, st),
+                                 "attention check: cudaMemcpyAsync");
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(lb.data(), buf + 5 * n * 2, 2 * rows * 4, cudaMemcpyDeviceToHost, st),
+                                 "attention check: cudaMemcpyAsync");
+    int synced = ds_cuda_ok(cudaStreamSynchronize(st), "attention check: cudaStreamSynchronize");
+    if (rc == 0) rc = synced;
+    ds_cuda_scratch_free(buf);
+    for (int w = 0; w < 2 && rc == 0; w++) {
+        out[w].resize(n);
+        for (size_t i = 0; i < n; i++)
+            out[w][i] = dt == DS_BF16 ? ds_bf16_to_f32(ob[w * n + i]) : ds_f16_to_f32(ob[w * n + i]);
+        lse[w].assign(lb.begin() + w * rows, lb.begin() + (w + 1) * rows);
+    }
+    return rc;
+}
+
+/* 1 when the Hopper forward agrees with mma.sync on variant (dt, D), 0
+ * (and the line on stderr) when not, -1 when CUDA fails. */
+static int wgmma_agrees(ds_dtype dt, int D) {
+    const double u = dt == DS_BF16 ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
+    std::vector<float> x = attn_check_inputs(dt, D);
+    for (int causal = 0; causal < 2; causal++) {
+        std::vector<float> out[2], lse[2];
+        if (check_run(dt, D, causal, scale, x, out, lse)) return -1;
+        long at = 0;
+        double worst = attn_check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
+        if (!(worst <= 1)) {
+            fprintf(stderr,
+                    "dslua: attention: the sm_90a wgmma forward (%s, head dim %d, causal %d) is off from the mma.sync "
+                    "kernel by %.3g times the bound on %s %ld of its check; attention stays on mma.sync\n",
+                    dt == DS_BF16 ? "bf16" : "f16", D, causal, worst, at < 0 ? "lse" : "out", at < 0 ? -1 - at : at);
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Why a variant runs where it runs, per wgmma_takes's answer. */
+static const char *const why_not[] = { "", "switched off", "not compute capability 9.0",
+                                       "too little shared memory", "off from mma.sync on its check",
+                                       "not checked yet: the stream is capturing a graph" };
+
+/* Whether the current device runs variant (dt, D) on the Hopper forward:
+ * known per device (up to 64; past that, never) and variant; *why (an
+ * index of why_not) says why not. -1 when CUDA fails. */
+static int wgmma_takes(ds_dtype dt, int D, int *why) {
+    static signed char known[64][4];      /* 0 not yet, else 1 + why_not's index */
+    int dev, major = 0, minor = 0;
+    *why = 1;
+    if (!wgmma_on || (dt != DS_BF16 && dt != DS_F16)) return 0;
+    if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
+    *why = 2;
+    if (dev >= 64) return 0;
+    signed char &k = known[dev][(dt == DS_F16) * 2 + (D == 128)];
+    if (k == 0) {
+        if (ds_cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "attention") ||
+            ds_cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attention"))
+            return -1;
+        int w = major == 9 && minor == 0 ? 0 : 2;
+        if (!w && ds_cuda_attention_wgmma_smem(D) > (size_t)smem_optin()) w = 3;
+        cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+        if (!w && ds_cuda_ok(cudaStreamIsCapturing(ds_cuda_stream(), &capturing), "attention")) return -1;
+        if (!w && capturing != cudaStreamCaptureStatusNone) {
+            *why = 5;     /* the check copies and waits: not inside a capture, and not known until it runs */
+            return 0;
+        }
+        if (!w) {
+            int agrees = wgmma_agrees(dt, D);
+            if (agrees < 0) return -1;
+            if (!agrees) w = 4;
+        }
+        k = (signed char)(1 + w);
+    }
+    *why = k - 1;
+    return k == 1;
+}
+#else
+static const char *const why_not[] = { "", "switched off", "built without an sm_90a target" };
+
+static int wgmma_takes(ds_dtype, int, int *why) {
+    *why = wgmma_on ? 2 : 1;
+    return 0;
+}
+#endif
+
+const char *ds_cuda_attention_forward_kernel(ds_dtype dt, int D, const char **why) {
+    int w, r = wgmma_takes(dt, D, &w);
+    *why = why_not[w];
+    return r < 0 ? NULL : r ? "wgmma" : "mma.sync";
+}
+
+int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
+                                  int causal, bool tf32) {
+    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], &why);
+    if (w < 0) return -1;
+#ifdef DS_CUDA_WGMMA
+    if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal);
+#endif
+    return mma_forward(out, lse, q, k, v, scale, causal, tf32);
 }
 
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,

@@ -352,17 +352,17 @@ __device__ __forceinline__ void scale_scores(float s[KT / 8][4], int64_t r0, int
 
 /* One step of the online softmax for a fragment's rows r and r + 8 (mx:
  * their running max in base 2, sum: this thread's partial sums): s, the
- * scaled scores of a tile of KT keys, becomes exp2(s - max) and acc is
- * rescaled to the new max. */
-template <int D, int KT>
-__device__ __forceinline__ void online_softmax(float s[KT / 8][4], float acc[D / 8][4], float mx[2], float sum[2]) {
+ * scaled scores of a tile of KT keys, becomes exp2(s - max), and scale
+ * the factor that takes the row's earlier sums to the new max. */
+template <int KT>
+__device__ __forceinline__ void softmax_tile(float s[KT / 8][4], float mx[2], float sum[2], float scale[2]) {
     float bm[2] = { -INFINITY, -INFINITY };
 #pragma unroll
     for (int n = 0; n < KT / 8; n++) {
         bm[0] = fmaxf(bm[0], fmaxf(s[n][0], s[n][1]));
         bm[1] = fmaxf(bm[1], fmaxf(s[n][2], s[n][3]));
     }
-    float base[2], scale[2];
+    float base[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
         float nm = fmaxf(mx[r], quad_max(bm[r]));
@@ -381,11 +381,23 @@ __device__ __forceinline__ void online_softmax(float s[KT / 8][4], float acc[D /
         sum[0] += s[n][0] + s[n][1];
         sum[1] += s[n][2] + s[n][3];
     }
+}
+
+/* acc's rows r and r + 8 times scale[0] and scale[1]. */
+template <int D> __device__ __forceinline__ void rescale_rows(float acc[D / 8][4], const float scale[2]) {
 #pragma unroll
     for (int n = 0; n < D / 8; n++) {
         acc[n][0] *= scale[0]; acc[n][1] *= scale[0];
         acc[n][2] *= scale[1]; acc[n][3] *= scale[1];
     }
+}
+
+/* softmax_tile, with acc rescaled to the new max at once. */
+template <int D, int KT>
+__device__ __forceinline__ void online_softmax(float s[KT / 8][4], float acc[D / 8][4], float mx[2], float sum[2]) {
+    float scale[2];
+    softmax_tile<KT>(s, mx, sum, scale);
+    rescale_rows<D>(acc, scale);
 }
 
 /* Query rows a warp owns in the forward and dQ kernels, in 16-row

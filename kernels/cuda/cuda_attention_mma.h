@@ -19,4 +19,12 @@ int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, bool tf32);
 
+/* The forward on Hopper's wgmma (cuda_attention_wgmma.cu), built where
+ * DS_CUDA_WGMMA is defined (an sm_90a target): bf16 and f16 calls that
+ * fit, on a device of compute capability 9.0 with `smem` bytes of shared
+ * memory for a block. ds_cuda_attention_mma_forward calls it. */
+size_t ds_cuda_attention_wgmma_smem(int D);
+int ds_cuda_attention_wgmma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
+                                    int causal);
+
 #endif

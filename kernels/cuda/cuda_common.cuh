@@ -31,6 +31,21 @@ static inline int ds_cuda_launched(const char *kernel) {
     if (e == cudaSuccess) return 0;
     return ds_kernel_fail("%s launch: %s", kernel, cudaGetErrorString(e));
 }
+
+/* Dynamic shared memory past 48 KB needs the kernel's consent, asked once
+ * per device (the bits of *asked), not at every launch. */
+template <typename K> static int ds_cuda_allow_smem(K kernel, size_t bytes, uint64_t *asked) {
+    if (bytes <= 48 * 1024) return 0;
+    int dev;
+    if (ds_cuda_ok(cudaGetDevice(&dev), "cudaGetDevice")) return -1;
+    uint64_t bit = dev < 64 ? 1ull << dev : 0;      /* past 64 devices: asked at every launch */
+    if (*asked & bit) return 0;
+    if (ds_cuda_ok(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes),
+                   "cudaFuncSetAttribute"))
+        return -1;
+    *asked |= bit;
+    return 0;
+}
 #endif
 
 #define DS_CUDA_THREADS 256

@@ -695,6 +695,57 @@ describe('attention on the GPU #gpu', function()
   end
 end)
 
+-- On a device of compute capability 9.0 bf16 and f16 attention forwards
+-- at head dims 64 and 128 run the wgmma kernel (the cases above compare it
+-- with the CPU); here it is held against the mma.sync kernel it replaces:
+-- outputs, and the gradients the mma.sync backward takes from each one's
+-- out and lse, within twice the 16-bit tolerance (each kernel is within
+-- one of exact attention).
+describe('attention on Hopper wgmma against mma.sync #gpu', function()
+  if skip or ON_CPU then pending('skipped: no CUDA device') return end
+  local kernel, why = ds.cuda.attention_kernel('bf16', 64)
+  if kernel ~= 'wgmma' and why ~= 'off from mma.sync on its check' then
+    pending('skipped: attention runs mma.sync here (' .. why .. ')')
+    return
+  end
+
+  after_each(function() ds.cuda.allow_wgmma(true) end)
+
+  it('passes its first-call check against mma.sync in every variant', function()
+    for _, dt in ipairs { 'bf16', 'f16' } do
+      for _, D in ipairs { 64, 128 } do
+        local k, w = ds.cuda.attention_kernel(dt, D)
+        assert.are.equal('wgmma', k, dt .. ' head dim ' .. D .. ': ' .. tostring(w))
+      end
+    end
+  end)
+
+  for _, c in ipairs { { 1, 2, 300, 300, true }, { 1, 2, 300, 300, false }, { 2, 1, 70, 290, false },
+                       { 1, 2, 290, 70, true }, { 1, 1, 1, 1, true } } do
+    for _, dt in ipairs { 'bf16', 'f16' } do
+      for _, D in ipairs { 64, 128 } do
+        local B, Hn, Tq, Tk, causal = unpack(c)
+        it(string.format('%s head dim %d, %dx%d queries x %d keys, causal %s', dt, D, B * Hn, Tq, Tk,
+                         tostring(causal)), function()
+          local q, k, v = randn(dt, B, Hn, Tq, D):cuda(), randn(dt, B, Hn, Tk, D):cuda(), randn(dt, B, Hn, Tk, D):cuda()
+          local g = randn(dt, B, Hn, Tq, D):cuda()
+          local function run(wgmma)
+            ds.cuda.allow_wgmma(wgmma)
+            assert.are.equal(wgmma and 'wgmma' or 'mma.sync', (ds.cuda.attention_kernel(dt, D)))
+            local qs, ks, vs = q:clone():requires_grad_(), k:clone():requires_grad_(), v:clone():requires_grad_()
+            local out = ds.scaled_dot_product_attention(qs, ks, vs, { causal = causal })
+            out:backward(g)
+            return { out:cpu(), qs.grad:cpu(), ks.grad:cpu(), vs.grad:cpu() }
+          end
+          local w, m = run(true), run(false)
+          local tol = { rtol = 2 * TOL[dt].rtol, atol = 2 * TOL[dt].atol }
+          for i, name in ipairs { 'out', 'dq', 'dk', 'dv' } do H.assert_close(w[i], m[i], tol, name) end
+        end)
+      end
+    end
+  end
+end)
+
 describe('optimizer steps on the GPU #gpu', function()
   if skip then pending('skipped: no CUDA device') return end
 

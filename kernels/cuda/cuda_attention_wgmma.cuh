@@ -1,0 +1,185 @@
+/* Attention forward on Hopper's warpgroup MMA (sm_90a), bf16 and f16, head
+ * dims 64 and 128, FlashAttention-3's design: a block of two warpgroups
+ * owns 128 query rows, 64 per warpgroup (wgmma's M), and walks 128-key
+ * tiles of K and V. S = Q K^T is wgmma m64n128k16 with Q and K in shared
+ * memory (both K-major); O += P V is wgmma m64nDk16 with P from registers
+ * (S's accumulators are P's A fragments once packed) and V in shared
+ * memory read MN-major through the descriptor (no transpose anywhere).
+ * Within a warpgroup the softmax of tile j runs while P(j-1) V(j-1) is in
+ * flight: tile j issues S(j) and P(j-1) V(j-1), waits for S(j) only,
+ * computes its softmax, then waits for the rest and rescales O to tile j's
+ * max (no register of a pending wgmma is touched, so ptxas keeps them
+ * asynchronous). The two warpgroups take turns to issue their GEMMs (two
+ * named barriers, FA3's ping-pong): warpgroup 1's wait behind warpgroup
+ * 0's on the tensor cores, so one's softmax runs while the other's GEMMs
+ * do.
+ * Tiles live in shared memory as 128-byte-swizzled panels of 64 columns
+ * (row r's 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte row: the
+ * layout the SW128 descriptors read, free of bank conflicts), staged by
+ * cp.async one tile ahead: K(j+1) and V(j) stream in while tile j computes.
+ * The online softmax, masking and stores are cuda_attention_mma.cuh's, in
+ * its fragment layout (wgmma's accumulator is mma.sync's C per warp).
+ * Out and lse as mma_forward_kernel writes them. The only PTX is
+ * cuda_warp.cuh's and cuda_wgmma.cuh's, so tests/test_wgmma_attention.cc
+ * runs this file on the CPU through tests/warp_emulator.h. */
+#ifndef CUDA_ATTENTION_WGMMA_CUH
+#define CUDA_ATTENTION_WGMMA_CUH
+
+#include "cuda_attention_mma.cuh"
+#ifndef DS_WARP_EMULATOR
+#include "cuda_wgmma.cuh"
+#endif
+
+/* Where the wgmma code is compiled: sm_90a, and the CPU's emulation; in
+ * other passes the kernel is empty and never launched. */
+#if defined(DS_WGMMA_ARCH) || defined(DS_WARP_EMULATOR)
+#define WG_CODE 1
+#endif
+
+#define WG_GROUPS 2                        /* consumer warpgroups per block */
+#define WG_THREADS (WG_GROUPS * 128)
+#define WG_ROWS (WG_GROUPS * 64)           /* query rows per block */
+#define WG_KEYS 128                        /* keys per tile */
+#define WG_TURN 1                          /* named barriers WG_TURN + w: warpgroup w's turn to issue */
+
+/* Bytes of a [rows][D] tile of 2-byte elements: D / 64 panels of rows x 128 bytes. */
+__host__ __device__ constexpr int wg_tile_bytes(int rows, int D) { return rows * D * 2; }
+
+/* Shared memory: Q, then K and V tiles twice: [buffer][K, V], from the
+ * first 1024-byte boundary (the 128B swizzle's pattern is 8 rows of 128
+ * bytes, xor-ed by address bits, so tiles must start on one; the 1 KiB
+ * more leaves room to find it whatever the dynamic base). */
+template <int D> __host__ __device__ constexpr size_t wg_forward_smem() {
+    return (size_t)wg_tile_bytes(WG_ROWS, D) + 4 * (size_t)wg_tile_bytes(WG_KEYS, D) + 1024;
+}
+
+/* Starts copying rows t0.. (ROWS of them) of x[b, h] into the swizzled
+ * tile s, 16 bytes per cp.async; rows at or past `end` are zeros. */
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void wg_load_tile(unsigned char *s, const ds_kview &x, int64_t b, int64_t h, int64_t t0,
+                                             int64_t end) {
+    const int chunks = D / 8;
+    const T *base = (const T *)x.data + b * x.stride[0] + h * x.stride[1];
+    for (int e = threadIdx.x; e < ROWS * chunks; e += WG_THREADS) {
+        int r = e / chunks, c = e % chunks;
+        bool real = t0 + r < end;
+        const T *src = real ? base + (t0 + r) * x.stride[2] + c * 8 : base;
+        cp_async_16(s + c / 8 * ROWS * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16, src, real);
+    }
+}
+
+#ifdef WG_CODE
+/* The SW128 descriptor of a tile's 16-byte-aligned piece at p: rows 8 x
+ * 128 bytes apart (SBO 1024), lbo the next panel (MN-major) or unused (16). */
+__device__ __forceinline__ uint64_t wg_desc(const unsigned char *p, uint32_t lbo) {
+    return (uint64_t)(smem_addr(p) >> 4 & 0x3fff) | (uint64_t)(lbo >> 4) << 16 | (uint64_t)(1024 >> 4) << 32 |
+           1ull << 62;
+}
+
+/* s (this warpgroup's 64 rows x 128 keys) = Q K^T over D, in flight. */
+template <typename T, int D>
+__device__ __forceinline__ void wg_scores(float s[WG_KEYS / 8][4], const unsigned char *qs, const unsigned char *ks) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) {
+        int off = kk % 4 * 32;   /* within a panel: 16 columns are 32 bytes */
+        wgmma_ss<WG_KEYS>(s, wg_desc(qs + kk / 4 * WG_ROWS * 128 + off, 16),
+                          wg_desc(ks + kk / 4 * WG_KEYS * 128 + off, 16), kk > 0, T());
+    }
+    wgmma_commit();
+}
+
+/* o += P V for the tile's 128 keys, P packed in p, in flight. */
+template <typename T, int D>
+__device__ __forceinline__ void wg_probs_v(float o[D / 8][4], const uint32_t p[WG_KEYS / 16][4],
+                                           const unsigned char *vs) {
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_KEYS / 16; kk++) wgmma_rs<D>(o, p[kk], wg_desc(vs + kk * 16 * 128, WG_KEYS * 128), 1, T());
+    wgmma_commit();
+}
+
+/* Waits for warpgroup w's turn (sync), or hands it the turn (arrive):
+ * named barrier WG_TURN + w, the 128 threads that wait and the 128 that
+ * hand over (warpgroup 1's last hand-over is left unanswered when the
+ * block ends). */
+__device__ __forceinline__ void wg_turn(int w, bool sync) {
+    if (w == 0) sync ? named_barrier_sync(WG_TURN, WG_THREADS) : named_barrier_arrive(WG_TURN, WG_THREADS);
+    else sync ? named_barrier_sync(WG_TURN + 1, WG_THREADS) : named_barrier_arrive(WG_TURN + 1, WG_THREADS);
+}
+
+/* After a wait: no access to s, o or p moves above it. */
+template <int D>
+__device__ __forceinline__ void wg_pin_all(float s[WG_KEYS / 8][4], float o[D / 8][4], uint32_t p[WG_KEYS / 16][4]) {
+    wgmma_pin(&s[0][0], WG_KEYS / 2);
+    wgmma_pin(&o[0][0], D / 2);
+    wgmma_pin(&p[0][0], WG_KEYS / 4);
+}
+#endif
+
+template <typename T, int D>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, mma_geom g) {
+#ifdef WG_CODE
+    constexpr int QB = wg_tile_bytes(WG_ROWS, D), KB = wg_tile_bytes(WG_KEYS, D);
+    extern __shared__ __align__(1024) unsigned char smem[];
+    unsigned char *qs = smem + (-smem_addr(smem) & 1023), *kv = qs + QB;   /* buffer i: K at kv + 2 i KB, V after it */
+    int wg = threadIdx.x / 128, l = threadIdx.x % 32;
+    int64_t b, h, blk;
+    block_task(g, (g.Tq + WG_ROWS - 1) / WG_ROWS, g.causal, &b, &h, &blk);
+    int64_t i0 = blk * WG_ROWS, g0 = i0 + 64 * wg, w0 = g0 + 16 * (threadIdx.x / 32 % 4);
+    int64_t kend = g.causal ? min(g.Tk, i0 + WG_ROWS) : g.Tk, tiles = (kend + WG_KEYS - 1) / WG_KEYS;
+    float o[D / 8][4] = {}, s[WG_KEYS / 8][4], mx[2] = { -INFINITY, -INFINITY }, sum[2] = { 0.f, 0.f }, scale[2];
+    uint32_t p[WG_KEYS / 16][4];
+    wg_load_tile<T, D, WG_ROWS>(qs, q, b, h, i0, g.Tq);
+    wg_load_tile<T, D, WG_KEYS>(kv, k, b, h, 0, g.Tk);
+    cp_async_commit();
+    if (wg == 1) wg_turn(0, false);      /* warpgroup 0 issues first */
+    for (int64_t j = 0; j < tiles; j++) {
+        int64_t j0 = j * WG_KEYS;
+        cp_async_wait(0);                 /* K(j) and V(j-1) */
+        fence_proxy_async();
+        __syncthreads();                  /* ... landed for all; tile j-1's wgmma all done */
+        if (j + 1 < tiles) wg_load_tile<T, D, WG_KEYS>(kv + (j + 1) % 2 * 2 * KB, k, b, h, j0 + WG_KEYS, g.Tk);
+        wg_load_tile<T, D, WG_KEYS>(kv + j % 2 * 2 * KB + KB, v, b, h, j0, g.Tk);
+        cp_async_commit();
+        wg_turn(wg, true);                /* this warpgroup's turn to issue */
+        wg_scores<T, D>(s, qs + wg * 64 * 128, kv + j % 2 * 2 * KB);
+        if (j > 0) {
+            wg_probs_v<T, D>(o, p, kv + (j + 1) % 2 * 2 * KB + KB);
+            wg_turn(wg ^ 1, false);       /* the other's */
+            wgmma_wait<1>();              /* S(j) */
+        } else {
+            wg_turn(wg ^ 1, false);
+            wgmma_wait<0>();
+        }
+        wg_pin_all<D>(s, o, p);
+        int64_t r0 = w0 + l / 4;
+        if (tile_unmasked(g0, 64, j0, WG_KEYS, g)) scale_scores<false, WG_KEYS>(s, r0, r0 + 8, j0, g);
+        else scale_scores<true, WG_KEYS>(s, r0, r0 + 8, j0, g);
+        softmax_tile<WG_KEYS>(s, mx, sum, scale);
+        wgmma_wait<0>();                  /* P(j-1) V(j-1): p and o are free */
+        wg_pin_all<D>(s, o, p);
+        rescale_rows<D>(o, scale);
+#pragma unroll
+        for (int kk = 0; kk < WG_KEYS / 16; kk++) probs_operand<T>(p[kk], s, kk);
+    }
+    cp_async_wait(0);                     /* V of the last tile */
+    fence_proxy_async();
+    __syncthreads();
+    wg_probs_v<T, D>(o, p, kv + (tiles - 1) % 2 * 2 * KB + KB);
+    wgmma_wait<0>();
+    wg_pin_all<D>(s, o, p);
+    float l0 = quad_sum(sum[0]), l1 = quad_sum(sum[1]);
+    store_rows<T, D>(out, b, h, w0, g.Tq, o, 1.f / l0, 1.f / l1);
+    float *L = (float *)lse.data + b * lse.stride[0] + h * lse.stride[1];
+    int64_t r0 = w0 + l / 4, r1 = r0 + 8;
+    if (l % 4 == 0 && r0 < g.Tq) L[r0 * lse.stride[2]] = (mx[0] + log2f(l0)) / LOG2E;
+    if (l % 4 == 0 && r1 < g.Tq) L[r1 * lse.stride[2]] = (mx[1] + log2f(l1)) / LOG2E;
+#endif
+}
+
+/* The forward's blocks: one per 128 query rows per batch and head. */
+static inline unsigned wgmma_query_blocks(const mma_geom &g) { return mma_blocks(g, g.Tq, WG_ROWS); }
+
+#endif
