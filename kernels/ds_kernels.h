@@ -158,8 +158,10 @@ typedef struct ds_kernels_nn {
                       ds_kview res, ds_kview sum, int64_t rows, int64_t n, double eps);
     int (*layer_norm_backward)(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_kview x, ds_kview w,
                                ds_kview mean, ds_kview rstd, ds_kview gres, int64_t rows, int64_t n);
-    int (*rms_norm)(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps);
-    int (*rms_norm_backward)(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
+    /* The same for RMS norm, res and gres as layer_norm's. */
+    int (*rms_norm)(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, ds_kview res, ds_kview sum, int64_t rows,
+                    int64_t n, double eps);
+    int (*rms_norm_backward)(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd, ds_kview gres,
                              int64_t rows, int64_t n);
     /* y = x keep / (1 - p) with keep from Philox (seed, offset) per element
      * (ds_dropout_keep); the backward is the same call on the gradient. */

@@ -120,10 +120,16 @@ function Block:init(cfg)
   self.mlp = MLP(cfg)
 end
 
-function Block:forward(x)
+-- block(x) -> its output; block(x, res), res a tensor or false -> h, r,
+-- the output of block(x + res) being h + r: ln_1 adds res in its kernel
+-- and the MLP's r is left for the next norm to add
+-- (ds.checkpointing.residual_sequential).
+function Block:forward(x, res)
   local h
-  h, x = self.ln_2(x, self.attn(self.ln_1(x)))      -- ln_2(x + attn) and x + attn, one kernel
-  return x + self.mlp(h)
+  h, x = self.ln_1(x, res or false)
+  h, x = self.ln_2(x, self.attn(h))      -- ln_2(x + attn) and x + attn, one kernel
+  if res == nil then return x + self.mlp(h) end
+  return x, self.mlp(h)
 end
 
 local GPT = nn.Module:extend('GPT')
@@ -215,8 +221,9 @@ function GPT:hidden(idx)
     idx, pos = sp:chunk(idx), pos:narrow(1, sp:offset(T) + 1, T / sp.size)
   end
   local x = tr.drop(tr.wte(idx) + tr.wpe(pos))
-  x = ds.checkpointing.sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
-  return tr.ln_f(x)
+  local r
+  x, r = ds.checkpointing.residual_sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
+  return (tr.ln_f(x, r))     -- the last block's MLP added in ln_f's kernel
 end
 
 -- forward(batch) with batch = {x = ids, y = targets}, or forward(ids [,

@@ -176,9 +176,15 @@ function Layer:init(cfg)
   self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, norm)
 end
 
-function Layer:forward(x, cos, sin)
-  x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-  return x + self.mlp(self.post_attention_layernorm(x))
+-- layer(x, cos, sin) -> its output; layer(x, cos, sin, res), res a tensor
+-- or false -> h, r, the output of layer(x + res, cos, sin) being h + r, as
+-- GPT-2's Block: each residual add is done by the RMS norm after it.
+function Layer:forward(x, cos, sin, res)
+  local h
+  h, x = self.input_layernorm(x, res or false)
+  h, x = self.post_attention_layernorm(x, self.self_attn(h, cos, sin))
+  if res == nil then return x + self.mlp(h) end
+  return x, self.mlp(h)
 end
 
 local Llama = nn.Module:extend('Llama')
@@ -264,9 +270,10 @@ function Llama:hidden(idx)
   end
   local cos, sin = self.rope_cos:narrow(1, first, T), self.rope_sin:narrow(1, first, T)
   local x = self.model.embed_tokens(idx)
-  x = ds.checkpointing.sequential(self.model.layers, ds.checkpointing.interval('llama', self.config.checkpoint),
-                                   x, cos, sin)
-  return self.model.norm(x)
+  local r
+  x, r = ds.checkpointing.residual_sequential(self.model.layers,
+                                              ds.checkpointing.interval('llama', self.config.checkpoint), x, cos, sin)
+  return (self.model.norm(x, r))
 end
 
 -- forward(batch) or forward(ids [, targets]): targets are the next tokens

@@ -7,6 +7,7 @@
  *   ds.add_layer_norm(x, res, [normalized_shape,] weight|nil, bias|nil [, eps]) -> normed x + res, x + res
  *   ds.rms_norm(x, weight|nil [, eps=machine epsilon])
  *   ds.rms_norm(x, normalized_shape, weight|nil [, eps])                (torch form)
+ *   ds.add_rms_norm(x, res, [normalized_shape,] weight|nil [, eps]) -> normed x + res, x + res
  *   ds.dropout(x, p [, training=true])
  * Dims are 1-based; class ids in targets are 0-based, as in PyTorch data. */
 #include "lua_tensor.h"
@@ -115,6 +116,13 @@ static int l_layer_norm(lua_State *L) {
     return dsL_pushtensor(L, ds_layer_norm(x, nd, w, b, eps));
 }
 
+/* A residual norm's two results, the norm y and *sum (an error when y is
+ * NULL); *sum is read after y's call has set it. */
+static int push_norm_sum(lua_State *L, ds_tensor *y, ds_tensor **sum) {
+    dsL_pushtensor(L, y);
+    return 1 + dsL_pushtensor(L, *sum);
+}
+
 /* add_layer_norm(x, res, weight, bias [, eps]) or add_layer_norm(x, res,
  * normalized_shape, weight, bias [, eps]) -> layer_norm(x + res), x + res */
 static int l_add_layer_norm(lua_State *L) {
@@ -123,9 +131,7 @@ static int l_add_layer_norm(lua_State *L) {
     ds_tensor *w = opt_tensor(L, a), *b = opt_tensor(L, a + 1);
     double eps = luaL_optnumber(L, a + 2, 1e-5);
     if (!nd) nd = w ? w->ndim : b ? b->ndim : 1;
-    ds_tensor *y = ds_add_layer_norm(x, res, nd, w, b, eps, &sum);
-    dsL_pushtensor(L, y);
-    return 1 + dsL_pushtensor(L, sum);
+    return push_norm_sum(L, ds_add_layer_norm(x, res, nd, w, b, eps, &sum), &sum);
 }
 
 /* rms_norm(x, weight [, eps]) or rms_norm(x, normalized_shape, weight [, eps]) */
@@ -136,6 +142,17 @@ static int l_rms_norm(lua_State *L) {
     double eps = lua_isnoneornil(L, a + 1) ? NAN : luaL_checknumber(L, a + 1);
     if (!nd) nd = w ? w->ndim : 1;
     return dsL_pushtensor(L, ds_rms_norm(x, nd, w, eps));
+}
+
+/* add_rms_norm(x, res, weight [, eps]) or add_rms_norm(x, res,
+ * normalized_shape, weight [, eps]) -> rms_norm(x + res), x + res */
+static int l_add_rms_norm(lua_State *L) {
+    ds_tensor *x = dsL_checktensor(L, 1), *res = dsL_checktensor(L, 2), *sum;
+    int nd = normalized_shape(L, 3, "add_rms_norm", x), a = nd ? 4 : 3;
+    ds_tensor *w = opt_tensor(L, a);
+    double eps = lua_isnoneornil(L, a + 1) ? NAN : luaL_checknumber(L, a + 1);
+    if (!nd) nd = w ? w->ndim : 1;
+    return push_norm_sum(L, ds_add_rms_norm(x, res, nd, w, eps, &sum), &sum);
 }
 
 static int l_dropout(lua_State *L) {
@@ -153,7 +170,7 @@ static const luaL_Reg methods[] = {
 static const luaL_Reg functions[] = {
     {"cross_entropy", l_cross_entropy}, {"mse_loss", l_mse_loss}, {"layer_norm", l_layer_norm},
     {"add_layer_norm", l_add_layer_norm},
-    {"rms_norm", l_rms_norm}, {"dropout", l_dropout},
+    {"rms_norm", l_rms_norm}, {"add_rms_norm", l_add_rms_norm}, {"dropout", l_dropout},
     {NULL, NULL}
 };
 

@@ -302,18 +302,23 @@ static ds_tensor *folded_grad(const ds_node *n, const ds_tensor *x, int *rc) {
     return out;
 }
 
-static int layer_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
-    ds_tensor *x = n->saved[NORM_X], *w = n->saved[NORM_W];
+/* Layer norm's backward (RMS norm's without a mean saved): dx, with the
+ * folded gradient added, and the weight and bias gradients. */
+static int norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *x = n->saved[NORM_X], *w = n->saved[NORM_W], *mean = n->saved[NORM_MEAN];
+    const ds_kernels_nn *k = ds_tensor_kernels(x)->nn;
     int rc = 0;
     ds_tensor *gc = ds_contiguous(g), *gres = folded_grad(n, x, &rc);
     ds_tensor *dx = gc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
-    ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x)), *db = new_input_grad(n, 2, ds_tensor_device(x));
-    if (rc == 0 && dx && (dw || !ds_node_needs_grad(n, 1)) && (db || !ds_node_needs_grad(n, 2))) {
-        rc = ds_tensor_kernels(x)->nn->layer_norm_backward(ds_tensor_kview(dx), param_view(dw), param_view(db),
-                                                            ds_tensor_kview(gc), ds_tensor_kview(x), param_view(w),
-                                                            ds_tensor_kview(n->saved[NORM_MEAN]),
-                                                            ds_tensor_kview(n->saved[NORM_RSTD]), param_view(gres),
-                                                            n->i[0], n->i[1]);
+    ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x));
+    ds_tensor *db = mean ? new_input_grad(n, 2, ds_tensor_device(x)) : NULL;
+    if (rc == 0 && dx && (dw || !ds_node_needs_grad(n, 1)) && (!mean || db || !ds_node_needs_grad(n, 2))) {
+        ds_kview dxv = ds_tensor_kview(dx), gv = ds_tensor_kview(gc), xv = ds_tensor_kview(x);
+        ds_kview rstd = ds_tensor_kview(n->saved[NORM_RSTD]);
+        rc = mean ? k->layer_norm_backward(dxv, param_view(dw), param_view(db), gv, xv, param_view(w),
+                                           ds_tensor_kview(mean), rstd, param_view(gres), n->i[0], n->i[1])
+                  : k->rms_norm_backward(dxv, param_view(dw), gv, xv, param_view(w), rstd, param_view(gres),
+                                         n->i[0], n->i[1]);
         if (rc) ds_fail(DS_ERR_ARG, "%s: %s", n->name, ds_kernel_error());
     } else {
         rc = -1;
@@ -328,7 +333,7 @@ static int layer_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     }
     gin[0] = dx;
     gin[1] = dw;
-    gin[2] = db;
+    if (mean) gin[2] = db;
     return 0;
 }
 
@@ -342,10 +347,11 @@ static int residual_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     return 0;
 }
 
-/* layer_norm of x, or of x + res into *sum when res is given; the norm's
- * node folds the sum's other gradients into its backward. */
-static ds_tensor *layer_norm_of(const char *op, ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *w,
-                                ds_tensor *b, double eps, ds_tensor **sum) {
+/* The norm of x, or of x + res into *sum when res is given: layer norm
+ * with b (NULL when absent) when centered, else RMS norm; the norm's node
+ * folds the sum's other gradients into its backward. */
+static ds_tensor *norm_of(const char *op, bool centered, ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *w,
+                          ds_tensor *b, double eps, ds_tensor **sum) {
     int64_t rows, n;
     if (norm_shape(op, x, norm_ndim, w, "weight", &rows, &n) || norm_shape(op, x, norm_ndim, b, "bias", &rows, &n))
         return NULL;
@@ -358,24 +364,26 @@ static ds_tensor *layer_norm_of(const char *op, ds_tensor *x, ds_tensor *res, in
     ds_set_grad_enabled(prev);
     ds_tensor *s = res ? ds_tensor_new(x->ndim, x->shape, x->dtype, dev) : NULL;
     ds_tensor *out = ds_tensor_new(x->ndim, x->shape, x->dtype, dev);
-    ds_tensor *mean = ds_tensor_new(1, &rows, st, dev), *rstd = ds_tensor_new(1, &rows, st, dev);
+    ds_tensor *mean = centered ? ds_tensor_new(1, &rows, st, dev) : NULL, *rstd = ds_tensor_new(1, &rows, st, dev);
     int rc = -1;
-    if (xc && (resc || !res) && (s || !res) && (wc || !w) && (bc || !b) && out && mean && rstd) {
-        rc = ds_tensor_kernels(x)->nn->layer_norm(ds_tensor_kview(out), ds_tensor_kview(mean), ds_tensor_kview(rstd),
-                                                  ds_tensor_kview(xc), param_view(wc), param_view(bc),
-                                                  param_view(resc), param_view(s), rows, n, eps);
+    if (xc && (resc || !res) && (s || !res) && (wc || !w) && (bc || !b) && out && (mean || !centered) && rstd) {
+        const ds_kernels_nn *k = ds_tensor_kernels(x)->nn;
+        ds_kview ov = ds_tensor_kview(out), rv = ds_tensor_kview(rstd), xv = ds_tensor_kview(xc);
+        rc = centered ? k->layer_norm(ov, ds_tensor_kview(mean), rv, xv, param_view(wc), param_view(bc),
+                                      param_view(resc), param_view(s), rows, n, eps)
+                      : k->rms_norm(ov, rv, xv, param_view(wc), param_view(resc), param_view(s), rows, n, eps);
         if (rc) ds_fail(DS_ERR_ARG, "%s: %s", op, ds_kernel_error());
     }
     ds_tensor *pair[2] = { x, res };
     if (rc == 0 && res) ds_autograd_record("add", residual_backward, 2, pair, s);
     ds_tensor *normed = res ? s : xc, *in[3] = { res ? s : x, w, b };
-    ds_node *node = rc == 0 ? ds_autograd_record(op, layer_norm_backward, 3, in, out) : NULL;
+    ds_node *node = rc == 0 ? ds_autograd_record(op, norm_backward, centered ? 3 : 2, in, out) : NULL;
     if (node) {
         node->i[0] = rows;
         node->i[1] = n;
         node->fold_grad = res != NULL;
         if (ds_node_save(node, NORM_X, normed) || (wc && ds_node_save(node, NORM_W, wc)) ||
-            ds_node_save(node, NORM_MEAN, mean) || ds_node_save(node, NORM_RSTD, rstd))
+            (mean && ds_node_save(node, NORM_MEAN, mean)) || ds_node_save(node, NORM_RSTD, rstd))
             rc = -1;
     }
     ds_tensor_release(xc);
@@ -393,76 +401,41 @@ static ds_tensor *layer_norm_of(const char *op, ds_tensor *x, ds_tensor *res, in
     return out;
 }
 
+/* res against x for op's residual add: same device, shape and dtype */
+static int check_residual(const char *op, ds_tensor *x, ds_tensor *res) {
+    char s1[96], s2[96];
+    if (ds_check_same_device(op, x, res)) return -1;
+    if (ds_tensor_same_shape(x, res) && x->dtype == res->dtype) return 0;
+    ds_fail(DS_ERR_ARG, "%s: residual %s %s does not match input %s %s (same shape and dtype)", op,
+            ds_dtype_name(res->dtype), ds_shape_str(res, s1, sizeof s1), ds_dtype_name(x->dtype),
+            ds_shape_str(x, s2, sizeof s2));
+    return -1;
+}
+
 ds_tensor *ds_layer_norm(ds_tensor *x, int norm_ndim, ds_tensor *w, ds_tensor *b, double eps) {
-    return layer_norm_of("layer_norm", x, NULL, norm_ndim, w, b, eps, NULL);
+    return norm_of("layer_norm", true, x, NULL, norm_ndim, w, b, eps, NULL);
 }
 
 ds_tensor *ds_add_layer_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *w, ds_tensor *b, double eps,
                              ds_tensor **sum) {
-    char s1[96], s2[96];
     *sum = NULL;
-    if (ds_check_same_device("add_layer_norm", x, res)) return NULL;
-    if (!ds_tensor_same_shape(x, res) || x->dtype != res->dtype)
-        return ds_fail(DS_ERR_ARG, "add_layer_norm: residual %s %s does not match input %s %s (same shape and dtype)",
-                       ds_dtype_name(res->dtype), ds_shape_str(res, s1, sizeof s1), ds_dtype_name(x->dtype),
-                       ds_shape_str(x, s2, sizeof s2));
-    return layer_norm_of("add_layer_norm", x, res, norm_ndim, w, b, eps, sum);
+    if (check_residual("add_layer_norm", x, res)) return NULL;
+    return norm_of("add_layer_norm", true, x, res, norm_ndim, w, b, eps, sum);
 }
 
-static int rms_norm_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
-    ds_tensor *x = n->saved[NORM_X], *w = n->saved[NORM_W];
-    ds_tensor *gc = ds_contiguous(g);
-    ds_tensor *dx = gc ? ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x)) : NULL;
-    ds_tensor *dw = new_input_grad(n, 1, ds_tensor_device(x));
-    int rc = -1;
-    if (dx && (dw || !ds_node_needs_grad(n, 1))) {
-        rc = ds_tensor_kernels(x)->nn->rms_norm_backward(ds_tensor_kview(dx), param_view(dw), ds_tensor_kview(gc),
-                                                          ds_tensor_kview(x), param_view(w),
-                                                          ds_tensor_kview(n->saved[NORM_RSTD]), n->i[0], n->i[1]);
-        if (rc) ds_fail(DS_ERR_ARG, "rms_norm: %s", ds_kernel_error());
-    }
-    ds_tensor_release(gc);
-    if (rc) {
-        ds_tensor_release(dx);
-        ds_tensor_release(dw);
-        return -1;
-    }
-    gin[0] = dx;
-    gin[1] = dw;
-    return 0;
+/* eps NAN: the machine epsilon of x's compute type */
+static double rms_eps(const ds_tensor *x, double eps) {
+    return !isnan(eps) ? eps : x->dtype == DS_F64 ? DBL_EPSILON : FLT_EPSILON;
 }
 
 ds_tensor *ds_rms_norm(ds_tensor *x, int norm_ndim, ds_tensor *w, double eps) {
-    int64_t rows, n;
-    if (norm_shape("rms_norm", x, norm_ndim, w, "weight", &rows, &n)) return NULL;
-    if (isnan(eps)) eps = x->dtype == DS_F64 ? DBL_EPSILON : FLT_EPSILON;
-    if (!(eps >= 0)) return ds_fail(DS_ERR_ARG, "rms_norm: eps must be >= 0, got %g", eps);
-    ds_device dev = ds_tensor_device(x);
-    bool prev = ds_set_grad_enabled(false);
-    ds_tensor *xc = ds_contiguous(x), *wc = w ? ds_contiguous(w) : NULL;
-    ds_set_grad_enabled(prev);
-    ds_tensor *out = ds_tensor_new(x->ndim, x->shape, x->dtype, dev);
-    ds_tensor *rstd = ds_tensor_new(1, &rows, stat_dtype(x->dtype), dev);
-    int rc = -1;
-    if (xc && (wc || !w) && out && rstd) {
-        rc = ds_tensor_kernels(x)->nn->rms_norm(ds_tensor_kview(out), ds_tensor_kview(rstd), ds_tensor_kview(xc),
-                                                param_view(wc), rows, n, eps);
-        if (rc) ds_fail(DS_ERR_ARG, "rms_norm: %s", ds_kernel_error());
-    }
-    ds_tensor *in[2] = { x, w };
-    ds_node *node = rc == 0 ? ds_autograd_record("rms_norm", rms_norm_backward, 2, in, out) : NULL;
-    if (node) {
-        node->i[0] = rows;
-        node->i[1] = n;
-        if (ds_node_save(node, NORM_X, xc) || (wc && ds_node_save(node, NORM_W, wc)) ||
-            ds_node_save(node, NORM_RSTD, rstd))
-            rc = -1;
-    }
-    ds_tensor_release(xc);
-    ds_tensor_release(wc);
-    ds_tensor_release(rstd);
-    if (rc) { ds_tensor_release(out); return NULL; }
-    return out;
+    return norm_of("rms_norm", false, x, NULL, norm_ndim, w, NULL, rms_eps(x, eps), NULL);
+}
+
+ds_tensor *ds_add_rms_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *w, double eps, ds_tensor **sum) {
+    *sum = NULL;
+    if (check_residual("add_rms_norm", x, res)) return NULL;
+    return norm_of("add_rms_norm", false, x, res, norm_ndim, w, NULL, rms_eps(x, eps), sum);
 }
 
 /* ---- dropout: the backward draws the same mask from the same counters ---- */

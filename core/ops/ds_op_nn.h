@@ -46,6 +46,9 @@ ds_tensor *ds_add_layer_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_ten
  * the compute type (f32 for f32/bf16/f16 inputs, f64 for f64), as
  * torch.nn.functional.rms_norm with eps=None. */
 ds_tensor *ds_rms_norm(ds_tensor *x, int norm_ndim, ds_tensor *weight, double eps);
+/* ds_rms_norm(*sum, ...) with *sum = x + res, as ds_add_layer_norm. */
+ds_tensor *ds_add_rms_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *weight, double eps,
+                           ds_tensor **sum);
 
 /* Zeroes each element with probability p and scales the rest by 1/(1-p);
  * the mask comes from g (NULL: the default generator) and is the same at

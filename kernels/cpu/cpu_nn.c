@@ -315,8 +315,13 @@ static int cpu_layer_norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kvi
     return rc;
 }
 
-static int cpu_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps) {
+static int cpu_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, ds_kview res, ds_kview sum, int64_t rows,
+                        int64_t n, double eps) {
     if (rows == 0) return 0;
+    if (res.data) {
+        add_into(&sum, &x, &res, rows * n);
+        x = sum;
+    }
     const ds_kview *v[3] = { &y, &rstd, &x };
     if (all_f32(v, 3)) {
         float *ow;
@@ -344,8 +349,8 @@ static int cpu_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64
     return 0;
 }
 
-static int cpu_rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
-                                 int64_t rows, int64_t n) {
+static int rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
+                             int64_t rows, int64_t n) {
     int nt = omp_get_max_threads();
     const ds_kview *v[4] = { &dx, &g, &x, &rstd };
     if (all_f32(v, 4)) {
@@ -383,6 +388,13 @@ static int cpu_rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview 
     free(buf);
     free(wd);
     return 0;
+}
+
+static int cpu_rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
+                                 ds_kview gres, int64_t rows, int64_t n) {
+    int rc = rms_norm_backward(dx, dw, g, x, w, rstd, rows, n);
+    if (rc == 0 && gres.data) add_into(&dx, &dx, &gres, rows * n);
+    return rc;
 }
 
 /* ---- dropout: Philox block b gives the keep bits of elements 4b..4b+3 ---- */

@@ -585,13 +585,14 @@ static int norm_backward(ds_kview dx, ds_kview dw, ds_kview db, ds_kview g, ds_k
 
 static const ds_kview no_view = { NULL, DS_F32, 0, { 0 }, { 0 } };
 
-static int cuda_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, int64_t rows, int64_t n, double eps) {
-    return norm_forward(y, no_view, rstd, x, w, no_view, no_view, no_view, rows, n, eps);
+static int cuda_rms_norm(ds_kview y, ds_kview rstd, ds_kview x, ds_kview w, ds_kview res, ds_kview sum, int64_t rows,
+                         int64_t n, double eps) {
+    return norm_forward(y, no_view, rstd, x, w, no_view, res, sum, rows, n, eps);
 }
 
 static int cuda_rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd,
-                                  int64_t rows, int64_t n) {
-    return norm_backward(dx, dw, no_view, g, x, w, no_view, rstd, no_view, rows, n);
+                                  ds_kview gres, int64_t rows, int64_t n) {
+    return norm_backward(dx, dw, no_view, g, x, w, no_view, rstd, gres, rows, n);
 }
 
 /* ---- dropout: thread b draws Philox block offset + b, the keep bits of

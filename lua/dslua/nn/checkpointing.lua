@@ -181,4 +181,34 @@ function M.sequential(list, every, x, ...)
   return x
 end
 
+-- As sequential, for blocks that hand on their last residual add
+-- unadded: block(x, ..., res) with res a tensor or false returns h, r, the
+-- block's output being h + r, and its first norm adds res to x in its
+-- kernel; block(x, ...) returns the output. Each block passes its r to
+-- the next, and the last pair is returned for the norm after the blocks to
+-- add (r nil after a checkpointed segment, which takes and returns one
+-- tensor, its own blocks handing r on among themselves).
+function M.residual_sequential(list, every, x, ...)
+  local blocks = {}
+  for i, b in ipairs(list) do blocks[i] = b end
+  local n = #blocks
+  local function run(first, last, h, r, ...)
+    local args, k = { h, ... }, select('#', ...) + 2
+    for i = first, last do
+      args[1], args[k] = h, r
+      h, r = blocks[i](unpack(args, 1, k))
+    end
+    return h, r
+  end
+  if every == 0 then return run(1, n, x, false, ...) end
+  for first = 1, n, every do
+    local last = math.min(first + every - 1, n)
+    x = M.checkpoint(function(h, ...)
+      local y, r = run(first, last, h, false, ...)
+      return y + r
+    end, x, ...)
+  end
+  return x, nil
+end
+
 return M

@@ -149,10 +149,13 @@ end
 
 -- ln(x), or ln(x, res) -> ln(x + res), x + res: a residual add and the
 -- norm after it in one kernel each way (ds.add_layer_norm); x and res of
--- one shape and dtype
+-- one shape and dtype. ln(x, false) -> ln(x), x: the same pair with no
+-- residual to add.
 function LayerNorm:forward(x, res)
-  if res ~= nil then return ds.add_layer_norm(x, res, self.normalized_shape, self.weight, self.bias, self.eps) end
-  return ds.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+  if res then return ds.add_layer_norm(x, res, self.normalized_shape, self.weight, self.bias, self.eps) end
+  local y = ds.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+  if res == false then return y, x end
+  return y
 end
 
 function LayerNorm:extra_repr()
@@ -174,7 +177,14 @@ function RMSNorm:init(normalized_shape, opts)
   end
 end
 
-function RMSNorm:forward(x) return ds.rms_norm(x, self.normalized_shape, self.weight, self.eps) end
+-- norm(x), or norm(x, res) -> norm(x + res), x + res in one kernel each
+-- way (ds.add_rms_norm), and norm(x, false) -> norm(x), x, as LayerNorm's
+function RMSNorm:forward(x, res)
+  if res then return ds.add_rms_norm(x, res, self.normalized_shape, self.weight, self.eps) end
+  local y = ds.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+  if res == false then return y, x end
+  return y
+end
 
 function RMSNorm:extra_repr()
   return fmt('{%s}, eps=%s', table.concat(self.normalized_shape, ', '), tostring(self.eps))
