@@ -96,15 +96,18 @@ static ds_tensor *binary_out(const char *name, ds_tensor *a, ds_tensor *b, ds_dt
     return out;
 }
 
-/* d(a op b): the gradient for each side, before summing down broadcast dims. */
+/* d(a op b): the gradient for each side, before summing down broadcast
+ * dims; add, sub and mul leave out a side that needs none (a constant
+ * operand, as a rotary table), whose gradient would be dropped. */
 static int binary_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     ds_binary_op op = (ds_binary_op)n->i[0];
     ds_tensor *a = n->saved[0], *b = n->saved[1];
     ds_tensor *ga = NULL, *gb = NULL;
+    bool want_a = ds_node_needs_grad(n, 0), want_b = ds_node_needs_grad(n, 1);
     switch (op) {
     case DS_BIN_ADD: ga = g; gb = g; ds_tensor_retain(g); ds_tensor_retain(g); break;
-    case DS_BIN_SUB: ga = g; ds_tensor_retain(g); gb = ds_unary(DS_UN_NEG, g, 0); break;
-    case DS_BIN_MUL: ga = ds_mul(g, b); gb = ds_mul(g, a); break;
+    case DS_BIN_SUB: ga = g; ds_tensor_retain(g); gb = want_b ? ds_unary(DS_UN_NEG, g, 0) : NULL; break;
+    case DS_BIN_MUL: ga = want_a ? ds_mul(g, b) : NULL; gb = want_b ? ds_mul(g, a) : NULL; break;
     case DS_BIN_DIV: {
         ga = ds_div(g, b);
         ds_tensor *q = ga ? ds_div(ga, b) : NULL;       /* g / b^2 */
@@ -141,12 +144,12 @@ static int binary_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     }
     default: return 0;   /* comparisons carry no gradient */
     }
-    if (!ga || !gb) { ds_tensor_release(ga); ds_tensor_release(gb); return -1; }
-    gin[0] = ds_sum_to_shape(ga, n->next[0].ndim, n->next[0].shape);
-    gin[1] = ds_sum_to_shape(gb, n->next[1].ndim, n->next[1].shape);
+    int rc = (want_a && !ga) || (want_b && !gb) ? -1 : 0;
+    if (rc == 0 && want_a && !(gin[0] = ds_sum_to_shape(ga, n->next[0].ndim, n->next[0].shape))) rc = -1;
+    if (rc == 0 && want_b && !(gin[1] = ds_sum_to_shape(gb, n->next[1].ndim, n->next[1].shape))) rc = -1;
     ds_tensor_release(ga);
     ds_tensor_release(gb);
-    return gin[0] && gin[1] ? 0 : -1;
+    return rc;
 }
 
 ds_tensor *ds_binary(ds_binary_op op, ds_tensor *a, ds_tensor *b) {
