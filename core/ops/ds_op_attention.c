@@ -17,7 +17,7 @@
 static ds_attention_backend pick_backend(ds_attention_backend backend, ds_tensor *q, ds_tensor *k, ds_tensor *v) {
     if (backend != DS_ATTN_AUTO) return backend;
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) return DS_ATTN_FUSED;    /* check_args says what is wrong */
-    const ds_kernels_attention *a = ds_tensor_kernels(q)->attention;
+    const ds_kernels_attention *a = ds_tensor_kernel_table(q)->attention;
     if (!a || a->full_rate(ds_tensor_kview(q), ds_tensor_kview(k), ds_tensor_kview(v))) return DS_ATTN_FUSED;
     double scores = (double)q->shape[0] * (double)q->shape[1] * (double)q->shape[2] * (double)k->shape[2] *
                     (double)ds_dtype_size(q->dtype);
@@ -46,7 +46,7 @@ static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, ds_
                        "(pass causal = false for cross attention)", OP, sq, sk), -1;
     if (q->shape[3] == 0 || (k->shape[2] == 0 && q->shape[2] > 0))
         return ds_fail(DS_ERR_ARG, "%s: needs a head dim and at least one key, got q %s and k %s", OP, sq, sk), -1;
-    if (backend == DS_ATTN_FUSED && !ds_tensor_kernels(q)->attention)
+    if (backend == DS_ATTN_FUSED && !ds_tensor_kernel_table(q)->attention)
         return ds_fail(DS_ERR_ARG, "%s: not available on this device", OP), -1;
     return 0;
 }

@@ -387,11 +387,10 @@ ds_tensor *ds_cat(int n, ds_tensor *const *ts, int64_t dim) {
     ds_tensor *out = ds_tensor_new(a->ndim, shape, dt, ds_tensor_device(a));
     if (!out) return NULL;
     /* each input is copied (and cast) straight into its slice of out */
-    const ds_kernels *kern = ds_tensor_kernels(out);
     ds_kview slice = ds_tensor_kview(out);
     for (int k = 0; k < n; k++) {
         slice.shape[d] = ts[k]->shape[d];
-        if (kernel_status(kern->core->copy(slice, ds_tensor_kview(ts[k])), "cat")) {
+        if (kernel_status(ds_tensor_kernels(out)->core->copy(slice, ds_tensor_kview(ts[k])), "cat")) {
             ds_tensor_release(out);
             return NULL;
         }

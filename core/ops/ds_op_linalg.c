@@ -226,8 +226,9 @@ int ds_linalg_linear_into(const char *op, ds_tensor *out, ds_tensor *x2, ds_tens
     ds_kview cv = contiguous_view(ds_tensor_data(out), out->dtype, 2, cshape);
     ds_kview wt = matrix_view(w);
     ds_gemm_transpose(&wt);
-    const ds_kernels_blas *blas = ds_tensor_kernels(out)->blas;
-    if (bias && blas->gemm_bias && blas->gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0) return 0;
+    if (bias && ds_tensor_kernel_table(out)->blas->gemm_bias
+        && ds_tensor_kernels(out)->blas->gemm_bias(cv, matrix_view(x2), wt, ds_tensor_kview(bias)) == 0)
+        return 0;
     if (bias) {
         ds_kview bv = expand_view(ds_tensor_data(bias), bias->dtype, 1, bias->shape, bias->stride, 2, cshape);
         if (ds_tensor_kernels(out)->core->copy(cv, bv)) {
@@ -256,12 +257,11 @@ int ds_linalg_linear_grads(const char *op, ds_tensor *gc, ds_tensor *x2, ds_tens
         ds_gemm_transpose(&gt);
         /* the bias gradient comes out of the weight gradient's GEMM where
          * the device has that epilogue (cuBLASLt's BGRADB). */
-        const ds_kernels_blas *blas = ds_tensor_kernels(w)->blas;
         bool dw_done = false;
-        if (gin[1] && want[2] && blas->gemm_bias_grad) {
+        if (gin[1] && want[2] && ds_tensor_kernel_table(w)->blas->gemm_bias_grad) {
             gin[2] = ds_tensor_new(1, &outf, w->dtype, ds_tensor_device(w));
-            dw_done = gin[2]
-                      && blas->gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2), ds_tensor_kview(gin[2])) == 0;
+            dw_done = gin[2] && ds_tensor_kernels(w)->blas->gemm_bias_grad(matrix_view(gin[1]), gt, matrix_view(x2),
+                                                                            ds_tensor_kview(gin[2])) == 0;
             if (!dw_done) {
                 ds_tensor_release(gin[2]);
                 gin[2] = NULL;

@@ -46,14 +46,14 @@ static int check_args(ds_tensor *const *t) {
     return ds_linalg_check_linear(OP, &hidden, t[MLP_W2], t[MLP_B2], names2);
 }
 
-/* t's BLAS kernels where cuBLASLt's GELU epilogues may stand in for the
+/* t's BLAS table where cuBLASLt's GELU epilogues may stand in for the
  * GELU kernels, else NULL: the tanh form, for bf16/f16 results only, where
  * its fast tanh (about 5e-4 relative) stays below their rounding; f32 keeps
  * the exact kernels. The caller still checks for its entry (none on the
- * CPU). */
+ * CPU), and calls it through ds_tensor_kernels, which counts the call. */
 static const ds_kernels_blas *gelu_epilogues(const ds_tensor *t, int64_t act) {
     if (act != DS_UN_GELU_TANH || (t->dtype != DS_BF16 && t->dtype != DS_F16)) return NULL;
-    return ds_tensor_kernels(t)->blas;
+    return ds_tensor_kernel_table(t)->blas;
 }
 
 /* pre = x2 w1^T + b1 and h = gelu(pre): where gelu_in_epilogue, one
@@ -65,8 +65,8 @@ static int hidden_forward(ds_tensor *x2, ds_tensor *w1, ds_tensor *b1, ds_unary_
     if (blas && blas->gemm_bias_gelu) {
         ds_kview w1t = ds_tensor_kview(w1);
         ds_gemm_transpose(&w1t);
-        if (blas->gemm_bias_gelu(ds_tensor_kview(h), ds_tensor_kview(pre), ds_tensor_kview(x2), w1t,
-                                 view_or_none(b1)) == 0)
+        if (ds_tensor_kernels(h)->blas->gemm_bias_gelu(ds_tensor_kview(h), ds_tensor_kview(pre), ds_tensor_kview(x2),
+                                                      w1t, view_or_none(b1)) == 0)
             return 0;
     }
     if (ds_linalg_linear_into(OP, pre, x2, w1, b1)) return -1;
@@ -85,8 +85,8 @@ static bool hidden_backward_fused(ds_node *n, ds_tensor *gc, ds_tensor *w2, ds_t
     int64_t gshape[2] = { pre->shape[0], w2->shape[0] };
     ds_tensor *g2 = ds_reshape(gc, 2, gshape);
     if (!g2) return false;
-    bool done = blas->gemm_gelu_grad(ds_tensor_kview(dpre), ds_tensor_kview(pre), ds_tensor_kview(g2),
-                                     ds_tensor_kview(w2)) == 0;
+    bool done = ds_tensor_kernels(dpre)->blas->gemm_gelu_grad(ds_tensor_kview(dpre), ds_tensor_kview(pre),
+                                                               ds_tensor_kview(g2), ds_tensor_kview(w2)) == 0;
     ds_tensor_release(g2);
     return done;
 }

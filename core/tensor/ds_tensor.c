@@ -253,6 +253,8 @@ const ds_kernels *ds_tensor_kernels(const ds_tensor *t) {
 
 uint64_t ds_kernel_calls(void) { return __atomic_load_n(&kernel_calls, __ATOMIC_RELAXED); }
 
+const ds_kernels *ds_tensor_kernel_table(const ds_tensor *t) { return ds_backend_get(t->storage->device)->kernels; }
+
 const char *ds_dims_str(int ndim, const int64_t *dims, char *buf, size_t n) {
     size_t used = 0;
     if (n) buf[0] = 0;

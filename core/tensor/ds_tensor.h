@@ -71,6 +71,9 @@ void *ds_tensor_data_w(ds_tensor *t, const char *op);
 const ds_kernels *ds_tensor_kernels(const ds_tensor *t);
 /* Kernel calls made so far by this process (every ds_tensor_kernels). */
 uint64_t ds_kernel_calls(void);
+/* The same table, uncounted: for asking which entries a device has (an
+ * epilogue, attention's full-rate shapes) without calling one. */
+const ds_kernels *ds_tensor_kernel_table(const ds_tensor *t);
 void *ds_tensor_data(const ds_tensor *t);    /* element 0, CPU address */
 /* "[3,4]" into buf, for error messages */
 const char *ds_shape_str(const ds_tensor *t, char *buf, size_t n);
