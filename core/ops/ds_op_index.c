@@ -292,11 +292,11 @@ static int cat_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     for (int k = 0; k < n->n_inputs; k++) {
         const ds_edge *e = &n->next[k];
         if (e->node || e->leaf) {
+            /* a view of g, as a transpose's gradient is: whoever needs it
+             * contiguous copies it */
             ds_tensor *piece = ds_narrow(g, d, start, e->shape[d]);
-            ds_tensor *c = piece ? ds_contiguous(piece) : NULL;
-            gin[k] = c ? ds_to_dtype(c, e->dtype) : NULL;
-            ds_tensor_release(piece);
-            ds_tensor_release(c);
+            gin[k] = piece && piece->dtype != e->dtype ? ds_to_dtype(piece, e->dtype) : piece;
+            if (gin[k] != piece) ds_tensor_release(piece);
             if (!gin[k]) return -1;
         }
         start += e->shape[d];
