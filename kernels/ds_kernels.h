@@ -179,7 +179,9 @@ typedef struct ds_kernels_blas {
      * broadcast dims. c's matrices need a unit stride in one of their dims. */
     int (*gemm)(ds_kview c, ds_kview a, ds_kview b, double alpha, double beta);
     /* GEMMs with a fused epilogue (cuBLASLt's), alpha 1 and beta 0, for a
-     * linear and an MLP. NULL where the backend has none (the CPU), and -1
+     * linear and an MLP (the CPU's bias pair: the copy or the reduction
+     * and the GEMM it runs apart, in one call). NULL where the backend has
+     * none (the CPU's GELU ones), and -1
      * after ds_kernel_fail() where a call does not apply: the caller runs
      * gemm and the separate kernels then. c's matrices row-major, no summed
      * (stride 0) batch dims of c, k > 0; a bias or gradient vector is c's

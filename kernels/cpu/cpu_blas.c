@@ -263,5 +263,34 @@ static int cpu_gemm(ds_kview c, ds_kview a, ds_kview b, double alpha, double bet
     return rc;
 }
 
-/* no fused epilogues: linears and MLPs run gemm and the separate kernels */
-const ds_kernels_blas ds_cpu_blas = { .gemm = cpu_gemm };
+/* c = a b + bias: the bias copied down c's rows, then the GEMM adds into
+ * them, as a linear without the entry runs them; one call, as the GPU's
+ * epilogue is one launch. */
+static int cpu_gemm_bias(ds_kview c, ds_kview a, ds_kview b, ds_kview bias) {
+    ds_kview rows = bias;
+    rows.ndim = 2;
+    rows.shape[0] = c.shape[0];
+    rows.shape[1] = c.shape[1];
+    rows.stride[0] = 0;
+    rows.stride[1] = bias.stride[0];
+    if (ds_cpu_core.copy(c, rows)) return -1;
+    return cpu_gemm(c, a, b, 1.0, 1.0);
+}
+
+/* c = a b and grad = the row sums of a, a being a transposed row-major
+ * gradient g [k, m]: grad sums g's columns with the reduce kernel a sum
+ * over g's rows runs, so both gradients are a linear's without the entry. */
+static int cpu_gemm_bias_grad(ds_kview c, ds_kview a, ds_kview b, ds_kview grad) {
+    int64_t m = a.shape[0], k = a.shape[1];
+    ds_kview g = a;
+    if (a.ndim == 2) ds_gemm_transpose(&g);
+    if (a.ndim != 2 || g.stride[1] != 1 || g.stride[0] != m)
+        return ds_kernel_fail("gemm_bias_grad: the gradient is not a transposed row-major matrix");
+    if (cpu_gemm(c, a, b, 1.0, 0.0)) return -1;
+    return ds_cpu_reduce.reduce(DS_RED_SUM, grad, g, 1, k, m, 0);
+}
+
+/* The linear's epilogues as one call each; no GELU epilogues: MLPs run
+ * gemm and the separate kernels */
+const ds_kernels_blas ds_cpu_blas = { .gemm = cpu_gemm, .gemm_bias = cpu_gemm_bias,
+                                      .gemm_bias_grad = cpu_gemm_bias_grad };
