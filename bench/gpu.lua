@@ -134,6 +134,10 @@ local function train(B, dtype, V, name, offload)
   result(name .. '_forward', shape, median(f), 's')
   result(name .. '_backward', shape, median(b), 's')
   result(name .. '_step', shape, median(s), 's')
+  -- The kernels of one step (ds.kernel_calls(): the GPU's launches)
+  local calls = ds.kernel_calls()
+  step(1)
+  result(name .. '_kernels', shape, ds.kernel_calls() - calls, 'kernels per step')
   io.stderr:write(string.format('bench/gpu.lua: %s %s %d params, %.1f ms/step, last loss %.4f\n', name, shape,
                                 model:num_parameters(), 1000 * sec, engine.last_loss or 0))
 end

@@ -14,8 +14,11 @@ function against(row, shape, d, u, from, to, label,    base, b) {
     base = shape; sub(from, to, base)
     b = val["dslua", row "\t" base]
     if (d != "" && b != "" && b > 0)
-        printf "%-24s %-28s against %s: %.2fx\n", "", "", label, (u == "s" || u == "GiB") ? b / d : d / b
+        printf "%-24s %-28s against %s: %.2fx\n", "", "", label, lower_better(u) ? b / d : d / b
 }
+
+# units where less is better: the ratio is the other way round
+function lower_better(u) { return u == "s" || u == "GiB" || u == "kernels per step" }
 
 $1 == "info" { dev[$2] = $4 }
 $1 == "flops" { fpt[$2] = $3 }
@@ -36,7 +39,7 @@ END {
         d = val["dslua", key]; t = val["torch", key]; c = val["torch_compile", key]
         ratio = "n/a"
         if (d != "" && t != "" && d > 0 && t > 0)
-            ratio = sprintf("%.2fx", (u == "s" || u == "GiB") ? t / d : d / t)
+            ratio = sprintf("%.2fx", lower_better(u) ? t / d : d / t)
         printf "%-24s %-28s %12s %12s %14s %8s  %s\n", k[1], k[2], d == "" ? "-" : d, t == "" ? "-" : t,
                c == "" ? "" : c, ratio, u
         against(k[1], k[2], d, u, "_fp8_", "_bf16_", "dslua bf16")

@@ -360,64 +360,102 @@ describe('layer_norm', function()
   end)
 end)
 
-describe('add_layer_norm', function()
-  -- the unfused pair it replaces: y = layer_norm(x + res), and x + res
-  local function unfused(x, res, w, b, eps)
-    local s = x + res
-    return ds.layer_norm(s, w, b, eps), s
-  end
-
-  it('gradients match finite differences, the sum used after the norm or not at all', function()
-    local function after(x, r, w, b)
-      local y, s = ds.add_layer_norm(x, r, w, b)
-      return s + y:tanh()          -- the sum's gradient is there before the norm's backward runs
-    end
-    H.gradcheck(after, { f64(3, 5), f64(3, 5), f64(5), f64(5) })
-    H.gradcheck(function(x, r) return (ds.add_layer_norm(x, r, nil, nil, 1e-3)) end, { f64(2, 4), f64(2, 4) })
-    H.gradcheck(function(x, r, w, b)
-      local y, s = ds.add_layer_norm(x, r, { 2, 3 }, w, b)
-      return y * s
-    end, { f64(2, 2, 3), f64(2, 2, 3), f64(2, 3), f64(2, 3) })
-  end)
-
-  it('gives the unfused add and layer_norm exactly, forward and backward, in f32 and bf16', function()
-    for _, dt in ipairs({ 'f32', 'bf16' }) do
-      local function leaf(...) return ds.randn({ ... }):to(dt):requires_grad_() end
-      local x, r, w, b = leaf(6, 7, 40), leaf(6, 7, 40), leaf(40), leaf(40)
-      local g1, g2 = ds.randn(6, 7, 40):to(dt), ds.randn(6, 7, 40):to(dt)
-      local function run(fn)
-        for _, t in ipairs({ x, r, w, b }) do t.grad = nil end
-        local y, s = fn(x, r, w, b, 1e-5)
-        ;(y * g1 + (s * g2):tanh()):sum():backward()
-        return { y, s, x.grad, r.grad, w.grad, b.grad }
+-- The residual norms, each with the unfused pair it replaces: y = norm(x
+-- + res), and x + res. call(x, r, shape, p, eps): shape nil or the torch
+-- form's normalized_shape, p the norm's parameters (w, b or w).
+local RESIDUAL_NORMS = {
+  { name = 'add_layer_norm', n_params = 2, module = ds.nn.LayerNorm,
+    call = function(fused, x, r, shape, p, eps)
+      local norm = fused and ds.add_layer_norm or function(a, b, ...)
+        local s = a + b
+        return ds.layer_norm(s, ...), s
       end
-      local got, want = run(ds.add_layer_norm), run(unfused)
-      for i = 1, #want do
-        assert.are.equal(dt, got[i]:dtype())
-        assert.are.same(want[i]:to('f64'):totable(), got[i]:to('f64'):totable(), dt .. ' result ' .. i)
+      if shape then return norm(x, r, shape, p[1], p[2], eps) end
+      return norm(x, r, p[1], p[2], eps)
+    end },
+  { name = 'add_rms_norm', n_params = 1, module = ds.nn.RMSNorm,
+    call = function(fused, x, r, shape, p, eps)
+      local norm = fused and ds.add_rms_norm or function(a, b, ...)
+        local s = a + b
+        return ds.rms_norm(s, ...), s
       end
-    end
-  end)
+      if shape then return norm(x, r, shape, p[1], eps) end
+      return norm(x, r, p[1], eps)
+    end },
+}
 
-  it('is nn.LayerNorm given the residual, the layer users call', function()
-    local ln = ds.nn.LayerNorm(8)
-    local x, r = ds.randn(3, 8), ds.randn(3, 8)
-    local y, s = ln(x, r)
-    assert.are.same((x + r):totable(), s:totable())
-    assert.are.same(ln(x + r):totable(), y:totable())
-  end)
+for _, case in ipairs(RESIDUAL_NORMS) do
+  describe(case.name, function()
+    local function fused(x, r, shape, p, eps) return case.call(true, x, r, shape, p, eps) end
 
-  it('refuses a residual of another shape or dtype, and parameters that do not match', function()
-    fails('add_layer_norm: residual f32 %[3,5%] does not match input f32 %[3,4%] %(same shape and dtype%)',
-          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 5), nil, nil)
-    fails('add_layer_norm: residual f64 %[3,4%] does not match input f32 %[3,4%]',
-          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 4, 'f64'), nil, nil)
-    fails('add_layer_norm: weight of shape %[5%] does not match the last dims of input %[3,4%]',
-          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 4), ds.ones(5), nil)
-    fails('add_layer_norm: normalized_shape %[3%] does not match the last dims of input %[3,4%]',
-          ds.add_layer_norm, ds.zeros(3, 4), ds.zeros(3, 4), 3)
+    it('gradients match finite differences, the sum used after the norm or not at all', function()
+      local function params(...)
+        local p = {}
+        for i = 1, case.n_params do p[i] = f64(...) end
+        return p
+      end
+      local p5, p23 = params(5), params(2, 3)
+      H.gradcheck(function(x, r, ...)
+        local y, s = fused(x, r, nil, { ... })
+        return s + y:tanh()          -- the sum's gradient is there before the norm's backward runs
+      end, { f64(3, 5), f64(3, 5), unpack(p5) })
+      H.gradcheck(function(x, r) return (fused(x, r, nil, {}, 1e-3)) end, { f64(2, 4), f64(2, 4) })
+      H.gradcheck(function(x, r, ...)
+        local y, s = fused(x, r, { 2, 3 }, { ... })
+        return y * s
+      end, { f64(2, 2, 3), f64(2, 2, 3), unpack(p23) })
+    end)
+
+    it('gives the unfused add and norm exactly, forward and backward, in f32 and bf16', function()
+      for _, dt in ipairs({ 'f32', 'bf16' }) do
+        local function leaf(...) return ds.randn({ ... }):to(dt):requires_grad_() end
+        local x, r, p = leaf(6, 7, 40), leaf(6, 7, 40), { leaf(40), leaf(40) }
+        p[case.n_params + 1] = nil
+        local g1, g2 = ds.randn(6, 7, 40):to(dt), ds.randn(6, 7, 40):to(dt)
+        local function run(is_fused)
+          local all = { x, r, unpack(p) }
+          for _, t in ipairs(all) do t.grad = nil end
+          local y, s = case.call(is_fused, x, r, nil, p, 1e-5)
+          ;(y * g1 + (s * g2):tanh()):sum():backward()
+          local out = { y, s }
+          for _, t in ipairs(all) do out[#out + 1] = t.grad end
+          return out
+        end
+        local got, want = run(true), run(false)
+        assert.are.equal(#want, #got)
+        for i = 1, #want do
+          assert.are.equal(dt, got[i]:dtype())
+          assert.are.same(want[i]:to('f64'):totable(), got[i]:to('f64'):totable(), dt .. ' result ' .. i)
+        end
+      end
+    end)
+
+    it('is the norm module given the residual, and the pair (norm, x) given false', function()
+      local norm = case.module(8)
+      local x, r = ds.randn(3, 8), ds.randn(3, 8)
+      local y, s = norm(x, r)
+      assert.are.same((x + r):totable(), s:totable())
+      assert.are.same(norm(x + r):totable(), y:totable())
+      local y2, same = norm(x, false)
+      assert.are.same(norm(x):totable(), y2:totable())
+      assert.are.equal(x, same)
+      assert.are.equal(1, select('#', norm(x)))
+    end)
+
+    it('refuses a residual of another shape or dtype, and parameters that do not match', function()
+      local n = case.name
+      local function call(...) return fused(...) end
+      fails(n .. ': residual f32 %[3,5%] does not match input f32 %[3,4%] %(same shape and dtype%)',
+            call, ds.zeros(3, 4), ds.zeros(3, 5), nil, {})
+      fails(n .. ': residual f64 %[3,4%] does not match input f32 %[3,4%]',
+            call, ds.zeros(3, 4), ds.zeros(3, 4, 'f64'), nil, {})
+      fails(n .. ': weight of shape %[5%] does not match the last dims of input %[3,4%]',
+            call, ds.zeros(3, 4), ds.zeros(3, 4), nil, { ds.ones(5) })
+      fails(n .. ': normalized_shape %[3%] does not match the last dims of input %[3,4%]',
+            call, ds.zeros(3, 4), ds.zeros(3, 4), 3, {})
+    end)
   end)
-end)
+end
 
 describe('rms_norm', function()
   it('with a weight matches the float64 reference', function()

@@ -1,0 +1,174 @@
+-- The kernels of a training step: each residual add done by the norm
+-- after it, the same bits as the unfused model; and ds.kernel_calls()
+-- around a step's forward, backward and step, counted per layer at 2 and
+-- 4 layers, so one kernel more in each layer fails here.
+local H = require 'helpers'
+local ds = H.ds
+
+local GPT = require 'models.gpt2'
+local Llama = require 'models.llama'
+
+local MODELS = {
+  gpt2 = { build = GPT, cfg = { n_head = 4, n_embd = 32, vocab_size = 96, block_size = 16 } },
+  llama = { build = Llama, cfg = { n_head = 4, n_kv_head = 2, n_embd = 32, vocab_size = 96, block_size = 16 } },
+}
+
+local function model(name, n_layer, extra)
+  local cfg = { n_layer = n_layer }
+  for k, v in pairs(MODELS[name].cfg) do cfg[k] = v end
+  for k, v in pairs(extra or {}) do cfg[k] = v end
+  ds.manual_seed(7)
+  return MODELS[name].build(cfg)
+end
+
+local function batch()
+  ds.manual_seed(11)
+  local ids = (ds.rand(2, 17) * 96):to('i64')
+  return ids:narrow(2, 1, 16):contiguous(), ids:narrow(2, 2, 16):contiguous()
+end
+
+-- The kernel calls fn makes.
+local function calls(fn)
+  local before = ds.kernel_calls()
+  fn()
+  return ds.kernel_calls() - before
+end
+
+describe('residual adds in the norms after them', function()
+  local real = { add_layer_norm = ds.add_layer_norm, add_rms_norm = ds.add_rms_norm }
+  local NORMS = { add_layer_norm = ds.layer_norm, add_rms_norm = ds.rms_norm }
+  after_each(function()
+    for name, fn in pairs(real) do ds[name] = fn end
+  end)
+
+  -- every residual add a separate kernel and the norm after it another: the model before the fusion
+  local function unfuse()
+    for name, norm in pairs(NORMS) do
+      ds[name] = function(x, res, ...)
+        local s = x + res
+        return norm(s, ...), s
+      end
+    end
+  end
+
+  -- the loss, the logits and every gradient of one forward and backward, as numbers
+  local function run(name, extra)
+    local m = model(name, 3, extra)
+    local x, y = batch()
+    local loss, logits = m(x, y)
+    loss:backward()
+    local out = { loss = loss:to('f64'):item(), logits = logits:to('f64'):totable() }
+    for _, p in ipairs(m:named_parameters()) do out[p.name] = p.tensor.grad:to('f64'):totable() end
+    return out
+  end
+
+  for _, name in ipairs({ 'gpt2', 'llama' }) do
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      for _, ckpt in ipairs({ false, 1, 2 }) do
+        it(string.format('%s %s, checkpoint %s: the loss, logits and every gradient of the unfused model exactly',
+                         name, dt, tostring(ckpt)), function()
+          local got = run(name, { dtype = dt, checkpoint = ckpt })
+          unfuse()
+          local want = run(name, { dtype = dt, checkpoint = ckpt })
+          for key, v in pairs(want) do assert.are.same(v, got[key], key) end
+        end)
+      end
+    end
+  end
+
+  it('takes the residual into every norm after one: GPT-2 and Llama call the fused norm 2 per layer', function()
+    for name, norm in pairs({ gpt2 = 'add_layer_norm', llama = 'add_rms_norm' }) do
+      local m, n = model(name, 3), 0
+      ds[norm] = function(...)
+        n = n + 1
+        return real[norm](...)
+      end
+      m(batch())
+      ds[norm] = real[norm]
+      -- the first block's first norm has no residual before it; the final norm has the last MLP's
+      assert.are.equal(2 * 3, n, name)
+    end
+  end)
+end)
+
+describe('kernel calls', function()
+  -- forward, backward and step of one engine step after two (AdamW, clipping)
+  local function step_calls(name, n_layer, dt)
+    local engine = ds.initialize { model = model(name, n_layer), config = {
+      train_batch_size = 2, steps_per_print = 1e9, gradient_clipping = 1.0, bf16 = { enabled = dt == 'bf16' },
+      optimizer = { type = 'AdamW', params = { lr = 1e-3 } } } }
+    local x, y = batch()
+    for _ = 1, 2 do
+      engine:backward(engine { x = x, y = y })
+      engine:step()
+    end
+    local loss
+    local f = calls(function() loss = engine { x = x, y = y } end)
+    local b = calls(function() engine:backward(loss) end)
+    return { f, b, calls(function() engine:step() end) }
+  end
+
+  -- Per layer, on the CPU. GPT-2 forward: ln_1, c_attn, attention, c_proj,
+  -- ln_2 with the attention's residual, c_fc, GELU, c_proj (8; the MLP's
+  -- residual is the next norm's); backward: the norms 2, attention 1, each
+  -- Linear's input and weight gradients 2 (the bias's with the weight's)
+  -- times 4, GELU 1, and the 12 parameters' gradients added into the
+  -- engine's buffers (24). Llama forward: 2 norms, 7 Linears, rotary
+  -- embeddings of q and k (each: neg, the halves' cat 2, mul 2, add),
+  -- repeat_kv's cat of k and v 2 each, SiLU, its product, attention (28);
+  -- backward: 2 norms, 7 Linears' 2 each, 9 parameters' adds, the rotary
+  -- muls' gradient of q and k 1 each and the other half's neg 1 each, the
+  -- split halves' zeros and copy 2 each for q and k, the sums of q's and
+  -- k's 3 gradients 2 each and of x's 3 uses 2, SiLU and its product 3,
+  -- q, k and v back to [B, T, H D] 3, attention 1 (55).
+  local PER_LAYER = { gpt2 = { 8, 24 }, llama = { 28, 55 } }
+  -- Around the layers, measured: the embeddings (their index checks and
+  -- gathers, GPT-2's position add), the final norm, the lm_head, the loss
+  -- and the engine's own, each way (bf16: the embedding gradients' casts
+  -- to and from their f32 sums); the step: the clip's norm and the
+  -- optimizer (bf16: the masters' copy back). The layers' share is what a
+  -- change to the blocks moves.
+  local FIXED = {
+    gpt2 = { f32 = { 16, 17, 5 }, bf16 = { 16, 21, 6 } },
+    llama = { f32 = { 12, 12, 5 }, bf16 = { 12, 14, 6 } },
+  }
+
+  for _, name in ipairs({ 'gpt2', 'llama' }) do
+    for _, dt in ipairs({ 'f32', 'bf16' }) do
+      it(string.format('%s %s: a step makes fixed + per layer x n_layer, at 2 and 4 layers', name, dt), function()
+        for _, n_layer in ipairs({ 2, 4 }) do
+          local fixed, per = FIXED[name][dt], PER_LAYER[name]
+          local want = { fixed[1] + per[1] * n_layer, fixed[2] + per[2] * n_layer, fixed[3] }
+          assert.are.same(want, step_calls(name, n_layer, dt), string.format('%s %s %d layers', name, dt, n_layer))
+        end
+      end)
+    end
+  end
+
+  it('a Linear with a bias: one call forward, two backward (its bias gradient with the weight\'s)', function()
+    local lin = ds.nn.Linear(8, 4)
+    local x, g = ds.randn(3, 8):requires_grad_(), ds.randn(3, 4)
+    local y
+    assert.are.equal(1, calls(function() y = lin(x) end))
+    assert.are.equal(2, calls(function() y:backward(g) end))
+    assert.are.same((g:t() * ds.ones(3)):sum(2):totable(), lin.bias.grad:totable())
+  end)
+
+  it('a product with a constant runs no kernel for the constant\'s gradient', function()
+    local x, c = ds.randn(4, 6):requires_grad_(), ds.randn(6)
+    local y = x * c
+    local g = ds.randn(4, 6)
+    assert.are.equal(1, calls(function() y:backward(g) end))
+    assert.is_nil(c.grad)
+  end)
+
+  it('cat hands its inputs views of the gradient, copying nothing', function()
+    local a, b = ds.randn(2, 3):requires_grad_(), ds.randn(2, 5):requires_grad_()
+    local y = ds.cat({ a:tanh(), b:tanh() }, 2)
+    local g = ds.randn(2, 8)
+    assert.are.equal(2, calls(function() y:backward(g) end))     -- the two tanh's backward alone
+    local a2 = a:detach():requires_grad_()
+    a2:tanh():backward(g:narrow(2, 1, 3):contiguous())
+    assert.are.same(a2.grad:totable(), a.grad:totable())
+  end)
+end)
