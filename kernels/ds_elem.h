@@ -5,7 +5,9 @@
 
 #include "ds_kernels.h"
 #include "ds_expf.h"
+#include "ds_half.h"
 #include <math.h>
+#include <stdbool.h>
 
 #define DS_SQRT_2_OVER_PI 0.7978845608028654
 #define DS_INV_SQRT_2 0.7071067811865476
@@ -138,6 +140,47 @@ DS_HOSTDEV double ds_unary_derivative(ds_unary_op op, double x, double y, double
     }
     default: return 0;
     }
+}
+
+/* v rounded to t's precision, as a store and a load of t round it */
+DS_HOSTDEV double ds_round_to(ds_dtype t, double v) {
+    switch (t) {
+    case DS_F32: return (float)v;
+    case DS_BF16: return ds_bf16_to_f32(ds_f32_to_bf16((float)v));
+    case DS_F16: return ds_f16_to_f32(ds_f32_to_f16((float)v));
+    default: return v;
+    }
+}
+
+/* A product and a sum each rounded once, never contracted into a
+ * multiply-add, as separate kernels round them (CUDA's intrinsics; the
+ * CPU's callers build with -ffp-contract=off). */
+#ifdef __CUDA_ARCH__
+#define DS_MUL_RN(a, b) __dmul_rn(a, b)
+#define DS_ADD_RN(a, b) __dadd_rn(a, b)
+#else
+#define DS_MUL_RN(a, b) ((a) * (b))
+#define DS_ADD_RN(a, b) ((a) + (b))
+#endif
+
+/* Rotary embedding in the rotate_half form, element i of a row of halves
+ * h, in dtype t: x_i c_i + r_i s_i with r = cat(-x[h:], x[:h]); v is x_i,
+ * vp its partner (x[i + h] in the first half, x[i - h] in the second).
+ * Each product and the sum rounded to t as the composed mul, neg, cat and
+ * add round them (double holds an f32 product exactly, and rounds an f32
+ * sum as f32 does), so the result is theirs to the bit. */
+DS_HOSTDEV double ds_rope_elem(ds_dtype t, bool first, double v, double c, double vp, double s) {
+    double a = ds_round_to(t, DS_MUL_RN(v, c)), b = ds_round_to(t, DS_MUL_RN(first ? -vp : vp, s));
+    return ds_round_to(t, DS_ADD_RN(a, b));
+}
+
+/* Its gradient from g, the output's: g_i c_i + q_i with q = cat(g[h:]
+ * s[h:], -(g[:h] s[:h])) (gp and sp the partner's g and s), as the
+ * composed ops' backward sums it; the partner's term comes through a
+ * zero-filled slice, which turns a -0 sum into +0. */
+DS_HOSTDEV double ds_rope_elem_backward(ds_dtype t, bool first, double g, double c, double gp, double sp) {
+    double a = ds_round_to(t, DS_MUL_RN(g, c)), q = ds_round_to(t, DS_MUL_RN(gp, sp));
+    return DS_ADD_RN(ds_round_to(t, DS_ADD_RN(a, first ? q : -q)), 0.0);
 }
 
 #endif

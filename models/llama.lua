@@ -94,13 +94,6 @@ local function rope_tables(cfg)
   return tensor(cos), tensor(sin)
 end
 
--- x * cos + rotate_half(x) * sin, with rotate_half(x) = cat(-x2, x1) over
--- the halves of the last dim.
-local function rope(x, cos, sin)
-  local h = x:split(x:size(4) / 2, 4)
-  return x * cos + ds.cat({ -h[2], h[1] }, 4) * sin
-end
-
 -- [B, KV, T, D] -> [B, KV * rep, T, D], each kv head repeated for the rep
 -- query heads that share it (Hugging Face's repeat_kv).
 local function repeat_kv(x, rep)
@@ -136,8 +129,9 @@ function Attention:forward(x, cos, sin)
   if self.group then x = nn.parallel.copy_to_region(x, self.group) end    -- tensor parallel: q, k, v read one copy
   local B, T = x:size(1), x:size(2)
   local H, KV, D = self.n_head, self.n_kv_head, self.head_dim
-  local q = rope(self.q_proj(x):view({ B, T, H, D }):transpose(2, 3), cos, sin)
-  local k = rope(self.k_proj(x):view({ B, T, KV, D }):transpose(2, 3), cos, sin)
+  -- q and k rotated: x cos + cat(-x2, x1) sin over the halves of the head dim, one kernel each way
+  local q = ds.rope(self.q_proj(x):view({ B, T, H, D }):transpose(2, 3), cos, sin)
+  local k = ds.rope(self.k_proj(x):view({ B, T, KV, D }):transpose(2, 3), cos, sin)
   local v = self.v_proj(x):view({ B, T, KV, D }):transpose(2, 3)
   local sp = rawget(self, 'sequence')
   if sp then

@@ -113,15 +113,14 @@ describe('kernel calls', function()
   -- residual is the next norm's); backward: the norms 2, attention 1, each
   -- Linear's input and weight gradients 2 (the bias's with the weight's)
   -- times 4, GELU 1, and the 12 parameters' gradients added into the
-  -- engine's buffers (24). Llama forward: 2 norms, 7 Linears, rotary
-  -- embeddings of q and k (each: neg, the halves' cat 2, mul 2, add),
-  -- repeat_kv's cat of k and v 2 each, SiLU, its product, attention (28);
-  -- backward: 2 norms, 7 Linears' 2 each, 9 parameters' adds, the rotary
-  -- muls' gradient of q and k 1 each and the other half's neg 1 each, the
-  -- split halves' zeros and copy 2 each for q and k, the sums of q's and
-  -- k's 3 gradients 2 each and of x's 3 uses 2, SiLU and its product 3,
-  -- q, k and v back to [B, T, H D] 3, attention 1 (55).
-  local PER_LAYER = { gpt2 = { 8, 24 }, llama = { 28, 55 } }
+  -- engine's buffers (24). Llama forward: 2 norms, 7 Linears, the rotary
+  -- embedding of q and k, repeat_kv's cat of k and v 2 each, SiLU, its
+  -- product, attention (18); backward: 2 norms, 7 Linears' 2 each, 9
+  -- parameters' adds, the rotary embedding of q and k, the sums of the
+  -- gradients of x's 3 uses 2, of k's and v's repeats 1 each and of the
+  -- MLP input's 2 uses 1, SiLU 1 and its product 2, q, k and v back to
+  -- [B, T, H D] 3, attention 1 (39).
+  local PER_LAYER = { gpt2 = { 8, 24 }, llama = { 18, 39 } }
   -- Around the layers, measured: the embeddings (their index checks and
   -- gathers, GPT-2's position add), the final norm, the lm_head, the loss
   -- and the engine's own, each way (bf16: the embedding gradients' casts

@@ -457,6 +457,48 @@ for _, case in ipairs(RESIDUAL_NORMS) do
   end)
 end
 
+describe('rope', function()
+  -- Hugging Face's rotate_half form, composed of the ops ds.rope replaces
+  local function composed(x, cos, sin)
+    local h = x:split(x:size(x:dim()) / 2, x:dim())
+    return x * cos + ds.cat({ -h[2], h[1] }, x:dim()) * sin
+  end
+
+  it('gradients match finite differences', function()
+    local cos, sin = ds.randn({ 3, 6 }, 'f64'), ds.randn({ 3, 6 }, 'f64')
+    H.gradcheck(function(x) return ds.rope(x, cos, sin) end, { f64(2, 3, 6) })
+    H.gradcheck(function(x) return ds.rope(x:transpose(1, 2), cos, sin) end, { f64(3, 3, 6) })
+  end)
+
+  it('gives the composed ops exactly, forward and backward, of a transposed input, in f32, bf16 and f16', function()
+    for _, dt in ipairs({ 'f32', 'bf16', 'f16' }) do
+      local base = ds.randn(2, 5, 3, 8):to(dt)
+      local cos, sin, g = ds.randn(5, 8):to(dt), ds.randn(5, 8):to(dt), ds.randn(2, 3, 5, 8):to(dt)
+      local function run(fn)
+        local x = base:detach():requires_grad_()
+        local y = fn(x:transpose(2, 3), cos, sin)
+        y:backward(g)
+        return y, x.grad
+      end
+      local y1, g1 = run(composed)
+      local y2, g2 = run(ds.rope)
+      assert.are.equal(dt, y2:dtype())
+      -- the bits, a zero's sign included
+      assert.are.same(y1:to('f64'):totable(), y2:to('f64'):totable(), dt)
+      assert.are.same((1 / g1:to('f64')):totable(), (1 / g2:to('f64')):totable(), dt .. ' gradient')
+    end
+  end)
+
+  it('refuses an odd last dim, tables of another dtype or shape, and tables that need a gradient', function()
+    local x, t = ds.zeros(2, 4), ds.zeros(2, 4)
+    fails('rope: the last dim of input %[2,3%] must be even', ds.rope, ds.zeros(2, 3), ds.zeros(2, 3), ds.zeros(2, 3))
+    fails('rope: cos f64 and sin f32 must be the input\'s dtype f32', ds.rope, x, ds.zeros(2, 4, 'f64'), t)
+    fails('rope: cos %[2,4%] and sin %[4%] differ in shape', ds.rope, x, t, ds.zeros(4))
+    fails('rope: cos and sin are tables and take no gradient', ds.rope, x, ds.zeros(2, 4):requires_grad_(), t)
+    fails('rope: input must be a floating point tensor', ds.rope, ds.zeros(2, 4, 'i64'), t, t)
+  end)
+end)
+
 describe('rms_norm', function()
   it('with a weight matches the float64 reference', function()
     against_torch('rms_w', 2, function(x) return ds.rms_norm(x[1], x[2], 1e-6) end)

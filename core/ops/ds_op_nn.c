@@ -438,6 +438,59 @@ ds_tensor *ds_add_rms_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tenso
     return norm_of("add_rms_norm", false, x, res, norm_ndim, w, NULL, rms_eps(x, eps), sum);
 }
 
+/* ---- rotary embedding: one kernel each way, where the composed ops take
+ * six forward and nine back ---- */
+
+/* y = rope of x over cos and sin as views of x's shape (backward: x is
+ * the output's gradient, y its input's) */
+static int rope_into(ds_tensor *y, ds_tensor *x, ds_tensor *cos, ds_tensor *sin, bool backward) {
+    ds_tensor *c = ds_expand(cos, x->ndim, x->shape), *s = c ? ds_expand(sin, x->ndim, x->shape) : NULL;
+    int rc = s ? ds_tensor_kernels(y)->nn->rope(ds_tensor_kview(y), ds_tensor_kview(x), ds_tensor_kview(c),
+                                                ds_tensor_kview(s), backward) : -1;
+    if (s && rc) ds_fail(DS_ERR_STATE, "rope: %s", ds_kernel_error());
+    ds_tensor_release(c);
+    ds_tensor_release(s);
+    return rc;
+}
+
+static int rope_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *dx = ds_tensor_new(g->ndim, g->shape, g->dtype, ds_tensor_device(g));
+    if (!dx || rope_into(dx, g, n->saved[0], n->saved[1], true)) {
+        ds_tensor_release(dx);
+        return -1;
+    }
+    gin[0] = dx;
+    return 0;
+}
+
+ds_tensor *ds_rope(ds_tensor *x, ds_tensor *cos, ds_tensor *sin) {
+    char s1[96], s2[96];
+    if (need_float("rope", "input", x) || ds_check_same_device("rope", x, cos) || ds_check_same_device("rope", x, sin))
+        return NULL;
+    if (x->ndim == 0 || x->shape[x->ndim - 1] % 2)
+        return ds_fail(DS_ERR_ARG, "rope: the last dim of input %s must be even (its two halves rotate together)",
+                       ds_shape_str(x, s1, sizeof s1));
+    if (cos->dtype != x->dtype || sin->dtype != x->dtype)
+        return ds_fail(DS_ERR_ARG, "rope: cos %s and sin %s must be the input's dtype %s", ds_dtype_name(cos->dtype),
+                       ds_dtype_name(sin->dtype), ds_dtype_name(x->dtype));
+    if (cos->requires_grad || sin->requires_grad)
+        return ds_fail(DS_ERR_ARG, "rope: cos and sin are tables and take no gradient (detach them)");
+    if (!ds_tensor_same_shape(cos, sin))
+        return ds_fail(DS_ERR_ARG, "rope: cos %s and sin %s differ in shape", ds_shape_str(cos, s1, sizeof s1),
+                       ds_shape_str(sin, s2, sizeof s2));
+    ds_tensor *out = ds_tensor_new(x->ndim, x->shape, x->dtype, ds_tensor_device(x));
+    if (!out || rope_into(out, x, cos, sin, false)) {
+        ds_tensor_release(out);
+        return NULL;
+    }
+    ds_node *n = ds_autograd_record("rope", rope_backward, 1, &x, out);
+    if (n && (ds_node_save(n, 0, cos) || ds_node_save(n, 1, sin))) {
+        ds_tensor_release(out);
+        return NULL;
+    }
+    return out;
+}
+
 /* ---- dropout: the backward draws the same mask from the same counters ---- */
 
 static int dropout_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {

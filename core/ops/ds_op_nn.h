@@ -50,6 +50,13 @@ ds_tensor *ds_rms_norm(ds_tensor *x, int norm_ndim, ds_tensor *weight, double ep
 ds_tensor *ds_add_rms_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tensor *weight, double eps,
                            ds_tensor **sum);
 
+/* Rotary position embedding in Hugging Face's rotate_half form: x cos +
+ * cat(-x2, x1) sin over x's last dim (even; x1, x2 its halves), cos and
+ * sin of x's dtype and device, broadcast to x's shape, taking no
+ * gradient. One kernel each way, rounding as those composed ops do: the
+ * same bits forward and backward. */
+ds_tensor *ds_rope(ds_tensor *x, ds_tensor *cos, ds_tensor *sin);
+
 /* Zeroes each element with probability p and scales the rest by 1/(1-p);
  * the mask comes from g (NULL: the default generator) and is the same at
  * any thread count. Not training, or p = 0, returns x itself. */

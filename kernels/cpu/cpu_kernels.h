@@ -16,4 +16,7 @@ extern const ds_kernels_optim ds_cpu_optim;
 extern const ds_kernels_fp8 ds_cpu_fp8;
 extern const ds_kernels ds_cpu_kernels;
 
+/* cpu_rope.c, built apart (without contracted multiply-adds) */
+int cpu_rope(ds_kview y, ds_kview x, ds_kview cos, ds_kview sin, bool backward);
+
 #endif

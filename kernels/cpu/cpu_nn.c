@@ -412,5 +412,5 @@ static int cpu_dropout(ds_kview y, ds_kview x, uint64_t seed, uint64_t offset, d
 
 const ds_kernels_nn ds_cpu_nn = {
     cpu_softmax, cpu_softmax_backward, cpu_cross_entropy, cpu_cross_entropy_backward,
-    cpu_layer_norm, cpu_layer_norm_backward, cpu_rms_norm, cpu_rms_norm_backward, cpu_dropout,
+    cpu_layer_norm, cpu_layer_norm_backward, cpu_rms_norm, cpu_rms_norm_backward, cpu_rope, cpu_dropout,
 };

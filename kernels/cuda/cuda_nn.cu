@@ -9,6 +9,7 @@
  * warp path for rows up to 1024 (cuda_norm.cuh), else in two kernels after. Dropout draws the CPU's Philox
  * stream, so its masks are identical. */
 #include "cuda_norm.cuh"
+#include "../ds_elem.h"
 #include "../ds_rows.h"
 
 static unsigned row_blocks(int64_t rows) { return ds_cuda_blocks(rows, 1); }
@@ -595,6 +596,30 @@ static int cuda_rms_norm_backward(ds_kview dx, ds_kview dw, ds_kview g, ds_kview
     return norm_backward(dx, dw, no_view, g, x, w, no_view, rstd, gres, rows, n);
 }
 
+/* ---- rotary embedding: a thread an element, through ds_rope_elem ---- */
+
+static __global__ void rope_kernel(ds_kview y, ds_kview x, ds_kview c, ds_kview s, int64_t numel, int64_t n,
+                                   bool backward) {
+    DS_CUDA_LOOP(i, numel) {
+        int64_t j = i % n, h = n / 2;
+        bool first = j < h;
+        int64_t p = first ? i + h : i - h;
+        double v = ds_load(x.dtype, x.data, ds_cuda_offset(x, i)), vp = ds_load(x.dtype, x.data, ds_cuda_offset(x, p));
+        double ci = ds_load(c.dtype, c.data, ds_cuda_offset(c, i));
+        double si = ds_load(s.dtype, s.data, ds_cuda_offset(s, backward ? p : i));
+        ds_store(y.dtype, y.data, i, backward ? ds_rope_elem_backward(y.dtype, first, v, ci, vp, si)
+                                              : ds_rope_elem(y.dtype, first, v, ci, vp, si));
+    }
+}
+
+static int cuda_rope(ds_kview y, ds_kview x, ds_kview c, ds_kview s, bool backward) {
+    int64_t numel = ds_kview_numel(&y);
+    if (numel == 0) return 0;
+    rope_kernel<<<ds_cuda_blocks(numel, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+        y, x, c, s, numel, y.shape[y.ndim - 1], backward);
+    return ds_cuda_launched("rope_kernel");
+}
+
 /* ---- dropout: thread b draws Philox block offset + b, the keep bits of
  * elements 4b..4b+3, exactly as the CPU ---- */
 
@@ -616,5 +641,5 @@ static int cuda_dropout(ds_kview y, ds_kview x, uint64_t seed, uint64_t offset, 
 
 extern "C" const ds_kernels_nn ds_cuda_nn = {
     cuda_softmax, cuda_softmax_backward, cuda_cross_entropy, cuda_cross_entropy_backward,
-    norm_forward, norm_backward, cuda_rms_norm, cuda_rms_norm_backward, cuda_dropout,
+    norm_forward, norm_backward, cuda_rms_norm, cuda_rms_norm_backward, cuda_rope, cuda_dropout,
 };

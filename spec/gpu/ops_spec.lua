@@ -611,6 +611,16 @@ describe('nn row ops on the GPU #gpu', function()
   each(FLOATS, 'rms_norm without weight of long rows', function(dt)
     return function(x) return ds.rms_norm(x, { 3000 }, nil) end, { randn(dt, 2, 3000) }
   end)
+  each(FLOATS, 'add_rms_norm of rows of 8 (the warp kernels)', function(dt)
+    return function(x, r, w)
+      local y, s = ds.add_rms_norm(x, r, w, 1e-6)
+      return s + y, y, s
+    end, { randn(dt, 50, 8), randn(dt, 50, 8), randn(dt, 8) }
+  end)
+  each(FLOATS, 'rope of a transposed input (the rotary tables constant)', function(dt)
+    return function(x, c, s) return ds.rope(x:transpose(2, 3), c, s) end,
+           { randn(dt, 2, 7, 3, 16), randn(dt, 7, 16), randn(dt, 7, 16) }, { const = { false, true, true } }
+  end)
   each(FLOATS, 'dropout (the same mask on both devices)', function(dt)
     return function(x)
       ds.manual_seed(1234)
