@@ -164,8 +164,8 @@ typedef struct ds_kernels_nn {
     int (*rms_norm_backward)(ds_kview dx, ds_kview dw, ds_kview g, ds_kview x, ds_kview w, ds_kview rstd, ds_kview gres,
                              int64_t rows, int64_t n);
     /* Rotary embedding (ds_rope_elem) over the last dim (even) of y's shape,
-     * which x, cos and sin share (strided, or broadcast by stride 0); y
-     * contiguous. backward: y = dx from x = the output's gradient
+     * which x, cos and sin share (any strides; cos and sin broadcast by
+     * stride 0). backward: y = dx from x = the output's gradient
      * (ds_rope_elem_backward). */
     int (*rope)(ds_kview y, ds_kview x, ds_kview cos, ds_kview sin, bool backward);
     /* y = x keep / (1 - p) with keep from Philox (seed, offset) per element

@@ -118,9 +118,10 @@ describe('kernel calls', function()
   -- product, attention (18); backward: 2 norms, 7 Linears' 2 each, 9
   -- parameters' adds, the rotary embedding of q and k, the sums of the
   -- gradients of x's 3 uses 2, of k's and v's repeats 1 each and of the
-  -- MLP input's 2 uses 1, SiLU 1 and its product 2, q, k and v back to
-  -- [B, T, H D] 3, attention 1 (39).
-  local PER_LAYER = { gpt2 = { 8, 24 }, llama = { 18, 39 } }
+  -- MLP input's 2 uses 1, SiLU 1 and its product 2, v's from the repeats'
+  -- sum back to [B, T, H D] 1 (q's and k's come in that layout), attention
+  -- 1 (37).
+  local PER_LAYER = { gpt2 = { 8, 24 }, llama = { 18, 37 } }
   -- Around the layers, measured: the embeddings (their index checks and
   -- gathers, GPT-2's position add), the final norm, the lm_head, the loss
   -- and the engine's own, each way (bf16: the embedding gradients' casts
@@ -159,6 +160,14 @@ describe('kernel calls', function()
     local g = ds.randn(4, 6)
     assert.are.equal(1, calls(function() y:backward(g) end))
     assert.is_nil(c.grad)
+  end)
+
+  it('rope gives its input\'s gradient in the input\'s layout: transposed heads go back with no copy', function()
+    local p = ds.randn(2, 5, 3, 8):requires_grad_()         -- [B, T, H, D], seen as heads [B, H, T, D]
+    local cos, sin, g = ds.randn(5, 8), ds.randn(5, 8), ds.randn(2, 3, 5, 8)
+    local y = ds.rope(p:transpose(2, 3), cos, sin)
+    assert.are.equal(1, calls(function() y:backward(g) end))
+    assert.is_true(p.grad:is_contiguous())
   end)
 
   it('cat hands its inputs views of the gradient, copying nothing', function()

@@ -9,10 +9,12 @@
 int cpu_rope(ds_kview y, ds_kview x, ds_kview c, ds_kview s, bool backward) {
     int64_t numel = ds_kview_numel(&y), n = cpu_cols(&y), h = n / 2;
     if (numel == 0) return 0;
-    int64_t rows = numel / n, sx = cpu_col_stride(&x), sc = cpu_col_stride(&c), ss = cpu_col_stride(&s);
+    int64_t rows = numel / n, sy = cpu_col_stride(&y), sx = cpu_col_stride(&x);
+    int64_t sc = cpu_col_stride(&c), ss = cpu_col_stride(&s);
     #pragma omp parallel for schedule(static) if (numel > CPU_PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
-        int64_t ox = cpu_row_offset(&x, r), oc = cpu_row_offset(&c, r), os = cpu_row_offset(&s, r);
+        int64_t oy = cpu_row_offset(&y, r), ox = cpu_row_offset(&x, r);
+        int64_t oc = cpu_row_offset(&c, r), os = cpu_row_offset(&s, r);
         for (int64_t i = 0; i < n; i++) {
             bool first = i < h;
             int64_t p = first ? i + h : i - h;
@@ -21,7 +23,7 @@ int cpu_rope(ds_kview y, ds_kview x, ds_kview c, ds_kview s, bool backward) {
             double si = ds_load(s.dtype, s.data, os + (backward ? p : i) * ss);
             double out = backward ? ds_rope_elem_backward(y.dtype, first, v, ci, vp, si)
                                   : ds_rope_elem(y.dtype, first, v, ci, vp, si);
-            ds_store(y.dtype, y.data, r * n + i, out);
+            ds_store(y.dtype, y.data, oy + i * sy, out);
         }
     }
     return 0;

@@ -607,8 +607,9 @@ static __global__ void rope_kernel(ds_kview y, ds_kview x, ds_kview c, ds_kview 
         double v = ds_load(x.dtype, x.data, ds_cuda_offset(x, i)), vp = ds_load(x.dtype, x.data, ds_cuda_offset(x, p));
         double ci = ds_load(c.dtype, c.data, ds_cuda_offset(c, i));
         double si = ds_load(s.dtype, s.data, ds_cuda_offset(s, backward ? p : i));
-        ds_store(y.dtype, y.data, i, backward ? ds_rope_elem_backward(y.dtype, first, v, ci, vp, si)
-                                              : ds_rope_elem(y.dtype, first, v, ci, vp, si));
+        double out = backward ? ds_rope_elem_backward(y.dtype, first, v, ci, vp, si)
+                              : ds_rope_elem(y.dtype, first, v, ci, vp, si);
+        ds_store(y.dtype, y.data, ds_cuda_offset(y, i), out);
     }
 }
 
