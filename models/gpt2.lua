@@ -123,7 +123,8 @@ end
 -- block(x) -> its output; block(x, res), res a tensor or false -> h, r,
 -- the output of block(x + res) being h + r: ln_1 adds res in its kernel
 -- and the MLP's r is left for the next norm to add
--- (ds.checkpointing.residual_sequential).
+-- (ds.checkpointing.sequential).
+Block.residual_kind = 'block'
 function Block:forward(x, res)
   local h
   h, x = self.ln_1(x, res or false)
@@ -222,7 +223,7 @@ function GPT:hidden(idx)
   end
   local x = tr.drop(tr.wte(idx) + tr.wpe(pos))
   local r
-  x, r = ds.checkpointing.residual_sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
+  x, r = ds.checkpointing.sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
   return (tr.ln_f(x, r))     -- the last block's MLP added in ln_f's kernel
 end
 

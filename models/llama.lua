@@ -173,6 +173,7 @@ end
 -- layer(x, cos, sin) -> its output; layer(x, cos, sin, res), res a tensor
 -- or false -> h, r, the output of layer(x + res, cos, sin) being h + r, as
 -- GPT-2's Block: each residual add is done by the RMS norm after it.
+Layer.residual_kind = 'block'
 function Layer:forward(x, cos, sin, res)
   local h
   h, x = self.input_layernorm(x, res or false)
@@ -265,8 +266,8 @@ function Llama:hidden(idx)
   local cos, sin = self.rope_cos:narrow(1, first, T), self.rope_sin:narrow(1, first, T)
   local x = self.model.embed_tokens(idx)
   local r
-  x, r = ds.checkpointing.residual_sequential(self.model.layers,
-                                              ds.checkpointing.interval('llama', self.config.checkpoint), x, cos, sin)
+  x, r = ds.checkpointing.sequential(self.model.layers, ds.checkpointing.interval('llama', self.config.checkpoint),
+                                     x, cos, sin)
   return (self.model.norm(x, r))
 end
 
@@ -362,9 +363,9 @@ function M.pipe_layers(cfg)
     self:register_buffer('rope_cos', cos, false)
     self:register_buffer('rope_sin', sin, false)
   end
-  function PipeLayer:forward(x)
+  function PipeLayer:forward(x, res)
     local T = x:size(2)
-    return Layer.forward(self, x, self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T))
+    return Layer.forward(self, x, self.rope_cos:narrow(1, 1, T), self.rope_sin:narrow(1, 1, T), res)
   end
   local function tied_head(e, x)
     return ds.linear(g and P.copy_to_region(x, g) or x, e.weight)

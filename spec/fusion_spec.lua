@@ -76,6 +76,33 @@ describe('residual adds in the norms after them', function()
     end
   end
 
+  -- the same for a pipeline of one stage over the model's pipe_layers
+  local function run_pipe(name, extra)
+    local layers, loss_fn = MODELS[name].build.pipe_layers(H.with(MODELS[name].cfg, { n_layer = 3 }))
+    ds.manual_seed(7)
+    local m = ds.pipe.PipelineModule { layers = layers, num_stages = 1, loss_fn = loss_fn,
+                                       activation_checkpoint_interval = extra.interval }
+    local x, y = batch()
+    local logits = m(x)
+    local loss = loss_fn(logits, y)
+    loss:backward()
+    local out = { loss = loss:item(), logits = logits:to('f64'):totable() }
+    for _, p in ipairs(m:named_parameters()) do out[p.name] = p.tensor.grad:to('f64'):totable() end
+    return out
+  end
+
+  for _, name in ipairs({ 'gpt2', 'llama' }) do
+    for _, interval in ipairs({ 0, 1 }) do
+      it(string.format('%s as a pipeline stage, checkpoint interval %d: the unfused stage\'s loss, logits and '
+                       .. 'gradients exactly', name, interval), function()
+        local got = run_pipe(name, { interval = interval })
+        unfuse()
+        local want = run_pipe(name, { interval = interval })
+        for key, v in pairs(want) do assert.are.same(v, got[key], key) end
+      end)
+    end
+  end
+
   it('takes the residual into every norm after one: GPT-2 and Llama call the fused norm 2 per layer', function()
     for name, norm in pairs({ gpt2 = 'add_layer_norm', llama = 'add_rms_norm' }) do
       local m, n = model(name, 3), 0
@@ -84,9 +111,15 @@ describe('residual adds in the norms after them', function()
         return real[norm](...)
       end
       m(batch())
-      ds[norm] = real[norm]
       -- the first block's first norm has no residual before it; the final norm has the last MLP's
       assert.are.equal(2 * 3, n, name)
+      n = 0
+      local stage = ds.pipe.PipelineModule { layers = (MODELS[name].build.pipe_layers(H.with(MODELS[name].cfg,
+                                                                                      { n_layer = 3 }))),
+                                             num_stages = 1 }
+      stage((batch()))
+      ds[norm] = real[norm]
+      assert.are.equal(2 * 3, n, name .. ' as a pipeline stage')
     end
   end)
 end)

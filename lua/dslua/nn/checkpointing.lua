@@ -161,51 +161,56 @@ function M.interval(model, v)
   return v
 end
 
--- x through the blocks of list (a ModuleList or an array) in turn, each called as block(x, ...); with every
--- > 0 the blocks run in checkpointed segments of `every` blocks.
-function M.sequential(list, every, x, ...)
-  local blocks = {}
-  for i, b in ipairs(list) do blocks[i] = b end
-  local n = #blocks
-  if every == 0 then
-    for i = 1, n do x = blocks[i](x, ...) end
-    return x
+-- How f takes a residual still to be added, from its class's
+-- residual_kind: 'block' (f(x, ..., res), res a tensor or false, returns
+-- h, r, f's output being h + r, res added to x by its first norm), 'norm'
+-- (f(x, res) returns norm(x + res) first; f(x, false) norm(x)), or nil (a
+-- plain tensor in, the sum made before it).
+local function residual_kind(f)
+  local cls = type(f) == 'table' and getmetatable(f)
+  while cls do
+    local kind = rawget(cls, 'residual_kind')
+    if kind then return kind end
+    cls = getmetatable(cls) and getmetatable(cls).__index
   end
-  for first = 1, n, every do
-    local last = math.min(first + every - 1, n)
-    x = M.checkpoint(function(h, ...)
-      for i = first, last do h = blocks[i](h, ...) end
-      return h
-    end, x, ...)
-  end
-  return x
+  return nil
 end
 
--- As sequential, for blocks that hand on their last residual add
--- unadded: block(x, ..., res) with res a tensor or false returns h, r, the
--- block's output being h + r, and its first norm adds res to x in its
--- kernel; block(x, ...) returns the output. Each block passes its r to
--- the next, and the last pair is returned for the norm after the blocks to
--- add (r nil after a checkpointed segment, which takes and returns one
--- tensor, its own blocks handing r on among themselves).
-function M.residual_sequential(list, every, x, ...)
-  local blocks = {}
-  for i, b in ipairs(list) do blocks[i] = b end
+-- x through the blocks of list (a ModuleList or an array) in turn, a
+-- block called as block(x, ...); returns h, r, the result being h + r (r
+-- nil when nothing is left to add). Blocks and norms that take a residual
+-- (residual_kind) pass the last residual add on: each block hands its r
+-- to the next block's first norm or to the norm after it, and one that
+-- takes a plain tensor gets the sum made first. With every > 0 the blocks
+-- run in checkpointed segments of `every`, each taking and returning one
+-- tensor (its r added at its end).
+function M.sequential(list, every, x, ...)
+  local blocks, kinds = {}, {}
+  for i, b in ipairs(list) do blocks[i], kinds[i] = b, residual_kind(b) end
   local n = #blocks
-  local function run(first, last, h, r, ...)
-    local args, k = { h, ... }, select('#', ...) + 2
+  local function run(first, last, h, ...)
+    local r, args, k = nil, { h, ... }, select('#', ...) + 2
     for i = first, last do
-      args[1], args[k] = h, r
-      h, r = blocks[i](unpack(args, 1, k))
+      local f, kind = blocks[i], kinds[i]
+      if kind == 'block' then
+        args[1], args[k] = h, r or false
+        h, r = f(unpack(args, 1, k))
+      elseif kind == 'norm' then
+        h, r = (f(h, r or false)), nil
+      else
+        if r then h, r = h + r, nil end
+        h = f(h, ...)
+      end
     end
     return h, r
   end
-  if every == 0 then return run(1, n, x, false, ...) end
+  if every == 0 then return run(1, n, x, ...) end
   for first = 1, n, every do
     local last = math.min(first + every - 1, n)
     x = M.checkpoint(function(h, ...)
-      local y, r = run(first, last, h, false, ...)
-      return y + r
+      local y, r = run(first, last, h, ...)
+      if r then y = y + r end
+      return y
     end, x, ...)
   end
   return x, nil

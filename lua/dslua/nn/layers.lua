@@ -151,6 +151,7 @@ end
 -- norm after it in one kernel each way (ds.add_layer_norm); x and res of
 -- one shape and dtype. ln(x, false) -> ln(x), x: the same pair with no
 -- residual to add.
+LayerNorm.residual_kind = 'norm'     -- ds.checkpointing.sequential hands it a residual
 function LayerNorm:forward(x, res)
   if res then return ds.add_layer_norm(x, res, self.normalized_shape, self.weight, self.bias, self.eps) end
   local y = ds.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
@@ -179,6 +180,7 @@ end
 
 -- norm(x), or norm(x, res) -> norm(x + res), x + res in one kernel each
 -- way (ds.add_rms_norm), and norm(x, false) -> norm(x), x, as LayerNorm's
+RMSNorm.residual_kind = 'norm'
 function RMSNorm:forward(x, res)
   if res then return ds.add_rms_norm(x, res, self.normalized_shape, self.weight, self.eps) end
   local y = ds.rms_norm(x, self.normalized_shape, self.weight, self.eps)

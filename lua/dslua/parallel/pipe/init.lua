@@ -438,7 +438,9 @@ function PipelineModule:is_last_stage() return self.stage_id == self.num_stages 
 
 -- this stage's layers, in checkpointed segments when the interval is > 0
 function PipelineModule:forward(x)
-  return require('dslua.nn.checkpointing').sequential(self.funcs, self.activation_checkpoint_interval, x)
+  local h, r = require('dslua.nn.checkpointing').sequential(self.funcs, self.activation_checkpoint_interval, x)
+  if r then h = h + r end       -- the stage's last block's residual: the next stage takes a plain tensor
+  return h
 end
 
 -- the layer indices (0-based, as DeepSpeed prints them) of stage s
