@@ -123,7 +123,7 @@ end
 -- block(x) -> its output; block(x, res), res a tensor or false -> h, r,
 -- the output of block(x + res) being h + r: ln_1 adds res in its kernel
 -- and the MLP's r is left for the next norm to add
--- (ds.checkpointing.sequential).
+-- (ds.checkpointing.residual_sequential).
 Block.residual_kind = 'block'
 function Block:forward(x, res)
   local h
@@ -223,7 +223,7 @@ function GPT:hidden(idx)
   end
   local x = tr.drop(tr.wte(idx) + tr.wpe(pos))
   local r
-  x, r = ds.checkpointing.sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
+  x, r = ds.checkpointing.residual_sequential(tr.h, ds.checkpointing.interval('gpt2', self.config.checkpoint), x)
   return (tr.ln_f(x, r))     -- the last block's MLP added in ln_f's kernel
 end
 

@@ -266,8 +266,8 @@ function Llama:hidden(idx)
   local cos, sin = self.rope_cos:narrow(1, first, T), self.rope_sin:narrow(1, first, T)
   local x = self.model.embed_tokens(idx)
   local r
-  x, r = ds.checkpointing.sequential(self.model.layers, ds.checkpointing.interval('llama', self.config.checkpoint),
-                                     x, cos, sin)
+  local every = ds.checkpointing.interval('llama', self.config.checkpoint)
+  x, r = ds.checkpointing.residual_sequential(self.model.layers, every, x, cos, sin)
   return (self.model.norm(x, r))
 end
 

@@ -184,7 +184,7 @@ end
 -- takes a plain tensor gets the sum made first. With every > 0 the blocks
 -- run in checkpointed segments of `every`, each taking and returning one
 -- tensor (its r added at its end).
-function M.sequential(list, every, x, ...)
+function M.residual_sequential(list, every, x, ...)
   local blocks, kinds = {}, {}
   for i, b in ipairs(list) do blocks[i], kinds[i] = b, residual_kind(b) end
   local n = #blocks
@@ -214,6 +214,14 @@ function M.sequential(list, every, x, ...)
     end, x, ...)
   end
   return x, nil
+end
+
+-- The same, the result as one tensor (the last residual added): what a
+-- pipeline stage hands the next.
+function M.sequential(list, every, x, ...)
+  local h, r = M.residual_sequential(list, every, x, ...)
+  if r then h = h + r end
+  return h
 end
 
 return M

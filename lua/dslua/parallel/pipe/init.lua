@@ -436,11 +436,11 @@ end
 function PipelineModule:is_first_stage() return self.stage_id == 0 end
 function PipelineModule:is_last_stage() return self.stage_id == self.num_stages - 1 end
 
--- this stage's layers, in checkpointed segments when the interval is > 0
+-- this stage's layers, in checkpointed segments when the interval is > 0;
+-- its blocks hand residual adds on to the norms after them, the stage's
+-- last one added at its end
 function PipelineModule:forward(x)
-  local h, r = require('dslua.nn.checkpointing').sequential(self.funcs, self.activation_checkpoint_interval, x)
-  if r then h = h + r end       -- the stage's last block's residual: the next stage takes a plain tensor
-  return h
+  return require('dslua.nn.checkpointing').sequential(self.funcs, self.activation_checkpoint_interval, x)
 end
 
 -- the layer indices (0-based, as DeepSpeed prints them) of stage s
