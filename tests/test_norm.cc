@@ -1,12 +1,13 @@
 /* The warp-per-row norm kernels (kernels/cuda/cuda_norm.cuh) on the CPU,
- * through tests/warp_emulator.h, in f32 and bf16: the residual form (sum =
- * x + res, then the norm of sum) against the plain kernel run on the sum
- * rounded as the elementwise add rounds it, bit for bit; the backward with
- * the residual's gradient added against the plain backward plus that
- * gradient in f32, rounded once; the plain kernel against the layer
- * norm's definition in f64; and the backward with the weight and bias
- * gradients inside (norm_backward_params_kernel): its dx as the plain
- * backward's, its sums within f32's bound of f64's, the same on every run. */
+ * through tests/warp_emulator.h, in f32 and bf16, layer norm and RMS norm:
+ * the residual form (sum = x + res, then the norm of sum) against the
+ * plain kernel run on the sum rounded as the elementwise add rounds it,
+ * bit for bit; the backward with the residual's gradient added against
+ * the plain backward plus that gradient in f32, rounded once; the plain
+ * kernel against the norm's definition in f64; and the backward with the
+ * weight and bias gradients inside (norm_backward_params_kernel): its dx
+ * as the plain backward's, its sums within f32's bound of f64's, the same
+ * on every run. */
 #include "warp_emulator.h"
 #include "cuda/cuda_norm.cuh"
 
@@ -130,9 +131,9 @@ void check_params(ds_dtype dt, int64_t rows, int64_t n, bool centered, std::mt19
 }
 
 /* rows of n, more rows than a block's warps and n past a multiple of 256
- * (lanes whose last word is past the row) */
-void run_case(ds_dtype dt, int64_t rows, int64_t n, std::mt19937 &rng) {
-    const char *name = dt == DS_BF16 ? "bf16" : "f32";
+ * (lanes whose last word is past the row); centered off: RMS norm */
+void run_case(ds_dtype dt, int64_t rows, int64_t n, bool centered, std::mt19937 &rng) {
+    const char *name = dt == DS_BF16 ? (centered ? "bf16" : "bf16 rms") : (centered ? "f32" : "f32 rms");
     int64_t all = rows * n;
     buf x(dt, all), res(dt, all), w(dt, n), b(dt, n), g(dt, all), gres(dt, all);
     fill(x, rng, 2.f, 1.f);
@@ -143,10 +144,10 @@ void run_case(ds_dtype dt, int64_t rows, int64_t n, std::mt19937 &rng) {
     fill(gres, rng, 1.f, 0.f);
 
     buf sum(dt, all), y(dt, all), mean(DS_F32, rows), rstd(DS_F32, rows);
-    forward(y, mean, rstd, x, w, b, res.view(), sum.view(), rows, n);
+    forward(y, mean, rstd, x, w, b, res.view(), sum.view(), rows, n, centered);
     buf want_sum(dt, all), want_y(dt, all), want_mean(DS_F32, rows), want_rstd(DS_F32, rows);
     for (int64_t i = 0; i < all; i++) want_sum.set(i, x.at(i) + res.at(i));
-    forward(want_y, want_mean, want_rstd, want_sum, w, b, none, none, rows, n);
+    forward(want_y, want_mean, want_rstd, want_sum, w, b, none, none, rows, n, centered);
     check(differ(sum, want_sum) == 0, "%s %lldx%lld: the sum differs from x + res rounded", name, (long long)rows,
           (long long)n);
     check(differ(y, want_y) == 0 && differ(mean, want_mean) == 0 && differ(rstd, want_rstd) == 0,
@@ -156,12 +157,12 @@ void run_case(ds_dtype dt, int64_t rows, int64_t n, std::mt19937 &rng) {
     double worst = 0;
     for (int64_t r = 0; r < rows; r++) {
         double m = 0, v = 0;
-        for (int64_t j = 0; j < n; j++) m += want_sum.at(r * n + j);
+        for (int64_t j = 0; centered && j < n; j++) m += want_sum.at(r * n + j);
         m /= (double)n;
         for (int64_t j = 0; j < n; j++) v += (want_sum.at(r * n + j) - m) * (want_sum.at(r * n + j) - m);
         double rs = 1 / sqrt(v / (double)n + 1e-5);
         for (int64_t j = 0; j < n; j++) {
-            double e = (want_sum.at(r * n + j) - m) * rs * w.at(j) + b.at(j);
+            double e = (want_sum.at(r * n + j) - m) * rs * w.at(j) + (centered ? b.at(j) : 0);
             double tol = dt == DS_BF16 ? 1e-2 * (1 + fabs(e)) : 1e-4 * (1 + fabs(e));
             worst = std::max(worst, fabs(want_y.at(r * n + j) - e) / tol);
         }
@@ -171,8 +172,8 @@ void run_case(ds_dtype dt, int64_t rows, int64_t n, std::mt19937 &rng) {
 
     /* backward: dx = gres + the norm's gradient, rounded once */
     buf dx(dt, all), plain(DS_F32, all), want_dx(dt, all);
-    backward(dx, g, sum, w, mean, rstd, gres.view(), rows, n);
-    backward(plain, g, sum, w, mean, rstd, none, rows, n);
+    backward(dx, g, sum, w, mean, rstd, gres.view(), rows, n, centered);
+    backward(plain, g, sum, w, mean, rstd, none, rows, n, centered);
     for (int64_t i = 0; i < all; i++) want_dx.set(i, plain.at(i) + gres.at(i));
     check(differ(dx, want_dx) == 0, "%s %lldx%lld: dx with the residual's gradient differs from the plain dx + gres",
           name, (long long)rows, (long long)n);
@@ -183,8 +184,9 @@ void run_case(ds_dtype dt, int64_t rows, int64_t n, std::mt19937 &rng) {
 int main() {
     std::mt19937 rng(7);
     for (ds_dtype dt : { DS_F32, DS_BF16 }) {
-        run_case(dt, 19, 264, rng);
-        run_case(dt, 3, 768, rng);
+        run_case(dt, 19, 264, true, rng);
+        run_case(dt, 3, 768, true, rng);
+        run_case(dt, 19, 264, false, rng);
         check_params(dt, 19, 264, true, rng);
         check_params(dt, 2100, 40, true, rng);     /* past NORM_PARAM_BLOCKS blocks: warps of several rows */
         check_params(dt, 300, 768, true, rng);
