@@ -95,14 +95,10 @@ local function rope_tables(cfg)
 end
 
 -- [B, KV, T, D] -> [B, KV * rep, T, D], each kv head repeated for the rep
--- query heads that share it (Hugging Face's repeat_kv).
+-- query heads that share it (Hugging Face's repeat_kv), in one copy.
 local function repeat_kv(x, rep)
   if rep == 1 then return x end
-  local B, KV, T, D = x:size(1), x:size(2), x:size(3), x:size(4)
-  local u = x:unsqueeze(3)
-  local copies = {}
-  for i = 1, rep do copies[i] = u end
-  return ds.cat(copies, 3):reshape({ B, KV * rep, T, D })
+  return x:repeat_interleave(rep, 2)
 end
 
 local Attention = nn.Module:extend('LlamaAttention')

@@ -1,5 +1,5 @@
 /* Lua bindings of indexing and joining: embedding, index_select, gather,
- * scatter_add, cat, stack, split, chunk. Dims are 1-based (negative from
+ * scatter_add, cat, stack, repeat_interleave, split, chunk. Dims are 1-based (negative from
  * the end); index values inside tensors are 0-based, as PyTorch data. */
 #include "lua_tensor.h"
 #include "ds_error.h"
@@ -67,6 +67,13 @@ static int l_stack(lua_State *L) {
     return dsL_pushtensor(L, ds_stack(n, ts, d > 0 ? d - 1 : d));
 }
 
+/* repeat_interleave(x, repeats, dim) */
+static int l_repeat_interleave(lua_State *L) {
+    ds_tensor *x = dsL_checktensor(L, 1);
+    int64_t rep = dsL_checkint(L, 2, 1, INT64_MAX, "repeats");
+    return dsL_pushtensor(L, ds_repeat_interleave(x, rep, dsL_checkdim(L, 3, x)));
+}
+
 /* The pieces of t along d as a Lua list. The list is made before the
  * split, so no allocation can fail between making the pieces and handing
  * them to Lua. */
@@ -128,7 +135,7 @@ static int l_chunk(lua_State *L) {
 
 static const luaL_Reg methods[] = {
     {"index_select", l_index_select}, {"gather", l_gather}, {"scatter_add", l_scatter_add},
-    {"split", l_split}, {"chunk", l_chunk},
+    {"split", l_split}, {"chunk", l_chunk}, {"repeat_interleave", l_repeat_interleave},
     {NULL, NULL}
 };
 

@@ -422,6 +422,59 @@ ds_tensor *ds_stack(int n, ds_tensor *const *ts, int64_t dim) {
     return out;
 }
 
+/* Each slice's rep gradients summed in order, each sum rounded as an add
+ * rounds it: what autograd sums for a cat of rep views of one tensor. */
+static int repeat_interleave_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    int d = (int)n->i[0], nd = n->next[0].ndim;
+    int64_t rep = n->i[1], shape[DS_MAX_DIMS];
+    for (int i = 0, j = 0; i < nd; i++) {
+        shape[j++] = n->next[0].shape[i];
+        if (i == d) shape[j++] = rep;
+    }
+    ds_tensor *split = ds_reshape(g, nd + 1, shape), *acc = NULL;
+    for (int64_t k = 0; split && k < rep; k++) {
+        ds_tensor *piece = ds_narrow(split, d + 1, k, 1), *one = piece ? ds_squeeze(piece, d + 1) : NULL;
+        ds_tensor *sum = k == 0 || !one || !acc ? one : ds_add(acc, one);
+        ds_tensor_release(piece);
+        if (sum != one) ds_tensor_release(one);
+        ds_tensor_release(acc);
+        acc = sum;
+        if (!acc) break;
+    }
+    ds_tensor_release(split);
+    gin[0] = acc;
+    return acc ? 0 : -1;
+}
+
+ds_tensor *ds_repeat_interleave(ds_tensor *x, int64_t rep, int64_t dim) {
+    int d = ds_tensor_dim(x, "repeat_interleave", dim), nd = x->ndim;
+    if (d < 0) return NULL;
+    if (rep < 1) return ds_fail(DS_ERR_ARG, "repeat_interleave: repeats must be at least 1, got %lld", (long long)rep);
+    if (nd >= DS_MAX_DIMS)
+        return ds_fail(DS_ERR_ARG, "repeat_interleave: an input of %d dims has no room for the repeats", nd);
+    /* x with a dim of rep after d, stride 0: one copy makes it the result */
+    int64_t shape[DS_MAX_DIMS], stride[DS_MAX_DIMS], out_shape[DS_MAX_DIMS];
+    for (int i = 0, j = 0; i < nd; i++) {
+        out_shape[i] = x->shape[i] * (i == d ? rep : 1);
+        shape[j] = x->shape[i];
+        stride[j++] = x->stride[i];
+        if (i == d) { shape[j] = rep; stride[j++] = 0; }
+    }
+    bool prev = ds_set_grad_enabled(false);
+    ds_tensor *wide = ds_tensor_view_of(x, nd + 1, shape, stride, x->offset);
+    ds_tensor *copy = wide ? ds_tensor_new(nd + 1, shape, x->dtype, ds_tensor_device(x)) : NULL;
+    ds_tensor *out = copy && ds_copy_(copy, wide) == 0 ? ds_reshape(copy, nd, out_shape) : NULL;
+    ds_set_grad_enabled(prev);
+    ds_tensor_release(wide);
+    ds_tensor_release(copy);
+    ds_node *n = out ? ds_autograd_record("repeat_interleave", repeat_interleave_backward, 1, &x, out) : NULL;
+    if (n) {
+        n->i[0] = d;
+        n->i[1] = rep;
+    }
+    return out;
+}
+
 int64_t ds_split_sizes(const ds_tensor *t, int64_t dim, int64_t split_size, int64_t *sizes) {
     char s[96];
     int d = ds_tensor_dim(t, "split", dim);

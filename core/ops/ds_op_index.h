@@ -31,6 +31,10 @@ int ds_check_index(const char *op, ds_tensor *idx, const char *idx_name, ds_tens
 /* Joins n tensors along an existing dim (dtypes promote) or a new one. */
 ds_tensor *ds_cat(int n, ds_tensor *const *ts, int64_t dim);
 ds_tensor *ds_stack(int n, ds_tensor *const *ts, int64_t dim);
+/* x with each slice along dim repeated rep times in a row (torch's
+ * repeat_interleave by a number): one copy; the backward sums a slice's
+ * rep gradients in order, as for a cat of rep views of it, to the bit. */
+ds_tensor *ds_repeat_interleave(ds_tensor *x, int64_t rep, int64_t dim);
 
 /* How split(split_size) and chunk(chunks) cut dim of t: the number of
  * pieces, with their sizes written to sizes when it is not NULL (call
