@@ -151,10 +151,9 @@ describe('kernel calls', function()
   -- its product, attention (16); backward: 2 norms, 7 Linears' 2
   -- each, the rotary embedding of q and k, the sums of the
   -- gradients of x's 3 uses 2, of k's and v's repeats 1 each and of the
-  -- MLP input's 2 uses 1, SiLU 1 and its product 2, v's from the repeats'
-  -- sum back to [B, T, H D] 1 (q's and k's come in that layout), attention
-  -- 1 (28).
-  local PER_LAYER = { gpt2 = { 8, 12 }, llama = { 16, 28 } }
+  -- MLP input's 2 uses 1, SiLU 1 and its product 2, attention 1 (27; q's,
+  -- k's and v's gradients come in their projections' [B, T, H, D] layout).
+  local PER_LAYER = { gpt2 = { 8, 12 }, llama = { 16, 27 } }
   -- Around the layers, measured: the embeddings (their index checks and
   -- gathers, GPT-2's position add), the final norm, the lm_head, the loss
   -- and the engine's own (its gradient buckets), each way (bf16: the
@@ -200,6 +199,13 @@ describe('kernel calls', function()
     local cos, sin, g = ds.randn(5, 8), ds.randn(5, 8), ds.randn(2, 3, 5, 8)
     local y = ds.rope(p:transpose(2, 3), cos, sin)
     assert.are.equal(1, calls(function() y:backward(g) end))
+    assert.is_true(p.grad:is_contiguous())
+  end)
+
+  it('repeat_interleave sums its repeats into the input\'s layout: transposed heads go back with no copy', function()
+    local p = ds.randn(2, 5, 3, 8):requires_grad_()
+    local y, g = p:transpose(2, 3):repeat_interleave(2, 2), ds.randn(2, 6, 5, 8)
+    assert.are.equal(1, calls(function() y:backward(g) end))     -- the add of the 2 repeats
     assert.is_true(p.grad:is_contiguous())
   end)
 

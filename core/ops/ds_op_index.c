@@ -422,28 +422,39 @@ ds_tensor *ds_stack(int n, ds_tensor *const *ts, int64_t dim) {
     return out;
 }
 
+/* Slice k of the repeats in g viewed as [..., n, rep, ...] */
+static ds_tensor *repeat_slice(ds_tensor *split, int d, int64_t k) {
+    ds_tensor *piece = ds_narrow(split, d + 1, k, 1), *one = piece ? ds_squeeze(piece, d + 1) : NULL;
+    ds_tensor_release(piece);
+    return one;
+}
+
 /* Each slice's rep gradients summed in order, each sum rounded as an add
- * rounds it: what autograd sums for a cat of rep views of one tensor. */
+ * rounds it (the add kernel, into the input's layout): what autograd sums
+ * for a cat of rep views of one tensor. */
 static int repeat_interleave_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
-    int d = (int)n->i[0], nd = n->next[0].ndim;
-    int64_t rep = n->i[1], shape[DS_MAX_DIMS];
+    int d = (int)n->f[0], nd = n->next[0].ndim;
+    int64_t rep = (int64_t)n->f[1], shape[DS_MAX_DIMS];
     for (int i = 0, j = 0; i < nd; i++) {
         shape[j++] = n->next[0].shape[i];
         if (i == d) shape[j++] = rep;
     }
-    ds_tensor *split = ds_reshape(g, nd + 1, shape), *acc = NULL;
-    for (int64_t k = 0; split && k < rep; k++) {
-        ds_tensor *piece = ds_narrow(split, d + 1, k, 1), *one = piece ? ds_squeeze(piece, d + 1) : NULL;
-        ds_tensor *sum = k == 0 || !one || !acc ? one : ds_add(acc, one);
-        ds_tensor_release(piece);
-        if (sum != one) ds_tensor_release(one);
-        ds_tensor_release(acc);
-        acc = sum;
-        if (!acc) break;
+    ds_tensor *split = ds_reshape(g, nd + 1, shape), *first = split ? repeat_slice(split, d, 0) : NULL;
+    ds_tensor *acc = first && rep > 1 ? ds_new_in_order(first, n->i) : first;
+    int rc = acc ? 0 : -1;
+    for (int64_t k = 1; rc == 0 && k < rep; k++) {
+        ds_tensor *one = repeat_slice(split, d, k);
+        rc = one ? ds_tensor_kernels(acc)->elementwise->binary(DS_BIN_ADD, ds_tensor_kview_w(acc, "add"),
+                                                                 ds_tensor_kview(k == 1 ? first : acc),
+                                                                 ds_tensor_kview(one)) : -1;
+        if (one && rc) ds_fail(DS_ERR_STATE, "repeat_interleave: %s", ds_kernel_error());
+        ds_tensor_release(one);
     }
+    if (acc != first) ds_tensor_release(first);
     ds_tensor_release(split);
+    if (rc) { ds_tensor_release(acc); return -1; }
     gin[0] = acc;
-    return acc ? 0 : -1;
+    return 0;
 }
 
 ds_tensor *ds_repeat_interleave(ds_tensor *x, int64_t rep, int64_t dim) {
@@ -469,8 +480,9 @@ ds_tensor *ds_repeat_interleave(ds_tensor *x, int64_t rep, int64_t dim) {
     ds_tensor_release(copy);
     ds_node *n = out ? ds_autograd_record("repeat_interleave", repeat_interleave_backward, 1, &x, out) : NULL;
     if (n) {
-        n->i[0] = d;
-        n->i[1] = rep;
+        n->f[0] = d;
+        n->f[1] = (double)rep;
+        ds_dims_by_stride(x, n->i);
     }
     return out;
 }

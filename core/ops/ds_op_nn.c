@@ -453,34 +453,8 @@ static int rope_into(ds_tensor *y, ds_tensor *x, ds_tensor *cos, ds_tensor *sin,
     return rc;
 }
 
-/* A new tensor of g's shape and dtype, dense with its dims laid out in
- * order (order[0] outermost): the input's gradient in the input's layout,
- * which the views it came from (a projection's [B, T, H, D] seen as
- * heads) take back without a copy. */
-static ds_tensor *new_in_order(const ds_tensor *g, const int64_t *order) {
-    int64_t mem_shape[DS_MAX_DIMS], stride[DS_MAX_DIMS], step = 1;
-    for (int k = g->ndim - 1; k >= 0; k--) {
-        mem_shape[k] = g->shape[order[k]];
-        stride[order[k]] = step;
-        step *= g->shape[order[k]];
-    }
-    ds_tensor *mem = ds_tensor_new(g->ndim, mem_shape, g->dtype, ds_tensor_device(g));
-    ds_tensor *t = mem ? ds_tensor_view_of(mem, g->ndim, g->shape, stride, 0) : NULL;
-    ds_tensor_release(mem);
-    return t;
-}
-
-/* x's dims from the largest stride to the smallest (ties in dim order) */
-static void dims_by_stride(const ds_tensor *x, int64_t *order) {
-    for (int i = 0; i < x->ndim; i++) {
-        int j = i;
-        for (; j > 0 && x->stride[order[j - 1]] < x->stride[i]; j--) order[j] = order[j - 1];
-        order[j] = i;
-    }
-}
-
 static int rope_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
-    ds_tensor *dx = new_in_order(g, n->i);
+    ds_tensor *dx = ds_new_in_order(g, n->i);
     if (!dx || rope_into(dx, g, n->saved[0], n->saved[1], true)) {
         ds_tensor_release(dx);
         return -1;
@@ -510,7 +484,7 @@ ds_tensor *ds_rope(ds_tensor *x, ds_tensor *cos, ds_tensor *sin) {
         return NULL;
     }
     ds_node *n = ds_autograd_record("rope", rope_backward, 1, &x, out);
-    if (n) dims_by_stride(x, n->i);
+    if (n) ds_dims_by_stride(x, n->i);
     if (n && (ds_node_save(n, 0, cos) || ds_node_save(n, 1, sin))) {
         ds_tensor_release(out);
         return NULL;

@@ -277,3 +277,24 @@ int ds_fill_(ds_tensor *dst, double v) {
         return ds_fail(DS_ERR_STATE, "fill_: %s", ds_kernel_error()), -1;
     return 0;
 }
+
+ds_tensor *ds_new_in_order(const ds_tensor *g, const int64_t *order) {
+    int64_t mem_shape[DS_MAX_DIMS], stride[DS_MAX_DIMS], step = 1;
+    for (int k = g->ndim - 1; k >= 0; k--) {
+        mem_shape[k] = g->shape[order[k]];
+        stride[order[k]] = step;
+        step *= g->shape[order[k]];
+    }
+    ds_tensor *mem = ds_tensor_new(g->ndim, mem_shape, g->dtype, ds_tensor_device(g));
+    ds_tensor *t = mem ? ds_tensor_view_of(mem, g->ndim, g->shape, stride, 0) : NULL;
+    ds_tensor_release(mem);
+    return t;
+}
+
+void ds_dims_by_stride(const ds_tensor *x, int64_t *order) {
+    for (int i = 0; i < x->ndim; i++) {
+        int j = i;
+        for (; j > 0 && x->stride[order[j - 1]] < x->stride[i]; j--) order[j] = order[j - 1];
+        order[j] = i;
+    }
+}

@@ -23,4 +23,12 @@ ds_tensor *ds_detach(ds_tensor *t);
 int ds_copy_(ds_tensor *dst, ds_tensor *src);
 int ds_fill_(ds_tensor *dst, double v);
 
+/* An input's gradient in the input's layout, so that the views it came
+ * from (a projection's [B, T, H, D] seen as heads) take it back with no
+ * copy: ds_dims_by_stride writes x's dims from the largest stride to the
+ * smallest (ties in dim order), and ds_new_in_order makes a new tensor of
+ * g's shape and dtype, dense, its dims laid out in that order. */
+void ds_dims_by_stride(const ds_tensor *x, int64_t *order);
+ds_tensor *ds_new_in_order(const ds_tensor *g, const int64_t *order);
+
 #endif
