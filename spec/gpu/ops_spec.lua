@@ -617,6 +617,9 @@ describe('nn row ops on the GPU #gpu', function()
       return s + y, y, s
     end, { randn(dt, 50, 8), randn(dt, 50, 8), randn(dt, 8) }
   end)
+  each(FLOATS, 'repeat_interleave of a transposed input (repeat_kv)', function(dt)
+    return function(x) return x:transpose(2, 3):repeat_interleave(3, 2) end, { randn(dt, 2, 5, 2, 8) }
+  end)
   each(FLOATS, 'rope of a transposed input (the rotary tables constant)', function(dt)
     return function(x, c, s) return ds.rope(x:transpose(2, 3), c, s) end,
            { randn(dt, 2, 7, 3, 16), randn(dt, 7, 16), randn(dt, 7, 16) }, { const = { false, true, true } }
