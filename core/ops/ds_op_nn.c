@@ -444,7 +444,11 @@ ds_tensor *ds_add_rms_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tenso
 /* y = rope of x over cos and sin as views of x's shape (backward: x is
  * the output's gradient, y its input's) */
 static int rope_into(ds_tensor *y, ds_tensor *x, ds_tensor *cos, ds_tensor *sin, bool backward) {
+    char s1[96], s2[96];
     ds_tensor *c = ds_expand(cos, x->ndim, x->shape), *s = c ? ds_expand(sin, x->ndim, x->shape) : NULL;
+    if (!s)
+        ds_fail(DS_ERR_ARG, "rope: cos and sin %s do not broadcast to the input %s", ds_shape_str(cos, s1, sizeof s1),
+                ds_shape_str(x, s2, sizeof s2));
     int rc = s ? ds_tensor_kernels(y)->nn->rope(ds_tensor_kview(y), ds_tensor_kview(x), ds_tensor_kview(c),
                                                 ds_tensor_kview(s), backward) : -1;
     if (s && rc) ds_fail(DS_ERR_STATE, "rope: %s", ds_kernel_error());
