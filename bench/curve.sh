@@ -8,7 +8,8 @@
 # at the starting weights within 1% (bench/curve.lua's compare says why).
 # Needs a CUDA build of dslua and python3 with torch on a GPU machine
 # (../shared/device/README.md); without a GPU it stops at once with an
-# error; without ../shared/data/tinyshakespeare it says it skipped.
+# error; without ../shared/data/tinyshakespeare (or $DSLUA_DATA's) it says
+# it skipped, with exit status 0.
 set -euo pipefail
 
 usage() {
@@ -34,7 +35,7 @@ if ! nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
     echo "$me: no GPU on this machine (nvidia-smi lists none); run it on a GPU machine" >&2
     exit 1
 fi
-text=$root/../shared/data/tinyshakespeare/input.txt
+text=${DSLUA_DATA:-$root/../shared/data}/tinyshakespeare/input.txt
 if [[ ! -f $text ]]; then
     echo "$me: skipped: $text is absent (../shared/data's README)"
     exit 0

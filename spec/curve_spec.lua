@@ -3,7 +3,7 @@
 -- writes weights that read back bit-equal and the text's windows at the
 -- starts it names; dslua trains from the file as from the model it
 -- built; the comparer's bounds; PyTorch's side compiles; the driver stops
--- without a GPU.
+-- without a GPU and skips without the text.
 local H = require 'helpers'
 local ds = H.ds
 local GPT = require 'models.gpt2'
@@ -131,5 +131,21 @@ describe('bench/curve', function()
     local out, status = H.run('bash bench/curve.sh -b ' .. build)
     assert.are.equal(1, status, out)
     H.has(out, 'bench/curve.sh: no GPU on this machine (nvidia-smi lists none)')
+  end)
+
+  it('bench/curve.sh skips without tiny Shakespeare, and stops where the binary sees no GPU', function()
+    if H.has_cuda() then return pending('this binary sees a GPU') end
+    local bin, build = tmpdir(), tmpdir()
+    H.write(bin .. '/nvidia-smi', '#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    os.execute('chmod +x ' .. bin .. '/nvidia-smi')
+    assert(os.execute('ln -s ' .. H.bin() .. ' ' .. build .. '/dslua') == 0)
+    local run = 'PATH=' .. bin .. ':$PATH DSLUA_DATA=%s bash bench/curve.sh -b ' .. build
+    local out, status = H.run(string.format(run, bin))
+    assert.are.equal(0, status, out)
+    H.has(out, 'bench/curve.sh: skipped: ' .. bin .. '/tinyshakespeare/input.txt is absent')
+    assert(os.execute('mkdir ' .. bin .. '/tinyshakespeare && echo text > ' .. bin .. '/tinyshakespeare/input.txt') == 0)
+    out, status = H.run(string.format(run, bin))
+    assert.are.equal(1, status, out)
+    H.has(out, 'bench/curve.sh: ' .. build .. '/dslua sees no GPU')
   end)
 end)

@@ -23,6 +23,7 @@ local NEEDED = {
   { 'bench_xl', 'build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl' },
   { 'bench_xl_offload', 'build/dslua bench/gpu.lua train 4 bf16 50304 gpt2_xl offload' },
   { 'staged', 'bash bench/staged.sh' },
+  { 'curve', 'bash bench/curve.sh' },
 }
 -- the multi-rank specs on device ranks, over MPI and over the NCCL double
 for _, s in ipairs({ 'ddp', 'zero', 'uneven', 'pipe', 'onebit', 'checkpoint', 'reload', 'tp' }) do
@@ -90,8 +91,10 @@ local function fake_project()
   for _, to in ipairs({ 'build/dslua', 'build/test_zero', 'bin/python3' }) do
     assert(os.execute(string.format('cp %s %s/%s && chmod +x %s/%s', fake, root, to, root, to)) == 0)
   end
-  -- bench/staged.sh runs mpirun itself: a stand-in in its place
-  assert(os.execute(string.format('rm %s/bench/staged.sh && cp %s %s/bench/staged.sh', root, fake, root)) == 0)
+  -- bench/staged.sh runs mpirun itself, bench/curve.sh looks for a GPU: stand-ins in their place
+  for _, sh in ipairs({ 'staged.sh', 'curve.sh' }) do
+    assert(os.execute(string.format('rm %s/bench/%s && cp %s %s/bench/%s', root, sh, fake, root, sh)) == 0)
+  end
   return root
 end
 
@@ -129,6 +132,11 @@ describe('scripts/device_check.sh', function()
     assert.are_not.equal(by_name.c_test_zero.lane, by_name.mpi_zero.lane)
     assert.are_not.equal(by_name.mpi_zero.lane, by_name.nccl_zero.lane)
     assert.are.equal('-', by_name.bench_xl_offload.lane)
+    -- the loss curve beside the lanes, in one of its own
+    for _, other in ipairs({ 'c_test_zero', 'mpi_zero', 'nccl_zero' }) do
+      assert.are_not.equal(by_name[other].lane, by_name.curve.lane)
+    end
+    assert.are_not.equal('-', by_name.curve.lane)
     -- every GPU spec runs in some part
     local all = {}
     for _, p in ipairs(parts) do all[#all + 1] = p.cmd end
@@ -212,6 +220,14 @@ describe('scripts/device_check.sh', function()
     assert.matches('\nok +staged ', summary)
     assert.is_nil(summary:find('report', 1, true), summary)
     assert.is_nil(summary:find('mpi_', 1, true), summary)
+  end)
+
+  it('says a bench that skipped for want of its data, and exits with status 1', function()
+    local root = fake_project()
+    H.write(root .. '/bench/curve.sh', 'echo "bench/curve.sh: skipped: data/tinyshakespeare/input.txt is absent"\n')
+    local out, status = device_check(root, "DEVICE_CHECK_PARTS=curve")
+    assert.are.equal(1, status, out)
+    assert.matches('\nEMPTY +curve +rc=0 +%d+ s  bench/curve.sh: skipped: ', H.read(root .. '/out/summary.txt'))
   end)
 
   it('says a part in which no test ran, and exits with status 1', function()
