@@ -1,0 +1,228 @@
+/* The Hopper attention backward (kernels/cuda/cuda_attention_wgmma_bwd.cuh)
+ * on the CPU through tests/warp_emulator.h: dq, dk and dv against the
+ * gradients in double of the same bf16/f16 inputs and of the forward's
+ * out and lse as a kernel wrote them, held to test_attention_mma's bound
+ * for 16-bit inputs with f32 sums (a few units of the last place of the
+ * largest value; a wrong fragment, transpose or mask is off by O(1));
+ * head dims 64 and 128, causal or not, lengths that leave partial tiles,
+ * cross attention both ways, q/k/v as views into one packed qkv buffer.
+ * And the check the dispatch runs before trusting the kernels on a GPU
+ * (cuda_attention_check.h) on the emulated kernels: the Hopper backward
+ * and the mma.sync one agree within its bound in every variant, and
+ * gradients without the causal mask are past it. */
+#include "warp_emulator.h"
+#include "cuda/cuda_attention_check.h"
+#include "cuda/cuda_attention_wgmma_bwd.cuh"
+
+extern "C" {
+#include "check.h"
+}
+
+#include <random>
+#include <type_traits>
+
+namespace {
+
+struct shape { int64_t B, H, Tq, Tk; bool causal; };
+
+template <typename T> T elem(float x) {
+    return T{ std::is_same<T, __nv_bfloat16>::value ? ds_f32_to_bf16(x) : ds_f32_to_f16(x) };
+}
+
+/* The tensors of one backward: q, k, v views into one buffer, the rest
+ * [B, T, H, D] seen as [B, H, T, D]. */
+template <typename T> struct problem {
+    std::vector<T> qkv, obuf, gbuf, dqb, dkb, dvb;
+    std::vector<float> lsebuf;
+    ds_kview q, k, v, out, dout, dq, dk, dv, lse;
+};
+
+/* The forward on p (mma.sync's or wgmma's): out and lse. */
+template <typename T, int D> void run_forward(problem<T> &p, const mma_geom &g, bool wgmma) {
+    if (wgmma)
+        emu::launch("wgmma_forward_kernel", wgmma_query_blocks(g), WG_THREADS, wg_forward_smem<D>(),
+                    [&] { wgmma_forward_kernel<T, D>(p.out, p.lse, p.q, p.k, p.v, g); });
+    else
+        emu::launch("mma_forward_kernel", mma_query_blocks(g), MMA_THREADS, mma_forward_smem<T>(D),
+                    [&] { mma_forward_kernel<T, D>(p.out, p.lse, p.q, p.k, p.v, g); });
+}
+
+/* The backward on p (mma.sync's or wgmma's): dq, dk, dv. */
+template <typename T, int D> void run_backward(problem<T> &p, const mma_geom &g, bool wgmma) {
+    std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
+    emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
+                [&] { mma_stats_kernel<T, D>(stats.data(), p.dout, p.out, p.lse, g); });
+    if (wgmma) {
+        emu::launch("wgmma_dq_kernel", wgmma_dq_blocks(g), WG_THREADS, wgb_dq_smem<D>(),
+                    [&] { wgmma_dq_kernel<T, D>(p.dq, p.dout, p.q, p.k, p.v, stats.data(), g); });
+        emu::launch("wgmma_dkdv_kernel", wgmma_dkdv_blocks(g), WG_THREADS, wgb_dkdv_smem<D>(),
+                    [&] { wgmma_dkdv_kernel<T, D>(p.dk, p.dv, p.dout, p.q, p.k, p.v, stats.data(), g); });
+    } else {
+        emu::launch("mma_dq_kernel", mma_dq_blocks<T>(g, D), MMA_THREADS, mma_dq_smem<T>(D),
+                    [&] { mma_dq_kernel<T, D>(p.dq, p.dout, p.q, p.k, p.v, stats.data(), g); });
+        emu::launch("mma_dkdv_kernel", mma_dkdv_blocks(g, D), MMA_THREADS, mma_dkdv_smem<T>(D),
+                    [&] { mma_dkdv_kernel<T, D>(p.dk, p.dv, p.dout, p.q, p.k, p.v, stats.data(), g); });
+    }
+}
+
+template <typename T, int D> void run_case(const shape &s, bool wgmma_fwd, std::mt19937 &rng) {
+    const bool bf = std::is_same<T, __nv_bfloat16>::value;
+    const ds_dtype dt = bf ? DS_BF16 : DS_F16;
+    const int64_t C = s.H * D, Tmax = std::max(s.Tq, s.Tk);
+    const double scale = 1.0 / sqrt((double)D);
+    problem<T> p;
+    std::normal_distribution<float> normal(0.f, 1.f);
+    p.qkv.resize((size_t)(s.B * Tmax * 3 * C));
+    for (T &x : p.qkv) x = elem<T>(normal(rng));
+    auto heads = [&](void *data, int64_t T_, int64_t sb, int64_t st) {
+        int64_t sz[4] = { s.B, s.H, T_, D }, sd[4] = { sb, D, st, 1 };
+        return emu::view(data, dt, 4, sz, sd);
+    };
+    auto inner = [&](std::vector<T> &buf, int64_t T_) {
+        buf.assign((size_t)(s.B * T_ * C), elem<T>(NAN));
+        return heads(buf.data(), T_, T_ * C, C);
+    };
+    p.q = heads(p.qkv.data(), s.Tq, Tmax * 3 * C, 3 * C);
+    p.k = heads(p.qkv.data() + C, s.Tk, Tmax * 3 * C, 3 * C);
+    p.v = heads(p.qkv.data() + 2 * C, s.Tk, Tmax * 3 * C, 3 * C);
+    p.out = inner(p.obuf, s.Tq), p.dout = inner(p.gbuf, s.Tq), p.dq = inner(p.dqb, s.Tq);
+    p.dk = inner(p.dkb, s.Tk), p.dv = inner(p.dvb, s.Tk);
+    for (T &x : p.gbuf) x = elem<T>(normal(rng));
+    p.lsebuf.assign((size_t)(s.B * s.H * s.Tq), NAN);
+    int64_t lsz[3] = { s.B, s.H, s.Tq }, lst[3] = { s.H * s.Tq, s.Tq, 1 };
+    p.lse = emu::view(p.lsebuf.data(), DS_F32, 3, lsz, lst);
+    mma_geom g = mma_geom_of(p.q, p.k, scale, s.causal);
+    run_forward<T, D>(p, g, wgmma_fwd);
+    run_backward<T, D>(p, g, true);
+
+    auto A = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) {
+        return (double)(float)((const T *)x.data)[b * x.stride[0] + h * x.stride[1] + t * x.stride[2] + d];
+    };
+    /* the gradients in double of the kernels' own inputs: P = exp(s - lse)
+     * with the lse the forward wrote, delta = dO . O of its out */
+    double worst[3] = {}, big[3] = {};
+    auto add = [&](int w, double got, double want) {
+        double e = fabs(got - want);
+        worst[w] = e <= worst[w] ? worst[w] : e;   /* NaN sticks */
+        big[w] = fmax(big[w], fabs(want));
+    };
+    std::vector<double> P((size_t)(s.Tq * s.Tk)), dS(P.size());
+    for (int64_t b = 0; b < s.B; b++)
+        for (int64_t h = 0; h < s.H; h++) {
+            for (int64_t i = 0; i < s.Tq; i++) {
+                double di = 0, lk = p.lsebuf[(size_t)((b * s.H + h) * s.Tq + i)];
+                for (int d = 0; d < D; d++) di += A(p.out, b, h, i, d) * A(p.dout, b, h, i, d);
+                for (int64_t j = 0; j < s.Tk; j++) {
+                    double dot = 0, dp = 0;
+                    for (int d = 0; d < D; d++)
+                        dot += A(p.q, b, h, i, d) * A(p.k, b, h, j, d), dp += A(p.dout, b, h, i, d) * A(p.v, b, h, j, d);
+                    double pr = s.causal && j > i ? 0 : exp(dot * scale - lk);
+                    P[i * s.Tk + j] = pr, dS[i * s.Tk + j] = pr * (dp - di);
+                }
+            }
+            for (int64_t i = 0; i < s.Tq; i++)
+                for (int d = 0; d < D; d++) {
+                    double a = 0;
+                    for (int64_t j = 0; j < s.Tk; j++) a += dS[i * s.Tk + j] * A(p.k, b, h, j, d);
+                    add(0, A(p.dq, b, h, i, d), a * scale);
+                }
+            for (int64_t j = 0; j < s.Tk; j++)
+                for (int d = 0; d < D; d++) {
+                    double a = 0, c = 0;
+                    for (int64_t i = 0; i < s.Tq; i++)
+                        a += dS[i * s.Tk + j] * A(p.q, b, h, i, d), c += P[i * s.Tk + j] * A(p.dout, b, h, i, d);
+                    add(1, A(p.dk, b, h, j, d), a * scale);
+                    add(2, A(p.dv, b, h, j, d), c);
+                }
+        }
+    const double tol = bf ? 2e-2 : 4e-3;
+    const char *name = bf ? "bf16" : "f16", *what[3] = { "dq", "dk", "dv" };
+    for (int w = 0; w < 3; w++)
+        check(worst[w] <= tol * big[w],
+              "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its largest %.3g", name, D,
+              (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, what[w], worst[w] / big[w],
+              big[w]);
+    printf("%s D=%d Tq=%lld Tk=%lld causal=%d (%s forward): dq %.1e dk %.1e dv %.1e\n", name, D, (long long)s.Tq,
+           (long long)s.Tk, s.causal, wgmma_fwd ? "wgmma" : "mma.sync", worst[0] / big[0], worst[1] / big[1],
+           worst[2] / big[2]);
+}
+
+/* Both backwards of the check problem, emulated, on the mma.sync
+ * forward's out and lse: grads[w] the mma.sync (w = 0) and wgmma (1)
+ * backwards' dq, dk, dv as floats, and out and lse. */
+template <typename T, int D>
+void check_backwards(const std::vector<float> &x, int causal, std::vector<float> grads[2][3], std::vector<float> &out,
+                     std::vector<float> &lse) {
+    const ds_dtype dt = std::is_same<T, __nv_bfloat16>::value ? DS_BF16 : DS_F16;
+    const size_t n = (size_t)CHECK_H * CHECK_T * D;
+    problem<T> p;
+    p.qkv.resize(4 * n);
+    for (size_t i = 0; i < 4 * n; i++) p.qkv[i] = elem<T>(x[i]);
+    p.obuf.assign(n, elem<T>(NAN));
+    p.lsebuf.assign((size_t)CHECK_H * CHECK_T, NAN);
+    int64_t sz[4] = { 1, CHECK_H, CHECK_T, D }, st[4] = { CHECK_H * CHECK_T * D, CHECK_T * D, D, 1 };
+    int64_t lsz[3] = { 1, CHECK_H, CHECK_T }, lst[3] = { CHECK_H * CHECK_T, CHECK_T, 1 };
+    p.q = emu::view(p.qkv.data(), dt, 4, sz, st), p.k = emu::view(p.qkv.data() + n, dt, 4, sz, st);
+    p.v = emu::view(p.qkv.data() + 2 * n, dt, 4, sz, st), p.dout = emu::view(p.qkv.data() + 3 * n, dt, 4, sz, st);
+    p.out = emu::view(p.obuf.data(), dt, 4, sz, st);
+    p.lse = emu::view(p.lsebuf.data(), DS_F32, 3, lsz, lst);
+    mma_geom g = mma_geom_of(p.q, p.k, 1.0 / sqrt((double)D), causal);
+    run_forward<T, D>(p, g, false);
+    for (int w = 0; w < 2; w++) {
+        p.dqb.assign(n, elem<T>(NAN)), p.dkb = p.dvb = p.dqb;
+        p.dq = emu::view(p.dqb.data(), dt, 4, sz, st), p.dk = emu::view(p.dkb.data(), dt, 4, sz, st);
+        p.dv = emu::view(p.dvb.data(), dt, 4, sz, st);
+        run_backward<T, D>(p, g, w == 1);
+        const std::vector<T> *bufs[3] = { &p.dqb, &p.dkb, &p.dvb };
+        for (int i = 0; i < 3; i++) {
+            grads[w][i].resize(n);
+            for (size_t e = 0; e < n; e++) grads[w][i][e] = (float)(*bufs[i])[e];
+        }
+    }
+    out.resize(n);
+    for (size_t i = 0; i < n; i++) out[i] = (float)p.obuf[i];
+    lse = p.lsebuf;
+}
+
+template <typename T, int D> void first_call_check() {
+    const bool bf = std::is_same<T, __nv_bfloat16>::value;
+    const double u = bf ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
+    const char *name = bf ? "bf16" : "f16", *what[3] = { "dq", "dk", "dv" };
+    std::vector<float> x = attn_check_inputs(bf ? DS_BF16 : DS_F16, D, 4), g[2][2][3], out[2], lse[2];
+    for (int causal = 0; causal < 2; causal++) check_backwards<T, D>(x, causal, g[causal], out[causal], lse[causal]);
+    for (int causal = 0; causal < 2; causal++) {
+        int which = 0;
+        long at = 0;
+        double e = attn_check_backward_compare(x, D, causal, scale, u, out[causal], lse[causal], g[causal][0],
+                                               g[causal][1], &which, &at);
+        check(e <= 1, "%s D=%d causal=%d: the backward's first-call check fails the emulated kernels (%.3g of its "
+              "bound at %s %ld)", name, D, causal, e, what[which], at);
+        printf("backward first-call check %s D=%d causal=%d: %.3g of its bound\n", name, D, causal, e);
+    }
+    int which = 0;
+    long at = 0;
+    double wrong = attn_check_backward_compare(x, D, 1, scale, u, out[1], lse[1], g[1][0], g[0][1], &which, &at);
+    check(wrong > 1, "%s D=%d: the backward's first-call check passes gradients without the causal mask (%.3g of "
+          "its bound)", name, D, wrong);
+    printf("backward first-call check %s D=%d without the mask: %.3g of its bound\n", name, D, wrong);
+}
+
+} /* namespace */
+
+int main() {
+    std::mt19937 rng(11);
+    /* partial last tiles, a causal diagonal inside each block, several
+     * tiles each way, cross attention with more keys than queries and the
+     * other way round; out and lse from either forward */
+    run_case<__nv_bfloat16, 64>({ 2, 2, 130, 130, true }, false, rng);
+    run_case<__nv_bfloat16, 64>({ 1, 2, 200, 200, false }, true, rng);
+    run_case<__nv_bfloat16, 64>({ 1, 1, 70, 290, false }, false, rng);
+    run_case<__nv_bfloat16, 64>({ 1, 1, 290, 70, true }, true, rng);
+    run_case<__half, 64>({ 1, 2, 257, 257, true }, false, rng);
+    run_case<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, true, rng);
+    run_case<__half, 128>({ 1, 1, 90, 200, false }, false, rng);
+    /* both dtypes and both head dims (the check costs the most emulated time) */
+    first_call_check<__nv_bfloat16, 64>();
+    first_call_check<__half, 128>();
+    return check_summary("test_wgmma_backward");
+}
