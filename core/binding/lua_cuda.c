@@ -138,7 +138,8 @@ static int l_allow_tf32(lua_State *L) {
 }
 
 /* ds.cuda.allow_wgmma([on]): sets (with a boolean) and returns whether bf16
- * and f16 attention forwards may run on Hopper's wgmma kernel. */
+ * and f16 attention forwards and backwards may run on Hopper's wgmma
+ * kernels. */
 static int l_allow_wgmma(lua_State *L) {
     int on = -1;
     if (!lua_isnoneornil(L, 1)) {
@@ -149,13 +150,16 @@ static int l_allow_wgmma(lua_State *L) {
     return 1;
 }
 
-/* ds.cuda.attention_kernel(dtype, head_dim): 'wgmma' or 'mma.sync', the
- * kernel such an attention forward runs on this rank's GPU, and for
+/* ds.cuda.attention_kernel(dtype, head_dim[, pass]): 'wgmma' or
+ * 'mma.sync', the kernel such an attention forward (pass 'forward', the
+ * default) or backward ('backward') runs on this rank's GPU, and for
  * mma.sync why not wgmma. */
 static int l_attention_kernel(lua_State *L) {
+    static const char *const passes[] = { "forward", "backward", NULL };
     ds_dtype dt = dsL_checkdtype(L, 1, DS_BF16);
+    int D = (int)luaL_checkinteger(L, 2), backward = luaL_checkoption(L, 3, "forward", passes);
     const char *why = "";
-    const char *k = ds_cuda_attention_kernel(dt, (int)luaL_checkinteger(L, 2), &why);
+    const char *k = ds_cuda_attention_kernel(dt, D, backward == 1, &why);
     if (!k) return dsL_error(L);
     lua_pushstring(L, k);
     if (!*why) return 1;

@@ -171,12 +171,12 @@ int ds_cuda_allow_tf32(bool conv, int on) {
 
 int ds_cuda_allow_wgmma(int on) { return ds_cuda_attention_set_wgmma(on); }
 
-const char *ds_cuda_attention_kernel(ds_dtype dt, int D, const char **why) {
+const char *ds_cuda_attention_kernel(ds_dtype dt, int D, bool backward, const char **why) {
     if ((dt != DS_BF16 && dt != DS_F16) || (D != 64 && D != 128))
         return ds_fail(DS_ERR_ARG, "attention_kernel: bf16 and f16 at head dim 64 or 128 run on tensor cores, not %s "
                        "at head dim %d", ds_dtype_name(dt), D), NULL;
     if (ds_cuda_check_device("attention_kernel", 0)) return NULL;
-    const char *k = ds_cuda_attention_forward_kernel(dt, D, why);
+    const char *k = ds_cuda_attention_pass_kernel(dt, D, backward, why);
     if (!k) ds_fail(DS_ERR_STATE, "attention_kernel: %s", ds_kernel_error());
     return k;
 }

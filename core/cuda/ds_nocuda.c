@@ -77,8 +77,8 @@ int ds_cuda_allow_wgmma(int on) {
     return wgmma;
 }
 
-const char *ds_cuda_attention_kernel(ds_dtype dt, int D, const char **why) {
-    (void)dt, (void)D, (void)why;
+const char *ds_cuda_attention_kernel(ds_dtype dt, int D, bool backward, const char **why) {
+    (void)dt, (void)D, (void)backward, (void)why;
     ds_cuda_check_device("attention_kernel", 0);
     return NULL;
 }

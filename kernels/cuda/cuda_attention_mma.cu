@@ -108,15 +108,17 @@ static int mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kv
                             : forward_of<128>(out, lse, q, k, v, g, tf32);
 }
 
-/* ---- the Hopper forward, trusted once it agrees ----
- * Its PTX is checked on the CPU by an emulator whose reading of the ISA
- * could be wrong in ways only hardware shows. So the first call per device
- * and variant (bf16 or f16, head dim 64 or 128) runs it beside the
- * mma.sync kernel on a small problem (2 heads of 200 queries and keys:
- * two key tiles, one partial; causal and not) and compares every output
- * and lse with the bound the two kernels' roundings and orders of
- * summation allow; past it, one line on stderr names the variant and the
- * element, and the variant stays on mma.sync for the process. */
+/* ---- the Hopper kernels, trusted once they agree ----
+ * Their PTX is checked on the CPU by an emulator whose reading of the ISA
+ * could be wrong in ways only hardware shows. So the first call per device,
+ * pass (forward or backward) and variant (bf16 or f16, head dim 64 or 128)
+ * runs the Hopper kernel beside the mma.sync one on a small problem (2
+ * heads of 200 queries and keys: two key tiles, one partial; causal and
+ * not) and compares every output with the bound the two kernels'
+ * roundings and orders of summation allow (the backwards on the same
+ * forward out and lse, mma.sync's); past it, one line on stderr names the
+ * pass, the variant and the element, and that pass of the variant stays
+ * on mma.sync for the process. */
 
 static int wgmma_on = 1;
 
@@ -133,62 +135,127 @@ static ds_kview check_view(void *data, ds_dtype dt, int ndim, const int64_t *sha
     return x;
 }
 
-/* Both forwards on the check problem in dtype dt (its values in x, as
- * floats: q, k, v of [1, CHECK_H, CHECK_T, D]), their outputs and lse
- * back on the host. */
-static int check_run(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x,
-                     std::vector<float> out[2], std::vector<float> lse[2]) {
-    const size_t n = (size_t)CHECK_H * CHECK_T * D, rows = (size_t)CHECK_H * CHECK_T;
-    std::vector<uint16_t> h(3 * n);
-    for (size_t i = 0; i < 3 * n; i++) h[i] = dt == DS_BF16 ? ds_f32_to_bf16(x[i]) : ds_f32_to_f16(x[i]);
-    cudaStream_t st = ds_cuda_stream();
-    unsigned char *buf = (unsigned char *)ds_cuda_scratch(5 * n * 2 + 2 * rows * 4);
-    if (!buf) return -1;
-    int rc = ds_cuda_ok(cudaMemcpyAsync(buf, h.data(), 3 * n * 2, cudaMemcpyHostToDevice, st),
-                        "attention check: cudaMemcpyAsync");
+/* Tensor i of the check problem ([1, CHECK_H, CHECK_T, D] of dt) at buf, and its lse rows at lse. */
+static ds_kview check_tensor(unsigned char *buf, int i, ds_dtype dt, int D) {
     int64_t shape[4] = { 1, CHECK_H, CHECK_T, D }, strides[4] = { CHECK_H * CHECK_T * D, CHECK_T * D, D, 1 };
+    return check_view(buf + (size_t)i * CHECK_H * CHECK_T * D * 2, dt, 4, shape, strides);
+}
+static ds_kview check_lse(unsigned char *lse) {
     int64_t lshape[3] = { 1, CHECK_H, CHECK_T }, lst[3] = { CHECK_H * CHECK_T, CHECK_T, 1 };
-    ds_kview views[3];
-    for (int i = 0; i < 3; i++) views[i] = check_view(buf + i * n * 2, dt, 4, shape, strides);
-    for (int w = 0; w < 2 && rc == 0; w++) {
-        ds_kview o = check_view(buf + (3 + w) * n * 2, dt, 4, shape, strides);
-        ds_kview l = check_view(buf + 5 * n * 2 + w * rows * 4, DS_F32, 3, lshape, lst);
-        rc = w == 0 ? mma_forward(o, l, views[0], views[1], views[2], scale, causal, false)
-                    : ds_cuda_attention_wgmma_forward(o, l, views[0], views[1], views[2], scale, causal);
+    return check_view(lse, DS_F32, 3, lshape, lst);
+}
+
+/* The check's device buffer: `tensors` of the problem's size in dt, then
+ * `lses` lse rows; x's values (as many tensors as it holds) copied into
+ * the first. NULL when CUDA fails. */
+static unsigned char *check_upload(ds_dtype dt, int D, int tensors, int lses, const std::vector<float> &x) {
+    const size_t n = (size_t)CHECK_H * CHECK_T * D, rows = (size_t)CHECK_H * CHECK_T;
+    std::vector<uint16_t> h(x.size());
+    for (size_t i = 0; i < x.size(); i++) h[i] = dt == DS_BF16 ? ds_f32_to_bf16(x[i]) : ds_f32_to_f16(x[i]);
+    unsigned char *buf = (unsigned char *)ds_cuda_scratch(tensors * n * 2 + lses * rows * 4);
+    if (buf && ds_cuda_ok(cudaMemcpyAsync(buf, h.data(), h.size() * 2, cudaMemcpyHostToDevice, ds_cuda_stream()),
+                          "attention check: cudaMemcpyAsync")) {
+        ds_cuda_scratch_free(buf);
+        return NULL;
     }
-    std::vector<uint16_t> ob(2 * n);
-    std::vector<float> lb(2 * rows);
-    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(ob.data(), buf + 3 * n * 2, 2 * n * 2, cudaMemcpyDeviceToHost, st),
-                                 "attention check: cudaMemcpyAsync");
-    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(lb.data(), buf + 5 * n * 2, 2 * rows * 4, cudaMemcpyDeviceToHost, st),
-                                 "attention check: cudaMemcpyAsync");
+    return buf;
+}
+
+/* Copies the check's tensors first..first+count-1 (into t[], as floats)
+ * and its lse rows (lse[] from buf's lse area, `lses` of them) back, and
+ * frees buf; 0, or -1 when CUDA fails (rc: a failure already). */
+static int check_download(int rc, unsigned char *buf, ds_dtype dt, int D, int tensors, int first, int count,
+                          std::vector<float> *t, int lses, std::vector<float> *lse) {
+    const size_t n = (size_t)CHECK_H * CHECK_T * D, rows = (size_t)CHECK_H * CHECK_T;
+    cudaStream_t st = ds_cuda_stream();
+    std::vector<uint16_t> ob(count * n);
+    std::vector<float> lb(lses * rows);
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(ob.data(), buf + first * n * 2, ob.size() * 2,
+                                                 cudaMemcpyDeviceToHost, st), "attention check: cudaMemcpyAsync");
+    if (rc == 0 && lses)
+        rc = ds_cuda_ok(cudaMemcpyAsync(lb.data(), buf + tensors * n * 2, lb.size() * 4, cudaMemcpyDeviceToHost, st),
+                        "attention check: cudaMemcpyAsync");
     int synced = ds_cuda_ok(cudaStreamSynchronize(st), "attention check: cudaStreamSynchronize");
     if (rc == 0) rc = synced;
     ds_cuda_scratch_free(buf);
-    for (int w = 0; w < 2 && rc == 0; w++) {
-        out[w].resize(n);
+    for (int w = 0; w < count && rc == 0; w++) {
+        t[w].resize(n);
         for (size_t i = 0; i < n; i++)
-            out[w][i] = dt == DS_BF16 ? ds_bf16_to_f32(ob[w * n + i]) : ds_f16_to_f32(ob[w * n + i]);
-        lse[w].assign(lb.begin() + w * rows, lb.begin() + (w + 1) * rows);
+            t[w][i] = dt == DS_BF16 ? ds_bf16_to_f32(ob[w * n + i]) : ds_f16_to_f32(ob[w * n + i]);
     }
+    for (int w = 0; w < lses && rc == 0; w++) lse[w].assign(lb.begin() + w * rows, lb.begin() + (w + 1) * rows);
     return rc;
 }
 
-/* 1 when the Hopper forward agrees with mma.sync on variant (dt, D), 0
- * (and the line on stderr) when not, -1 when CUDA fails. */
-static int wgmma_agrees(ds_dtype dt, int D) {
+/* Both forwards on the check problem in dtype dt (its values in x, as
+ * floats: q, k, v), their outputs and lse back on the host. */
+static int check_run(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x,
+                     std::vector<float> out[2], std::vector<float> lse[2]) {
+    unsigned char *buf = check_upload(dt, D, 5, 2, x);
+    if (!buf) return -1;
+    const size_t rows = (size_t)CHECK_H * CHECK_T;
+    ds_kview q = check_tensor(buf, 0, dt, D), k = check_tensor(buf, 1, dt, D), v = check_tensor(buf, 2, dt, D);
+    int rc = 0;
+    for (int w = 0; w < 2 && rc == 0; w++) {
+        ds_kview o = check_tensor(buf, 3 + w, dt, D), l = check_lse(buf + (size_t)5 * rows * D * 2 + w * rows * 4);
+        rc = w == 0 ? mma_forward(o, l, q, k, v, scale, causal, false)
+                    : ds_cuda_attention_wgmma_forward(o, l, q, k, v, scale, causal);
+    }
+    return check_download(rc, buf, dt, D, 5, 3, 2, out, 2, lse);
+}
+
+/* The mma.sync forward, then both backwards on its out and lse, on the
+ * check problem (x: q, k, v, dO): grads[w] the mma.sync (0) and Hopper
+ * (1) backwards' dq, dk, dv, and out and lse, back on the host. */
+static int check_run_backward(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x,
+                              std::vector<float> grads[2][3], std::vector<float> &out, std::vector<float> &lse) {
+    /* q, k, v, dO, out, then dq, dk, dv twice; one lse */
+    unsigned char *buf = check_upload(dt, D, 11, 1, x);
+    if (!buf) return -1;
+    ds_kview t[11];
+    for (int i = 0; i < 11; i++) t[i] = check_tensor(buf, i, dt, D);
+    ds_kview l = check_lse(buf + (size_t)11 * CHECK_H * CHECK_T * D * 2);
+    mma_geom g = mma_geom_of(t[0], t[1], scale, causal);
+    int rc = mma_forward(t[4], l, t[0], t[1], t[2], scale, causal, false);
+    if (rc == 0) rc = D == 64 ? backward_of<64>(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], l, g, false)
+                              : backward_of<128>(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], l, g, false);
+    if (rc == 0) rc = ds_cuda_attention_wgmma_backward(t[8], t[9], t[10], t[3], t[0], t[1], t[2], t[4], l, scale,
+                                                       causal);
+    std::vector<float> got[7];
+    rc = check_download(rc, buf, dt, D, 11, 4, 7, got, 1, &lse);
+    if (rc) return rc;
+    out = got[0];
+    for (int w = 0; w < 2; w++)
+        for (int i = 0; i < 3; i++) grads[w][i] = got[1 + 3 * w + i];
+    return 0;
+}
+
+/* 1 when the Hopper forward (or backward, bwd) agrees with mma.sync on
+ * variant (dt, D), 0 (and the line on stderr) when not, -1 when CUDA
+ * fails. */
+static int wgmma_agrees(ds_dtype dt, int D, bool bwd) {
     const double u = dt == DS_BF16 ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
-    std::vector<float> x = attn_check_inputs(dt, D);
+    static const char *const what[] = { "dq", "dk", "dv" };
+    std::vector<float> x = attn_check_inputs(dt, D, bwd ? 4 : 3);
     for (int causal = 0; causal < 2; causal++) {
-        std::vector<float> out[2], lse[2];
-        if (check_run(dt, D, causal, scale, x, out, lse)) return -1;
         long at = 0;
-        double worst = attn_check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
+        int which = 0;
+        double worst;
+        if (bwd) {
+            std::vector<float> grads[2][3], out, lse;
+            if (check_run_backward(dt, D, causal, scale, x, grads, out, lse)) return -1;
+            worst = attn_check_backward_compare(x, D, causal, scale, u, out, lse, grads[0], grads[1], &which, &at);
+        } else {
+            std::vector<float> out[2], lse[2];
+            if (check_run(dt, D, causal, scale, x, out, lse)) return -1;
+            worst = attn_check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
+        }
         if (!(worst <= 1)) {
             fprintf(stderr,
-                    "dslua: attention: the sm_90a wgmma forward (%s, head dim %d, causal %d) is off from the mma.sync "
-                    "kernel by %.3g times the bound on %s %ld of its check; attention stays on mma.sync\n",
-                    dt == DS_BF16 ? "bf16" : "f16", D, causal, worst, at < 0 ? "lse" : "out", at < 0 ? -1 - at : at);
+                    "dslua: attention: the sm_90a wgmma %s (%s, head dim %d, causal %d) is off from the mma.sync "
+                    "kernel by %.3g times the bound on %s %ld of its check; the %s stays on mma.sync\n",
+                    bwd ? "backward" : "forward", dt == DS_BF16 ? "bf16" : "f16", D, causal, worst,
+                    bwd ? what[which] : at < 0 ? "lse" : "out", at < 0 ? -1 - at : at, bwd ? "backward" : "forward");
             return 0;
         }
     }
@@ -200,24 +267,26 @@ static const char *const why_not[] = { "", "switched off", "not compute capabili
                                        "too little shared memory", "off from mma.sync on its check",
                                        "not checked yet: the stream is capturing a graph" };
 
-/* Whether the current device runs variant (dt, D) on the Hopper forward:
- * known per device (up to 64; past that, never) and variant; *why (an
- * index of why_not) says why not. -1 when CUDA fails. */
-static int wgmma_takes(ds_dtype dt, int D, int *why) {
-    static signed char known[64][4];      /* 0 not yet, else 1 + why_not's index */
+/* Whether the current device runs variant (dt, D) of the forward (or the
+ * backward, bwd) on the Hopper kernels: known per device (up to 64; past
+ * that, never), pass and variant; *why (an index of why_not) says why
+ * not. -1 when CUDA fails. */
+static int wgmma_takes(ds_dtype dt, int D, bool bwd, int *why) {
+    static signed char known[64][2][4];   /* 0 not yet, else 1 + why_not's index */
     int dev, major = 0, minor = 0;
     *why = 1;
     if (!wgmma_on || (dt != DS_BF16 && dt != DS_F16)) return 0;
     if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
     *why = 2;
     if (dev >= 64) return 0;
-    signed char &k = known[dev][(dt == DS_F16) * 2 + (D == 128)];
+    signed char &k = known[dev][bwd][(dt == DS_F16) * 2 + (D == 128)];
     if (k == 0) {
         if (ds_cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "attention") ||
             ds_cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attention"))
             return -1;
         int w = major == 9 && minor == 0 ? 0 : 2;
-        if (!w && ds_cuda_attention_wgmma_smem(D) > (size_t)smem_optin()) w = 3;
+        size_t need = bwd ? ds_cuda_attention_wgmma_backward_smem(D) : ds_cuda_attention_wgmma_smem(D);
+        if (!w && need > (size_t)smem_optin()) w = 3;
         cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
         if (!w && ds_cuda_ok(cudaStreamIsCapturing(ds_cuda_stream(), &capturing), "attention")) return -1;
         if (!w && capturing != cudaStreamCaptureStatusNone) {
@@ -225,7 +294,7 @@ static int wgmma_takes(ds_dtype dt, int D, int *why) {
             return 0;
         }
         if (!w) {
-            int agrees = wgmma_agrees(dt, D);
+            int agrees = wgmma_agrees(dt, D, bwd);
             if (agrees < 0) return -1;
             if (!agrees) w = 4;
         }
@@ -237,21 +306,21 @@ static int wgmma_takes(ds_dtype dt, int D, int *why) {
 #else
 static const char *const why_not[] = { "", "switched off", "built without an sm_90a target" };
 
-static int wgmma_takes(ds_dtype, int, int *why) {
+static int wgmma_takes(ds_dtype, int, bool, int *why) {
     *why = wgmma_on ? 2 : 1;
     return 0;
 }
 #endif
 
-const char *ds_cuda_attention_forward_kernel(ds_dtype dt, int D, const char **why) {
-    int w, r = wgmma_takes(dt, D, &w);
+const char *ds_cuda_attention_pass_kernel(ds_dtype dt, int D, int backward, const char **why) {
+    int w, r = wgmma_takes(dt, D, backward != 0, &w);
     *why = why_not[w];
     return r < 0 ? NULL : r ? "wgmma" : "mma.sync";
 }
 
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal, bool tf32) {
-    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], &why);
+    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], false, &why);
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal);
@@ -261,6 +330,11 @@ int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
 
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, bool tf32) {
+    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], true, &why);
+    if (w < 0) return -1;
+#ifdef DS_CUDA_WGMMA
+    if (w) return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
+#endif
     mma_geom g = mma_geom_of(q, k, scale, causal);
     return q.shape[3] == 64 ? backward_of<64>(dq, dk, dv, dout, q, k, v, out, lse, g, tf32)
                             : backward_of<128>(dq, dk, dv, dout, q, k, v, out, lse, g, tf32);

@@ -27,4 +27,11 @@ size_t ds_cuda_attention_wgmma_smem(int D);
 int ds_cuda_attention_wgmma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                     int causal);
 
+/* The backward on it (cuda_attention_wgmma_bwd.cu), the same way: `smem`
+ * bytes for its larger kernel's block; ds_cuda_attention_mma_backward
+ * calls it. */
+size_t ds_cuda_attention_wgmma_backward_smem(int D);
+int ds_cuda_attention_wgmma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
+                                     ds_kview v, ds_kview out, ds_kview lse, double scale, int causal);
+
 #endif

@@ -709,11 +709,10 @@ describe('attention on the GPU #gpu', function()
 end)
 
 -- On a device of compute capability 9.0 bf16 and f16 attention forwards
--- at head dims 64 and 128 run the wgmma kernel (the cases above compare it
--- with the CPU); here it is held against the mma.sync kernel it replaces:
--- outputs, and the gradients the mma.sync backward takes from each one's
--- out and lse, within twice the 16-bit tolerance (each kernel is within
--- one of exact attention).
+-- and backwards at head dims 64 and 128 run the wgmma kernels (the cases
+-- above compare them with the CPU); here they are held against the
+-- mma.sync kernels they replace: outputs and gradients within twice the
+-- 16-bit tolerance (each kernel is within one of exact attention).
 describe('attention on Hopper wgmma against mma.sync #gpu', function()
   if skip or ON_CPU then pending('skipped: no CUDA device') return end
   local kernel, why = ds.cuda.attention_kernel('bf16', 64)
@@ -724,11 +723,13 @@ describe('attention on Hopper wgmma against mma.sync #gpu', function()
 
   after_each(function() ds.cuda.allow_wgmma(true) end)
 
-  it('passes its first-call check against mma.sync in every variant', function()
+  it('passes its first-call checks against mma.sync in every variant, forward and backward', function()
     for _, dt in ipairs { 'bf16', 'f16' } do
       for _, D in ipairs { 64, 128 } do
-        local k, w = ds.cuda.attention_kernel(dt, D)
-        assert.are.equal('wgmma', k, dt .. ' head dim ' .. D .. ': ' .. tostring(w))
+        for _, pass in ipairs { 'forward', 'backward' } do
+          local k, w = ds.cuda.attention_kernel(dt, D, pass)
+          assert.are.equal('wgmma', k, dt .. ' head dim ' .. D .. ' ' .. pass .. ': ' .. tostring(w))
+        end
       end
     end
   end)
@@ -745,6 +746,7 @@ describe('attention on Hopper wgmma against mma.sync #gpu', function()
           local function run(wgmma)
             ds.cuda.allow_wgmma(wgmma)
             assert.are.equal(wgmma and 'wgmma' or 'mma.sync', (ds.cuda.attention_kernel(dt, D)))
+            assert.are.equal(wgmma and 'wgmma' or 'mma.sync', (ds.cuda.attention_kernel(dt, D, 'backward')))
             local qs, ks, vs = q:clone():requires_grad_(), k:clone():requires_grad_(), v:clone():requires_grad_()
             local out = ds.scaled_dot_product_attention(qs, ks, vs, { causal = causal })
             out:backward(g)
