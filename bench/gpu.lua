@@ -185,10 +185,23 @@ local function bandwidth()
   end
 end
 
+-- A bf16 attention op at 8x12x1024x64 timed on each kernel: wgmma where every
+-- pass it runs takes it (compute capability 9.0), and mma.sync.
+local function by_kernel(name, passes, fn)
+  local kernels, all = { 'mma.sync' }, true
+  for _, pass in ipairs(passes) do all = all and ds.cuda.attention_kernel('bf16', 64, pass) == 'wgmma' end
+  if all then table.insert(kernels, 1, 'wgmma') end
+  for _, kern in ipairs(kernels) do
+    ds.cuda.allow_wgmma(kern == 'wgmma')
+    result(name .. '_' .. kern, '8x12x1024x64_bf16', time_per_call(fn), 's')
+  end
+  ds.cuda.allow_wgmma(true)
+end
+
 local function ops()
-  -- attention on the default backend, fused on tensor cores: bf16 (its forward on wgmma on a
-  -- compute capability 9.0 device, else mma.sync); f32 in 3xTF32 (the f32 rows, the switch off);
-  -- f32 in TF32 under allow_tf32 (the tf32 rows)
+  -- attention on the default backend, fused on tensor cores: bf16 (forward and backward on wgmma
+  -- on a compute capability 9.0 device, else mma.sync); f32 in 3xTF32 (the f32 rows, the switch
+  -- off); f32 in TF32 under allow_tf32 (the tf32 rows)
   for _, dt in ipairs { 'bf16', 'f32', 'tf32' } do
     local et = dt == 'tf32' and 'f32' or dt
     ds.backends.cuda.matmul.allow_tf32 = dt == 'tf32'
@@ -197,22 +210,18 @@ local function ops()
       ds.scaled_dot_product_attention(q, k, v)
     end), 's')
     if dt == 'bf16' then
-      -- the forward by kernel: wgmma where it runs (compute capability 9.0), and mma.sync
-      local kernels = { 'mma.sync' }
-      if ds.cuda.attention_kernel('bf16', 64) == 'wgmma' then table.insert(kernels, 1, 'wgmma') end
-      for _, kern in ipairs(kernels) do
-        ds.cuda.allow_wgmma(kern == 'wgmma')
-        result('attention_fwd_' .. kern, '8x12x1024x64_bf16', time_per_call(function()
-          ds.scaled_dot_product_attention(q, k, v)
-        end), 's')
-      end
-      ds.cuda.allow_wgmma(true)
+      by_kernel('attention_fwd', { 'forward' }, function() ds.scaled_dot_product_attention(q, k, v) end)
     end
     q:requires_grad_(); k:requires_grad_(); v:requires_grad_()
     local g = randn({ 8, 12, 1024, 64 }, et)
     result('attention_fwd_bwd', '8x12x1024x64_' .. dt, time_per_call(function()
       ds.scaled_dot_product_attention(q, k, v):backward(g)
     end), 's')
+    if dt == 'bf16' then
+      by_kernel('attention_fwd_bwd', { 'forward', 'backward' }, function()
+        ds.scaled_dot_product_attention(q, k, v):backward(g)
+      end)
+    end
     -- f32 on the math backend too (cuBLAS's f32 GEMMs around a softmax),
     -- against auto's fused 3xTF32: whether auto takes the faster
     if dt == 'f32' then

@@ -6,7 +6,8 @@
 # dslua's alone), GPT-2 XL (1.5B, T=1024, also with ZeRO-Offload: dslua's
 # alone) and TinyLlama's 1.1B shape (T=2048) in bf16, peak memory, MFU against the bf16 GEMM rate
 # measured here, where a step's time goes, and the per-op table (the bf16
-# attention forward also by kernel: wgmma on a compute capability 9.0 GPU, mma.sync).
+# attention forward, and forward and backward, also by kernel: wgmma on a compute
+# capability 9.0 GPU, mma.sync).
 # Needs a CUDA build of dslua and python3 with torch on a GPU machine
 # (../shared/device/README.md says how to carry the build to one); without
 # a GPU it stops at once with an error.
