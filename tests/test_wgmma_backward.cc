@@ -4,8 +4,8 @@
  * out and lse as a kernel wrote them, held to test_attention_mma's bound
  * for 16-bit inputs with f32 sums (a few units of the last place of the
  * largest value; a wrong fragment, transpose or mask is off by O(1));
- * head dims 64 and 128, causal or not, lengths that leave partial tiles,
- * cross attention both ways, q/k/v as views into one packed qkv buffer.
+ * head dims 64 and 128, causal or not, lengths that leave partial tiles
+ * (down to a few queries and keys), cross attention both ways, q/k/v as views into one packed qkv buffer.
  * And the check the dispatch runs before trusting the kernels on a GPU
  * (cuda_attention_check.h) on the emulated kernels: the Hopper backward
  * and the mma.sync one agree within its bound in every variant, and
@@ -221,6 +221,7 @@ int main() {
     run_case<__half, 64>({ 1, 2, 257, 257, true }, false, rng);
     run_case<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, true, rng);
     run_case<__half, 128>({ 1, 1, 90, 200, false }, false, rng);
+    run_case<__nv_bfloat16, 64>({ 1, 3, 3, 2, true }, true, rng);   /* a few queries and keys: every tile partial */
     /* both dtypes and both head dims (the check costs the most emulated time) */
     first_call_check<__nv_bfloat16, 64>();
     first_call_check<__half, 128>();
