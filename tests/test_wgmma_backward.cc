@@ -217,6 +217,7 @@ int main() {
     run_case<__nv_bfloat16, 64>({ 2, 2, 130, 130, true }, false, rng);
     run_case<__nv_bfloat16, 64>({ 1, 2, 200, 200, false }, true, rng);
     run_case<__nv_bfloat16, 64>({ 1, 1, 70, 290, false }, false, rng);
+    run_case<__nv_bfloat16, 64>({ 1, 1, 70, 290, true }, false, rng);   /* key blocks no query sees */
     run_case<__nv_bfloat16, 64>({ 1, 1, 290, 70, true }, true, rng);
     run_case<__half, 64>({ 1, 2, 257, 257, true }, false, rng);
     run_case<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, true, rng);
