@@ -110,8 +110,9 @@ typedef struct ds_kernels_index {
 } ds_kernels_index;
 
 /* Fused scaled dot-product attention, flash style (the Tq x Tk scores never
- * exist in memory). q [B,H,Tq,D], k [B,H,Tk,D], v [B,H,Tk,Dv] share one
- * float dtype, any strides. forward writes out [B,H,Tq,Dv] (that dtype)
+ * exist in memory). q [B,H,Tq,D], k [B,KV,Tk,D], v [B,KV,Tk,Dv] share one
+ * float dtype, any strides; KV is H, or where grouped says so a divisor of
+ * H (grouped-query attention: query head h reads kv head h / (H/KV)). forward writes out [B,H,Tq,Dv] (that dtype)
  * and lse [B,H,Tq], the log-sum-exp of each query row's scaled scores (f64
  * for f64 inputs, else f32). Causal hides key j from query i when j > i.
  * backward recomputes the probabilities from q, k and lse and writes dq,
@@ -120,6 +121,9 @@ typedef struct ds_kernels_attention {
     /* Whether these inputs run at the device's full rate (a GPU's tensor
      * cores); where not, core may prefer GEMMs around a softmax. */
     bool (*full_rate)(ds_kview q, ds_kview k, ds_kview v);
+    /* Whether forward and backward take these k and v with fewer heads than
+     * q; where not, core repeats them to q's heads first. */
+    bool (*grouped)(ds_kview q, ds_kview k, ds_kview v);
     int (*forward)(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale, int causal);
     int (*backward)(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                     ds_kview v, ds_kview out, ds_kview lse, double scale, int causal);

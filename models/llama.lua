@@ -94,13 +94,6 @@ local function rope_tables(cfg)
   return tensor(cos), tensor(sin)
 end
 
--- [B, KV, T, D] -> [B, KV * rep, T, D], each kv head repeated for the rep
--- query heads that share it (Hugging Face's repeat_kv), in one copy.
-local function repeat_kv(x, rep)
-  if rep == 1 then return x end
-  return x:repeat_interleave(rep, 2)
-end
-
 local Attention = nn.Module:extend('LlamaAttention')
 M.Attention = Attention
 
@@ -135,7 +128,9 @@ function Attention:forward(x, cos, sin)
     local kv = sp:seq_to_heads(ds.cat({ wire(k), wire(v) }, 3))
     k, v = unwire(kv, 1), unwire(kv, 2)
   end
-  local y = ds.scaled_dot_product_attention(q, repeat_kv(k, H / KV), repeat_kv(v, H / KV))
+  -- k and v keep their KV heads: query head h reads kv head h / (H / KV) in the kernel, with no
+  -- repeated copy (Hugging Face's repeat_kv) forward nor its reduction backward
+  local y = ds.scaled_dot_product_attention(q, k, v)
   if sp then return self.o_proj(sp:heads_to_seq(wire(y)):reshape({ B, T, H * D })) end
   return self.o_proj(y:transpose(2, 3):reshape({ B, T, H * D }))
 end

@@ -151,6 +151,100 @@ describe('scaled_dot_product_attention', function()
   end)
 end)
 
+describe('scaled_dot_product_attention with fewer key/value heads (grouped-query)', function()
+  -- k and v [B,KV,T,D] with strides of a projection's heads ([B,T,KV,D] transposed)
+  local function heads(B, KV, T, D, dt)
+    return ds.randn({ B, T, KV, D }, dt):transpose(2, 3)
+  end
+
+  local function leaves(...)
+    local r = {}
+    for i, x in ipairs { ... } do r[i] = x:detach():clone():requires_grad_() end
+    return unpack(r)
+  end
+
+  for _, dt in ipairs { 'f32', 'bf16' } do
+    for _, causal in ipairs { true, false } do
+      for _, G in ipairs { 1, 2, 4, 8 } do
+        local name = string.format('%s, %s, %d query heads per kv head', dt, causal and 'causal' or 'not causal', G)
+        it('equals repeating k and v then attending, bit for bit: ' .. name, function()
+          local B, Hq, T, D = 2, 8, 70, 8    -- T past one 64-row tile
+          local KV = Hq / G
+          local q, k, v = ds.randn({ B, Hq, T, D }, dt), heads(B, KV, T, D, dt), heads(B, KV, T, D, dt)
+          local w = ds.randn({ B, Hq, T, D }, dt)
+          local opts = { causal = causal, backend = 'fused' }
+          local qa, ka, va = leaves(q, k, v)
+          local qb, kb, vb = leaves(q, k, v)
+          local oa, dqa, dka, dva = run(qa, ka, va, opts, w)
+          local ob = sdpa(qb, kb:repeat_interleave(G, 2), vb:repeat_interleave(G, 2), opts)
+          ;(ob * w):sum():backward()
+          assert.are.same({ B, KV, T, D }, dka:size())
+          H.assert_same(oa, ob, 'out')
+          H.assert_same(dqa, qb.grad, 'dq')
+          H.assert_same(dka, kb.grad, 'dk')
+          H.assert_same(dva, vb.grad, 'dv')
+        end)
+      end
+    end
+  end
+
+  it('keeps no repeated copy of k and v: the saved activations shrink by it', function()
+    local B, Hq, KV, T, D = 1, 8, 2, 64, 16
+    local q, k, v = leaf({ B, Hq, T, D }), leaf({ B, KV, T, D }), leaf({ B, KV, T, D })
+    local function held(f)
+      collectgarbage()
+      collectgarbage()
+      local before = ds.memory_stats().current.total
+      local out = f()
+      local used = ds.memory_stats().current.total - before
+      out = nil    -- luacheck: ignore
+      collectgarbage()
+      collectgarbage()
+      return used
+    end
+    local native = held(function() return sdpa(q, k, v) end)
+    local repeated = held(function() return sdpa(q, k:repeat_interleave(4, 2), v:repeat_interleave(4, 2)) end)
+    local copies = 2 * B * Hq * T * D * 4
+    assert(repeated - native >= copies, string.format('native %d bytes, repeated %d: expected %d fewer', native,
+                                                      repeated, copies))
+  end)
+
+  it('gradients match finite differences in f64, fused and math', function()
+    for _, backend in ipairs { 'fused', 'math' } do
+      H.gradcheck(function(q, k, v) return sdpa(q, k, v, { backend = backend }) end,
+                  { leaf({ 1, 4, 5, 3 }, 'f64'), leaf({ 1, 2, 5, 3 }, 'f64'), leaf({ 1, 2, 5, 3 }, 'f64') })
+      H.gradcheck(function(q, k, v) return sdpa(q, k, v, { causal = false, scale = 0.7, backend = backend }) end,
+                  { leaf({ 2, 3, 3, 3 }, 'f64'), leaf({ 2, 1, 4, 3 }, 'f64'), leaf({ 2, 1, 4, 2 }, 'f64') })
+    end
+  end)
+
+  for _, dt in ipairs { 'f32', 'f64' } do
+    it('math equals fused, ' .. dt, function()
+      local q, k, v = ds.randn({ 2, 6, 37, 8 }, dt), ds.randn({ 2, 2, 37, 8 }, dt), ds.randn({ 2, 2, 37, 8 }, dt)
+      local w = ds.randn({ 2, 6, 37, 8 }, dt)
+      local qa, ka, va = leaves(q, k, v)
+      local qb, kb, vb = leaves(q, k, v)
+      local oa, dqa, dka, dva = run(qa, ka, va, { backend = 'fused' }, w)
+      local ob, dqb, dkb, dvb = run(qb, kb, vb, { backend = 'math' }, w)
+      H.assert_close(ob, oa, H.tol[dt], 'out')
+      H.assert_close(dqb, dqa, H.tol[dt], 'dq')
+      H.assert_close(dkb, dka, H.tol[dt], 'dk')
+      H.assert_close(dvb, dva, H.tol[dt], 'dv')
+    end)
+  end
+
+  it('rejects head counts that do not group, naming the shapes', function()
+    local q = ds.zeros(2, 6, 5, 4)
+    H.fails("scaled_dot_product_attention: q's heads must be a multiple of k and v's %(grouped%-query attention%), "
+            .. 'got q %[2,6,5,4%], k %[2,4,5,4%], v %[2,4,5,4%]', sdpa, q, ds.zeros(2, 4, 5, 4), ds.zeros(2, 4, 5, 4))
+    H.fails("q's heads must be a multiple of k and v's", sdpa, q, ds.zeros(2, 0, 5, 4), ds.zeros(2, 0, 5, 4))
+    H.fails("q's heads must be a multiple of k and v's", sdpa, ds.zeros(2, 2, 5, 4), ds.zeros(2, 4, 5, 4),
+            ds.zeros(2, 4, 5, 4))
+    H.fails('shapes q %[2,6,5,4%], k %[2,3,5,4%], v %[2,2,5,4%] do not fit q %[B,H,Tq,D%], k %[B,KV,Tk,D%]',
+            sdpa, q, ds.zeros(2, 3, 5, 4), ds.zeros(2, 2, 5, 4))
+  end)
+end)
+
 describe('qkv_attention', function()
   -- The unfused path it replaces: split, heads as [B,H,T,D], attention,
   -- heads merged back into [B,T,C].

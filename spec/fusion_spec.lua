@@ -147,13 +147,14 @@ describe('kernel calls', function()
   -- Linear's input and weight gradients 2 (the bias's with the weight's)
   -- times 4, GELU 1 (12; the engine adds the parameters' gradients into
   -- its buffers a bucket at a time). Llama forward: 2 norms, 7 Linears,
-  -- the rotary embedding of q and k, repeat_kv's copy of k and v, SiLU,
-  -- its product, attention (16); backward: 2 norms, 7 Linears' 2
-  -- each, the rotary embedding of q and k, the sums of the
-  -- gradients of x's 3 uses 2, of k's and v's repeats 1 each and of the
-  -- MLP input's 2 uses 1, SiLU 1 and its product 2, attention 1 (27; q's,
-  -- k's and v's gradients come in their projections' [B, T, H, D] layout).
-  local PER_LAYER = { gpt2 = { 8, 12 }, llama = { 16, 27 } }
+  -- the rotary embedding of q and k, SiLU, its product, attention (14;
+  -- attention reads each kv head for its group of query heads, so k and v
+  -- are not repeated); backward: 2 norms, 7 Linears' 2 each, the rotary
+  -- embedding of q and k, the sums of the gradients of x's 3 uses 2 and
+  -- of the MLP input's 2 uses 1, SiLU 1 and its product 2, attention 1
+  -- (25; it sums a group's k and v gradients itself; q's, k's and v's
+  -- gradients come in their projections' [B, T, H, D] layout).
+  local PER_LAYER = { gpt2 = { 8, 12 }, llama = { 14, 25 } }
   -- Around the layers, measured: the embeddings (their index checks and
   -- gathers, GPT-2's position add), the final norm, the lm_head, the loss
   -- and the engine's own (its gradient buckets), each way (bf16: the

@@ -37,10 +37,13 @@ static int check_args(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, ds_
     if (!ds_device_equal(ds_tensor_device(q), ds_tensor_device(k)) ||
         !ds_device_equal(ds_tensor_device(q), ds_tensor_device(v)))
         return ds_fail(DS_ERR_ARG, "%s: q, k, v must be on one device", OP), -1;
-    if (k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || k->shape[1] != q->shape[1] ||
-        v->shape[1] != q->shape[1] || k->shape[3] != q->shape[3] || v->shape[2] != k->shape[2])
-        return ds_fail(DS_ERR_ARG, "%s: shapes q %s, k %s, v %s do not fit q [B,H,Tq,D], k [B,H,Tk,D], "
-                       "v [B,H,Tk,Dv]", OP, sq, sk, sv), -1;
+    if (k->shape[0] != q->shape[0] || v->shape[0] != q->shape[0] || v->shape[1] != k->shape[1] ||
+        k->shape[3] != q->shape[3] || v->shape[2] != k->shape[2])
+        return ds_fail(DS_ERR_ARG, "%s: shapes q %s, k %s, v %s do not fit q [B,H,Tq,D], k [B,KV,Tk,D], "
+                       "v [B,KV,Tk,Dv]", OP, sq, sk, sv), -1;
+    if (k->shape[1] != q->shape[1] && (k->shape[1] == 0 || q->shape[1] % k->shape[1] != 0))
+        return ds_fail(DS_ERR_ARG, "%s: q's heads must be a multiple of k and v's (grouped-query attention), "
+                       "got q %s, k %s, v %s", OP, sq, sk, sv), -1;
     if (causal && q->shape[2] != k->shape[2])
         return ds_fail(DS_ERR_ARG, "%s: causal attention needs as many queries as keys, got q %s and k %s "
                        "(pass causal = false for cross attention)", OP, sq, sk), -1;
@@ -130,10 +133,10 @@ static int attention_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
     return 0;
 }
 
-ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale,
-                                           ds_attention_backend backend) {
-    backend = pick_backend(backend, q, k, v);
-    if (check_args(q, k, v, causal, backend)) return NULL;
+/* ds_scaled_dot_product_attention on checked inputs whose head counts the
+ * backend takes. */
+static ds_tensor *attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale,
+                            ds_attention_backend backend) {
     if (isnan(scale)) scale = 1.0 / sqrt((double)q->shape[3]);
     if (backend == DS_ATTN_MATH) {
         ds_tensor *o = math_attention(q, k, v, causal, scale);
@@ -166,6 +169,30 @@ ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor
         }
     }
     ds_tensor_release(lse);    /* the node keeps its own reference */
+    return out;
+}
+
+/* k or v with fewer heads than q, repeated to q's heads on the tape (the
+ * backward sums each group's gradients), for a backend or kernel that
+ * takes one head count; else x itself, retained. */
+static ds_tensor *heads_for(ds_tensor *x, ds_tensor *q, ds_tensor *k, ds_tensor *v, ds_attention_backend backend) {
+    const ds_kernels_attention *a = ds_tensor_kernel_table(q)->attention;
+    if (x->shape[1] == q->shape[1] || (backend == DS_ATTN_FUSED &&
+                                       a->grouped(ds_tensor_kview(q), ds_tensor_kview(k), ds_tensor_kview(v)))) {
+        ds_tensor_retain(x);
+        return x;
+    }
+    return ds_repeat_interleave(x, q->shape[1] / x->shape[1], 1);
+}
+
+ds_tensor *ds_scaled_dot_product_attention(ds_tensor *q, ds_tensor *k, ds_tensor *v, bool causal, double scale,
+                                           ds_attention_backend backend) {
+    backend = pick_backend(backend, q, k, v);
+    if (check_args(q, k, v, causal, backend)) return NULL;
+    ds_tensor *kh = heads_for(k, q, k, v, backend), *vh = kh ? heads_for(v, q, k, v, backend) : NULL;
+    ds_tensor *out = vh ? attention(q, kh, vh, causal, scale, backend) : NULL;
+    ds_tensor_release(kh);
+    ds_tensor_release(vh);
     return out;
 }
 

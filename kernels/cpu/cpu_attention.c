@@ -2,10 +2,16 @@
  * block of BQ query rows); it streams over tiles of BK keys, keeping each
  * row's running max and sum (online softmax), so only a BQ x BK tile of
  * scores exists at a time, and saves the output and each row's
- * log-sum-exp. Backward (FlashAttention-2): one task per (batch, head)
- * walking key tiles; for each it recomputes the probabilities of the query
- * blocks that see it from q, k and the log-sum-exp, finishes that tile's dK
- * and dV, and adds its share of dQ.
+ * log-sum-exp. Backward (FlashAttention-2): one task per (batch, kv head),
+ * for each query head of its group walking key tiles; for each it
+ * recomputes the probabilities of the query blocks that see it from q, k
+ * and the log-sum-exp, finishes that head's share of the tile's dK and dV,
+ * and adds its share of dQ.
+ * Grouped-query attention: k and v may have fewer heads than q (KV
+ * dividing H); query head h reads kv head h / (H/KV). A kv head's dK and
+ * dV are its group's per-head tiles, each rounded to the dtype and summed
+ * in head order as an add does, so they match repeating k and v then
+ * attending bit for bit.
  * f32, bf16 and f16 compute in f32 on tiles packed from any strides and
  * zero-padded to whole register blocks, so the tile products below need no
  * edge cases. f64 takes a plain row-at-a-time path in double, kept for
@@ -23,13 +29,13 @@
 #define MR 4    /* register block of the tile products: MR rows x NR columns */
 #define NR 16
 
-typedef struct { int64_t B, H, Tq, Tk, D, Dv, Dp, Dvp; } attn_dims;
+typedef struct { int64_t B, H, KV, G, Tq, Tk, D, Dv, Dp, Dvp; } attn_dims;    /* G = H / KV */
 
 static int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
 static attn_dims dims_of(const ds_kview *q, const ds_kview *k, const ds_kview *v) {
-    attn_dims d = { q->shape[0], q->shape[1], q->shape[2], k->shape[2], q->shape[3], v->shape[3],
-                    round_up(q->shape[3], NR), round_up(v->shape[3], NR) };
+    attn_dims d = { q->shape[0], q->shape[1], k->shape[1], k->shape[1] ? q->shape[1] / k->shape[1] : 1, q->shape[2],
+                    k->shape[2], q->shape[3], v->shape[3], round_up(q->shape[3], NR), round_up(v->shape[3], NR) };
     return d;
 }
 
@@ -92,6 +98,26 @@ static void store_rows(const ds_kview *x, int64_t b, int64_t h, int64_t t0, int6
     }
 }
 
+/* x in dtype t and back: what storing it rounds it to. */
+static inline float round_to(ds_dtype t, float x) {
+    if (t == DS_BF16) return ds_bf16_to_f32(ds_f32_to_bf16(x));
+    return t == DS_F16 ? ds_f16_to_f32(ds_f32_to_f16(x)) : x;
+}
+
+/* Rows [t0, t0+n) of x[b,h] += src rounded to x's dtype, the sum rounded
+ * again: an add of a gradient stored in that dtype. */
+static void add_rows(const ds_kview *x, int64_t b, int64_t h, int64_t t0, int64_t n, const float *src, int64_t ld) {
+    int64_t cols = x->shape[3], cs = x->stride[3];
+    for (int64_t r = 0; r < n; r++) {
+        int64_t base = row_at(x, b, h, t0 + r);
+        const float *s = src + r * ld;
+        for (int64_t c = 0; c < cols; c++) {
+            float sum = (float)ds_load(x->dtype, x->data, base + c * cs) + round_to(x->dtype, s[c]);
+            ds_store(x->dtype, x->data, base + c * cs, sum);
+        }
+    }
+}
+
 /* C[M][N] = A[M][K] B[K][N] (+ C when accumulate), row-major with leading
  * dims; M is a multiple of MR and N of NR. Each MR x NR block of C stays in
  * registers for the whole walk over K. */
@@ -138,8 +164,8 @@ static void forward_block(const ds_kview *out, const ds_kview *lse, const ds_kvi
     int64_t kend = ds_attn_keys_visible(i0 + n - 1, d.Tk, causal);
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
         int64_t nk = kend - j0 < BK ? kend - j0 : BK;
-        pack_cols(kt, d.Dp, k, b, h, j0, nk);
-        pack_rows(vv, d.Dvp, BK, v, b, h, j0, nk, 1.0f);
+        pack_cols(kt, d.Dp, k, b, h / d.G, j0, nk);
+        pack_rows(vv, d.Dvp, BK, v, b, h / d.G, j0, nk, 1.0f);
         tile_gemm(BQ, BK, d.Dp, qs, d.Dp, kt, BK, s, BK, 0);
         /* scores to probabilities under each row's running max; keys a row
          * does not see (and padding) get 0 */
@@ -175,12 +201,13 @@ static size_t backward_floats(attn_dims d) {
     return (size_t)(tq * (2 * d.Dp + d.Dvp + 2) + BK * (3 * d.Dp + 2 * d.Dvp) + 3 * BQ * BK + d.Dvp);
 }
 
-/* Head (b, h): dq, and dk, dv one key tile at a time. */
+/* Query head (b, h): dq, and its share of kv head h / G's dk, dv one key
+ * tile at a time (stored by the group's first head, added by the rest). */
 static void backward_head(const ds_kview *dq, const ds_kview *dk, const ds_kview *dv, const ds_kview *dout,
                           const ds_kview *q, const ds_kview *k, const ds_kview *v, const ds_kview *out,
                           const ds_kview *lse, attn_dims d, int64_t b, int64_t h, float scale, int causal,
                           float *buf) {
-    int64_t tq = round_up(d.Tq, BQ);
+    int64_t tq = round_up(d.Tq, BQ), kv = h / d.G;
     float *qs = buf, *go = qs + tq * d.Dp, *dqa = go + tq * d.Dvp, *delta = dqa + tq * d.Dp, *lrow = delta + tq;
     float *kk = lrow + tq, *kt = kk + BK * d.Dp, *vt = kt + d.Dp * BK, *dka = vt + d.Dvp * BK;
     float *dva = dka + BK * d.Dp, *p = dva + BK * d.Dvp, *ds = p + BQ * BK, *tr = ds + BQ * BK, *orow = tr + BQ * BK;
@@ -200,9 +227,9 @@ static void backward_head(const ds_kview *dq, const ds_kview *dk, const ds_kview
     }
     for (int64_t j0 = 0; j0 < d.Tk; j0 += BK) {
         int64_t nk = d.Tk - j0 < BK ? d.Tk - j0 : BK;
-        pack_rows(kk, d.Dp, BK, k, b, h, j0, nk, 1.0f);
-        pack_cols(kt, d.Dp, k, b, h, j0, nk);
-        pack_cols(vt, d.Dvp, v, b, h, j0, nk);
+        pack_rows(kk, d.Dp, BK, k, b, kv, j0, nk, 1.0f);
+        pack_cols(kt, d.Dp, k, b, kv, j0, nk);
+        pack_cols(vt, d.Dvp, v, b, kv, j0, nk);
         memset(dka, 0, sizeof(float) * (size_t)(BK * d.Dp));
         memset(dva, 0, sizeof(float) * (size_t)(BK * d.Dvp));
         /* causal query blocks before the tile see none of it */
@@ -225,8 +252,13 @@ static void backward_head(const ds_kview *dq, const ds_kview *dk, const ds_kview
             tile_gemm(BK, d.Dp, BQ, tr, BQ, qi, d.Dp, dka, d.Dp, 1);      /* dK += dS^T (scale Q) */
             tile_gemm(BQ, d.Dp, BK, ds, BK, kk, d.Dp, dqa + i0 * d.Dp, d.Dp, 1);   /* dQ/scale += dS K */
         }
-        store_rows(dk, b, h, j0, nk, dka, d.Dp, 1.0f);
-        store_rows(dv, b, h, j0, nk, dva, d.Dvp, 1.0f);
+        if (h % d.G == 0) {
+            store_rows(dk, b, kv, j0, nk, dka, d.Dp, 1.0f);
+            store_rows(dv, b, kv, j0, nk, dva, d.Dvp, 1.0f);
+        } else {
+            add_rows(dk, b, kv, j0, nk, dka, d.Dp);
+            add_rows(dv, b, kv, j0, nk, dva, d.Dvp);
+        }
     }
     store_rows(dq, b, h, 0, d.Tq, dqa, d.Dp, scale);
 }
@@ -241,9 +273,10 @@ static inline double *ref64(const ds_kview *x, int64_t b, int64_t h, int64_t t, 
     return (double *)x->data + row_at(x, b, h, t) + c * x->stride[3];
 }
 
-static double dot64(const ds_kview *x, int64_t xt, const ds_kview *y, int64_t yt, int64_t b, int64_t h) {
+/* Row xt of x[b,h] dot row yt of y[b,hy]. */
+static double dot64(const ds_kview *x, int64_t xt, const ds_kview *y, int64_t yt, int64_t b, int64_t h, int64_t hy) {
     double s = 0;
-    for (int64_t c = 0; c < x->shape[3]; c++) s += at64(x, b, h, xt, c) * at64(y, b, h, yt, c);
+    for (int64_t c = 0; c < x->shape[3]; c++) s += at64(x, b, h, xt, c) * at64(y, b, hy, yt, c);
     return s;
 }
 
@@ -254,13 +287,13 @@ static void forward_row64(const ds_kview *out, const ds_kview *lse, const ds_kvi
     int64_t m = ds_attn_keys_visible(i, d.Tk, causal);
     double mx = -INFINITY, sum = 0;
     for (int64_t j = 0; j < m; j++) {
-        s[j] = scale * dot64(q, i, k, j, b, h);
+        s[j] = scale * dot64(q, i, k, j, b, h, h / d.G);
         if (s[j] > mx) mx = s[j];
     }
     for (int64_t j = 0; j < m; j++) sum += s[j] = exp(s[j] - mx);
     for (int64_t c = 0; c < d.Dv; c++) {
         double o = 0;
-        for (int64_t j = 0; j < m; j++) o += s[j] * at64(v, b, h, j, c);
+        for (int64_t j = 0; j < m; j++) o += s[j] * at64(v, b, h / d.G, j, c);
         *ref64(out, b, h, i, c) = o / sum;
     }
     ((double *)lse->data)[row_at(lse, b, h, i)] = mx + log(sum);
@@ -270,30 +303,32 @@ static void zero64(const ds_kview *x) {
     for (int64_t i = 0, n = ds_kview_numel(x); i < n; i++) ((double *)x->data)[ds_kview_offset(x, i)] = 0;
 }
 
-/* Head (b, h); dk and dv must start at zero. p and dp hold Tk doubles. */
+/* Query head (b, h); kv head h / G's dk and dv must start at zero and take
+ * no other task's adds meanwhile. p and dp hold Tk doubles. */
 static void backward_head64(const ds_kview *dq, const ds_kview *dk, const ds_kview *dv, const ds_kview *dout,
                             const ds_kview *q, const ds_kview *k, const ds_kview *v, const ds_kview *out,
                             const ds_kview *lse, attn_dims d, int64_t b, int64_t h, double scale, int causal,
                             double *p, double *dp) {
+    int64_t kv = h / d.G;
     for (int64_t i = 0; i < d.Tq; i++) {
         int64_t m = ds_attn_keys_visible(i, d.Tk, causal);
         double li = ((const double *)lse->data)[row_at(lse, b, h, i)];
-        double di = dot64(dout, i, out, i, b, h);
+        double di = dot64(dout, i, out, i, b, h, h);
         for (int64_t j = 0; j < m; j++) {
-            p[j] = exp(scale * dot64(q, i, k, j, b, h) - li);
-            dp[j] = p[j] * (dot64(dout, i, v, j, b, h) - di);       /* dS */
+            p[j] = exp(scale * dot64(q, i, k, j, b, h, kv) - li);
+            dp[j] = p[j] * (dot64(dout, i, v, j, b, h, kv) - di);       /* dS */
         }
         for (int64_t c = 0; c < d.D; c++) {
             double g = 0, qc = at64(q, b, h, i, c);
             for (int64_t j = 0; j < m; j++) {
-                g += dp[j] * at64(k, b, h, j, c);
-                *ref64(dk, b, h, j, c) += scale * dp[j] * qc;
+                g += dp[j] * at64(k, b, kv, j, c);
+                *ref64(dk, b, kv, j, c) += scale * dp[j] * qc;
             }
             *ref64(dq, b, h, i, c) = scale * g;
         }
         for (int64_t c = 0; c < d.Dv; c++) {
             double gc = at64(dout, b, h, i, c);
-            for (int64_t j = 0; j < m; j++) *ref64(dv, b, h, j, c) += p[j] * gc;
+            for (int64_t j = 0; j < m; j++) *ref64(dv, b, kv, j, c) += p[j] * gc;
         }
     }
 }
@@ -349,7 +384,7 @@ static int cpu_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvie
                                   ds_kview k, ds_kview v, ds_kview out, ds_kview lse, double scale,
                                   int causal) {
     attn_dims d = dims_of(&q, &k, &v);
-    int64_t heads = d.B * d.H;
+    int64_t heads = d.B * d.KV;    /* a task per kv head: its group's adds stay in one thread */
     int failed = 0;
     if (q.dtype == DS_F64) {
         zero64(&dk);
@@ -363,8 +398,9 @@ static int cpu_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvie
             }
             #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < heads; t++)
-                if (p) backward_head64(&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, d, t / d.H, t % d.H, scale,
-                                       causal, p, p + d.Tk);
+                for (int64_t h = t % d.KV * d.G; p && h < (t % d.KV + 1) * d.G; h++)
+                    backward_head64(&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, d, t / d.KV, h, scale, causal,
+                                    p, p + d.Tk);
             free(p);
         }
     } else {
@@ -377,8 +413,9 @@ static int cpu_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvie
             }
             #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < heads; t++)
-                if (buf) backward_head(&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, d, t / d.H, t % d.H,
-                                       (float)scale, causal, buf);
+                for (int64_t h = t % d.KV * d.G; buf && h < (t % d.KV + 1) * d.G; h++)
+                    backward_head(&dq, &dk, &dv, &dout, &q, &k, &v, &out, &lse, d, t / d.KV, h, (float)scale,
+                                  causal, buf);
             free(buf);
         }
     }
@@ -388,5 +425,7 @@ static int cpu_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvie
 /* The CPU's fused kernel is its best in every dtype. */
 static bool cpu_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) { return true; }
 
-const ds_kernels_attention ds_cpu_attention = { cpu_attention_full_rate, cpu_attention_forward,
-                                                cpu_attention_backward };
+static bool cpu_attention_grouped(ds_kview q, ds_kview k, ds_kview v) { return true; }
+
+const ds_kernels_attention ds_cpu_attention = { cpu_attention_full_rate, cpu_attention_grouped,
+                                                cpu_attention_forward, cpu_attention_backward };

@@ -417,5 +417,9 @@ static bool cuda_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) {
     return ds_cuda_attention_mma_fits(views, 3);
 }
 
-extern "C" const ds_kernels_attention ds_cuda_attention = { cuda_attention_full_rate, cuda_attention_forward,
-                                                            cuda_attention_backward };
+/* k and v with fewer heads than q: core repeats them, so the scalar and
+ * wgmma kernels see one head count. */
+static bool cuda_attention_grouped(ds_kview q, ds_kview k, ds_kview v) { return false; }
+
+extern "C" const ds_kernels_attention ds_cuda_attention = { cuda_attention_full_rate, cuda_attention_grouped,
+                                                            cuda_attention_forward, cuda_attention_backward };
