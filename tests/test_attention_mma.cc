@@ -3,7 +3,8 @@
  * backward (dq, dk, dv) against attention computed in double from the
  * same inputs; bf16, f16 and f32 (in TF32 and in 3xTF32), head dims 64
  * and 128, causal or not, lengths that leave partial tiles, q/k/v as views
- * into one packed qkv buffer as GPT-2's attention passes them. f32 is
+ * into one packed qkv buffer as GPT-2's attention passes them, and k and v
+ * with fewer heads than q (grouped-query attention). f32 is
  * held to a bound derived for every element from TF32's unit roundoff, or
  * from what 3xTF32's split leaves, far tighter (plain TF32 exceeds it).
  * No GPU needed: what runs is the kernels' own code, with ldmatrix, mma,
@@ -20,11 +21,16 @@ extern "C" {
 
 namespace {
 
-struct shape { int64_t B, H, Tq, Tk; int D; bool causal; };
+/* KV: k and v's heads, each read by H / KV query heads (0: H) */
+struct shape {
+    int64_t B, H, Tq, Tk; int D; bool causal; int64_t KV = 0;
+    int64_t kv() const { return KV ? KV : H; }
+};
 
 /* A [B, H, T, D] view with the given element strides. */
-ds_kview heads_view(void *data, ds_dtype dt, const shape &s, int64_t T, int64_t sb, int64_t sh, int64_t st) {
-    int64_t sz[4] = { s.B, s.H, T, s.D }, sd[4] = { sb, sh, st, 1 };
+ds_kview heads_view(void *data, ds_dtype dt, const shape &s, int64_t H, int64_t T, int64_t sb, int64_t sh,
+                    int64_t st) {
+    int64_t sz[4] = { s.B, H, T, s.D }, sd[4] = { sb, sh, st, 1 };
     return emu::view(data, dt, 4, sz, sd);
 }
 
@@ -35,9 +41,9 @@ template <typename T> T elem(float x) {
 }
 
 /* [B, T, H, D] memory seen as [B, H, T, D]: the fused op's layout. */
-template <typename T> ds_kview heads_inner(std::vector<T> &buf, ds_dtype dt, const shape &s, int64_t T_) {
-    buf.assign((size_t)(s.B * T_ * s.H * s.D), elem<T>(NAN));
-    return heads_view(buf.data(), dt, s, T_, T_ * s.H * s.D, s.D, s.H * s.D);
+template <typename T> ds_kview heads_inner(std::vector<T> &buf, ds_dtype dt, const shape &s, int64_t H, int64_t T_) {
+    buf.assign((size_t)(s.B * T_ * H * s.D), elem<T>(NAN));
+    return heads_view(buf.data(), dt, s, H, T_, T_ * H * s.D, s.D, H * s.D);
 }
 
 template <typename T> float at(const ds_kview &v, int64_t b, int64_t h, int64_t t, int64_t d) {
@@ -100,19 +106,19 @@ template <typename T> f32_model model_of() {
 }
 
 template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt19937 &rng) {
-    const int64_t C = s.H * D;
+    const int64_t KV = s.kv(), G = s.H / KV, C = s.H * D, W = C + 2 * KV * D;
     const double scale = 1.0 / sqrt((double)D);
-    /* q, k and v inside one [B, T, 3, H, D] buffer when the lengths agree, as
-     * qkv_attention passes them; separate [B, T, H, D] buffers otherwise */
+    /* q, k and v inside one [B, T, H + 2 KV, D] buffer, as qkv_attention
+     * passes them when KV = H */
     int64_t Tmax = s.Tq > s.Tk ? s.Tq : s.Tk;
-    std::vector<T> qkv((size_t)(s.B * Tmax * 3 * C));
+    std::vector<T> qkv((size_t)(s.B * Tmax * W));
     std::normal_distribution<float> normal(0.f, 1.f);
     for (T &x : qkv) x = elem<T>(normal(rng));
-    ds_kview q = heads_view(qkv.data(), dt, s, s.Tq, Tmax * 3 * C, D, 3 * C);
-    ds_kview k = heads_view(qkv.data() + C, dt, s, s.Tk, Tmax * 3 * C, D, 3 * C);
-    ds_kview v = heads_view(qkv.data() + 2 * C, dt, s, s.Tk, Tmax * 3 * C, D, 3 * C);
+    ds_kview q = heads_view(qkv.data(), dt, s, s.H, s.Tq, Tmax * W, D, W);
+    ds_kview k = heads_view(qkv.data() + C, dt, s, KV, s.Tk, Tmax * W, D, W);
+    ds_kview v = heads_view(qkv.data() + C + KV * D, dt, s, KV, s.Tk, Tmax * W, D, W);
     std::vector<T> gbuf, obuf, dqb, dkb, dvb;
-    ds_kview dout = heads_inner(gbuf, dt, s, s.Tq);
+    ds_kview dout = heads_inner(gbuf, dt, s, s.H, s.Tq);
     for (T &x : gbuf) x = elem<T>(normal(rng));
     if (dt == DS_F32) {    /* the bound below takes every f32 input at least 2^-115 in magnitude */
         bool above = true;
@@ -120,8 +126,8 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
             for (const T &x : *buf) above = above && fabsf((float)x) >= 0x1p-115f;
         check(above, "an f32 input below 2^-115, which the bound does not cover");
     }
-    ds_kview out = heads_inner(obuf, dt, s, s.Tq), dq = heads_inner(dqb, dt, s, s.Tq);
-    ds_kview dk = heads_inner(dkb, dt, s, s.Tk), dv = heads_inner(dvb, dt, s, s.Tk);
+    ds_kview out = heads_inner(obuf, dt, s, s.H, s.Tq), dq = heads_inner(dqb, dt, s, s.H, s.Tq);
+    ds_kview dk = heads_inner(dkb, dt, s, KV, s.Tk), dv = heads_inner(dvb, dt, s, KV, s.Tk);
     std::vector<float> lsebuf((size_t)(s.B * s.H * s.Tq), NAN);
     int64_t lsz[3] = { s.B, s.H, s.Tq }, lst[3] = { s.H * s.Tq, s.Tq, 1 };
     ds_kview lse = emu::view(lsebuf.data(), DS_F32, 3, lsz, lst);
@@ -142,6 +148,9 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     error e_out, e_lse, e_dq, e_dk, e_dv;
     const size_t n = (size_t)(s.Tq * s.Tk);
     std::vector<double> S(n), P(n), dS(n), perr(n), dserr(n);
+    /* a kv head's dK and dV (and their bounds), summed over its group */
+    const size_t nk = (size_t)(s.Tk * D);
+    std::vector<double> gk(nk), gv(nk), bk(nk), bv(nk);
     /* a sum of n products through the mma (and a few more operations in
      * f32) is off by sum_err(n) times the sum of its terms' magnitudes: a
      * dot product over the head dim by e_dot; exp2 is off by eta relative
@@ -154,13 +163,14 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     auto A = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) { return (double)at<T>(x, b, h, t, d); };
     for (int64_t b = 0; b < s.B; b++)
         for (int64_t h = 0; h < s.H; h++) {
+            const int64_t kh = h / G;
             for (int64_t i = 0; i < s.Tq; i++) {
                 double mx = -INFINITY, amax = 0;
                 for (int64_t j = 0; j < s.Tk; j++) {
                     double dot = 0, mag = 0;
                     for (int d = 0; d < D; d++) {
-                        dot += A(q, b, h, i, d) * A(k, b, h, j, d);
-                        mag += fabs(A(q, b, h, i, d) * A(k, b, h, j, d));
+                        dot += A(q, b, h, i, d) * A(k, b, kh, j, d);
+                        mag += fabs(A(q, b, h, i, d) * A(k, b, kh, j, d));
                     }
                     bool hidden = s.causal && j > i;
                     S[i * s.Tk + j] = hidden ? -INFINITY : dot * scale;
@@ -191,9 +201,9 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                 for (int d = 0; d < D; d++) {
                     double o = 0, po = 0, vmax = 0;
                     for (int64_t j = 0; j < s.Tk; j++) {
-                        o += P[i * s.Tk + j] * A(v, b, h, j, d);
-                        po += P[i * s.Tk + j] * fabs(A(v, b, h, j, d));
-                        vmax = fmax(vmax, fabs(A(v, b, h, j, d)));
+                        o += P[i * s.Tk + j] * A(v, b, kh, j, d);
+                        po += P[i * s.Tk + j] * fabs(A(v, b, kh, j, d));
+                        vmax = fmax(vmax, fabs(A(v, b, kh, j, d)));
                     }
                     e_out.add(A(out, b, h, i, d), o, ratio * po + 2 * s.Tk * tau * vmax);
                     di += A(out, b, h, i, d) * A(dout, b, h, i, d);
@@ -212,8 +222,8 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                 for (int64_t j = 0; j < s.Tk; j++) {
                     double dp = 0, mag = 0;
                     for (int d = 0; d < D; d++) {
-                        dp += A(dout, b, h, i, d) * A(v, b, h, j, d);
-                        mag += fabs(A(dout, b, h, i, d) * A(v, b, h, j, d));
+                        dp += A(dout, b, h, i, d) * A(v, b, kh, j, d);
+                        mag += fabs(A(dout, b, h, i, d) * A(v, b, kh, j, d));
                     }
                     double p = P[i * s.Tk + j], lnp = p > 0 ? fabs(log(p)) : 0;
                     double rho = exp(delta + eta + 4 * E * (fabs(lse_k) + lnp + 1)) - 1;
@@ -227,24 +237,32 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
                 for (int d = 0; d < D; d++) {
                     double a = 0, bound = 0;
                     for (int64_t j = 0; j < s.Tk; j++) {
-                        a += dS[i * s.Tk + j] * A(k, b, h, j, d);
-                        bound += prod_err(fabs(dS[i * s.Tk + j]), dserr[i * s.Tk + j], fabs(A(k, b, h, j, d)), 0,
+                        a += dS[i * s.Tk + j] * A(k, b, kh, j, d);
+                        bound += prod_err(fabs(dS[i * s.Tk + j]), dserr[i * s.Tk + j], fabs(A(k, b, kh, j, d)), 0,
                                           sum_err((double)s.Tk));
                     }
                     e_dq.add(A(dq, b, h, i, d), a * scale, bound * scale);
                 }
+            /* the kernel sums a key's terms over the group's G Tq queries */
+            const double sk = sum_err((double)(G * s.Tq));
+            if (h % G == 0) {
+                std::fill(gk.begin(), gk.end(), 0.0), std::fill(gv.begin(), gv.end(), 0.0);
+                std::fill(bk.begin(), bk.end(), 0.0), std::fill(bv.begin(), bv.end(), 0.0);
+            }
             for (int64_t j = 0; j < s.Tk; j++)
                 for (int d = 0; d < D; d++) {
-                    double a = 0, c = 0, ba = 0, bc = 0;
+                    size_t at_jd = (size_t)(j * D + d);
                     for (int64_t i = 0; i < s.Tq; i++) {
-                        double qv = A(q, b, h, i, d), gv = A(dout, b, h, i, d);
-                        a += dS[i * s.Tk + j] * qv;
-                        c += P[i * s.Tk + j] * gv;
-                        ba += prod_err(fabs(dS[i * s.Tk + j]), dserr[i * s.Tk + j], fabs(qv), 0, sum_err((double)s.Tq));
-                        bc += prod_err(P[i * s.Tk + j], perr[i * s.Tk + j], fabs(gv), 0, sum_err((double)s.Tq));
+                        double qv = A(q, b, h, i, d), gv_ = A(dout, b, h, i, d);
+                        gk[at_jd] += dS[i * s.Tk + j] * qv;
+                        gv[at_jd] += P[i * s.Tk + j] * gv_;
+                        bk[at_jd] += prod_err(fabs(dS[i * s.Tk + j]), dserr[i * s.Tk + j], fabs(qv), 0, sk);
+                        bv[at_jd] += prod_err(P[i * s.Tk + j], perr[i * s.Tk + j], fabs(gv_), 0, sk);
                     }
-                    e_dk.add(A(dk, b, h, j, d), a * scale, ba * scale);
-                    e_dv.add(A(dv, b, h, j, d), c, bc);
+                    if (h % G == G - 1) {
+                        e_dk.add(A(dk, b, kh, j, d), gk[at_jd] * scale, bk[at_jd] * scale);
+                        e_dv.add(A(dv, b, kh, j, d), gv[at_jd], bv[at_jd]);
+                    }
                 }
         }
     const char *name = dt == DS_BF16 ? "bf16" : dt == DS_F16 ? "f16" : mma_parts<T>() == 2 ? "f32 (3xtf32)" : "f32 (tf32)";
@@ -253,20 +271,20 @@ template <typename T, int D> void run_case(const shape &s, ds_dtype dt, std::mt1
     };
     for (const auto &r : rows) {
         if (dt == DS_F32) {
-            check(r.e.over <= 1, "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g times its bound",
-                  name, D, (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, r.what,
-                  r.e.over);
+            check(r.e.over <= 1, "%s D=%d B=%lld H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g times its "
+                  "bound", name, D, (long long)s.B, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk,
+                  s.causal, r.what, r.e.over);
             continue;
         }
         /* 16-bit inputs and outputs: a few units of the last place of the
          * largest value; a wrong fragment or mask is off by O(1) */
         double tol = dt == DS_BF16 ? 2e-2 : 4e-3;
-        check(r.e.rel() <= tol, "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its largest %.3g",
-              name, D, (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, r.what, r.e.rel(),
-              r.e.scale);
+        check(r.e.rel() <= tol, "%s D=%d B=%lld H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its "
+              "largest %.3g", name, D, (long long)s.B, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk,
+              s.causal, r.what, r.e.rel(), r.e.scale);
     }
-    printf("%s D=%d Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e", name, D,
-           (long long)s.Tq, (long long)s.Tk, s.causal, e_out.rel(), e_lse.rel(), e_dq.rel(), e_dk.rel(), e_dv.rel());
+    printf("%s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e dq %.1e dk %.1e dv %.1e", name, D,
+           (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, e_out.rel(), e_lse.rel(), e_dq.rel(), e_dk.rel(), e_dv.rel());
     if (dt == DS_F32)
         printf("; of the bound: out %.2f lse %.2f dq %.2f dk %.2f dv %.2f", e_out.over, e_lse.over, e_dq.over,
                e_dk.over, e_dv.over);
@@ -303,17 +321,24 @@ int main() {
     run_case<__half, 64>({ 1, 2, 100, 100, 64, true }, DS_F16, rng);
     run_case<__nv_bfloat16, 128>({ 1, 1, 128, 128, 128, true }, DS_BF16, rng);
     run_case<__half, 128>({ 1, 1, 90, 90, 128, false }, DS_F16, rng);
+    /* grouped-query: 2 and 4 query heads per kv head, several key blocks */
+    run_case<__nv_bfloat16, 64>({ 1, 4, 130, 130, 64, true, 2 }, DS_BF16, rng);
+    run_case<__nv_bfloat16, 64>({ 2, 4, 150, 150, 64, false, 1 }, DS_BF16, rng);
+    run_case<__half, 128>({ 1, 4, 140, 140, 128, true, 1 }, DS_F16, rng);
     tf32_rounding();
     run_case<float, 64>({ 1, 2, 130, 130, 64, true }, DS_F32, rng);
     run_case<float, 64>({ 1, 1, 77, 150, 64, false }, DS_F32, rng);
     run_case<float, 64>({ 1, 1, 150, 61, 64, false }, DS_F32, rng);
     run_case<float, 128>({ 1, 1, 129, 129, 128, true }, DS_F32, rng);
     run_case<float, 128>({ 1, 1, 90, 70, 128, false }, DS_F32, rng);
+    run_case<float, 64>({ 1, 4, 130, 130, 64, true, 1 }, DS_F32, rng);
     run_case<tf32x3, 64>({ 1, 2, 130, 130, 64, true }, DS_F32, rng);
     run_case<tf32x3, 64>({ 1, 1, 77, 150, 64, false }, DS_F32, rng);
     run_case<tf32x3, 64>({ 1, 1, 150, 61, 64, true }, DS_F32, rng);
     run_case<tf32x3, 128>({ 1, 1, 129, 129, 128, true }, DS_F32, rng);
     run_case<tf32x3, 128>({ 1, 1, 90, 70, 128, false }, DS_F32, rng);
     run_case<tf32x3, 128>({ 1, 1, 61, 133, 128, false }, DS_F32, rng);
+    run_case<tf32x3, 64>({ 1, 4, 130, 130, 64, true, 2 }, DS_F32, rng);
+    run_case<tf32x3, 128>({ 1, 2, 100, 150, 128, false, 1 }, DS_F32, rng);
     return check_summary("test_attention_mma");
 }

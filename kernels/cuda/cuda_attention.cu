@@ -398,16 +398,39 @@ static int cuda_attention_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
     ds_kview views[4] = { q, k, v, out };
     if (ds_cuda_attention_mma_fits(views, 4))
         return ds_cuda_attention_mma_forward(out, lse, q, k, v, scale, causal, tf32_allowed());
+    if (k.shape[1] != q.shape[1])
+        return ds_kernel_fail("attention: k and v with fewer heads than q need the tensor-core kernels");
     return q.dtype == DS_F64 ? forward_run<double>(out, lse, q, k, v, scale, causal)
                              : forward_run<float>(out, lse, q, k, v, scale, causal);
+}
+
+/* Grouped k and v (fewer heads than q) run only on the tensor-core
+ * kernels, whose forward took them; a dout those cannot read is copied
+ * into contiguous scratch for them. */
+static int grouped_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
+                            ds_kview v, ds_kview out, ds_kview lse, double scale, int causal) {
+    ds_kview c = dout;
+    c.data = ds_cuda_scratch(ds_kview_numel(&dout) * ds_dtype_size(dout.dtype));
+    if (!c.data) return -1;
+    for (int d = 3; d >= 0; d--) c.stride[d] = d == 3 ? 1 : c.stride[d + 1] * c.shape[d + 1];
+    ds_kview views[8] = { q, k, v, out, dq, dk, dv, c };
+    int rc = ds_cuda_core.copy(c, dout);
+    if (rc == 0 && !ds_cuda_attention_mma_fits(views, 8))
+        rc = ds_kernel_fail("attention: k and v with fewer heads than q need the tensor-core kernels");
+    if (rc == 0) rc = ds_cuda_attention_mma_backward(dq, dk, dv, c, q, k, v, out, lse, scale, causal, tf32_allowed());
+    ds_cuda_scratch_free(c.data);
+    return rc;
 }
 
 static int cuda_attention_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal) {
     if (check_views(lse, q, k, v)) return -1;
     ds_kview views[8] = { q, k, v, out, dq, dk, dv, dout };
-    if (q.shape[0] * q.shape[1] * q.shape[2] > 0 && ds_cuda_attention_mma_fits(views, 8))
+    bool fits = ds_cuda_attention_mma_fits(views, 8);
+    if (q.shape[0] * q.shape[1] * q.shape[2] > 0 && fits)
         return ds_cuda_attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, tf32_allowed());
+    if (q.shape[0] * q.shape[1] * q.shape[2] > 0 && k.shape[1] != q.shape[1])
+        return grouped_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
     return q.dtype == DS_F64 ? backward_run<double>(dq, dk, dv, dout, q, k, v, out, lse, scale, causal)
                              : backward_run<float>(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
 }
@@ -417,9 +440,12 @@ static bool cuda_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) {
     return ds_cuda_attention_mma_fits(views, 3);
 }
 
-/* k and v with fewer heads than q: core repeats them, so the scalar and
- * wgmma kernels see one head count. */
-static bool cuda_attention_grouped(ds_kview q, ds_kview k, ds_kview v) { return false; }
+/* k and v with fewer heads than q go to the mma.sync kernels; elsewhere
+ * (the scalar kernels, the wgmma forward) core repeats them. */
+static bool cuda_attention_grouped(ds_kview q, ds_kview k, ds_kview v) {
+    ds_kview views[3] = { q, k, v };
+    return ds_cuda_attention_mma_fits(views, 3) && ds_cuda_attention_mma_grouped(q.dtype, (int)q.shape[3]);
+}
 
 extern "C" const ds_kernels_attention ds_cuda_attention = { cuda_attention_full_rate, cuda_attention_grouped,
                                                             cuda_attention_forward, cuda_attention_backward };

@@ -318,6 +318,11 @@ const char *ds_cuda_attention_pass_kernel(ds_dtype dt, int D, int backward, cons
     return r < 0 ? NULL : r ? "wgmma" : "mma.sync";
 }
 
+bool ds_cuda_attention_mma_grouped(ds_dtype dt, int D) {
+    int why;
+    return wgmma_takes(dt, D, &why) == 0;
+}
+
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal, bool tf32) {
     int why, w = wgmma_takes(q.dtype, (int)q.shape[3], false, &why);

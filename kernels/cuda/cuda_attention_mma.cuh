@@ -15,6 +15,11 @@
  * runs two kernels, deterministic, without atomics: dK and dV per key block
  * (walking query tiles), dQ per query block (walking key tiles); each
  * rebuilds P from q, k and the lse.
+ * Grouped-query attention: k and v may have H / G heads, query head h
+ * reading kv head h / G. A dK/dV block walks the query tiles of its kv
+ * head's G query heads one after another, its sums in registers the whole
+ * way: no per-query-head partials in memory, no reduction after, and K and
+ * V loaded once for the group.
  * Views need unit stride on the head dim, the other strides a multiple of 16
  * bytes and 16-byte aligned data (128-bit loads); ds_cuda_attention_mma_fits
  * says whether a call qualifies, and cuda_attention.cu runs the rest.
@@ -53,6 +58,7 @@ typedef struct {
     int causal;
     float scale;        /* the softmax scale */
     float scale_log2;   /* scale * log2(e): scores in base 2 */
+    int64_t G;          /* query heads per key/value head */
 } mma_geom;
 
 /* ---- warp-level building blocks ---- */
@@ -322,14 +328,21 @@ __device__ __forceinline__ bool tile_unmasked(int64_t i0, int rows, int64_t j0, 
     return i0 + rows <= g.Tq && j0 + cols <= g.Tk && !(g.causal && j0 + cols - 1 > i0);
 }
 
-/* Block t's (batch, head, block of rows): heads vary fastest; with `heavy_last`
- * the last blocks (under a causal mask, the ones with the most work) go first. */
+/* Block t's (batch, head of H, block of rows): heads vary fastest; with
+ * `heavy_last` the last blocks (under a causal mask, the ones with the most
+ * work) go first. */
+__device__ __forceinline__ void block_task_of(const mma_geom &g, int64_t H, int64_t nblocks, bool heavy_last,
+                                              int64_t *b, int64_t *h, int64_t *blk) {
+    int64_t heads = g.B * H, t = blockIdx.x, bh = t % heads;
+    *blk = heavy_last ? nblocks - 1 - t / heads : t / heads;
+    *b = bh / H;
+    *h = bh % H;
+}
+
+/* The same over the query heads. */
 __device__ __forceinline__ void block_task(const mma_geom &g, int64_t nblocks, bool heavy_last, int64_t *b,
                                            int64_t *h, int64_t *blk) {
-    int64_t heads = g.B * g.H, t = blockIdx.x, bh = t % heads;
-    *blk = heavy_last ? nblocks - 1 - t / heads : t / heads;
-    *b = bh / g.H;
-    *h = bh % g.H;
+    block_task_of(g, g.H, nblocks, heavy_last, b, h, blk);
 }
 
 /* ---- forward ---- */
@@ -427,12 +440,12 @@ mma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview 
     int64_t kend = g.causal ? min(g.Tk, i0 + ROWS) : g.Tk;
     load_tile<T, D, ROWS>(qs, q, b, h, i0, g.Tq);
     cp_async_commit();
-    load_tile<T, D, KT>(kv, k, b, h, 0, g.Tk);
-    load_tile<T, D, KT>(kv + tile, v, b, h, 0, g.Tk);
+    load_tile<T, D, KT>(kv, k, b, h / g.G, 0, g.Tk);
+    load_tile<T, D, KT>(kv + tile, v, b, h / g.G, 0, g.Tk);
     cp_async_commit();
     tf32_landed<T, D, ROWS>(qs, 1);
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
-        T *ks = kv_tiles<T, D, KT>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + tile;
+        T *ks = kv_tiles<T, D, KT>(kv, k, v, b, h / g.G, j0, it, kend, g.Tk), *vs = ks + tile;
         /* under a causal mask, a warp whose rows all precede the tile sees none of it */
         if (!(g.causal && w0 + 16 * M <= j0)) {
             float s[M][KT / 8][4];
@@ -529,8 +542,8 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, co
     load_tile<T, D, ROWS>(qs, q, b, h, i0, g.Tq);
     load_tile<T, D, ROWS>(gs, dout, b, h, i0, g.Tq);
     cp_async_commit();
-    load_tile<T, D, KT>(kv, k, b, h, 0, g.Tk);
-    load_tile<T, D, KT>(kv + ktile, v, b, h, 0, g.Tk);
+    load_tile<T, D, KT>(kv, k, b, h / g.G, 0, g.Tk);
+    load_tile<T, D, KT>(kv + ktile, v, b, h / g.G, 0, g.Tk);
     cp_async_commit();
     tf32_landed<T, D, ROWS>(qs, 1);
     tf32_landed<T, D, ROWS>(gs, 1);
@@ -547,7 +560,7 @@ mma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, co
     float acc[M][D / 8][4] = {};
     int64_t kend = g.causal ? min(g.Tk, i0 + ROWS) : g.Tk;
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
-        T *ks = kv_tiles<T, D, KT>(kv, k, v, b, h, j0, it, kend, g.Tk), *vs = ks + ktile;
+        T *ks = kv_tiles<T, D, KT>(kv, k, v, b, h / g.G, j0, it, kend, g.Tk), *vs = ks + ktile;
         /* under a causal mask, a warp whose rows all precede the tile sees none of it */
         if (!(g.causal && w0 + 16 * M <= j0)) {
             float s[M][KT / 8][4], dp[M][KT / 8][4];
@@ -609,10 +622,10 @@ __device__ __forceinline__ void dkdv_scores(float p[QT / 8][4], float ds[QT / 8]
 #define MMA_DKDV_QUERIES(T, D) \
     (mma_parts<T>() == 2 && (D) == 64 ? 16 : sizeof(T) == 4 ? 32 : 64 / MMA_DKDV_FRAGS(D))
 
-/* dK and dV for a block of 4 warps' keys: over the query tiles that see
- * them, in the transposed frame (a warp's rows are keys): P^T = exp(K Q^T -
- * lse), dS^T = P^T (V dO^T - delta), dV += P^T dO, dK += dS^T Q (times
- * scale). */
+/* dK and dV for a block of 4 warps' keys of kv head kh: over the query
+ * tiles that see them, of each of the group's query heads in turn, in the
+ * transposed frame (a warp's rows are keys): P^T = exp(K Q^T - lse), dS^T =
+ * P^T (V dO^T - delta), dV += P^T dO, dK += dS^T Q (times scale). */
 template <typename T, int D>
 __global__ void __launch_bounds__(MMA_THREADS)
 mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats,
@@ -624,14 +637,16 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
     T *ks = (T *)smem, *vs = ks + ktile, *qg = vs + ktile;   /* then Q and dO tiles, twice */
     float *rows = (float *)(qg + 4 * qtile);                /* then lse and delta of each buffer's rows */
     int warp = threadIdx.x / 32, l = threadIdx.x % 32;
-    int64_t b, h, blk;
-    block_task(g, (g.Tk + KEYS - 1) / KEYS, false, &b, &h, &blk);
+    int64_t b, kh, blk;
+    block_task_of(g, g.H / g.G, (g.Tk + KEYS - 1) / KEYS, false, &b, &kh, &blk);
     int64_t j0 = blk * KEYS, w0 = j0 + warp * 16 * M;       /* the block's and the warp's first keys */
-    const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
     float dka[M][D / 8][4] = {}, dva[M][D / 8][4] = {};
-    /* under a causal mask the queries before this block see none of its keys */
-    int64_t first = g.causal ? j0 : 0;
-    auto fetch = [&](int buf, int64_t i0) {
+    /* under a causal mask the queries before this block see none of its keys;
+     * step s is query tile s % tiles of the group's query head s / tiles */
+    int64_t first = g.causal ? j0 : 0, tiles = first < g.Tq ? (g.Tq - first + QT - 1) / QT : 0, steps = g.G * tiles;
+    auto fetch = [&](int buf, int64_t s) {
+        int64_t h = kh * g.G + s / tiles, i0 = first + s % tiles * QT;
+        const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
         T *qs = qg + buf * 2 * qtile;
         load_tile<T, D, QT>(qs, q, b, h, i0, g.Tq);
         load_tile<T, D, QT>(qs + qtile, dout, b, h, i0, g.Tq);
@@ -644,18 +659,19 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
         }
         cp_async_commit();
     };
-    load_tile<T, D, KEYS>(ks, k, b, h, j0, g.Tk);
-    load_tile<T, D, KEYS>(vs, v, b, h, j0, g.Tk);
+    load_tile<T, D, KEYS>(ks, k, b, kh, j0, g.Tk);
+    load_tile<T, D, KEYS>(vs, v, b, kh, j0, g.Tk);
     cp_async_commit();
-    if (first < g.Tq) fetch(0, first);
-    tf32_landed<T, D, KEYS>(ks, first < g.Tq);
-    tf32_landed<T, D, KEYS>(vs, first < g.Tq);
-    for (int64_t i0 = first, it = 0; i0 < g.Tq; i0 += QT, it++) {
-        int buf = (int)(it & 1);
+    if (steps > 0) fetch(0, 0);
+    tf32_landed<T, D, KEYS>(ks, steps > 0);
+    tf32_landed<T, D, KEYS>(vs, steps > 0);
+    for (int64_t s = 0; s < steps; s++) {
+        int buf = (int)(s & 1);
+        int64_t i0 = first + s % tiles * QT;
         T *qs = qg + buf * 2 * qtile, *gs = qs + qtile;
         float *lrow = rows + buf * 2 * QT, *drow = lrow + QT;
-        bool more = i0 + QT < g.Tq;
-        if (more) fetch(buf ^ 1, i0 + QT);
+        bool more = s + 1 < steps;
+        if (more) fetch(buf ^ 1, s + 1);
         cp_async_wait(more);
         tf32_landed<T, D, QT>(qs, more);
         tf32_landed<T, D, QT>(gs, more);
@@ -679,21 +695,27 @@ mma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
     }
 #pragma unroll
     for (int m = 0; m < M; m++) {
-        store_rows<T, D>(dk, b, h, w0 + 16 * m, g.Tk, dka[m], g.scale, g.scale);
-        store_rows<T, D>(dv, b, h, w0 + 16 * m, g.Tk, dva[m], 1.f, 1.f);
+        store_rows<T, D>(dk, b, kh, w0 + 16 * m, g.Tk, dka[m], g.scale, g.scale);
+        store_rows<T, D>(dv, b, kh, w0 + 16 * m, g.Tk, dva[m], 1.f, 1.f);
     }
 }
 
 /* ---- launch sizes: the host side's and the CPU emulation test's ---- */
 
 static inline mma_geom mma_geom_of(const ds_kview &q, const ds_kview &k, double scale, int causal) {
-    mma_geom g = { q.shape[0], q.shape[1], q.shape[2], k.shape[2], causal, (float)scale, (float)scale * LOG2E };
+    mma_geom g = { q.shape[0], q.shape[1], q.shape[2], k.shape[2], causal, (float)scale, (float)scale * LOG2E,
+                   k.shape[1] ? q.shape[1] / k.shape[1] : 1 };
     return g;
 }
 
-/* One block per block_rows of `rows` (queries or keys) per batch and head. */
+/* One block per block_rows of `rows` (queries or keys) per batch and head of H. */
+static inline unsigned mma_blocks_of(const mma_geom &g, int64_t H, int64_t rows, int block_rows) {
+    return (unsigned)(g.B * H * ((rows + block_rows - 1) / block_rows));
+}
+
+/* The same per query head. */
 static inline unsigned mma_blocks(const mma_geom &g, int64_t rows, int block_rows) {
-    return (unsigned)(g.B * g.H * ((rows + block_rows - 1) / block_rows));
+    return mma_blocks_of(g, g.H, rows, block_rows);
 }
 
 /* The forward's blocks, and the dQ kernel's. */
@@ -705,8 +727,8 @@ template <typename T> static inline unsigned mma_dq_blocks(const mma_geom &g, in
     return mma_blocks(g, g.Tq, MMA_BLOCK_ROWS(MMA_DQ_FRAGS(T, D)));
 }
 
-static inline unsigned mma_dkdv_blocks(const mma_geom &g, int D) {
-    return mma_blocks(g, g.Tk, MMA_BLOCK_ROWS(MMA_DKDV_FRAGS(D)));
+static inline unsigned mma_dkdv_blocks(const mma_geom &g, int D) {    /* per kv head */
+    return mma_blocks_of(g, g.H / g.G, g.Tk, MMA_BLOCK_ROWS(MMA_DKDV_FRAGS(D)));
 }
 
 #define MMA_STATS_THREADS 256
