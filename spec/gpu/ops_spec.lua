@@ -663,6 +663,28 @@ describe('attention on the GPU #gpu', function()
   end
   for _, c in ipairs(cases) do sdpa_case(FLOATS, 'scaled_dot_product_attention ' .. c[1], c, c[8]) end
 
+  -- grouped-query attention, k and v with fewer heads than q: the tensor-core kernels read
+  -- each kv head for its group (head dims 64 and 128), the scalar kernel, the math backend and
+  -- the wgmma forward take them repeated in the op (head dim 16, f64, Hopper's bf16 and f16);
+  -- a transposed output's gradient reaches the grouped backward with a head dim stride it copies
+  for _, c in ipairs {
+    { 'grouped, 2 query heads per kv head, head dim 64', 2, 4, 2, 130, 64, { causal = true } },
+    { 'grouped, 4 query heads per kv head, head dim 128', 1, 4, 1, 100, 128, { causal = false } },
+    { 'grouped, 4 query heads per kv head, head dim 16', 1, 8, 2, 37, 16, { causal = true } },
+    { 'grouped, head dim 64, backend fused', 1, 4, 2, 70, 64, { causal = true, backend = 'fused' } },
+    { 'grouped, head dim 64, backend math', 1, 4, 2, 70, 64, { causal = true, backend = 'math' } },
+    { 'grouped, head dim 64, transposed output', 1, 4, 2, 70, 64, { causal = true }, true },
+  } do
+    local name, B, Hn, KV, T, D, opts, transposed = unpack(c)
+    each(FLOATS, 'scaled_dot_product_attention ' .. name, function(dt)
+      return function(q, k, v)
+               local y = ds.scaled_dot_product_attention(q:transpose(2, 3), k:transpose(2, 3), v:transpose(2, 3), opts)
+               return transposed and y:transpose(3, 4) or y
+             end,
+             { randn(dt, B, T, Hn, D), randn(dt, B, T, KV, D), randn(dt, B, T, KV, D) }
+    end)
+  end
+
   -- the heads of a fused projection, as GPT-2's attention runs them
   for _, c in ipairs { { 'causal', 2, 100, 3, 64, nil }, { 'not causal', 1, 70, 2, 128, { causal = false } },
                        { 'head dim 16', 2, 33, 2, 16, nil } } do
