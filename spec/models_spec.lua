@@ -355,6 +355,35 @@ describe('models.llama', function()
     assert.are.equal(#keys - 1, #m:named_parameters())
   end)
 
+  describe('attention on grouped k and v', function()
+    local sdpa = ds.scaled_dot_product_attention
+    after_each(function() ds.scaled_dot_product_attention = sdpa end)
+
+    it('gives the loss and every gradient of repeating k and v first, to the bit (f32 and bf16)', function()
+      for _, dt in ipairs({ 'f32', 'bf16' }) do
+        local function run(repeated)
+          ds.manual_seed(3)
+          local cfg = { dtype = dt }
+          for k, v in pairs(tiny) do cfg[k] = v end
+          local m = Llama(cfg)
+          ds.scaled_dot_product_attention = repeated and function(q, k, v, opts)
+            local r = q:size(2) / k:size(2)
+            return sdpa(q, k:repeat_interleave(r, 2), v:repeat_interleave(r, 2), opts)
+          end or sdpa
+          local x = ds.tensor({ { 1, 5, 2, 7, 3, 9, 4, 0 } }, 'i64')
+          local loss = m { x = x, y = x }
+          loss:backward()
+          ds.scaled_dot_product_attention = sdpa
+          return loss, m:named_parameters()
+        end
+        local la, pa = run(false)
+        local lb, pb = run(true)
+        H.assert_same(la, lb, dt .. ' loss')
+        for i, p in ipairs(pa) do H.assert_same(p[2].grad, pb[i][2].grad, dt .. ' ' .. p[1]) end
+      end
+    end)
+  end)
+
   it('with n_kv_head = n_head equals grouped attention with the kv weights repeated', function()
     local gqa = Llama(tiny)
     local cfg = {}
