@@ -441,7 +441,7 @@ static bool cuda_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) {
 }
 
 /* k and v with fewer heads than q go to the mma.sync kernels; elsewhere
- * (the scalar kernels, the wgmma forward) core repeats them. */
+ * (the scalar kernels, the wgmma forward and backward) core repeats them. */
 static bool cuda_attention_grouped(ds_kview q, ds_kview k, ds_kview v) {
     ds_kview views[3] = { q, k, v };
     return ds_cuda_attention_mma_fits(views, 3) && ds_cuda_attention_mma_grouped(q.dtype, (int)q.shape[3]);

@@ -320,12 +320,13 @@ const char *ds_cuda_attention_pass_kernel(ds_dtype dt, int D, int backward, cons
 
 bool ds_cuda_attention_mma_grouped(ds_dtype dt, int D) {
     int why;
-    return wgmma_takes(dt, D, &why) == 0;
+    return wgmma_takes(dt, D, false, &why) == 0 && wgmma_takes(dt, D, true, &why) == 0;
 }
 
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal, bool tf32) {
-    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], false, &why);
+    /* grouped k and v (fewer heads than q) run on mma.sync alone */
+    int why, w = k.shape[1] == q.shape[1] ? wgmma_takes(q.dtype, (int)q.shape[3], false, &why) : 0;
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal);
@@ -335,7 +336,7 @@ int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
 
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, bool tf32) {
-    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], true, &why);
+    int why, w = k.shape[1] == q.shape[1] ? wgmma_takes(q.dtype, (int)q.shape[3], true, &why) : 0;
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w) return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);

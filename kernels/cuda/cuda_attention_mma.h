@@ -11,9 +11,10 @@
  * stride and the others multiples of 16 bytes. */
 bool ds_cuda_attention_mma_fits(const ds_kview *views, int n);
 
-/* Whether a call that fits, in dtype dt at head dim D, runs its forward on
- * the mma.sync kernels, the ones that take k and v with fewer heads than q
- * (the wgmma forward does not). */
+/* Whether a call that fits, in dtype dt at head dim D, runs its forward and
+ * backward on the mma.sync kernels, the ones that take k and v with fewer
+ * heads than q (the wgmma kernels do not); the wgmma ones are preferred
+ * where they run, with k and v repeated. */
 bool ds_cuda_attention_mma_grouped(ds_dtype dt, int D);
 
 /* ds_kernels_attention's forward and backward, for calls that fit; f32 in
