@@ -142,6 +142,21 @@ DS_HOSTDEV double ds_unary_derivative(ds_unary_op op, double x, double y, double
     }
 }
 
+/* SwiGLU, silu(g) u, stored as t: in f32 for f32, bf16 and f16 (SiLU's
+ * own f32 expression, then the product, rounded once to t; for f32 the
+ * bits of silu then mul), in double for f64. */
+DS_HOSTDEV double ds_swiglu_elem(ds_dtype t, double g, double u) {
+    if (t == DS_F64) return g * ds_sigmoid(g) * u;
+    return ds_unary_apply_f(DS_UN_SILU, (float)g, 0.0f) * (float)u;
+}
+
+/* Its gradients from d, the output's: d u silu'(g) and d silu(g), in
+ * double for every dtype as SiLU's backward computes. */
+DS_HOSTDEV void ds_swiglu_elem_backward(double d, double g, double u, double *dg, double *du) {
+    *dg = d * u * ds_unary_derivative(DS_UN_SILU, g, 0, 0);
+    *du = d * g * ds_sigmoid(g);
+}
+
 /* v rounded to t's precision, as a store and a load of t round it */
 DS_HOSTDEV double ds_round_to(ds_dtype t, double v) {
     switch (t) {

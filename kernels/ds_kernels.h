@@ -58,6 +58,11 @@ typedef struct ds_kernels_elementwise {
      * is cheapest from the output (exp, tanh, sigmoid, sqrt). */
     int (*unary_backward)(ds_unary_op op, ds_kview dx, ds_kview g, ds_kview x, ds_kview y, double param);
     int (*where)(ds_kview out, ds_kview cond, ds_kview a, ds_kview b);
+    /* SwiGLU (ds_swiglu_elem): out = silu(gate) up over one shape and
+     * float dtype, any strides; backward writes dgate and dup together
+     * from g, the output's gradient (ds_swiglu_elem_backward). */
+    int (*swiglu)(ds_kview out, ds_kview gate, ds_kview up);
+    int (*swiglu_backward)(ds_kview dgate, ds_kview dup, ds_kview g, ds_kview gate, ds_kview up);
 } ds_kernels_elementwise;
 
 typedef enum {

@@ -500,6 +500,89 @@ describe('rope', function()
   end)
 end)
 
+describe('swiglu', function()
+  -- Unit roundoff of each dtype (u), of the type the forward computes in
+  -- (c: f32 for f32/bf16/f16, f64 for f64), and half the spacing of the
+  -- dtype's subnormals (eta: the most a result rounded into that range loses).
+  local U = { f32 = 2 ^ -24, bf16 = 2 ^ -8, f16 = 2 ^ -11, f64 = 2 ^ -53 }
+  local C = { f32 = 2 ^ -24, bf16 = 2 ^ -24, f16 = 2 ^ -24, f64 = 2 ^ -53 }
+  local ETA = { f32 = 2 ^ -150, bf16 = 2 ^ -134, f16 = 2 ^ -25, f64 = 2 ^ -1075 }
+
+  -- Every element of got within bound of ref (f64 tensors of one shape).
+  local function within(got, ref, bound, what)
+    local over = (got:to('f64') - ref):abs() - bound
+    local worst = over:amax():item()
+    assert(worst <= 0, string.format('%s: exceeds its bound by %.3g', what, worst))
+  end
+
+  -- silu(g) u and its gradients from d in f64, from the inputs as stored (bf16 and f16 widen exactly)
+  local function reference(g, u, d)
+    g, u, d = g:to('f64'), u:to('f64'), d and d:to('f64')
+    local s = ds.sigmoid(g)
+    local y = g * s * u
+    if not d then return y end
+    return y, d * u * s * (1 + g * (1 - s)), d * g * s
+  end
+
+  it('gradients match finite differences, both inputs, transposed and contiguous', function()
+    H.gradcheck(ds.swiglu, { f64(3, 5), f64(3, 5) })
+    H.gradcheck(function(g, u) return ds.swiglu(g:t(), u) end, { f64(4, 3), f64(3, 4) })
+  end)
+
+  -- Forward: SiLU as x / (1 + e^-x) in the compute type c, exp within 2 ulp
+  -- (4c relative; CUDA's expf documents 2 ulp, glibc's under 1), the sum
+  -- with 1 adding c (5c), the division c (6c), the product with up c
+  -- (7c), then one rounding to the dtype (u; for f32 it is the product's
+  -- own): |y - ref| <= (u + 8c) |ref| + eta, 8c covering the second-order
+  -- terms. Backward in f64 rounded once to the dtype: the f64 sums err by
+  -- a few units of 2^-53 of |d u| (1 + |g|) and |d g| (1 - s has an
+  -- absolute error, not a relative one), so 2^-48 of those bounds both
+  -- them and the reference's own; plus u |ref| and eta. Inputs of moderate
+  -- size: no intermediate leaves the normal range.
+  for _, dt in ipairs({ 'f32', 'bf16', 'f16', 'f64' }) do
+    it(dt .. ': values and gradients against f64 within the rounding bound, strided inputs', function()
+      ds.manual_seed(3)
+      local g = (ds.randn(6, 40, 'f64') * 3):to(dt):t():requires_grad_()   -- [40, 6], strided
+      local u = (ds.randn(40, 6, 'f64') * 3):to(dt):requires_grad_()
+      local d = ds.randn(40, 6, 'f64'):to(dt)
+      local y = ds.swiglu(g, u)
+      assert.are.equal(dt, y:dtype())
+      y:backward(d)
+      local ry, rdg, rdu = reference(g:detach(), u:detach(), d)
+      within(y, ry, ry:abs() * (U[dt] + 8 * C[dt]) + ETA[dt], dt .. ' value')
+      local g64, u64, d64 = g:detach():to('f64'), u:detach():to('f64'), d:to('f64')
+      within(g.grad, rdg, rdg:abs() * U[dt] + (d64 * u64):abs() * (1 + g64:abs()) * 2 ^ -48 + ETA[dt],
+             dt .. ' gate gradient')
+      within(u.grad, rdu, rdu:abs() * U[dt] + (d64 * g64):abs() * 2 ^ -48 + ETA[dt], dt .. ' up gradient')
+      assert.are.equal(dt, g.grad:dtype())
+    end)
+  end
+
+  it('f32 forward gives silu then mul to the bit (the same f32 SiLU, one product)', function()
+    local g, u = ds.randn(7, 33) * 4, ds.randn(7, 33)
+    assert.are.same((ds.silu(g) * u):totable(), ds.swiglu(g, u):totable())
+  end)
+
+  it('keeps gate and up for the backward, and gives only the gradient asked for', function()
+    local g, u = ds.randn(4, 6):requires_grad_(), ds.randn(4, 6)
+    local y = ds.swiglu(g, u)
+    y:backward(ds.ones(4, 6))
+    assert.is_nil(u.grad)
+    local _, want = reference(g:detach(), u, ds.ones(4, 6))
+    within(g.grad, want, want:abs() * U.f32 + (u:to('f64')):abs() * (1 + g:detach():to('f64'):abs()) * 2 ^ -48,
+           'gate gradient')
+  end)
+
+  it('refuses another shape (no broadcast), another dtype and integer inputs, naming them', function()
+    fails('swiglu: gate f32 %[2,3%] and up f32 %[3%] must share shape and dtype %(no broadcast%)', ds.swiglu,
+          ds.zeros(2, 3), ds.zeros(3))
+    fails('swiglu: gate f32 %[2,3%] and up bf16 %[2,3%] must share shape and dtype', ds.swiglu, ds.zeros(2, 3),
+          ds.zeros(2, 3, 'bf16'))
+    fails('swiglu: gate must be a floating point tensor, got i64', ds.swiglu, ds.zeros(2, 3, 'i64'), ds.zeros(2, 3))
+    fails('swiglu: up must be a floating point tensor, got i64', ds.swiglu, ds.zeros(2, 3), ds.zeros(2, 3, 'i64'))
+  end)
+end)
+
 describe('rms_norm', function()
   it('with a weight matches the float64 reference', function()
     against_torch('rms_w', 2, function(x) return ds.rms_norm(x[1], x[2], 1e-6) end)

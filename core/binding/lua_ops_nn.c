@@ -9,6 +9,7 @@
  *   ds.rms_norm(x, normalized_shape, weight|nil [, eps])                (torch form)
  *   ds.add_rms_norm(x, res, [normalized_shape,] weight|nil [, eps]) -> normed x + res, x + res
  *   ds.rope(x, cos, sin)                                              rotate_half form
+ *   ds.swiglu(gate, up)                                               silu(gate) * up
  *   ds.dropout(x, p [, training=true])
  * Dims are 1-based; class ids in targets are 0-based, as in PyTorch data. */
 #include "lua_tensor.h"
@@ -160,6 +161,10 @@ static int l_rope(lua_State *L) {
     return dsL_pushtensor(L, ds_rope(dsL_checktensor(L, 1), dsL_checktensor(L, 2), dsL_checktensor(L, 3)));
 }
 
+static int l_swiglu(lua_State *L) {
+    return dsL_pushtensor(L, ds_swiglu(dsL_checktensor(L, 1), dsL_checktensor(L, 2)));
+}
+
 static int l_dropout(lua_State *L) {
     ds_tensor *x = dsL_checktensor(L, 1);
     double p = luaL_checknumber(L, 2);
@@ -176,7 +181,7 @@ static const luaL_Reg functions[] = {
     {"cross_entropy", l_cross_entropy}, {"mse_loss", l_mse_loss}, {"layer_norm", l_layer_norm},
     {"add_layer_norm", l_add_layer_norm},
     {"rms_norm", l_rms_norm}, {"add_rms_norm", l_add_rms_norm}, {"rope", l_rope},
-    {"dropout", l_dropout},
+    {"swiglu", l_swiglu}, {"dropout", l_dropout},
     {NULL, NULL}
 };
 

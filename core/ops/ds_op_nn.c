@@ -496,6 +496,48 @@ ds_tensor *ds_rope(ds_tensor *x, ds_tensor *cos, ds_tensor *sin) {
     return out;
 }
 
+/* ---- SwiGLU: one kernel each way, keeping gate and up alone for the
+ * backward (silu then mul keep silu(gate) as well) ---- */
+
+static int swiglu_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {
+    ds_tensor *gate = n->saved[0], *up = n->saved[1];
+    ds_tensor *dg = ds_tensor_new(g->ndim, g->shape, g->dtype, ds_tensor_device(g));
+    ds_tensor *du = dg ? ds_tensor_new(g->ndim, g->shape, g->dtype, ds_tensor_device(g)) : NULL;
+    int rc = du ? ds_tensor_kernels(g)->elementwise->swiglu_backward(ds_tensor_kview(dg), ds_tensor_kview(du),
+                      ds_tensor_kview(g), ds_tensor_kview(gate), ds_tensor_kview(up)) : -1;
+    if (du && rc) ds_fail(DS_ERR_STATE, "swiglu: %s", ds_kernel_error());
+    if (rc) {
+        ds_tensor_release(dg);
+        ds_tensor_release(du);
+        return -1;
+    }
+    if (ds_node_needs_grad(n, 0)) gin[0] = dg; else ds_tensor_release(dg);
+    if (ds_node_needs_grad(n, 1)) gin[1] = du; else ds_tensor_release(du);
+    return 0;
+}
+
+ds_tensor *ds_swiglu(ds_tensor *gate, ds_tensor *up) {
+    char s1[96], s2[96];
+    if (need_float("swiglu", "gate", gate) || need_float("swiglu", "up", up) ||
+        ds_check_same_device("swiglu", gate, up))
+        return NULL;
+    if (!ds_tensor_same_shape(gate, up) || gate->dtype != up->dtype)
+        return ds_fail(DS_ERR_ARG, "swiglu: gate %s %s and up %s %s must share shape and dtype (no broadcast)",
+                       ds_dtype_name(gate->dtype), ds_shape_str(gate, s1, sizeof s1), ds_dtype_name(up->dtype),
+                       ds_shape_str(up, s2, sizeof s2));
+    ds_tensor *out = ds_tensor_new(gate->ndim, gate->shape, gate->dtype, ds_tensor_device(gate));
+    if (!out) return NULL;
+    if (ds_tensor_kernels(out)->elementwise->swiglu(ds_tensor_kview(out), ds_tensor_kview(gate), ds_tensor_kview(up)))
+        return kernel_failed(out, "swiglu");
+    ds_tensor *in[2] = { gate, up };
+    ds_node *n = ds_autograd_record("swiglu", swiglu_backward, 2, in, out);
+    if (n && (ds_node_save(n, 0, gate) || ds_node_save(n, 1, up))) {
+        ds_tensor_release(out);
+        return NULL;
+    }
+    return out;
+}
+
 /* ---- dropout: the backward draws the same mask from the same counters ---- */
 
 static int dropout_backward(ds_node *n, ds_tensor *g, ds_tensor **gin) {

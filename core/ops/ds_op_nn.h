@@ -57,6 +57,12 @@ ds_tensor *ds_add_rms_norm(ds_tensor *x, ds_tensor *res, int norm_ndim, ds_tenso
  * same bits forward and backward. */
 ds_tensor *ds_rope(ds_tensor *x, ds_tensor *cos, ds_tensor *sin);
 
+/* SwiGLU, silu(gate) up, gate and up of one shape and float dtype (any
+ * strides, no broadcast): one kernel forward (in f32 for f32, bf16 and
+ * f16, in f64 for f64) keeping only gate and up, one backward writing
+ * both gradients (in f64, as SiLU's). */
+ds_tensor *ds_swiglu(ds_tensor *gate, ds_tensor *up);
+
 /* Zeroes each element with probability p and scales the rest by 1/(1-p);
  * the mask comes from g (NULL: the default generator) and is the same at
  * any thread count. Not training, or p = 0, returns x itself. */

@@ -284,6 +284,49 @@ static int cpu_where(ds_kview out, ds_kview cond, ds_kview a, ds_kview b) {
     return 0;
 }
 
+/* ---- SwiGLU each way in one pass, through ds_swiglu_elem and its
+ * backward; v holds out (or dgate, dup) and the inputs. ---- */
+static void swiglu_tile(ds_kview **v, int nv, int64_t t) {
+    int64_t r, c0, c1, s[5], o[5];
+    tile_at(v[0], t, &r, &c0, &c1);
+    for (int k = 0; k < nv; k++) {
+        s[k] = cpu_col_stride(v[k]);
+        o[k] = cpu_row_offset(v[k], r);
+    }
+    for (int64_t c = c0; c < c1; c++) {
+        double x[5];
+        for (int k = nv == 3 ? 1 : 2; k < nv; k++) x[k] = ds_load(v[k]->dtype, v[k]->data, o[k] + c * s[k]);
+        if (nv == 3) {
+            ds_store(v[0]->dtype, v[0]->data, o[0] + c * s[0], ds_swiglu_elem(v[0]->dtype, x[1], x[2]));
+            continue;
+        }
+        ds_swiglu_elem_backward(x[2], x[3], x[4], &x[0], &x[1]);
+        for (int k = 0; k < 2; k++) ds_store(v[k]->dtype, v[k]->data, o[k] + c * s[k], x[k]);
+    }
+}
+
+static int swiglu_run(ds_kview **v, int nv) {
+    cpu_coalesce(v, nv);
+    int64_t tiles = tile_count(v[0]);
+    if (ds_kview_numel(v[0]) <= CPU_PARALLEL_MIN / 4) {
+        for (int64_t t = 0; t < tiles; t++) swiglu_tile(v, nv, t);
+    } else {
+        #pragma omp parallel for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) swiglu_tile(v, nv, t);
+    }
+    return 0;
+}
+
+static int cpu_swiglu(ds_kview out, ds_kview gate, ds_kview up) {
+    ds_kview *v[3] = { &out, &gate, &up };
+    return swiglu_run(v, 3);
+}
+
+static int cpu_swiglu_backward(ds_kview dgate, ds_kview dup, ds_kview g, ds_kview gate, ds_kview up) {
+    ds_kview *v[5] = { &dgate, &dup, &g, &gate, &up };
+    return swiglu_run(v, 5);
+}
+
 const ds_kernels_elementwise ds_cpu_elementwise = {
-    cpu_binary, cpu_unary, cpu_unary_backward, cpu_where,
+    cpu_binary, cpu_unary, cpu_unary_backward, cpu_where, cpu_swiglu, cpu_swiglu_backward,
 };

@@ -158,6 +158,80 @@ static int cuda_where(ds_kview out, ds_kview cond, ds_kview a, ds_kview b) {
     return ds_cuda_launched("where_kernel");
 }
 
+/* ---- SwiGLU: forward on pw_fast_kernel where it applies (SiLU's f32
+ * math, the product rounded once), else through ds_swiglu_elem; backward
+ * one thread per 8 elements of contiguous 16-bit-aligned floats, writing
+ * both gradients, the math in double as SiLU's backward ---- */
+
+struct swiglu_f {
+    __device__ float operator()(const float *a) const { return ds_unary_apply_f(DS_UN_SILU, a[0], 0.0f) * a[1]; }
+};
+
+static __global__ void swiglu_kernel(ds_kview out, ds_kview gate, ds_kview up, int64_t n, int64_t so, int64_t sg,
+                                     int64_t su) {
+    DS_CUDA_LOOP(i, n) {
+        double g = ds_load(gate.dtype, gate.data, pw_at(gate, sg, i)), u = ds_load(up.dtype, up.data, pw_at(up, su, i));
+        ds_store(out.dtype, out.data, pw_at(out, so, i), ds_swiglu_elem(out.dtype, g, u));
+    }
+}
+
+static int cuda_swiglu(ds_kview out, ds_kview gate, ds_kview up) {
+    ds_kview *v[3] = { &out, &gate, &up };
+    cpu_coalesce(v, 3);
+    int64_t n = ds_kview_numel(&out);
+    if (n == 0) return 0;
+    const ds_kview *in[2] = { &gate, &up };
+    int rc;
+    if (pw_fast_try<2>(swiglu_f{}, out, in, n, "swiglu fast kernel", &rc)) return rc;
+    swiglu_kernel<<<ds_cuda_blocks(n, DS_CUDA_THREADS), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+        out, gate, up, n, pw_step(out), pw_step(gate), pw_step(up));
+    return ds_cuda_launched("swiglu_kernel");
+}
+
+/* v: dgate, dup, g, gate, up; vec: all contiguous, 16-byte aligned and
+ * f32, bf16 or f16, read and written 8 at a time */
+static __global__ void swiglu_backward_kernel(ds_kview dg, ds_kview du, ds_kview g, ds_kview gate, ds_kview up,
+                                              int64_t n, bool vec) {
+    int64_t nv = vec ? n / PW_VEC : 0;
+    DS_CUDA_LOOP(c, nv) {
+        float x[3][PW_VEC], y[2][PW_VEC];
+        pw_load8(g.dtype, g.data, c * PW_VEC, x[0]);
+        pw_load8(gate.dtype, gate.data, c * PW_VEC, x[1]);
+        pw_load8(up.dtype, up.data, c * PW_VEC, x[2]);
+        for (int k = 0; k < PW_VEC; k++) {
+            double a, b;
+            ds_swiglu_elem_backward(x[0][k], x[1][k], x[2][k], &a, &b);
+            y[0][k] = (float)a;
+            y[1][k] = (float)b;
+        }
+        pw_store8(dg.dtype, dg.data, c * PW_VEC, y[0]);
+        pw_store8(du.dtype, du.data, c * PW_VEC, y[1]);
+    }
+    int64_t st = vec ? 1 : -1;   /* the tail of flat views, or every element through the strides */
+    DS_CUDA_LOOP(t, n - nv * PW_VEC) {
+        int64_t i = nv * PW_VEC + t;
+        double a, b;
+        ds_swiglu_elem_backward(ds_load(g.dtype, g.data, pw_at(g, st, i)),
+                                ds_load(gate.dtype, gate.data, pw_at(gate, st, i)),
+                                ds_load(up.dtype, up.data, pw_at(up, st, i)), &a, &b);
+        ds_store(dg.dtype, dg.data, pw_at(dg, st, i), a);
+        ds_store(du.dtype, du.data, pw_at(du, st, i), b);
+    }
+}
+
+static int cuda_swiglu_backward(ds_kview dgate, ds_kview dup, ds_kview g, ds_kview gate, ds_kview up) {
+    ds_kview *v[5] = { &dgate, &dup, &g, &gate, &up };
+    cpu_coalesce(v, 5);
+    int64_t n = ds_kview_numel(&dgate);
+    if (n == 0) return 0;
+    bool vec = true;
+    for (int k = 0; k < 5; k++)
+        vec = vec && pw_is_f32ish(v[k]->dtype) && ds_kview_is_contiguous(v[k]) && pw_aligned(v[k]->data);
+    swiglu_backward_kernel<<<pw_fast_blocks(n, vec, PW_VEC), DS_CUDA_THREADS, 0, ds_cuda_stream()>>>(
+        dgate, dup, g, gate, up, n, vec);
+    return ds_cuda_launched("swiglu_backward_kernel");
+}
+
 extern "C" const ds_kernels_elementwise ds_cuda_elementwise = {
-    cuda_binary, cuda_unary, cuda_unary_backward, cuda_where,
+    cuda_binary, cuda_unary, cuda_unary_backward, cuda_where, cuda_swiglu, cuda_swiglu_backward,
 };
