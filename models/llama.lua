@@ -147,7 +147,8 @@ end
 
 function MLP:forward(x)
   if self.group then x = nn.parallel.copy_to_region(x, self.group) end    -- tensor parallel: gate and up read one copy
-  return self.down_proj(ds.silu(self.gate_proj(x)) * self.up_proj(x))
+  -- silu(gate) * up in one kernel each way, keeping gate and up alone for the backward
+  return self.down_proj(ds.swiglu(self.gate_proj(x), self.up_proj(x)))
 end
 
 local Layer = nn.Module:extend('LlamaDecoderLayer')
