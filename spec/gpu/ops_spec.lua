@@ -624,6 +624,13 @@ describe('nn row ops on the GPU #gpu', function()
     return function(x, c, s) return ds.rope(x:transpose(2, 3), c, s) end,
            { randn(dt, 2, 7, 3, 16), randn(dt, 7, 16), randn(dt, 7, 16) }, { const = { false, true, true } }
   end)
+  -- contiguous: 16-byte words and a tail (2331 = 8 x 291 + 3); transposed: the strided kernels
+  each(FLOATS, 'swiglu, contiguous', function(dt)
+    return function(g, u) return ds.swiglu(g, u) end, { randn(dt, 7, 333) * 3, randn(dt, 7, 333) }
+  end)
+  each(FLOATS, 'swiglu of a transposed gate', function(dt)
+    return function(g, u) return ds.swiglu(g:t(), u) end, { randn(dt, 9, 5) * 3, randn(dt, 5, 9) }
+  end)
   each(FLOATS, 'dropout (the same mask on both devices)', function(dt)
     return function(x)
       ds.manual_seed(1234)
