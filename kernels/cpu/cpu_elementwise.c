@@ -285,13 +285,46 @@ static int cpu_where(ds_kview out, ds_kview cond, ds_kview a, ds_kview b) {
 }
 
 /* ---- SwiGLU each way in one pass, through ds_swiglu_elem and its
- * backward; v holds out (or dgate, dup) and the inputs. ---- */
+ * backward; v holds out (or dgate, dup), then the inputs. ---- */
+
+/* Columns [c0, c1) of a row of contiguous f32, bf16 or f16 views, widened
+ * to f32 a block at a time (exactly) and narrowed as ds_store rounds. */
+static void swiglu_floats(ds_kview **v, int nv, const int64_t *o, int64_t c0, int64_t c1) {
+    float in[3][CPU_FLOAT_BLOCK], res[2][CPU_FLOAT_BLOCK];
+    int nout = nv == 3 ? 1 : 2;
+    for (int64_t lo = c0; lo < c1; lo += CPU_FLOAT_BLOCK) {
+        int64_t n = c1 - lo < CPU_FLOAT_BLOCK ? c1 - lo : CPU_FLOAT_BLOCK;
+        const float *x[3];
+        float *y[2];
+        for (int k = nout; k < nv; k++) x[k - nout] = as_f32(v[k], o[k] + lo, n, in[k - nout]);
+        for (int k = 0; k < nout; k++) y[k] = v[k]->dtype == DS_F32 ? (float *)v[k]->data + o[k] + lo : res[k];
+        if (nout == 1) {
+            for (int64_t i = 0; i < n; i++) y[0][i] = ds_unary_apply_f(DS_UN_SILU, x[0][i], 0.0f) * x[1][i];
+        } else {
+            for (int64_t i = 0; i < n; i++) {
+                double dg, du;
+                ds_swiglu_elem_backward(x[0][i], x[1][i], x[2][i], &dg, &du);
+                y[0][i] = (float)dg;
+                y[1][i] = (float)du;
+            }
+        }
+        for (int k = 0; k < nout; k++)
+            if (y[k] == res[k]) store_f32(v[k], o[k] + lo, n, res[k]);
+    }
+}
+
 static void swiglu_tile(ds_kview **v, int nv, int64_t t) {
     int64_t r, c0, c1, s[5], o[5];
+    bool floats = true;
     tile_at(v[0], t, &r, &c0, &c1);
     for (int k = 0; k < nv; k++) {
         s[k] = cpu_col_stride(v[k]);
         o[k] = cpu_row_offset(v[k], r);
+        floats = floats && s[k] == 1 && f32ish(v[k]->dtype);
+    }
+    if (floats) {
+        swiglu_floats(v, nv, o, c0, c1);
+        return;
     }
     for (int64_t c = c0; c < c1; c++) {
         double x[5];
