@@ -4,7 +4,8 @@
  * bound for 16-bit inputs with f32 sums (a few units of the last place of
  * the largest value; a wrong fragment, swizzle or mask is off by O(1));
  * head dims 64 and 128, causal or not, lengths that leave partial tiles,
- * cross attention both ways, q/k/v as views into one packed qkv buffer.
+ * cross attention both ways, q/k/v as views into one packed qkv buffer,
+ * and k and v with 2 and 4 query heads per kv head (grouped-query).
  * And the check the dispatch runs before trusting the kernel on a GPU
  * (cuda_attention_check.h) on the emulated kernels: the Hopper forward
  * and the mma.sync one agree within its bound in every variant, and a
@@ -22,7 +23,11 @@ extern "C" {
 
 namespace {
 
-struct shape { int64_t B, H, Tq, Tk; bool causal; };
+/* KV: k and v's heads, each read by H / KV query heads (0: H) */
+struct shape {
+    int64_t B, H, Tq, Tk; bool causal; int64_t KV = 0;
+    int64_t kv() const { return KV ? KV : H; }
+};
 
 template <typename T> T elem(float x) {
     return T{ std::is_same<T, __nv_bfloat16>::value ? ds_f32_to_bf16(x) : ds_f32_to_f16(x) };
@@ -31,18 +36,19 @@ template <typename T> T elem(float x) {
 template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
     const ds_dtype dt = bf ? DS_BF16 : DS_F16;
-    const int64_t C = s.H * D, Tmax = std::max(s.Tq, s.Tk);
+    const int64_t KV = s.kv(), G = s.H / KV, C = s.H * D, W = C + 2 * KV * D, Tmax = std::max(s.Tq, s.Tk);
     const double scale = 1.0 / sqrt((double)D);
-    /* [B, T, 3, H, D]: q, k, v as GPT-2's attention passes them */
-    std::vector<T> qkv((size_t)(s.B * Tmax * 3 * C)), obuf((size_t)(s.B * s.Tq * C), elem<T>(NAN));
+    /* [B, T, H + 2 KV, D]: q, k, v as GPT-2's attention passes them (KV = H) */
+    std::vector<T> qkv((size_t)(s.B * Tmax * W)), obuf((size_t)(s.B * s.Tq * C), elem<T>(NAN));
     std::normal_distribution<float> normal(0.f, 1.f);
     for (T &x : qkv) x = elem<T>(normal(rng));
-    auto heads = [&](void *data, int64_t T_, int64_t sb, int64_t st) {
-        int64_t sz[4] = { s.B, s.H, T_, D }, sd[4] = { sb, D, st, 1 };
+    auto heads = [&](void *data, int64_t H, int64_t T_, int64_t sb, int64_t st) {
+        int64_t sz[4] = { s.B, H, T_, D }, sd[4] = { sb, D, st, 1 };
         return emu::view(data, dt, 4, sz, sd);
     };
-    ds_kview q = heads(qkv.data(), s.Tq, Tmax * 3 * C, 3 * C), k = heads(qkv.data() + C, s.Tk, Tmax * 3 * C, 3 * C);
-    ds_kview v = heads(qkv.data() + 2 * C, s.Tk, Tmax * 3 * C, 3 * C), out = heads(obuf.data(), s.Tq, s.Tq * C, C);
+    ds_kview q = heads(qkv.data(), s.H, s.Tq, Tmax * W, W), k = heads(qkv.data() + C, KV, s.Tk, Tmax * W, W);
+    ds_kview v = heads(qkv.data() + C + KV * D, KV, s.Tk, Tmax * W, W);
+    ds_kview out = heads(obuf.data(), s.H, s.Tq, s.Tq * C, C);
     std::vector<float> lsebuf((size_t)(s.B * s.H * s.Tq), NAN);
     int64_t lsz[3] = { s.B, s.H, s.Tq }, lst[3] = { s.H * s.Tq, s.Tq, 1 };
     ds_kview lse = emu::view(lsebuf.data(), DS_F32, 3, lsz, lst);
@@ -62,7 +68,7 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
                 double mx = -INFINITY, sum = 0;
                 for (int64_t j = 0; j < s.Tk; j++) {
                     double dot = 0;
-                    for (int d = 0; d < D; d++) dot += at(q, b, h, i, d) * at(k, b, h, j, d);
+                    for (int d = 0; d < D; d++) dot += at(q, b, h, i, d) * at(k, b, h / G, j, d);
                     P[j] = s.causal && j > i ? -INFINITY : dot * scale;
                     mx = fmax(mx, P[j]);
                 }
@@ -72,7 +78,7 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
                 max_l = fmax(max_l, fabs(want_l));
                 for (int d = 0; d < D; d++) {
                     double o = 0;
-                    for (int64_t j = 0; j < s.Tk; j++) o += P[j] / sum * at(v, b, h, j, d);
+                    for (int64_t j = 0; j < s.Tk; j++) o += P[j] / sum * at(v, b, h / G, j, d);
                     double e = fabs(at(out, b, h, i, d) - o);
                     worst_o = e <= worst_o ? worst_o : e;
                     max_o = fmax(max_o, fabs(o));
@@ -81,12 +87,14 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
     double tol = bf ? 2e-2 : 4e-3;
     const char *name = bf ? "bf16" : "f16";
     check(worst_o <= tol * max_o,
-          "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: out off by %.3g of its largest %.3g",
-          name, D, (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, worst_o / max_o, max_o);
-    check(worst_l <= tol * max_l, "%s D=%d Tq=%lld Tk=%lld causal=%d: lse off by %.3g of its largest %.3g", name, D,
-          (long long)s.Tq, (long long)s.Tk, s.causal, worst_l / max_l, max_l);
-    printf("%s D=%d Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e\n", name, D, (long long)s.Tq, (long long)s.Tk,
-           s.causal, worst_o / max_o, worst_l / max_l);
+          "%s D=%d B=%lld H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: out off by %.3g of its largest %.3g", name, D,
+          (long long)s.B, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, worst_o / max_o,
+          max_o);
+    check(worst_l <= tol * max_l, "%s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: lse off by %.3g of its largest "
+          "%.3g", name, D, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, worst_l / max_l,
+          max_l);
+    printf("%s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e\n", name, D, (long long)s.H,
+           (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, worst_o / max_o, worst_l / max_l);
 }
 
 /* One forward of the check problem, emulated: out and lse as floats. */
@@ -148,6 +156,11 @@ int main() {
     run_case<__half, 64>({ 1, 2, 257, 257, true }, rng);
     run_case<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, rng);
     run_case<__half, 128>({ 1, 1, 90, 200, false }, rng);
+    /* grouped-query: 2 and 4 query heads per kv head, causal or not, both head dims */
+    run_case<__nv_bfloat16, 64>({ 1, 4, 130, 130, true, 2 }, rng);
+    run_case<__half, 64>({ 1, 4, 150, 150, false, 1 }, rng);
+    run_case<__nv_bfloat16, 128>({ 1, 2, 140, 140, false, 1 }, rng);
+    run_case<__half, 128>({ 1, 4, 130, 130, true, 1 }, rng);
     first_call_check<__nv_bfloat16, 64>();
     first_call_check<__half, 64>();
     first_call_check<__nv_bfloat16, 128>();

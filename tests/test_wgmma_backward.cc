@@ -5,7 +5,9 @@
  * for 16-bit inputs with f32 sums (a few units of the last place of the
  * largest value; a wrong fragment, transpose or mask is off by O(1));
  * head dims 64 and 128, causal or not, lengths that leave partial tiles
- * (down to a few queries and keys), cross attention both ways, q/k/v as views into one packed qkv buffer.
+ * (down to a few queries and keys), cross attention both ways, q/k/v as views into one packed qkv buffer,
+ * and k and v with 2 and 4 query heads per kv head (grouped-query: dk and
+ * dv summed over the group's queries).
  * And the check the dispatch runs before trusting the kernels on a GPU
  * (cuda_attention_check.h) on the emulated kernels: the Hopper backward
  * and the mma.sync one agree within its bound in every variant, and
@@ -23,7 +25,11 @@ extern "C" {
 
 namespace {
 
-struct shape { int64_t B, H, Tq, Tk; bool causal; };
+/* KV: k and v's heads, each read by H / KV query heads (0: H) */
+struct shape {
+    int64_t B, H, Tq, Tk; bool causal; int64_t KV = 0;
+    int64_t kv() const { return KV ? KV : H; }
+};
 
 template <typename T> T elem(float x) {
     return T{ std::is_same<T, __nv_bfloat16>::value ? ds_f32_to_bf16(x) : ds_f32_to_f16(x) };
@@ -68,25 +74,26 @@ template <typename T, int D> void run_backward(problem<T> &p, const mma_geom &g,
 template <typename T, int D> void run_case(const shape &s, bool wgmma_fwd, std::mt19937 &rng) {
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
     const ds_dtype dt = bf ? DS_BF16 : DS_F16;
-    const int64_t C = s.H * D, Tmax = std::max(s.Tq, s.Tk);
+    const int64_t KV = s.kv(), G = s.H / KV, C = s.H * D, W = C + 2 * KV * D, Tmax = std::max(s.Tq, s.Tk);
     const double scale = 1.0 / sqrt((double)D);
     problem<T> p;
     std::normal_distribution<float> normal(0.f, 1.f);
-    p.qkv.resize((size_t)(s.B * Tmax * 3 * C));
+    /* [B, T, H + 2 KV, D]: q, k, v as GPT-2's attention passes them (KV = H) */
+    p.qkv.resize((size_t)(s.B * Tmax * W));
     for (T &x : p.qkv) x = elem<T>(normal(rng));
-    auto heads = [&](void *data, int64_t T_, int64_t sb, int64_t st) {
-        int64_t sz[4] = { s.B, s.H, T_, D }, sd[4] = { sb, D, st, 1 };
+    auto heads = [&](void *data, int64_t H, int64_t T_, int64_t sb, int64_t st) {
+        int64_t sz[4] = { s.B, H, T_, D }, sd[4] = { sb, D, st, 1 };
         return emu::view(data, dt, 4, sz, sd);
     };
-    auto inner = [&](std::vector<T> &buf, int64_t T_) {
-        buf.assign((size_t)(s.B * T_ * C), elem<T>(NAN));
-        return heads(buf.data(), T_, T_ * C, C);
+    auto inner = [&](std::vector<T> &buf, int64_t H, int64_t T_) {
+        buf.assign((size_t)(s.B * T_ * H * D), elem<T>(NAN));
+        return heads(buf.data(), H, T_, T_ * H * D, H * D);
     };
-    p.q = heads(p.qkv.data(), s.Tq, Tmax * 3 * C, 3 * C);
-    p.k = heads(p.qkv.data() + C, s.Tk, Tmax * 3 * C, 3 * C);
-    p.v = heads(p.qkv.data() + 2 * C, s.Tk, Tmax * 3 * C, 3 * C);
-    p.out = inner(p.obuf, s.Tq), p.dout = inner(p.gbuf, s.Tq), p.dq = inner(p.dqb, s.Tq);
-    p.dk = inner(p.dkb, s.Tk), p.dv = inner(p.dvb, s.Tk);
+    p.q = heads(p.qkv.data(), s.H, s.Tq, Tmax * W, W);
+    p.k = heads(p.qkv.data() + C, KV, s.Tk, Tmax * W, W);
+    p.v = heads(p.qkv.data() + C + KV * D, KV, s.Tk, Tmax * W, W);
+    p.out = inner(p.obuf, s.H, s.Tq), p.dout = inner(p.gbuf, s.H, s.Tq), p.dq = inner(p.dqb, s.H, s.Tq);
+    p.dk = inner(p.dkb, KV, s.Tk), p.dv = inner(p.dvb, KV, s.Tk);
     for (T &x : p.gbuf) x = elem<T>(normal(rng));
     p.lsebuf.assign((size_t)(s.B * s.H * s.Tq), NAN);
     int64_t lsz[3] = { s.B, s.H, s.Tq }, lst[3] = { s.H * s.Tq, s.Tq, 1 };
@@ -106,45 +113,53 @@ template <typename T, int D> void run_case(const shape &s, bool wgmma_fwd, std::
         worst[w] = e <= worst[w] ? worst[w] : e;   /* NaN sticks */
         big[w] = fmax(big[w], fabs(want));
     };
-    std::vector<double> P((size_t)(s.Tq * s.Tk)), dS(P.size());
+    std::vector<double> P((size_t)(s.Tq * s.Tk)), dS(P.size()), gk((size_t)(s.Tk * D)), gv(gk.size());
     for (int64_t b = 0; b < s.B; b++)
-        for (int64_t h = 0; h < s.H; h++) {
-            for (int64_t i = 0; i < s.Tq; i++) {
-                double di = 0, lk = p.lsebuf[(size_t)((b * s.H + h) * s.Tq + i)];
-                for (int d = 0; d < D; d++) di += A(p.out, b, h, i, d) * A(p.dout, b, h, i, d);
-                for (int64_t j = 0; j < s.Tk; j++) {
-                    double dot = 0, dp = 0;
+        for (int64_t kh = 0; kh < KV; kh++) {
+            /* dk and dv of kv head kh: sums over its group's query heads */
+            std::fill(gk.begin(), gk.end(), 0.0), std::fill(gv.begin(), gv.end(), 0.0);
+            for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
+                for (int64_t i = 0; i < s.Tq; i++) {
+                    double di = 0, lk = p.lsebuf[(size_t)((b * s.H + h) * s.Tq + i)];
+                    for (int d = 0; d < D; d++) di += A(p.out, b, h, i, d) * A(p.dout, b, h, i, d);
+                    for (int64_t j = 0; j < s.Tk; j++) {
+                        double dot = 0, dp = 0;
+                        for (int d = 0; d < D; d++)
+                            dot += A(p.q, b, h, i, d) * A(p.k, b, kh, j, d),
+                            dp += A(p.dout, b, h, i, d) * A(p.v, b, kh, j, d);
+                        double pr = s.causal && j > i ? 0 : exp(dot * scale - lk);
+                        P[i * s.Tk + j] = pr, dS[i * s.Tk + j] = pr * (dp - di);
+                    }
+                }
+                for (int64_t i = 0; i < s.Tq; i++)
+                    for (int d = 0; d < D; d++) {
+                        double a = 0;
+                        for (int64_t j = 0; j < s.Tk; j++) a += dS[i * s.Tk + j] * A(p.k, b, kh, j, d);
+                        add(0, A(p.dq, b, h, i, d), a * scale);
+                    }
+                for (int64_t j = 0; j < s.Tk; j++)
                     for (int d = 0; d < D; d++)
-                        dot += A(p.q, b, h, i, d) * A(p.k, b, h, j, d), dp += A(p.dout, b, h, i, d) * A(p.v, b, h, j, d);
-                    double pr = s.causal && j > i ? 0 : exp(dot * scale - lk);
-                    P[i * s.Tk + j] = pr, dS[i * s.Tk + j] = pr * (dp - di);
-                }
+                        for (int64_t i = 0; i < s.Tq; i++) {
+                            gk[(size_t)(j * D + d)] += dS[i * s.Tk + j] * A(p.q, b, h, i, d);
+                            gv[(size_t)(j * D + d)] += P[i * s.Tk + j] * A(p.dout, b, h, i, d);
+                        }
             }
-            for (int64_t i = 0; i < s.Tq; i++)
-                for (int d = 0; d < D; d++) {
-                    double a = 0;
-                    for (int64_t j = 0; j < s.Tk; j++) a += dS[i * s.Tk + j] * A(p.k, b, h, j, d);
-                    add(0, A(p.dq, b, h, i, d), a * scale);
-                }
             for (int64_t j = 0; j < s.Tk; j++)
                 for (int d = 0; d < D; d++) {
-                    double a = 0, c = 0;
-                    for (int64_t i = 0; i < s.Tq; i++)
-                        a += dS[i * s.Tk + j] * A(p.q, b, h, i, d), c += P[i * s.Tk + j] * A(p.dout, b, h, i, d);
-                    add(1, A(p.dk, b, h, j, d), a * scale);
-                    add(2, A(p.dv, b, h, j, d), c);
+                    add(1, A(p.dk, b, kh, j, d), gk[(size_t)(j * D + d)] * scale);
+                    add(2, A(p.dv, b, kh, j, d), gv[(size_t)(j * D + d)]);
                 }
         }
     const double tol = bf ? 2e-2 : 4e-3;
     const char *name = bf ? "bf16" : "f16", *what[3] = { "dq", "dk", "dv" };
     for (int w = 0; w < 3; w++)
         check(worst[w] <= tol * big[w],
-              "%s D=%d B=%lld H=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its largest %.3g", name, D,
-              (long long)s.B, (long long)s.H, (long long)s.Tq, (long long)s.Tk, s.causal, what[w], worst[w] / big[w],
-              big[w]);
-    printf("%s D=%d Tq=%lld Tk=%lld causal=%d (%s forward): dq %.1e dk %.1e dv %.1e\n", name, D, (long long)s.Tq,
-           (long long)s.Tk, s.causal, wgmma_fwd ? "wgmma" : "mma.sync", worst[0] / big[0], worst[1] / big[1],
-           worst[2] / big[2]);
+              "%s D=%d B=%lld H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its largest %.3g", name, D,
+              (long long)s.B, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, what[w],
+              worst[w] / big[w], big[w]);
+    printf("%s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d (%s forward): dq %.1e dk %.1e dv %.1e\n", name, D,
+           (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, wgmma_fwd ? "wgmma" : "mma.sync",
+           worst[0] / big[0], worst[1] / big[1], worst[2] / big[2]);
 }
 
 /* Both backwards of the check problem, emulated, on the mma.sync
@@ -223,6 +238,15 @@ int main() {
     run_case<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, true, rng);
     run_case<__half, 128>({ 1, 1, 90, 200, false }, false, rng);
     run_case<__nv_bfloat16, 64>({ 1, 3, 3, 2, true }, true, rng);   /* a few queries and keys: every tile partial */
+    /* grouped-query: 2 and 4 query heads per kv head, causal or not, both
+     * head dims; under a causal mask key blocks past the first skip the
+     * group's early query tiles, and cross attention leaves key blocks no
+     * query sees */
+    run_case<__nv_bfloat16, 64>({ 1, 4, 150, 150, true, 2 }, true, rng);
+    run_case<__half, 64>({ 1, 4, 100, 100, false, 1 }, false, rng);
+    run_case<__nv_bfloat16, 128>({ 1, 2, 100, 100, false, 1 }, false, rng);
+    run_case<__half, 128>({ 1, 4, 100, 100, true, 1 }, true, rng);
+    run_case<__nv_bfloat16, 64>({ 1, 4, 70, 290, true, 1 }, false, rng);
     /* both dtypes and both head dims (the check costs the most emulated time) */
     first_call_check<__nv_bfloat16, 64>();
     first_call_check<__half, 128>();

@@ -440,12 +440,10 @@ static bool cuda_attention_full_rate(ds_kview q, ds_kview k, ds_kview v) {
     return ds_cuda_attention_mma_fits(views, 3);
 }
 
-/* k and v with fewer heads than q go to the mma.sync kernels; elsewhere
- * (the scalar kernels, the wgmma forward and backward) core repeats them. */
-static bool cuda_attention_grouped(ds_kview q, ds_kview k, ds_kview v) {
-    ds_kview views[3] = { q, k, v };
-    return ds_cuda_attention_mma_fits(views, 3) && ds_cuda_attention_mma_grouped(q.dtype, (int)q.shape[3]);
-}
+/* k and v with fewer heads than q: the tensor-core kernels (mma.sync and
+ * wgmma alike) take them wherever they take the call; for the scalar
+ * kernels core repeats them. */
+static bool cuda_attention_grouped(ds_kview q, ds_kview k, ds_kview v) { return cuda_attention_full_rate(q, k, v); }
 
 extern "C" const ds_kernels_attention ds_cuda_attention = { cuda_attention_full_rate, cuda_attention_grouped,
                                                             cuda_attention_forward, cuda_attention_backward };

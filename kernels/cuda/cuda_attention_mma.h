@@ -11,15 +11,10 @@
  * stride and the others multiples of 16 bytes. */
 bool ds_cuda_attention_mma_fits(const ds_kview *views, int n);
 
-/* Whether a call that fits, in dtype dt at head dim D, runs its forward and
- * backward on the mma.sync kernels, the ones that take k and v with fewer
- * heads than q (the wgmma kernels do not); the wgmma ones are preferred
- * where they run, with k and v repeated. */
-bool ds_cuda_attention_mma_grouped(ds_dtype dt, int D);
-
-/* ds_kernels_attention's forward and backward, for calls that fit; f32 in
- * TF32 where tf32 (the caller decides whether that is allowed), else in
- * 3xTF32. */
+/* ds_kernels_attention's forward and backward, for calls that fit, k and
+ * v with q's heads or a divisor of them (grouped-query attention, on the
+ * mma.sync and wgmma kernels alike); f32 in TF32 where tf32 (the caller
+ * decides whether that is allowed), else in 3xTF32. */
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal, bool tf32);
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,

@@ -19,7 +19,8 @@
  * cp.async one tile ahead: K(j+1) and V(j) stream in while tile j computes.
  * The online softmax, masking and stores are cuda_attention_mma.cuh's, in
  * its fragment layout (wgmma's accumulator is mma.sync's C per warp).
- * Out and lse as mma_forward_kernel writes them. The only PTX is
+ * Out and lse as mma_forward_kernel writes them; k and v may have fewer
+ * heads than q, query head h reading kv head h / G as there. The only PTX is
  * cuda_warp.cuh's and cuda_wgmma.cuh's, so tests/test_wgmma_attention.cc
  * runs this file on the CPU through tests/warp_emulator.h. */
 #ifndef CUDA_ATTENTION_WGMMA_CUH
@@ -67,6 +68,10 @@ __device__ __forceinline__ void wg_load_tile(unsigned char *s, const ds_kview &x
         cp_async_16(s + c / 8 * ROWS * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16, src, real);
     }
 }
+
+/* Query head h's kv head, divided in 32 bits: a 64-bit division costs the
+ * forward and dQ kernels 6 to 26 registers more. */
+__device__ __forceinline__ int64_t wg_kv_head(const mma_geom &g, int64_t h) { return (int)h / (int)g.G; }
 
 #ifdef WG_CODE
 /* The SW128 descriptor of a tile's 16-byte-aligned piece at p: rows 8 x
@@ -127,12 +132,12 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
     int wg = threadIdx.x / 128, l = threadIdx.x % 32;
     int64_t b, h, blk;
     block_task(g, (g.Tq + WG_ROWS - 1) / WG_ROWS, g.causal, &b, &h, &blk);
-    int64_t i0 = blk * WG_ROWS, g0 = i0 + 64 * wg, w0 = g0 + 16 * (threadIdx.x / 32 % 4);
+    int64_t kh = wg_kv_head(g, h), i0 = blk * WG_ROWS, g0 = i0 + 64 * wg, w0 = g0 + 16 * (threadIdx.x / 32 % 4);
     int64_t kend = g.causal ? min(g.Tk, i0 + WG_ROWS) : g.Tk, tiles = (kend + WG_KEYS - 1) / WG_KEYS;
     float o[D / 8][4] = {}, s[WG_KEYS / 8][4], mx[2] = { -INFINITY, -INFINITY }, sum[2] = { 0.f, 0.f }, scale[2];
     uint32_t p[WG_KEYS / 16][4];
     wg_load_tile<T, D, WG_ROWS>(qs, q, b, h, i0, g.Tq);
-    wg_load_tile<T, D, WG_KEYS>(kv, k, b, h, 0, g.Tk);
+    wg_load_tile<T, D, WG_KEYS>(kv, k, b, kh, 0, g.Tk);
     cp_async_commit();
     if (wg == 1) wg_turn(0, false);      /* warpgroup 0 issues first */
     for (int64_t j = 0; j < tiles; j++) {
@@ -140,8 +145,8 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
         cp_async_wait(0);                 /* K(j) and V(j-1) */
         fence_proxy_async();
         __syncthreads();                  /* ... landed for all; tile j-1's wgmma all done */
-        if (j + 1 < tiles) wg_load_tile<T, D, WG_KEYS>(kv + (j + 1) % 2 * 2 * KB, k, b, h, j0 + WG_KEYS, g.Tk);
-        wg_load_tile<T, D, WG_KEYS>(kv + j % 2 * 2 * KB + KB, v, b, h, j0, g.Tk);
+        if (j + 1 < tiles) wg_load_tile<T, D, WG_KEYS>(kv + (j + 1) % 2 * 2 * KB, k, b, kh, j0 + WG_KEYS, g.Tk);
+        wg_load_tile<T, D, WG_KEYS>(kv + j % 2 * 2 * KB + KB, v, b, kh, j0, g.Tk);
         cp_async_commit();
         wg_turn(wg, true);                /* this warpgroup's turn to issue */
         wg_scores<T, D>(s, qs + wg * 64 * 128, kv + j % 2 * 2 * KB);

@@ -17,7 +17,11 @@
  * by cp.async one tile ahead. lse (base 2) and delta = dO . O per query
  * row come from mma_stats_kernel. Every wgmma group is waited for before
  * its registers are read and before the barrier that lets its tiles be
- * refilled. Outputs as mma_dq_kernel and mma_dkdv_kernel write them. The
+ * refilled. Outputs as mma_dq_kernel and mma_dkdv_kernel write them.
+ * Grouped-query attention as there: k and v may have H / G heads, query
+ * head h reading kv head h / G; a dK/dV block walks the query tiles of its
+ * kv head's G query heads one after another, dK and dV in registers the
+ * whole way (K and V loaded once, no partials, no reduction after). The
  * only PTX is cuda_warp.cuh's and cuda_wgmma.cuh's, so
  * tests/test_wgmma_backward.cc runs this file on the CPU. */
 #ifndef CUDA_ATTENTION_WGMMA_BWD_CUH
@@ -78,8 +82,9 @@ __device__ __forceinline__ void wgb_pack(uint32_t a[K / 16][4], const float x[K 
 }
 #endif
 
-/* dK and dV for a block of 128 keys, 64 per warpgroup, over the query
- * tiles that see them (see the head of this file). */
+/* dK and dV for a block of 128 keys of kv head kh, 64 per warpgroup, over
+ * the query tiles that see them of each of the group's query heads in turn
+ * (see the head of this file). */
 template <typename T, int D>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 wgmma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, const float *stats,
@@ -90,13 +95,15 @@ wgmma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview 
     unsigned char *ks = smem + (-smem_addr(smem) & 1023), *vs = ks + KB, *qg = vs + KB;   /* buffer i: Q, dO */
     float *rows = (float *)(qg + 4 * QB);                  /* buffer i: lse of its queries, then delta */
     int wg = threadIdx.x / 128, l = threadIdx.x % 32;
-    int64_t b, h, blk;
-    block_task(g, (g.Tk + WG_ROWS - 1) / WG_ROWS, false, &b, &h, &blk);
+    int64_t b, kh, blk;
+    block_task_of(g, g.H / g.G, (g.Tk + WG_ROWS - 1) / WG_ROWS, false, &b, &kh, &blk);
     int64_t j0 = blk * WG_ROWS, kw0 = j0 + 64 * wg, key0 = kw0 + 16 * (threadIdx.x / 32 % 4) + l / 4;
-    const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
     float dka[D / 8][4] = {}, dva[D / 8][4] = {}, p[QT / 8][4], ds[QT / 8][4];
     uint32_t pa[QT / 16][4], da[QT / 16][4];
-    auto fetch = [&](int buf, int64_t i0) {
+    /* under a causal mask the queries before this block see none of its keys */
+    int64_t first = g.causal ? j0 : 0, h0 = kh * g.G, hend = h0 + g.G;
+    auto fetch = [&](int buf, int64_t h, int64_t i0) {
+        const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
         wg_load_tile<T, D, QT>(qg + buf * 2 * QB, q, b, h, i0, g.Tq);
         wg_load_tile<T, D, QT>(qg + buf * 2 * QB + QB, dout, b, h, i0, g.Tq);
         if (threadIdx.x < 2 * QT) {     /* a float each: lse, then delta; zeros past the queries */
@@ -106,42 +113,43 @@ wgmma_dkdv_kernel(ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview 
         }
         cp_async_commit();
     };
-    /* under a causal mask the queries before this block see none of its keys */
-    int64_t first = g.causal ? j0 : 0;
-    wg_load_tile<T, D, WG_ROWS>(ks, k, b, h, j0, g.Tk);
-    wg_load_tile<T, D, WG_ROWS>(vs, v, b, h, j0, g.Tk);
+    wg_load_tile<T, D, WG_ROWS>(ks, k, b, kh, j0, g.Tk);
+    wg_load_tile<T, D, WG_ROWS>(vs, v, b, kh, j0, g.Tk);
     cp_async_commit();
-    if (first < g.Tq) fetch(0, first);
-    for (int64_t i0 = first, it = 0; i0 < g.Tq; i0 += QT, it++) {
-        int buf = (int)(it & 1);
-        const unsigned char *qs = qg + buf * 2 * QB, *gs = qs + QB;
-        const float *lrow = rows + buf * 2 * QT, *drow = lrow + QT;
-        cp_async_wait(0);                 /* this tile (and K, V) */
-        fence_proxy_async();
-        __syncthreads();                  /* ... landed for all; the last tile's wgmma all done */
-        if (i0 + QT < g.Tq) fetch(buf ^ 1, i0 + QT);
-        /* under a causal mask, a warpgroup whose keys all follow the tile's queries has nothing in it */
-        if (g.causal && i0 + QT <= kw0) continue;
-        wgmma_fence();
-        wgb_rows_times<T, QT, D>(p, ks + wg * 64 * 128, WG_ROWS, qs);     /* S^T */
-        wgb_rows_times<T, QT, D>(ds, vs + wg * 64 * 128, WG_ROWS, gs);    /* dP^T */
-        wgmma_commit();
-        wgb_wait<QT, QT>(p, ds);
-        if (tile_unmasked(i0, QT, kw0, 64, g)) dkdv_scores<false, QT>(p, ds, key0, key0 + 8, i0, lrow, drow, g);
-        else dkdv_scores<true, QT>(p, ds, key0, key0 + 8, i0, lrow, drow, g);
-        wgb_pack<T, QT>(pa, p);
-        wgb_pack<T, QT>(da, ds);
-        wgmma_fence();
-        wgb_regs_times<T, D, QT>(dva, pa, gs);
-        wgb_regs_times<T, D, QT>(dka, da, qs);
-        wgmma_commit();
-        wgb_wait<D, D>(dva, dka);
-        wgmma_pin(&pa[0][0], QT / 4);
-        wgmma_pin(&da[0][0], QT / 4);
-    }
+    if (first < g.Tq) fetch(0, h0, first);
+    /* the group's query heads one after another, the next tile fetched one ahead */
+    for (int64_t h = h0, it = 0; h < hend; h++)
+        for (int64_t i0 = first; i0 < g.Tq; i0 += QT, it++) {
+            int buf = (int)(it & 1);
+            const unsigned char *qs = qg + buf * 2 * QB, *gs = qs + QB;
+            const float *lrow = rows + buf * 2 * QT, *drow = lrow + QT;
+            cp_async_wait(0);                 /* this tile (and K, V) */
+            fence_proxy_async();
+            __syncthreads();                  /* ... landed for all; the last tile's wgmma all done */
+            bool last = i0 + QT >= g.Tq;      /* a head's last tile: the next head's first comes next */
+            if (!last || h + 1 < hend) fetch(buf ^ 1, h + last, last ? first : i0 + QT);
+            /* under a causal mask, a warpgroup whose keys all follow the tile's queries has nothing in it */
+            if (g.causal && i0 + QT <= kw0) continue;
+            wgmma_fence();
+            wgb_rows_times<T, QT, D>(p, ks + wg * 64 * 128, WG_ROWS, qs);     /* S^T */
+            wgb_rows_times<T, QT, D>(ds, vs + wg * 64 * 128, WG_ROWS, gs);    /* dP^T */
+            wgmma_commit();
+            wgb_wait<QT, QT>(p, ds);
+            if (tile_unmasked(i0, QT, kw0, 64, g)) dkdv_scores<false, QT>(p, ds, key0, key0 + 8, i0, lrow, drow, g);
+            else dkdv_scores<true, QT>(p, ds, key0, key0 + 8, i0, lrow, drow, g);
+            wgb_pack<T, QT>(pa, p);
+            wgb_pack<T, QT>(da, ds);
+            wgmma_fence();
+            wgb_regs_times<T, D, QT>(dva, pa, gs);
+            wgb_regs_times<T, D, QT>(dka, da, qs);
+            wgmma_commit();
+            wgb_wait<D, D>(dva, dka);
+            wgmma_pin(&pa[0][0], QT / 4);
+            wgmma_pin(&da[0][0], QT / 4);
+        }
     int64_t w0 = kw0 + 16 * (threadIdx.x / 32 % 4);
-    store_rows<T, D>(dk, b, h, w0, g.Tk, dka, g.scale, g.scale);
-    store_rows<T, D>(dv, b, h, w0, g.Tk, dva, 1.f, 1.f);
+    store_rows<T, D>(dk, b, kh, w0, g.Tk, dka, g.scale, g.scale);
+    store_rows<T, D>(dv, b, kh, w0, g.Tk, dva, 1.f, 1.f);
 #endif
 }
 
@@ -158,6 +166,7 @@ wgmma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, 
     int64_t b, h, blk;
     block_task(g, (g.Tq + WG_ROWS - 1) / WG_ROWS, g.causal, &b, &h, &blk);
     int64_t i0 = blk * WG_ROWS, qw0 = i0 + 64 * wg, w0 = qw0 + 16 * (threadIdx.x / 32 % 4), r0 = w0 + l / 4;
+    int64_t kh = wg_kv_head(g, h);
     const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
     float rows[4];                    /* lse (base 2) of rows r0 and r0 + 8, then their delta */
     for (int r = 0; r < 2; r++) {
@@ -169,8 +178,8 @@ wgmma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, 
     int64_t kend = g.causal ? min(g.Tk, i0 + WG_ROWS) : g.Tk;
     wg_load_tile<T, D, WG_ROWS>(qs, q, b, h, i0, g.Tq);
     wg_load_tile<T, D, WG_ROWS>(gs, dout, b, h, i0, g.Tq);
-    wg_load_tile<T, D, KT>(kv, k, b, h, 0, g.Tk);
-    wg_load_tile<T, D, KT>(kv + KB, v, b, h, 0, g.Tk);
+    wg_load_tile<T, D, KT>(kv, k, b, kh, 0, g.Tk);
+    wg_load_tile<T, D, KT>(kv + KB, v, b, kh, 0, g.Tk);
     cp_async_commit();
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
         const unsigned char *ks = kv + (it & 1) * 2 * KB, *vs = ks + KB;
@@ -178,8 +187,8 @@ wgmma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, 
         fence_proxy_async();
         __syncthreads();
         if (j0 + KT < kend) {
-            wg_load_tile<T, D, KT>(kv + (~it & 1) * 2 * KB, k, b, h, j0 + KT, g.Tk);
-            wg_load_tile<T, D, KT>(kv + (~it & 1) * 2 * KB + KB, v, b, h, j0 + KT, g.Tk);
+            wg_load_tile<T, D, KT>(kv + (~it & 1) * 2 * KB, k, b, kh, j0 + KT, g.Tk);
+            wg_load_tile<T, D, KT>(kv + (~it & 1) * 2 * KB + KB, v, b, kh, j0 + KT, g.Tk);
             cp_async_commit();
         }
         /* under a causal mask, a warpgroup whose rows all precede the tile sees none of it */
@@ -202,8 +211,8 @@ wgmma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, 
 #endif
 }
 
-/* The dK/dV kernel's blocks (128 keys each) and the dQ kernel's (128 queries). */
-static inline unsigned wgmma_dkdv_blocks(const mma_geom &g) { return mma_blocks(g, g.Tk, WG_ROWS); }
+/* The dK/dV kernel's blocks (128 keys each, per kv head) and the dQ kernel's (128 queries). */
+static inline unsigned wgmma_dkdv_blocks(const mma_geom &g) { return mma_blocks_of(g, g.H / g.G, g.Tk, WG_ROWS); }
 static inline unsigned wgmma_dq_blocks(const mma_geom &g) { return mma_blocks(g, g.Tq, WG_ROWS); }
 
 #endif
