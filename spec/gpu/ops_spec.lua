@@ -670,9 +670,9 @@ describe('attention on the GPU #gpu', function()
   end
   for _, c in ipairs(cases) do sdpa_case(FLOATS, 'scaled_dot_product_attention ' .. c[1], c, c[8]) end
 
-  -- grouped-query attention, k and v with fewer heads than q: the tensor-core kernels read
-  -- each kv head for its group (head dims 64 and 128), the scalar kernel, the math backend and
-  -- the wgmma forward take them repeated in the op (head dim 16, f64, Hopper's bf16 and f16);
+  -- grouped-query attention, k and v with fewer heads than q: the tensor-core kernels (mma.sync
+  -- and Hopper's wgmma) read each kv head for its group (head dims 64 and 128), the scalar kernel
+  -- and the math backend take them repeated in the op (head dim 16, f64);
   -- a transposed output's gradient reaches the grouped backward with a head dim stride it copies
   for _, c in ipairs {
     { 'grouped, 2 query heads per kv head, head dim 64', 2, 4, 2, 130, 64, { causal = true } },
@@ -763,19 +763,33 @@ describe('attention on Hopper wgmma against mma.sync #gpu', function()
     end
   end)
 
-  for _, c in ipairs { { 1, 2, 300, 300, true }, { 1, 2, 300, 300, false }, { 2, 1, 70, 290, false },
-                       { 1, 2, 290, 70, true }, { 1, 1, 1, 1, true } } do
+  -- q's Hn heads against KV of k and v: grouped-query where KV < Hn, the wgmma kernels reading k
+  -- and v as they are (the forward launches as many kernels as with Hn kv heads: no repeat
+  -- before it), against the grouped mma.sync kernels
+  for _, c in ipairs { { 1, 2, 2, 300, 300, true }, { 1, 2, 2, 300, 300, false }, { 2, 1, 1, 70, 290, false },
+                       { 1, 2, 2, 290, 70, true }, { 1, 1, 1, 1, 1, true }, { 1, 4, 2, 300, 300, true },
+                       { 2, 4, 1, 200, 200, false }, { 1, 8, 2, 130, 70, true } } do
     for _, dt in ipairs { 'bf16', 'f16' } do
       for _, D in ipairs { 64, 128 } do
-        local B, Hn, Tq, Tk, causal = unpack(c)
-        it(string.format('%s head dim %d, %dx%d queries x %d keys, causal %s', dt, D, B * Hn, Tq, Tk,
-                         tostring(causal)), function()
-          local q, k, v = randn(dt, B, Hn, Tq, D):cuda(), randn(dt, B, Hn, Tk, D):cuda(), randn(dt, B, Hn, Tk, D):cuda()
+        local B, Hn, KV, Tq, Tk, causal = unpack(c)
+        local grouped = KV < Hn and string.format(', %d query heads per kv head', Hn / KV) or ''
+        it(string.format('%s head dim %d, %dx%d queries x %d keys, causal %s%s', dt, D, B * Hn, Tq, Tk,
+                         tostring(causal), grouped), function()
+          local q, k, v = randn(dt, B, Hn, Tq, D):cuda(), randn(dt, B, KV, Tk, D):cuda(), randn(dt, B, KV, Tk, D):cuda()
           local g = randn(dt, B, Hn, Tq, D):cuda()
+          local function launches(kk, vv)
+            local before = ds.kernel_calls()
+            ds.scaled_dot_product_attention(q, kk, vv, { causal = causal })
+            return ds.kernel_calls() - before
+          end
           local function run(wgmma)
             ds.cuda.allow_wgmma(wgmma)
             assert.are.equal(wgmma and 'wgmma' or 'mma.sync', (ds.cuda.attention_kernel(dt, D)))
             assert.are.equal(wgmma and 'wgmma' or 'mma.sync', (ds.cuda.attention_kernel(dt, D, 'backward')))
+            if KV < Hn then
+              local kr, vr = k:repeat_interleave(Hn / KV, 2), v:repeat_interleave(Hn / KV, 2)
+              assert.are.equal(launches(kr, vr), launches(k, v), 'kernels of the grouped forward')
+            end
             local qs, ks, vs = q:clone():requires_grad_(), k:clone():requires_grad_(), v:clone():requires_grad_()
             local out = ds.scaled_dot_product_attention(qs, ks, vs, { causal = causal })
             out:backward(g)
