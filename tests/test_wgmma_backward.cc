@@ -13,6 +13,7 @@
  * and the mma.sync one agree within its bound in every variant, and
  * gradients without the causal mask are past it. */
 #include "warp_emulator.h"
+#include "wgmma_cases.h"
 #include "cuda/cuda_attention_check.h"
 #include "cuda/cuda_attention_wgmma_bwd.cuh"
 
@@ -25,15 +26,8 @@ extern "C" {
 
 namespace {
 
-/* KV: k and v's heads, each read by H / KV query heads (0: H) */
-struct shape {
-    int64_t B, H, Tq, Tk; bool causal; int64_t KV = 0;
-    int64_t kv() const { return KV ? KV : H; }
-};
-
-template <typename T> T elem(float x) {
-    return T{ std::is_same<T, __nv_bfloat16>::value ? ds_f32_to_bf16(x) : ds_f32_to_f16(x) };
-}
+using wgmma_cases::shape;
+using wgmma_cases::elem;
 
 /* The tensors of one backward: q, k, v views into one buffer, the rest
  * [B, T, H, D] seen as [B, H, T, D]. */
