@@ -107,7 +107,9 @@ part() {
     now=$(($(date +%s) - start))
     left=$((due < budget ? due - now : budget - now))
     if ((left < limit)); then
-        if ((left < 10)); then
+        # left out only where under 10 s and under half its limit are left: a short part begun a
+        # second late (the clock counts whole seconds) runs cut, it is not left out
+        if ((left < 10 && 2 * left < limit)); then
             say "$(printf 'CUT   %-22s left out: %d s left of its %d s' "$name" "$left" "$limit")"
             return
         fi
