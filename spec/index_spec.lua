@@ -290,10 +290,12 @@ describe('repeat_interleave', function()
     H.gradcheck(function(x) return x:transpose(1, 2):repeat_interleave(2, -1) end, { f64(3, 2) })
   end)
 
-  it('refuses repeats below 1 and a dim out of range', function()
+  it('refuses repeats below 1, a dim out of range and more elements than a tensor holds', function()
     local x = ds.zeros(2, 3)
     fails('repeats must be', x.repeat_interleave, x, 0, 1)
     fails('dim 3 out of range for a 2%-dim tensor', x.repeat_interleave, x, 2, 3)
+    fails('%[2,3%] repeated 4611686018427387904 times has more elements than a tensor holds',
+          x.repeat_interleave, x, 2^62, 1)
   end)
 end)
 

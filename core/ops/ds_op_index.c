@@ -463,6 +463,14 @@ ds_tensor *ds_repeat_interleave(ds_tensor *x, int64_t rep, int64_t dim) {
     if (rep < 1) return ds_fail(DS_ERR_ARG, "repeat_interleave: repeats must be at least 1, got %lld", (long long)rep);
     if (nd >= DS_MAX_DIMS)
         return ds_fail(DS_ERR_ARG, "repeat_interleave: an input of %d dims has no room for the repeats", nd);
+    /* the result's dims multiplied, each taken as at least 1 (an empty input's wide view has them all) */
+    int64_t most = rep;
+    for (int i = 0; i < nd; i++)
+        if (__builtin_mul_overflow(most, x->shape[i] > 1 ? x->shape[i] : 1, &most)) {
+            char buf[64];
+            return ds_fail(DS_ERR_ARG, "repeat_interleave: %s repeated %lld times has more elements than a tensor holds",
+                           ds_shape_str(x, buf, sizeof buf), (long long)rep);
+        }
     /* x with a dim of rep after d, stride 0: one copy makes it the result */
     int64_t shape[DS_MAX_DIMS], stride[DS_MAX_DIMS], out_shape[DS_MAX_DIMS];
     for (int i = 0, j = 0; i < nd; i++) {
