@@ -361,27 +361,27 @@ describe('layer_norm', function()
 end)
 
 -- The residual norms, each with the unfused pair it replaces: y = norm(x
--- + res), and x + res. call(x, r, shape, p, eps): shape nil or the torch
--- form's normalized_shape, p the norm's parameters (w, b or w).
+-- + res), and x + res. call(fused, x, r, shape, p, eps): shape nil or the
+-- torch form's normalized_shape, p the norm's parameters (w, b or w).
+local function residual_norm(name, module, fused_norm, norm, n_params)
+  local function unfused(a, b, ...)
+    local s = a + b
+    return norm(s, ...), s
+  end
+  local function call(fused, x, r, shape, p, eps)
+    local args, n = { x, r }, 2
+    if shape then n = n + 1; args[n] = shape end
+    for i = 1, n_params do args[n + i] = p[i] end
+    n = n + n_params + 1
+    args[n] = eps
+    return (fused and fused_norm or unfused)(unpack(args, 1, n))
+  end
+  return { name = name, module = module, n_params = n_params, call = call }
+end
+
 local RESIDUAL_NORMS = {
-  { name = 'add_layer_norm', n_params = 2, module = ds.nn.LayerNorm,
-    call = function(fused, x, r, shape, p, eps)
-      local norm = fused and ds.add_layer_norm or function(a, b, ...)
-        local s = a + b
-        return ds.layer_norm(s, ...), s
-      end
-      if shape then return norm(x, r, shape, p[1], p[2], eps) end
-      return norm(x, r, p[1], p[2], eps)
-    end },
-  { name = 'add_rms_norm', n_params = 1, module = ds.nn.RMSNorm,
-    call = function(fused, x, r, shape, p, eps)
-      local norm = fused and ds.add_rms_norm or function(a, b, ...)
-        local s = a + b
-        return ds.rms_norm(s, ...), s
-      end
-      if shape then return norm(x, r, shape, p[1], eps) end
-      return norm(x, r, p[1], eps)
-    end },
+  residual_norm('add_layer_norm', ds.nn.LayerNorm, ds.add_layer_norm, ds.layer_norm, 2),
+  residual_norm('add_rms_norm', ds.nn.RMSNorm, ds.add_rms_norm, ds.rms_norm, 1),
 }
 
 for _, case in ipairs(RESIDUAL_NORMS) do
