@@ -14,7 +14,8 @@
  * attending bit for bit.
  * f32, bf16 and f16 compute in f32 on tiles packed from any strides and
  * zero-padded to whole register blocks, so the tile products below need no
- * edge cases. f64 takes a plain row-at-a-time path in double, kept for
+ * edge cases; a partial tile (a short sequence, the last keys) multiplies
+ * only the register blocks its rows and keys reach. f64 takes a plain row-at-a-time path in double, kept for
  * gradient checks. */
 #include "cpu_kernels.h"
 #include "cpu_iter.h"
@@ -142,10 +143,10 @@ static void tile_gemm(int64_t M, int64_t N, int64_t K, const float *restrict A, 
         }
 }
 
-/* dst[BK][BQ] = src[BQ][BK]^T */
-static void transpose_tile(float *restrict dst, const float *restrict src) {
-    for (int64_t r = 0; r < BQ; r++)
-        for (int64_t j = 0; j < BK; j++) dst[j * BQ + r] = src[r * BK + j];
+/* dst[j][r] = src[r][j] for the first rows x cols of a BQ x BK tile */
+static void transpose_tile(float *restrict dst, const float *restrict src, int64_t rows, int64_t cols) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < cols; j++) dst[j * BQ + r] = src[r * BK + j];
 }
 
 static size_t forward_floats(attn_dims d) {
@@ -161,18 +162,18 @@ static void forward_block(const ds_kview *out, const ds_kview *lse, const ds_kvi
     pack_rows(qs, d.Dp, BQ, q, b, h, i0, n, scale);     /* scaled once: S = (scale q) k^T */
     memset(acc, 0, sizeof(float) * (size_t)(BQ * d.Dvp));
     for (int64_t r = 0; r < n; r++) st[r] = ds_attn_start();
-    int64_t kend = ds_attn_keys_visible(i0 + n - 1, d.Tk, causal);
+    int64_t kend = ds_attn_keys_visible(i0 + n - 1, d.Tk, causal), mq = round_up(n, MR);
     for (int64_t j0 = 0; j0 < kend; j0 += BK) {
-        int64_t nk = kend - j0 < BK ? kend - j0 : BK;
+        int64_t nk = kend - j0 < BK ? kend - j0 : BK, nkp = round_up(nk, NR);
         pack_cols(kt, d.Dp, k, b, h / d.G, j0, nk);
         pack_rows(vv, d.Dvp, BK, v, b, h / d.G, j0, nk, 1.0f);
-        tile_gemm(BQ, BK, d.Dp, qs, d.Dp, kt, BK, s, BK, 0);
+        tile_gemm(mq, nkp, d.Dp, qs, d.Dp, kt, BK, s, BK, 0);
         /* scores to probabilities under each row's running max; keys a row
          * does not see (and padding) get 0 */
-        for (int64_t r = 0; r < BQ; r++) {
+        for (int64_t r = 0; r < mq; r++) {
             float *sr = s + r * BK;
             int64_t m = r < n ? clamp64(ds_attn_keys_visible(i0 + r, d.Tk, causal) - j0, 0, nk) : 0;
-            if (m == 0) { memset(sr, 0, sizeof(float) * BK); continue; }
+            if (m == 0) { memset(sr, 0, sizeof(float) * (size_t)nkp); continue; }
             float mb = -INFINITY;
             #pragma omp simd reduction(max:mb)
             for (int64_t j = 0; j < m; j++) mb = sr[j] > mb ? sr[j] : mb;
@@ -180,13 +181,13 @@ static void forward_block(const ds_kview *out, const ds_kview *lse, const ds_kvi
             float *a = acc + r * d.Dvp;
             for (int64_t c = 0; c < d.Dv; c++) a[c] *= alpha;
             #pragma omp simd reduction(+:sum)
-            for (int64_t j = 0; j < BK; j++) {
+            for (int64_t j = 0; j < nkp; j++) {
                 sr[j] = j < m ? ds_expf(sr[j] - mx) : 0.0f;
                 sum += sr[j];
             }
             st[r].sum += sum;
         }
-        tile_gemm(BQ, d.Dvp, BK, s, BK, vv, d.Dvp, acc, d.Dvp, 1);
+        tile_gemm(mq, d.Dvp, nkp, s, BK, vv, d.Dvp, acc, d.Dvp, 1);
     }
     for (int64_t r = 0; r < n; r++) {
         float inv = 1.0f / st[r].sum;
@@ -226,7 +227,7 @@ static void backward_head(const ds_kview *dq, const ds_kview *dk, const ds_kview
         lrow[i] = i < d.Tq ? ((const float *)lse->data)[row_at(lse, b, h, i)] : 0.0f;
     }
     for (int64_t j0 = 0; j0 < d.Tk; j0 += BK) {
-        int64_t nk = d.Tk - j0 < BK ? d.Tk - j0 : BK;
+        int64_t nk = d.Tk - j0 < BK ? d.Tk - j0 : BK, nkp = round_up(nk, NR);
         pack_rows(kk, d.Dp, BK, k, b, kv, j0, nk, 1.0f);
         pack_cols(kt, d.Dp, k, b, kv, j0, nk);
         pack_cols(vt, d.Dvp, v, b, kv, j0, nk);
@@ -235,22 +236,23 @@ static void backward_head(const ds_kview *dq, const ds_kview *dk, const ds_kview
         /* causal query blocks before the tile see none of it */
         for (int64_t i0 = causal ? j0 / BQ * BQ : 0; i0 < d.Tq; i0 += BQ) {
             float *qi = qs + i0 * d.Dp, *gi = go + i0 * d.Dvp;
-            tile_gemm(BQ, BK, d.Dp, qi, d.Dp, kt, BK, p, BK, 0);      /* S */
-            tile_gemm(BQ, BK, d.Dvp, gi, d.Dvp, vt, BK, ds, BK, 0);   /* dP = dO V^T */
-            for (int64_t r = 0; r < BQ; r++) {
+            int64_t mq = round_up(d.Tq - i0 < BQ ? d.Tq - i0 : BQ, MR);
+            tile_gemm(mq, nkp, d.Dp, qi, d.Dp, kt, BK, p, BK, 0);      /* S */
+            tile_gemm(mq, nkp, d.Dvp, gi, d.Dvp, vt, BK, ds, BK, 0);   /* dP = dO V^T */
+            for (int64_t r = 0; r < mq; r++) {
                 int64_t i = i0 + r, m = i < d.Tq ? clamp64(ds_attn_keys_visible(i, d.Tk, causal) - j0, 0, nk) : 0;
                 float li = lrow[i], di = delta[i], *pr = p + r * BK, *dr = ds + r * BK;
                 #pragma omp simd
-                for (int64_t j = 0; j < BK; j++) {
+                for (int64_t j = 0; j < nkp; j++) {
                     pr[j] = j < m ? ds_attn_prob(pr[j], li) : 0.0f;
                     dr[j] = ds_attn_dscore(pr[j], dr[j], di);
                 }
             }
-            transpose_tile(tr, p);
-            tile_gemm(BK, d.Dvp, BQ, tr, BQ, gi, d.Dvp, dva, d.Dvp, 1);   /* dV += P^T dO */
-            transpose_tile(tr, ds);
-            tile_gemm(BK, d.Dp, BQ, tr, BQ, qi, d.Dp, dka, d.Dp, 1);      /* dK += dS^T (scale Q) */
-            tile_gemm(BQ, d.Dp, BK, ds, BK, kk, d.Dp, dqa + i0 * d.Dp, d.Dp, 1);   /* dQ/scale += dS K */
+            transpose_tile(tr, p, mq, nkp);
+            tile_gemm(nkp, d.Dvp, mq, tr, BQ, gi, d.Dvp, dva, d.Dvp, 1);   /* dV += P^T dO */
+            transpose_tile(tr, ds, mq, nkp);
+            tile_gemm(nkp, d.Dp, mq, tr, BQ, qi, d.Dp, dka, d.Dp, 1);      /* dK += dS^T (scale Q) */
+            tile_gemm(mq, d.Dp, nkp, ds, BK, kk, d.Dp, dqa + i0 * d.Dp, d.Dp, 1);   /* dQ/scale += dS K */
         }
         if (h % d.G == 0) {
             store_rows(dk, b, kv, j0, nk, dka, d.Dp, 1.0f);
