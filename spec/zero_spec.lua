@@ -519,10 +519,7 @@ describe('the step engine\'s kernels', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
   teardown(function() os.execute('rm -rf ' .. dir) end)
-  local function run(np)
-    local json = dir .. '/kernels' .. np .. '.json'
-    return (H.run_json(H.ranks_cmd(np) .. ' spec/zero/kernels.lua ' .. json, json))
-  end
+  local run = H.runs_by_np(dir, function(np, json) return H.ranks_cmd(np) .. ' spec/zero/kernels.lua ' .. json end)
 
   -- backward + step over n parameters in k buckets: a + b k, as many at
   -- 8 parameters as at 64 (none per parameter)
@@ -562,10 +559,7 @@ describe('gradients where nothing is communicated', function()
   -- are one training if the fold adds as a landed row does.
   it('train bit for bit as two ranks of the same batches that reduce them: stages 0-3, fp32, bf16 and fp16, '
      .. 'clipping, 1 and 3 micro steps', function()
-    local function run(np)
-      local json = dir .. '/fold' .. np .. '.json'
-      return (H.run_json(H.ranks_cmd(np) .. ' spec/zero/fold.lua ' .. json, json))
-    end
+    local run = H.runs_by_np(dir, function(np, json) return H.ranks_cmd(np) .. ' spec/zero/fold.lua ' .. json end)
     local one, two = run(1), run(2)
     local n = 0
     for name, a in pairs(one) do
