@@ -417,7 +417,8 @@ static void test_copy_pieces(void) {
     for (int64_t i = 0; i < 5; i++) ds_tensor_set(want32, 3 * N + i, 0);
     for (int64_t i = 2; i < 5; i++) ds_tensor_set(want16, 3 * N + i, 0);
     uint64_t k0 = ds_kernel_calls();
-    check(ds_zero_pieces_run(&c32, false) == 0 && ds_zero_pieces_run(&c16, false) == 0 && ds_zero_pieces_run(&ca, true) == 0,
+    check(ds_zero_pieces_run(&c32, 0, false) == 0 && ds_zero_pieces_run(&c16, 0, false) == 0 &&
+              ds_zero_pieces_run(&ca, 0, true) == 0,
           "copy_pieces: %s", ds_error_message());
     check(ds_kernel_calls() - k0 == 3, "one kernel a run, not one a piece (%llu for 3 runs)",
           (unsigned long long)(ds_kernel_calls() - k0));
@@ -426,14 +427,11 @@ static void test_copy_pieces(void) {
         check(memcmp(ds_tensor_data(got[t]), ds_tensor_data(want[t]),
                      (size_t)ds_tensor_numel(got[t]) * ds_dtype_size(got[t]->dtype)) == 0,
               "copy_pieces %d differs from copy_ / add_", t);
-    check(ds_zero_piece(&ca, dst16, 0, src[0], 0, 4) == 0 && ds_zero_pieces_run(&ca, true) == -1 &&
+    check(ds_zero_piece(&ca, dst16, 0, src[0], 0, 4) == 0 && ds_zero_pieces_run(&ca, 0, true) == -1 &&
               strstr(ds_error_message(), "accumulates into f32") != NULL,
           "an add into bf16 is refused: %s", ds_error_message());
     check(ds_zero_piece(&ca, acc, 3 * N - 2, src[0], 0, 4) == -1 && strstr(ds_error_message(), "does not fit") != NULL,
           "a piece past its tensor's end is refused: %s", ds_error_message());
-    ds_zero_pieces_free(&c32);
-    ds_zero_pieces_free(&c16);
-    ds_zero_pieces_free(&ca);
     for (int k = 0; k < 3; k++) ds_tensor_release(src[k]);
     ds_tensor *all[] = { dst32, dst16, acc, want32, want16, want_acc };
     for (int k = 0; k < 6; k++) ds_tensor_release(all[k]);
