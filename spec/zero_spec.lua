@@ -537,10 +537,15 @@ describe('the step engine\'s kernels', function()
     local one, two = run(1), run(2)
     for name, counts in pairs(one) do
       -- one rank: each bucket's gradients added into the master gradients
-      -- in one kernel (backward); flat takes them all in one
+      -- in one kernel (backward); flat takes them all in one. The step, 5
+      -- in either layout below stage 3: the sums of squares (their
+      -- accumulator zeroed, the pass, the read to the host), the optimizer
+      -- (for masters writing the bf16 parameters in its own pass), the
+      -- gradients zeroed.
       for key, c in pairs(counts) do
         local k = tonumber(key:match(' (%d+)'))
         assert.are.equal(name == 'f32 flat' and 1 or k, c[1], name .. ' ' .. key .. ': backward')
+        if name ~= 'bf16 stage 3' then assert.are.equal(5, c[2], name .. ' ' .. key .. ': step') end
       end
       per_bucket(counts, name .. ' on 1 rank')
       per_bucket(two[name], name .. ' on 2 ranks')
