@@ -4,14 +4,14 @@
 -- the third step, on rank 0. With OUT, every rank's weights after the
 -- three steps go there as hex floats (OUT.rank), to compare two builds.
 --   dslua [-n 2] bench/step_kernels.lua DTYPE STAGE [GAS [CLIP [OUT]]]
--- DTYPE f32, bf16 or f16 (under a dynamic loss scale).
+-- DTYPE f32, bf16 or f16 (under a dynamic loss scale); CLIP 1.0 unless given (0: none).
 local ds = require 'dslua'
 local GPT = require 'models.gpt2'
 
 local a = {}     -- the launcher's --local_rank left out
 for _, v in ipairs(arg) do if not v:match('^%-%-') then a[#a + 1] = v end end
 local dtype, stage = a[1] or 'bf16', tonumber(a[2] or 0)
-local gas, clip, out = tonumber(a[3] or 1), tonumber(a[4] or 0), a[5]
+local gas, clip, out = tonumber(a[3] or 1), tonumber(a[4] or 1.0), a[5]
 
 ds.manual_seed(1)
 local model = GPT { vocab_size = 256, block_size = 32, n_layer = 12, n_head = 4, n_embd = 64, bias = true }
