@@ -8,8 +8,7 @@
 local ds = require 'dslua'
 local GPT = require 'models.gpt2'
 
-local a = {}     -- the launcher's --local_rank left out
-for _, v in ipairs(arg) do if not v:match('^%-%-') then a[#a + 1] = v end end
+local a = ds.args.rest     -- without the launcher's --local_rank
 local dtype, stage = a[1] or 'bf16', tonumber(a[2] or 0)
 local gas, clip, out = tonumber(a[3] or 1), tonumber(a[4] or 1.0), a[5]
 
