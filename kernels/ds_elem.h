@@ -142,12 +142,15 @@ DS_HOSTDEV double ds_unary_derivative(ds_unary_op op, double x, double y, double
     }
 }
 
-/* SwiGLU, silu(g) u, stored as t: in f32 for f32, bf16 and f16 (SiLU's
- * own f32 expression, then the product, rounded once to t; for f32 the
- * bits of silu then mul), in double for f64. */
+/* SwiGLU in f32: SiLU's own f32 expression, then the product (for f32
+ * the bits of silu then mul). */
+DS_HOSTDEV float ds_swiglu_f(float g, float u) { return ds_unary_apply_f(DS_UN_SILU, g, 0.0f) * u; }
+
+/* SwiGLU, silu(g) u, stored as t: in f32 for f32, bf16 and f16
+ * (ds_swiglu_f, rounded once to t), in double for f64. */
 DS_HOSTDEV double ds_swiglu_elem(ds_dtype t, double g, double u) {
     if (t == DS_F64) return g * ds_sigmoid(g) * u;
-    return ds_unary_apply_f(DS_UN_SILU, (float)g, 0.0f) * (float)u;
+    return ds_swiglu_f((float)g, (float)u);
 }
 
 /* Its gradients from d, the output's: d u silu'(g) and d silu(g), in

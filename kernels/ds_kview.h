@@ -56,6 +56,20 @@ DS_HOSTDEV int ds_kview_is_contiguous(const ds_kview *v) {
     return 1;
 }
 
+/* v's shape over data of dtype dt, contiguous: the scratch a copy of v
+ * fills. */
+DS_HOSTDEV ds_kview ds_kview_dense(const ds_kview *v, void *data, ds_dtype dt) {
+    ds_kview f = *v;
+    f.data = data;
+    f.dtype = dt;
+    int64_t s = 1;
+    for (int i = v->ndim - 1; i >= 0; i--) {
+        f.stride[i] = s;
+        s *= v->shape[i];
+    }
+    return f;
+}
+
 /* Element offset (in elements) of the i-th element in row-major order. */
 DS_HOSTDEV int64_t ds_kview_offset(const ds_kview *v, int64_t i) {
     int64_t off = 0;

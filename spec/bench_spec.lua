@@ -5,11 +5,7 @@
 local H = require 'helpers'
 local ds = H.ds
 
-local dirs = {}
-local function tmpdir()
-  dirs[#dirs + 1] = H.tmpdir()
-  return dirs[#dirs]
-end
+local tmpdir, remove_tmpdirs = H.tmpdirs()
 local function bare_build()
   local d = tmpdir()
   assert(os.execute('ln -s ' .. H.bin() .. ' ' .. d .. '/dslua') == 0)
@@ -17,10 +13,7 @@ local function bare_build()
 end
 
 describe('bench drivers', function()
-  after_each(function()
-    for _, d in ipairs(dirs) do os.execute('rm -rf ' .. d) end
-    dirs = {}
-  end)
+  after_each(remove_tmpdirs)
   teardown(H.mpi_cleanup)
 
   it('bench/gpu.sh on a machine without a GPU stops at once with an error and exit status 1', function()

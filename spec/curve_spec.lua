@@ -12,11 +12,7 @@ local SIZES = 'n_layer=2 n_head=4 n_embd=64 block=32 batch=4 steps=5 warmup=2 dt
 local CONFIG = { n_layer = 2, n_head = 4, n_embd = 64, block_size = 32, vocab_size = 50257, padded_vocab_size = 50304,
                  dropout = 0 }
 
-local dirs = {}
-local function tmpdir()
-  dirs[#dirs + 1] = H.tmpdir()
-  return dirs[#dirs]
-end
+local tmpdir, remove_tmpdirs = H.tmpdirs()
 
 local function curve(args)
   return H.run('timeout 300 ' .. H.bin() .. ' bench/curve.lua ' .. args)
@@ -39,9 +35,7 @@ local function write_curve(path, losses, lrs)
 end
 
 describe('bench/curve', function()
-  teardown(function()
-    for _, d in ipairs(dirs) do os.execute('rm -rf ' .. d) end
-  end)
+  teardown(remove_tmpdirs)
 
   it("prepare's weights read back bit-equal and its batches are the text's bytes at the starts it names", function()
     local dir, text = prepared()

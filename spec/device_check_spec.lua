@@ -61,10 +61,8 @@ local function length(parts)
   return total
 end
 
-local dirs = {}
-teardown(function()
-  for _, d in ipairs(dirs) do os.execute('rm -rf ' .. d) end
-end)
+local tmpdir, remove_tmpdirs = H.tmpdirs()
+teardown(remove_tmpdirs)
 
 -- A copy of the project made of links to its folders' files, with
 -- stand-ins for the binaries the parts run: each logs its start (with
@@ -72,8 +70,7 @@ end)
 -- command matches $FAKE_SLOW (a grep pattern), then prints a busted tally
 -- ($FAKE_TALLY successes, 1 by default) and a bench result line.
 local function fake_project()
-  local root = H.tmpdir()
-  dirs[#dirs + 1] = root
+  local root = tmpdir()
   local cwd = H.run('pwd'):gsub('%s+$', '')
   for _, d in ipairs({ 'spec', 'bench', 'tests', 'scripts' }) do
     assert(os.execute(string.format('cp -rs %s/%s %s/%s', cwd, d, root, d)) == 0)

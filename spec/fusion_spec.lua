@@ -54,15 +54,27 @@ describe('residual adds in the norms after them', function()
     end
   end
 
-  -- the loss, the logits and every gradient of one forward and backward, as numbers
-  local function run(name, extra)
-    local m = model(name, 3, extra)
-    local x, y = batch()
-    local loss, logits = m(x, y)
+  -- the loss, the logits and every gradient of m after loss's backward, as numbers
+  local function results(m, loss, logits)
     loss:backward()
     local out = { loss = loss:to('f64'):item(), logits = logits:to('f64'):totable() }
     for _, p in ipairs(m:named_parameters()) do out[p.name] = p.tensor.grad:to('f64'):totable() end
     return out
+  end
+
+  -- run(...)'s results fused, then unfused, the same
+  local function same_unfused(run, ...)
+    local got = run(...)
+    unfuse()
+    local want = run(...)
+    for key, v in pairs(want) do assert.are.same(v, got[key], key) end
+  end
+
+  local function run(name, extra)
+    local m = model(name, 3, extra)
+    local x, y = batch()
+    local loss, logits = m(x, y)
+    return results(m, loss, logits)
   end
 
   for _, name in ipairs({ 'gpt2', 'llama' }) do
@@ -70,38 +82,28 @@ describe('residual adds in the norms after them', function()
       for _, ckpt in ipairs({ false, 1, 2 }) do
         it(string.format('%s %s, checkpoint %s: the loss, logits and every gradient of the unfused model exactly',
                          name, dt, tostring(ckpt)), function()
-          local got = run(name, { dtype = dt, checkpoint = ckpt })
-          unfuse()
-          local want = run(name, { dtype = dt, checkpoint = ckpt })
-          for key, v in pairs(want) do assert.are.same(v, got[key], key) end
+          same_unfused(run, name, { dtype = dt, checkpoint = ckpt })
         end)
       end
     end
   end
 
   -- the same for a pipeline of one stage over the model's pipe_layers
-  local function run_pipe(name, extra)
+  local function run_pipe(name, interval)
     local layers, loss_fn = MODELS[name].build.pipe_layers(H.with(MODELS[name].cfg, { n_layer = 3 }))
     ds.manual_seed(7)
     local m = ds.pipe.PipelineModule { layers = layers, num_stages = 1, loss_fn = loss_fn,
-                                       activation_checkpoint_interval = extra.interval }
+                                       activation_checkpoint_interval = interval }
     local x, y = batch()
     local logits = m(x)
-    local loss = loss_fn(logits, y)
-    loss:backward()
-    local out = { loss = loss:item(), logits = logits:to('f64'):totable() }
-    for _, p in ipairs(m:named_parameters()) do out[p.name] = p.tensor.grad:to('f64'):totable() end
-    return out
+    return results(m, loss_fn(logits, y), logits)
   end
 
   for _, name in ipairs({ 'gpt2', 'llama' }) do
     for _, interval in ipairs({ 0, 1 }) do
       it(string.format('%s as a pipeline stage, checkpoint interval %d: the unfused stage\'s loss, logits and '
                        .. 'gradients exactly', name, interval), function()
-        local got = run_pipe(name, { interval = interval })
-        unfuse()
-        local want = run_pipe(name, { interval = interval })
-        for key, v in pairs(want) do assert.are.same(v, got[key], key) end
+        same_unfused(run_pipe, name, interval)
       end)
     end
   end

@@ -232,6 +232,21 @@ function H.tmpdir()
   return d
 end
 
+-- A maker of fresh temporary folders, and the function that removes every
+-- one it has made so far (for a teardown or an after_each).
+function H.tmpdirs()
+  local dirs = {}
+  local function make()
+    dirs[#dirs + 1] = H.tmpdir()
+    return dirs[#dirs]
+  end
+  local function remove()
+    for _, d in ipairs(dirs) do os.execute('rm -rf ' .. d) end
+    dirs = {}
+  end
+  return make, remove
+end
+
 -- The whole of the file at path, as bytes.
 function H.read(path)
   local f = assert(io.open(path, 'rb'))

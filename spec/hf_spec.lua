@@ -17,11 +17,7 @@ local TINY = { n_layer = 2, n_head = 8, n_kv_head = 1, n_embd = 32, intermediate
                block_size = 16 }
 local IDS = { 3, 1, 4, 1, 5, 9, 2, 6 }
 
-local dirs = {}
-local function tmpdir()
-  dirs[#dirs + 1] = H.tmpdir()
-  return dirs[#dirs]
-end
+local tmpdir, remove_tmpdirs = H.tmpdirs()
 
 local function read_json(path) return json.decode(assert(require('dslua.base.file').read(path))) end
 
@@ -71,9 +67,7 @@ end
 
 local function exists(path) return core.ckpt.exists(path) end
 
-teardown(function()
-  for _, d in ipairs(dirs) do os.execute('rm -rf ' .. d) end
-end)
+teardown(remove_tmpdirs)
 
 describe('models.llama save_hf / from_hf', function()
   it('round-trips a TinyLlama-shaped model through one model.safetensors: bit-equal weights, same logits', function()

@@ -11,15 +11,8 @@ local S = { 37, 20 }        -- sub_group_size 8 divides neither
 local SUB = 8
 local STEPS = 30
 
-local dirs = {}
-local function tmpdir()
-  local d = H.tmpdir()
-  dirs[#dirs + 1] = d
-  return d
-end
-teardown(function()
-  for _, d in ipairs(dirs) do os.execute('rm -rf ' .. d) end
-end)
+local tmpdir, remove_tmpdirs = H.tmpdirs()
+teardown(remove_tmpdirs)
 
 local function file_size(path)
   local f = assert(io.open(path, 'rb'))

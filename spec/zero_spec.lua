@@ -519,10 +519,7 @@ describe('the step engine\'s kernels', function()
   if H.skip_without_mpirun() then return end
   local dir = H.tmpdir()
   teardown(function() os.execute('rm -rf ' .. dir) end)
-  local function run(np)
-    local json = dir .. '/kernels' .. np .. '.json'
-    return (H.run_json(H.ranks_cmd(np) .. ' spec/zero/kernels.lua ' .. json, json))
-  end
+  local run = H.runs_by_np(dir, function(np, json) return H.ranks_cmd(np) .. ' spec/zero/kernels.lua ' .. json end)
 
   -- backward + step over n parameters in k buckets: a + b k, as many at
   -- 8 parameters as at 64 (none per parameter)
@@ -540,10 +537,15 @@ describe('the step engine\'s kernels', function()
     local one, two = run(1), run(2)
     for name, counts in pairs(one) do
       -- one rank: each bucket's gradients added into the master gradients
-      -- in one kernel (backward); flat takes them all in one
+      -- in one kernel (backward); flat takes them all in one. The step, 5
+      -- in either layout below stage 3: the sums of squares (their
+      -- accumulator zeroed, the pass, the read to the host), the optimizer
+      -- (for masters writing the bf16 parameters in its own pass), the
+      -- gradients zeroed.
       for key, c in pairs(counts) do
         local k = tonumber(key:match(' (%d+)'))
         assert.are.equal(name == 'f32 flat' and 1 or k, c[1], name .. ' ' .. key .. ': backward')
+        if name ~= 'bf16 stage 3' then assert.are.equal(5, c[2], name .. ' ' .. key .. ': step') end
       end
       per_bucket(counts, name .. ' on 1 rank')
       per_bucket(two[name], name .. ' on 2 ranks')
@@ -562,10 +564,7 @@ describe('gradients where nothing is communicated', function()
   -- are one training if the fold adds as a landed row does.
   it('train bit for bit as two ranks of the same batches that reduce them: stages 0-3, fp32, bf16 and fp16, '
      .. 'clipping, 1 and 3 micro steps', function()
-    local function run(np)
-      local json = dir .. '/fold' .. np .. '.json'
-      return (H.run_json(H.ranks_cmd(np) .. ' spec/zero/fold.lua ' .. json, json))
-    end
+    local run = H.runs_by_np(dir, function(np, json) return H.ranks_cmd(np) .. ' spec/zero/fold.lua ' .. json end)
     local one, two = run(1), run(2)
     local n = 0
     for name, a in pairs(one) do

@@ -417,7 +417,8 @@ static void test_copy_pieces(void) {
     for (int64_t i = 0; i < 5; i++) ds_tensor_set(want32, 3 * N + i, 0);
     for (int64_t i = 2; i < 5; i++) ds_tensor_set(want16, 3 * N + i, 0);
     uint64_t k0 = ds_kernel_calls();
-    check(ds_zero_pieces_run(&c32, false) == 0 && ds_zero_pieces_run(&c16, false) == 0 && ds_zero_pieces_run(&ca, true) == 0,
+    check(ds_zero_pieces_run(&c32, 0, false) == 0 && ds_zero_pieces_run(&c16, 0, false) == 0 &&
+              ds_zero_pieces_run(&ca, 0, true) == 0,
           "copy_pieces: %s", ds_error_message());
     check(ds_kernel_calls() - k0 == 3, "one kernel a run, not one a piece (%llu for 3 runs)",
           (unsigned long long)(ds_kernel_calls() - k0));
@@ -426,86 +427,14 @@ static void test_copy_pieces(void) {
         check(memcmp(ds_tensor_data(got[t]), ds_tensor_data(want[t]),
                      (size_t)ds_tensor_numel(got[t]) * ds_dtype_size(got[t]->dtype)) == 0,
               "copy_pieces %d differs from copy_ / add_", t);
-    check(ds_zero_piece(&ca, dst16, 0, src[0], 0, 4) == 0 && ds_zero_pieces_run(&ca, true) == -1 &&
+    check(ds_zero_piece(&ca, dst16, 0, src[0], 0, 4) == 0 && ds_zero_pieces_run(&ca, 0, true) == -1 &&
               strstr(ds_error_message(), "accumulates into f32") != NULL,
           "an add into bf16 is refused: %s", ds_error_message());
     check(ds_zero_piece(&ca, acc, 3 * N - 2, src[0], 0, 4) == -1 && strstr(ds_error_message(), "does not fit") != NULL,
           "a piece past its tensor's end is refused: %s", ds_error_message());
-    ds_zero_pieces_free(&c32);
-    ds_zero_pieces_free(&c16);
-    ds_zero_pieces_free(&ca);
     for (int k = 0; k < 3; k++) ds_tensor_release(src[k]);
     ds_tensor *all[] = { dst32, dst16, acc, want32, want16, want_acc };
     for (int k = 0; k < 6; k++) ds_tensor_release(all[k]);
-}
-
-/* The kernels of one backward and one step of an engine over n parameters
- * of 3 elements in k buckets, the gradients set by hand (so none of them
- * are autograd's): the second step's. Masters (bf16, SGD) or flat (f32). */
-static void kernels_of(bool masters, int stage, int n, int k, uint64_t *backward, uint64_t *step) {
-    ds_tensor *p[64];
-    for (int i = 0; i < n; i++) {
-        p[i] = ds_tensor_full(1, (int64_t[]){ 3 }, masters ? DS_BF16 : DS_F32, DS_CPU_DEVICE, 0.5 + i);
-        p[i]->requires_grad = true;
-    }
-    ds_zero_config c = config(masters);
-    c.stage = stage;
-    c.bucket_size = 3 * n / k;      /* a bucket closes at bucket_size elements: n / k parameters */
-    int counts[1] = { n };
-    ds_optim_hparams h = { .lr = 0.01 };
-    ds_optim *o = ds_optim_new(DS_OPTIM_SGD);
-    ds_zero *z = NULL;
-    if (masters) {
-        z = ds_zero_new(&c, 1, counts, p, NULL);
-        ds_tensor *m = z ? ds_zero_master(z, 0) : NULL;
-        if (!m || ds_optim_add_group(o, 1, &m, &h) || ds_zero_attach(z, o)) z = NULL;
-        ds_tensor_release(m);
-    } else if (ds_optim_add_group(o, n, p, &h) == 0) {
-        z = ds_zero_new(&c, 1, counts, p, o);
-    }
-    check(z != NULL && ds_zero_n_buckets(z) == k, "engine of %d parameters in %d buckets: %s", n, k, ds_error_message());
-    for (int t = 0; t < 2 && z; t++) {
-        for (int i = 0; i < n; i++) {
-            ds_tensor_release(p[i]->grad);
-            p[i]->grad = ds_tensor_full(1, (int64_t[]){ 3 }, p[i]->dtype, DS_CPU_DEVICE, 0.25);
-        }
-        ds_zero_result r;
-        uint64_t k0 = ds_kernel_calls();
-        check(ds_zero_backward(z, NULL, masters) == 0, "backward: %s", ds_error_message());
-        uint64_t k1 = ds_kernel_calls();
-        check(ds_zero_step(z, &h, 1, 1.0, masters, &r) == 0, "step: %s", ds_error_message());
-        *backward = k1 - k0;
-        *step = ds_kernel_calls() - k1;
-    }
-    ds_zero_free(z);
-    ds_optim_free(o);
-    for (int i = 0; i < n; i++) ds_tensor_release(p[i]);
-}
-
-/* A backward and a step cost kernels per bucket and per group, none per
- * parameter: the same at 8 parameters as at 64, and one more per bucket
- * where each bucket is added into the master gradients (one rank: no rows,
- * no collective). The flat layout on one rank adds all the gradients into
- * its flat buffer in one kernel. The step, 5 in either layout: the sums
- * of squares (their accumulator zeroed, the pass, the read to the host),
- * the optimizer (for masters writing the bf16 parameters in its own
- * pass), the gradients zeroed. */
-static void test_kernels_per_bucket(void) {
-    struct { bool masters; int stage; uint64_t per_bucket, backward, step; } cases[] = {
-        { true, 0, 1, 0, 5 }, { true, 1, 1, 0, 5 }, { true, 2, 1, 0, 5 }, { false, 0, 0, 1, 5 },
-    };
-    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-        for (int n = 8; n <= 64; n *= 8) {
-            for (int k = 2; k <= 4; k += 2) {
-                uint64_t backward = 0, step = 0;
-                kernels_of(cases[i].masters, cases[i].stage, n, k, &backward, &step);
-                check(backward == cases[i].backward + cases[i].per_bucket * (uint64_t)k && step == cases[i].step,
-                      "%s stage %d, %d parameters in %d buckets: %llu kernels in backward, %llu in the step",
-                      cases[i].masters ? "masters" : "flat", cases[i].stage, n, k, (unsigned long long)backward,
-                      (unsigned long long)step);
-            }
-        }
-    }
 }
 
 /* Copies as a GPU's streams make them: queued, done only when a wait
@@ -813,7 +742,6 @@ static void test_offload_gpu(void) {
 int main(void) {
     test_layout_answers();
     test_copy_pieces();
-    test_kernels_per_bucket();
     test_flat_buckets_and_clip();
     test_exclude_from_norm();
     test_masters_step();

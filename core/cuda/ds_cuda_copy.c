@@ -8,25 +8,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-static ds_kview flat_like(const ds_kview *v, void *data, ds_dtype dt) {
-    ds_kview f = *v;
-    f.data = data;
-    f.dtype = dt;
-    int64_t s = 1;
-    for (int i = v->ndim - 1; i >= 0; i--) {
-        f.stride[i] = s;
-        s *= v->shape[i];
-    }
-    return f;
-}
-
 static int host_to_device(ds_kview dst, int dev, ds_kview src, size_t nb) {
     if (ds_cuda_set_device(dev)) return -1;
     cudaStream_t st = ds_cuda_stream();
     void *host = src.data;
     if (!ds_kview_is_contiguous(&src)) {
         if (!(host = malloc(nb))) return ds_kernel_fail("out of host memory staging %zu bytes", nb);
-        ds_cpu_core.copy(flat_like(&src, host, src.dtype), src);
+        ds_cpu_core.copy(ds_kview_dense(&src, host, src.dtype), src);
     }
     bool direct = dst.dtype == src.dtype && ds_kview_is_contiguous(&dst);
     void *d = direct ? dst.data : ds_cuda_scratch(nb);
@@ -34,7 +22,7 @@ static int host_to_device(ds_kview dst, int dev, ds_kview src, size_t nb) {
     /* a pageable source is staged before this returns, so host may go now */
     if (rc == 0) rc = ds_cuda_call(cudaMemcpyAsync(d, host, nb, cudaMemcpyHostToDevice, st), "cudaMemcpyAsync");
     if (host != src.data) free(host);
-    if (rc == 0 && !direct) rc = ds_cuda_core.copy(dst, flat_like(&dst, d, src.dtype));
+    if (rc == 0 && !direct) rc = ds_cuda_core.copy(dst, ds_kview_dense(&dst, d, src.dtype));
     if (!direct) ds_cuda_scratch_free(d);
     return rc;
 }
@@ -45,7 +33,7 @@ static int device_to_host(ds_kview dst, ds_kview src, int dev, size_t nb) {
     void *d = src.data;
     if (!ds_kview_is_contiguous(&src)) {
         if (!(d = ds_cuda_scratch(nb))) return -1;
-        if (ds_cuda_core.copy(flat_like(&src, d, src.dtype), src)) { ds_cuda_scratch_free(d); return -1; }
+        if (ds_cuda_core.copy(ds_kview_dense(&src, d, src.dtype), src)) { ds_cuda_scratch_free(d); return -1; }
     }
     bool direct = dst.dtype == src.dtype && ds_kview_is_contiguous(&dst);
     void *host = direct ? dst.data : malloc(nb);
@@ -53,7 +41,7 @@ static int device_to_host(ds_kview dst, ds_kview src, int dev, size_t nb) {
     if (rc == 0) rc = ds_cuda_call(cudaMemcpyAsync(host, d, nb, cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");
     if (rc == 0) rc = ds_cuda_call(cudaStreamSynchronize(st), "cudaStreamSynchronize");
     if (d != src.data) ds_cuda_scratch_free(d);
-    if (rc == 0 && !direct) ds_cpu_core.copy(dst, flat_like(&dst, host, src.dtype));
+    if (rc == 0 && !direct) ds_cpu_core.copy(dst, ds_kview_dense(&dst, host, src.dtype));
     if (!direct) free(host);
     return rc;
 }
@@ -70,13 +58,13 @@ static int device_to_device(ds_kview dst, int ddev, ds_kview src, int sdev, size
     if (rc == 0) rc = ds_cuda_set_device(sdev);
     if (rc == 0 && !ds_kview_is_contiguous(&src)) {
         if (!(s = ds_cuda_scratch(nb))) rc = -1;
-        else rc = ds_cuda_core.copy(flat_like(&src, s, src.dtype), src);
+        else rc = ds_cuda_core.copy(ds_kview_dense(&src, s, src.dtype), src);
     }
     if (rc == 0) rc = ds_cuda_call(cudaMemcpyPeerAsync(d, ddev, s, sdev, nb, ds_cuda_stream()), "cudaMemcpyPeerAsync");
     if (rc == 0) rc = ds_cuda_call(cudaStreamSynchronize(ds_cuda_stream()), "cudaStreamSynchronize");
     if (s && s != src.data) ds_cuda_scratch_free(s);
     if (ds_cuda_set_device(ddev) && rc == 0) rc = -1;
-    if (rc == 0 && !direct) rc = ds_cuda_core.copy(dst, flat_like(&dst, d, src.dtype));
+    if (rc == 0 && !direct) rc = ds_cuda_core.copy(dst, ds_kview_dense(&dst, d, src.dtype));
     if (d && d != dst.data) ds_cuda_scratch_free(d);
     return rc;
 }

@@ -99,18 +99,12 @@ int ds_zero_piece(zpieces *c, ds_tensor *dst, int64_t lo, ds_tensor *src, int64_
     return 0;
 }
 
-int ds_zero_pieces_run(zpieces *c, bool accumulate) {
-    int rc = 0;
-    if (c->n > 0 && ds_tensor_kernels(c->on)->core->copy_pieces(c->on->dtype, c->p, c->n, accumulate))
+int ds_zero_pieces_run(zpieces *c, int rc, bool accumulate) {
+    if (rc == 0 && c->n > 0 && ds_tensor_kernels(c->on)->core->copy_pieces(c->on->dtype, c->p, c->n, accumulate))
         rc = (ds_fail(DS_ERR_STATE, "step engine: multi-tensor copy: %s", ds_kernel_error()), -1);
-    c->n = 0;
-    c->on = NULL;
-    return rc;
-}
-
-void ds_zero_pieces_free(zpieces *c) {
     free(c->p);
     *c = (zpieces){ 0 };
+    return rc;
 }
 
 ds_device ds_zero_param_device(const ds_zero *z) { return ds_tensor_device(z->p[0].param); }

@@ -79,8 +79,7 @@ static int add_grads(ds_zero *z, int first, int count) {
         if (held[i - first]) rc = ds_zero_piece(&c, q->view, 0, held[i - first], 0, q->numel);
         else if (g && g != q->view) rc = -1;
     }
-    if (rc == 0) rc = ds_zero_pieces_run(&c, true);
-    ds_zero_pieces_free(&c);
+    rc = ds_zero_pieces_run(&c, rc, true);
     for (int i = first; i < first + count; i++) {
         zparam *q = &z->p[i];
         ds_tensor_release(held[i - first]);

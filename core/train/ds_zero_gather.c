@@ -48,8 +48,7 @@ static int load_shards(ds_zero *z, ds_tensor *send, int n, const int *list) {
             rc = load_shard(z, q, send, at);
         at += q->shard;
     }
-    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
-    ds_zero_pieces_free(&c);
+    rc = ds_zero_pieces_run(&c, rc, false);
     return rc;
 }
 
@@ -192,8 +191,7 @@ static int finish_gather(ds_zero *z, zgather *g) {
         }
         at += q->shard;
     }
-    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
-    ds_zero_pieces_free(&c);
+    rc = ds_zero_pieces_run(&c, rc, false);
     for (int k = 0; k < g->n && data; k++) {
         zparam *q = &z->p[g->params[k]];
         if (rc == 0 && data[k]) rc = ds_tensor_set_data(q->param, data[k]);

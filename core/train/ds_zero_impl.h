@@ -168,9 +168,9 @@ typedef struct {
  * contiguous, on one device, bf16, f16 or f32. src must live until the
  * run. */
 int ds_zero_piece(zpieces *c, ds_tensor *dst, int64_t lo, ds_tensor *src, int64_t at, int64_t n);
-/* Every piece as one kernel (accumulate: added into f32), then none. */
-int ds_zero_pieces_run(zpieces *c, bool accumulate);
-void ds_zero_pieces_free(zpieces *c);
+/* Where rc is 0, every piece as one kernel (accumulate: added into f32);
+ * the pieces freed either way. Returns rc, else the run's. */
+int ds_zero_pieces_run(zpieces *c, int rc, bool accumulate);
 int ds_zero_param_index(const ds_zero *z, const ds_tensor *t);
 int ds_zero_scale(ds_tensor *t, double f);
 int ds_zero_scale_all(int n, ds_tensor *const *t, double f);

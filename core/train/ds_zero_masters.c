@@ -182,8 +182,7 @@ static int fill_rows(ds_zero *z, const zbucket *b, ds_tensor *rows, ds_tensor *c
             if (rc == 0) rc = ds_zero_piece(&c, rows, at + len, NULL, 0, q->shard - len);
         }
     }
-    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
-    ds_zero_pieces_free(&c);
+    rc = ds_zero_pieces_run(&c, rc, false);
     return rc;
 }
 
@@ -230,8 +229,7 @@ static int fold(ds_zero *z, zbucket *b) {
         rc = ds_zero_piece(&c, z->master_grads[b->group], q->offset, held[i - b->first], 0,
                            held[i - b->first] ? q->numel : 0);
     }
-    if (rc == 0) rc = ds_zero_pieces_run(&c, true);
-    ds_zero_pieces_free(&c);
+    rc = ds_zero_pieces_run(&c, rc, true);
     release_all(b->count, held);
     return rc;
 }
@@ -340,8 +338,7 @@ static int store_shards(ds_zero *z, const zbucket *b, ds_tensor *const *masters,
         else
             rc = ds_zero_store_shard(z, q, src, q->offset);
     }
-    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
-    ds_zero_pieces_free(&c);
+    rc = ds_zero_pieces_run(&c, rc, false);
     return rc;
 }
 
@@ -361,8 +358,7 @@ static int take_gathered(ds_zero *z, const zbucket *b, ds_comm_work *w) {
                                             ds_zero_shard_len(q, r));
         }
     }
-    if (rc == 0) rc = ds_zero_pieces_run(&c, false);
-    ds_zero_pieces_free(&c);
+    rc = ds_zero_pieces_run(&c, rc, false);
     release_all(made, got);
     return rc;
 }
@@ -389,8 +385,7 @@ static int refresh(ds_zero *z, ds_tensor *const *masters, ds_tensor *const *upda
                  ? ds_zero_piece(&c, q->param, 0, m, q->offset, q->numel)
                  : ds_zero_copy_elements(q->param, 0, m, q->offset, q->numel);
         }
-        if (rc == 0) rc = ds_zero_pieces_run(&c, false);
-        ds_zero_pieces_free(&c);
+        rc = ds_zero_pieces_run(&c, rc, false);
         return rc;
     }
     ds_comm_work **works = calloc((size_t)z->nb, sizeof *works);

@@ -20,7 +20,7 @@
 #include "cpu_kernels.h"
 #include "cpu_iter.h"
 #include "../ds_attention.h"
-#include "../ds_half.h"
+#include "../ds_elem.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -99,12 +99,6 @@ static void store_rows(const ds_kview *x, int64_t b, int64_t h, int64_t t0, int6
     }
 }
 
-/* x in dtype t and back: what storing it rounds it to. */
-static inline float round_to(ds_dtype t, float x) {
-    if (t == DS_BF16) return ds_bf16_to_f32(ds_f32_to_bf16(x));
-    return t == DS_F16 ? ds_f16_to_f32(ds_f32_to_f16(x)) : x;
-}
-
 /* Rows [t0, t0+n) of x[b,h] += src rounded to x's dtype, the sum rounded
  * again: an add of a gradient stored in that dtype. */
 static void add_rows(const ds_kview *x, int64_t b, int64_t h, int64_t t0, int64_t n, const float *src, int64_t ld) {
@@ -113,7 +107,7 @@ static void add_rows(const ds_kview *x, int64_t b, int64_t h, int64_t t0, int64_
         int64_t base = row_at(x, b, h, t0 + r);
         const float *s = src + r * ld;
         for (int64_t c = 0; c < cols; c++) {
-            float sum = (float)ds_load(x->dtype, x->data, base + c * cs) + round_to(x->dtype, s[c]);
+            float sum = (float)ds_load(x->dtype, x->data, base + c * cs) + (float)ds_round_to(x->dtype, s[c]);
             ds_store(x->dtype, x->data, base + c * cs, sum);
         }
     }

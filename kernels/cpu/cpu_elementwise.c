@@ -299,7 +299,7 @@ static void swiglu_floats(ds_kview **v, int nv, const int64_t *o, int64_t c0, in
         for (int k = nout; k < nv; k++) x[k - nout] = as_f32(v[k], o[k] + lo, n, in[k - nout]);
         for (int k = 0; k < nout; k++) y[k] = v[k]->dtype == DS_F32 ? (float *)v[k]->data + o[k] + lo : res[k];
         if (nout == 1) {
-            for (int64_t i = 0; i < n; i++) y[0][i] = ds_unary_apply_f(DS_UN_SILU, x[0][i], 0.0f) * x[1][i];
+            for (int64_t i = 0; i < n; i++) y[0][i] = ds_swiglu_f(x[0][i], x[1][i]);
         } else {
             for (int64_t i = 0; i < n; i++) {
                 double dg, du;

@@ -409,16 +409,15 @@ static int cuda_attention_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
  * into contiguous scratch for them. */
 static int grouped_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                             ds_kview v, ds_kview out, ds_kview lse, double scale, int causal) {
-    ds_kview c = dout;
-    c.data = ds_cuda_scratch(ds_kview_numel(&dout) * ds_dtype_size(dout.dtype));
-    if (!c.data) return -1;
-    for (int d = 3; d >= 0; d--) c.stride[d] = d == 3 ? 1 : c.stride[d + 1] * c.shape[d + 1];
+    void *scratch = ds_cuda_scratch(ds_kview_numel(&dout) * ds_dtype_size(dout.dtype));
+    if (!scratch) return -1;
+    ds_kview c = ds_kview_dense(&dout, scratch, dout.dtype);
     ds_kview views[8] = { q, k, v, out, dq, dk, dv, c };
     int rc = ds_cuda_core.copy(c, dout);
     if (rc == 0 && !ds_cuda_attention_mma_fits(views, 8))
         rc = ds_kernel_fail("attention: k and v with fewer heads than q need the tensor-core kernels");
     if (rc == 0) rc = ds_cuda_attention_mma_backward(dq, dk, dv, c, q, k, v, out, lse, scale, causal, tf32_allowed());
-    ds_cuda_scratch_free(c.data);
+    ds_cuda_scratch_free(scratch);
     return rc;
 }
 

@@ -164,7 +164,7 @@ static int cuda_where(ds_kview out, ds_kview cond, ds_kview a, ds_kview b) {
  * both gradients, the math in double as SiLU's backward ---- */
 
 struct swiglu_f {
-    __device__ float operator()(const float *a) const { return ds_unary_apply_f(DS_UN_SILU, a[0], 0.0f) * a[1]; }
+    __device__ float operator()(const float *a) const { return ds_swiglu_f(a[0], a[1]); }
 };
 
 static __global__ void swiglu_kernel(ds_kview out, ds_kview gate, ds_kview up, int64_t n, int64_t so, int64_t sg,

@@ -167,13 +167,7 @@ end
 -- (f(x, res) returns norm(x + res) first; f(x, false) norm(x)), or nil (a
 -- plain tensor in, the sum made before it).
 local function residual_kind(f)
-  local cls = type(f) == 'table' and getmetatable(f)
-  while cls do
-    local kind = rawget(cls, 'residual_kind')
-    if kind then return kind end
-    cls = getmetatable(cls) and getmetatable(cls).__index
-  end
-  return nil
+  return type(f) == 'table' and f.residual_kind or nil
 end
 
 -- x through the blocks of list (a ModuleList or an array) in turn, a
