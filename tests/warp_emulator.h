@@ -15,7 +15,8 @@
  * overwriting one another warp still reads, shows up in the results.
  *
  * The warpgroup MMA (wgmma) of kernels/cuda/cuda_wgmma.cuh is in
- * warp_emulator_wgmma.h, included from here.
+ * warp_emulator_wgmma.h, and TMA with mbarriers (kernels/cuda/cuda_tma.cuh)
+ * in warp_emulator_tma.h, both included from here.
  *
  * Include it first, in one translation unit, then the kernels' header. */
 #ifndef WARP_EMULATOR_H
@@ -211,6 +212,8 @@ static void resume(unsigned t) {
 }
 
 static void wg_block_start();   /* warp_emulator_wgmma.h */
+static void tma_block_start();  /* warp_emulator_tma.h */
+static void tma_stuck();
 
 /* Runs body as a grid of `blocks` blocks of `threads` threads with
  * smem_bytes of dynamic shared memory; aborts on what the checks find. */
@@ -236,6 +239,7 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
 #endif
         memset(smem, 0xff, smem_bytes);
         wg_block_start();
+        tma_block_start();
         S.live = threads;
         S.bar_arrived = 0;
         for (warp &w : S.warps) w = warp{ 0, 0, 32, 0, {} };
@@ -262,6 +266,7 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
                 for (unsigned step = rand_below(4) ? 1 : 1 + rand_below(64); step > 0; step--)
                     for (unsigned t = 32 * w; t < 32 * w + 32; t++) resume(t);
             if (S.live == 0) break;
+            if (S.progress == before) tma_stuck();
             if (S.progress == before) fail("deadlock: no thread can go on (a barrier or collective never fills)");
         }
     }
@@ -401,6 +406,7 @@ static void copy_issue(void *dst, const void *src, int bytes, bool real) {
 } /* namespace emu */
 
 #include "warp_emulator_wgmma.h"
+#include "warp_emulator_tma.h"
 
 /* ---- cuda_warp.cuh's interface ---- */
 
