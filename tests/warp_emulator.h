@@ -30,7 +30,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <functional>
@@ -273,6 +275,22 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
 #ifdef EMU_ASAN
     ASAN_UNPOISON_MEMORY_REGION(smem, EMU_SMEM_MAX);
 #endif
+}
+
+/* Whether launch(...) aborts, run in a child process (its stderr
+ * silenced): how tests check that a misuse is caught. */
+static bool launch_aborts(const char *kernel, unsigned threads, size_t smem_bytes, std::function<void()> body) {
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!freopen("/dev/null", "w", stderr)) _exit(3);
+        launch(kernel, 1, threads, smem_bytes, body);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
 }
 
 /* A view of ndim dims over data, for a test to hand a kernel. */

@@ -238,7 +238,7 @@ static void setmaxnreg(int n) {
  * under 2^40, boxes 1..256 with an inner dimension of a multiple of 16
  * bytes and, swizzled, at most the swizzle's span; element strides 1..8
  * (only 1 modelled), no interleave. */
-static CUresult cuTensorMapEncodeTiled(CUtensorMap *map, CUtensorMapDataType dt, cuuint32_t rank, void *base,
+static inline CUresult cuTensorMapEncodeTiled(CUtensorMap *map, CUtensorMapDataType dt, cuuint32_t rank, void *base,
                                        const cuuint64_t *dim, const cuuint64_t *stride, const cuuint32_t *box,
                                        const cuuint32_t *estride, CUtensorMapInterleave inter, CUtensorMapSwizzle sw,
                                        CUtensorMapL2promotion, CUtensorMapFloatOOBfill) {

@@ -49,9 +49,7 @@ static int wgmma_tma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_
 template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g,
                        int tma) {
-    int rc = tma ? wgmma_tma_run<T, D>(out, lse, q, k, v, g) : 1;
-    if (rc <= 0 || tma == 2) return rc;
-    return wgmma_run<T, D>(out, lse, q, k, v, g);
+    return tma ? wgmma_tma_run<T, D>(out, lse, q, k, v, g) : wgmma_run<T, D>(out, lse, q, k, v, g);
 }
 
 size_t ds_cuda_attention_wgmma_smem(int D, int tma) {
