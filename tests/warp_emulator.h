@@ -279,7 +279,7 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
 
 /* Whether launch(...) aborts, run in a child process (its stderr
  * silenced): how tests check that a misuse is caught. */
-static bool launch_aborts(const char *kernel, unsigned threads, size_t smem_bytes, std::function<void()> body) {
+static inline bool launch_aborts(const char *kernel, unsigned threads, size_t smem_bytes, std::function<void()> body) {
     fflush(stdout);
     fflush(stderr);
     pid_t pid = fork();
