@@ -103,6 +103,8 @@ struct lane {
     ucontext_t ctx;
     std::vector<char> stack;
     bool done;
+    const unsigned *wait_on;                 /* blocked until *wait_on moves past wait_was */
+    unsigned wait_was;
     std::vector<copy> open;                  /* cp.async since the last commit */
     std::vector<std::vector<copy>> groups;   /* committed, oldest first */
 };
@@ -146,6 +148,17 @@ static void yield() {
 #endif
 }
 
+/* Back to the scheduler until *gen moves past `was` (a barrier's or
+ * collective's generation): the scheduler passes this thread over until
+ * then rather than switching to it only to come back. */
+static void block_on(const unsigned *gen, unsigned was) {
+    lane &me = S.lanes[threadIdx.x];
+    me.wait_on = gen;
+    me.wait_was = was;
+    while (*gen == was) yield();
+    me.wait_on = nullptr;
+}
+
 static void release_barrier_if_full() {
     if (S.bar_arrived > 0 && S.bar_arrived == S.live) {
         S.bar_arrived = 0;
@@ -185,8 +198,7 @@ template <typename F> static void collective(int op, void *arg, F finish) {
         w.gen++;
         return;
     }
-    unsigned gen = w.gen;
-    while (w.gen == gen) yield();
+    block_on(&w.gen, w.gen);
 }
 
 /* xorshift, reseeded per launch: runs repeat exactly */
@@ -201,7 +213,7 @@ static unsigned rand_below(unsigned n) {
 
 /* Lets thread t run to its next collective or barrier. */
 static void resume(unsigned t) {
-    if (S.lanes[t].done) return;
+    if (S.lanes[t].done || (S.lanes[t].wait_on && *S.lanes[t].wait_on == S.lanes[t].wait_was)) return;
     threadIdx = { t, 0, 0 };
 #ifdef EMU_ASAN
     void *fake = nullptr;
@@ -248,6 +260,7 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
         for (lane &l : S.lanes) {
             l.stack.resize(EMU_STACK);
             l.done = false;
+            l.wait_on = nullptr;
             l.open.clear();
             l.groups.clear();
             getcontext(&l.ctx);
@@ -483,7 +496,7 @@ static inline void __syncthreads() {
     emu::S.progress++;
     unsigned gen = emu::S.bar_gen;
     emu::release_barrier_if_full();
-    while (emu::S.bar_gen == gen) emu::yield();
+    emu::block_on(&emu::S.bar_gen, gen);
 }
 
 /* Blocks run one after another: a block's writes are all there for the next. */

@@ -164,7 +164,7 @@ static void mbar_arrive(void *p, uint32_t tx) {
 static void mbar_wait(void *p, unsigned parity) {
     mbar &b = mbar_at(p);
     waiting_on[threadIdx.x] = (int64_t)((unsigned char *)p - smem);
-    while ((b.phase & 1) == (parity & 1)) yield();
+    if ((b.phase & 1) == (parity & 1)) block_on(&b.phase, b.phase);   /* the phase completes */
     waiting_on[threadIdx.x] = -1;
     S.progress++;
 }
@@ -222,13 +222,12 @@ static void setmaxnreg(int n) {
     for (unsigned x = threadIdx.x / 128 * 4; x < threadIdx.x / 128 * 4 + 4; x++)
         if (x >= S.warps.size() || S.warps[x].live != 32) fail("setmaxnreg in a warpgroup not all there");
     S.progress++;
-    unsigned gen = w.gen;
     if (++w.arrived == 128) {
         w.arrived = 0;
         w.gen++;
         return;
     }
-    while (w.gen == gen) yield();
+    block_on(&w.gen, w.gen);
 }
 
 } /* namespace emu */
