@@ -37,9 +37,9 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, unsigned by
 
 /* Waits until the phase of this parity has completed. */
 __device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
-    asm volatile("{\n.reg .pred done;\nwait:\n"
+    asm volatile("{\n.reg .pred done;\nLAB_WAIT:\n"
                  "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra wait;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+                 "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 
 /* The box of a 4-d tensor map at coordinates (c0 innermost .. c3) into
