@@ -16,12 +16,15 @@
  * Tiles live in shared memory as 128-byte-swizzled panels of 64 columns
  * (row r's 16-byte chunk c at chunk c ^ (r % 8) of its 128-byte row: the
  * layout the SW128 descriptors read, free of bank conflicts), staged by
- * cp.async one tile ahead: K(j+1) and V(j) stream in while tile j computes.
+ * the kernel's own cp.async one tile ahead (wgmma_forward_kernel: K(j+1)
+ * and V(j) stream in while tile j computes) or loaded by TMA from a
+ * producer warpgroup through a ring of stages (wgmma_tma_forward_kernel,
+ * below); both run the same tile step (wg_tile) and end (wg_finish).
  * The online softmax, masking and stores are cuda_attention_mma.cuh's, in
  * its fragment layout (wgmma's accumulator is mma.sync's C per warp).
  * Out and lse as mma_forward_kernel writes them; k and v may have fewer
  * heads than q, query head h reading kv head h / G as there. The only PTX is
- * cuda_warp.cuh's and cuda_wgmma.cuh's, so tests/test_wgmma_attention.cc
+ * cuda_warp.cuh's, cuda_wgmma.cuh's and cuda_tma.cuh's, so tests/test_wgmma_attention.cc
  * runs this file on the CPU through tests/warp_emulator.h. */
 #ifndef CUDA_ATTENTION_WGMMA_CUH
 #define CUDA_ATTENTION_WGMMA_CUH
