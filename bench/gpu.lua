@@ -185,22 +185,29 @@ local function bandwidth()
   end
 end
 
--- A bf16 attention op at 8x12x1024x64 timed on each kernel: wgmma where every
--- pass it runs takes it (compute capability 9.0), and mma.sync.
+-- A bf16 attention op at 8x12x1024x64 timed on the kernels its passes run
+-- with the wgmma kernels allowed (compute capability 9.0: the forward fed
+-- by TMA, the wgmma backward), then on mma.sync; each row names them, pass
+-- by pass ('attention_fwd_bwd_wgmma-tma/wgmma').
 local function by_kernel(name, passes, fn)
-  local kernels, all = { 'mma.sync' }, true
-  for _, pass in ipairs(passes) do all = all and ds.cuda.attention_kernel('bf16', 64, pass) == 'wgmma' end
-  if all then table.insert(kernels, 1, 'wgmma') end
-  for _, kern in ipairs(kernels) do
-    ds.cuda.allow_wgmma(kern == 'wgmma')
-    result(name .. '_' .. kern, '8x12x1024x64_bf16', time_per_call(fn), 's')
+  for _, on in ipairs { true, false } do
+    ds.cuda.allow_wgmma(on)
+    local kernels, hopper = {}, false
+    for _, pass in ipairs(passes) do
+      kernels[#kernels + 1] = ds.cuda.attention_kernel('bf16', 64, pass)
+      hopper = hopper or kernels[#kernels] ~= 'mma.sync'
+    end
+    if hopper or not on then
+      local named = hopper and table.concat(kernels, '/') or 'mma.sync'
+      result(name .. '_' .. named, '8x12x1024x64_bf16', time_per_call(fn), 's')
+    end
   end
   ds.cuda.allow_wgmma(true)
 end
 
 local function ops()
-  -- attention on the default backend, fused on tensor cores: bf16 (forward and backward on wgmma
-  -- on a compute capability 9.0 device, else mma.sync); f32 in 3xTF32 (the f32 rows, the switch
+  -- attention on the default backend, fused on tensor cores: bf16 (the forward on wgmma fed by
+  -- TMA and the backward on wgmma on a compute capability 9.0 device, else mma.sync); f32 in 3xTF32 (the f32 rows, the switch
   -- off); f32 in TF32 under allow_tf32 (the tf32 rows)
   for _, dt in ipairs { 'bf16', 'f32', 'tf32' } do
     local et = dt == 'tf32' and 'f32' or dt

@@ -16,8 +16,6 @@ extern "C" {
 }
 
 #include <random>
-#include <sys/wait.h>
-#include <unistd.h>
 
 namespace {
 
@@ -203,17 +201,7 @@ void groups() {
 
 /* A misuse: body run as a one-warpgroup kernel in a child must abort. */
 void must_abort(const char *what, const std::function<void()> &body) {
-    fflush(stdout);
-    fflush(stderr);
-    pid_t pid = fork();
-    if (pid == 0) {
-        if (!freopen("/dev/null", "w", stderr)) _exit(3);
-        emu::launch(what, 1, 128, 4096, body);
-        _exit(0);
-    }
-    int status = 0;
-    waitpid(pid, &status, 0);
-    check(WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT, "the emulator aborts on %s", what);
+    check(emu::launch_aborts(what, 128, 4096, body), "the emulator aborts on %s", what);
 }
 
 void misuse() {

@@ -6,8 +6,11 @@
  * head dims 64 and 128, causal or not, lengths that leave partial tiles,
  * cross attention both ways, q/k/v as views into one packed qkv buffer,
  * and k and v with 2 and 4 query heads per kv head (grouped-query).
- * And the check the dispatch runs before trusting the kernel on a GPU
- * (cuda_attention_check.h) on the emulated kernels: the Hopper forward
+ * Both Hopper forwards run every case: the one staging K and V by
+ * cp.async and the one fed by TMA from a producer warpgroup (its tensor
+ * maps from the emulated driver; a map of the wrong swizzle is caught).
+ * And the check the dispatch runs before trusting a kernel on a GPU
+ * (cuda_attention_check.h) on the emulated kernels: each Hopper forward
  * and the mma.sync one agree within its bound in every variant, and a
  * wrong mask is past it. */
 #include "warp_emulator.h"
@@ -27,7 +30,37 @@ namespace {
 using wgmma_cases::shape;
 using wgmma_cases::elem;
 
-template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
+/* The kernels under test: the forward staging K and V by cp.async, the
+ * one fed by TMA, and that one through a map of the wrong swizzle (which
+ * must fail). */
+enum kernel { CP_ASYNC, TMA, TMA_WRONG_SWIZZLE };
+
+/* Runs the TMA forward: its tensor maps encoded by the emulated driver. */
+template <typename T, int D>
+void launch_tma(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g, bool wrong) {
+    wt_maps m;
+    bool ok = !wt_map(&m.q, q, cuTensorMapEncodeTiled) && !wt_map(&m.k, k, cuTensorMapEncodeTiled) &&
+              !wt_map(&m.v, v, cuTensorMapEncodeTiled);
+    check(ok, "q, k and v have tensor maps");
+    if (wrong) {
+        emu::tmap f;
+        memcpy(&f, &m.k, sizeof f);
+        f.swizzle = CU_TENSOR_MAP_SWIZZLE_NONE;
+        memcpy(&m.k, &f, sizeof f);
+    }
+    emu::launch("wgmma_tma_forward_kernel", wgmma_query_blocks(g), WT_THREADS, wt_forward_smem<D>(),
+                [&] { wgmma_tma_forward_kernel<T, D>(out, lse, m, g); });
+}
+
+template <typename T, int D>
+void launch(kernel kn, ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
+    if (kn != CP_ASYNC) launch_tma<T, D>(out, lse, q, k, v, g, kn == TMA_WRONG_SWIZZLE);
+    else emu::launch("wgmma_forward_kernel", wgmma_query_blocks(g), WG_THREADS, wg_forward_smem<D>(),
+                     [&] { wgmma_forward_kernel<T, D>(out, lse, q, k, v, g); });
+}
+
+/* Runs case s on kernel kn; true when out and lse are within the bound. */
+template <typename T, int D> bool run_case(const shape &s, std::mt19937 &rng, kernel kn) {
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
     const ds_dtype dt = bf ? DS_BF16 : DS_F16;
     const int64_t KV = s.kv(), G = s.H / KV, C = s.H * D, W = C + 2 * KV * D, Tmax = std::max(s.Tq, s.Tk);
@@ -48,8 +81,7 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
     ds_kview lse = emu::view(lsebuf.data(), DS_F32, 3, lsz, lst);
 
     mma_geom g = mma_geom_of(q, k, scale, s.causal);
-    emu::launch("wgmma_forward_kernel", wgmma_query_blocks(g), WG_THREADS, wg_forward_smem<D>(),
-                [&] { wgmma_forward_kernel<T, D>(out, lse, q, k, v, g); });
+    launch<T, D>(kn, out, lse, q, k, v, g);
 
     auto at = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) {
         return (double)(float)((const T *)x.data)[b * x.stride[0] + h * x.stride[1] + t * x.stride[2] + d];
@@ -80,6 +112,8 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
             }
     double tol = bf ? 2e-2 : 4e-3;
     const char *name = bf ? "bf16" : "f16";
+    bool good = worst_o <= tol * max_o && worst_l <= tol * max_l;
+    if (kn == TMA_WRONG_SWIZZLE) return good;
     check(worst_o <= tol * max_o,
           "%s D=%d B=%lld H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: out off by %.3g of its largest %.3g", name, D,
           (long long)s.B, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, worst_o / max_o,
@@ -87,13 +121,22 @@ template <typename T, int D> void run_case(const shape &s, std::mt19937 &rng) {
     check(worst_l <= tol * max_l, "%s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: lse off by %.3g of its largest "
           "%.3g", name, D, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, worst_l / max_l,
           max_l);
-    printf("%s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e\n", name, D, (long long)s.H,
-           (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, worst_o / max_o, worst_l / max_l);
+    printf("%s %s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: out %.1e lse %.1e\n", kn == TMA ? "tma" : "cp.async",
+           name, D, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, worst_o / max_o,
+           worst_l / max_l);
+    return good;
+}
+
+/* Case s on both kernels, from the same inputs. */
+template <typename T, int D> void run_both(const shape &s, std::mt19937 &rng) {
+    std::mt19937 again = rng;
+    run_case<T, D>(s, rng, CP_ASYNC);
+    run_case<T, D>(s, again, TMA);
 }
 
 /* One forward of the check problem, emulated: out and lse as floats. */
 template <typename T, int D>
-void check_forward(bool wgmma, const std::vector<float> &x, int causal, std::vector<float> &out,
+void check_forward(int which, const std::vector<float> &x, int causal, std::vector<float> &out,
                    std::vector<float> &lse) {
     const ds_dtype dt = std::is_same<T, __nv_bfloat16>::value ? DS_BF16 : DS_F16;
     const size_t n = (size_t)CHECK_H * CHECK_T * D;
@@ -106,9 +149,8 @@ void check_forward(bool wgmma, const std::vector<float> &x, int causal, std::vec
     ds_kview v = emu::view(qkv.data() + 2 * n, dt, 4, sz, st), ov = emu::view(o.data(), dt, 4, sz, st);
     ds_kview lv = emu::view(lse.data(), DS_F32, 3, lsz, lst);
     mma_geom g = mma_geom_of(q, k, 1.0 / sqrt((double)D), causal);
-    if (wgmma)
-        emu::launch("wgmma_forward_kernel", wgmma_query_blocks(g), WG_THREADS, wg_forward_smem<D>(),
-                    [&] { wgmma_forward_kernel<T, D>(ov, lv, q, k, v, g); });
+    if (which)
+        launch<T, D>(which == 1 ? CP_ASYNC : TMA, ov, lv, q, k, v, g);
     else
         emu::launch("mma_forward_kernel", mma_query_blocks(g), MMA_THREADS, mma_forward_smem<T>(D),
                     [&] { mma_forward_kernel<T, D>(ov, lv, q, k, v, g); });
@@ -116,19 +158,21 @@ void check_forward(bool wgmma, const std::vector<float> &x, int causal, std::vec
     for (size_t i = 0; i < n; i++) out[i] = (float)o[i];
 }
 
-template <typename T, int D> void first_call_check() {
+/* which: 1 the cp.async Hopper forward, 2 the TMA one, against mma.sync. */
+template <typename T, int D> void first_call_check(int which) {
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
     const double u = bf ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
     std::vector<float> x = attn_check_inputs(bf ? DS_BF16 : DS_F16, D), o[2][2], l[2][2];
     for (int causal = 0; causal < 2; causal++)
-        for (int w = 0; w < 2; w++) check_forward<T, D>(w == 1, x, causal, o[causal][w], l[causal][w]);
+        for (int w = 0; w < 2; w++) check_forward<T, D>(w ? which : 0, x, causal, o[causal][w], l[causal][w]);
     for (int causal = 0; causal < 2; causal++) {
         long at = 0;
         double e = attn_check_compare(x, D, causal, scale, u, o[causal][0], o[causal][1], l[causal][0], l[causal][1],
                                       &at);
         check(e <= 1, "%s D=%d causal=%d: the first-call check fails the emulated kernels (%.3g of its bound at %ld)",
               bf ? "bf16" : "f16", D, causal, e, at);
-        printf("first-call check %s D=%d causal=%d: %.2f of its bound\n", bf ? "bf16" : "f16", D, causal, e);
+        printf("first-call check %s %s D=%d causal=%d: %.2f of its bound\n", which == 2 ? "tma" : "cp.async",
+               bf ? "bf16" : "f16", D, causal, e);
     }
     long at = 0;
     double wrong = attn_check_compare(x, D, 1, scale, u, o[1][0], o[0][1], l[1][0], l[0][1], &at);
@@ -143,21 +187,28 @@ int main() {
     /* partial last tiles, a causal diagonal inside each block, several key
      * tiles per block, cross attention with more keys than queries and the
      * other way round */
-    run_case<__nv_bfloat16, 64>({ 2, 2, 130, 130, true }, rng);
-    run_case<__nv_bfloat16, 64>({ 1, 2, 300, 300, false }, rng);
-    run_case<__nv_bfloat16, 64>({ 1, 1, 70, 290, false }, rng);
-    run_case<__nv_bfloat16, 64>({ 1, 1, 290, 70, true }, rng);
-    run_case<__half, 64>({ 1, 2, 257, 257, true }, rng);
-    run_case<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, rng);
-    run_case<__half, 128>({ 1, 1, 90, 200, false }, rng);
+    run_both<__nv_bfloat16, 64>({ 2, 2, 130, 130, true }, rng);
+    run_both<__nv_bfloat16, 64>({ 1, 2, 300, 300, false }, rng);
+    run_both<__nv_bfloat16, 64>({ 1, 1, 70, 290, false }, rng);
+    run_both<__nv_bfloat16, 64>({ 1, 1, 290, 70, true }, rng);
+    run_both<__half, 64>({ 1, 2, 257, 257, true }, rng);
+    run_both<__nv_bfloat16, 128>({ 1, 1, 300, 300, true }, rng);
+    run_both<__half, 128>({ 1, 1, 90, 200, false }, rng);
     /* grouped-query: 2 and 4 query heads per kv head, causal or not, both head dims */
-    run_case<__nv_bfloat16, 64>({ 1, 4, 130, 130, true, 2 }, rng);
-    run_case<__half, 64>({ 1, 4, 150, 150, false, 1 }, rng);
-    run_case<__nv_bfloat16, 128>({ 1, 2, 140, 140, false, 1 }, rng);
-    run_case<__half, 128>({ 1, 4, 130, 130, true, 1 }, rng);
-    first_call_check<__nv_bfloat16, 64>();
-    first_call_check<__half, 64>();
-    first_call_check<__nv_bfloat16, 128>();
-    first_call_check<__half, 128>();
+    run_both<__nv_bfloat16, 64>({ 1, 4, 130, 130, true, 2 }, rng);
+    run_both<__half, 64>({ 1, 4, 150, 150, false, 1 }, rng);
+    run_both<__nv_bfloat16, 128>({ 1, 2, 140, 140, false, 1 }, rng);
+    run_both<__half, 128>({ 1, 4, 130, 130, true, 1 }, rng);
+    first_call_check<__nv_bfloat16, 64>(1);
+    first_call_check<__nv_bfloat16, 64>(2);
+    first_call_check<__half, 64>(1);
+    first_call_check<__half, 64>(2);
+    first_call_check<__nv_bfloat16, 128>(1);
+    first_call_check<__nv_bfloat16, 128>(2);
+    first_call_check<__half, 128>(1);
+    first_call_check<__half, 128>(2);
+    /* a map whose swizzle is not the one the descriptors read is caught */
+    check(!run_case<__nv_bfloat16, 64>({ 1, 1, 130, 130, false }, rng, TMA_WRONG_SWIZZLE),
+          "the TMA forward through an unswizzled K map is off");
     return check_summary("test_wgmma_attention");
 }

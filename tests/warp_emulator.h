@@ -15,7 +15,8 @@
  * overwriting one another warp still reads, shows up in the results.
  *
  * The warpgroup MMA (wgmma) of kernels/cuda/cuda_wgmma.cuh is in
- * warp_emulator_wgmma.h, included from here.
+ * warp_emulator_wgmma.h, and TMA with mbarriers (kernels/cuda/cuda_tma.cuh)
+ * in warp_emulator_tma.h, both included from here.
  *
  * Include it first, in one translation unit, then the kernels' header. */
 #ifndef WARP_EMULATOR_H
@@ -29,7 +30,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <functional>
@@ -100,6 +103,8 @@ struct lane {
     ucontext_t ctx;
     std::vector<char> stack;
     bool done;
+    const unsigned *wait_on;                 /* blocked until *wait_on moves past wait_was */
+    unsigned wait_was;
     std::vector<copy> open;                  /* cp.async since the last commit */
     std::vector<std::vector<copy>> groups;   /* committed, oldest first */
 };
@@ -143,6 +148,17 @@ static void yield() {
 #endif
 }
 
+/* Back to the scheduler until *gen moves past `was` (a barrier's or
+ * collective's generation): the scheduler passes this thread over until
+ * then rather than switching to it only to come back. */
+static void block_on(const unsigned *gen, unsigned was) {
+    lane &me = S.lanes[threadIdx.x];
+    me.wait_on = gen;
+    me.wait_was = was;
+    while (*gen == was) yield();
+    me.wait_on = nullptr;
+}
+
 static void release_barrier_if_full() {
     if (S.bar_arrived > 0 && S.bar_arrived == S.live) {
         S.bar_arrived = 0;
@@ -182,8 +198,7 @@ template <typename F> static void collective(int op, void *arg, F finish) {
         w.gen++;
         return;
     }
-    unsigned gen = w.gen;
-    while (w.gen == gen) yield();
+    block_on(&w.gen, w.gen);
 }
 
 /* xorshift, reseeded per launch: runs repeat exactly */
@@ -198,7 +213,7 @@ static unsigned rand_below(unsigned n) {
 
 /* Lets thread t run to its next collective or barrier. */
 static void resume(unsigned t) {
-    if (S.lanes[t].done) return;
+    if (S.lanes[t].done || (S.lanes[t].wait_on && *S.lanes[t].wait_on == S.lanes[t].wait_was)) return;
     threadIdx = { t, 0, 0 };
 #ifdef EMU_ASAN
     void *fake = nullptr;
@@ -211,6 +226,8 @@ static void resume(unsigned t) {
 }
 
 static void wg_block_start();   /* warp_emulator_wgmma.h */
+static void tma_block_start();  /* warp_emulator_tma.h */
+static void tma_stuck();
 
 /* Runs body as a grid of `blocks` blocks of `threads` threads with
  * smem_bytes of dynamic shared memory; aborts on what the checks find. */
@@ -236,12 +253,14 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
 #endif
         memset(smem, 0xff, smem_bytes);
         wg_block_start();
+        tma_block_start();
         S.live = threads;
         S.bar_arrived = 0;
         for (warp &w : S.warps) w = warp{ 0, 0, 32, 0, {} };
         for (lane &l : S.lanes) {
             l.stack.resize(EMU_STACK);
             l.done = false;
+            l.wait_on = nullptr;
             l.open.clear();
             l.groups.clear();
             getcontext(&l.ctx);
@@ -269,12 +288,29 @@ static void launch(const char *kernel, unsigned blocks, unsigned threads, size_t
                 for (unsigned step = rand_below(4) ? 1 : 1 + rand_below(64); step > 0; step--)
                     for (unsigned t = 32 * w; t < 32 * w + 32; t++) resume(t);
             if (S.live == 0) break;
+            if (S.progress == before) tma_stuck();
             if (S.progress == before) fail("deadlock: no thread can go on (a barrier or collective never fills)");
         }
     }
 #ifdef EMU_ASAN
     ASAN_UNPOISON_MEMORY_REGION(smem, EMU_SMEM_MAX);
 #endif
+}
+
+/* Whether launch(...) aborts, run in a child process (its stderr
+ * silenced): how tests check that a misuse is caught. */
+static inline bool launch_aborts(const char *kernel, unsigned threads, size_t smem_bytes, std::function<void()> body) {
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pid = fork();
+    if (pid == 0) {
+        if (!freopen("/dev/null", "w", stderr)) _exit(3);
+        launch(kernel, 1, threads, smem_bytes, body);
+        _exit(0);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    return WIFSIGNALED(status) && WTERMSIG(status) == SIGABRT;
 }
 
 /* A view of ndim dims over data, for a test to hand a kernel. */
@@ -408,6 +444,7 @@ static void copy_issue(void *dst, const void *src, int bytes, bool real) {
 } /* namespace emu */
 
 #include "warp_emulator_wgmma.h"
+#include "warp_emulator_tma.h"
 
 /* ---- cuda_warp.cuh's interface ---- */
 
@@ -466,7 +503,7 @@ static inline void __syncthreads() {
     emu::S.progress++;
     unsigned gen = emu::S.bar_gen;
     emu::release_barrier_if_full();
-    while (emu::S.bar_gen == gen) emu::yield();
+    emu::block_on(&emu::S.bar_gen, gen);
 }
 
 /* Blocks run one after another: a block's writes are all there for the next. */

@@ -106,8 +106,7 @@ template <typename F> static void wg_collective(int op, void *arg, F finish) {
         wg.gen++;
         return;
     }
-    unsigned gen = wg.gen;
-    while (wg.gen == gen) yield();
+    block_on(&wg.gen, wg.gen);
 }
 
 /* The shared address of element (r, k) of an operand: r its M or N index,
@@ -171,7 +170,7 @@ static void named_barrier(int id, unsigned count, bool wait) {
         b.gen++;
         return;
     }
-    while (wait && b.gen == gen) yield();
+    if (wait) block_on(&b.gen, gen);
 }
 
 struct wg_mma_arg { float *d; const uint32_t *a; uint64_t adesc, bdesc; int scale_d; };

@@ -70,17 +70,18 @@ int ds_cuda_copier_join(ds_cuda_copier *c, int up);
 int ds_cuda_allow_tf32(bool conv, int on);
 
 /* bf16 and f16 attention forwards and backwards may run on Hopper's wgmma
- * kernels (on by default; each pass runs there on a device of compute
- * capability 9.0 once it has agreed with the mma.sync kernels on its
- * first-call check): on 1 or 0 sets it, -1 only asks. Returns the
- * setting. Accepted without a GPU. */
+ * kernels, the TMA forward among them (on by default; each pass runs
+ * there on a device of compute capability 9.0 once it has agreed with the
+ * mma.sync kernels on its first-call check): on 1 or 0 sets it, -1 only
+ * asks. Returns the setting. Accepted without a GPU. */
 int ds_cuda_allow_wgmma(int on);
 
 /* The kernel a `dt` attention forward (or backward) at head dim D runs on
- * tensor cores on this rank's GPU: "wgmma" or "mma.sync" (running the
- * check if it has not run), with *why saying why not wgmma ("" when it
- * is); NULL with the error set for a dtype other than bf16 and f16, a head
- * dim other than 64 and 128, no GPU or a failing one. */
+ * tensor cores on this rank's GPU: "wgmma-tma" (the forward fed by TMA),
+ * "wgmma" or "mma.sync" (running the checks that have not run), with *why
+ * saying why not the pass's first choice, the TMA forward or the wgmma
+ * backward ("" when it is); NULL with the error set for a dtype other than
+ * bf16 and f16, a head dim other than 64 and 128, no GPU or a failing one. */
 const char *ds_cuda_attention_kernel(ds_dtype dt, int D, bool backward, const char **why);
 
 /* `dslua --report`: CUDA runtime and driver, cuBLAS, cuDNN and NCCL

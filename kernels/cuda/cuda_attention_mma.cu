@@ -118,7 +118,10 @@ static int mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kv
  * roundings and orders of summation allow (the backwards on the same
  * forward out and lse, mma.sync's); past it, one line on stderr names the
  * pass, the variant and the element, and that pass of the variant stays
- * on mma.sync for the process. Grouped calls (k and v with fewer heads
+ * on mma.sync for the process. The forward fed by TMA is a variant of
+ * its own, checked first on the same problem: past the bound its line
+ * names it and the forward runs the cp.async wgmma kernel (if that one
+ * agrees) or mma.sync. Grouped calls (k and v with fewer heads
  * than q) follow their variant's answer: the check runs ungrouped, as
  * grouping changes only which head a block's tiles come from and how many
  * query tiles a dK/dV block walks, integer arithmetic around the same
@@ -193,9 +196,11 @@ static int check_download(int rc, unsigned char *buf, ds_dtype dt, int D, int te
     return rc;
 }
 
-/* Both forwards on the check problem in dtype dt (its values in x, as
- * floats: q, k, v), their outputs and lse back on the host. */
-static int check_run(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x,
+/* The mma.sync forward and the Hopper one (tma: the TMA kernel, else
+ * cp.async's) on the check problem in dtype dt (its values in x, as
+ * floats: q, k, v), their outputs and lse back on the host; 1 where the
+ * TMA kernel has no tensor maps. */
+static int check_run(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x, bool tma,
                      std::vector<float> out[2], std::vector<float> lse[2]) {
     unsigned char *buf = check_upload(dt, D, 5, 2, x);
     if (!buf) return -1;
@@ -205,7 +210,11 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
     for (int w = 0; w < 2 && rc == 0; w++) {
         ds_kview o = check_tensor(buf, 3 + w, dt, D), l = check_lse(buf + (size_t)5 * rows * D * 2 + w * rows * 4);
         rc = w == 0 ? mma_forward(o, l, q, k, v, scale, causal, false)
-                    : ds_cuda_attention_wgmma_forward(o, l, q, k, v, scale, causal);
+                    : ds_cuda_attention_wgmma_forward(o, l, q, k, v, scale, causal, tma);
+    }
+    if (rc == 1) {
+        ds_cuda_scratch_free(buf);
+        return 1;
     }
     return check_download(rc, buf, dt, D, 5, 3, 2, out, 2, lse);
 }
@@ -236,10 +245,18 @@ static int check_run_backward(ds_dtype dt, int D, int causal, double scale, cons
     return 0;
 }
 
-/* 1 when the Hopper forward (or backward, bwd) agrees with mma.sync on
- * variant (dt, D), 0 (and the line on stderr) when not, -1 when CUDA
- * fails. */
-static int wgmma_agrees(ds_dtype dt, int D, bool bwd) {
+/* The passes the Hopper kernels are checked and trusted for: the forward
+ * staging by cp.async, the backward, the forward fed by TMA. */
+enum { PASS_FORWARD, PASS_BACKWARD, PASS_TMA };
+
+/* 1 when pass's Hopper kernel agrees with mma.sync on variant (dt, D), 0
+ * (and the line on stderr) when not, 2 when the TMA kernel has no tensor
+ * maps, -1 when CUDA fails. */
+static int wgmma_agrees(ds_dtype dt, int D, int pass) {
+    static const char *const names[] = { "forward", "backward", "TMA forward" };
+    static const char *const then[] = { "the forward stays on mma.sync", "the backward stays on mma.sync",
+                                        "the forward runs the cp.async wgmma kernel where that one agrees" };
+    bool bwd = pass == PASS_BACKWARD;
     const double u = dt == DS_BF16 ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
     static const char *const what[] = { "dq", "dk", "dv" };
     std::vector<float> x = attn_check_inputs(dt, D, bwd ? 4 : 3);
@@ -253,15 +270,16 @@ static int wgmma_agrees(ds_dtype dt, int D, bool bwd) {
             worst = attn_check_backward_compare(x, D, causal, scale, u, out, lse, grads[0], grads[1], &which, &at);
         } else {
             std::vector<float> out[2], lse[2];
-            if (check_run(dt, D, causal, scale, x, out, lse)) return -1;
+            int rc = check_run(dt, D, causal, scale, x, pass == PASS_TMA, out, lse);
+            if (rc) return rc < 0 ? -1 : 2;
             worst = attn_check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
         }
         if (!(worst <= 1)) {
             fprintf(stderr,
                     "dslua: attention: the sm_90a wgmma %s (%s, head dim %d, causal %d) is off from the mma.sync "
-                    "kernel by %.3g times the bound on %s %ld of its check; the %s stays on mma.sync\n",
-                    bwd ? "backward" : "forward", dt == DS_BF16 ? "bf16" : "f16", D, causal, worst,
-                    bwd ? what[which] : at < 0 ? "lse" : "out", at < 0 ? -1 - at : at, bwd ? "backward" : "forward");
+                    "kernel by %.3g times the bound on %s %ld of its check; %s\n",
+                    names[pass], dt == DS_BF16 ? "bf16" : "f16", D, causal, worst,
+                    bwd ? what[which] : at < 0 ? "lse" : "out", at < 0 ? -1 - at : at, then[pass]);
             return 0;
         }
     }
@@ -271,27 +289,28 @@ static int wgmma_agrees(ds_dtype dt, int D, bool bwd) {
 /* Why a variant runs where it runs, per wgmma_takes's answer. */
 static const char *const why_not[] = { "", "switched off", "not compute capability 9.0",
                                        "too little shared memory", "off from mma.sync on its check",
-                                       "not checked yet: the stream is capturing a graph" };
+                                       "not checked yet: the stream is capturing a graph",
+                                       "no tensor maps: the driver has no cuTensorMapEncodeTiled" };
 
-/* Whether the current device runs variant (dt, D) of the forward (or the
- * backward, bwd) on the Hopper kernels: known per device (up to 64; past
- * that, never), pass and variant; *why (an index of why_not) says why
- * not. -1 when CUDA fails. */
-static int wgmma_takes(ds_dtype dt, int D, bool bwd, int *why) {
-    static signed char known[64][2][4];   /* 0 not yet, else 1 + why_not's index */
+/* Whether the current device runs variant (dt, D) of a pass on its Hopper
+ * kernel: known per device (up to 64; past that, never), pass and
+ * variant; *why (an index of why_not) says why not. -1 when CUDA fails. */
+static int wgmma_takes(ds_dtype dt, int D, int pass, int *why) {
+    static signed char known[64][3][4];   /* 0 not yet, else 1 + why_not's index */
     int dev, major = 0, minor = 0;
     *why = 1;
     if (!wgmma_on || (dt != DS_BF16 && dt != DS_F16)) return 0;
     if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
     *why = 2;
     if (dev >= 64) return 0;
-    signed char &k = known[dev][bwd][(dt == DS_F16) * 2 + (D == 128)];
+    signed char &k = known[dev][pass][(dt == DS_F16) * 2 + (D == 128)];
     if (k == 0) {
         if (ds_cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "attention") ||
             ds_cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attention"))
             return -1;
         int w = major == 9 && minor == 0 ? 0 : 2;
-        size_t need = bwd ? ds_cuda_attention_wgmma_backward_smem(D) : ds_cuda_attention_wgmma_smem(D);
+        size_t need = pass == PASS_BACKWARD ? ds_cuda_attention_wgmma_backward_smem(D)
+                                            : ds_cuda_attention_wgmma_smem(D, pass == PASS_TMA);
         if (!w && need > (size_t)smem_optin()) w = 3;
         cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
         if (!w && ds_cuda_ok(cudaStreamIsCapturing(ds_cuda_stream(), &capturing), "attention")) return -1;
@@ -300,9 +319,9 @@ static int wgmma_takes(ds_dtype dt, int D, bool bwd, int *why) {
             return 0;
         }
         if (!w) {
-            int agrees = wgmma_agrees(dt, D, bwd);
+            int agrees = wgmma_agrees(dt, D, pass);
             if (agrees < 0) return -1;
-            if (!agrees) w = 4;
+            if (agrees != 1) w = agrees ? 6 : 4;
         }
         k = (signed char)(1 + w);
     }
@@ -312,31 +331,49 @@ static int wgmma_takes(ds_dtype dt, int D, bool bwd, int *why) {
 #else
 static const char *const why_not[] = { "", "switched off", "built without an sm_90a target" };
 
-static int wgmma_takes(ds_dtype, int, bool, int *why) {
+static int wgmma_takes(ds_dtype, int, int, int *why) {
     *why = wgmma_on ? 2 : 1;
     return 0;
 }
 #endif
 
+/* The forward's kernel for variant (dt, D): 2 the TMA one, 1 cp.async's,
+ * 0 mma.sync, -1 when CUDA fails; *why says why not the TMA kernel. */
+static int forward_takes(ds_dtype dt, int D, int *why) {
+    int r = wgmma_takes(dt, D, PASS_TMA, why), cp;
+    if (r) return r < 0 ? -1 : 2;
+    if (*why <= 2) return 0;   /* off, or not Hopper: the cp.async kernel is out too */
+    r = wgmma_takes(dt, D, PASS_FORWARD, &cp);
+    if (r == 0) *why = cp;
+    return r;
+}
+
 const char *ds_cuda_attention_pass_kernel(ds_dtype dt, int D, int backward, const char **why) {
-    int w, r = wgmma_takes(dt, D, backward != 0, &w);
-    *why = why_not[w];
-    return r < 0 ? NULL : r ? "wgmma" : "mma.sync";
+    static const char *const kernels[] = { "mma.sync", "wgmma", "wgmma-tma" };
+    int w, r = backward ? wgmma_takes(dt, D, PASS_BACKWARD, &w) : forward_takes(dt, D, &w);
+    *why = r == (backward ? 1 : 2) ? "" : why_not[w];
+    return r < 0 ? NULL : kernels[r];
 }
 
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal, bool tf32) {
-    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], false, &why);
+    int why, w = forward_takes(q.dtype, (int)q.shape[3], &why);
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
-    if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal);
+    if (w == 2) {
+        int rc = ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal, 1);
+        if (rc != 1) return rc;
+        w = wgmma_takes(q.dtype, (int)q.shape[3], PASS_FORWARD, &why);   /* views TMA cannot map */
+        if (w < 0) return -1;
+    }
+    if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal, 0);
 #endif
     return mma_forward(out, lse, q, k, v, scale, causal, tf32);
 }
 
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, bool tf32) {
-    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], true, &why);
+    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], PASS_BACKWARD, &why);
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w) return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);

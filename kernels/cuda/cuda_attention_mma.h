@@ -23,10 +23,13 @@ int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvi
 /* The forward on Hopper's wgmma (cuda_attention_wgmma.cu), built where
  * DS_CUDA_WGMMA is defined (an sm_90a target): bf16 and f16 calls that
  * fit, on a device of compute capability 9.0 with `smem` bytes of shared
- * memory for a block. ds_cuda_attention_mma_forward calls it. */
-size_t ds_cuda_attention_wgmma_smem(int D);
+ * memory for a block: with tma the kernel fed by TMA, returning 1
+ * (nothing launched) where q, k or v have no tensor map (cuda_attention_
+ * wgmma.cuh's wt_map); else the one staging K and V by cp.async.
+ * ds_cuda_attention_mma_forward calls it. */
+size_t ds_cuda_attention_wgmma_smem(int D, int tma);
 int ds_cuda_attention_wgmma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
-                                    int causal);
+                                    int causal, int tma);
 
 /* The backward on it (cuda_attention_wgmma_bwd.cu), the same way: `smem`
  * bytes for its larger kernel's block; ds_cuda_attention_mma_backward

@@ -1,5 +1,5 @@
 /* The host side of the Hopper attention forward (cuda_attention_wgmma.cuh):
- * its launches. CMakeLists.txt builds this file for sm_90a alone, the one
+ * its launches, and the TMA kernel's tensor maps. CMakeLists.txt builds this file for sm_90a alone, the one
  * target with wgmma, so the kernels' only code is what a device of compute
  * capability 9.0 runs; cuda_attention_mma.cu decides when to call it. */
 #include "cuda_common.cuh"
@@ -15,13 +15,55 @@ static int wgmma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
     return ds_cuda_launched("attention wgmma_forward_kernel");
 }
 
-size_t ds_cuda_attention_wgmma_smem(int D) { return D == 64 ? wg_forward_smem<64>() : wg_forward_smem<128>(); }
+/* The driver's cuTensorMapEncodeTiled, found through the runtime (no link
+ * to libcuda) once; NULL where the driver has none. */
+static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    static bool asked;
+    if (!asked) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult found;
+        asked = true;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess && found == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+        else
+            cudaGetLastError();
+    }
+    return fn;
+}
+
+/* The TMA kernel, or 1 (nothing launched) where q, k or v have no tensor map. */
+template <typename T, int D>
+static int wgmma_tma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
+    static uint64_t asked;
+    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_encoder();
+    wt_maps m;
+    if (!encode || wt_map(&m.q, q, encode) || wt_map(&m.k, k, encode) || wt_map(&m.v, v, encode)) return 1;
+    size_t sm = wt_forward_smem<D>();
+    if (ds_cuda_allow_smem(wgmma_tma_forward_kernel<T, D>, sm, &asked)) return -1;
+    wgmma_tma_forward_kernel<T, D><<<wgmma_query_blocks(g), WT_THREADS, sm, ds_cuda_stream()>>>(out, lse, m, g);
+    return ds_cuda_launched("attention wgmma_tma_forward_kernel");
+}
+
+template <typename T, int D>
+static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g,
+                       int tma) {
+    return tma ? wgmma_tma_run<T, D>(out, lse, q, k, v, g) : wgmma_run<T, D>(out, lse, q, k, v, g);
+}
+
+size_t ds_cuda_attention_wgmma_smem(int D, int tma) {
+    if (tma) return D == 64 ? wt_forward_smem<64>() : wt_forward_smem<128>();
+    return D == 64 ? wg_forward_smem<64>() : wg_forward_smem<128>();
+}
 
 int ds_cuda_attention_wgmma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
-                                    int causal) {
+                                    int causal, int tma) {
     mma_geom g = mma_geom_of(q, k, scale, causal);
     bool bf = q.dtype == DS_BF16;
     if (q.shape[3] == 64)
-        return bf ? wgmma_run<__nv_bfloat16, 64>(out, lse, q, k, v, g) : wgmma_run<__half, 64>(out, lse, q, k, v, g);
-    return bf ? wgmma_run<__nv_bfloat16, 128>(out, lse, q, k, v, g) : wgmma_run<__half, 128>(out, lse, q, k, v, g);
+        return bf ? forward_run<__nv_bfloat16, 64>(out, lse, q, k, v, g, tma)
+                  : forward_run<__half, 64>(out, lse, q, k, v, g, tma);
+    return bf ? forward_run<__nv_bfloat16, 128>(out, lse, q, k, v, g, tma)
+              : forward_run<__half, 128>(out, lse, q, k, v, g, tma);
 }

@@ -738,29 +738,40 @@ describe('attention on the GPU #gpu', function()
 end)
 
 -- On a device of compute capability 9.0 bf16 and f16 attention forwards
--- and backwards at head dims 64 and 128 run the wgmma kernels (the cases
--- above compare them with the CPU); here they are held against the
--- mma.sync kernels they replace: outputs and gradients within twice the
--- 16-bit tolerance (each kernel is within one of exact attention).
+-- and backwards at head dims 64 and 128 run the wgmma kernels, the
+-- forward fed by TMA (the cases above compare them with the CPU); here
+-- they are held against the mma.sync kernels they replace: outputs and
+-- gradients within twice the 16-bit tolerance (each kernel is within one
+-- of exact attention).
 describe('attention on Hopper wgmma against mma.sync #gpu', function()
   if skip or ON_CPU then pending('skipped: no CUDA device') return end
   local kernel, why = ds.cuda.attention_kernel('bf16', 64)
-  if kernel ~= 'wgmma' and why ~= 'off from mma.sync on its check' then
+  if not kernel:match('^wgmma') and why ~= 'off from mma.sync on its check' then
     pending('skipped: attention runs mma.sync here (' .. why .. ')')
     return
   end
 
   after_each(function() ds.cuda.allow_wgmma(true) end)
 
-  it('passes its first-call checks against mma.sync in every variant, forward and backward', function()
+  -- the forward's first choice is the TMA kernel, the backward's the wgmma one
+  local want = { forward = 'wgmma-tma', backward = 'wgmma' }
+
+  it('passes its first-call checks against mma.sync in every variant, the TMA forward and the backward', function()
     for _, dt in ipairs { 'bf16', 'f16' } do
       for _, D in ipairs { 64, 128 } do
         for _, pass in ipairs { 'forward', 'backward' } do
           local k, w = ds.cuda.attention_kernel(dt, D, pass)
-          assert.are.equal('wgmma', k, dt .. ' head dim ' .. D .. ' ' .. pass .. ': ' .. tostring(w))
+          assert.are.equal(want[pass], k, dt .. ' head dim ' .. D .. ' ' .. pass .. ': ' .. tostring(w))
         end
       end
     end
+  end)
+
+  it('turns the TMA forward off with the other wgmma kernels', function()
+    ds.cuda.allow_wgmma(false)
+    local k, w = ds.cuda.attention_kernel('bf16', 64)
+    assert.are.equal('mma.sync', k)
+    assert.are.equal('switched off', w)
   end)
 
   -- q's Hn heads against KV of k and v: grouped-query where KV < Hn, the wgmma kernels reading k
@@ -784,8 +795,8 @@ describe('attention on Hopper wgmma against mma.sync #gpu', function()
           end
           local function run(wgmma)
             ds.cuda.allow_wgmma(wgmma)
-            assert.are.equal(wgmma and 'wgmma' or 'mma.sync', (ds.cuda.attention_kernel(dt, D)))
-            assert.are.equal(wgmma and 'wgmma' or 'mma.sync', (ds.cuda.attention_kernel(dt, D, 'backward')))
+            assert.are.equal(wgmma and want.forward or 'mma.sync', (ds.cuda.attention_kernel(dt, D)))
+            assert.are.equal(wgmma and want.backward or 'mma.sync', (ds.cuda.attention_kernel(dt, D, 'backward')))
             if KV < Hn then
               local kr, vr = k:repeat_interleave(Hn / KV, 2), v:repeat_interleave(Hn / KV, 2)
               assert.are.equal(launches(kr, vr), launches(k, v), 'kernels of the grouped forward')
