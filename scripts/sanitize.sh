@@ -18,7 +18,7 @@ trap 'rm -rf "$logs"' EXIT
 export ASAN_OPTIONS="detect_leaks=0:allocator_may_return_null=1:quarantine_size_mb=16:log_path=$logs/asan"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:log_path=$logs/ubsan"
 status=0
-(cd build-asan && ctest --output-on-failure -E '^specs$') || status=1
+(cd build-asan && ctest --output-on-failure -j "$(nproc)" -E '^specs$') || status=1
 build-asan/dslua /usr/bin/busted "$@" || status=1
 # reports, not the warnings a NULL-returning allocation prints
 reports=$(grep -l -E 'ERROR: AddressSanitizer|runtime error:' "$logs"/* 2>/dev/null || true)

@@ -9,7 +9,7 @@ set -e
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 scripts/build.sh
-(cd build && ctest --output-on-failure -E '^specs$')
+(cd build && ctest --output-on-failure -j "$(nproc)" -E '^specs$')
 build/dslua /usr/bin/busted "$@"
 if [ $# -eq 0 ] && build/dslua -e "os.exit(require('dslua').cuda.is_available() and 0 or 1)"; then
   build/dslua /usr/bin/busted --tags=gpu --exclude-tags=none spec/gpu
