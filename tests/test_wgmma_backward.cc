@@ -47,12 +47,30 @@ template <typename T, int D> void run_forward(problem<T> &p, const mma_geom &g, 
                     [&] { mma_forward_kernel<T, D>(p.out, p.lse, p.q, p.k, p.v, g); });
 }
 
-/* The backward on p (mma.sync's or wgmma's): dq, dk, dv. */
-template <typename T, int D> void run_backward(problem<T> &p, const mma_geom &g, bool wgmma) {
+/* The backwards under test: mma.sync's, the Hopper one staging its tiles
+ * by cp.async, and the one fed by TMA from a producer warpgroup. */
+enum kernel { MMA_SYNC, CP_ASYNC, TMA };
+
+/* The TMA backward's kernels on p: their tensor maps from the emulated driver. */
+template <typename T, int D> void launch_tma(problem<T> &p, const mma_geom &g, float *stats) {
+    wtb_maps m;
+    auto map = [](CUtensorMap *x, const ds_kview &v) { return !wt_map(x, v, cuTensorMapEncodeTiled, WGB_TILE); };
+    check(map(&m.q, p.q) && map(&m.k, p.k) && map(&m.v, p.v) && map(&m.dout, p.dout),
+          "q, k, v and dout have tensor maps");
+    emu::launch("wgmma_tma_dq_kernel", wgmma_dq_blocks(g), WT_THREADS, wtb_dq_smem<D>(),
+                [&] { wgmma_tma_dq_kernel<T, D>(p.dq, m, stats, g); });
+    emu::launch("wgmma_tma_dkdv_kernel", wgmma_dkdv_blocks(g), WT_THREADS, wtb_dkdv_smem<D>(),
+                [&] { wgmma_tma_dkdv_kernel<T, D>(p.dk, p.dv, m, stats, g); });
+}
+
+/* The backward on p by kernel kn: dq, dk, dv. */
+template <typename T, int D> void run_backward(problem<T> &p, const mma_geom &g, kernel kn) {
     std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
     emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
                 [&] { mma_stats_kernel<T, D>(stats.data(), p.dout, p.out, p.lse, g); });
-    if (wgmma) {
+    if (kn == TMA) {
+        launch_tma<T, D>(p, g, stats.data());
+    } else if (kn == CP_ASYNC) {
         emu::launch("wgmma_dq_kernel", wgmma_dq_blocks(g), WG_THREADS, wgb_dq_smem<D>(),
                     [&] { wgmma_dq_kernel<T, D>(p.dq, p.dout, p.q, p.k, p.v, stats.data(), g); });
         emu::launch("wgmma_dkdv_kernel", wgmma_dkdv_blocks(g), WG_THREADS, wgb_dkdv_smem<D>(),
@@ -94,24 +112,22 @@ template <typename T, int D> void run_case(const shape &s, bool wgmma_fwd, std::
     p.lse = emu::view(p.lsebuf.data(), DS_F32, 3, lsz, lst);
     mma_geom g = mma_geom_of(p.q, p.k, scale, s.causal);
     run_forward<T, D>(p, g, wgmma_fwd);
-    run_backward<T, D>(p, g, true);
 
     auto A = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) {
         return (double)(float)((const T *)x.data)[b * x.stride[0] + h * x.stride[1] + t * x.stride[2] + d];
     };
     /* the gradients in double of the kernels' own inputs: P = exp(s - lse)
-     * with the lse the forward wrote, delta = dO . O of its out */
-    double worst[3] = {}, big[3] = {};
-    auto add = [&](int w, double got, double want) {
-        double e = fabs(got - want);
-        worst[w] = e <= worst[w] ? worst[w] : e;   /* NaN sticks */
-        big[w] = fmax(big[w], fabs(want));
+     * with the lse the forward wrote, delta = dO . O of its out; laid out
+     * as dq (want[0]) and dk, dv (want[1], want[2]) are */
+    std::vector<double> want[3] = { std::vector<double>(p.dqb.size()), std::vector<double>(p.dkb.size()),
+                                    std::vector<double>(p.dkb.size()) };
+    auto at = [](const ds_kview &x, int64_t b, int64_t h, int64_t t, int d) {
+        return (size_t)(b * x.stride[0] + h * x.stride[1] + t * x.stride[2] + d);
     };
-    std::vector<double> P((size_t)(s.Tq * s.Tk)), dS(P.size()), gk((size_t)(s.Tk * D)), gv(gk.size());
+    std::vector<double> P((size_t)(s.Tq * s.Tk)), dS(P.size());
     for (int64_t b = 0; b < s.B; b++)
-        for (int64_t kh = 0; kh < KV; kh++) {
+        for (int64_t kh = 0; kh < KV; kh++)
             /* dk and dv of kv head kh: sums over its group's query heads */
-            std::fill(gk.begin(), gk.end(), 0.0), std::fill(gv.begin(), gv.end(), 0.0);
             for (int64_t h = kh * G; h < (kh + 1) * G; h++) {
                 for (int64_t i = 0; i < s.Tq; i++) {
                     double di = 0, lk = p.lsebuf[(size_t)((b * s.H + h) * s.Tq + i)];
@@ -129,38 +145,45 @@ template <typename T, int D> void run_case(const shape &s, bool wgmma_fwd, std::
                     for (int d = 0; d < D; d++) {
                         double a = 0;
                         for (int64_t j = 0; j < s.Tk; j++) a += dS[i * s.Tk + j] * A(p.k, b, kh, j, d);
-                        add(0, A(p.dq, b, h, i, d), a * scale);
+                        want[0][at(p.dq, b, h, i, d)] = a * scale;
                     }
                 for (int64_t j = 0; j < s.Tk; j++)
                     for (int d = 0; d < D; d++)
                         for (int64_t i = 0; i < s.Tq; i++) {
-                            gk[(size_t)(j * D + d)] += dS[i * s.Tk + j] * A(p.q, b, h, i, d);
-                            gv[(size_t)(j * D + d)] += P[i * s.Tk + j] * A(p.dout, b, h, i, d);
+                            want[1][at(p.dk, b, kh, j, d)] += dS[i * s.Tk + j] * A(p.q, b, h, i, d) * scale;
+                            want[2][at(p.dv, b, kh, j, d)] += P[i * s.Tk + j] * A(p.dout, b, h, i, d);
                         }
             }
-            for (int64_t j = 0; j < s.Tk; j++)
-                for (int d = 0; d < D; d++) {
-                    add(1, A(p.dk, b, kh, j, d), gk[(size_t)(j * D + d)] * scale);
-                    add(2, A(p.dv, b, kh, j, d), gv[(size_t)(j * D + d)]);
-                }
-        }
     const double tol = bf ? 2e-2 : 4e-3;
     const char *name = bf ? "bf16" : "f16", *what[3] = { "dq", "dk", "dv" };
-    for (int w = 0; w < 3; w++)
-        check(worst[w] <= tol * big[w],
-              "%s D=%d B=%lld H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its largest %.3g", name, D,
-              (long long)s.B, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, what[w],
-              worst[w] / big[w], big[w]);
-    printf("%s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d (%s forward): dq %.1e dk %.1e dv %.1e\n", name, D,
-           (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal, wgmma_fwd ? "wgmma" : "mma.sync",
-           worst[0] / big[0], worst[1] / big[1], worst[2] / big[2]);
+    for (kernel kn : { CP_ASYNC, TMA }) {
+        std::vector<T> *got[3] = { &p.dqb, &p.dkb, &p.dvb };
+        for (std::vector<T> *x : got) std::fill(x->begin(), x->end(), elem<T>(NAN));
+        run_backward<T, D>(p, g, kn);
+        double worst[3] = {}, big[3] = {};
+        for (int w = 0; w < 3; w++)
+            for (size_t e = 0; e < want[w].size(); e++) {
+                double err = fabs((double)(float)(*got[w])[e] - want[w][e]);
+                worst[w] = err <= worst[w] ? worst[w] : err;   /* NaN sticks */
+                big[w] = fmax(big[w], fabs(want[w][e]));
+            }
+        const char *kname = kn == TMA ? "tma" : "cp.async";
+        for (int w = 0; w < 3; w++)
+            check(worst[w] <= tol * big[w],
+                  "%s %s D=%d B=%lld H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d: %s off by %.3g of its largest %.3g",
+                  kname, name, D, (long long)s.B, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk,
+                  s.causal, what[w], worst[w] / big[w], big[w]);
+        printf("%s %s D=%d H=%lld KV=%lld Tq=%lld Tk=%lld causal=%d (%s forward): dq %.1e dk %.1e dv %.1e\n", kname,
+               name, D, (long long)s.H, (long long)KV, (long long)s.Tq, (long long)s.Tk, s.causal,
+               wgmma_fwd ? "wgmma" : "mma.sync", worst[0] / big[0], worst[1] / big[1], worst[2] / big[2]);
+    }
 }
 
-/* Both backwards of the check problem, emulated, on the mma.sync
- * forward's out and lse: grads[w] the mma.sync (w = 0) and wgmma (1)
- * backwards' dq, dk, dv as floats, and out and lse. */
+/* The three backwards of the check problem, emulated, on the mma.sync
+ * forward's out and lse: grads[w] the dq, dk, dv of kernel w (mma.sync,
+ * cp.async, TMA) as floats, and out and lse. */
 template <typename T, int D>
-void check_backwards(const std::vector<float> &x, int causal, std::vector<float> grads[2][3], std::vector<float> &out,
+void check_backwards(const std::vector<float> &x, int causal, std::vector<float> grads[3][3], std::vector<float> &out,
                      std::vector<float> &lse) {
     const ds_dtype dt = std::is_same<T, __nv_bfloat16>::value ? DS_BF16 : DS_F16;
     const size_t n = (size_t)CHECK_H * CHECK_T * D;
@@ -177,11 +200,11 @@ void check_backwards(const std::vector<float> &x, int causal, std::vector<float>
     p.lse = emu::view(p.lsebuf.data(), DS_F32, 3, lsz, lst);
     mma_geom g = mma_geom_of(p.q, p.k, 1.0 / sqrt((double)D), causal);
     run_forward<T, D>(p, g, false);
-    for (int w = 0; w < 2; w++) {
+    for (int w = MMA_SYNC; w <= TMA; w++) {
         p.dqb.assign(n, elem<T>(NAN)), p.dkb = p.dvb = p.dqb;
         p.dq = emu::view(p.dqb.data(), dt, 4, sz, st), p.dk = emu::view(p.dkb.data(), dt, 4, sz, st);
         p.dv = emu::view(p.dvb.data(), dt, 4, sz, st);
-        run_backward<T, D>(p, g, w == 1);
+        run_backward<T, D>(p, g, (kernel)w);
         const std::vector<T> *bufs[3] = { &p.dqb, &p.dkb, &p.dvb };
         for (int i = 0; i < 3; i++) {
             grads[w][i].resize(n);
@@ -197,20 +220,22 @@ template <typename T, int D> void first_call_check() {
     const bool bf = std::is_same<T, __nv_bfloat16>::value;
     const double u = bf ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
     const char *name = bf ? "bf16" : "f16", *what[3] = { "dq", "dk", "dv" };
-    std::vector<float> x = attn_check_inputs(bf ? DS_BF16 : DS_F16, D, 4), g[2][2][3], out[2], lse[2];
+    std::vector<float> x = attn_check_inputs(bf ? DS_BF16 : DS_F16, D, 4), g[2][3][3], out[2], lse[2];
     for (int causal = 0; causal < 2; causal++) check_backwards<T, D>(x, causal, g[causal], out[causal], lse[causal]);
-    for (int causal = 0; causal < 2; causal++) {
-        int which = 0;
-        long at = 0;
-        double e = attn_check_backward_compare(x, D, causal, scale, u, out[causal], lse[causal], g[causal][0],
-                                               g[causal][1], &which, &at);
-        check(e <= 1, "%s D=%d causal=%d: the backward's first-call check fails the emulated kernels (%.3g of its "
-              "bound at %s %ld)", name, D, causal, e, what[which], at);
-        printf("backward first-call check %s D=%d causal=%d: %.3g of its bound\n", name, D, causal, e);
-    }
+    for (int causal = 0; causal < 2; causal++)
+        for (int kn = CP_ASYNC; kn <= TMA; kn++) {
+            int which = 0;
+            long at = 0;
+            const char *kname = kn == TMA ? "tma" : "cp.async";
+            double e = attn_check_backward_compare(x, D, causal, scale, u, out[causal], lse[causal], g[causal][0],
+                                                   g[causal][kn], &which, &at);
+            check(e <= 1, "%s %s D=%d causal=%d: the backward's first-call check fails the emulated kernels (%.3g of "
+                  "its bound at %s %ld)", kname, name, D, causal, e, what[which], at);
+            printf("backward first-call check %s %s D=%d causal=%d: %.3g of its bound\n", kname, name, D, causal, e);
+        }
     int which = 0;
     long at = 0;
-    double wrong = attn_check_backward_compare(x, D, 1, scale, u, out[1], lse[1], g[1][0], g[0][1], &which, &at);
+    double wrong = attn_check_backward_compare(x, D, 1, scale, u, out[1], lse[1], g[1][0], g[0][TMA], &which, &at);
     check(wrong > 1, "%s D=%d: the backward's first-call check passes gradients without the causal mask (%.3g of "
           "its bound)", name, D, wrong);
     printf("backward first-call check %s D=%d without the mask: %.3g of its bound\n", name, D, wrong);

@@ -15,29 +15,11 @@ static int wgmma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
     return ds_cuda_launched("attention wgmma_forward_kernel");
 }
 
-/* The driver's cuTensorMapEncodeTiled, found through the runtime (no link
- * to libcuda) once; NULL where the driver has none. */
-static PFN_cuTensorMapEncodeTiled_v12000 tma_encoder() {
-    static PFN_cuTensorMapEncodeTiled_v12000 fn;
-    static bool asked;
-    if (!asked) {
-        void *p = NULL;
-        cudaDriverEntryPointQueryResult found;
-        asked = true;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) ==
-                cudaSuccess && found == cudaDriverEntryPointSuccess)
-            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
-        else
-            cudaGetLastError();
-    }
-    return fn;
-}
-
 /* The TMA kernel, or 1 (nothing launched) where q, k or v have no tensor map. */
 template <typename T, int D>
 static int wgmma_tma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
     static uint64_t asked;
-    PFN_cuTensorMapEncodeTiled_v12000 encode = tma_encoder();
+    PFN_cuTensorMapEncodeTiled_v12000 encode = ds_tma_encoder();
     wt_maps m;
     if (!encode || wt_map(&m.q, q, encode) || wt_map(&m.k, k, encode) || wt_map(&m.v, v, encode)) return 1;
     size_t sm = wt_forward_smem<D>();

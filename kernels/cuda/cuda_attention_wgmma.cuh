@@ -248,14 +248,15 @@ template <int D> __host__ __device__ constexpr size_t wt_forward_smem() {
 }
 
 /* The tensor map of x ([B, H, T, D] 2-byte elements, last stride 1) as
- * dims {D, T, H, B}: boxes of 64 columns x 128 rows, one 128B-swizzled
+ * dims {D, T, H, B}: boxes of 64 columns x `rows` rows, one 128B-swizzled
  * panel of a tile, zeros past the ends. 0, or -1 where the driver refuses
  * x's base or strides (TMA wants 16-byte multiples under 2^40) or the
  * last stride is not 1. */
-static inline int wt_map(CUtensorMap *m, const ds_kview &x, PFN_cuTensorMapEncodeTiled_v12000 encode) {
+static inline int wt_map(CUtensorMap *m, const ds_kview &x, PFN_cuTensorMapEncodeTiled_v12000 encode,
+                         unsigned rows = WG_KEYS) {
     cuuint64_t dim[4] = { (cuuint64_t)x.shape[3], (cuuint64_t)x.shape[2], (cuuint64_t)x.shape[1],
                           (cuuint64_t)x.shape[0] }, stride[3];
-    cuuint32_t box[4] = { 64, WG_KEYS, 1, 1 }, one[4] = { 1, 1, 1, 1 };
+    cuuint32_t box[4] = { 64, rows, 1, 1 }, one[4] = { 1, 1, 1, 1 };
     if (x.stride[3] != 1) return -1;
     for (int d = 0; d < 3; d++) {
         if (x.stride[2 - d] < 0) return -1;

@@ -15,6 +15,24 @@
 
 #include <cudaTypedefs.h>
 
+/* The driver's cuTensorMapEncodeTiled, found through the runtime (no link
+ * to libcuda) once per file that asks; NULL where the driver has none. */
+static inline PFN_cuTensorMapEncodeTiled_v12000 ds_tma_encoder() {
+    static PFN_cuTensorMapEncodeTiled_v12000 fn;
+    static bool asked;
+    if (!asked) {
+        void *p = NULL;
+        cudaDriverEntryPointQueryResult found;
+        asked = true;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) ==
+                cudaSuccess && found == cudaDriverEntryPointSuccess)
+            fn = (PFN_cuTensorMapEncodeTiled_v12000)p;
+        else
+            cudaGetLastError();
+    }
+    return fn;
+}
+
 #ifdef DS_WGMMA_ARCH
 
 /* An mbarrier expecting `count` arrivals per phase; phase 0 begins. */
