@@ -186,9 +186,9 @@ local function bandwidth()
 end
 
 -- A bf16 attention op at 8x12x1024x64 timed on the kernels its passes run
--- with the wgmma kernels allowed (compute capability 9.0: the forward fed
--- by TMA, the wgmma backward), then on mma.sync; each row names them, pass
--- by pass ('attention_fwd_bwd_wgmma-tma/wgmma').
+-- with the wgmma kernels allowed (compute capability 9.0: both passes fed
+-- by TMA), then on mma.sync; each row names them, pass by pass
+-- ('attention_fwd_bwd_wgmma-tma/wgmma-tma').
 local function by_kernel(name, passes, fn)
   for _, on in ipairs { true, false } do
     ds.cuda.allow_wgmma(on)
@@ -206,8 +206,8 @@ local function by_kernel(name, passes, fn)
 end
 
 local function ops()
-  -- attention on the default backend, fused on tensor cores: bf16 (the forward on wgmma fed by
-  -- TMA and the backward on wgmma on a compute capability 9.0 device, else mma.sync); f32 in 3xTF32 (the f32 rows, the switch
+  -- attention on the default backend, fused on tensor cores: bf16 (forward and backward on wgmma
+  -- fed by TMA on a compute capability 9.0 device, else mma.sync); f32 in 3xTF32 (the f32 rows, the switch
   -- off); f32 in TF32 under allow_tf32 (the tf32 rows)
   for _, dt in ipairs { 'bf16', 'f32', 'tf32' } do
     local et = dt == 'tf32' and 'f32' or dt

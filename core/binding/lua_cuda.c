@@ -153,8 +153,7 @@ static int l_allow_wgmma(lua_State *L) {
 /* ds.cuda.attention_kernel(dtype, head_dim[, pass]): 'wgmma-tma', 'wgmma'
  * or 'mma.sync', the kernel such an attention forward (pass 'forward', the
  * default) or backward ('backward') runs on this rank's GPU, and why not
- * the pass's first choice (the TMA forward, the wgmma backward) where it
- * is not. */
+ * the pass's first choice (its kernels fed by TMA) where it is not. */
 static int l_attention_kernel(lua_State *L) {
     static const char *const passes[] = { "forward", "backward", NULL };
     ds_dtype dt = dsL_checkdtype(L, 1, DS_BF16);

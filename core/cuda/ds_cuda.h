@@ -77,10 +77,10 @@ int ds_cuda_allow_tf32(bool conv, int on);
 int ds_cuda_allow_wgmma(int on);
 
 /* The kernel a `dt` attention forward (or backward) at head dim D runs on
- * tensor cores on this rank's GPU: "wgmma-tma" (the forward fed by TMA),
+ * tensor cores on this rank's GPU: "wgmma-tma" (the kernels fed by TMA),
  * "wgmma" or "mma.sync" (running the checks that have not run), with *why
- * saying why not the pass's first choice, the TMA forward or the wgmma
- * backward ("" when it is); NULL with the error set for a dtype other than
+ * saying why not the pass's first choice, its kernels fed by TMA ("" when
+ * it is); NULL with the error set for a dtype other than
  * bf16 and f16, a head dim other than 64 and 128, no GPU or a failing one. */
 const char *ds_cuda_attention_kernel(ds_dtype dt, int D, bool backward, const char **why);
 

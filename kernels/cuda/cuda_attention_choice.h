@@ -2,7 +2,7 @@
  * device of compute capability 9.0, in a build with an sm_90a target, the
  * Hopper ones on wgmma (cuda_attention_wgmma.cuh, cuda_attention_wgmma_bwd.cuh),
  * each pass once it has agreed with the mma.sync kernels on its first-call
- * check (the forward fed by TMA first, then the one staging by cp.async);
+ * check (the kernels fed by TMA first, then those staging by cp.async);
  * elsewhere, or with their switch off, mma.sync. Plain C, so core
  * includes it too. */
 #ifndef CUDA_ATTENTION_CHOICE_H
@@ -19,7 +19,7 @@ extern "C" {
 int ds_cuda_attention_set_wgmma(int on);
 
 /* The kernel a bf16 or f16 forward (or, with backward, backward) at head
- * dim D runs on the current device: "wgmma-tma" (forward only), "wgmma"
+ * dim D runs on the current device: "wgmma-tma", "wgmma"
  * or "mma.sync" (running the checks that have not run), and *why, why not
  * the pass's first choice ("switched off", "not compute capability 9.0",
  * "off from mma.sync on its check", ...; "" for the first choice); NULL

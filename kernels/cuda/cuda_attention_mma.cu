@@ -118,10 +118,10 @@ static int mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kv
  * roundings and orders of summation allow (the backwards on the same
  * forward out and lse, mma.sync's); past it, one line on stderr names the
  * pass, the variant and the element, and that pass of the variant stays
- * on mma.sync for the process. The forward fed by TMA is a variant of
- * its own, checked first on the same problem: past the bound its line
- * names it and the forward runs the cp.async wgmma kernel (if that one
- * agrees) or mma.sync. Grouped calls (k and v with fewer heads
+ * on mma.sync for the process. The forward and the backward fed by TMA
+ * are variants of their own, each checked first on the same problem:
+ * past the bound its line names it and the pass runs the cp.async wgmma
+ * kernels (if those agree) or mma.sync. Grouped calls (k and v with fewer heads
  * than q) follow their variant's answer: the check runs ungrouped, as
  * grouping changes only which head a block's tiles come from and how many
  * query tiles a dK/dV block walks, integer arithmetic around the same
@@ -221,8 +221,10 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
 
 /* The mma.sync forward, then both backwards on its out and lse, on the
  * check problem (x: q, k, v, dO): grads[w] the mma.sync (0) and Hopper
- * (1) backwards' dq, dk, dv, and out and lse, back on the host. */
-static int check_run_backward(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x,
+ * (1; tma: the TMA kernels, else cp.async's) backwards' dq, dk, dv, and
+ * out and lse, back on the host; 1 where the TMA kernels have no tensor
+ * maps. */
+static int check_run_backward(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x, bool tma,
                               std::vector<float> grads[2][3], std::vector<float> &out, std::vector<float> &lse) {
     /* q, k, v, dO, out, then dq, dk, dv twice; one lse */
     unsigned char *buf = check_upload(dt, D, 11, 1, x);
@@ -235,7 +237,11 @@ static int check_run_backward(ds_dtype dt, int D, int causal, double scale, cons
     if (rc == 0) rc = D == 64 ? backward_of<64>(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], l, g, false)
                               : backward_of<128>(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], l, g, false);
     if (rc == 0) rc = ds_cuda_attention_wgmma_backward(t[8], t[9], t[10], t[3], t[0], t[1], t[2], t[4], l, scale,
-                                                       causal);
+                                                       causal, tma);
+    if (rc == 1) {
+        ds_cuda_scratch_free(buf);
+        return 1;
+    }
     std::vector<float> got[7];
     rc = check_download(rc, buf, dt, D, 11, 4, 7, got, 1, &lse);
     if (rc) return rc;
@@ -246,17 +252,19 @@ static int check_run_backward(ds_dtype dt, int D, int causal, double scale, cons
 }
 
 /* The passes the Hopper kernels are checked and trusted for: the forward
- * staging by cp.async, the backward, the forward fed by TMA. */
-enum { PASS_FORWARD, PASS_BACKWARD, PASS_TMA };
+ * staging by cp.async, the backward staging by cp.async, the forward and
+ * the backward fed by TMA. */
+enum { PASS_FORWARD, PASS_BACKWARD, PASS_TMA, PASS_TMA_BACKWARD, PASSES };
 
 /* 1 when pass's Hopper kernel agrees with mma.sync on variant (dt, D), 0
  * (and the line on stderr) when not, 2 when the TMA kernel has no tensor
  * maps, -1 when CUDA fails. */
 static int wgmma_agrees(ds_dtype dt, int D, int pass) {
-    static const char *const names[] = { "forward", "backward", "TMA forward" };
+    static const char *const names[] = { "forward", "backward", "TMA forward", "TMA backward" };
     static const char *const then[] = { "the forward stays on mma.sync", "the backward stays on mma.sync",
-                                        "the forward runs the cp.async wgmma kernel where that one agrees" };
-    bool bwd = pass == PASS_BACKWARD;
+                                        "the forward runs the cp.async wgmma kernel where that one agrees",
+                                        "the backward runs the cp.async wgmma kernels where those agree" };
+    bool bwd = pass == PASS_BACKWARD || pass == PASS_TMA_BACKWARD;
     const double u = dt == DS_BF16 ? 1.0 / 256 : 1.0 / 2048, scale = 1.0 / sqrt((double)D);
     static const char *const what[] = { "dq", "dk", "dv" };
     std::vector<float> x = attn_check_inputs(dt, D, bwd ? 4 : 3);
@@ -266,7 +274,8 @@ static int wgmma_agrees(ds_dtype dt, int D, int pass) {
         double worst;
         if (bwd) {
             std::vector<float> grads[2][3], out, lse;
-            if (check_run_backward(dt, D, causal, scale, x, grads, out, lse)) return -1;
+            int rc = check_run_backward(dt, D, causal, scale, x, pass == PASS_TMA_BACKWARD, grads, out, lse);
+            if (rc) return rc < 0 ? -1 : 2;
             worst = attn_check_backward_compare(x, D, causal, scale, u, out, lse, grads[0], grads[1], &which, &at);
         } else {
             std::vector<float> out[2], lse[2];
@@ -296,7 +305,7 @@ static const char *const why_not[] = { "", "switched off", "not compute capabili
  * kernel: known per device (up to 64; past that, never), pass and
  * variant; *why (an index of why_not) says why not. -1 when CUDA fails. */
 static int wgmma_takes(ds_dtype dt, int D, int pass, int *why) {
-    static signed char known[64][3][4];   /* 0 not yet, else 1 + why_not's index */
+    static signed char known[64][PASSES][4];   /* 0 not yet, else 1 + why_not's index */
     int dev, major = 0, minor = 0;
     *why = 1;
     if (!wgmma_on || (dt != DS_BF16 && dt != DS_F16)) return 0;
@@ -309,8 +318,8 @@ static int wgmma_takes(ds_dtype dt, int D, int pass, int *why) {
             ds_cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attention"))
             return -1;
         int w = major == 9 && minor == 0 ? 0 : 2;
-        size_t need = pass == PASS_BACKWARD ? ds_cuda_attention_wgmma_backward_smem(D)
-                                            : ds_cuda_attention_wgmma_smem(D, pass == PASS_TMA);
+        bool tma = pass == PASS_TMA || pass == PASS_TMA_BACKWARD, bwd = pass == PASS_BACKWARD || pass == PASS_TMA_BACKWARD;
+        size_t need = bwd ? ds_cuda_attention_wgmma_backward_smem(D, tma) : ds_cuda_attention_wgmma_smem(D, tma);
         if (!w && need > (size_t)smem_optin()) w = 3;
         cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
         if (!w && ds_cuda_ok(cudaStreamIsCapturing(ds_cuda_stream(), &capturing), "attention")) return -1;
@@ -337,27 +346,28 @@ static int wgmma_takes(ds_dtype, int, int, int *why) {
 }
 #endif
 
-/* The forward's kernel for variant (dt, D): 2 the TMA one, 1 cp.async's,
- * 0 mma.sync, -1 when CUDA fails; *why says why not the TMA kernel. */
-static int forward_takes(ds_dtype dt, int D, int *why) {
-    int r = wgmma_takes(dt, D, PASS_TMA, why), cp;
+/* A pass's kernel for variant (dt, D) (backward: the backward's, else
+ * the forward's): 2 the TMA one, 1 cp.async's, 0 mma.sync, -1 when CUDA
+ * fails; *why says why not the TMA kernel. */
+static int pass_takes(ds_dtype dt, int D, bool backward, int *why) {
+    int r = wgmma_takes(dt, D, backward ? PASS_TMA_BACKWARD : PASS_TMA, why), cp;
     if (r) return r < 0 ? -1 : 2;
     if (*why <= 2) return 0;   /* off, or not Hopper: the cp.async kernel is out too */
-    r = wgmma_takes(dt, D, PASS_FORWARD, &cp);
+    r = wgmma_takes(dt, D, backward ? PASS_BACKWARD : PASS_FORWARD, &cp);
     if (r == 0) *why = cp;
     return r;
 }
 
 const char *ds_cuda_attention_pass_kernel(ds_dtype dt, int D, int backward, const char **why) {
     static const char *const kernels[] = { "mma.sync", "wgmma", "wgmma-tma" };
-    int w, r = backward ? wgmma_takes(dt, D, PASS_BACKWARD, &w) : forward_takes(dt, D, &w);
-    *why = r == (backward ? 1 : 2) ? "" : why_not[w];
+    int w, r = pass_takes(dt, D, backward, &w);
+    *why = r == 2 ? "" : why_not[w];
     return r < 0 ? NULL : kernels[r];
 }
 
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal, bool tf32) {
-    int why, w = forward_takes(q.dtype, (int)q.shape[3], &why);
+    int why, w = pass_takes(q.dtype, (int)q.shape[3], false, &why);
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w == 2) {
@@ -373,10 +383,16 @@ int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kvi
 
 int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
                                    ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, bool tf32) {
-    int why, w = wgmma_takes(q.dtype, (int)q.shape[3], PASS_BACKWARD, &why);
+    int why, w = pass_takes(q.dtype, (int)q.shape[3], true, &why);
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
-    if (w) return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal);
+    if (w == 2) {
+        int rc = ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, 1);
+        if (rc != 1) return rc;
+        w = wgmma_takes(q.dtype, (int)q.shape[3], PASS_BACKWARD, &why);   /* views TMA cannot map */
+        if (w < 0) return -1;
+    }
+    if (w) return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, 0);
 #endif
     mma_geom g = mma_geom_of(q, k, scale, causal);
     return q.shape[3] == 64 ? backward_of<64>(dq, dk, dv, dout, q, k, v, out, lse, g, tf32)

@@ -32,10 +32,11 @@ int ds_cuda_attention_wgmma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_k
                                     int causal, int tma);
 
 /* The backward on it (cuda_attention_wgmma_bwd.cu), the same way: `smem`
- * bytes for its larger kernel's block; ds_cuda_attention_mma_backward
- * calls it. */
-size_t ds_cuda_attention_wgmma_backward_smem(int D);
+ * bytes for its larger kernel's block; with tma the kernels fed by TMA,
+ * returning 1 (nothing launched) where q, k, v or dout have no tensor
+ * map. ds_cuda_attention_mma_backward calls it. */
+size_t ds_cuda_attention_wgmma_backward_smem(int D, int tma);
 int ds_cuda_attention_wgmma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
-                                     ds_kview v, ds_kview out, ds_kview lse, double scale, int causal);
+                                     ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, int tma);
 
 #endif

@@ -13,16 +13,19 @@
  * with K MN-major. So dQ needs no f32 workspace and no atomics, and every
  * output is written once, deterministically, as the mma.sync kernels do;
  * the price is S and dP computed twice, as there.
- * Tiles are the forward's 128-byte-swizzled panels (wg_load_tile), staged
- * by cp.async one tile ahead. lse (base 2) and delta = dO . O per query
- * row come from mma_stats_kernel. Every wgmma group is waited for before
- * its registers are read and before the barrier that lets its tiles be
- * refilled. Outputs as mma_dq_kernel and mma_dkdv_kernel write them.
+ * Tiles are the forward's 128-byte-swizzled panels, staged by the
+ * kernels' own cp.async one tile ahead (wgmma_dkdv_kernel,
+ * wgmma_dq_kernel) or loaded by TMA from a producer warpgroup through a
+ * ring of stages (wgmma_tma_dkdv_kernel, wgmma_tma_dq_kernel, below);
+ * both run the same tile steps (wgb_dkdv_tile, wgb_dq_tile) and stores.
+ * lse (base 2) and delta = dO . O per query row come from
+ * mma_stats_kernel. Every wgmma group is waited for before its registers
+ * are read and before its tiles may be refilled. Outputs as mma_dq_kernel and mma_dkdv_kernel write them.
  * Grouped-query attention as there: k and v may have H / G heads, query
  * head h reading kv head h / G; a dK/dV block walks the query tiles of its
  * kv head's G query heads one after another, dK and dV in registers the
  * whole way (K and V loaded once, no partials, no reduction after). The
- * only PTX is cuda_warp.cuh's and cuda_wgmma.cuh's, so
+ * only PTX is cuda_warp.cuh's, cuda_wgmma.cuh's and cuda_tma.cuh's, so
  * tests/test_wgmma_backward.cc runs this file on the CPU. */
 #ifndef CUDA_ATTENTION_WGMMA_BWD_CUH
 #define CUDA_ATTENTION_WGMMA_BWD_CUH

@@ -7,7 +7,7 @@
  * arrive.expect_tx and the parity wait; setmaxnreg, which moves registers
  * from a producer warpgroup to the consumers. Only sm_90a has these
  * (DS_WGMMA_ARCH); tests/warp_emulator_tma.h stands in for this header on
- * the CPU. */
+ * the CPU. And, for the host, the driver's encoder of tensor maps. */
 #ifndef CUDA_TMA_CUH
 #define CUDA_TMA_CUH
 

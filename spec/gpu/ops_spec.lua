@@ -738,8 +738,8 @@ describe('attention on the GPU #gpu', function()
 end)
 
 -- On a device of compute capability 9.0 bf16 and f16 attention forwards
--- and backwards at head dims 64 and 128 run the wgmma kernels, the
--- forward fed by TMA (the cases above compare them with the CPU); here
+-- and backwards at head dims 64 and 128 run the wgmma kernels, both
+-- passes fed by TMA (the cases above compare them with the CPU); here
 -- they are held against the mma.sync kernels they replace: outputs and
 -- gradients within twice the 16-bit tolerance (each kernel is within one
 -- of exact attention).
@@ -753,10 +753,10 @@ describe('attention on Hopper wgmma against mma.sync #gpu', function()
 
   after_each(function() ds.cuda.allow_wgmma(true) end)
 
-  -- the forward's first choice is the TMA kernel, the backward's the wgmma one
-  local want = { forward = 'wgmma-tma', backward = 'wgmma' }
+  -- each pass's first choice is its kernels fed by TMA
+  local want = { forward = 'wgmma-tma', backward = 'wgmma-tma' }
 
-  it('passes its first-call checks against mma.sync in every variant, the TMA forward and the backward', function()
+  it('passes its first-call checks against mma.sync in every variant, the TMA forward and backward', function()
     for _, dt in ipairs { 'bf16', 'f16' } do
       for _, D in ipairs { 64, 128 } do
         for _, pass in ipairs { 'forward', 'backward' } do
@@ -767,11 +767,13 @@ describe('attention on Hopper wgmma against mma.sync #gpu', function()
     end
   end)
 
-  it('turns the TMA forward off with the other wgmma kernels', function()
+  it('turns the TMA forward and backward off with the other wgmma kernels', function()
     ds.cuda.allow_wgmma(false)
-    local k, w = ds.cuda.attention_kernel('bf16', 64)
-    assert.are.equal('mma.sync', k)
-    assert.are.equal('switched off', w)
+    for _, pass in ipairs { 'forward', 'backward' } do
+      local k, w = ds.cuda.attention_kernel('bf16', 64, pass)
+      assert.are.equal('mma.sync', k, pass)
+      assert.are.equal('switched off', w, pass)
+    end
   end)
 
   -- q's Hn heads against KV of k and v: grouped-query where KV < Hn, the wgmma kernels reading k
