@@ -20,7 +20,8 @@
  * both run the same tile steps (wgb_dkdv_tile, wgb_dq_tile) and stores.
  * lse (base 2) and delta = dO . O per query row come from
  * mma_stats_kernel. Every wgmma group is waited for before its registers
- * are read and before its tiles may be refilled. Outputs as mma_dq_kernel and mma_dkdv_kernel write them.
+ * are read and before its tiles may be refilled. Outputs as mma_dq_kernel
+ * and mma_dkdv_kernel write them.
  * Grouped-query attention as there: k and v may have H / G heads, query
  * head h reading kv head h / G; a dK/dV block walks the query tiles of its
  * kv head's G query heads one after another, dK and dV in registers the
