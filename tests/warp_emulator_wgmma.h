@@ -27,7 +27,7 @@
 #ifndef WARP_EMULATOR_WGMMA_H
 #define WARP_EMULATOR_WGMMA_H
 
-#include <map>
+#include <unordered_map>
 
 namespace emu {
 
@@ -49,7 +49,7 @@ struct wgroup {
     unsigned seq;                                 /* mma issued so far */
     std::vector<unsigned> groups;                 /* committed, oldest first: each one's last mma */
     std::vector<wg_mma_rec> mmas;                 /* issued, not yet completed */
-    std::map<float *, std::pair<float, unsigned>> held;   /* accumulator -> (value, mma) until its wait */
+    std::unordered_map<float *, std::pair<float, unsigned>> held;   /* accumulator -> (value, mma) until its wait */
 };
 
 static std::vector<wgroup> WG;
