@@ -279,9 +279,9 @@ wgmma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, 
  * A consumer warpgroup's first thread arrives on "empty" once the tile
  * step returned, its wgmma reading the stage all completed. In the dK/dV
  * kernel the producer's first warp also copies the tile's lse and delta
- * rows into the stage with plain loads (mma_stats_kernel's rows are not
- * 16-byte aligned, which TMA needs), each lane arriving on "full" after
- * its stores. Streamed tiles are 64 rows: every map has boxes of
+ * rows into the stage with plain loads (mma_stats_kernel's rows are Tq
+ * floats apart, not the multiple of 16 bytes TMA needs), each lane
+ * arriving on "full" after its stores. Streamed tiles are 64 rows: every map has boxes of
  * WGB_TILE rows, two per panel of a 128-row tile. */
 #define WTB_STAGES 2
 #define WTB_ONCE 0                        /* mbarriers: the block's own tiles, */
