@@ -45,6 +45,9 @@ uint64_t *barrier(uint32_t at, unsigned count, bool fence = true) {
     return bar;
 }
 
+/* An unbounded wait, as the misuses below need: a deadlock aborts. */
+void wait(uint64_t *bar, unsigned parity) { emu::mbar_wait(bar, parity, false, nullptr); }
+
 /* Thread 0 announces `bytes` on bar and copies map m's box at (c0, t0, h, b) to dst. */
 void issue(uint64_t *bar, unsigned bytes, unsigned char *dst, const CUtensorMap *m = &map, int t0 = 0, int c0 = 0,
            int h = 0, int b = 0) {
@@ -59,7 +62,7 @@ void copy_box(int c0, int t0, int h, int b, uint32_t bytes) {
     emu::launch("copy_box", 1, 128, 16384 + 8, [&] {
         uint64_t *bar = barrier(16384, 1);
         issue(bar, bytes, smem, &map, t0, c0, h, b);
-        mbar_wait(bar, 0);
+        wait(bar, 0);
     });
 }
 
@@ -108,13 +111,13 @@ void phases() {
     int through = 0;
     emu::launch("phases", 1, 128, 1024 + 16, [&] {
         uint64_t *bar = barrier(1024, 2);
-        mbar_wait(bar, 1);   /* the phase before phase 0 counts as complete */
+        wait(bar, 1);   /* the phase before phase 0 counts as complete */
         issue(bar, 1024, smem);
         if (threadIdx.x == 0)
             for (int i = 0; i < 1024; i++) nan_before = nan_before && smem[i] == 0xff;
         __syncthreads();
         if (threadIdx.x == 32) mbar_arrive(bar);   /* the second arrival completes phase 0 */
-        mbar_wait(bar, 0);
+        wait(bar, 0);
         if (threadIdx.x == 0) {
             uint16_t first;
             memcpy(&first, smem, 2);
@@ -122,7 +125,7 @@ void phases() {
         }
         __syncthreads();
         if (threadIdx.x < 2) mbar_arrive(bar);      /* phase 1, no bytes */
-        mbar_wait(bar, 1);
+        wait(bar, 1);
         through++;
     });
     check(nan_before, "a bulk copy's destination is NaN until its phase completes");
@@ -178,7 +181,46 @@ void copy_must_abort(const char *what, unsigned bytes, int dst, const CUtensorMa
     must_abort(what, [=] {
         uint64_t *bar = barrier(12288, 1, fence);
         issue(bar, bytes, smem + dst, m);
-        mbar_wait(bar, 0);
+        wait(bar, 0);
+    });
+}
+
+/* The kernels' bounded waits (mbar_wait with the block's stall flag):
+ * one whose phase completes returns true, also while the arrival it waits
+ * for is a long way off in another warp; one whose phase cannot complete
+ * (expect_tx a box past the bytes landing) returns false in every thread
+ * instead of aborting, once nothing else can go on; one blocked beside a
+ * named barrier that never fills still ends in the deadlock's abort. */
+void bounded_waits() {
+    encode(CU_TENSOR_MAP_SWIZZLE_128B, 64, 8);   /* 1 KiB boxes */
+    int stop = 0, done = 0, ran_out = 0;
+    bool landed = false;
+    emu::launch("bounded_wait", 1, 128, 16384 + 8, [&] {
+        uint64_t *bar = barrier(16384, 2);
+        issue(bar, 1024, smem);
+        if (threadIdx.x / 32 == 3) {
+            float v = 1.f;
+            for (int i = 0; i < 200; i++) v = __shfl_xor_sync(~0u, v, 1);   /* a while before the arrival */
+            if (threadIdx.x == 96) mbar_arrive(bar);
+        }
+        done += mbar_wait(bar, 0, &stop);
+        if (threadIdx.x == 0) landed = ((uint16_t *)smem)[0] == elem(0, 0, 0, 0);
+    });
+    check(done == 128 && landed, "a bounded wait whose phase completes returns true (%d of 128) with the copy in",
+          done);
+    done = 0;
+    emu::launch("bounded_wait_runs_out", 1, 128, 16384 + 8, [&] {
+        uint64_t *bar = barrier(16384, 1);
+        issue(bar, 2048, smem);   /* 1 KiB lands: the phase never completes */
+        if (mbar_wait(bar, 0, &stop)) done++;
+        else ran_out++;
+    });
+    check(done == 0 && ran_out == 128, "a bounded wait on a phase that cannot complete runs out in every thread "
+          "(%d completed, %d ran out)", done, ran_out);
+    must_abort("a bounded wait beside a named barrier that never fills", [&stop] {
+        uint64_t *bar = barrier(12288, 1);
+        if (threadIdx.x < 32) mbar_wait(bar, 0, &stop);
+        else named_barrier_sync(1, 128);
     });
 }
 
@@ -193,12 +235,12 @@ void misuse() {
     must_abort("a wait on a phase no arrival completes (a wrong parity)", [] {
         uint64_t *bar = barrier(12288, 1);
         if (threadIdx.x == 0) mbar_arrive(bar);
-        mbar_wait(bar, 1);   /* phase 1's: nobody arrives again */
+        wait(bar, 1);   /* phase 1's: nobody arrives again */
     });
     must_abort("an arrive missing", [] {
         uint64_t *bar = barrier(12288, 2);
         if (threadIdx.x == 0) mbar_arrive(bar);
-        mbar_wait(bar, 0);
+        wait(bar, 0);
     });
     must_abort("an mbarrier used before init", [] {
         uint64_t *bar = (uint64_t *)(smem + 12288);
@@ -207,7 +249,7 @@ void misuse() {
     must_abort("a copy over shared memory a pending wgmma reads (an empty barrier skipped)", [] {
         uint64_t *bar = barrier(12288, 1);
         issue(bar, 1024, smem);
-        mbar_wait(bar, 0);
+        wait(bar, 0);
         float d[8][4];
         uint64_t sw = (uint64_t)(1024 >> 4) << 32 | 1ull << 62 | 1ull << 16;   /* smem 0, SW128 */
         wgmma_fence();
@@ -238,6 +280,7 @@ int main() {
     copies();
     phases();
     limits();
+    bounded_waits();
     misuse();
     return check_summary("test_tma");
 }

@@ -12,7 +12,12 @@
  * And the check the dispatch runs before trusting a kernel on a GPU
  * (cuda_attention_check.h) on the emulated kernels: each Hopper forward
  * and the mma.sync one agree within its bound in every variant, and a
- * wrong mask is past it. */
+ * wrong mask is past it. A healthy TMA forward leaves its stall record
+ * unwritten; one whose K map the kernel reads differently (boxes of half
+ * the rows its expect_tx announces: a phase that never completes) returns
+ * with its bounded waits run out, the record naming full[0] of K and
+ * block 0, out and lse untouched, and the first-call check's reading of
+ * the record says it stalled. */
 #include "warp_emulator.h"
 #include "wgmma_cases.h"
 #include "cuda/cuda_attention_check.h"
@@ -35,11 +40,13 @@ using wgmma_cases::elem;
  * must fail). */
 enum kernel { CP_ASYNC, TMA, TMA_WRONG_SWIZZLE };
 
-/* Runs the TMA forward: its tensor maps encoded by the emulated driver. */
+/* Runs the TMA forward: its tensor maps encoded by the emulated driver
+ * (K's boxes of k_rows rows), its stall record in *stall. */
 template <typename T, int D>
-void launch_tma(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g, bool wrong) {
+void launch_tma(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g, bool wrong,
+                wt_stall *stall, unsigned k_rows = WG_KEYS) {
     wt_maps m;
-    bool ok = !wt_map(&m.q, q, cuTensorMapEncodeTiled) && !wt_map(&m.k, k, cuTensorMapEncodeTiled) &&
+    bool ok = !wt_map(&m.q, q, cuTensorMapEncodeTiled) && !wt_map(&m.k, k, cuTensorMapEncodeTiled, k_rows) &&
               !wt_map(&m.v, v, cuTensorMapEncodeTiled);
     check(ok, "q, k and v have tensor maps");
     if (wrong) {
@@ -49,13 +56,16 @@ void launch_tma(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, 
         memcpy(&m.k, &f, sizeof f);
     }
     emu::launch("wgmma_tma_forward_kernel", wgmma_query_blocks(g), WT_THREADS, wt_forward_smem<D>(),
-                [&] { wgmma_tma_forward_kernel<T, D>(out, lse, m, g); });
+                [&] { wgmma_tma_forward_kernel<T, D>(out, lse, m, g, stall); });
 }
 
 template <typename T, int D>
 void launch(kernel kn, ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
-    if (kn != CP_ASYNC) launch_tma<T, D>(out, lse, q, k, v, g, kn == TMA_WRONG_SWIZZLE);
-    else emu::launch("wgmma_forward_kernel", wgmma_query_blocks(g), WG_THREADS, wg_forward_smem<D>(),
+    if (kn != CP_ASYNC) {
+        wt_stall stall = { -1, -1 };
+        launch_tma<T, D>(out, lse, q, k, v, g, kn == TMA_WRONG_SWIZZLE, &stall);
+        check(stall.pos == -1 && stall.value == -1, "a healthy TMA forward writes no stall record");
+    } else emu::launch("wgmma_forward_kernel", wgmma_query_blocks(g), WG_THREADS, wg_forward_smem<D>(),
                      [&] { wgmma_forward_kernel<T, D>(out, lse, q, k, v, g); });
 }
 
@@ -180,6 +190,36 @@ template <typename T, int D> void first_call_check(int which) {
           bf ? "bf16" : "f16", D, wrong);
 }
 
+/* The TMA forward with K's map of half the rows a tile announces, on the
+ * check problem: its waits run out instead of hanging. */
+void stalled() {
+    const size_t n = (size_t)CHECK_H * CHECK_T * 64;
+    std::vector<float> x = attn_check_inputs(DS_BF16, 64);
+    std::vector<__nv_bfloat16> qkv(3 * n), o(n, elem<__nv_bfloat16>(NAN)), o0 = o;
+    for (size_t i = 0; i < 3 * n; i++) qkv[i] = elem<__nv_bfloat16>(x[i]);
+    std::vector<float> lse((size_t)CHECK_H * CHECK_T, NAN), lse0 = lse;
+    int64_t sz[4] = { 1, CHECK_H, CHECK_T, 64 }, st[4] = { CHECK_H * CHECK_T * 64, CHECK_T * 64, 64, 1 };
+    int64_t lsz[3] = { 1, CHECK_H, CHECK_T }, lst[3] = { CHECK_H * CHECK_T, CHECK_T, 1 };
+    ds_kview q = emu::view(qkv.data(), DS_BF16, 4, sz, st), k = emu::view(qkv.data() + n, DS_BF16, 4, sz, st);
+    ds_kview v = emu::view(qkv.data() + 2 * n, DS_BF16, 4, sz, st), ov = emu::view(o.data(), DS_BF16, 4, sz, st);
+    ds_kview lv = emu::view(lse.data(), DS_F32, 3, lsz, lst);
+    mma_geom g = mma_geom_of(q, k, 0.125, 0);
+    wt_stall stall = { -1, -1 };
+    launch_tma<__nv_bfloat16, 64>(ov, lv, q, k, v, g, false, &stall, WG_KEYS / 2);
+    check(stall.pos == 0 && stall.value == WT_KERNEL_FORWARD * WT_STALL_BARS + WT_FULL,
+          "the stalled forward's record names block 0 and full[0] of K (block %lld, value %lld)", stall.pos,
+          stall.value);
+    check(!memcmp(o.data(), o0.data(), n * 2) && !memcmp(lse.data(), lse0.data(), lse.size() * 4),
+          "the stalled forward leaves out and lse untouched");
+    char line[512];
+    bool off = wt_check_stalled(stall, "TMA forward", true, 64, 0, "the forward runs the cp.async kernel", line,
+                                sizeof line);
+    check(off && strstr(line, "stalled: an mbarrier wait ran out") &&
+          strstr(line, "wgmma_tma_forward_kernel's full[0] of K, block 0"),
+          "the first-call check reads the stall and takes the kernel as off: %s", line);
+    printf("%s\n", line);
+}
+
 } /* namespace */
 
 int main() {
@@ -207,6 +247,7 @@ int main() {
     first_call_check<__nv_bfloat16, 128>(2);
     first_call_check<__half, 128>(1);
     first_call_check<__half, 128>(2);
+    stalled();
     /* a map whose swizzle is not the one the descriptors read is caught */
     check(!run_case<__nv_bfloat16, 64>({ 1, 1, 130, 130, false }, rng, TMA_WRONG_SWIZZLE),
           "the TMA forward through an unswizzled K map is off");

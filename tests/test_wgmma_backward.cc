@@ -11,7 +11,12 @@
  * And the check the dispatch runs before trusting the kernels on a GPU
  * (cuda_attention_check.h) on the emulated kernels: the Hopper backward
  * and the mma.sync one agree within its bound in every variant, and
- * gradients without the causal mask are past it. */
+ * gradients without the causal mask are past it. A healthy TMA backward
+ * leaves its stall records unwritten; with Q's map of half the rows its
+ * expect_tx announces, both kernels return with their bounded waits run
+ * out, the records naming the dQ kernel's mbarrier of its own tiles and
+ * the dK/dV kernel's full[0], dq, dk and dv untouched, and the first-call
+ * check's reading of a record says it stalled. */
 #include "warp_emulator.h"
 #include "wgmma_cases.h"
 #include "cuda/cuda_attention_check.h"
@@ -51,16 +56,21 @@ template <typename T, int D> void run_forward(problem<T> &p, const mma_geom &g, 
  * by cp.async, and the one fed by TMA from a producer warpgroup. */
 enum kernel { MMA_SYNC, CP_ASYNC, TMA };
 
-/* The TMA backward's kernels on p: their tensor maps from the emulated driver. */
-template <typename T, int D> void launch_tma(problem<T> &p, const mma_geom &g, float *stats) {
+/* The TMA backward's kernels on p: their tensor maps from the emulated
+ * driver (Q's boxes of q_rows rows), their stall records in stall[0]
+ * (dQ) and stall[1] (dK/dV). */
+template <typename T, int D>
+void launch_tma(problem<T> &p, const mma_geom &g, float *stats, wt_stall stall[2], unsigned q_rows = WGB_TILE) {
     wtb_maps m;
-    auto map = [](CUtensorMap *x, const ds_kview &v) { return !wt_map(x, v, cuTensorMapEncodeTiled, WGB_TILE); };
-    check(map(&m.q, p.q) && map(&m.k, p.k) && map(&m.v, p.v) && map(&m.dout, p.dout),
+    auto map = [](CUtensorMap *x, const ds_kview &v, unsigned rows = WGB_TILE) {
+        return !wt_map(x, v, cuTensorMapEncodeTiled, rows);
+    };
+    check(map(&m.q, p.q, q_rows) && map(&m.k, p.k) && map(&m.v, p.v) && map(&m.dout, p.dout),
           "q, k, v and dout have tensor maps");
     emu::launch("wgmma_tma_dq_kernel", wgmma_dq_blocks(g), WT_THREADS, wtb_dq_smem<D>(),
-                [&] { wgmma_tma_dq_kernel<T, D>(p.dq, m, stats, g); });
+                [&] { wgmma_tma_dq_kernel<T, D>(p.dq, m, stats, g, &stall[0]); });
     emu::launch("wgmma_tma_dkdv_kernel", wgmma_dkdv_blocks(g), WT_THREADS, wtb_dkdv_smem<D>(),
-                [&] { wgmma_tma_dkdv_kernel<T, D>(p.dk, p.dv, m, stats, g); });
+                [&] { wgmma_tma_dkdv_kernel<T, D>(p.dk, p.dv, m, stats, g, &stall[1]); });
 }
 
 /* The backward on p by kernel kn: dq, dk, dv. */
@@ -69,7 +79,9 @@ template <typename T, int D> void run_backward(problem<T> &p, const mma_geom &g,
     emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
                 [&] { mma_stats_kernel<T, D>(stats.data(), p.dout, p.out, p.lse, g); });
     if (kn == TMA) {
-        launch_tma<T, D>(p, g, stats.data());
+        wt_stall stall[2] = { { -1, -1 }, { -1, -1 } };
+        launch_tma<T, D>(p, g, stats.data(), stall);
+        check(stall[0].pos == -1 && stall[1].pos == -1, "a healthy TMA backward writes no stall record");
     } else if (kn == CP_ASYNC) {
         emu::launch("wgmma_dq_kernel", wgmma_dq_blocks(g), WG_THREADS, wgb_dq_smem<D>(),
                     [&] { wgmma_dq_kernel<T, D>(p.dq, p.dout, p.q, p.k, p.v, stats.data(), g); });
@@ -241,6 +253,53 @@ template <typename T, int D> void first_call_check() {
     printf("backward first-call check %s D=%d without the mask: %.3g of its bound\n", name, D, wrong);
 }
 
+/* The TMA backward with Q's map of half the rows a box announces, 100
+ * queries and keys (the producers' loads all issued before any wait on
+ * "empty", so the consumers' waits are the ones that run out): its waits
+ * run out instead of hanging. */
+void stalled() {
+    const int D = 64;
+    const size_t n = (size_t)CHECK_H * 100 * D;
+    std::vector<float> x = attn_check_inputs(DS_BF16, D, 4);
+    problem<__nv_bfloat16> p;
+    p.qkv.resize(4 * n);
+    for (size_t i = 0; i < 4 * n; i++) p.qkv[i] = elem<__nv_bfloat16>(x[i]);
+    p.obuf.assign(n, elem<__nv_bfloat16>(NAN));
+    p.dqb.assign(n, elem<__nv_bfloat16>(NAN)), p.dkb = p.dvb = p.dqb;
+    const std::vector<__nv_bfloat16> untouched = p.dqb;
+    p.lsebuf.assign((size_t)CHECK_H * 100, NAN);
+    int64_t sz[4] = { 1, CHECK_H, 100, D }, st[4] = { CHECK_H * 100 * D, 100 * D, D, 1 };
+    int64_t lsz[3] = { 1, CHECK_H, 100 }, lst[3] = { CHECK_H * 100, 100, 1 };
+    ds_kview *views[7] = { &p.q, &p.k, &p.v, &p.dout, &p.dq, &p.dk, &p.dv };
+    __nv_bfloat16 *data[7] = { p.qkv.data(), p.qkv.data() + n, p.qkv.data() + 2 * n, p.qkv.data() + 3 * n,
+                               p.dqb.data(), p.dkb.data(), p.dvb.data() };
+    for (int i = 0; i < 7; i++) *views[i] = emu::view(data[i], DS_BF16, 4, sz, st);
+    p.out = emu::view(p.obuf.data(), DS_BF16, 4, sz, st);
+    p.lse = emu::view(p.lsebuf.data(), DS_F32, 3, lsz, lst);
+    mma_geom g = mma_geom_of(p.q, p.k, 0.125, 0);
+    run_forward<__nv_bfloat16, D>(p, g, false);
+    std::vector<float> stats(mma_stats_bytes(g) / sizeof(float), NAN);
+    emu::launch("mma_stats_kernel", mma_stats_blocks(g), MMA_STATS_THREADS, 0,
+                [&] { mma_stats_kernel<__nv_bfloat16, D>(stats.data(), p.dout, p.out, p.lse, g); });
+    wt_stall stall[2] = { { -1, -1 }, { -1, -1 } };
+    launch_tma<__nv_bfloat16, D>(p, g, stats.data(), stall, WGB_TILE / 2);
+    check(stall[0].pos == 0 && stall[0].value == WT_KERNEL_DQ * WT_STALL_BARS + WTB_ONCE,
+          "the stalled dQ kernel's record names block 0 and its own tiles' mbarrier (block %lld, value %lld)",
+          stall[0].pos, stall[0].value);
+    check(stall[1].pos == 0 && stall[1].value == WT_KERNEL_DKDV * WT_STALL_BARS + WTB_FULL,
+          "the stalled dK/dV kernel's record names block 0 and full[0] (block %lld, value %lld)", stall[1].pos,
+          stall[1].value);
+    check(!memcmp(p.dqb.data(), untouched.data(), n * 2) && !memcmp(p.dkb.data(), untouched.data(), n * 2) &&
+          !memcmp(p.dvb.data(), untouched.data(), n * 2), "the stalled backward leaves dq, dk and dv untouched");
+    char line[512];
+    bool off = wt_check_stalled(stall[1], "TMA backward", true, D, 0, "the backward runs the cp.async kernels", line,
+                                sizeof line);
+    check(off && strstr(line, "stalled: an mbarrier wait ran out") &&
+          strstr(line, "wgmma_tma_dkdv_kernel's full[0], block 0"),
+          "the first-call check reads the stall and takes the kernels as off: %s", line);
+    printf("%s\n", line);
+}
+
 } /* namespace */
 
 int main() {
@@ -269,5 +328,6 @@ int main() {
     /* both dtypes and both head dims (the check costs the most emulated time) */
     first_call_check<__nv_bfloat16, 64>();
     first_call_check<__half, 128>();
+    stalled();
     return check_summary("test_wgmma_backward");
 }

@@ -519,6 +519,16 @@ static inline int atomicMax(int *p, int v) {
     *p = std::max(old, v);
     return old;
 }
+static inline int atomicExch(int *p, int v) {
+    int old = *p;
+    *p = v;
+    return old;
+}
+static inline unsigned long long atomicCAS(unsigned long long *p, unsigned long long cmp, unsigned long long v) {
+    unsigned long long old = *p;
+    if (old == cmp) *p = v;
+    return old;
+}
 
 static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     emu::shfl_arg me = { v, 0.f };

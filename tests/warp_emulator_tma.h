@@ -12,14 +12,20 @@
  * destination NaN when issued and lands (global data, swizzled, zeros out
  * of bounds) only when its mbarrier's phase completes, so reading it
  * before the wait shows up in the results. A thread waiting on a parity
- * blocks as at a barrier. The tensor map is the driver's opaque 128 bytes,
+ * blocks as at a barrier. The kernels' wait is bounded (cuda_tma.cuh: a
+ * budget of seconds, or the block's stall flag): here it runs out where
+ * the hardware's would, when every live thread of the block is blocked
+ * and some in bounded waits (no time would bring progress), and all
+ * those waits return "not completed"; an unbounded wait (emu::mbar_wait
+ * without one) still aborts there. The tensor map is the driver's opaque 128 bytes,
  * here holding the emulator's own fields; encoding checks the driver's
  * documented limits and returns CUDA_ERROR_INVALID_VALUE past them.
  * It aborts, naming the kernel and thread, on: an mbarrier used before
  * init or a TMA completing on one whose init had no fence.mbarrier_init;
  * more bytes landing on a phase than its expect_tx announced, or a
- * deadlock with a phase whose arrivals came but whose bytes differ; a
- * thread blocked on a phase that cannot complete (named in the deadlock);
+ * deadlock with a phase whose arrivals came but whose bytes differ, or a
+ * thread blocked on a phase that cannot complete (named in the deadlock),
+ * when no thread is in a bounded wait;
  * a tensor map never encoded; a destination misaligned for the map's
  * swizzle; a copy overwriting shared memory an issued wgmma still reads
  * (its stage's "empty" barrier skipped); setmaxnreg not uniform over the
@@ -75,12 +81,15 @@ struct mbar {
 
 static std::map<uint32_t, mbar> MB;
 static std::vector<int64_t> waiting_on;   /* per thread: the mbarrier it blocks on, or -1 */
+static std::vector<char> bounded, expired; /* per thread: that wait bounded; ran out */
 struct wg_nreg { int arrived, n; unsigned gen; };
 static std::vector<wg_nreg> NREG;
 
 static void tma_block_start() {
     MB.clear();
     waiting_on.assign(blockDim.x, -1);
+    bounded.assign(blockDim.x, 0);
+    expired.assign(blockDim.x, 0);
     NREG.assign(blockDim.x / 128 + 1, wg_nreg{ 0, 0, 0 });
 }
 
@@ -159,19 +168,46 @@ static void mbar_arrive(void *p, uint32_t tx) {
     mbar_settle(b);
 }
 
-/* try_wait.parity in a loop: done once the phase of this parity
- * completed, that is when the current (incomplete) phase's parity differs. */
-static void mbar_wait(void *p, unsigned parity) {
+/* try_wait.parity in a loop: true once the phase of this parity
+ * completed, that is when the current (incomplete) phase's parity
+ * differs. Bounded: false once tma_stuck ran the wait out, or stop (the
+ * block's stall flag) was set when it looks. */
+static bool mbar_wait(void *p, unsigned parity, bool bound, const volatile int *stop) {
     mbar &b = mbar_at(p);
-    waiting_on[threadIdx.x] = (int64_t)((unsigned char *)p - smem);
-    if ((b.phase & 1) == (parity & 1)) block_on(&b.phase, b.phase);   /* the phase completes */
-    waiting_on[threadIdx.x] = -1;
+    unsigned t = threadIdx.x;
+    waiting_on[t] = (int64_t)((unsigned char *)p - smem);
+    bounded[t] = bound;
+    bool done = true;
+    while ((b.phase & 1) == (parity & 1) && done) {
+        if (bound && (*stop || expired[t])) done = false;
+        else {                              /* until the phase completes or tma_stuck wakes it */
+            S.lanes[t].wait_on = &b.phase;
+            S.lanes[t].wait_was = b.phase;
+            yield();
+            S.lanes[t].wait_on = nullptr;
+        }
+    }
+    waiting_on[t] = -1;
+    expired[t] = 0;
     S.progress++;
+    return done;
 }
 
-/* The reason a deadlocked block cannot go on, when a thread waits on an
- * mbarrier: fails naming that thread. */
+/* A deadlocked block: its bounded mbarrier waits run out (all at once, as
+ * no time would complete them), or, with none, it fails naming a thread
+ * that waits on an mbarrier. */
 static void tma_stuck() {
+    bool ran_out = false;
+    for (unsigned t = 0; t < waiting_on.size(); t++)
+        if (waiting_on[t] >= 0 && bounded[t] && !S.lanes[t].done) {
+            expired[t] = 1;
+            S.lanes[t].wait_on = nullptr;
+            ran_out = true;
+        }
+    if (ran_out) {
+        S.progress++;
+        return;
+    }
     for (unsigned t = 0; t < waiting_on.size(); t++) {
         if (waiting_on[t] < 0 || S.lanes[t].done) continue;
         mbar &b = MB[(uint32_t)waiting_on[t]];
@@ -268,7 +304,9 @@ static inline void mbar_init(uint64_t *bar, unsigned count) { emu::mbar_init(bar
 static inline void mbar_fence_init() { emu::mbar_fence_init(); }
 static inline void mbar_arrive(uint64_t *bar) { emu::mbar_arrive(bar, 0); }
 static inline void mbar_arrive_expect_tx(uint64_t *bar, unsigned bytes) { emu::mbar_arrive(bar, bytes); }
-static inline void mbar_wait(uint64_t *bar, unsigned parity) { emu::mbar_wait(bar, parity); }
+static inline bool mbar_wait(uint64_t *bar, unsigned parity, const volatile int *stop) {
+    return emu::mbar_wait(bar, parity, true, stop);
+}
 static inline void tma_load_4d(void *dst, const CUtensorMap *map, uint64_t *bar, int c0, int c1, int c2, int c3) {
     int c[4] = { c0, c1, c2, c3 };
     emu::tma_load(dst, map, bar, 4, c);

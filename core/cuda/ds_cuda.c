@@ -40,6 +40,15 @@ static int synchronize_device(int index) {
     return ds_cuda_call(cudaStreamSynchronize(R.compute[index]), "cudaStreamSynchronize");
 }
 
+/* A fault record on the current device, for kernels (ds_cuda_fault_open). */
+static ds_index_hit *fault_open_current(ds_cuda_fault_describe describe, const void *ctx, size_t ctx_size) {
+    int dev = 0;
+    if (ds_cuda_call(cudaGetDevice(&dev), "cudaGetDevice")) return NULL;
+    ds_index_hit *hit = ds_fault_open((ds_device){ DS_DEV_CUDA, dev }, describe, ctx, ctx_size);
+    if (!hit) ds_kernel_fail("%s", ds_error_message());
+    return hit;
+}
+
 static void init(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
@@ -55,7 +64,8 @@ static void init(void) {
         return;
     }
     R.count = n < DS_CUDA_MAX_DEVICES ? n : DS_CUDA_MAX_DEVICES;
-    ds_cuda_kernels_bind(&(ds_cuda_runtime_hooks){ current_stream, ds_cuda_block_alloc, ds_cuda_block_free });
+    ds_cuda_kernels_bind(&(ds_cuda_runtime_hooks){ current_stream, ds_cuda_block_alloc, ds_cuda_block_free,
+                                                   fault_open_current });
     ds_backend b = { &ds_cuda_kernels, &ds_cuda_allocator, R.count, activate, ds_cuda_transfer,
                      &ds_cuda_host_allocator, ds_cuda_upload, ds_cuda_upload_wait, synchronize_device };
     ds_backend_register(DS_DEV_CUDA, &b);

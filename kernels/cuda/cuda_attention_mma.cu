@@ -5,6 +5,7 @@
 #include "cuda_attention_choice.h"
 #include "cuda_attention_mma.h"
 #include "cuda_attention_mma.cuh"
+#include "cuda_attention_wgmma.cuh"
 
 #include <stdio.h>
 
@@ -196,11 +197,21 @@ static int check_download(int rc, unsigned char *buf, ds_dtype dt, int D, int te
     return rc;
 }
 
-/* The mma.sync forward and the Hopper one (tma: the TMA kernel, else
- * cp.async's) on the check problem in dtype dt (its values in x, as
- * floats: q, k, v), their outputs and lse back on the host; 1 where the
- * TMA kernel has no tensor maps. */
-static int check_run(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x, bool tma,
+/* A stall record on the device (wt_stall), every byte set; NULL when CUDA fails. */
+static wt_stall *stall_new() {
+    wt_stall *r = (wt_stall *)ds_cuda_scratch(sizeof *r);
+    if (r && ds_cuda_ok(cudaMemsetAsync(r, 0xff, sizeof *r, ds_cuda_stream()), "attention: cudaMemsetAsync")) {
+        ds_cuda_scratch_free(r);
+        return NULL;
+    }
+    return r;
+}
+
+/* The mma.sync forward and the Hopper one (with a stall record the TMA
+ * kernel, else cp.async's) on the check problem in dtype dt (its values
+ * in x, as floats: q, k, v), their outputs and lse back on the host; 1
+ * where the TMA kernel has no tensor maps. */
+static int check_run(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x, wt_stall *stall,
                      std::vector<float> out[2], std::vector<float> lse[2]) {
     unsigned char *buf = check_upload(dt, D, 5, 2, x);
     if (!buf) return -1;
@@ -210,7 +221,7 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
     for (int w = 0; w < 2 && rc == 0; w++) {
         ds_kview o = check_tensor(buf, 3 + w, dt, D), l = check_lse(buf + (size_t)5 * rows * D * 2 + w * rows * 4);
         rc = w == 0 ? mma_forward(o, l, q, k, v, scale, causal, false)
-                    : ds_cuda_attention_wgmma_forward(o, l, q, k, v, scale, causal, tma);
+                    : ds_cuda_attention_wgmma_forward(o, l, q, k, v, scale, causal, stall);
     }
     if (rc == 1) {
         ds_cuda_scratch_free(buf);
@@ -221,10 +232,11 @@ static int check_run(ds_dtype dt, int D, int causal, double scale, const std::ve
 
 /* The mma.sync forward, then both backwards on its out and lse, on the
  * check problem (x: q, k, v, dO): grads[w] the mma.sync (0) and Hopper
- * (1; tma: the TMA kernels, else cp.async's) backwards' dq, dk, dv, and
- * out and lse, back on the host; 1 where the TMA kernels have no tensor
- * maps. */
-static int check_run_backward(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x, bool tma,
+ * (1; with a stall record the TMA kernels, else cp.async's) backwards'
+ * dq, dk, dv, and out and lse, back on the host; 1 where the TMA kernels
+ * have no tensor maps. */
+static int check_run_backward(ds_dtype dt, int D, int causal, double scale, const std::vector<float> &x,
+                              wt_stall *stall,
                               std::vector<float> grads[2][3], std::vector<float> &out, std::vector<float> &lse) {
     /* q, k, v, dO, out, then dq, dk, dv twice; one lse */
     unsigned char *buf = check_upload(dt, D, 11, 1, x);
@@ -237,7 +249,7 @@ static int check_run_backward(ds_dtype dt, int D, int causal, double scale, cons
     if (rc == 0) rc = D == 64 ? backward_of<64>(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], l, g, false)
                               : backward_of<128>(t[5], t[6], t[7], t[3], t[0], t[1], t[2], t[4], l, g, false);
     if (rc == 0) rc = ds_cuda_attention_wgmma_backward(t[8], t[9], t[10], t[3], t[0], t[1], t[2], t[4], l, scale,
-                                                       causal, tma);
+                                                       causal, stall);
     if (rc == 1) {
         ds_cuda_scratch_free(buf);
         return 1;
@@ -256,9 +268,28 @@ static int check_run_backward(ds_dtype dt, int D, int causal, double scale, cons
  * the backward fed by TMA. */
 enum { PASS_FORWARD, PASS_BACKWARD, PASS_TMA, PASS_TMA_BACKWARD, PASSES };
 
+/* After a TMA kernel's check (rc its run's answer): 1 when a bounded
+ * mbarrier wait ran out, with the line on stderr naming the pass, the
+ * variant and the barrier; 0 when none did; -1 when CUDA fails. Frees the
+ * record. */
+static int check_stalled(int rc, wt_stall *stall, const char *pass, ds_dtype dt, int D, int causal,
+                         const char *then) {
+    wt_stall seen = { -1, 0 };
+    cudaStream_t st = ds_cuda_stream();
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(&seen, stall, sizeof seen, cudaMemcpyDeviceToHost, st),
+                                 "attention check: cudaMemcpyAsync");
+    ds_cuda_scratch_free(stall);
+    if (rc == 0) rc = ds_cuda_ok(cudaStreamSynchronize(st), "attention check: cudaStreamSynchronize");
+    if (rc) return -1;
+    char line[512];
+    if (!wt_check_stalled(seen, pass, dt == DS_BF16, D, causal, then, line, sizeof line)) return 0;
+    fprintf(stderr, "%s\n", line);
+    return 1;
+}
+
 /* 1 when pass's Hopper kernel agrees with mma.sync on variant (dt, D), 0
  * (and the line on stderr) when not, 2 when the TMA kernel has no tensor
- * maps, -1 when CUDA fails. */
+ * maps, 3 (and the line) when it stalled, -1 when CUDA fails. */
 static int wgmma_agrees(ds_dtype dt, int D, int pass) {
     static const char *const names[] = { "forward", "backward", "TMA forward", "TMA backward" };
     static const char *const then[] = { "the forward stays on mma.sync", "the backward stays on mma.sync",
@@ -272,17 +303,17 @@ static int wgmma_agrees(ds_dtype dt, int D, int pass) {
         long at = 0;
         int which = 0;
         double worst;
-        if (bwd) {
-            std::vector<float> grads[2][3], out, lse;
-            int rc = check_run_backward(dt, D, causal, scale, x, pass == PASS_TMA_BACKWARD, grads, out, lse);
-            if (rc) return rc < 0 ? -1 : 2;
-            worst = attn_check_backward_compare(x, D, causal, scale, u, out, lse, grads[0], grads[1], &which, &at);
-        } else {
-            std::vector<float> out[2], lse[2];
-            int rc = check_run(dt, D, causal, scale, x, pass == PASS_TMA, out, lse);
-            if (rc) return rc < 0 ? -1 : 2;
-            worst = attn_check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
-        }
+        std::vector<float> grads[2][3], out[2], lse[2];
+        wt_stall *stall = NULL;
+        if ((pass == PASS_TMA || pass == PASS_TMA_BACKWARD) && !(stall = stall_new())) return -1;
+        int rc = bwd ? check_run_backward(dt, D, causal, scale, x, stall, grads, out[0], lse[0])
+                     : check_run(dt, D, causal, scale, x, stall, out, lse);
+        if (stall && rc == 1) ds_cuda_scratch_free(stall);
+        else if (stall && (rc = check_stalled(rc, stall, names[pass], dt, D, causal, then[pass])) > 0) return 3;
+        if (rc) return rc < 0 ? -1 : 2;
+        if (bwd) worst = attn_check_backward_compare(x, D, causal, scale, u, out[0], lse[0], grads[0], grads[1],
+                                                     &which, &at);
+        else worst = attn_check_compare(x, D, causal, scale, u, out[0], out[1], lse[0], lse[1], &at);
         if (!(worst <= 1)) {
             fprintf(stderr,
                     "dslua: attention: the sm_90a wgmma %s (%s, head dim %d, causal %d) is off from the mma.sync "
@@ -299,20 +330,29 @@ static int wgmma_agrees(ds_dtype dt, int D, int pass) {
 static const char *const why_not[] = { "", "switched off", "not compute capability 9.0",
                                        "too little shared memory", "off from mma.sync on its check",
                                        "not checked yet: the stream is capturing a graph",
-                                       "no tensor maps: the driver has no cuTensorMapEncodeTiled" };
+                                       "no tensor maps: the driver has no cuTensorMapEncodeTiled",
+                                       "stalled: an mbarrier wait ran out" };
+enum { WHY_STALLED = 7 };
+
+/* Per device (up to 64), pass and variant: 0 not known yet, else 1 +
+ * why_not's index (1: runs on the Hopper kernel). */
+static signed char known[64][PASSES][4];
+
+static signed char &known_of(int dev, int pass, ds_dtype dt, int D) {
+    return known[dev][pass][(dt == DS_F16) * 2 + (D == 128)];
+}
 
 /* Whether the current device runs variant (dt, D) of a pass on its Hopper
- * kernel: known per device (up to 64; past that, never), pass and
- * variant; *why (an index of why_not) says why not. -1 when CUDA fails. */
+ * kernel: known per device (past 64, never), pass and variant; *why (an
+ * index of why_not) says why not. -1 when CUDA fails. */
 static int wgmma_takes(ds_dtype dt, int D, int pass, int *why) {
-    static signed char known[64][PASSES][4];   /* 0 not yet, else 1 + why_not's index */
     int dev, major = 0, minor = 0;
     *why = 1;
     if (!wgmma_on || (dt != DS_BF16 && dt != DS_F16)) return 0;
     if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
     *why = 2;
     if (dev >= 64) return 0;
-    signed char &k = known[dev][pass][(dt == DS_F16) * 2 + (D == 128)];
+    signed char &k = known_of(dev, pass, dt, D);
     if (k == 0) {
         if (ds_cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "attention") ||
             ds_cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attention"))
@@ -330,7 +370,7 @@ static int wgmma_takes(ds_dtype dt, int D, int pass, int *why) {
         if (!w) {
             int agrees = wgmma_agrees(dt, D, pass);
             if (agrees < 0) return -1;
-            if (agrees != 1) w = agrees ? 6 : 4;
+            if (agrees != 1) w = agrees == 3 ? WHY_STALLED : agrees ? 6 : 4;
         }
         k = (signed char)(1 + w);
     }
@@ -365,18 +405,60 @@ const char *ds_cuda_attention_pass_kernel(ds_dtype dt, int D, int backward, cons
     return r < 0 ? NULL : kernels[r];
 }
 
+/* ---- a TMA kernel stalling after its check ----
+ * A stall in a later call (a shape or a device state the check did not
+ * meet) leaves that call's outputs unwritten: its record goes to a
+ * deferred fault (ds_cuda_fault_open), so the next synchronisation
+ * reports it as that call's error rather than letting garbage flow on,
+ * and from then on that pass of the variant runs the other kernels. */
+#ifdef DS_CUDA_WGMMA
+struct stall_note { int dev, pass; ds_dtype dt; int D; };
+
+static void describe_stall(char *buf, size_t n, const void *ctx, ds_index_hit hit) {
+    const stall_note *c = (const stall_note *)ctx;
+    char where[160];
+    wt_stall_name(where, sizeof where, hit.value);
+    known_of(c->dev, c->pass, c->dt, c->D) = 1 + WHY_STALLED;
+    snprintf(buf, n, "attention: the sm_90a TMA %s stalled (an mbarrier wait ran out: %s, block %lld; %s, head "
+             "dim %d): its outputs are not written; later calls run the other kernels",
+             c->pass == PASS_TMA ? "forward" : "backward", where, (long long)hit.pos,
+             c->dt == DS_BF16 ? "bf16" : "f16", c->D);
+}
+
+/* Runs a TMA pass (run(stall): its kernels' launch) with a stall record
+ * that becomes a deferred fault; run's answer (1: nothing launched). */
+template <typename Run> static int with_stall_record(ds_dtype dt, int D, int pass, Run run) {
+    stall_note note = { 0, pass, dt, D };
+    if (ds_cuda_ok(cudaGetDevice(&note.dev), "attention: cudaGetDevice")) return -1;
+    ds_index_hit *hit = ds_cuda_fault_open(describe_stall, &note, sizeof note);
+    wt_stall *stall = hit ? stall_new() : NULL;
+    if (!stall) {
+        if (hit) hit->pos = -1;   /* nothing will write it */
+        return -1;
+    }
+    int rc = run(stall);
+    if (rc == 0) rc = ds_cuda_ok(cudaMemcpyAsync(hit, stall, sizeof *hit, cudaMemcpyDeviceToHost, ds_cuda_stream()),
+                                 "attention: cudaMemcpyAsync");
+    if (rc) hit->pos = -1;
+    ds_cuda_scratch_free(stall);
+    return rc;
+}
+#endif
+
 int ds_cuda_attention_mma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
                                   int causal, bool tf32) {
     int why, w = pass_takes(q.dtype, (int)q.shape[3], false, &why);
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w == 2) {
-        int rc = ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal, 1);
+        int rc = with_stall_record(q.dtype, (int)q.shape[3], PASS_TMA, [&](wt_stall *stall) {
+            return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal, stall);
+        });
         if (rc != 1) return rc;
         w = wgmma_takes(q.dtype, (int)q.shape[3], PASS_FORWARD, &why);   /* views TMA cannot map */
         if (w < 0) return -1;
     }
-    if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal, 0);
+    if (w) return ds_cuda_attention_wgmma_forward(out, lse, q, k, v, scale, causal, NULL);
 #endif
     return mma_forward(out, lse, q, k, v, scale, causal, tf32);
 }
@@ -387,12 +469,14 @@ int ds_cuda_attention_mma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kvi
     if (w < 0) return -1;
 #ifdef DS_CUDA_WGMMA
     if (w == 2) {
-        int rc = ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, 1);
+        int rc = with_stall_record(q.dtype, (int)q.shape[3], PASS_TMA_BACKWARD, [&](wt_stall *stall) {
+            return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, stall);
+        });
         if (rc != 1) return rc;
         w = wgmma_takes(q.dtype, (int)q.shape[3], PASS_BACKWARD, &why);   /* views TMA cannot map */
         if (w < 0) return -1;
     }
-    if (w) return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, 0);
+    if (w) return ds_cuda_attention_wgmma_backward(dq, dk, dv, dout, q, k, v, out, lse, scale, causal, NULL);
 #endif
     mma_geom g = mma_geom_of(q, k, scale, causal);
     return q.shape[3] == 64 ? backward_of<64>(dq, dk, dv, dout, q, k, v, out, lse, g, tf32)

@@ -17,21 +17,23 @@ static int wgmma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
 
 /* The TMA kernel, or 1 (nothing launched) where q, k or v have no tensor map. */
 template <typename T, int D>
-static int wgmma_tma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g) {
+static int wgmma_tma_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g,
+                         wt_stall *stall) {
     static uint64_t asked;
     PFN_cuTensorMapEncodeTiled_v12000 encode = ds_tma_encoder();
     wt_maps m;
     if (!encode || wt_map(&m.q, q, encode) || wt_map(&m.k, k, encode) || wt_map(&m.v, v, encode)) return 1;
     size_t sm = wt_forward_smem<D>();
     if (ds_cuda_allow_smem(wgmma_tma_forward_kernel<T, D>, sm, &asked)) return -1;
-    wgmma_tma_forward_kernel<T, D><<<wgmma_query_blocks(g), WT_THREADS, sm, ds_cuda_stream()>>>(out, lse, m, g);
+    wgmma_tma_forward_kernel<T, D>
+        <<<wgmma_query_blocks(g), WT_THREADS, sm, ds_cuda_stream()>>>(out, lse, m, g, stall);
     return ds_cuda_launched("attention wgmma_tma_forward_kernel");
 }
 
 template <typename T, int D>
 static int forward_run(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, const mma_geom &g,
-                       int tma) {
-    return tma ? wgmma_tma_run<T, D>(out, lse, q, k, v, g) : wgmma_run<T, D>(out, lse, q, k, v, g);
+                       wt_stall *stall) {
+    return stall ? wgmma_tma_run<T, D>(out, lse, q, k, v, g, stall) : wgmma_run<T, D>(out, lse, q, k, v, g);
 }
 
 size_t ds_cuda_attention_wgmma_smem(int D, int tma) {
@@ -40,12 +42,12 @@ size_t ds_cuda_attention_wgmma_smem(int D, int tma) {
 }
 
 int ds_cuda_attention_wgmma_forward(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kview v, double scale,
-                                    int causal, int tma) {
+                                    int causal, wt_stall *stall) {
     mma_geom g = mma_geom_of(q, k, scale, causal);
     bool bf = q.dtype == DS_BF16;
     if (q.shape[3] == 64)
-        return bf ? forward_run<__nv_bfloat16, 64>(out, lse, q, k, v, g, tma)
-                  : forward_run<__half, 64>(out, lse, q, k, v, g, tma);
-    return bf ? forward_run<__nv_bfloat16, 128>(out, lse, q, k, v, g, tma)
-              : forward_run<__half, 128>(out, lse, q, k, v, g, tma);
+        return bf ? forward_run<__nv_bfloat16, 64>(out, lse, q, k, v, g, stall)
+                  : forward_run<__half, 64>(out, lse, q, k, v, g, stall);
+    return bf ? forward_run<__nv_bfloat16, 128>(out, lse, q, k, v, g, stall)
+              : forward_run<__half, 128>(out, lse, q, k, v, g, stall);
 }

@@ -30,6 +30,7 @@
 #define CUDA_ATTENTION_WGMMA_CUH
 
 #include "cuda_attention_mma.cuh"
+#include <stdio.h>
 #ifndef DS_WARP_EMULATOR
 #include "cuda_tma.cuh"
 #endif
@@ -234,7 +235,8 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
 #define WT_PRODUCER_REGS 24
 #define WT_CONSUMER_REGS 240               /* 24 x 128 + 240 x 256 <= 64K per SM */
 
-/* mbarriers after the stages: Q's, then full[stage][K, V], then empty[stage][K, V] */
+/* mbarriers after the stages: Q's, then full[stage][K, V], then empty[stage][K, V];
+ * after them the block's stall flag (wt_wait) */
 #define WT_Q 0
 #define WT_FULL 1
 #define WT_EMPTY (1 + 2 * WT_STAGES)
@@ -244,7 +246,50 @@ wgmma_forward_kernel(ds_kview out, ds_kview lse, ds_kview q, ds_kview k, ds_kvie
 struct wt_maps { CUtensorMap q, k, v; };
 
 template <int D> __host__ __device__ constexpr size_t wt_forward_smem() {
-    return (size_t)wg_tile_bytes(WG_ROWS, D) + 2 * WT_STAGES * (size_t)wg_tile_bytes(WG_KEYS, D) + 8 * WT_BARS + 1024;
+    return (size_t)wg_tile_bytes(WG_ROWS, D) + 2 * WT_STAGES * (size_t)wg_tile_bytes(WG_KEYS, D) + 8 * (WT_BARS + 1) +
+           1024;
+}
+
+/* Where the TMA kernels report a stall: the grid's first thread whose
+ * bounded mbarrier wait ran out writes its block (pos; -1, every byte
+ * set, until then) and WT_STALL_BARS x its kernel (wt_kernel) + the
+ * mbarrier's index (value): ds_index_hit's layout, so a deferred fault
+ * record (core/tensor/ds_fault.h) takes it. */
+struct wt_stall { long long pos, value; };
+enum wt_kernel { WT_KERNEL_FORWARD, WT_KERNEL_DQ, WT_KERNEL_DKDV };
+#define WT_STALL_BARS 64
+
+/* The kernel and mbarrier of a stall record's value, as
+ * "wgmma_tma_forward_kernel's full[1] of V". */
+static inline void wt_stall_name(char *buf, size_t n, long long value) {
+    static const char *const kernels[] = { "wgmma_tma_forward_kernel", "wgmma_tma_dq_kernel",
+                                           "wgmma_tma_dkdv_kernel" };
+    int k = (int)(value / WT_STALL_BARS), i = (int)(value % WT_STALL_BARS);
+    if (k < 0 || k > 2) {
+        snprintf(buf, n, "an unknown kernel's mbarrier %lld", value);
+    } else if (k == WT_KERNEL_FORWARD) {
+        if (i == 0) snprintf(buf, n, "%s's mbarrier of Q", kernels[k]);
+        else snprintf(buf, n, "%s's %s[%d] of %s", kernels[k], i < 1 + 2 * WT_STAGES ? "full" : "empty",
+                      (i - 1) / 2 % WT_STAGES, (i - 1) % 2 ? "V" : "K");
+    } else {
+        if (i == 0) snprintf(buf, n, "%s's mbarrier of the block's own tiles", kernels[k]);
+        else snprintf(buf, n, "%s's %s[%d]", kernels[k], i < 1 + WT_STAGES ? "full" : "empty", (i - 1) % WT_STAGES);
+    }
+}
+
+/* The first-call check's reading of a TMA kernel's stall record: true,
+ * with its line for stderr in buf (the pass, the variant, the kernel and
+ * mbarrier, the block, and then: what runs instead), when a wait ran
+ * out; the check then takes the kernel as off for the process. */
+static inline bool wt_check_stalled(const wt_stall &seen, const char *pass, bool bf16, int D, int causal,
+                                    const char *then, char *buf, size_t n) {
+    if (seen.pos < 0) return false;
+    char where[160];
+    wt_stall_name(where, sizeof where, seen.value);
+    snprintf(buf, n, "dslua: attention: the sm_90a wgmma %s (%s, head dim %d, causal %d) stalled: an mbarrier "
+             "wait ran out (%s, block %lld) on its check; %s", pass, bf16 ? "bf16" : "f16", D, causal, where,
+             seen.pos, then);
+    return true;
 }
 
 /* The tensor map of x ([B, H, T, D] 2-byte elements, last stride 1) as
@@ -268,12 +313,41 @@ static inline int wt_map(CUtensorMap *m, const ds_kview &x, PFN_cuTensorMapEncod
 }
 
 #ifdef WG_CODE
+/* Bounded wait (mbar_wait) on mbarrier i of bar's NB, the block's stall
+ * flag after them: false when it ran out here or in another thread of the
+ * block, the grid's first recording it in *rec. The thread then leaves
+ * without writing anything more (no trap: that would poison the context). */
+template <int NB>
+__device__ __forceinline__ bool wt_wait(uint64_t *bar, int i, unsigned parity, wt_stall *rec) {
+    volatile int *stop = (volatile int *)(bar + NB);
+    if (mbar_wait(bar + i, parity, stop)) return true;
+    if (atomicExch((int *)stop, 1) == 0 &&
+        atomicCAS((unsigned long long *)&rec->pos, ~0ull, (unsigned long long)blockIdx.x) == ~0ull)
+        rec->value = (long long)stop[1] * WT_STALL_BARS + i;
+    return false;
+}
+
+/* Initialises NB mbarriers (init(i): mbarrier i's arrivals per phase), the
+ * stall flag after them and the kernel's wt_kernel after it, for all
+ * threads of the block. */
+template <int NB, typename Count>
+__device__ __forceinline__ void wt_bars_init(uint64_t *bar, Count init, wt_kernel kernel) {
+    static_assert(NB <= WT_STALL_BARS, "a stall record names each mbarrier");
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < NB; i++) mbar_init(bar + i, init(i));
+        ((volatile int *)(bar + NB))[0] = 0;
+        ((volatile int *)(bar + NB))[1] = kernel;
+        mbar_fence_init();
+    }
+    __syncthreads();
+}
+
 /* The producer's one thread: Q, then K(j) and V(j) into stage j % WT_STAGES
  * once the consumers emptied it (the first pass finds every stage empty:
  * it waits on the parity before phase 0). */
 template <int D>
 __device__ __forceinline__ void wt_produce(const wt_maps &m, unsigned char *qs, unsigned char *kv, uint64_t *bar,
-                                           int b, int h, int kh, int i0, int64_t tiles) {
+                                           wt_stall *stall, int b, int h, int kh, int i0, int64_t tiles) {
     constexpr int QB = wg_tile_bytes(WG_ROWS, D), KB = wg_tile_bytes(WG_KEYS, D);
     mbar_arrive_expect_tx(bar + WT_Q, QB);
     for (int c = 0; c < D / 64; c++) tma_load_4d(qs + c * WG_ROWS * 128, &m.q, bar + WT_Q, 64 * c, i0, h, b);
@@ -283,7 +357,7 @@ __device__ __forceinline__ void wt_produce(const wt_maps &m, unsigned char *qs, 
         for (int x = 0; x < 2; x++) {     /* K, then V */
             uint64_t *full = bar + WT_FULL + 2 * st + x;
             unsigned char *dst = kv + (2 * st + x) * KB;
-            mbar_wait(bar + WT_EMPTY + 2 * st + x, ph ^ 1);
+            if (!wt_wait<WT_BARS>(bar, WT_EMPTY + 2 * st + x, ph ^ 1, stall)) return;
             mbar_arrive_expect_tx(full, KB);
             for (int c = 0; c < D / 64; c++)
                 tma_load_4d(dst + c * WG_KEYS * 128, x ? &m.v : &m.k, full, 64 * c, (int)(j * WG_KEYS), kh, b);
@@ -294,7 +368,8 @@ __device__ __forceinline__ void wt_produce(const wt_maps &m, unsigned char *qs, 
 
 template <typename T, int D>
 __global__ void __launch_bounds__(WT_THREADS, 1)
-wgmma_tma_forward_kernel(ds_kview out, ds_kview lse, const __grid_constant__ wt_maps m, mma_geom g) {
+wgmma_tma_forward_kernel(ds_kview out, ds_kview lse, const __grid_constant__ wt_maps m, mma_geom g,
+                         wt_stall *stall) {
 #ifdef WG_CODE
     constexpr int QB = wg_tile_bytes(WG_ROWS, D), KB = wg_tile_bytes(WG_KEYS, D);
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -304,14 +379,10 @@ wgmma_tma_forward_kernel(ds_kview out, ds_kview lse, const __grid_constant__ wt_
     block_task(g, (g.Tq + WG_ROWS - 1) / WG_ROWS, g.causal, &b, &h, &blk);
     int64_t kh = wg_kv_head(g, h), i0 = blk * WG_ROWS;
     int64_t kend = g.causal ? min(g.Tk, i0 + WG_ROWS) : g.Tk, tiles = (kend + WG_KEYS - 1) / WG_KEYS;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WT_BARS; i++) mbar_init(bar + i, i < WT_EMPTY ? 1 : 2);
-        mbar_fence_init();
-    }
-    __syncthreads();
+    wt_bars_init<WT_BARS>(bar, [](int i) { return i < WT_EMPTY ? 1u : 2u; }, WT_KERNEL_FORWARD);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<WT_PRODUCER_REGS>();
-        if (threadIdx.x == 0) wt_produce<D>(m, qs, kv, bar, (int)b, (int)h, (int)kh, (int)i0, tiles);
+        if (threadIdx.x == 0) wt_produce<D>(m, qs, kv, bar, stall, (int)b, (int)h, (int)kh, (int)i0, tiles);
         return;
     }
     setmaxnreg_inc<WT_CONSUMER_REGS>();
@@ -320,18 +391,19 @@ wgmma_tma_forward_kernel(ds_kview out, ds_kview lse, const __grid_constant__ wt_
     int64_t g0 = i0 + 64 * wg, w0 = g0 + 16 * (threadIdx.x / 32 % 4);
     float o[D / 8][4] = {}, s[WG_KEYS / 8][4], mx[2] = { -INFINITY, -INFINITY }, sum[2] = { 0.f, 0.f };
     uint32_t p[WG_KEYS / 16][4];
-    mbar_wait(bar + WT_Q, 0);
+    if (!wt_wait<WT_BARS>(bar, WT_Q, 0, stall)) return;
     if (wg == 1) wg_turn(0, false);      /* warpgroup 0 issues first */
     for (int64_t j = 0; j < tiles; j++) {
         int st = (int)(j % WT_STAGES), pst = (int)((j + WT_STAGES - 1) % WT_STAGES);   /* K(j)'s, V(j-1)'s */
-        mbar_wait(bar + WT_FULL + 2 * st, (unsigned)(j / WT_STAGES) & 1);
-        if (j > 0) mbar_wait(bar + WT_FULL + 2 * pst + 1, (unsigned)((j - 1) / WT_STAGES) & 1);
+        if (!wt_wait<WT_BARS>(bar, WT_FULL + 2 * st, (unsigned)(j / WT_STAGES) & 1, stall) ||
+            (j > 0 && !wt_wait<WT_BARS>(bar, WT_FULL + 2 * pst + 1, (unsigned)((j - 1) / WT_STAGES) & 1, stall)))
+            return;
         wg_tile<T, D>(wg, j * WG_KEYS, j == 0, qs, kv + 2 * st * KB, kv + (2 * pst + 1) * KB, s, o, p, mx, sum, g0,
                       w0, g, [&] { if (lead) mbar_arrive(bar + WT_EMPTY + 2 * st); },
                       [&] { if (lead) mbar_arrive(bar + WT_EMPTY + 2 * pst + 1); });
     }
     int lst = (int)((tiles - 1) % WT_STAGES);
-    mbar_wait(bar + WT_FULL + 2 * lst + 1, (unsigned)((tiles - 1) / WT_STAGES) & 1);
+    if (!wt_wait<WT_BARS>(bar, WT_FULL + 2 * lst + 1, (unsigned)((tiles - 1) / WT_STAGES) & 1, stall)) return;
     wg_finish<T, D>(kv + (2 * lst + 1) * KB, s, o, p, mx, sum, out, lse, b, h, w0, g);
 #endif
 }

@@ -25,26 +25,26 @@ static int cp_async_kernels(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout
 /* The dQ and dK/dV kernels fed by TMA through the maps m. */
 template <typename T, int D>
 static int tma_kernels(ds_kview dq, ds_kview dk, ds_kview dv, const wtb_maps &m, const float *stats,
-                       const mma_geom &g) {
+                       const mma_geom &g, wt_stall *stall) {
     cudaStream_t st = ds_cuda_stream();
-    wgmma_tma_dq_kernel<T, D><<<wgmma_dq_blocks(g), WT_THREADS, wtb_dq_smem<D>(), st>>>(dq, m, stats, g);
+    wgmma_tma_dq_kernel<T, D><<<wgmma_dq_blocks(g), WT_THREADS, wtb_dq_smem<D>(), st>>>(dq, m, stats, g, stall);
     int rc = ds_cuda_launched("attention wgmma_tma_dq_kernel");
     if (rc == 0) {
-        wgmma_tma_dkdv_kernel<T, D><<<wgmma_dkdv_blocks(g), WT_THREADS, wtb_dkdv_smem<D>(), st>>>(dk, dv, m, stats,
-                                                                                                  g);
+        wgmma_tma_dkdv_kernel<T, D>
+            <<<wgmma_dkdv_blocks(g), WT_THREADS, wtb_dkdv_smem<D>(), st>>>(dk, dv, m, stats, g, stall);
         rc = ds_cuda_launched("attention wgmma_tma_dkdv_kernel");
     }
     return rc;
 }
 
-/* The backward; with tma the kernels fed by TMA, or 1 (nothing launched)
- * where q, k, v or dout have no tensor map. */
+/* The backward; with a stall record the kernels fed by TMA, or 1
+ * (nothing launched) where q, k, v or dout have no tensor map. */
 template <typename T, int D>
 static int wgmma_backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
-                              ds_kview v, ds_kview out, ds_kview lse, const mma_geom &g, int tma) {
+                              ds_kview v, ds_kview out, ds_kview lse, const mma_geom &g, wt_stall *stall) {
     static uint64_t asked[4];
     wtb_maps m;
-    if (tma) {
+    if (stall) {
         PFN_cuTensorMapEncodeTiled_v12000 encode = ds_tma_encoder();
         if (!encode || wt_map(&m.q, q, encode, WGB_TILE) || wt_map(&m.k, k, encode, WGB_TILE) ||
             wt_map(&m.v, v, encode, WGB_TILE) || wt_map(&m.dout, dout, encode, WGB_TILE))
@@ -60,7 +60,7 @@ static int wgmma_backward_run(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview do
     if (!stats) return -1;
     mma_stats_kernel<T, D><<<mma_stats_blocks(g), MMA_STATS_THREADS, 0, ds_cuda_stream()>>>(stats, dout, out, lse, g);
     int rc = ds_cuda_launched("attention mma_stats_kernel");
-    if (rc == 0) rc = tma ? tma_kernels<T, D>(dq, dk, dv, m, stats, g)
+    if (rc == 0) rc = stall ? tma_kernels<T, D>(dq, dk, dv, m, stats, g, stall)
                           : cp_async_kernels<T, D>(dq, dk, dv, dout, q, k, v, stats, g);
     ds_cuda_scratch_free(stats);
     return rc;
@@ -74,12 +74,13 @@ size_t ds_cuda_attention_wgmma_backward_smem(int D, int tma) {
 }
 
 int ds_cuda_attention_wgmma_backward(ds_kview dq, ds_kview dk, ds_kview dv, ds_kview dout, ds_kview q, ds_kview k,
-                                     ds_kview v, ds_kview out, ds_kview lse, double scale, int causal, int tma) {
+                                     ds_kview v, ds_kview out, ds_kview lse, double scale, int causal,
+                                     wt_stall *stall) {
     mma_geom g = mma_geom_of(q, k, scale, causal);
     bool bf = q.dtype == DS_BF16;
     if (q.shape[3] == 64)
-        return bf ? wgmma_backward_run<__nv_bfloat16, 64>(dq, dk, dv, dout, q, k, v, out, lse, g, tma)
-                  : wgmma_backward_run<__half, 64>(dq, dk, dv, dout, q, k, v, out, lse, g, tma);
-    return bf ? wgmma_backward_run<__nv_bfloat16, 128>(dq, dk, dv, dout, q, k, v, out, lse, g, tma)
-              : wgmma_backward_run<__half, 128>(dq, dk, dv, dout, q, k, v, out, lse, g, tma);
+        return bf ? wgmma_backward_run<__nv_bfloat16, 64>(dq, dk, dv, dout, q, k, v, out, lse, g, stall)
+                  : wgmma_backward_run<__half, 64>(dq, dk, dv, dout, q, k, v, out, lse, g, stall);
+    return bf ? wgmma_backward_run<__nv_bfloat16, 128>(dq, dk, dv, dout, q, k, v, out, lse, g, stall)
+              : wgmma_backward_run<__half, 128>(dq, dk, dv, dout, q, k, v, out, lse, g, stall);
 }

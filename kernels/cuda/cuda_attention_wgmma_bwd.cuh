@@ -287,7 +287,7 @@ wgmma_dq_kernel(ds_kview dq, ds_kview dout, ds_kview q, ds_kview k, ds_kview v, 
 #define WTB_ONCE 0                        /* mbarriers: the block's own tiles, */
 #define WTB_FULL 1                        /* full[stage], */
 #define WTB_EMPTY (1 + WTB_STAGES)        /* empty[stage] */
-#define WTB_BARS (1 + 2 * WTB_STAGES)
+#define WTB_BARS (1 + 2 * WTB_STAGES)     /* then the block's stall flag (wt_wait) */
 
 /* Tensor maps of q, k, v and dO (wt_map, WGB_TILE rows a box). */
 struct wtb_maps { CUtensorMap q, k, v, dout; };
@@ -296,13 +296,13 @@ struct wtb_maps { CUtensorMap q, k, v, dout; };
  * the stages' lse and delta rows, the mbarriers. */
 template <int D> __host__ __device__ constexpr size_t wtb_dkdv_smem() {
     return 2 * (size_t)wg_tile_bytes(WG_ROWS, D) +
-           WTB_STAGES * (2 * (size_t)wg_tile_bytes(WGB_TILE, D) + 2 * WGB_TILE * 4) + 8 * WTB_BARS + 1024;
+           WTB_STAGES * (2 * (size_t)wg_tile_bytes(WGB_TILE, D) + 2 * WGB_TILE * 4) + 8 * (WTB_BARS + 1) + 1024;
 }
 
 /* Shared memory of the TMA dQ kernel: Q and dO, the stages' K and V, the mbarriers. */
 template <int D> __host__ __device__ constexpr size_t wtb_dq_smem() {
     return 2 * (size_t)wg_tile_bytes(WG_ROWS, D) + WTB_STAGES * 2 * (size_t)wg_tile_bytes(WGB_TILE, D) +
-           8 * WTB_BARS + 1024;
+           8 * (WTB_BARS + 1) + 1024;
 }
 
 #ifdef WG_CODE
@@ -319,12 +319,10 @@ __device__ __forceinline__ void wtb_load(unsigned char *dst, const CUtensorMap *
 /* Initialises the mbarriers (full: `full` arrivals, empty: one per
  * consumer warpgroup) for all threads, then lowers the producer
  * warpgroup's registers or raises the consumers'; true in the producer. */
-__device__ __forceinline__ bool wtb_start(uint64_t *bar, unsigned full) {
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < WTB_BARS; i++) mbar_init(bar + i, i == WTB_ONCE ? 1 : i < WTB_EMPTY ? full : WG_GROUPS);
-        mbar_fence_init();
-    }
-    __syncthreads();
+__device__ __forceinline__ bool wtb_start(uint64_t *bar, unsigned full, wt_kernel kernel) {
+    wt_bars_init<WTB_BARS>(bar, [full](int i) {
+        return i == WTB_ONCE ? 1u : i < WTB_EMPTY ? full : (unsigned)WG_GROUPS;
+    }, kernel);
     if (threadIdx.x < 128) {
         setmaxnreg_dec<WT_PRODUCER_REGS>();
         return true;
@@ -342,8 +340,8 @@ __device__ __forceinline__ unsigned wtb_parity(int64_t it) { return (unsigned)(i
  * two of each) into the next stage once the consumers emptied it. */
 template <int D>
 __device__ __forceinline__ void wtb_dkdv_produce(const wtb_maps &m, const float *stats, unsigned char *ks,
-                                                 unsigned char *qg, float *rows, uint64_t *bar, int64_t b,
-                                                 int64_t kh, int64_t j0, const mma_geom &g) {
+                                                 unsigned char *qg, float *rows, uint64_t *bar, wt_stall *stall,
+                                                 int64_t b, int64_t kh, int64_t j0, const mma_geom &g) {
     constexpr int QT = WGB_TILE, KB = wg_tile_bytes(WG_ROWS, D), QB = wg_tile_bytes(QT, D);
     int l = threadIdx.x;
     if (l == 0) {
@@ -358,7 +356,7 @@ __device__ __forceinline__ void wtb_dkdv_produce(const wtb_maps &m, const float 
             uint64_t *full = bar + WTB_FULL + st;
             const float *L = stats + (b * g.H + h) * g.Tq, *Dl = L + g.B * g.H * g.Tq;
             float *lrow = rows + st * 2 * QT;
-            mbar_wait(bar + WTB_EMPTY + st, wtb_parity(it) ^ 1);
+            if (!wt_wait<WTB_BARS>(bar, WTB_EMPTY + st, wtb_parity(it) ^ 1, stall)) return;
             for (int r = l; r < QT; r += 32) {     /* zeros past the queries */
                 lrow[r] = i0 + r < g.Tq ? L[i0 + r] : 0.f;
                 lrow[QT + r] = i0 + r < g.Tq ? Dl[i0 + r] : 0.f;
@@ -376,8 +374,8 @@ __device__ __forceinline__ void wtb_dkdv_produce(const wtb_maps &m, const float 
 /* The dQ producer's one thread: Q and dO, then K and V per key tile. */
 template <int D>
 __device__ __forceinline__ void wtb_dq_produce(const wtb_maps &m, unsigned char *qs, unsigned char *kv,
-                                               uint64_t *bar, int64_t b, int64_t h, int64_t kh, int64_t i0,
-                                               const mma_geom &g) {
+                                               uint64_t *bar, wt_stall *stall, int64_t b, int64_t h, int64_t kh,
+                                               int64_t i0, const mma_geom &g) {
     constexpr int KT = WGB_TILE, QB = wg_tile_bytes(WG_ROWS, D), KB = wg_tile_bytes(KT, D);
     mbar_arrive_expect_tx(bar + WTB_ONCE, 2 * QB);
     wtb_load<D, WG_ROWS>(qs, &m.q, bar + WTB_ONCE, i0, h, b);
@@ -386,7 +384,7 @@ __device__ __forceinline__ void wtb_dq_produce(const wtb_maps &m, unsigned char 
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
         int st = wtb_stage(it);
         uint64_t *full = bar + WTB_FULL + st;
-        mbar_wait(bar + WTB_EMPTY + st, wtb_parity(it) ^ 1);
+        if (!wt_wait<WTB_BARS>(bar, WTB_EMPTY + st, wtb_parity(it) ^ 1, stall)) return;
         mbar_arrive_expect_tx(full, 2 * KB);
         wtb_load<D, KT>(kv + st * 2 * KB, &m.k, full, j0, kh, b);
         wtb_load<D, KT>(kv + st * 2 * KB + KB, &m.v, full, j0, kh, b);
@@ -397,7 +395,8 @@ __device__ __forceinline__ void wtb_dq_produce(const wtb_maps &m, unsigned char 
 /* dK and dV as wgmma_dkdv_kernel, its tiles by TMA from a producer warpgroup. */
 template <typename T, int D>
 __global__ void __launch_bounds__(WT_THREADS, 1)
-wgmma_tma_dkdv_kernel(ds_kview dk, ds_kview dv, const __grid_constant__ wtb_maps m, const float *stats, mma_geom g) {
+wgmma_tma_dkdv_kernel(ds_kview dk, ds_kview dv, const __grid_constant__ wtb_maps m, const float *stats, mma_geom g,
+                      wt_stall *stall) {
 #ifdef WG_CODE
     constexpr int QT = WGB_TILE, KB = wg_tile_bytes(WG_ROWS, D), QB = wg_tile_bytes(QT, D);
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -407,22 +406,22 @@ wgmma_tma_dkdv_kernel(ds_kview dk, ds_kview dv, const __grid_constant__ wtb_maps
     int64_t b, kh, blk;
     block_task_of(g, g.H / g.G, (g.Tk + WG_ROWS - 1) / WG_ROWS, false, &b, &kh, &blk);
     int64_t j0 = blk * WG_ROWS;
-    if (wtb_start(bar, 32)) {
-        if (threadIdx.x < 32) wtb_dkdv_produce<D>(m, stats, ks, qg, rows, bar, b, kh, j0, g);
+    if (wtb_start(bar, 32, WT_KERNEL_DKDV)) {
+        if (threadIdx.x < 32) wtb_dkdv_produce<D>(m, stats, ks, qg, rows, bar, stall, b, kh, j0, g);
         return;
     }
     int wg = threadIdx.x / 128 - 1;
     bool lead = threadIdx.x % 128 == 0;   /* arrives on "empty" for its warpgroup */
     int64_t kw0 = j0 + 64 * wg;
     float dka[D / 8][4] = {}, dva[D / 8][4] = {};
-    mbar_wait(bar + WTB_ONCE, 0);
+    if (!wt_wait<WTB_BARS>(bar, WTB_ONCE, 0, stall)) return;
     int64_t it = 0;
     for (int64_t h = kh * g.G; h < (kh + 1) * g.G; h++)
         for (int64_t i0 = wgb_first_query(g, j0); i0 < g.Tq; i0 += QT, it++) {
             int st = wtb_stage(it);
             const unsigned char *qs = qg + st * 2 * QB;
             const float *lrow = rows + st * 2 * QT;
-            mbar_wait(bar + WTB_FULL + st, wtb_parity(it));
+            if (!wt_wait<WTB_BARS>(bar, WTB_FULL + st, wtb_parity(it), stall)) return;
             wgb_dkdv_tile<T, D>(wg, ks, ks + KB, qs, qs + QB, lrow, lrow + QT, i0, kw0, dka, dva, g);
             if (lead) mbar_arrive(bar + WTB_EMPTY + st);
         }
@@ -433,7 +432,8 @@ wgmma_tma_dkdv_kernel(ds_kview dk, ds_kview dv, const __grid_constant__ wtb_maps
 /* dQ as wgmma_dq_kernel, its tiles by TMA from a producer warpgroup. */
 template <typename T, int D>
 __global__ void __launch_bounds__(WT_THREADS, 1)
-wgmma_tma_dq_kernel(ds_kview dq, const __grid_constant__ wtb_maps m, const float *stats, mma_geom g) {
+wgmma_tma_dq_kernel(ds_kview dq, const __grid_constant__ wtb_maps m, const float *stats, mma_geom g,
+                    wt_stall *stall) {
 #ifdef WG_CODE
     constexpr int KT = WGB_TILE, QB = wg_tile_bytes(WG_ROWS, D), KB = wg_tile_bytes(KT, D);
     extern __shared__ __align__(1024) unsigned char smem[];
@@ -442,8 +442,8 @@ wgmma_tma_dq_kernel(ds_kview dq, const __grid_constant__ wtb_maps m, const float
     int64_t b, h, blk;
     block_task(g, (g.Tq + WG_ROWS - 1) / WG_ROWS, g.causal, &b, &h, &blk);
     int64_t i0 = blk * WG_ROWS, kh = wg_kv_head(g, h), kend = wgb_key_end(g, i0);
-    if (wtb_start(bar, 1)) {
-        if (threadIdx.x == 0) wtb_dq_produce<D>(m, qs, kv, bar, b, h, kh, i0, g);
+    if (wtb_start(bar, 1, WT_KERNEL_DQ)) {
+        if (threadIdx.x == 0) wtb_dq_produce<D>(m, qs, kv, bar, stall, b, h, kh, i0, g);
         return;
     }
     int wg = threadIdx.x / 128 - 1;
@@ -451,10 +451,10 @@ wgmma_tma_dq_kernel(ds_kview dq, const __grid_constant__ wtb_maps m, const float
     int64_t qw0 = i0 + 64 * wg;
     float rows[4], acc[D / 8][4] = {};
     wgb_dq_rows(rows, stats, b, h, qw0 + 16 * (threadIdx.x / 32 % 4) + threadIdx.x % 32 / 4, g);
-    mbar_wait(bar + WTB_ONCE, 0);
+    if (!wt_wait<WTB_BARS>(bar, WTB_ONCE, 0, stall)) return;
     for (int64_t j0 = 0, it = 0; j0 < kend; j0 += KT, it++) {
         int st = wtb_stage(it);
-        mbar_wait(bar + WTB_FULL + st, wtb_parity(it));
+        if (!wt_wait<WTB_BARS>(bar, WTB_FULL + st, wtb_parity(it), stall)) return;
         wgb_dq_tile<T, D>(wg, qs, qs + QB, kv + st * 2 * KB, kv + st * 2 * KB + KB, j0, qw0, rows, acc, g);
         if (lead) mbar_arrive(bar + WTB_EMPTY + st);
     }

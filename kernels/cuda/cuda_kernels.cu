@@ -24,3 +24,7 @@ extern "C" cudaStream_t ds_cuda_stream(void) { return runtime.stream(); }
 extern "C" void *ds_cuda_scratch(size_t nbytes) { return runtime.scratch(nbytes); }
 
 extern "C" void ds_cuda_scratch_free(void *p) { runtime.scratch_free(p); }
+
+extern "C" ds_index_hit *ds_cuda_fault_open(ds_cuda_fault_describe describe, const void *ctx, size_t ctx_size) {
+    return runtime.fault_open(describe, ctx, ctx_size);
+}

@@ -31,10 +31,14 @@ extern const ds_kernels ds_cuda_kernels;
 int ds_cuda_gemm_fp8(ds_kview c, ds_kview a, ds_kview b, ds_kview a_meta, ds_kview b_meta, int af, int bf,
                      ds_kview bias);
 
+/* A fault's message from the context its record was opened with. */
+typedef void (*ds_cuda_fault_describe)(char *buf, size_t n, const void *ctx, ds_index_hit hit);
+
 typedef struct {
     cudaStream_t (*stream)(void);
     void *(*scratch)(size_t nbytes);
     void (*scratch_free)(void *p);
+    ds_index_hit *(*fault_open)(ds_cuda_fault_describe describe, const void *ctx, size_t ctx_size);
 } ds_cuda_runtime_hooks;
 
 /* Before the first launch. */
@@ -51,6 +55,12 @@ cudaStream_t ds_cuda_stream(void);
  * stream. NULL after ds_kernel_fail() when the device is out of memory. */
 void *ds_cuda_scratch(size_t nbytes);
 void ds_cuda_scratch_free(void *p);
+
+/* A deferred fault record on the current device (core/tensor/ds_fault.h's
+ * ds_fault_open): page-locked, written by a copy queued on
+ * ds_cuda_stream(), reported as an error at the next synchronisation
+ * when its pos is >= 0 (-1: none). NULL after ds_kernel_fail(). */
+ds_index_hit *ds_cuda_fault_open(ds_cuda_fault_describe describe, const void *ctx, size_t ctx_size);
 
 #ifdef __cplusplus
 }

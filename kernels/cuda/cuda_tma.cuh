@@ -4,7 +4,7 @@
  * memory into shared memory through a tensor map the host encoded
  * (cuTensorMapEncodeTiled), swizzled on the way and zero-filled out of
  * bounds, counted in bytes on an mbarrier; mbarrier init, arrive,
- * arrive.expect_tx and the parity wait; setmaxnreg, which moves registers
+ * arrive.expect_tx and the parity wait, bounded in time; setmaxnreg, which moves registers
  * from a producer warpgroup to the consumers. Only sm_90a has these
  * (DS_WGMMA_ARCH); tests/warp_emulator_tma.h stands in for this header on
  * the CPU. And, for the host, the driver's encoder of tensor maps. */
@@ -53,11 +53,34 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t *bar, unsigned by
                  : "memory");
 }
 
-/* Waits until the phase of this parity has completed. */
-__device__ __forceinline__ void mbar_wait(uint64_t *bar, unsigned parity) {
-    asm volatile("{\n.reg .pred done;\nLAB_WAIT:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-                 "@!done bra LAB_WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+/* A bounded wait's budget: 4 s of %globaltimer. A phase of a healthy
+ * pipeline completes within a tile's copies or a tile step (microseconds;
+ * milliseconds where the GPU is time-sliced between processes), so only a
+ * phase that never completes (expect_tx bytes that never land, a parity
+ * off by one) reaches it; and the stall is reported seconds after. Each
+ * try_wait may suspend the thread up to MBAR_SUSPEND_NS for the phase. */
+#define MBAR_WAIT_NS 4000000000ull
+#define MBAR_SUSPEND_NS 1000000u
+
+/* Waits until the phase of this parity has completed: true. False once
+ * MBAR_WAIT_NS went by without it or *stop (the block's stall flag) was
+ * set by a thread whose own wait ran out. While the phase completes on
+ * the first try_wait that is the whole cost: the clock is read only
+ * after one came back without it. */
+__device__ __forceinline__ bool mbar_wait(uint64_t *bar, unsigned parity, const volatile int *stop) {
+    uint64_t start = 0, now;
+    for (;;) {
+        uint32_t done;
+        asm volatile("{\n.reg .pred p;\n"
+                     "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n"
+                     "selp.u32 %0, 1, 0, p;\n}\n"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity), "r"(MBAR_SUSPEND_NS) : "memory");
+        if (done) return true;
+        asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(now));
+        if (*stop) return false;
+        if (!start) start = now;
+        else if (now - start > MBAR_WAIT_NS) return false;
+    }
 }
 
 /* The box of a 4-d tensor map at coordinates (c0 innermost .. c3) into
