@@ -22,7 +22,8 @@ int ds_cuda_attention_set_wgmma(int on);
  * dim D runs on the current device: "wgmma-tma", "wgmma"
  * or "mma.sync" (running the checks that have not run), and *why, why not
  * the pass's first choice ("switched off", "not compute capability 9.0",
- * "off from mma.sync on its check", ...; "" for the first choice); NULL
+ * "off from mma.sync on its check", "stalled: an mbarrier wait ran out",
+ * ...; "" for the first choice); NULL
  * after ds_kernel_fail when CUDA fails. */
 const char *ds_cuda_attention_pass_kernel(ds_dtype dt, int D, int backward, const char **why);
 
