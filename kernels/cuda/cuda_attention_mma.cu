@@ -137,6 +137,10 @@ int ds_cuda_attention_set_wgmma(int on) {
     return wgmma_on;
 }
 
+/* Why a pass of a variant runs where it runs: indices of why_not (below);
+ * up to WHY_NOT_HOPPER no Hopper kernel of any pass can run. */
+enum { WHY_RUNS, WHY_OFF, WHY_NOT_HOPPER, WHY_SMEM, WHY_DISAGREES, WHY_CAPTURING, WHY_NO_MAPS, WHY_STALLED };
+
 #ifdef DS_CUDA_WGMMA
 static ds_kview check_view(void *data, ds_dtype dt, int ndim, const int64_t *shape, const int64_t *stride) {
     ds_kview x = {};
@@ -332,7 +336,6 @@ static const char *const why_not[] = { "", "switched off", "not compute capabili
                                        "not checked yet: the stream is capturing a graph",
                                        "no tensor maps: the driver has no cuTensorMapEncodeTiled",
                                        "stalled: an mbarrier wait ran out" };
-enum { WHY_STALLED = 7 };
 
 /* Per device (up to 64), pass and variant: 0 not known yet, else 1 +
  * why_not's index (1: runs on the Hopper kernel). */
@@ -347,30 +350,30 @@ static signed char &known_of(int dev, int pass, ds_dtype dt, int D) {
  * index of why_not) says why not. -1 when CUDA fails. */
 static int wgmma_takes(ds_dtype dt, int D, int pass, int *why) {
     int dev, major = 0, minor = 0;
-    *why = 1;
+    *why = WHY_OFF;
     if (!wgmma_on || (dt != DS_BF16 && dt != DS_F16)) return 0;
     if (ds_cuda_ok(cudaGetDevice(&dev), "attention: cudaGetDevice")) return -1;
-    *why = 2;
+    *why = WHY_NOT_HOPPER;
     if (dev >= 64) return 0;
     signed char &k = known_of(dev, pass, dt, D);
     if (k == 0) {
         if (ds_cuda_ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "attention") ||
             ds_cuda_ok(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attention"))
             return -1;
-        int w = major == 9 && minor == 0 ? 0 : 2;
+        int w = major == 9 && minor == 0 ? WHY_RUNS : WHY_NOT_HOPPER;
         bool tma = pass == PASS_TMA || pass == PASS_TMA_BACKWARD, bwd = pass == PASS_BACKWARD || pass == PASS_TMA_BACKWARD;
         size_t need = bwd ? ds_cuda_attention_wgmma_backward_smem(D, tma) : ds_cuda_attention_wgmma_smem(D, tma);
-        if (!w && need > (size_t)smem_optin()) w = 3;
+        if (!w && need > (size_t)smem_optin()) w = WHY_SMEM;
         cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
         if (!w && ds_cuda_ok(cudaStreamIsCapturing(ds_cuda_stream(), &capturing), "attention")) return -1;
         if (!w && capturing != cudaStreamCaptureStatusNone) {
-            *why = 5;     /* the check copies and waits: not inside a capture, and not known until it runs */
+            *why = WHY_CAPTURING;     /* the check copies and waits: not inside a capture, and not known until it runs */
             return 0;
         }
         if (!w) {
             int agrees = wgmma_agrees(dt, D, pass);
             if (agrees < 0) return -1;
-            if (agrees != 1) w = agrees == 3 ? WHY_STALLED : agrees ? 6 : 4;
+            if (agrees != 1) w = agrees == 3 ? WHY_STALLED : agrees ? WHY_NO_MAPS : WHY_DISAGREES;
         }
         k = (signed char)(1 + w);
     }
@@ -381,7 +384,7 @@ static int wgmma_takes(ds_dtype dt, int D, int pass, int *why) {
 static const char *const why_not[] = { "", "switched off", "built without an sm_90a target" };
 
 static int wgmma_takes(ds_dtype, int, int, int *why) {
-    *why = wgmma_on ? 2 : 1;
+    *why = wgmma_on ? WHY_NOT_HOPPER : WHY_OFF;
     return 0;
 }
 #endif
@@ -392,7 +395,7 @@ static int wgmma_takes(ds_dtype, int, int, int *why) {
 static int pass_takes(ds_dtype dt, int D, bool backward, int *why) {
     int r = wgmma_takes(dt, D, backward ? PASS_TMA_BACKWARD : PASS_TMA, why), cp;
     if (r) return r < 0 ? -1 : 2;
-    if (*why <= 2) return 0;   /* off, or not Hopper: the cp.async kernel is out too */
+    if (*why <= WHY_NOT_HOPPER) return 0;   /* off, or not Hopper: the cp.async kernel is out too */
     r = wgmma_takes(dt, D, backward ? PASS_BACKWARD : PASS_FORWARD, &cp);
     if (r == 0) *why = cp;
     return r;
