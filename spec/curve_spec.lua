@@ -3,7 +3,7 @@
 -- writes weights that read back bit-equal and the text's windows at the
 -- starts it names; dslua trains from the file as from the model it
 -- built; the comparer's bounds; PyTorch's side compiles; the driver stops
--- without a GPU and skips without the text.
+-- without a GPU and names the text when it is absent.
 local H = require 'helpers'
 local ds = H.ds
 local GPT = require 'models.gpt2'
@@ -142,7 +142,7 @@ describe('bench/curve', function()
     H.has(out, 'bench/curve.sh: no GPU on this machine (nvidia-smi lists none)')
   end)
 
-  it('bench/curve.sh skips without tiny Shakespeare, and stops where the binary sees no GPU', function()
+  it('bench/curve.sh names the absent tiny Shakespeare and exits 0, and with it stops where the binary sees no GPU', function()
     if H.has_cuda() then return pending('this binary sees a GPU') end
     local bin, build = tmpdir(), tmpdir()
     H.write(bin .. '/nvidia-smi', '#!/bin/sh\necho "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')

@@ -219,7 +219,7 @@ describe('scripts/device_check.sh', function()
     assert.is_nil(summary:find('mpi_', 1, true), summary)
   end)
 
-  it('says a bench that skipped for want of its data, and exits with status 1', function()
+  it('marks a bench that found no data EMPTY and exits with status 1', function()
     local root = fake_project()
     H.write(root .. '/bench/curve.sh', 'echo "bench/curve.sh: skipped: data/tinyshakespeare/input.txt is absent"\n')
     local out, status = device_check(root, "DEVICE_CHECK_PARTS=curve")
